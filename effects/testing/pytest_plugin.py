@@ -1,0 +1,1 @@
+"""pytest fixtures for the fake providers (registered through the pytest11 entry point)."""

@@ -1,0 +1,53 @@
+"""outbox: a transactional outbox with idempotent side effects on PostgreSQL.
+
+Write business rows and the effects they call for in one transaction
+(``outbox.transaction(conn).enqueue(...)``); a ``Dispatcher`` performs each effect outside
+any transaction and records it in the effect ledger together with the fenced
+``running -> done`` update. Delivery to an effect is at least once; with a provider that
+honours idempotency keys, the effect happens once.
+"""
+
+from ._enqueue import EnqueueResult, NewJob
+from ._state import Backoff
+from .dispatcher import Dispatcher, DispatchStats
+from .effect import Effect, Job
+from .errors import (
+    ConfigurationError,
+    EffectOutcome,
+    EnqueueError,
+    IdempotencyKeyConflict,
+    InvalidKey,
+    InvalidPayload,
+    OutboxError,
+    Permanent,
+    Retry,
+    SchemaError,
+    UnknownOutcome,
+)
+from .migrate import migrate
+from .transaction import AsyncTransaction, Transaction, transaction
+
+__all__ = [
+    "AsyncTransaction",
+    "Backoff",
+    "ConfigurationError",
+    "DispatchStats",
+    "Dispatcher",
+    "Effect",
+    "EffectOutcome",
+    "EnqueueError",
+    "EnqueueResult",
+    "IdempotencyKeyConflict",
+    "InvalidKey",
+    "InvalidPayload",
+    "Job",
+    "NewJob",
+    "OutboxError",
+    "Permanent",
+    "Retry",
+    "SchemaError",
+    "Transaction",
+    "UnknownOutcome",
+    "migrate",
+    "transaction",
+]

@@ -1,0 +1,233 @@
+"""Pure preparation of enqueue requests: validation, canonical JSON, fingerprints.
+
+Shared by the sync and async transactions so both accept and refuse exactly the same
+input. No I/O here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pydantic import BaseModel
+
+from .errors import IdempotencyKeyConflict, InvalidKey, InvalidPayload
+
+MAX_KEY_LENGTH = 255
+MAX_PAYLOAD_BYTES = 1_000_000
+MAX_PAYLOAD_DEPTH = 64
+DEFAULT_MAX_ATTEMPTS = 25
+
+Payload = Mapping[str, Any] | BaseModel
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueResult:
+    """What ``enqueue`` did: ``created`` is False when the key was already known.
+
+    ``job_id`` names the new or the existing job; it is None when only the effect ledger
+    remembers the key (the job finished and its row was removed by retention).
+    """
+
+    job_id: int | None
+    created: bool
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """One job for ``enqueue_many``; the fields mean what ``enqueue``'s arguments mean."""
+
+    effect: str
+    key: str
+    payload: Payload
+    run_at: datetime | timedelta | None = None
+    ordering_key: str | None = None
+    max_attempts: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedJob:
+    """A validated job, ready to bind: payload as canonical JSON text plus fingerprint."""
+
+    effect: str
+    key: str
+    payload_json: str
+    fingerprint: str
+    run_at: datetime | None
+    ordering_key: str | None
+    max_attempts: int
+
+
+def validate_key(key: object, *, what: str = "key") -> str:
+    """Return ``key`` if it is 1..255 printable ASCII characters, else raise InvalidKey."""
+    if not isinstance(key, str):
+        raise InvalidKey(f"{what} must be a string, got {type(key).__name__}")
+    if not key:
+        raise InvalidKey(f"{what} must not be empty")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidKey(
+            f"{what} is {len(key)} characters long; at most {MAX_KEY_LENGTH} are allowed "
+            "(providers cap idempotency keys at 255)"
+        )
+    if not (key.isascii() and key.isprintable()):
+        position, char = next((i, c) for i, c in enumerate(key) if not " " <= c <= "~")
+        raise InvalidKey(
+            f"{what} {key[:40]!r} has a character that is not printable ASCII "
+            f"({char!r}) at position {position}"
+        )
+    return key
+
+
+def _check_depth(value: Any, depth: int = 0) -> None:
+    if depth > MAX_PAYLOAD_DEPTH:
+        raise InvalidPayload(f"payload is nested deeper than {MAX_PAYLOAD_DEPTH} levels")
+    if isinstance(value, Mapping):
+        for item in value.values():
+            _check_depth(item, depth + 1)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_depth(item, depth + 1)
+
+
+def _reject_non_finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidPayload(f"payload holds {value!r}, which JSON cannot represent")
+    raise InvalidPayload(f"payload holds a {type(value).__name__}, which is not JSON-serialisable")
+
+
+def canonical_json(payload: object) -> str:
+    """The payload as canonical JSON (sorted keys, no spaces); raise InvalidPayload."""
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump(mode="json", by_alias=True)
+    if not isinstance(payload, Mapping):
+        raise InvalidPayload(
+            f"payload must be a mapping or a pydantic model, got {type(payload).__name__}"
+        )
+    _check_depth(payload)
+    try:
+        text = json.dumps(
+            payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+            allow_nan=False, default=_reject_non_finite,
+        )
+    except InvalidPayload:
+        raise
+    except ValueError as exc:  # NaN / Infinity with allow_nan=False, circular references
+        raise InvalidPayload(f"payload is not valid JSON: {exc}") from None
+    except TypeError as exc:  # e.g. non-string dict keys of unsortable types
+        raise InvalidPayload(f"payload is not JSON-serialisable: {exc}") from None
+    if "\\u0000" in text:
+        raise InvalidPayload("payload holds a NUL character (\\u0000), which jsonb cannot store")
+    if len(text.encode()) > MAX_PAYLOAD_BYTES:
+        raise InvalidPayload(
+            f"payload is {len(text.encode())} bytes as JSON; at most {MAX_PAYLOAD_BYTES} "
+            "are allowed (store large data in your own tables and pass its id)"
+        )
+    return text
+
+
+def fingerprint(effect: str, payload_json: str) -> str:
+    """Identify (effect, payload) so a reused key with another request is detected."""
+    return hashlib.sha256(f"{effect}\n{payload_json}".encode()).hexdigest()
+
+
+def _resolve_run_at(run_at: datetime | timedelta | None) -> datetime | None:
+    if run_at is None:
+        return None
+    if isinstance(run_at, timedelta):
+        return datetime.now(UTC) + run_at
+    if isinstance(run_at, datetime):
+        if run_at.tzinfo is None or run_at.utcoffset() is None:
+            raise InvalidPayload("run_at must be timezone-aware (a naive datetime is ambiguous)")
+        return run_at
+    raise InvalidPayload(f"run_at must be a datetime or timedelta, got {type(run_at).__name__}")
+
+
+def prepare(
+    effect: str,
+    key: str,
+    payload: object,
+    run_at: datetime | timedelta | None = None,
+    ordering_key: str | None = None,
+    max_attempts: int | None = None,
+) -> PreparedJob:
+    """Validate one enqueue request; raise an EnqueueError naming what is wrong."""
+    if not isinstance(effect, str) or not effect.strip():
+        raise InvalidPayload(f"effect must be a non-empty string, got {effect!r}")
+    validate_key(key)
+    if ordering_key is not None:
+        validate_key(ordering_key, what="ordering_key")
+    if max_attempts is None:
+        max_attempts = DEFAULT_MAX_ATTEMPTS
+    elif isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise InvalidPayload(f"max_attempts must be a positive integer, got {max_attempts!r}")
+    payload_json = canonical_json(payload)
+    return PreparedJob(
+        effect=effect,
+        key=key,
+        payload_json=payload_json,
+        fingerprint=fingerprint(effect, payload_json),
+        run_at=_resolve_run_at(run_at),
+        ordering_key=ordering_key,
+        max_attempts=max_attempts,
+    )
+
+
+def single_params(job: PreparedJob, channel: str) -> dict[str, Any]:
+    """Parameters of the ``enqueue`` query."""
+    return {
+        "effect": job.effect,
+        "key": job.key,
+        "payload": job.payload_json,
+        "fingerprint": job.fingerprint,
+        "run_at": job.run_at,
+        "ordering_key": job.ordering_key,
+        "max_attempts": job.max_attempts,
+        "channel": channel,
+    }
+
+
+def many_params(jobs: Sequence[PreparedJob], channel: str) -> dict[str, Any]:
+    """Parameters of the ``enqueue_many`` query: one array per column."""
+    return {
+        "effects": [j.effect for j in jobs],
+        "keys": [j.key for j in jobs],
+        "payloads": [j.payload_json for j in jobs],
+        "fingerprints": [j.fingerprint for j in jobs],
+        "run_ats": [j.run_at for j in jobs],
+        "ordering_keys": [j.ordering_key for j in jobs],
+        "max_attempts": [j.max_attempts for j in jobs],
+        "channel": channel,
+    }
+
+
+def existing_result(
+    job: PreparedJob, job_id: int | None, effect: str | None, fingerprint_: str | None
+) -> EnqueueResult:
+    """The result for a key that already existed, or IdempotencyKeyConflict."""
+    if effect != job.effect:
+        raise IdempotencyKeyConflict(job.key, f"for effect {effect!r}, not {job.effect!r}")
+    if fingerprint_ != job.fingerprint:
+        raise IdempotencyKeyConflict(job.key, f"for {effect!r} with a different payload")
+    return EnqueueResult(job_id=job_id, created=False)
+
+
+def dedupe_batch(jobs: Sequence[PreparedJob]) -> list[PreparedJob]:
+    """Unique jobs of a batch in first-seen order; a key repeated with another request
+    raises IdempotencyKeyConflict before anything is sent."""
+    seen: dict[str, PreparedJob] = {}
+    for job in jobs:
+        first = seen.setdefault(job.key, job)
+        if first is not job:
+            existing_result(job, None, first.effect, first.fingerprint)
+    return list(seen.values())
+
+
+def notify_channel(schema: str) -> str:
+    """The LISTEN/NOTIFY channel for a schema (a hint that jobs were enqueued)."""
+    digest = hashlib.sha1(schema.encode(), usedforsecurity=False).hexdigest()[:16]
+    return f"outbox_{digest}"

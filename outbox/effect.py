@@ -1,0 +1,70 @@
+"""What an effect sees: the ``Job`` it performs and the ``Effect`` base class."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+__all__ = ["Effect", "Job"]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One claimed job, as handed to ``Effect.perform``.
+
+    ``key`` is the stable per-business-effect idempotency key: it is the same on every
+    attempt and every re-claim, so an adapter that sends it to the provider gets the
+    effect performed once even though ``perform`` may be called more than once
+    (delivery to the adapter is at least once).
+
+    ``attempt`` counts claims, starting at 1; ``claim_version`` is the fencing token of
+    this claim. ``model`` holds the payload validated against the effect's
+    ``payload_model`` when it declares one, else None.
+    """
+
+    id: int
+    effect: str
+    key: str
+    payload: dict[str, Any]
+    attempt: int
+    claim_version: int
+    ordering_key: str | None = None
+    max_attempts: int = 1
+    first_attempted_at: datetime | None = None
+    model: Any = field(default=None, compare=False)
+
+
+class Effect:
+    """Base class of effects: subclass it, set ``name`` and define ``perform``.
+
+    ``perform(job)`` may be a plain or an ``async def`` method. What it returns (a JSON-
+    serialisable mapping, a pydantic model or None) is stored in the effect ledger in the
+    same transaction that marks the job ``done``. It steers failures by raising
+    ``outbox.Retry``, ``outbox.Permanent`` or ``outbox.UnknownOutcome``; any other
+    exception is retried with backoff until ``max_attempts``.
+
+    An effect is an ordinary object: subclasses may define ``__init__`` without calling
+    ``super().__init__()``, and one instance serves many jobs at once, so ``perform``
+    must be safe to call concurrently (from several threads for a sync ``perform``).
+
+    Set ``payload_model`` to a pydantic model to have the dispatcher validate each
+    payload before ``perform`` is called: an invalid payload fails the job at once with
+    a message naming the fields, and ``job.model`` holds the validated model.
+    """
+
+    name: ClassVar[str]
+    payload_model: ClassVar[type[BaseModel] | None] = None
+
+    def perform(self, job: Job) -> Mapping[str, Any] | BaseModel | Awaitable[Any] | None:
+        """Perform the effect for ``job``; see the class docstring for the contract."""
+        raise NotImplementedError(f"{type(self).__name__} must define perform()")
+
+
+def is_async_effect(effect: Effect) -> bool:
+    """True when the effect's ``perform`` is a coroutine function."""
+    return inspect.iscoroutinefunction(effect.perform)

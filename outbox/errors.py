@@ -1,0 +1,124 @@
+"""Errors raised by outbox, and the outcome signals an effect raises.
+
+The tree is split by what the caller can do about it::
+
+    OutboxError                      base of everything outbox raises itself
+    ├── EnqueueError                 the call to enqueue is wrong: fix the caller
+    │   ├── InvalidKey               empty, too long or non-printable idempotency key
+    │   ├── InvalidPayload           payload not JSON-serialisable (NaN, cycles, ...)
+    │   └── IdempotencyKeyConflict   key already used for another effect or payload
+    ├── SchemaError                  database schema missing, or newer than this code
+    └── ConfigurationError           a Dispatcher or CLI argument is invalid
+
+    EffectOutcome                    raised *by an effect's perform()* to steer the job
+    ├── Retry(after=None)            transient: try again later with the same key
+    ├── Permanent(reason)            will never succeed: the job goes to ``failed``
+    └── UnknownOutcome(reason)       the provider may have acted: retry with the same
+                                     key while its idempotency window lasts, then
+                                     ``reconcile``
+
+Database errors from psycopg are not wrapped: they keep their own type (``psycopg.Error``)
+so callers can handle connection loss the way they already do.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+__all__ = [
+    "ConfigurationError",
+    "EffectOutcome",
+    "EnqueueError",
+    "IdempotencyKeyConflict",
+    "InvalidKey",
+    "InvalidPayload",
+    "OutboxError",
+    "Permanent",
+    "Retry",
+    "SchemaError",
+    "UnknownOutcome",
+]
+
+
+class OutboxError(Exception):
+    """Base class of the errors outbox raises itself."""
+
+
+class EnqueueError(OutboxError, ValueError):
+    """An ``enqueue`` call was given something it cannot store. Nothing was written."""
+
+
+class InvalidKey(EnqueueError):
+    """The idempotency key is empty, longer than 255 characters or not printable ASCII."""
+
+
+class InvalidPayload(EnqueueError):
+    """The payload cannot be stored as JSON (not serialisable, NaN, too deep, ...)."""
+
+
+class IdempotencyKeyConflict(EnqueueError):
+    """The key already names a job or ledger row with another effect or payload.
+
+    A key names one business effect. Reusing it for a different request would make the
+    provider either reject the call or silently return the first request's result, so
+    enqueue refuses it instead. Nothing was written.
+    """
+
+    def __init__(self, key: str, detail: str) -> None:
+        super().__init__(f"idempotency key {key!r} is already used {detail}")
+        self.key = key
+
+
+class SchemaError(OutboxError):
+    """The outbox schema is missing, partly migrated, or newer than this code knows."""
+
+
+class ConfigurationError(OutboxError, ValueError):
+    """An argument given to a Dispatcher, a migration or the command line is invalid."""
+
+
+class EffectOutcome(Exception):
+    """Base of the signals an effect raises from ``perform`` to choose what happens next."""
+
+
+class Retry(EffectOutcome):
+    """Transient failure: the job is tried again later, with the same idempotency key.
+
+    ``after`` (seconds or a timedelta) sets the earliest next attempt, e.g. from a
+    provider's Retry-After header; without it the dispatcher backs off exponentially
+    with full jitter. Every attempt counts against ``max_attempts``.
+    """
+
+    def __init__(self, reason: str = "retry requested", *, after: float | timedelta | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        if isinstance(after, timedelta):
+            after = after.total_seconds()
+        if after is not None and after < 0:
+            raise ValueError(f"Retry(after=...) must not be negative, got {after}")
+        self.after: float | None = after
+
+
+class Permanent(EffectOutcome):
+    """The effect will never succeed as asked: the job goes to ``failed`` with ``reason``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class UnknownOutcome(EffectOutcome):
+    """The provider may or may not have acted (e.g. a timeout after the request was sent).
+
+    The job is retried with the same key, which the provider deduplicates, for as long as
+    the provider remembers keys (the dispatcher's ``unknown_outcome_window``, 24 hours by
+    default, counted from the first attempt). Past that window re-sending could act twice,
+    so the job goes to ``reconcile`` for a person or a reconciler to settle.
+    """
+
+    def __init__(self, reason: str, *, after: float | timedelta | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        if isinstance(after, timedelta):
+            after = after.total_seconds()
+        self.after: float | None = after

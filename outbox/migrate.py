@@ -1,0 +1,149 @@
+"""Applies the numbered SQL files of ``migrations/`` to a schema, once each, in order.
+
+Safe to run from several processes at once: the whole run holds a transaction-level
+advisory lock derived from the schema name, so concurrent starts queue up and find the
+work done. Migrations are forward-only; a database that records a version this code does
+not know is refused rather than touched.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ._sql import bind_schema, check_schema_name
+from .errors import SchemaError
+
+__all__ = ["Migration", "current_version", "latest_version", "migrate", "migrations"]
+
+_FILE_NAME = re.compile(r"^(\d{4})_(\w+)\.sql$")
+_LOCK_NAMESPACE = "outbox.migrate:"
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One forward-only migration file."""
+
+    version: int
+    name: str
+    sql: str
+
+
+def _migrations_dir() -> Traversable:
+    shipped = resources.files("outbox").joinpath("_migrations")
+    if shipped.is_dir():
+        return shipped
+    # A source checkout (or an editable install): the files live at the repo's top level.
+    return Path(__file__).resolve().parent.parent / "migrations"
+
+
+@cache
+def migrations() -> tuple[Migration, ...]:
+    """Every migration this code knows, in version order, checked for gaps."""
+    found = []
+    for entry in _migrations_dir().iterdir():
+        match = _FILE_NAME.match(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text("utf-8")))
+    found.sort(key=lambda m: m.version)
+    for expected, migration in enumerate(found, start=1):
+        if migration.version != expected:
+            raise SchemaError(f"migration {expected:04d} is missing before {migration.name}")
+    if not found:
+        raise SchemaError("no migration files found: the package is incomplete")
+    return tuple(found)
+
+
+def latest_version() -> int:
+    """The version the schema has once every known migration is applied."""
+    return migrations()[-1].version
+
+
+def _versions_table(schema: str) -> sql.Composed:
+    return sql.SQL("{}.schema_migrations").format(sql.Identifier(schema))
+
+
+def current_version(conn: psycopg.Connection[Any], schema: str = "outbox") -> int | None:
+    """The schema's applied version, or None when outbox was never migrated there."""
+    check_schema_name(schema)
+    exists = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL",
+        (_versions_table(schema).as_string(conn),),
+    ).fetchone()
+    if not exists or not exists[0]:
+        return None
+    row = conn.execute(
+        sql.SQL("SELECT coalesce(max(version), 0) FROM {}").format(_versions_table(schema))
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def require_current(conn: psycopg.Connection[Any], schema: str) -> None:
+    """Raise SchemaError unless ``schema`` is migrated to exactly this code's version."""
+    version = current_version(conn, schema)
+    if version is None:
+        raise SchemaError(
+            f"schema {schema!r} has no outbox tables: run `outbox migrate` "
+            "or outbox.migrate(conn, schema=...) first"
+        )
+    latest = latest_version()
+    if version < latest:
+        raise SchemaError(
+            f"schema {schema!r} is at version {version}, this code needs {latest}: "
+            "run `outbox migrate`"
+        )
+    if version > latest:
+        raise SchemaError(
+            f"schema {schema!r} is at version {version}, newer than this code knows "
+            f"({latest}): upgrade outbox before running it against this database"
+        )
+
+
+def migrate(conn: psycopg.Connection[Any], schema: str = "outbox") -> list[int]:
+    """Create or upgrade the outbox tables in ``schema``; return the versions applied.
+
+    Idempotent, and safe when several processes run it at once (an advisory lock on the
+    schema name serialises them; the later ones apply nothing). All pending migrations
+    apply in one transaction: either the schema reaches the latest version or it is left
+    as it was. Joins the caller's transaction if ``conn`` is inside one.
+    """
+    check_schema_name(schema)
+    applied: list[int] = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                     (_LOCK_NAMESPACE + schema,))
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} ("
+                " version integer PRIMARY KEY,"
+                " name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            ).format(_versions_table(schema))
+        )
+        version = current_version(conn, schema) or 0
+        if version > latest_version():
+            raise SchemaError(
+                f"schema {schema!r} is at version {version}, newer than this code knows "
+                f"({latest_version()}): refusing to migrate"
+            )
+        for migration in migrations():
+            if migration.version <= version:
+                continue
+            conn.execute(bind_schema(migration.sql, schema).encode())
+            conn.execute(
+                sql.SQL("INSERT INTO {} (version, name) VALUES (%s, %s)").format(
+                    _versions_table(schema)
+                ),
+                (migration.version, migration.name),
+            )
+            applied.append(migration.version)
+    return applied

@@ -1,0 +1,239 @@
+-- Every statement outbox runs, as named blocks. {schema} is replaced by the quoted schema
+-- identifier when the block is loaded (psycopg.sql.Identifier); values are always bound
+-- parameters, by name. Each state transition is one guarded statement: a write about a
+-- claimed job is conditional on status = 'running' AND claim_version = the claim's
+-- version, so a stale worker's write changes 0 rows.
+
+-- name: enqueue
+-- Insert one job unless its key is already a job or a ledger row. The notify wakes idle
+-- dispatchers when the transaction commits (PostgreSQL folds repeats into one).
+WITH inserted AS (
+    INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts)
+    SELECT %(effect)s::text, %(key)s::text, %(payload)s::jsonb, %(fingerprint)s::text,
+           coalesce(%(run_at)s::timestamptz, now()), %(ordering_key)s::text, %(max_attempts)s::integer
+    WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = %(key)s::text)
+    ON CONFLICT (key) DO NOTHING
+    RETURNING id
+)
+SELECT i.id, true AS created, NULL::text AS effect, NULL::text AS fingerprint
+FROM inserted i, pg_notify(%(channel)s::text, '')
+UNION ALL
+SELECT j.id, false, j.effect, j.fingerprint
+FROM {schema}.jobs j
+WHERE j.key = %(key)s::text AND NOT EXISTS (SELECT 1 FROM inserted)
+UNION ALL
+SELECT NULL, false, r.effect, r.fingerprint
+FROM {schema}.effect_results r
+WHERE r.key = %(key)s::text AND NOT EXISTS (SELECT 1 FROM inserted);
+
+-- name: enqueue_many
+-- The bulk path: one statement for any number of jobs, arrays in, created ids out.
+WITH wanted AS (
+    SELECT *
+    FROM unnest(%(effects)s::text[], %(keys)s::text[], %(payloads)s::jsonb[],
+                %(fingerprints)s::text[], %(run_ats)s::timestamptz[],
+                %(ordering_keys)s::text[], %(max_attempts)s::integer[])
+         WITH ORDINALITY AS w(effect, key, payload, fingerprint, run_at, ordering_key, max_attempts, ord)
+), inserted AS (
+    INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts)
+    SELECT w.effect, w.key, w.payload, w.fingerprint, coalesce(w.run_at, now()), w.ordering_key, w.max_attempts
+    FROM wanted w
+    WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = w.key)
+    ORDER BY w.ord
+    ON CONFLICT (key) DO NOTHING
+    RETURNING id, key
+)
+SELECT i.key, i.id FROM inserted i
+UNION ALL
+SELECT NULL, NULL FROM (SELECT 1 FROM inserted LIMIT 1) AS any_inserted, pg_notify(%(channel)s::text, '');
+
+-- name: lookup_keys
+-- What already holds each key: a job (id, effect, fingerprint) or only the ledger.
+SELECT k.key, j.id, coalesce(j.effect, r.effect) AS effect,
+       coalesce(j.fingerprint, r.fingerprint) AS fingerprint
+FROM unnest(%(keys)s::text[]) AS k(key)
+LEFT JOIN {schema}.jobs j ON j.key = k.key
+LEFT JOIN {schema}.effect_results r ON r.key = k.key;
+
+-- name: claim
+-- Claim up to %(limit)s due jobs. The locking clause sits inside the CTE (it does not
+-- reach into a WITH from outside) and the UPDATE repeats status = 'pending': EvalPlanQual
+-- rechecks only the UPDATE's own conditions, so without the guard a session that waited
+-- on a row another session just claimed would claim it too. A job with an ordering key
+-- is claimable only when no earlier job of that key is unfinished and none is running.
+WITH candidates AS (
+    SELECT j.id
+    FROM {schema}.jobs j
+    WHERE j.status = 'pending'
+      AND j.available_at <= now()
+      AND j.effect = ANY(%(effects)s::text[])
+      AND (j.ordering_key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM {schema}.jobs o
+            WHERE o.ordering_key = j.ordering_key
+              AND o.id <> j.id
+              AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id))))
+    ORDER BY j.available_at, j.id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.jobs j
+SET status = 'running',
+    attempts = j.attempts + 1,
+    claim_version = j.claim_version + 1,
+    lease_until = now() + %(lease)s::float8 * interval '1 second',
+    claimed_by = %(worker)s::text,
+    first_attempted_at = coalesce(j.first_attempted_at, now()),
+    updated_at = now()
+FROM candidates c
+WHERE j.id = c.id AND j.status = 'pending'
+RETURNING j.id, j.effect, j.key, j.payload, j.attempts, j.claim_version, j.ordering_key,
+          j.max_attempts, j.first_attempted_at;
+
+-- name: heartbeat
+-- Extend the leases of the claims this worker still holds; ids missing from the result
+-- are claims it has lost.
+UPDATE {schema}.jobs j
+SET lease_until = now() + %(lease)s::float8 * interval '1 second'
+FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS h(id, version)
+WHERE j.id = h.id AND j.status = 'running' AND j.claim_version = h.version
+RETURNING j.id;
+
+-- name: complete
+-- running -> done and the ledger row, in one statement and so in one transaction.
+WITH finished AS (
+    UPDATE {schema}.jobs j
+    SET status = 'done', lease_until = NULL, claimed_by = NULL, last_error = NULL,
+        updated_at = now()
+    FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(results)s::jsonb[])
+         AS d(id, version, result)
+    WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
+    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
+), recorded AS (
+    INSERT INTO {schema}.effect_results (key, effect, job_id, claim_version, result, fingerprint)
+    SELECT f.key, f.effect, f.id, f.claim_version, f.result, f.fingerprint FROM finished f
+    ON CONFLICT (key) DO NOTHING
+)
+SELECT f.id FROM finished f;
+
+-- name: settle
+-- running -> pending (retry, or release with the attempt refunded), failed or reconcile.
+UPDATE {schema}.jobs j
+SET status = s.status,
+    attempts = j.attempts - CASE WHEN s.refund THEN 1 ELSE 0 END,
+    available_at = CASE WHEN s.status = 'pending'
+                        THEN now() + s.delay * interval '1 second'
+                        ELSE j.available_at END,
+    last_error = coalesce(s.error, j.last_error),
+    lease_until = NULL,
+    claimed_by = NULL,
+    updated_at = now()
+FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(statuses)s::text[],
+            %(delays)s::float8[], %(errors)s::text[], %(refunds)s::boolean[])
+     AS s(id, version, status, delay, error, refund)
+WHERE j.id = s.id AND j.status = 'running' AND j.claim_version = s.version
+RETURNING j.id;
+
+-- name: rescue
+-- Take back claims whose lease expired (the worker died or stalled). Fenced on the
+-- version read under lock and rechecked on the UPDATE, so a heartbeat that commits
+-- first wins. The attempt already counted; past the provider's idempotency window an
+-- unknown outcome cannot be retried safely, so such a job goes to reconcile.
+WITH expired AS (
+    SELECT id, claim_version
+    FROM {schema}.jobs
+    WHERE status = 'running' AND lease_until < now()
+    ORDER BY lease_until
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.jobs j
+SET status = CASE
+        WHEN j.first_attempted_at < now() - %(unknown_window)s::float8 * interval '1 second'
+            THEN 'reconcile'
+        WHEN j.attempts >= j.max_attempts THEN 'failed'
+        ELSE 'pending' END,
+    last_error = 'lease expired on attempt ' || j.attempts || ' of ' || j.max_attempts
+                 || ' (worker ' || j.claimed_by || ' stopped heartbeating)',
+    available_at = now(),
+    lease_until = NULL,
+    claimed_by = NULL,
+    updated_at = now()
+FROM expired e
+WHERE j.id = e.id AND j.status = 'running' AND j.claim_version = e.claim_version
+  AND j.lease_until < now()
+RETURNING j.id, j.key, j.status, j.claim_version;
+
+-- name: has_due_work
+-- Whether anything this dispatcher could do is due now: a claimable job, or a running
+-- one of its effects whose lease has expired (the rescuer will free it).
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.jobs j
+    WHERE j.status = 'pending'
+      AND j.available_at <= now()
+      AND j.effect = ANY(%(effects)s::text[])
+      AND (j.ordering_key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM {schema}.jobs o
+            WHERE o.ordering_key = j.ordering_key
+              AND o.id <> j.id
+              AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id))))
+) OR EXISTS (
+    SELECT 1 FROM {schema}.jobs j
+    WHERE j.status = 'running' AND j.lease_until < now() AND j.effect = ANY(%(effects)s::text[])
+);
+
+-- name: purge_done
+-- Retention: delete done jobs older than %(age)s seconds, a batch at a time.
+WITH doomed AS (
+    SELECT id FROM {schema}.jobs
+    WHERE status = 'done' AND updated_at < now() - %(age)s::float8 * interval '1 second'
+    ORDER BY updated_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {schema}.jobs j USING doomed d
+WHERE j.id = d.id AND j.status = 'done';
+
+-- name: purge_ledger
+-- Retention of the ledger, on its own (longer) period.
+WITH doomed AS (
+    SELECT key FROM {schema}.effect_results
+    WHERE recorded_at < now() - %(age)s::float8 * interval '1 second'
+    ORDER BY recorded_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {schema}.effect_results r USING doomed d
+WHERE r.key = d.key;
+
+-- name: retry_job
+-- Operator retry: failed or reconcile -> pending, with a fresh attempt budget and a fresh
+-- idempotency window. claim_version keeps growing.
+UPDATE {schema}.jobs
+SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
+    updated_at = now()
+WHERE id = %(id)s::bigint AND status IN ('failed', 'reconcile')
+RETURNING id, key, effect;
+
+-- name: job_status
+SELECT status FROM {schema}.jobs WHERE id = %(id)s::bigint;
+
+-- name: status_counts
+SELECT status, count(*) AS jobs FROM {schema}.jobs GROUP BY status ORDER BY status;
+
+-- name: queue_health
+SELECT
+    (SELECT extract(epoch FROM now() - min(available_at))
+       FROM {schema}.jobs WHERE status = 'pending' AND available_at <= now()) AS oldest_pending_age,
+    (SELECT count(*) FROM {schema}.jobs
+      WHERE status = 'pending' AND available_at <= now()) AS due_backlog,
+    (SELECT count(*) FROM {schema}.jobs
+      WHERE status = 'running' AND lease_until < now()) AS expired_leases,
+    (SELECT n_dead_tup FROM pg_stat_user_tables
+      WHERE schemaname = %(schema_name)s::text AND relname = 'jobs') AS dead_tuples;
+
+-- name: recent_failures
+SELECT id, effect, key, status, attempts, last_error, updated_at
+FROM {schema}.jobs
+WHERE status IN ('failed', 'reconcile')
+ORDER BY updated_at DESC, id DESC
+LIMIT %(limit)s;
