@@ -1,0 +1,202 @@
+"""The ``outbox`` command: migrate, run, status, retry, and plug-in commands.
+
+Commands that need a database take ``--dsn`` or ``OUTBOX_DATABASE_URL``. Errors print
+one line and exit non-zero; no traceback. Other packages add commands (``outbox demo``,
+``outbox chaos``) through the ``outbox.commands`` entry-point group, so the core never
+imports them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any, TypeVar
+
+import click
+import psycopg
+
+from . import _sql
+from .dispatcher import Dispatcher
+from .errors import OutboxError
+from .migrate import current_version, latest_version, migrate, require_current
+
+__all__ = ["main"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+dsn_option = click.option(
+    "--dsn", envvar="OUTBOX_DATABASE_URL", required=True, metavar="DSN",
+    help="PostgreSQL connection string (default: $OUTBOX_DATABASE_URL).",
+)
+schema_option = click.option(
+    "--schema", default="outbox", show_default=True, envvar="OUTBOX_SCHEMA",
+    help="Schema holding the outbox tables.",
+)
+
+
+def _one_line_errors(command: F) -> F:
+    """Turn expected failures into one line on stderr and exit status 1."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except (OutboxError, psycopg.Error, ImportError, AttributeError, ValueError) as exc:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise click.ClickException(message) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _connect(dsn: str) -> psycopg.Connection[Any]:
+    return psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+
+
+class _Commands(click.Group):
+    """The built-in commands plus those other installed packages register."""
+
+    def _plugins(self) -> dict[str, Any]:
+        return {ep.name: ep for ep in entry_points(group="outbox.commands")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self._plugins()))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            return command
+        plugin = self._plugins().get(cmd_name)
+        if plugin is None:
+            return None
+        loaded = plugin.load()
+        return loaded if isinstance(loaded, click.Command) else None
+
+
+@click.group(cls=_Commands)
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+def main(log_level: str) -> None:
+    """Transactional outbox with idempotent side effects on PostgreSQL."""
+    logging.basicConfig(
+        level=log_level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@main.command("migrate")
+@dsn_option
+@schema_option
+@_one_line_errors
+def migrate_command(dsn: str, schema: str) -> None:
+    """Create or upgrade the outbox tables (idempotent, safe to run concurrently)."""
+    with _connect(dsn) as conn:
+        applied = migrate(conn, schema=schema)
+    if applied:
+        click.echo(f"schema {schema!r}: applied {', '.join(f'{v:04d}' for v in applied)}")
+    else:
+        click.echo(f"schema {schema!r}: up to date at version {latest_version():04d}")
+
+
+def load_dispatcher(target: str) -> Dispatcher:
+    """Resolve ``module:attribute`` to a Dispatcher (or a callable returning one)."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise click.BadParameter(f"expected MODULE:ATTRIBUTE, got {target!r}")
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # like `python -m`: the current directory is importable
+    module = importlib.import_module(module_name)
+    value: Any = module
+    for part in attribute.split("."):
+        value = getattr(value, part)
+    if not isinstance(value, Dispatcher) and callable(value):
+        value = value()
+    if not isinstance(value, Dispatcher):
+        raise click.BadParameter(f"{target} is a {type(value).__name__}, not an outbox.Dispatcher")
+    return value
+
+
+@main.command("run")
+@click.argument("target", metavar="MODULE:DISPATCHER")
+@_one_line_errors
+def run_command(target: str) -> None:
+    """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work."""
+    dispatcher = load_dispatcher(target)
+    stats = dispatcher.run()
+    click.echo(json.dumps(stats.as_dict()), err=True)
+
+
+@main.command("status")
+@dsn_option
+@schema_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--failures", default=10, show_default=True, help="Recent failures to list.")
+@_one_line_errors
+def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
+    """Jobs per status, oldest pending age, backlog, and the most recent failures."""
+    queries = _sql.queries(schema)
+    with _connect(dsn) as conn:
+        require_current(conn, schema)
+        counts = dict(conn.execute(queries.status_counts).fetchall())
+        health = conn.execute(queries.queue_health, {"schema_name": schema}).fetchone()
+        recent = conn.execute(queries.recent_failures, {"limit": failures}).fetchall()
+        version = current_version(conn, schema)
+    assert health is not None
+    report = {
+        "schema": schema,
+        "version": version,
+        "jobs": {s: counts.get(s, 0) for s in ("pending", "running", "done", "failed",
+                                                "reconcile")},
+        "oldest_pending_age_seconds": float(health[0]) if health[0] is not None else None,
+        "due_backlog": health[1],
+        "expired_leases": health[2],
+        "dead_tuples": health[3],
+        "recent_failures": [
+            {"id": r[0], "effect": r[1], "key": r[2], "status": r[3], "attempts": r[4],
+             "last_error": r[5], "at": r[6].isoformat()} for r in recent
+        ],
+    }
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    _print_status(report)
+
+
+def _print_status(report: dict[str, Any]) -> None:
+    click.echo(f"schema {report['schema']!r} (version {report['version']})")
+    for status, count in report["jobs"].items():
+        click.echo(f"  {status:<10} {count:>10}")
+    age = report["oldest_pending_age_seconds"]
+    click.echo(f"  oldest due pending: {'-' if age is None else f'{age:.1f}s'}, "
+               f"due backlog: {report['due_backlog']}, expired leases: "
+               f"{report['expired_leases']}, dead tuples: {report['dead_tuples']}")
+    if report["recent_failures"]:
+        click.echo("recent failures:")
+        for f in report["recent_failures"]:
+            click.echo(f"  #{f['id']} {f['status']} {f['effect']} key={f['key']} "
+                       f"attempts={f['attempts']}: {f['last_error']}")
+
+
+@main.command("retry")
+@dsn_option
+@schema_option
+@click.argument("job_id", type=int)
+@_one_line_errors
+def retry_command(dsn: str, schema: str, job_id: int) -> None:
+    """Send a failed or reconcile job back to pending, with a fresh attempt budget."""
+    queries = _sql.queries(schema)
+    with _connect(dsn) as conn:
+        require_current(conn, schema)
+        row = conn.execute(queries.retry_job, {"id": job_id}).fetchone()
+        if row is None:
+            current = conn.execute(queries.job_status, {"id": job_id}).fetchone()
+            if current is None:
+                raise click.ClickException(f"no job {job_id} in schema {schema!r}")
+            raise click.ClickException(
+                f"job {job_id} is {current[0]}; only failed or reconcile jobs can be retried"
+            )
+    click.echo(f"job {job_id} ({row[2]}, key {row[1]}) is pending again")

@@ -1,0 +1,46 @@
+"""Small helpers shared by the integration tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+
+def table(schema: str, name: str) -> sql.Composed:
+    """``schema.name`` as quoted identifiers."""
+    return sql.SQL("{}.{}").format(sql.Identifier(schema), sql.Identifier(name))
+
+
+def fetch(dsn: str, query: sql.Composable | str, params: Any = None) -> list[tuple[Any, ...]]:
+    """Run one query on a fresh autocommit connection and return all rows."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(query, params).fetchall()
+
+
+def jobs(dsn: str, schema: str) -> dict[str, dict[str, Any]]:
+    """Every job of the schema by key, as dicts."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(sql.SQL("SELECT * FROM {} ORDER BY id").format(table(schema, "jobs")))
+        names = [d.name for d in cur.description or []]
+        return {row[names.index("key")]: dict(zip(names, row, strict=True)) for row in cur}
+
+
+def ledger(dsn: str, schema: str) -> dict[str, dict[str, Any]]:
+    """Every ledger row of the schema by key, as dicts."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(sql.SQL("SELECT * FROM {}").format(table(schema, "effect_results")))
+        names = [d.name for d in cur.description or []]
+        return {row[0]: dict(zip(names, row, strict=True)) for row in cur}
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+    """Poll ``predicate`` until true; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        time.sleep(0.02)

@@ -1,0 +1,112 @@
+"""The pure lifecycle decisions, without a database."""
+
+from __future__ import annotations
+
+import random
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from outbox import Backoff, Permanent, Retry, UnknownOutcome
+from outbox._state import Decision, decide, heartbeat_interval, seconds
+
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+DAY = 86400.0
+
+
+def _decide(error: BaseException, attempt: int = 1, max_attempts: int = 5,
+            started: datetime | None = NOW, window: float = DAY) -> Decision:
+    return decide(error, attempt=attempt, max_attempts=max_attempts, first_attempted_at=started,
+                  now=NOW, unknown_outcome_window=window, backoff=Backoff(base=1.0, cap=60.0),
+                  rng=random.Random(7))
+
+
+def test_permanent_fails_at_once_with_reason() -> None:
+    decision = _decide(Permanent("card declined: insufficient_funds"), attempt=1)
+    assert decision.status == "failed"
+    assert decision.error == "Permanent: card declined: insufficient_funds"
+
+
+def test_retry_honours_after() -> None:
+    assert _decide(Retry(after=12.5)) == Decision("pending", 12.5, "Retry: retry requested")
+
+
+def test_retry_with_timedelta_after() -> None:
+    assert _decide(Retry(after=timedelta(minutes=2))).delay == 120.0
+
+
+def test_retry_without_after_backs_off_within_the_exponential_bound() -> None:
+    for attempt in range(1, 12):
+        decision = _decide(Retry(), attempt=attempt, max_attempts=100)
+        assert decision.status == "pending"
+        assert 0.0 <= decision.delay <= min(60.0, 2.0 ** (attempt - 1))
+
+
+def test_retry_past_max_attempts_fails_with_last_error() -> None:
+    decision = _decide(Retry("provider 503"), attempt=5, max_attempts=5)
+    assert decision.status == "failed"
+    assert decision.error is not None and "provider 503" in decision.error
+    assert "attempt 5 of 5" in decision.error
+
+
+def test_other_exceptions_are_retried_like_retry() -> None:
+    decision = _decide(ConnectionResetError("peer reset"), attempt=2)
+    assert decision.status == "pending"
+    assert decision.error == "ConnectionResetError: peer reset"
+
+
+def test_other_exception_past_max_attempts_fails() -> None:
+    assert _decide(KeyError("x"), attempt=3, max_attempts=3).status == "failed"
+
+
+def test_unknown_outcome_is_retried_inside_the_window() -> None:
+    decision = _decide(UnknownOutcome("timeout after send"), started=NOW - timedelta(hours=23))
+    assert decision.status == "pending"
+
+
+def test_unknown_outcome_past_the_window_needs_reconciling() -> None:
+    decision = _decide(UnknownOutcome("timeout after send"), started=NOW - timedelta(hours=24))
+    assert decision.status == "reconcile"
+    assert decision.error is not None and "idempotency window" in decision.error
+
+
+def test_unknown_outcome_with_attempts_exhausted_needs_reconciling_not_failing() -> None:
+    decision = _decide(UnknownOutcome("dropped"), attempt=5, max_attempts=5)
+    assert decision.status == "reconcile"
+
+
+def test_error_text_is_bounded() -> None:
+    decision = _decide(Permanent("x" * 10_000))
+    assert decision.error is not None and len(decision.error) == 2000
+
+
+def test_full_jitter_spreads_delays() -> None:
+    rng = random.Random(1)
+    delays = {round(Backoff(base=1.0, cap=100.0).delay(6, rng), 3) for _ in range(50)}
+    assert len(delays) > 40
+    assert max(delays) <= 32.0
+
+
+def test_backoff_cap_holds_for_huge_attempt_numbers() -> None:
+    assert Backoff(base=1.0, cap=5.0).delay(10_000, random.Random(0)) <= 5.0
+
+
+def test_heartbeat_gives_three_chances_per_lease() -> None:
+    assert heartbeat_interval(30.0) == 10.0
+
+
+@pytest.mark.parametrize(("value", "expected"), [(1, 1.0), (2.5, 2.5),
+                                                  (timedelta(seconds=3), 3.0)])
+def test_seconds_accepts_numbers_and_timedeltas(value: float | timedelta, expected: float) -> None:
+    assert seconds(value, what="lease", minimum=1.0) == expected
+
+
+@pytest.mark.parametrize("value", [0.5, float("nan"), -1])
+def test_seconds_rejects_too_small(value: float) -> None:
+    with pytest.raises(ValueError, match="lease must be at least 1.0 seconds"):
+        seconds(value, what="lease", minimum=1.0)
+
+
+def test_retry_rejects_negative_after() -> None:
+    with pytest.raises(ValueError, match="must not be negative"):
+        Retry(after=-1)
