@@ -200,3 +200,7 @@ def retry_command(dsn: str, schema: str, job_id: int) -> None:
                 f"job {job_id} is {current[0]}; only failed or reconcile jobs can be retried"
             )
     click.echo(f"job {job_id} ({row[2]}, key {row[1]}) is pending again")
+
+
+if __name__ == "__main__":
+    main()

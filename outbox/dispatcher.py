@@ -281,10 +281,12 @@ class Dispatcher:
     def run_until_idle(self, timeout: float | None = None) -> DispatchStats:
         """Process every job that is due now, then return the counters of this call.
 
-        Returns once no job of this dispatcher's effects is due (a running job whose
-        lease has expired counts as due: it is rescued and performed) and nothing is in
-        flight. Jobs retried with a delay are not waited for. With ``timeout`` (seconds),
-        stops claiming when it passes and returns once in-flight work is recorded.
+        Returns once no job of this dispatcher's effects is claimable and none is running,
+        here or in another worker: a running job held elsewhere is waited for, and
+        rescued and performed here if its lease expires (its worker died or froze). Jobs
+        retried with a delay are not waited for. With ``timeout`` (seconds), stops
+        claiming when it passes and returns once this dispatcher's in-flight work is
+        recorded.
         """
         return self._serve(until_idle=True, timeout=timeout)
 
@@ -384,7 +386,7 @@ class Dispatcher:
                     if not self._has_due_work(claimer):
                         return
                     self._rescue(claimer)
-                    self._wait(0.02)
+                    self._wait(0.05)
                 else:
                     self._wait(self.poll_interval * self._rng.uniform(0.5, 1.0))
             except _CONNECTION_ERRORS as exc:

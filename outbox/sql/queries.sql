@@ -164,8 +164,9 @@ WHERE j.id = e.id AND j.status = 'running' AND j.claim_version = e.claim_version
 RETURNING j.id, j.key, j.status, j.claim_version;
 
 -- name: has_due_work
--- Whether anything this dispatcher could do is due now: a claimable job, or a running
--- one of its effects whose lease has expired (the rescuer will free it).
+-- Whether this dispatcher may still have work: a claimable job, or a running job of its
+-- effects (another worker's, which may fail back to pending or be rescued if its lease
+-- expires).
 SELECT EXISTS (
     SELECT 1 FROM {schema}.jobs j
     WHERE j.status = 'pending'
@@ -178,7 +179,7 @@ SELECT EXISTS (
               AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id))))
 ) OR EXISTS (
     SELECT 1 FROM {schema}.jobs j
-    WHERE j.status = 'running' AND j.lease_until < now() AND j.effect = ANY(%(effects)s::text[])
+    WHERE j.status = 'running' AND j.effect = ANY(%(effects)s::text[])
 );
 
 -- name: purge_done
