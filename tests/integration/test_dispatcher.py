@@ -86,7 +86,8 @@ def test_retry_after_delays_the_next_attempt(dsn: str, schema: str) -> None:
     assert stats.retried == 1
     job = jobs(dsn, schema)["k"]
     assert (job["status"], job["last_error"]) == ("pending", "Retry: 503")
-    (delay,) = fetch(dsn, f'SELECT extract(epoch FROM available_at - now()) FROM "{schema}".jobs')[0]
+    query = f'SELECT extract(epoch FROM available_at - now()) FROM "{schema}".jobs'
+    (delay,) = fetch(dsn, query)[0]
     assert 3500 < delay <= 3600
 
 
@@ -221,7 +222,8 @@ def test_ordering_key_runs_one_at_a_time_in_enqueue_order(dsn: str, schema: str)
     Dispatcher(dsn, [Ordered()], schema=schema, concurrency=8).run_until_idle(timeout=60)
     assert overlaps == []
     for customer in ("cust-a", "cust-b"):
-        assert [k for k in order if k.startswith(customer)] == [f"{customer}-{i}" for i in range(15)]
+        expected = [f"{customer}-{i}" for i in range(15)]
+        assert [k for k in order if k.startswith(customer)] == expected
 
 
 def test_a_failed_job_does_not_block_its_ordering_key(dsn: str, schema: str) -> None:

@@ -36,7 +36,9 @@ def fresh_schema(dsn: str) -> Iterator[str]:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
 
 
-def _columns(conn: psycopg.Connection[tuple[object, ...]], schema: str, table: str) -> dict[str, str]:
+def _columns(
+    conn: psycopg.Connection[tuple[object, ...]], schema: str, table: str
+) -> dict[str, str]:
     rows = conn.execute(
         "SELECT column_name, data_type FROM information_schema.columns "
         "WHERE table_schema = %s AND table_name = %s", (schema, table)).fetchall()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -107,7 +107,7 @@ def test_run_at_must_be_aware() -> None:
 def test_run_at_accepts_a_delay() -> None:
     job = prepare("e", "k", {}, run_at=timedelta(minutes=5))
     assert job.run_at is not None
-    assert job.run_at > datetime.now(timezone.utc) + timedelta(minutes=4)
+    assert job.run_at > datetime.now(UTC) + timedelta(minutes=4)
 
 
 def test_batch_dedupe_keeps_first_and_refuses_conflicts() -> None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import random
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from outbox import Backoff, Permanent, Retry, UnknownOutcome
 from outbox._state import Decision, decide, heartbeat_interval, seconds
 
-NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
 DAY = 86400.0
 
 
