@@ -15,7 +15,9 @@ def table(schema: str, name: str) -> sql.Composed:
     return sql.SQL("{}.{}").format(sql.Identifier(schema), sql.Identifier(name))
 
 
-def fetch(dsn: str, query: sql.Composed | sql.SQL | str, params: Any = None) -> list[tuple[Any, ...]]:
+def fetch(
+    dsn: str, query: sql.Composed | sql.SQL | str, params: Any = None
+) -> list[tuple[Any, ...]]:
     """Run one query on a fresh autocommit connection and return all rows."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         return conn.execute(query, params).fetchall()
