@@ -20,7 +20,6 @@ from .errors import IdempotencyKeyConflict, InvalidKey, InvalidPayload
 
 MAX_KEY_LENGTH = 255
 MAX_PAYLOAD_BYTES = 1_000_000
-MAX_PAYLOAD_DEPTH = 64
 DEFAULT_MAX_ATTEMPTS = 25
 
 Payload = Mapping[str, Any] | BaseModel
@@ -83,17 +82,6 @@ def validate_key(key: object, *, what: str = "key") -> str:
     return key
 
 
-def _check_depth(value: Any, depth: int = 0) -> None:
-    if depth > MAX_PAYLOAD_DEPTH:
-        raise InvalidPayload(f"payload is nested deeper than {MAX_PAYLOAD_DEPTH} levels")
-    if isinstance(value, Mapping):
-        for item in value.values():
-            _check_depth(item, depth + 1)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            _check_depth(item, depth + 1)
-
-
 def _reject_non_finite(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         raise InvalidPayload(f"payload holds {value!r}, which JSON cannot represent")
@@ -108,7 +96,6 @@ def canonical_json(payload: object) -> str:
         raise InvalidPayload(
             f"payload must be a mapping or a pydantic model, got {type(payload).__name__}"
         )
-    _check_depth(payload)
     try:
         text = json.dumps(
             payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
@@ -120,6 +107,8 @@ def canonical_json(payload: object) -> str:
         raise InvalidPayload(f"payload is not valid JSON: {exc}") from None
     except TypeError as exc:  # e.g. non-string dict keys of unsortable types
         raise InvalidPayload(f"payload is not JSON-serialisable: {exc}") from None
+    except RecursionError:
+        raise InvalidPayload("payload is nested too deeply to serialise") from None
     if "\\u0000" in text:
         raise InvalidPayload("payload holds a NUL character (\\u0000), which jsonb cannot store")
     if len(text.encode()) > MAX_PAYLOAD_BYTES:

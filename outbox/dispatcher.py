@@ -30,9 +30,9 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
+from queue import SimpleQueue
 from types import FrameType
 from typing import Any
 
@@ -89,6 +89,7 @@ class _Held:
 
     job: Job
     effect: Effect
+    is_async: bool
     started: bool = False
     lost: bool = False
 
@@ -218,7 +219,10 @@ class Dispatcher:
             raise ConfigurationError("ledger_retention must not be shorter than retention")
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._queries = queries(self.schema)
-        self._effect_names = sorted(self._effects)
+        self._effect_names = _text_array(sorted(self._effects))
+        self._async_names = {n for n, e in self._effects.items() if is_async_effect(e)}
+        self._has_async = bool(self._async_names)
+        self._has_sync = len(self._async_names) < len(self._effects)
         self._rng = random.Random()
         self._held: dict[int, _Held] = {}
         self._outcomes: deque[tuple[_Held, _Outcome]] = deque()
@@ -275,6 +279,7 @@ class Dispatcher:
         """Ask ``run`` to stop: nothing new is claimed; in-flight work finishes or is
         released (jobs not started go back to ``pending`` with the attempt refunded).
         Safe to call from any thread or a signal handler."""
+        self._releasing = True
         self._stopping.set()
         self._wake.set()
 
@@ -362,7 +367,7 @@ class Dispatcher:
                     return
 
     def _claim_loop(
-        self, claimer: _Connection, submit: Callable[[_Held], None], until_idle: bool,
+        self, claimer: _Connection, submit: Callable[[list[_Held]], None], until_idle: bool,
         timeout: float | None,
     ) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -410,7 +415,7 @@ class Dispatcher:
             return 0
         return min(room, self.batch_size)
 
-    def _claim(self, claimer: _Connection, submit: Callable[[_Held], None]) -> int:
+    def _claim(self, claimer: _Connection, submit: Callable[[list[_Held]], None]) -> int:
         limit = self._room()
         if limit <= 0:
             return 0
@@ -418,13 +423,15 @@ class Dispatcher:
             "effects": self._effect_names, "limit": limit, "lease": self.lease,
             "worker": self.worker_id,
         })
+        batch: list[_Held] = []
         for row in rows:
             job = Job(id=row[0], effect=row[1], key=row[2], payload=row[3], attempt=row[4],
                       claim_version=row[5], ordering_key=row[6], max_attempts=row[7],
                       first_attempted_at=row[8])
-            held = _Held(job, self._effects[job.effect])
+            held = _Held(job, self._effects[job.effect], job.effect in self._async_names)
             self._held[job.id] = held
-            submit(held)
+            batch.append(held)
+        submit(batch)
         self.stats.claimed += len(rows)
         return len(rows)
 
@@ -463,40 +470,47 @@ class Dispatcher:
     # -- workers ----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _workers(self) -> Iterator[Callable[[_Held], None]]:
-        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="outbox-worker")
-        loop: asyncio.AbstractEventLoop | None = None
-        loop_thread: threading.Thread | None = None
-        semaphore: list[asyncio.Semaphore] = []
-        if any(is_async_effect(e) for e in self._effects.values()):
-            loop = asyncio.new_event_loop()
-            ready = threading.Event()
+    def _workers(self) -> Iterator[Callable[[list[_Held]], None]]:
+        """Start the workers; yield a function that hands them a batch of claimed jobs.
 
-            def run_loop() -> None:
-                assert loop is not None
-                asyncio.set_event_loop(loop)
-                semaphore.append(asyncio.Semaphore(self.concurrency))
-                loop.call_soon(ready.set)
-                loop.run_forever()
+        Sync effects run on ``concurrency`` threads fed by one C-implemented queue (no
+        per-job futures); async effects run as tasks on one event loop, at most
+        ``concurrency`` at a time.
+        """
+        queue: SimpleQueue[_Held | None] = SimpleQueue()
+        threads = [
+            threading.Thread(target=self._work, args=(queue,), name=f"outbox-worker-{n}",
+                             daemon=True)
+            for n in range(self.concurrency if self._has_sync else 0)
+        ]
+        for thread in threads:
+            thread.start()
+        runner = _AsyncRunner(self, self.concurrency) if self._has_async else None
 
-            loop_thread = threading.Thread(target=run_loop, name="outbox-async", daemon=True)
-            loop_thread.start()
-            ready.wait()
-
-        def submit(held: _Held) -> None:
-            if loop is not None and is_async_effect(held.effect):
-                asyncio.run_coroutine_threadsafe(self._perform_async(held, semaphore[0]), loop)
-            else:
-                pool.submit(self._perform_sync, held)
+        def submit(batch: list[_Held]) -> None:
+            if runner is None:
+                for held in batch:
+                    queue.put(held)
+                return
+            sync = [h for h in batch if not h.is_async]
+            for held in sync:
+                queue.put(held)
+            if len(sync) < len(batch):
+                runner.submit([h for h in batch if h.is_async])
 
         try:
             yield submit
         finally:
-            pool.shutdown(wait=True)
-            if loop is not None and loop_thread is not None:
-                loop.call_soon_threadsafe(loop.stop)
-                loop_thread.join()
-                loop.close()
+            for _ in threads:
+                queue.put(None)
+            for thread in threads:
+                thread.join()
+            if runner is not None:
+                runner.close()
+
+    def _work(self, queue: SimpleQueue[_Held | None]) -> None:
+        while (held := queue.get()) is not None:
+            self._perform_sync(held)
 
     def _begin(self, held: _Held) -> bool:
         """Mark ``held`` as started, or hand it back if it must not start."""
@@ -530,16 +544,15 @@ class Dispatcher:
             outcome = exc
         self._finish(held, outcome)
 
-    async def _perform_async(self, held: _Held, semaphore: asyncio.Semaphore) -> None:
-        async with semaphore:
-            if not self._begin(held):
-                return
-            try:
-                result = await held.effect.perform(self._prepare_job(held))  # type: ignore[misc]
-                outcome: _Outcome = _Success(_result_json(held.job, result))
-            except Exception as exc:
-                outcome = exc
-            self._finish(held, outcome)
+    async def _perform_async(self, held: _Held) -> None:
+        if not self._begin(held):
+            return
+        try:
+            result = await held.effect.perform(self._prepare_job(held))  # type: ignore[misc]
+            outcome: _Outcome = _Success(_result_json(held.job, result))
+        except Exception as exc:
+            outcome = exc
+        self._finish(held, outcome)
 
     def _finish(self, held: _Held, outcome: _Outcome) -> None:
         self._outcomes.append((held, outcome))
@@ -585,24 +598,21 @@ class Dispatcher:
         """
         successes = [(h, o) for h, o in batch if isinstance(o, _Success)]
         if successes:
-            rows = conn.execute(self._queries.complete, {
-                "ids": [h.job.id for h, _ in successes],
-                "versions": [h.job.claim_version for h, _ in successes],
-                "results": [o.result_json for _, o in successes],
-            })
+            claims = ",".join(
+                f'{{"id":{h.job.id},"version":{h.job.claim_version},"result":{o.result_json}}}'
+                for h, o in successes
+            )
+            rows = conn.execute(self._queries.complete, {"claims": f"[{claims}]"})
             self._account([h for h, _ in successes], {r[0] for r in rows}, "done")
             batch[:] = [(h, o) for h, o in batch if not isinstance(o, _Success)]
         if not batch:
             return
         settles = [(h, isinstance(o, _Release), self._settlement(h, o)) for h, o in batch]
-        rows = conn.execute(self._queries.settle, {
-            "ids": [h.job.id for h, _, _ in settles],
-            "versions": [h.job.claim_version for h, _, _ in settles],
-            "statuses": [d.status for _, _, d in settles],
-            "delays": [float(d.delay) for _, _, d in settles],
-            "errors": [d.error for _, _, d in settles],
-            "refunds": [released for _, released, _ in settles],
-        })
+        rows = conn.execute(self._queries.settle, {"claims": json.dumps([
+            {"id": h.job.id, "version": h.job.claim_version, "status": d.status,
+             "delay": d.delay, "error": d.error, "refund": released}
+            for h, released, d in settles
+        ])})
         written = {r[0] for r in rows}
         for held, released, decision in settles:
             self._account([held], written, "released" if released else decision.status)
@@ -671,10 +681,9 @@ class Dispatcher:
         held = [h for h in list(self._held.values()) if not h.lost]
         if not held:
             return
-        rows = conn.execute(self._queries.heartbeat, {
-            "ids": [h.job.id for h in held], "versions": [h.job.claim_version for h in held],
-            "lease": self.lease,
-        })
+        claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in held)
+        rows = conn.execute(self._queries.heartbeat, {"claims": f"[{claims}]",
+                                                      "lease": self.lease})
         alive = {r[0] for r in rows}
         for h in held:
             if h.job.id not in alive and h.job.id in self._held:
@@ -701,6 +710,59 @@ class Dispatcher:
                 conn.discard()
                 self._stopping.wait(conn.backoff())
         conn.discard()
+
+
+class _AsyncRunner:
+    """An event loop on its own thread running async effects, ``limit`` at a time."""
+
+    def __init__(self, dispatcher: Dispatcher, limit: int) -> None:
+        self._dispatcher = dispatcher
+        self._loop = asyncio.new_event_loop()
+        self._limit = limit
+        self._tasks: set[asyncio.Task[None]] = set()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="outbox-async",
+                                        daemon=True)
+        self._thread.start()
+        ready.wait()
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._semaphore = asyncio.Semaphore(self._limit)
+        self._loop.call_soon(ready.set)
+        self._loop.run_forever()
+
+    def submit(self, batch: list[_Held]) -> None:
+        """Schedule a batch from any thread: one wake-up of the loop per batch."""
+        self._loop.call_soon_threadsafe(self._spawn, batch)
+
+    def _spawn(self, batch: list[_Held]) -> None:
+        for held in batch:
+            task = self._loop.create_task(self._limited(held))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _limited(self, held: _Held) -> None:
+        async with self._semaphore:
+            await self._dispatcher._perform_async(held)
+
+    def close(self) -> None:
+        """Stop the loop once every task has finished."""
+
+        async def finish() -> None:
+            while self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            self._loop.stop()
+
+        asyncio.run_coroutine_threadsafe(finish(), self._loop)
+        self._thread.join()
+        self._loop.close()
+
+
+def _text_array(values: list[str]) -> str:
+    """A PostgreSQL text[] literal, built once: cheaper than adapting a list per query."""
+    quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
+    return "{" + ",".join(quoted) + "}"
 
 
 def _result_json(job: Job, result: object) -> str:

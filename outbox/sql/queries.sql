@@ -61,6 +61,8 @@ LEFT JOIN {schema}.effect_results r ON r.key = k.key;
 -- rechecks only the UPDATE's own conditions, so without the guard a session that waited
 -- on a row another session just claimed would claim it too. A job with an ordering key
 -- is claimable only when no earlier job of that key is unfinished and none is running.
+-- The ids go through an array so the UPDATE probes the primary key instead of letting
+-- the planner hash-join against every pending row.
 WITH candidates AS (
     SELECT j.id
     FROM {schema}.jobs j
@@ -84,17 +86,17 @@ SET status = 'running',
     claimed_by = %(worker)s::text,
     first_attempted_at = coalesce(j.first_attempted_at, now()),
     updated_at = now()
-FROM candidates c
-WHERE j.id = c.id AND j.status = 'pending'
+WHERE j.id = ANY (ARRAY(SELECT id FROM candidates)) AND j.status = 'pending'
 RETURNING j.id, j.effect, j.key, j.payload, j.attempts, j.claim_version, j.ordering_key,
           j.max_attempts, j.first_attempted_at;
 
 -- name: heartbeat
 -- Extend the leases of the claims this worker still holds; ids missing from the result
--- are claims it has lost.
+-- are claims it has lost. Batches arrive as one JSON array of {id, version, ...}
+-- objects: one parameter, parsed by the server, whatever the batch size.
 UPDATE {schema}.jobs j
 SET lease_until = now() + %(lease)s::float8 * interval '1 second'
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS h(id, version)
+FROM jsonb_to_recordset(%(claims)s::jsonb) AS h(id bigint, version bigint)
 WHERE j.id = h.id AND j.status = 'running' AND j.claim_version = h.version
 RETURNING j.id;
 
@@ -104,8 +106,7 @@ WITH finished AS (
     UPDATE {schema}.jobs j
     SET status = 'done', lease_until = NULL, claimed_by = NULL, last_error = NULL,
         updated_at = now()
-    FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(results)s::jsonb[])
-         AS d(id, version, result)
+    FROM jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
     WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
     RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
 ), recorded AS (
@@ -127,9 +128,8 @@ SET status = s.status,
     lease_until = NULL,
     claimed_by = NULL,
     updated_at = now()
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(statuses)s::text[],
-            %(delays)s::float8[], %(errors)s::text[], %(refunds)s::boolean[])
-     AS s(id, version, status, delay, error, refund)
+FROM jsonb_to_recordset(%(claims)s::jsonb)
+     AS s(id bigint, version bigint, status text, delay float8, error text, refund boolean)
 WHERE j.id = s.id AND j.status = 'running' AND j.claim_version = s.version
 RETURNING j.id;
 

@@ -108,7 +108,7 @@ def test_key_known_only_to_the_ledger_is_not_enqueued_again(dsn: str, schema: st
         conn.execute(f'UPDATE "{schema}".jobs SET status = \'running\', lease_until = now(), '
                      "claimed_by = 'w', claim_version = 1")
         conn.execute(outbox._sql.queries(schema).complete,
-                     {"ids": [1], "versions": [1], "results": ['{"ok": true}']})
+                     {"claims": '[{"id": 1, "version": 1, "result": {"ok": true}}]'})
         conn.execute(f'DELETE FROM "{schema}".jobs')  # retention removed the done job
         conn.commit()
         with outbox.transaction(conn, schema=schema) as tx:

@@ -74,10 +74,10 @@ def test_bad_payloads_are_refused_with_the_reason(payload: Any, message: str) ->
 def test_deeply_nested_payload_is_refused() -> None:
     payload: dict[str, Any] = {}
     inner = payload
-    for _ in range(100):
+    for _ in range(100_000):
         inner["x"] = {}
         inner = inner["x"]
-    with pytest.raises(InvalidPayload, match="nested deeper than 64 levels"):
+    with pytest.raises(InvalidPayload, match="nested too deeply"):
         prepare("e", "k", payload)
 
 
