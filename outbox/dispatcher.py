@@ -172,6 +172,9 @@ class Dispatcher:
     - Only jobs whose ``effect`` names one of ``effects`` are claimed; others stay pending.
 
     ``lease`` is the claim's lifetime in seconds (or a timedelta), at least 1 second.
+    ``batch_size`` caps the jobs one claim takes; ``prefetch`` is how many claimed jobs
+    may wait for a free worker (their leases are heartbeated too). Larger values favour
+    throughput of fast effects; ``prefetch=0`` claims only what can start at once.
     """
 
     def __init__(
@@ -183,6 +186,7 @@ class Dispatcher:
         concurrency: int = 16,
         lease: float | timedelta = 30.0,
         batch_size: int | None = None,
+        prefetch: int | None = None,
         poll_interval: float | timedelta = 1.0,
         rescue_interval: float | timedelta | None = None,
         backoff: Backoff | None = None,
@@ -198,8 +202,13 @@ class Dispatcher:
             raise ConfigurationError(f"concurrency must be a positive integer, got {concurrency!r}")
         self.concurrency = concurrency
         self.lease = self._seconds(lease, "lease", minimum=1.0)
-        self.batch_size = batch_size or max(concurrency, 100)
-        self._capacity = 2 * concurrency  # running plus claimed-and-waiting
+        self.batch_size = self._positive(batch_size or max(concurrency, 100), "batch_size")
+        self.prefetch = self._positive(
+            2 * self.batch_size if prefetch is None else prefetch, "prefetch", minimum=0
+        )
+        # Jobs held at once: running, plus claimed and waiting for a worker, so workers
+        # never idle while the next claim is in flight.
+        self._capacity = concurrency + self.prefetch
         self.poll_interval = self._seconds(poll_interval, "poll_interval", minimum=0.001)
         self.rescue_interval = self._seconds(
             rescue_interval if rescue_interval is not None else min(self.lease, 5.0),
@@ -241,6 +250,12 @@ class Dispatcher:
             return _state.seconds(value, what=what, minimum=minimum)
         except (TypeError, ValueError) as exc:
             raise ConfigurationError(str(exc)) from None
+
+    @staticmethod
+    def _positive(value: int, what: str, minimum: int = 1) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigurationError(f"{what} must be an integer >= {minimum}, got {value!r}")
+        return value
 
     @staticmethod
     def _index_effects(effects: Sequence[Effect]) -> dict[str, Effect]:
@@ -409,9 +424,9 @@ class Dispatcher:
 
     def _room(self) -> int:
         room = self._capacity - len(self._held)
-        # Claim in batches: wait for a quarter of the capacity to free up rather than
+        # Claim in batches: wait until a good part of a batch is free rather than
         # spending a round trip per finished job, unless nothing at all is held.
-        if self._held and room < max(1, self._capacity // 4):
+        if self._held and room < max(1, min(self.batch_size, self._capacity // 4)):
             return 0
         return min(room, self.batch_size)
 
