@@ -314,7 +314,7 @@ def test_stop_releases_unstarted_jobs_with_the_attempt_refunded(dsn: str, schema
             release.wait(30)
 
     enqueue(dsn, schema, *[NewJob("test.blocking", f"k{i}", {}) for i in range(5)])
-    dispatcher = Dispatcher(dsn, [Blocking()], schema=schema, concurrency=1)
+    dispatcher = Dispatcher(dsn, [Blocking()], schema=schema, concurrency=1, prefetch=1)
     result: list[outbox.DispatchStats] = []
     thread = threading.Thread(target=lambda: result.append(dispatcher.run()))
     thread.start()
@@ -324,7 +324,7 @@ def test_stop_releases_unstarted_jobs_with_the_attempt_refunded(dsn: str, schema
     thread.join(timeout=30)
     statuses = Counter(j["status"] for j in jobs(dsn, schema).values())
     assert statuses == {"done": 1, "pending": 4}
-    assert result[0].released == 1  # claimed (capacity 2) but never started
+    assert result[0].released == 1  # the prefetched job: claimed but never started
     assert all(j["attempts"] == 0 for j in jobs(dsn, schema).values() if j["status"] == "pending")
 
 

@@ -1,0 +1,106 @@
+"""A worker process for the crash tests: ``python -m tests.crash.worker MODE [options]``.
+
+The DSN comes from ``$OUTBOX_DATABASE_URL``. Logs go to stderr; the one result line goes
+to stdout as JSON, so the parent can read it while the process lives (hold modes) or after
+it exits (dispatcher modes).
+
+Modes:
+
+``run``           ``Dispatcher.run()`` with the table effect, until SIGTERM; prints stats.
+``idle``          ``Dispatcher.run_until_idle()``; prints stats.
+``hold-claim``    opens a transaction, runs the shipped claim SQL for one job, prints
+                  ``{"ids": [...], "backend_pid": n}`` and hangs, never committing.
+``hold-enqueue``  opens a business transaction, writes an order and enqueues its job,
+                  prints ``{"job_id": n, "backend_pid": n}`` and hangs, never committing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+import outbox
+from outbox._sql import queries
+
+from .provider import EFFECT, TableEffect
+
+
+def _emit(value: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(value) + "\n")
+    sys.stdout.flush()
+
+
+def _hang() -> None:
+    threading.Event().wait()  # until killed: the point of a hold mode
+
+
+def _dispatch(dsn: str, args: argparse.Namespace) -> None:
+    effect = TableEffect(dsn, args.schema)
+    dispatcher = outbox.Dispatcher(
+        dsn, [effect], schema=args.schema, lease=args.lease, concurrency=args.concurrency,
+        poll_interval=args.poll_interval, rescue_interval=args.rescue_interval,
+        backoff=outbox.Backoff(base=args.backoff_base, cap=args.backoff_cap),
+    )
+    try:
+        if args.mode == "run":
+            stats = dispatcher.run()
+        else:
+            stats = dispatcher.run_until_idle(timeout=args.timeout)
+    finally:
+        effect.close()
+    logging.getLogger("crash.worker").info("stats %s", stats.as_dict())
+    _emit(stats.as_dict())
+
+
+def _hold_claim(dsn: str, args: argparse.Namespace) -> None:
+    conn = psycopg.connect(dsn, application_name="crash hold-claim")
+    conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+    rows = conn.execute(queries(args.schema).claim, {
+        "effects": [EFFECT], "limit": 1, "lease": args.lease, "worker": f"hold:{os.getpid()}",
+    }).fetchall()
+    _emit({"ids": [r[0] for r in rows], "backend_pid": conn.info.backend_pid})
+    _hang()
+
+
+def _hold_enqueue(dsn: str, args: argparse.Namespace) -> None:
+    conn = psycopg.connect(dsn, application_name="crash hold-enqueue")
+    with outbox.transaction(conn, schema=args.schema) as tx:
+        conn.execute(sql.SQL("INSERT INTO {}.orders (id) VALUES (%s)").format(
+            sql.Identifier(args.schema)), (args.order,))
+        result = tx.enqueue(EFFECT, key=f"email-order-{args.order}", payload={})
+        _emit({"job_id": result.job_id, "backend_pid": conn.info.backend_pid})
+        _hang()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.crash.worker")
+    parser.add_argument("mode", choices=["run", "idle", "hold-claim", "hold-enqueue"])
+    parser.add_argument("--schema", required=True)
+    parser.add_argument("--lease", type=float, default=1.0)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--poll-interval", type=float, default=0.2)
+    parser.add_argument("--rescue-interval", type=float, default=None)
+    parser.add_argument("--backoff-base", type=float, default=0.05)
+    parser.add_argument("--backoff-cap", type=float, default=0.2)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--order", type=int, default=1)
+    args = parser.parse_args()
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format=f"%(asctime)s {os.getpid()} %(threadName)s %(levelname)s %(name)s: %(message)s",
+    )
+    dsn = os.environ["OUTBOX_DATABASE_URL"]
+    {"run": _dispatch, "idle": _dispatch, "hold-claim": _hold_claim,
+     "hold-enqueue": _hold_enqueue}[args.mode](dsn, args)
+
+
+if __name__ == "__main__":
+    main()
