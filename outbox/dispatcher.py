@@ -172,9 +172,11 @@ class Dispatcher:
     - Only jobs whose ``effect`` names one of ``effects`` are claimed; others stay pending.
 
     ``lease`` is the claim's lifetime in seconds (or a timedelta), at least 1 second.
-    ``batch_size`` caps the jobs one claim takes; ``prefetch`` is how many claimed jobs
-    may wait for a free worker (their leases are heartbeated too). Larger values favour
-    throughput of fast effects; ``prefetch=0`` claims only what can start at once.
+    ``batch_size`` caps the jobs one claim takes. ``prefetch`` is how many claimed jobs
+    may wait for a free worker (their leases are heartbeated too); by default it adapts
+    to about one second of work at the measured speed of the effects (up to
+    ``max_prefetch``), so fast effects are claimed in large batches while slow ones are
+    not hoarded by one process. ``prefetch=0`` claims only what can start at once.
     """
 
     def __init__(
@@ -187,6 +189,7 @@ class Dispatcher:
         lease: float | timedelta = 30.0,
         batch_size: int | None = None,
         prefetch: int | None = None,
+        max_prefetch: int = 4000,
         poll_interval: float | timedelta = 1.0,
         rescue_interval: float | timedelta | None = None,
         backoff: Backoff | None = None,
@@ -202,13 +205,10 @@ class Dispatcher:
             raise ConfigurationError(f"concurrency must be a positive integer, got {concurrency!r}")
         self.concurrency = concurrency
         self.lease = self._seconds(lease, "lease", minimum=1.0)
-        self.batch_size = self._positive(batch_size or max(concurrency, 100), "batch_size")
-        self.prefetch = self._positive(
-            2 * self.batch_size if prefetch is None else prefetch, "prefetch", minimum=0
-        )
-        # Jobs held at once: running, plus claimed and waiting for a worker, so workers
-        # never idle while the next claim is in flight.
-        self._capacity = concurrency + self.prefetch
+        self.batch_size = self._positive(batch_size or max(concurrency, 500), "batch_size")
+        self.prefetch = None if prefetch is None else self._positive(prefetch, "prefetch", 0)
+        self.max_prefetch = self._positive(max_prefetch, "max_prefetch", 0)
+        self._mean_perform_seconds: float | None = None
         self.poll_interval = self._seconds(poll_interval, "poll_interval", minimum=0.001)
         self.rescue_interval = self._seconds(
             rescue_interval if rescue_interval is not None else min(self.lease, 5.0),
@@ -423,12 +423,30 @@ class Dispatcher:
         self._wake.clear()
 
     def _room(self) -> int:
-        room = self._capacity - len(self._held)
+        capacity = self._capacity()
+        room = capacity - len(self._held)
         # Claim in batches: wait until a good part of a batch is free rather than
         # spending a round trip per finished job, unless nothing at all is held.
-        if self._held and room < max(1, min(self.batch_size, self._capacity // 4)):
+        if self._held and room < max(1, min(self.batch_size, capacity // 4)):
             return 0
         return min(room, self.batch_size)
+
+    def _capacity(self) -> int:
+        """Jobs to hold at once: one per worker, plus claimed ones waiting for a worker,
+        so workers never idle while the next claim is in flight."""
+        if self.prefetch is not None:
+            return self.concurrency + self.prefetch
+        mean = self._mean_perform_seconds
+        if mean is None:  # nothing measured yet: be modest
+            return 2 * self.concurrency
+        one_second_of_work = self.concurrency / max(mean, 1e-6)
+        return self.concurrency + int(min(self.max_prefetch, max(1.0, one_second_of_work)))
+
+    def _measured(self, started: float) -> None:
+        # An exponential moving average; a lost update between threads is harmless.
+        elapsed = time.monotonic() - started
+        mean = self._mean_perform_seconds
+        self._mean_perform_seconds = elapsed if mean is None else 0.9 * mean + 0.1 * elapsed
 
     def _claim(self, claimer: _Connection, submit: Callable[[list[_Held]], None]) -> int:
         limit = self._room()
@@ -552,21 +570,25 @@ class Dispatcher:
     def _perform_sync(self, held: _Held) -> None:
         if not self._begin(held):
             return
+        started = time.monotonic()
         try:
             result = held.effect.perform(self._prepare_job(held))
             outcome: _Outcome = _Success(_result_json(held.job, result))
         except Exception as exc:  # any exception is an outcome to record, by design
             outcome = exc
+        self._measured(started)
         self._finish(held, outcome)
 
     async def _perform_async(self, held: _Held) -> None:
         if not self._begin(held):
             return
+        started = time.monotonic()
         try:
             result = await held.effect.perform(self._prepare_job(held))  # type: ignore[misc]
             outcome: _Outcome = _Success(_result_json(held.job, result))
         except Exception as exc:
             outcome = exc
+        self._measured(started)
         self._finish(held, outcome)
 
     def _finish(self, held: _Held, outcome: _Outcome) -> None:
