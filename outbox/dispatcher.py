@@ -346,8 +346,9 @@ class Dispatcher:
         self._stopping.clear()
         self._releasing = False
         claimer = _Connection(self, "claimer")
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self._check_schema(claimer)
+            self._check_schema(claimer, deadline)
             with self._workers() as submit:
                 recorder = threading.Thread(target=self._record_loop, name="outbox-recorder",
                                             daemon=True)
@@ -370,13 +371,17 @@ class Dispatcher:
             self._running = False
         return self.stats
 
-    def _check_schema(self, claimer: _Connection) -> None:
+    def _check_schema(self, claimer: _Connection, deadline: float | None) -> None:
+        """Refuse a missing or newer schema at once; wait for an unreachable database
+        (until ``deadline``, when there is one)."""
         while True:
             try:
                 require_current(claimer.get(), self.schema)
                 return
             except _CONNECTION_ERRORS as exc:
                 claimer.discard()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
                 log.warning("cannot reach the database (%s); retrying", type(exc).__name__)
                 if self._stopping.wait(claimer.backoff()):
                     return
@@ -574,7 +579,9 @@ class Dispatcher:
         try:
             result = held.effect.perform(self._prepare_job(held))
             outcome: _Outcome = _Success(_result_json(held.job, result))
-        except Exception as exc:  # any exception is an outcome to record, by design
+        except BaseException as exc:
+            # Every failure is an outcome to record, even SystemExit raised by an effect:
+            # the job must not vanish with its thread.
             outcome = exc
         self._measured(started)
         self._finish(held, outcome)
@@ -586,7 +593,7 @@ class Dispatcher:
         try:
             result = await held.effect.perform(self._prepare_job(held))  # type: ignore[misc]
             outcome: _Outcome = _Success(_result_json(held.job, result))
-        except Exception as exc:
+        except BaseException as exc:  # CancelledError included: recorded as a retry
             outcome = exc
         self._measured(started)
         self._finish(held, outcome)
