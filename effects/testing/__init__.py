@@ -1,0 +1,37 @@
+"""effects.testing: local fake providers, real HTTP servers on 127.0.0.1.
+
+Each fake has its provider's idempotency semantics (first request performed and its
+answer saved; same request replayed; another request with the key refused; a request
+while the first is in flight refused), fault injection (latency, errors, timeouts after
+success, dropped connections) and counters of what it really performed per key, so a
+test can assert "once"::
+
+    with FakeEmailProvider() as resend, SendEmail(api_key="re_test", base_url=resend.url) as send:
+        send.perform(job)
+        send.perform(job)              # a retry with the same key
+        assert resend.performed(job.key) == 1
+
+``FakeEmailProvider`` is Resend's ``POST /emails``; ``FakeStripe`` serves PaymentIntents
+and Refunds to stripe-python; ``FakeWebhookReceiver`` checks webhook signatures and
+deduplicates by ``Idempotency-Key``. The pytest plugin (``effects.testing.pytest_plugin``,
+registered automatically) provides them as the fixtures ``fake_email``, ``fake_stripe``
+and ``fake_webhook``. Unlike stripe-mock, these fakes honour idempotency keys, which is
+what the outbox's guarantees rest on.
+"""
+
+from ._base import FakeProvider
+from ._email import FakeEmailProvider, SentEmail
+from ._faults import Hold
+from ._stripe import DEFAULT_DECLINED_CARDS, FakeStripe
+from ._webhook import FakeWebhookReceiver, ReceivedWebhook
+
+__all__ = [
+    "DEFAULT_DECLINED_CARDS",
+    "FakeEmailProvider",
+    "FakeProvider",
+    "FakeStripe",
+    "FakeWebhookReceiver",
+    "Hold",
+    "ReceivedWebhook",
+    "SentEmail",
+]

@@ -19,7 +19,9 @@ TIMEOUT = 5.0
 SHORT_TIMEOUT = 0.3
 
 
-def make_job(effect: str, key: str, payload: dict[str, Any], model: BaseModel | None = None) -> outbox.Job:
+def make_job(
+    effect: str, key: str, payload: dict[str, Any], model: BaseModel | None = None
+) -> outbox.Job:
     """A job as the dispatcher would hand it over, first attempt."""
     return outbox.Job(
         id=1, effect=effect, key=key, payload=payload, attempt=1, claim_version=1, model=model

@@ -16,6 +16,7 @@ from effects.testing import FakeEmailProvider, FakeStripe, FakeWebhookReceiver
 
 from ._support import RESEND_KEY, SHORT_TIMEOUT, STRIPE_KEY, TIMEOUT, WEBHOOK_SECRET
 
+
 @pytest.fixture(autouse=True)
 def no_thread_leak() -> Iterator[None]:
     """Every fake and helper thread a test starts is gone when it ends."""

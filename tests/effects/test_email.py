@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ from ._support import RESEND_KEY, TIMEOUT, email_payload, make_job
 KEY = "email-order-102"
 
 
-def email_job(key: str = KEY, **changes: object) -> outbox.Job:
+def email_job(key: str = KEY, **changes: Any) -> outbox.Job:
     return make_job("email.send", key, email_payload(**changes))
 
 
@@ -57,7 +58,7 @@ def test_uses_the_model_the_dispatcher_validated(
 def test_optional_fields_go_out_with_resend_names(
     resend: FakeEmailProvider, send_email: SendEmail
 ) -> None:
-    extras = {
+    extras: dict[str, Any] = {
         "html": "<p>Thanks</p>",
         "cc": "shop@shop.example",
         "bcc": ["audit@shop.example"],
@@ -204,7 +205,7 @@ def test_a_refused_connection_is_retried(refused_url: str) -> None:
     ],
 )
 def test_an_invalid_payload_is_permanent_and_names_the_field(
-    resend: FakeEmailProvider, send_email: SendEmail, changes: dict[str, object], field: str
+    resend: FakeEmailProvider, send_email: SendEmail, changes: dict[str, Any], field: str
 ) -> None:
     with pytest.raises(outbox.Permanent) as caught:
         send_email.perform(email_job(**changes))
@@ -226,3 +227,22 @@ def test_the_api_key_is_sent_as_a_bearer_token_only(resend: FakeEmailProvider) -
 def test_refuses_an_empty_api_key() -> None:
     with pytest.raises(ValueError, match="API key"):
         SendEmail(api_key="")
+
+
+def test_one_adapter_serves_many_threads(resend: FakeEmailProvider, send_email: SendEmail) -> None:
+    keys = [f"email-{n}" for n in range(24)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda key: send_email.perform(email_job(key)), keys))
+
+    assert sorted(resend.performed_keys()) == sorted(keys)
+    assert all(resend.performed(key) == 1 for key in keys)
+    assert len({result["id"] for result in results}) == len(keys)
+
+
+def test_a_payload_enqueued_as_a_model_validates_again() -> None:
+    # outbox stores a model payload as model_dump(mode="json", by_alias=True).
+    model = EmailPayload.model_validate(email_payload(cc=["a@b.example"]))
+    stored = model.model_dump(mode="json", by_alias=True)
+
+    assert stored["from"] == email_payload()["from"]
+    assert EmailPayload.model_validate(stored) == model

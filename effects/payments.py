@@ -1,0 +1,428 @@
+"""``payment.charge`` and ``payment.refund`` with the official ``stripe`` library.
+
+Both send the job's key unchanged as Stripe's ``Idempotency-Key`` (never the random one
+stripe-python would invent, which would charge twice after a crash). Stripe saves the
+first response to a key for at least 24 hours and replays it, errors included, so every
+retry and re-claim of a job acts once. The client runs with ``max_network_retries=0``:
+the dispatcher is the one retry layer.
+
+Outcome of a call, by what Stripe did::
+
+    PaymentIntent succeeded, processing         done, ledger {"id", "status", "amount",
+      or requires_capture                       "currency"}
+    PaymentIntent requires_action,              Permanent: a background charge has no
+      requires_payment_method, canceled, ...    customer to authenticate; a new attempt
+                                                needs a new key
+    Refund succeeded, pending, requires_action  done, ledger {"id", "status", "amount",
+                                                "currency", "payment_intent"}
+    Refund failed or canceled                   Permanent
+    402 CardError                               Permanent, with code and decline_code
+    400 idempotency_error                       Permanent, logged at ERROR: the key was
+                                                reused for another request (a bug)
+    409 (idempotency_key_in_use, lock_timeout)  Retry: the first request is in flight
+    429 RateLimitError                          Retry(after=Retry-After)
+    500 and other 5xx APIError                  UnknownOutcome: Stripe documents a 500 as
+                                                "result unknown"; resending the same key
+                                                is safe (it replays or acts once), and
+                                                past the window the job goes to reconcile
+    401 / 403 (AuthenticationError,             Permanent: configuration, not transient
+      PermissionError)
+    400 / 404 InvalidRequestError, other 4xx    Permanent, with code and param
+    could not connect                           Retry: nothing reached Stripe
+    timeout / dropped connection after sending  UnknownOutcome
+
+Stripe errors become outcomes in one place, ``_StripeEffect._call``. HTTP goes through
+httpx (``_HttpxTransport``), which hands transport failures to stripe-python as
+``APIConnectionError`` with the httpx error kept as ``__cause__``; that is how a refused
+connection (Retry) is told apart from a timeout after sending (UnknownOutcome).
+
+The stripe library's own ``stripe`` logger writes request bodies at DEBUG; keep it at
+INFO or above where payloads hold personal data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Self, TypeVar
+
+import httpx
+import stripe
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from stripe.params import PaymentIntentCreateParams, RefundCreateParams
+
+from outbox import Effect, EffectOutcome, Job, Permanent, Retry, UnknownOutcome
+
+from ._http import USER_AGENT, never_reached_provider, redact, retry_after
+from ._payload import validated_payload
+
+__all__ = ["ChargeCard", "ChargePayload", "RefundPayload", "RefundPayment"]
+
+log = logging.getLogger("effects.payments")
+
+ResultT = TypeVar("ResultT")
+
+# Stripe's documented metadata limits.
+_METADATA_MAX_KEYS = 50
+_METADATA_MAX_KEY_LENGTH = 40
+_METADATA_MAX_VALUE_LENGTH = 500
+
+_SETTLED_INTENT_STATUSES = frozenset({"succeeded", "processing", "requires_capture"})
+_FAILED_REFUND_STATUSES = frozenset({"failed", "canceled"})
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if len(metadata) > _METADATA_MAX_KEYS:
+        raise ValueError(f"takes at most {_METADATA_MAX_KEYS} keys")
+    if any(not key or len(key) > _METADATA_MAX_KEY_LENGTH for key in metadata):
+        raise ValueError(f"keys must be 1 to {_METADATA_MAX_KEY_LENGTH} characters")
+    if any(len(value) > _METADATA_MAX_VALUE_LENGTH for value in metadata.values()):
+        raise ValueError(f"values must be at most {_METADATA_MAX_VALUE_LENGTH} characters")
+    return metadata
+
+
+class ChargePayload(BaseModel):
+    """PaymentIntent create parameters for a charge confirmed in the same call.
+
+    ``amount`` is in the currency's minor unit (cents), ``currency`` a three-letter ISO
+    code (sent lower-case), ``customer`` and ``payment_method`` Stripe ids.
+    ``off_session`` (default True) tells Stripe the customer is not present, as is the
+    case for a background worker: a card that needs authentication is then declined
+    (``authentication_required``) instead of waiting in ``requires_action``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    amount: int = Field(gt=0, strict=True)
+    currency: str = Field(pattern=r"^[A-Za-z]{3}$")
+    customer: str = Field(min_length=1)
+    payment_method: str = Field(min_length=1)
+    description: str | None = Field(default=None, max_length=1000)
+    metadata: dict[str, str] | None = None
+    off_session: bool = True
+
+    _metadata_limits = field_validator("metadata")(_check_metadata)
+
+    @field_validator("currency")
+    @classmethod
+    def _lower_case(cls, currency: str) -> str:
+        return currency.lower()
+
+    def to_stripe(self) -> PaymentIntentCreateParams:
+        """The parameters sent: confirmed at once, redirect-based methods excluded.
+
+        Redirects are excluded because a worker has no browser to send a customer to;
+        without that, Stripe would demand a ``return_url``.
+        """
+        params: PaymentIntentCreateParams = {
+            "amount": self.amount,
+            "currency": self.currency,
+            "customer": self.customer,
+            "payment_method": self.payment_method,
+            "confirm": True,
+            "off_session": self.off_session,
+            "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
+        }
+        if self.description is not None:
+            params["description"] = self.description
+        if self.metadata is not None:
+            params["metadata"] = self.metadata
+        return params
+
+
+class RefundPayload(BaseModel):
+    """Refund create parameters: ``payment_intent``, optional ``amount`` (minor units;
+    the whole remaining amount when absent), ``reason`` and ``metadata``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    payment_intent: str = Field(min_length=1)
+    amount: int | None = Field(default=None, gt=0, strict=True)
+    reason: Literal["duplicate", "fraudulent", "requested_by_customer"] | None = None
+    metadata: dict[str, str] | None = None
+
+    _metadata_limits = field_validator("metadata")(_check_metadata)
+
+    def to_stripe(self) -> RefundCreateParams:
+        """The parameters sent to ``POST /v1/refunds``."""
+        params: RefundCreateParams = {"payment_intent": self.payment_intent}
+        if self.amount is not None:
+            params["amount"] = self.amount
+        if self.reason is not None:
+            params["reason"] = self.reason
+        if self.metadata is not None:
+            params["metadata"] = self.metadata
+        return params
+
+
+class _HttpxTransport(stripe.HTTPClient):
+    """stripe-python's HTTP layer on one shared, closeable ``httpx.Client``.
+
+    Transport failures are handed to stripe-python as ``APIConnectionError`` (its
+    contract for HTTP clients) with the httpx error as ``__cause__``, so the adapter can
+    tell "never sent" from "sent, no answer".
+    """
+
+    name = "outbox-httpx"
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__()
+        self._client = httpx.Client(timeout=timeout, headers={"User-Agent": USER_AGENT})
+
+    def request(
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str] | None,
+        post_data: Any = None,
+        *,
+        _usage: list[str] | None = None,
+    ) -> tuple[str, int, Mapping[str, str]]:
+        try:
+            response = self._client.request(
+                method, url, headers=dict(headers or {}), content=post_data
+            )
+        except httpx.TransportError as exc:
+            # stripe-python's error classes have untyped constructors.
+            raise stripe.APIConnectionError(  # type: ignore[no-untyped-call]
+                f"{type(exc).__name__} while talking to Stripe",
+                should_retry=never_reached_provider(exc),
+            ) from exc
+        return response.text, response.status_code, response.headers
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class _StripeEffect(Effect):
+    """What charges and refunds share: the client, and the one error boundary."""
+
+    def __init__(self, api_key: str, base_url: str | None = None, timeout: float = 30.0) -> None:
+        if not api_key:
+            raise ValueError(f"{type(self).__name__} needs a Stripe API key")
+        self._api_key = api_key
+        self._base_url = base_url
+        self._transport = _HttpxTransport(timeout)
+        self._stripe = stripe.StripeClient(
+            api_key,
+            max_network_retries=0,
+            base_addresses={"api": base_url} if base_url else None,
+            http_client=self._transport,
+        )
+
+    def close(self) -> None:
+        """Close the HTTP connection pool. The adapter cannot call Stripe afterwards."""
+        self._transport.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(base_url={self._base_url!r})"
+
+    def _call(self, job: Job, call: Callable[[stripe.RequestOptions], ResultT]) -> ResultT:
+        """Run ``call`` with the job's key as idempotency key; Stripe errors -> outcomes."""
+        what = f"{self.name} job {job.key}"
+        try:
+            return call({"idempotency_key": job.key})
+        except stripe.StripeError as exc:
+            outcome = _outcome_of(exc, what, self._api_key)
+            _log_outcome(exc, outcome)
+            raise outcome from exc
+
+
+class ChargeCard(_StripeEffect):
+    """Charges a saved payment method: one PaymentIntent, created and confirmed at once.
+
+    Guarantees: sends ``job.key`` as Stripe's ``Idempotency-Key`` unchanged, so retries
+    and re-claims replay the first PaymentIntent instead of charging again while Stripe
+    remembers the key (at least 24 hours). One client per instance, shared by all
+    worker threads. The API key never appears in reasons or logs; they carry the job
+    key and Stripe ids, never payload contents.
+
+    ``base_url`` overrides Stripe's API base (e.g. ``effects.testing.FakeStripe``);
+    ``timeout`` bounds each HTTP call in seconds. Call ``close()`` (or use ``with``) to
+    release the connection pool.
+    """
+
+    name = "payment.charge"
+    payload_model = ChargePayload
+
+    def perform(self, job: Job) -> dict[str, Any]:
+        """Create and confirm the PaymentIntent; return its id, status, amount, currency.
+
+        Raises ``Retry``, ``Permanent`` or ``UnknownOutcome`` as drawn in the module
+        docstring.
+        """
+        charge = validated_payload(ChargePayload, job)
+        intent = self._call(
+            job,
+            lambda options: self._stripe.v1.payment_intents.create(
+                params=charge.to_stripe(), options=options
+            ),
+        )
+        return _settled_intent(intent, job.key)
+
+
+class RefundPayment(_StripeEffect):
+    """Refunds a PaymentIntent, wholly or in part.
+
+    Guarantees: sends ``job.key`` as Stripe's ``Idempotency-Key`` unchanged, so retries
+    and re-claims replay the first refund instead of refunding again while Stripe
+    remembers the key. Same client, logging and secrecy rules as ``ChargeCard``.
+    """
+
+    name = "payment.refund"
+    payload_model = RefundPayload
+
+    def perform(self, job: Job) -> dict[str, Any]:
+        """Create the refund; return its id, status, amount, currency and intent id.
+
+        Raises ``Retry``, ``Permanent`` or ``UnknownOutcome`` as drawn in the module
+        docstring.
+        """
+        refund_request = validated_payload(RefundPayload, job)
+        refund = self._call(
+            job,
+            lambda options: self._stripe.v1.refunds.create(
+                params=refund_request.to_stripe(), options=options
+            ),
+        )
+        return _settled_refund(refund, job.key)
+
+
+def _settled_intent(intent: stripe.PaymentIntent, key: str) -> dict[str, Any]:
+    if intent.status not in _SETTLED_INTENT_STATUSES:
+        # Replaying the key would return this same intent: only a new key can try again.
+        reason = f"payment.charge job {key}: PaymentIntent {intent.id} is {intent.status}"
+        log.warning("%s; giving up", reason)
+        raise Permanent(reason)
+    log.debug("payment.charge job %s: PaymentIntent %s %s", key, intent.id, intent.status)
+    return {
+        "id": intent.id,
+        "status": intent.status,
+        "amount": intent.amount,
+        "currency": intent.currency,
+    }
+
+
+def _settled_refund(refund: stripe.Refund, key: str) -> dict[str, Any]:
+    if refund.status in _FAILED_REFUND_STATUSES:
+        reason = f"payment.refund job {key}: Refund {refund.id} is {refund.status}"
+        log.warning("%s; giving up", reason)
+        raise Permanent(reason)
+    log.debug("payment.refund job %s: Refund %s %s", key, refund.id, refund.status)
+    intent = refund.payment_intent
+    return {
+        "id": refund.id,
+        "status": refund.status,
+        "amount": refund.amount,
+        "currency": refund.currency,
+        "payment_intent": intent if isinstance(intent, str) or intent is None else intent.id,
+    }
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """How one kind of Stripe error is handled."""
+
+    kind: Literal["retry", "permanent", "unknown"]
+    label: str
+    # Stripe's message is left out where it may echo part of the API key.
+    with_detail: bool = True
+
+
+# Checked in order; the first matching class wins, else the HTTP status decides.
+_RULES_BY_TYPE: tuple[tuple[type[stripe.StripeError], _Rule], ...] = (
+    (stripe.CardError, _Rule("permanent", "card declined")),
+    (stripe.IdempotencyError, _Rule("permanent", "idempotency key reused for another request")),
+    (stripe.AuthenticationError, _Rule("permanent", "API key refused", with_detail=False)),
+    (stripe.PermissionError, _Rule("permanent", "API key refused", with_detail=False)),
+    (stripe.RateLimitError, _Rule("retry", "Stripe asked to wait")),
+)
+_IN_FLIGHT_OR_BUSY = _Rule("retry", "Stripe asked to wait")
+_FAILED = _Rule("unknown", "Stripe failed, result unknown")
+_REJECTED = _Rule("permanent", "Stripe rejected the request")
+
+
+def _outcome_of(exc: stripe.StripeError, what: str, api_key: str) -> EffectOutcome:
+    """The outcome for a Stripe error, as tabled in the module docstring."""
+    if isinstance(exc, stripe.APIConnectionError):
+        return _connection_outcome(exc, what)
+    rule = _rule_for(exc)
+    reason = f"{what}: {rule.label} (HTTP {exc.http_status}"
+    if rule.with_detail:
+        reason += f", {_error_detail(exc, api_key)}"
+    reason += ")"
+    if rule.kind == "retry":
+        return Retry(reason, after=_wait(exc))
+    if rule.kind == "unknown":
+        return UnknownOutcome(reason)
+    return Permanent(reason)
+
+
+def _rule_for(exc: stripe.StripeError) -> _Rule:
+    for error_type, rule in _RULES_BY_TYPE:
+        if isinstance(exc, error_type):
+            return rule
+    status = exc.http_status
+    if status in (409, 429):  # idempotency_key_in_use, lock_timeout, rate limits
+        return _IN_FLIGHT_OR_BUSY
+    if status is None or status >= 500:
+        return _FAILED
+    return _REJECTED
+
+
+def _connection_outcome(exc: stripe.APIConnectionError, what: str) -> EffectOutcome:
+    if never_reached_provider(exc.__cause__):
+        return Retry(f"{what}: could not connect to Stripe; nothing sent")
+    cause = type(exc.__cause__).__name__ if exc.__cause__ else "connection error"
+    return UnknownOutcome(f"{what}: {cause} after sending to Stripe; result unknown")
+
+
+def _error_detail(exc: stripe.StripeError, api_key: str) -> str:
+    """``type=... code=... decline_code=... param=...: message``, for a reason."""
+    error = _error_body(exc)
+    if not error:
+        return redact(exc.user_message or "no details", api_key)
+    fields = {name: error.get(name) for name in ("type", "code", "decline_code", "param")}
+    fields["payment_intent"] = _intent_id(error.get("payment_intent"))
+    labels = " ".join(f"{name}={value}" for name, value in fields.items() if value)
+    message = error.get("message")
+    if isinstance(message, str) and message:
+        return f"{labels}: {redact(message, api_key)}"
+    return labels or "no details"
+
+
+def _error_body(exc: stripe.StripeError) -> dict[str, Any]:
+    """The ``error`` object of Stripe's JSON answer, as plain JSON ({} when absent)."""
+    body = exc.json_body
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else {}
+
+
+def _intent_id(intent: object) -> str | None:
+    identifier = intent.get("id") if isinstance(intent, dict) else None
+    return identifier if isinstance(identifier, str) else None
+
+
+def _wait(exc: stripe.StripeError) -> float | None:
+    return retry_after(exc.headers) if exc.headers else None
+
+
+def _log_outcome(exc: stripe.StripeError, outcome: EffectOutcome) -> None:
+    if isinstance(exc, stripe.IdempotencyError):
+        # Never transient: the same key was enqueued for two different requests.
+        log.error("%s; the key must name one request only", outcome)
+    elif isinstance(outcome, Permanent):
+        log.warning("%s; giving up", outcome)
+    elif isinstance(outcome, UnknownOutcome):
+        log.warning("%s; will retry with the same key", outcome)
+    else:
+        log.info("%s; will retry", outcome)

@@ -1,0 +1,282 @@
+"""What every fake provider shares: the server, the key memory, faults and counters."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Self
+
+from ._faults import Failure, Faults, Hold, PostFault, PreFault
+from ._http import LocalServer, Reply, Request
+from ._idempotency import IdempotencyStore, KeyState
+
+__all__ = ["DAY", "FakeProvider", "Performed"]
+
+DAY = 24 * 60 * 60.0
+
+# What a fake's operation returns: its answer, and whether it executed (a request that
+# executed is counted as performed and its answer saved under its idempotency key).
+Performed = tuple[Reply, bool]
+
+
+class FakeProvider:
+    """Base of the fake providers: a real HTTP server on 127.0.0.1 with a provider's
+    idempotency semantics, fault injection and counters. Thread-safe throughout.
+
+    The server starts when the object is made and stops on ``close()`` (or leaving a
+    ``with`` block), which also joins its threads. ``url`` is its base URL.
+
+    Idempotency: the first request with a key is performed and its answer saved for
+    ``retention`` seconds of the fake's clock (``advance()`` moves it on); the same
+    request again gets the saved answer without being performed again; another request
+    with the key, or the same one while the first is in flight, gets the provider's
+    error. ``performed(key)`` says how many times a key was really performed: 1 is
+    "once".
+
+    Faults, each counted per request and consumed once, checked in this order:
+    ``drop_connection`` (closed unanswered, nothing performed), ``fail_next`` (error
+    answer, nothing performed), then after performing ``succeed_then_timeout`` (answer
+    stalled until ``release_stalled()``/``close()``) or ``succeed_then_drop`` (closed
+    unanswered). ``hold_next()`` holds a request in flight; ``set_latency()`` slows
+    every request. Tests synchronise on events, not sleeps: ``Hold.wait_for_arrival()``
+    and ``wait_for_stalls()``.
+    """
+
+    def __init__(
+        self, *, retention: float = DAY, latency: float = 0.0, max_stall: float = 60.0
+    ) -> None:
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._faults = Faults(latency=latency, max_stall=max_stall)
+        self._keys = IdempotencyStore(retention)
+        self._clock_offset = 0.0
+        self._performed: Counter[str] = Counter()
+        self._requests: Counter[str] = Counter()
+        self._total_performed = 0
+        self._total_requests = 0
+        self._server = LocalServer(self._answer, name=type(self).__name__)
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The base URL, ``http://127.0.0.1:<port>``."""
+        return f"http://127.0.0.1:{self._server.port}"
+
+    def close(self) -> None:
+        """Release held and stalled requests, stop the server, join its threads.
+
+        Idempotent.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._closing.set()
+        self._faults.close()
+        self._server.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def reset(self) -> None:
+        """Forget every key, count and record, disarm every fault, rewind the clock."""
+        self._faults.clear()
+        self._keys.clear()
+        with self._lock:
+            self._clock_offset = 0.0
+            self._performed.clear()
+            self._requests.clear()
+            self._total_performed = 0
+            self._total_requests = 0
+        self._forget_records()
+
+    # -- clock --------------------------------------------------------------------
+
+    @property
+    def retention(self) -> float:
+        """Seconds an answered key is remembered (24 hours unless set)."""
+        return self._keys.retention
+
+    def now(self) -> float:
+        """The fake's clock: wall time plus everything ``advance()`` added."""
+        with self._lock:
+            return time.time() + self._clock_offset
+
+    def advance(self, seconds: float) -> None:
+        """Move the fake's clock on, e.g. past ``retention`` so keys are forgotten."""
+        if seconds < 0:
+            raise ValueError("the clock only moves forward")
+        with self._lock:
+            self._clock_offset += seconds
+
+    # -- faults -------------------------------------------------------------------
+
+    def set_latency(self, seconds: float) -> None:
+        """Delay every following request by ``seconds`` before handling it (0 stops)."""
+        self._faults.set_latency(seconds)
+
+    def fail_next(
+        self,
+        n: int = 1,
+        status: int = 503,
+        *,
+        retry_after: float | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Answer the next ``n`` requests with ``status`` in the provider's error format,
+        without performing them. ``retry_after`` adds a ``Retry-After`` header;
+        ``error`` sets the provider's error name/code (a default fits the status)."""
+        self._faults.fail_next(n, Failure(status, retry_after, error))
+
+    def drop_connection(self, n: int = 1) -> None:
+        """Read the next ``n`` requests, then close their connections unanswered,
+        before performing them."""
+        self._faults.drop_connection(n)
+
+    def succeed_then_timeout(self, n: int = 1) -> None:
+        """Perform the next ``n`` requests and save their answers, then stall the
+        answers until ``release_stalled()`` or ``close()``, past any client timeout."""
+        self._faults.after_perform(n, PostFault.STALL)
+
+    def succeed_then_drop(self, n: int = 1) -> None:
+        """Perform the next ``n`` requests and save their answers, then close their
+        connections without answering."""
+        self._faults.after_perform(n, PostFault.DROP)
+
+    def hold_next(self) -> Hold:
+        """Hold the next keyed request in flight, before it is performed; see ``Hold``."""
+        return self._faults.hold_next()
+
+    def release_stalled(self) -> None:
+        """Send the answers stalled by ``succeed_then_timeout`` now."""
+        self._faults.release_stalled()
+
+    def wait_for_stalls(self, n: int = 1, timeout: float = 10.0) -> None:
+        """Block until ``n`` answers (counted since the last ``reset()``) have been
+        stalled by ``succeed_then_timeout``, i.e. performed and saved; a test's way to
+        know without sleeping. AssertionError after ``timeout`` seconds."""
+        self._faults.wait_for_stalls(n, timeout)
+
+    # -- counters -----------------------------------------------------------------
+
+    def performed(self, key: str) -> int:
+        """How many times a request with ``key`` was really performed (1 is "once")."""
+        with self._lock:
+            return self._performed[key]
+
+    def performed_keys(self) -> list[str]:
+        """The keys performed at least once, in the order first performed."""
+        with self._lock:
+            return list(self._performed)
+
+    def requests(self, key: str) -> int:
+        """How many requests arrived with ``key``: performed, replayed, refused, failed."""
+        with self._lock:
+            return self._requests[key]
+
+    @property
+    def total_performed(self) -> int:
+        """How many requests were performed, with or without a key."""
+        with self._lock:
+            return self._total_performed
+
+    @property
+    def total_requests(self) -> int:
+        """How many requests arrived, with or without a key."""
+        with self._lock:
+            return self._total_requests
+
+    # -- for subclasses -----------------------------------------------------------
+
+    def _route(self, request: Request) -> Reply | None:
+        """Answer a request that no fault intercepted."""
+        raise NotImplementedError
+
+    def _error(
+        self, status: int, code: str | None, message: str, retry_after: float | None = None
+    ) -> Reply:
+        """An error answer in the provider's format (``code`` None: one fitting status)."""
+        raise NotImplementedError
+
+    def _replayed(self, reply: Reply) -> Reply:
+        """How a saved answer goes out again (providers may mark replays)."""
+        return reply
+
+    def _key_mismatch(self, key: str) -> Reply:
+        raise NotImplementedError
+
+    def _key_in_flight(self, key: str) -> Reply:
+        raise NotImplementedError
+
+    def _forget_records(self) -> None:
+        """Drop the subclass's records of what was performed (on ``reset()``)."""
+
+    def _perform_once(
+        self, key: str | None, fingerprint: str, operation: Callable[[], Performed]
+    ) -> Reply | None:
+        """Run ``operation`` under the idempotency rules for ``key`` (None: no key)."""
+        if key is None:
+            return self._executed(None, operation())
+        begun = self._keys.begin(key, fingerprint, self.now())
+        if begun.reply is not None:  # only a replay carries the saved answer
+            return self._replayed(begun.reply)
+        if begun.state is KeyState.MISMATCH:
+            return self._key_mismatch(key)
+        if begun.state is KeyState.IN_FLIGHT:
+            return self._key_in_flight(key)
+        try:
+            self._faults.hold_if_armed()
+            reply, executed = operation()
+        except BaseException:
+            self._keys.abandon(key)
+            raise
+        if not executed:
+            self._keys.abandon(key)
+            return reply
+        self._keys.save(key, reply, self.now())
+        return self._executed(key, (reply, executed))
+
+    # -- internals ----------------------------------------------------------------
+
+    def _executed(self, key: str | None, performed: Performed) -> Reply | None:
+        reply, executed = performed
+        if not executed:
+            return reply
+        with self._lock:
+            self._total_performed += 1
+            if key is not None:
+                self._performed[key] += 1
+        return self._after_perform(reply)
+
+    def _after_perform(self, reply: Reply) -> Reply | None:
+        fault = self._faults.take_post()
+        if fault is PostFault.DROP:
+            return None
+        if fault is PostFault.STALL:
+            self._faults.stall()
+        return reply
+
+    def _answer(self, request: Request) -> Reply | None:
+        self._count_request(request.header("Idempotency-Key"))
+        latency = self._faults.latency
+        if latency:
+            self._closing.wait(latency)
+        fault = self._faults.take_pre()
+        if fault is PreFault.DROP:
+            return None
+        if isinstance(fault, Failure):
+            return self._error(fault.status, fault.error, "injected failure", fault.retry_after)
+        return self._route(request)
+
+    def _count_request(self, key: str | None) -> None:
+        with self._lock:
+            self._total_requests += 1
+            if key is not None:
+                self._requests[key] += 1

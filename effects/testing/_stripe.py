@@ -1,0 +1,405 @@
+"""``FakeStripe``: PaymentIntents and Refunds with Stripe's idempotency, on a local port."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import parse_qsl
+
+from ._base import DAY, FakeProvider, Performed
+from ._http import Reply, Request
+
+__all__ = ["DEFAULT_DECLINED_CARDS", "FakeStripe"]
+
+MAX_KEY_LENGTH = 255
+
+# Stripe's test payment methods that are declined, with their decline codes.
+DEFAULT_DECLINED_CARDS: Mapping[str, str] = {
+    "pm_card_chargeDeclined": "generic_decline",
+    "pm_card_visa_chargeDeclined": "generic_decline",
+    "pm_card_chargeDeclinedInsufficientFunds": "insufficient_funds",
+    "pm_card_chargeDeclinedLostCard": "lost_card",
+    "pm_card_chargeDeclinedStolenCard": "stolen_card",
+    "pm_card_chargeDeclinedFraudulent": "fraudulent",
+}
+# Stripe's test payment methods that need the customer to authenticate.
+AUTHENTICATION_CARDS = frozenset(
+    {"pm_card_authenticationRequired", "pm_card_threeDSecure2Required"}
+)
+
+_ERROR_TYPES_BY_STATUS = {402: "card_error", 409: "invalid_request_error"}
+_DEFAULT_CODES = {402: "card_declined", 409: "idempotency_key_in_use", 429: "rate_limit"}
+_NESTED_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
+
+Params = dict[str, Any]
+# An operation performs a request that passed its check; a check answers one it refuses.
+_Operation = Callable[[Params], Performed]
+_Check = Callable[[Params], Reply | None]
+
+
+class FakeStripe(FakeProvider):
+    """A local Stripe API that stripe-python talks to over real HTTP.
+
+    Point a client at it with ``base_addresses={"api": fake.url}`` (``ChargeCard`` and
+    ``RefundPayment`` take it as ``base_url``). Form-encoded bodies are read the way
+    stripe-python writes them (``metadata[order]=102``).
+
+    - ``POST /v1/payment_intents``: ``amount`` and ``currency`` required; with
+      ``confirm=true`` a ``payment_method`` is required and charged at once: status
+      ``succeeded``, or 402 ``card_error``/``card_declined`` with the card's
+      ``decline_code`` for declined cards (``DEFAULT_DECLINED_CARDS``, ``declined_cards``,
+      ``decline_card()``), or for cards needing authentication (e.g.
+      ``pm_card_authenticationRequired``) a 402 ``authentication_required`` when
+      ``off_session=true`` and status ``requires_action`` otherwise.
+    - ``POST /v1/refunds``: ``payment_intent`` required; refunds the remaining amount or
+      ``amount``; 400 ``resource_missing``, ``charge_already_refunded`` or
+      ``amount_too_large`` as Stripe answers.
+    - ``GET /v1/payment_intents/<id>`` and ``GET /v1/refunds/<id>``.
+    - ``Authorization: Bearer <key>`` required (401); when ``api_key`` is given, others
+      are refused with 401 too (the message never echoes the key).
+
+    Idempotency as Stripe: ``Idempotency-Key`` up to 255 characters; the answer of a
+    request that executed (success or card decline alike) is saved for ``retention``
+    and replayed with ``Idempotent-Replayed: true``; other parameters or another
+    endpoint with the key get 400 ``idempotency_error``; a request while the first is
+    in flight gets 409 ``idempotency_key_in_use``. Requests refused by parameter
+    checks are not saved. Faults and counters: see ``FakeProvider``; a declined charge
+    counts as performed (Stripe did attempt it).
+    """
+
+    def __init__(
+        self,
+        *,
+        api_key: str | None = None,
+        declined_cards: Mapping[str, str] | None = None,
+        retention: float = DAY,
+        latency: float = 0.0,
+        max_stall: float = 60.0,
+    ) -> None:
+        self._api_key = api_key
+        self._records_lock = threading.Lock()
+        self._declines = {**DEFAULT_DECLINED_CARDS, **(declined_cards or {})}
+        self._intents: dict[str, dict[str, Any]] = {}
+        self._refunds: dict[str, dict[str, Any]] = {}
+        super().__init__(retention=retention, latency=latency, max_stall=max_stall)
+
+    def decline_card(self, payment_method: str, decline_code: str = "generic_decline") -> None:
+        """Decline every later charge to ``payment_method`` with ``decline_code``."""
+        with self._records_lock:
+            self._declines[payment_method] = decline_code
+
+    @property
+    def payment_intents(self) -> list[dict[str, Any]]:
+        """Every PaymentIntent created, in order, as Stripe's JSON (declined ones too)."""
+        with self._records_lock:
+            return [dict(intent) for intent in self._intents.values()]
+
+    @property
+    def charges(self) -> list[dict[str, Any]]:
+        """The PaymentIntents that succeeded: money actually taken."""
+        return [intent for intent in self.payment_intents if intent["status"] == "succeeded"]
+
+    @property
+    def refunds(self) -> list[dict[str, Any]]:
+        """Every Refund created, in order, as Stripe's JSON."""
+        with self._records_lock:
+            return [dict(refund) for refund in self._refunds.values()]
+
+    # -- routing ------------------------------------------------------------------
+
+    def _route(self, request: Request) -> Reply | None:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        target = (request.method, request.path.rstrip("/"))
+        if target == ("POST", "/v1/payment_intents"):
+            return self._post(request, self._create_intent, self._intent_problem)
+        if target == ("POST", "/v1/refunds"):
+            return self._post(request, self._create_refund, self._refund_problem)
+        if request.method == "GET":
+            found = self._lookup(request.path.rstrip("/"))
+            if found is not None:
+                return self._ok(found)
+        return self._invalid(404, None, f"Unrecognized request URL ({target[0]}: {target[1]}).")
+
+    def _refusal(self, request: Request) -> Reply | None:
+        authorization = request.header("Authorization") or ""
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return self._invalid(401, None, "You did not provide an API key.")
+        if self._api_key is not None and token != self._api_key:
+            return self._invalid(401, None, "Invalid API Key provided.")
+        key = request.header("Idempotency-Key")
+        if key is not None and not 1 <= len(key) <= MAX_KEY_LENGTH:
+            message = f"Idempotency keys must be 1 to {MAX_KEY_LENGTH} characters."
+            return self._invalid(400, "idempotency_key_invalid", message)
+        return None
+
+    def _post(
+        self,
+        request: Request,
+        operation: _Operation,
+        problem_of: _Check,
+    ) -> Reply | None:
+        pairs = parse_qsl(request.body.decode(), keep_blank_values=True)
+        params = _nest(pairs)
+        problem = problem_of(params)
+        if problem is not None:
+            return problem
+        key = request.header("Idempotency-Key")
+        fingerprint = json.dumps([request.method, request.path, sorted(pairs)])
+        return self._perform_once(key, fingerprint, lambda: operation(params))
+
+    def _lookup(self, path: str) -> dict[str, Any] | None:
+        collection, _, object_id = path.rpartition("/")
+        with self._records_lock:
+            if collection == "/v1/payment_intents":
+                found = self._intents.get(object_id)
+            elif collection == "/v1/refunds":
+                found = self._refunds.get(object_id)
+            else:
+                found = None
+            return None if found is None else dict(found)
+
+    # -- payment intents ----------------------------------------------------------
+
+    def _intent_problem(self, params: Params) -> Reply | None:
+        if _positive_int(params.get("amount")) is None:
+            return self._invalid(400, "parameter_invalid_integer", "Invalid amount.", "amount")
+        currency = params.get("currency")
+        if not isinstance(currency, str) or not re.fullmatch(r"[A-Za-z]{3}", currency):
+            return self._invalid(400, "parameter_missing", "Invalid currency.", "currency")
+        if _flag(params.get("confirm")) and not params.get("payment_method"):
+            message = "A payment method is needed to confirm this PaymentIntent."
+            return self._invalid(400, "parameter_missing", message, "payment_method")
+        return None
+
+    def _create_intent(self, params: Params) -> Performed:
+        intent = self._new_intent(params)
+        method = params.get("payment_method")
+        confirmed = _flag(params.get("confirm"))
+        with self._records_lock:
+            decline_code = self._declines.get(method) if isinstance(method, str) else None
+        if confirmed and decline_code is not None:
+            return self._card_error(intent, "card_declined", decline_code), True
+        if confirmed and method in AUTHENTICATION_CARDS:
+            if _flag(params.get("off_session")):
+                code = "authentication_required"
+                return self._card_error(intent, code, code), True
+            return self._ok(self._store_intent(intent, "requires_action")), True
+        status = "succeeded" if confirmed else _unconfirmed_status(method)
+        stored = self._store_intent(intent, status)
+        if status == "succeeded":
+            stored = self._settle(intent["id"])
+        return self._ok(stored), True
+
+    def _new_intent(self, params: Params) -> dict[str, Any]:
+        amount = _positive_int(params.get("amount"))
+        return {
+            "id": f"pi_{secrets.token_hex(12)}",
+            "object": "payment_intent",
+            "amount": amount,
+            "amount_received": 0,
+            "amount_refunded": 0,
+            "currency": str(params["currency"]).lower(),
+            "customer": params.get("customer"),
+            "payment_method": params.get("payment_method"),
+            "description": params.get("description"),
+            "metadata": params.get("metadata") or {},
+            "created": int(self.now()),
+            "livemode": False,
+            "latest_charge": None,
+            "last_payment_error": None,
+            "status": "requires_payment_method",
+        }
+
+    def _store_intent(self, intent: dict[str, Any], status: str) -> dict[str, Any]:
+        with self._records_lock:
+            intent["status"] = status
+            self._intents[intent["id"]] = intent
+            return dict(intent)
+
+    def _settle(self, intent_id: str) -> dict[str, Any]:
+        with self._records_lock:
+            intent = self._intents[intent_id]
+            intent["amount_received"] = intent["amount"]
+            intent["latest_charge"] = f"ch_{secrets.token_hex(12)}"
+            return dict(intent)
+
+    def _card_error(self, intent: dict[str, Any], code: str, decline_code: str) -> Reply:
+        error = {
+            "type": "card_error",
+            "code": code,
+            "decline_code": decline_code,
+            "message": "Your card was declined.",
+            "param": "payment_method",
+        }
+        intent["last_payment_error"] = error
+        stored = self._store_intent(intent, "requires_payment_method")
+        return self._reply_error(402, {**error, "payment_intent": stored})
+
+    # -- refunds ------------------------------------------------------------------
+
+    def _refund_problem(self, params: Params) -> Reply | None:
+        if not isinstance(params.get("payment_intent"), str) or not params["payment_intent"]:
+            message = "Missing required param: payment_intent."
+            return self._invalid(400, "parameter_missing", message, "payment_intent")
+        if "amount" in params and _positive_int(params["amount"]) is None:
+            return self._invalid(400, "parameter_invalid_integer", "Invalid amount.", "amount")
+        return None
+
+    def _create_refund(self, params: Params) -> Performed:
+        intent_id = str(params["payment_intent"])
+        with self._records_lock:
+            intent = self._intents.get(intent_id)
+            if intent is None:
+                message = f"No such payment_intent: '{intent_id}'"
+                return self._invalid(400, "resource_missing", message, "payment_intent"), True
+            refused = self._refund_refusal(intent, params.get("amount"))
+            if refused is not None:
+                return refused, True
+            refund = self._new_refund(intent, params)
+            intent["amount_refunded"] += refund["amount"]
+            self._refunds[refund["id"]] = refund
+            return self._ok(dict(refund)), True
+
+    def _refund_refusal(self, intent: dict[str, Any], amount: object) -> Reply | None:
+        """Stripe's answer to a refund it refuses (the caller holds the records lock)."""
+        if intent["status"] != "succeeded":
+            message = "This PaymentIntent does not have a successful charge to refund."
+            return self._invalid(400, "charge_not_refundable", message, "payment_intent")
+        remaining = intent["amount"] - intent["amount_refunded"]
+        if remaining == 0:
+            return self._invalid(400, "charge_already_refunded", "Already fully refunded.")
+        if amount is not None and (_positive_int(amount) or 0) > remaining:
+            message = "The refund amount is greater than the unrefunded amount."
+            return self._invalid(400, "amount_too_large", message, "amount")
+        return None
+
+    def _new_refund(self, intent: dict[str, Any], params: Params) -> dict[str, Any]:
+        remaining = intent["amount"] - intent["amount_refunded"]
+        amount = _positive_int(params.get("amount")) or remaining
+        return {
+            "id": f"re_{secrets.token_hex(12)}",
+            "object": "refund",
+            "amount": amount,
+            "currency": intent["currency"],
+            "payment_intent": intent["id"],
+            "charge": intent["latest_charge"],
+            "reason": params.get("reason"),
+            "metadata": params.get("metadata") or {},
+            "status": "succeeded",
+            "created": int(self.now()),
+        }
+
+    # -- answers ------------------------------------------------------------------
+
+    def _ok(self, document: dict[str, Any]) -> Reply:
+        return Reply.json(200, document, self._stripe_headers())
+
+    def _invalid(
+        self, status: int, code: str | None, message: str, param: str | None = None
+    ) -> Reply:
+        error: dict[str, Any] = {"type": "invalid_request_error", "message": message}
+        if code is not None:
+            error["code"] = code
+        if param is not None:
+            error["param"] = param
+        return self._reply_error(status, error)
+
+    def _reply_error(
+        self, status: int, error: dict[str, Any], retry_after: float | None = None
+    ) -> Reply:
+        headers = self._stripe_headers()
+        if retry_after is not None:
+            headers += (("Retry-After", str(int(retry_after))),)
+        if status == 409:
+            headers += (("Stripe-Should-Retry", "true"),)
+        return Reply.json(status, {"error": error}, headers)
+
+    def _stripe_headers(self) -> tuple[tuple[str, str], ...]:
+        return (("Request-Id", f"req_{secrets.token_hex(7)}"),)
+
+    def _error(
+        self, status: int, code: str | None, message: str, retry_after: float | None = None
+    ) -> Reply:
+        code = code or _DEFAULT_CODES.get(status)
+        error: dict[str, Any] = {"type": _error_type(status, code), "message": message}
+        if code is not None and code != "idempotency_error":
+            error["code"] = code
+        if status == 402:
+            error["decline_code"] = "generic_decline"
+        return self._reply_error(status, error, retry_after)
+
+    def _replayed(self, reply: Reply) -> Reply:
+        return reply.with_header("Idempotent-Replayed", "true")
+
+    def _key_mismatch(self, key: str) -> Reply:
+        message = (
+            "Keys for idempotent requests can only be used with the same parameters they "
+            f"were first used with. Try using a key other than '{key}' if you meant to "
+            "execute a different request."
+        )
+        return self._reply_error(400, {"type": "idempotency_error", "message": message})
+
+    def _key_in_flight(self, key: str) -> Reply:
+        message = (
+            "There is currently another in-progress request using this idempotency key: "
+            f"{key}. Please try again later."
+        )
+        return self._invalid(409, "idempotency_key_in_use", message)
+
+    def _forget_records(self) -> None:
+        with self._records_lock:
+            self._intents.clear()
+            self._refunds.clear()
+            self._declines = dict(DEFAULT_DECLINED_CARDS)
+
+
+def _nest(pairs: list[tuple[str, str]]) -> Params:
+    """Stripe's form encoding (``metadata[order]=102``) as nested dicts."""
+    params: Params = {}
+    for name, value in pairs:
+        match = _NESTED_KEY.match(name)
+        if match is None:
+            continue
+        path = [match.group(1), *re.findall(r"\[([^\[\]]*)\]", match.group(2))]
+        target = params
+        for part in path[:-1]:
+            child = target.setdefault(part, {})
+            if not isinstance(child, dict):
+                break
+            target = child
+        else:
+            target[path[-1]] = value
+    return params
+
+
+def _positive_int(value: object) -> int | None:
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str) and value.isdigit():
+        number = int(value)
+    else:
+        return None
+    return number if number > 0 else None
+
+
+def _flag(value: object) -> bool:
+    return value in (True, "true")
+
+
+def _unconfirmed_status(method: object) -> str:
+    return "requires_confirmation" if method else "requires_payment_method"
+
+
+def _error_type(status: int, code: str | None) -> str:
+    if code == "idempotency_error":
+        return "idempotency_error"
+    if status >= 500:
+        return "api_error"
+    return _ERROR_TYPES_BY_STATUS.get(status, "invalid_request_error")

@@ -1,0 +1,143 @@
+"""``webhook.post``: deliver a signed JSON event to one HTTP endpoint.
+
+The request body is ``{"data": ..., "event": ..., "id": <job key>}`` (compact JSON, keys
+sorted, so every attempt sends the same bytes), with these headers:
+
+    Idempotency-Key     the job's key, unchanged: receivers deduplicate on it
+    Webhook-Timestamp   Unix seconds when this attempt was signed
+    Webhook-Signature   v1=<hex HMAC-SHA256(secret, f"{timestamp}.{body}")>
+
+Receivers check the signature with ``verify_signature``. Delivery is at least once; the
+effect is once when the receiver deduplicates by ``Idempotency-Key`` (or by ``id``).
+
+Outcome of a call, by what came back::
+
+    2xx                                         done, ledger {"status": <code>}
+    408, 409, 425, 429, 5xx                     Retry(after=Retry-After)
+    any other 4xx, or 1xx/3xx                   Permanent (redirects are not followed:
+                                                they would re-send a signed body blindly)
+    could not connect                           Retry: nothing reached the receiver
+    timeout / dropped connection after sending  UnknownOutcome
+
+409 is retried because the IETF Idempotency-Key draft gives it to "a request with this
+key is still being processed"; a key reused with another body gets 422, which is final.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Self
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+from outbox import Effect, Job, Permanent, Retry
+
+from ._http import USER_AGENT, retry_after, send
+from ._payload import validated_payload
+from ._signing import compute_signature, verify_signature
+
+__all__ = ["PostWebhook", "WebhookPayload", "compute_signature", "verify_signature"]
+
+log = logging.getLogger("effects.webhook")
+
+_RETRY_STATUSES = frozenset({408, 409, 425, 429})
+
+
+class WebhookPayload(BaseModel):
+    """A ``webhook.post`` payload: ``event``, a non-empty name, and ``data``, any JSON."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    event: str = Field(min_length=1, max_length=255)
+    data: JsonValue
+
+
+class PostWebhook(Effect):
+    """POSTs ``webhook.post`` jobs to ``url`` as signed JSON.
+
+    Guarantees: sends ``job.key`` as the ``Idempotency-Key`` header and as the body's
+    ``id``, unchanged on every attempt, and the same body bytes every time, so a
+    receiver that deduplicates on either performs the event once. Each attempt is signed
+    afresh with its own timestamp (see ``verify_signature``). Redirects are never
+    followed. One ``httpx.Client`` per instance, shared by all worker threads. The
+    secret never leaves the process; reasons and logs carry the job key, the
+    receiver's host and the status, never the payload or the full URL (URLs may hold
+    tokens).
+    """
+
+    name = "webhook.post"
+    payload_model = WebhookPayload
+
+    def __init__(self, url: str, secret: str, timeout: float = 10.0) -> None:
+        if not secret:
+            raise ValueError("PostWebhook needs a signing secret")
+        self._url = httpx.URL(url)
+        self._secret = secret
+        self._client = httpx.Client(
+            timeout=timeout, follow_redirects=False, headers={"User-Agent": USER_AGENT}
+        )
+
+    def perform(self, job: Job) -> dict[str, Any]:
+        """Deliver the job's event; return ``{"status": <HTTP status>}`` for the ledger.
+
+        Raises ``Retry``, ``Permanent`` or ``UnknownOutcome`` as drawn in the module
+        docstring.
+        """
+        hook = validated_payload(WebhookPayload, job)
+        body = _encode_body(job.key, hook)
+        request = self._client.build_request(
+            "POST", self._url, content=body, headers=self._headers(job.key, body)
+        )
+        what = f"webhook job {job.key} to {self._url.host}"
+        response = send(self._client, request, what=what)
+        return _outcome(response, what)
+
+    def close(self) -> None:
+        """Close the HTTP connection pool. The adapter cannot deliver afterwards."""
+        self._client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"PostWebhook(host={self._url.host!r})"
+
+    def _headers(self, key: str, body: bytes) -> dict[str, str]:
+        timestamp = int(time.time())
+        return {
+            "Content-Type": "application/json",
+            "Idempotency-Key": key,
+            "Webhook-Timestamp": str(timestamp),
+            "Webhook-Signature": compute_signature(self._secret, timestamp, body),
+        }
+
+
+def _encode_body(key: str, hook: WebhookPayload) -> bytes:
+    """The exact bytes posted for ``hook`` under ``key``: the same on every attempt."""
+    document = {"id": key, "event": hook.event, "data": hook.data}
+    try:
+        text = json.dumps(
+            document, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        )
+    except ValueError as exc:  # NaN or infinity: not JSON, and never will be
+        raise Permanent(f"invalid webhook.post payload for job {key}: data: not JSON") from exc
+    return text.encode()
+
+
+def _outcome(response: httpx.Response, what: str) -> dict[str, Any]:
+    status = response.status_code
+    if response.is_success:
+        log.debug("%s delivered (HTTP %d)", what, status)
+        return {"status": status}
+    reason = f"{what}: receiver answered HTTP {status}"
+    if status in _RETRY_STATUSES or status >= 500:
+        log.info("%s; will retry", reason)
+        raise Retry(reason, after=retry_after(response.headers))
+    log.warning("%s; giving up", reason)
+    raise Permanent(reason)
