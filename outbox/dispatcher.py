@@ -52,8 +52,11 @@ __all__ = ["DispatchStats", "Dispatcher"]
 
 log = logging.getLogger("outbox.dispatcher")
 
-# Connection-level errors after which a connection is replaced; anything else from the
-# database is logged and retried on the same connection.
+# Errors after which a statement is retried as a whole (the recorder keeps its batch).
+# psycopg raises OperationalError both for a lost connection and for transient failures
+# on a healthy one (40001 serialization, 40P01 deadlock, 55P03 lock timeout, 57014
+# statement timeout): ``_Connection.lost`` tells them apart, and only a lost connection
+# is replaced and counted as a reconnect.
 _CONNECTION_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError)
 
 
@@ -139,12 +142,18 @@ class _Connection:
             self._conn = self._dispatcher._connect(self._role)
         return self._conn
 
+    @property
+    def lost(self) -> bool:
+        """Whether the connection is gone (after an error: lost, not a failed statement)."""
+        return self._conn is None or self._conn.closed
+
     def execute(self, query: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-        """Run one statement (its own transaction); reconnect-and-raise on connection loss."""
+        """Run one statement (its own transaction); discard the connection if it broke."""
         try:
             rows = self.get().execute(query, params).fetchall()
         except _CONNECTION_ERRORS:
-            self.discard()
+            if self.lost:
+                self.discard()
             raise
         self._failures = 0
         return rows
@@ -420,14 +429,16 @@ class Dispatcher:
                     self._wait(0.05)
                 else:
                     self._wait(self.poll_interval * self._rng.uniform(0.5, 1.0))
-            except _CONNECTION_ERRORS as exc:
-                self.stats.reconnects += 1
-                log.warning("claimer lost its connection (%s); reconnecting",
-                            type(exc).__name__)
-                self._wait(claimer.backoff())
             except psycopg.Error as exc:
-                log.error("claimer query failed: %s", exc.sqlstate or type(exc).__name__)
-                self._wait(claimer.backoff())
+                self._claimer_failed(claimer, exc)
+
+    def _claimer_failed(self, claimer: _Connection, exc: psycopg.Error) -> None:
+        if claimer.lost:  # only a broken connection is replaced and counted
+            self.stats.reconnects += 1
+            log.warning("claimer lost its connection (%s); reconnecting", type(exc).__name__)
+        else:  # a failed statement, transient (40001, 40P01, 55P03, 57014) or not
+            log.error("claimer query failed: %s", exc.sqlstate or type(exc).__name__)
+        self._wait(claimer.backoff())
 
     def _wait(self, seconds: float) -> None:
         self._wake.wait(seconds)
@@ -635,9 +646,13 @@ class Dispatcher:
                     if heartbeat.due(time.monotonic()):
                         self._heartbeat(conn)
                 except _CONNECTION_ERRORS as exc:
-                    self.stats.reconnects += 1
-                    log.warning("recorder lost its connection (%s); reconnecting",
-                                type(exc).__name__)
+                    if conn.lost:
+                        self.stats.reconnects += 1
+                        log.warning("recorder lost its connection (%s); reconnecting",
+                                    type(exc).__name__)
+                    else:  # transient (40001, 40P01, 55P03, 57014): retry the same batch
+                        log.error("recorder statement failed: %s; retrying",
+                                  exc.sqlstate or type(exc).__name__)
                     time.sleep(conn.backoff())
                 except psycopg.Error as exc:  # a heartbeat failed otherwise: next round
                     log.error("heartbeat failed: %s", exc.sqlstate or type(exc).__name__)

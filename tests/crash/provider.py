@@ -7,19 +7,21 @@ inside the dispatcher's transactions, exactly as an HTTP provider would be calle
     acted(key, claim_version)  what an idempotent provider did: once per key (ON CONFLICT
                                DO NOTHING), with the claim that first reached it
     checkpoints(...)           where an effect has got to (key, point, attempt, version, pid)
-    releases(key)              lets an effect paused at a checkpoint go on
+    releases(key, attempt)     lets an effect paused at a checkpoint go on
     provider_mode(mode)        'up', 'down', '5xx' or 'timeout' (acts, then times out)
 
 The job's payload steers the effect, so one worker process serves every scenario:
-``pause`` ("before" or "after" the provider call, on attempt ``pause_attempt``, default
-1) records a checkpoint and blocks until released or killed; ``trace`` records
-checkpoints without blocking; ``sleep`` is a slow provider; ``reject`` a permanent
-refusal; ``switch`` makes the effect obey ``provider_mode``.
+``pause`` ("before" or "after" the provider call on the first attempt, or a mapping such
+as ``{"1": "before", "2": "after"}`` by attempt) records a checkpoint and blocks until
+that attempt is released or the process is killed; ``trace`` records checkpoints without
+blocking; ``sleep`` is a slow provider; ``reject`` a permanent refusal; ``switch`` makes
+the effect obey ``provider_mode``; ``crash`` kills the worker process (kill -9) on the spot.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -45,7 +47,7 @@ CREATE TABLE {schema}.checkpoints (
     key text NOT NULL, point text NOT NULL, attempt integer NOT NULL,
     claim_version bigint NOT NULL, pid integer NOT NULL,
     at timestamptz NOT NULL DEFAULT clock_timestamp());
-CREATE TABLE {schema}.releases (key text PRIMARY KEY);
+CREATE TABLE {schema}.releases (key text, attempt integer, PRIMARY KEY (key, attempt));
 CREATE TABLE {schema}.provider_mode (
     only_row boolean PRIMARY KEY DEFAULT true CHECK (only_row), mode text NOT NULL);
 INSERT INTO {schema}.provider_mode (mode) VALUES ('up');
@@ -89,7 +91,8 @@ class TableEffect(outbox.Effect):
         self._dsn = dsn
         self._deliver = _bind(_DELIVER, schema)
         self._checkpoint = _bind(_CHECKPOINT, schema)
-        self._released = _bind("SELECT 1 FROM {schema}.releases WHERE key = %s", schema)
+        self._released = _bind(
+            "SELECT 1 FROM {schema}.releases WHERE key = %s AND attempt = %s", schema)
         self._mode = _bind("SELECT mode FROM {schema}.provider_mode", schema)
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -106,6 +109,8 @@ class TableEffect(outbox.Effect):
 
     def _perform(self, job: outbox.Job) -> dict[str, Any]:
         payload = job.payload
+        if payload.get("crash"):
+            os.kill(os.getpid(), signal.SIGKILL)  # a poison job: the worker dies, every time
         self._at(job, "before")
         if payload.get("sleep"):
             time.sleep(float(payload["sleep"]))
@@ -128,7 +133,10 @@ class TableEffect(outbox.Effect):
 
     def _at(self, job: outbox.Job, point: str) -> None:
         payload = job.payload
-        pause = payload.get("pause") == point and job.attempt == payload.get("pause_attempt", 1)
+        pauses = payload.get("pause") or {}
+        if isinstance(pauses, str):
+            pauses = {"1": pauses}
+        pause = pauses.get(str(job.attempt)) == point
         if not (pause or payload.get("trace")):
             return
         conn = self._connection()
@@ -137,7 +145,7 @@ class TableEffect(outbox.Effect):
             "version": job.claim_version, "pid": os.getpid(),
         })
         deadline = time.monotonic() + PAUSE_LIMIT
-        while pause and conn.execute(self._released, (job.key,)).fetchone() is None:
+        while pause and conn.execute(self._released, (job.key, job.attempt)).fetchone() is None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{job.key}: paused {point} the provider call, never released")
             time.sleep(0.02)  # this is the effect being held, not a test waiting
@@ -220,10 +228,11 @@ class Provider:
         )
         return [(r[0], r[1], r[2], r[3], r[4]) for r in rows]
 
-    def release(self, *keys: str) -> None:
-        """Let effects paused on ``keys`` go on."""
+    def release(self, *keys: str, attempt: int = 1) -> None:
+        """Let the effects paused on ``keys`` at attempt ``attempt`` go on."""
         for key in keys:
-            self._rows("INSERT INTO {schema}.releases VALUES (%s) RETURNING key", (key,))
+            self._rows("INSERT INTO {schema}.releases VALUES (%s, %s) RETURNING key",
+                       (key, attempt))
 
     def set_mode(self, mode: str) -> None:
         """Switch the provider 'up', 'down', '5xx' or 'timeout'."""

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -25,8 +25,12 @@ from psycopg.rows import dict_row
 
 import outbox
 from outbox import Dispatcher, DispatchStats, NewJob
+from outbox._enqueue import notify_channel
 
 from .provider import EFFECT, Conn, TableEffect
+
+T = TypeVar("T")
+Stats = dict[str, float]  # DispatchStats.as_dict() as a worker printed it
 
 REPO = Path(__file__).resolve().parents[2]
 DSN_VARIABLE = "OUTBOX_DATABASE_URL"
@@ -39,6 +43,20 @@ def wait_until(predicate: Callable[[], object], what: str, timeout: float = 30.0
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.02)
+
+
+def poll_for(produce: Callable[[], T | None], what: str, timeout: float = 30.0) -> T:
+    """Poll ``produce`` until it returns something other than None, and return that."""
+    found: list[T] = []
+
+    def produced() -> bool:
+        value = produce()
+        if value is not None:
+            found.append(value)
+        return bool(found)
+
+    wait_until(produced, what, timeout)
+    return found[0]
 
 
 def table(schema: str, name: str) -> sql.Composed:
@@ -104,6 +122,20 @@ def waiting_on_lock(conn: Conn, pid: int) -> bool:
     row = conn.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
                        (pid,)).fetchone()
     return row is not None and row[0] == "Lock"
+
+
+def dispatcher_backends(conn: Conn, schema: str, role: str | None = None) -> list[int]:
+    """Backend pids of dispatcher connections (claimer, recorder, listener) that serve
+    ``schema``: their last statement names the schema or its notification channel."""
+    rows = conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name = ANY(%(names)s)"
+        " AND (position(%(schema)s in query) > 0 OR position(%(channel)s in query) > 0)",
+        {"names": [f"outbox {role}"] if role else ["outbox claimer", "outbox recorder",
+                                                     "outbox listener"],
+         "schema": f'"{schema}"', "channel": notify_channel(schema)},
+    ).fetchall()
+    return [pid for (pid,) in rows]
 
 
 def enqueue(conn: Conn, schema: str, keys: Iterable[str], payload: Mapping[str, Any] | None = None,
@@ -179,15 +211,15 @@ class Worker:
             self.proc.kill()
         self.proc.wait(timeout=30)
 
-    def finish(self, timeout: float = 60.0) -> dict[str, int]:
+    def finish(self, timeout: float = 60.0) -> Stats:
         """Wait for a clean exit; return the dispatcher stats the worker printed last."""
         out, _ = self.proc.communicate(timeout=timeout)
         assert self.proc.returncode == 0, f"worker exited {self.proc.returncode}:\n{self.log()}"
         lines = [ln for ln in (self._buffer + out).decode().splitlines() if ln.strip()]
-        stats: dict[str, int] = json.loads(lines[-1])
+        stats: Stats = json.loads(lines[-1])
         return stats
 
-    def stop(self, timeout: float = 60.0) -> dict[str, int]:
+    def stop(self, timeout: float = 60.0) -> Stats:
         """SIGTERM (graceful stop) and ``finish``."""
         self.signal(signal.SIGTERM)
         return self.finish(timeout)

@@ -44,10 +44,11 @@ def _hang() -> None:
 
 def _dispatch(dsn: str, args: argparse.Namespace) -> None:
     effect = TableEffect(dsn, args.schema)
+    extra: dict[str, Any] = {} if args.prefetch is None else {"prefetch": args.prefetch}
     dispatcher = outbox.Dispatcher(
         dsn, [effect], schema=args.schema, lease=args.lease, concurrency=args.concurrency,
         poll_interval=args.poll_interval, rescue_interval=args.rescue_interval,
-        backoff=outbox.Backoff(base=args.backoff_base, cap=args.backoff_cap),
+        backoff=outbox.Backoff(base=args.backoff_base, cap=args.backoff_cap), **extra,
     )
     try:
         if args.mode == "run":
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--rescue-interval", type=float, default=None)
     parser.add_argument("--backoff-base", type=float, default=0.05)
     parser.add_argument("--backoff-cap", type=float, default=0.2)
+    parser.add_argument("--prefetch", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--order", type=int, default=1)
     args = parser.parse_args()

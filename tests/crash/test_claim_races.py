@@ -1,0 +1,273 @@
+"""Two sessions racing for one job: the double-claim trap, and fencing of stale claims.
+
+The interleaving is forced, not hoped for: session A claims in an open transaction,
+session B runs its statement in a thread, the test waits until PostgreSQL reports B
+blocked on A's row lock (pg_stat_activity.wait_event_type = 'Lock'), then A commits.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from psycopg import sql
+
+from outbox._sql import queries
+
+from .provider import EFFECT, Conn
+from .support import connect, enqueue, job, ledger, session, table, wait_until, waiting_on_lock
+
+Rows = list[tuple[Any, ...]]
+
+NAIVE_INITPLAN = """
+UPDATE {jobs} SET status = 'running', attempts = attempts + 1,
+    claim_version = claim_version + 1, lease_until = now() + interval '30 seconds',
+    claimed_by = %(worker)s::text, updated_at = now()
+WHERE id = (SELECT id FROM {jobs} WHERE status = 'pending' AND effect = ANY(%(effects)s::text[])
+            ORDER BY available_at, id LIMIT %(limit)s){guard}
+RETURNING id, effect, key, payload, attempts, claim_version
+"""
+_LOCKING = "FOR UPDATE SKIP LOCKED"
+_GUARD = " AND j.status = 'pending'"
+
+
+def _edit(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, f"the shipped SQL no longer holds one {old!r}: update this test"
+    return text.replace(old, new)
+
+
+def _without_guard(claim: str) -> str:
+    """The claim minus the UPDATE's own ``status = 'pending'`` (the CTE keeps its copy)."""
+    cte, update = claim.split("\nUPDATE ", 1)
+    return cte + "\nUPDATE " + _edit(update, _GUARD, "")
+
+
+def _naive(schema: str, guard: str) -> str:
+    return sql.SQL(NAIVE_INITPLAN).format(jobs=table(schema, "jobs"), guard=sql.SQL(guard)) \
+        .as_string(None)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claim statement, and what happens when B runs it against A's claimed row."""
+
+    sql: Callable[[str], str]
+    b_waits: bool
+    double_claim: bool
+
+
+CLAIMS = {
+    "shipped claim": Claim(lambda s: queries(s).claim, b_waits=False, double_claim=False),
+    "shipped, FOR UPDATE without SKIP LOCKED": Claim(
+        lambda s: _edit(queries(s).claim, _LOCKING, "FOR UPDATE"),
+        b_waits=True, double_claim=False),
+    "shipped, no locking clause: the UPDATE's guard alone": Claim(
+        lambda s: _edit(queries(s).claim, _LOCKING, ""), b_waits=True, double_claim=False),
+    "trap: no locking clause, no guard": Claim(
+        lambda s: _without_guard(_edit(queries(s).claim, _LOCKING, "")),
+        b_waits=True, double_claim=True),
+    "trap: id = (SELECT ...) InitPlan, no guard": Claim(
+        lambda s: _naive(s, ""), b_waits=True, double_claim=True),
+    "id = (SELECT ...) InitPlan with the guard": Claim(
+        lambda s: _naive(s, " AND status = 'pending'"), b_waits=True, double_claim=False),
+}
+
+
+class Racer:
+    """Runs one statement on its own autocommit connection in a thread."""
+
+    def __init__(self, dsn: str) -> None:
+        self.conn = connect(dsn)
+        info = self.conn.execute("SELECT pg_backend_pid()").fetchone()
+        assert info is not None
+        self.pid: int = info[0]
+        self.rows: Rows | None = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, query: str, params: dict[str, Any]) -> None:
+        def run() -> None:
+            try:
+                self.rows = self.conn.execute(query, params).fetchall()
+            except BaseException as exc:  # handed to the test thread by join()
+                self.error = exc
+
+        self._thread = threading.Thread(target=run, name="session-B")
+        self._thread.start()
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self) -> Rows:
+        assert self._thread is not None
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive(), "session B is still blocked"
+        if self.error is not None:
+            raise self.error
+        assert self.rows is not None
+        return self.rows
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.conn.close()
+
+
+def _params(worker: str) -> dict[str, Any]:
+    return {"effects": [EFFECT], "limit": 1, "lease": 30.0, "worker": worker}
+
+
+@pytest.mark.parametrize("name", list(CLAIMS))
+def test_double_claim_trap(dsn: str, schema: str, db: Conn, name: str) -> None:
+    claim = CLAIMS[name]
+    statement = claim.sql(schema)
+    enqueue(db, schema, ["first", "second"])
+    first = job(db, schema, "first")["id"]
+    racer = Racer(dsn)
+    try:
+        with session(dsn) as a:
+            [a_row] = a.execute(statement, _params("A")).fetchall()
+            assert (a_row[0], a_row[5]) == (first, 1)
+            racer.start(statement, _params("B"))
+            if claim.b_waits:
+                wait_until(lambda: waiting_on_lock(db, racer.pid), "B to block on A's row lock")
+                assert racer.running()
+            else:
+                b_rows = racer.join()  # returns while A still holds its lock
+            a.commit()
+        if claim.b_waits:
+            b_rows = racer.join()
+    finally:
+        racer.close()
+
+    b_ids = [row[0] for row in b_rows]
+    after = job(db, schema, "first")
+    if claim.double_claim:
+        # Both sessions got rowcount 1 for the same job: two workers now believe they
+        # hold it and both would call the provider. The test can see the trap.
+        assert b_ids == [first]
+        assert (after["attempts"], after["claim_version"], after["claimed_by"]) == (2, 2, "B")
+    else:
+        assert first not in b_ids
+        assert (after["attempts"], after["claim_version"], after["claimed_by"]) == (1, 1, "A")
+    if name == "shipped claim":
+        assert b_ids == [job(db, schema, "second")["id"]], "SKIP LOCKED moves on to the next"
+
+
+# -- fencing --------------------------------------------------------------------------
+
+
+def _claim(db: Conn, schema: str, worker: str) -> tuple[int, int]:
+    [row] = db.execute(queries(schema).claim, _params(worker)).fetchall()
+    return row[0], row[5]
+
+
+def _expire_lease(db: Conn, schema: str, job_id: int) -> None:
+    # Stands in for a worker stalled past its lease: the clock is not the subject here.
+    db.execute(sql.SQL("UPDATE {} SET lease_until = now() - interval '1 second' WHERE id = %s")
+               .format(table(schema, "jobs")), (job_id,))
+
+
+class Fenced:
+    """The dispatcher's fenced writes, as one worker holding ``version`` would send them."""
+
+    def __init__(self, db: Conn, schema: str, job_id: int, version: int) -> None:
+        self.db, self.q, self.id, self.version = db, queries(schema), job_id, version
+
+    def _ids(self, query: str, claim: dict[str, Any], **params: Any) -> list[int]:
+        claims = json.dumps([{"id": self.id, "version": self.version, **claim}])
+        rows = self.db.execute(query, {"claims": claims, **params})
+        return [row[0] for row in rows.fetchall()]
+
+    def heartbeat(self) -> list[int]:
+        return self._ids(self.q.heartbeat, {}, lease=30.0)
+
+    def done(self, result: dict[str, Any]) -> list[int]:
+        return self._ids(self.q.complete, {"result": result})
+
+    def settle(self, status: str, *, refund: bool = False) -> list[int]:
+        return self._ids(self.q.settle, {"status": status, "delay": 0.0,
+                                         "error": f"stale {status}", "refund": refund})
+
+
+def test_a_stale_claims_heartbeat_done_retry_and_fail_change_nothing(
+    schema: str, db: Conn,
+) -> None:
+    q = queries(schema)
+    enqueue(db, schema, ["k"])
+    job_id, version = _claim(db, schema, "w1")
+    _expire_lease(db, schema, job_id)
+    rescued = db.execute(q.rescue, {"limit": 10, "unknown_window": 86400.0}).fetchall()
+    assert [(r[0], r[2], r[3]) for r in rescued] == [(job_id, "pending", version)]
+    assert _claim(db, schema, "w2") == (job_id, version + 1)
+
+    stale, live = Fenced(db, schema, job_id, version), Fenced(db, schema, job_id, version + 1)
+    assert stale.heartbeat() == []
+    assert stale.done({"by": "w1"}) == []
+    assert ledger(db, schema) == {}, "a stale done writes no ledger row"
+    for status in ("pending", "failed", "reconcile"):
+        assert stale.settle(status) == []
+    assert stale.settle("pending", refund=True) == []
+    held = job(db, schema, "k")
+    assert (held["status"], held["claim_version"], held["attempts"]) == ("running", 2, 2)
+    assert held["claimed_by"] == "w2"
+    assert held["last_error"].startswith("lease expired on attempt 1")
+
+    assert live.heartbeat() == [job_id]
+    assert live.done({"by": "w2"}) == [job_id]
+    # Once done, neither claim can write again: there is no second completion.
+    assert (live.done({"by": "again"}), live.settle("failed"), live.heartbeat()) == ([], [], [])
+    assert (stale.done({"by": "w1"}), stale.heartbeat()) == ([], [])
+    [row] = ledger(db, schema).values()
+    assert (row["claim_version"], row["result"]) == (2, {"by": "w2"})
+    assert job(db, schema, "k")["status"] == "done"
+
+
+RESCUES = {
+    "shipped rescue": lambda s: queries(s).rescue,
+    "rescue without its locking clause: the UPDATE's recheck alone": lambda s: _edit(
+        queries(s).rescue, _LOCKING, ""),
+}
+
+
+@pytest.mark.parametrize("name", list(RESCUES))
+def test_rescuer_does_not_take_a_job_whose_heartbeat_committed_first(
+    dsn: str, schema: str, db: Conn, name: str,
+) -> None:
+    rescue = RESCUES[name](schema)
+    params = {"limit": 10, "unknown_window": 86400.0}
+    enqueue(db, schema, ["k"])
+    job_id, version = _claim(db, schema, "w1")
+    worker = Fenced(db, schema, job_id, version)
+
+    _expire_lease(db, schema, job_id)
+    assert worker.heartbeat() == [job_id]
+    assert db.execute(rescue, params).fetchall() == [], "a renewed lease is not rescued"
+
+    _expire_lease(db, schema, job_id)
+    racer = Racer(dsn)
+    try:
+        with session(dsn) as heartbeat:
+            beat = heartbeat.execute(queries(schema).heartbeat, {
+                "claims": json.dumps([{"id": job_id, "version": version}]), "lease": 30.0,
+            }).fetchall()
+            assert beat == [(job_id,)]
+            racer.start(rescue, params)
+            if name == "shipped rescue":
+                assert racer.join() == [], "SKIP LOCKED: the rescuer passes the locked row"
+            else:
+                wait_until(lambda: waiting_on_lock(db, racer.pid), "the rescuer to block")
+            heartbeat.commit()
+        assert racer.join() == []
+    finally:
+        racer.close()
+    assert db.execute(rescue, params).fetchall() == []
+    held = job(db, schema, "k")
+    assert (held["status"], held["claim_version"], held["attempts"]) == ("running", 1, 1)
+    lease_left = db.execute(sql.SQL("SELECT lease_until > now() + interval '20 seconds' FROM {}")
+                            .format(table(schema, "jobs"))).fetchone()
+    assert lease_left == (True,)
