@@ -224,6 +224,7 @@ class Dispatcher:
         self.prefetch = None if prefetch is None else self._positive(prefetch, "prefetch", 0)
         self.max_prefetch = self._positive(max_prefetch, "max_prefetch", 0)
         self._mean_perform_seconds: float | None = None
+        self._retrying = False  # the recorder is re-sending a batch after an error
         self.poll_interval = self._seconds(poll_interval, "poll_interval", minimum=0.001)
         self.rescue_interval = self._seconds(
             rescue_interval if rescue_interval is not None else min(self.lease, 5.0),
@@ -643,9 +644,11 @@ class Dispatcher:
                 try:
                     if pending:
                         self._flush(conn, pending)
+                    self._retrying = False
                     if heartbeat.due(time.monotonic()):
                         self._heartbeat(conn)
                 except _CONNECTION_ERRORS as exc:
+                    self._retrying = bool(pending)
                     if conn.lost:
                         self.stats.reconnects += 1
                         log.warning("recorder lost its connection (%s); reconnecting",
@@ -672,8 +675,12 @@ class Dispatcher:
                 f'{{"id":{h.job.id},"version":{h.job.claim_version},"result":{o.result_json}}}'
                 for h, o in successes
             )
-            rows = conn.execute(self._queries.complete, {"claims": f"[{claims}]"})
-            self._account([h for h, _ in successes], {r[0] for r in rows}, "done")
+            written = {r[0] for r in conn.execute(self._queries.complete,
+                                                  {"claims": f"[{claims}]"})}
+            if self._retrying and len(written) < len(successes):
+                written |= self._landed_before(conn, [h for h, _ in successes
+                                                      if h.job.id not in written])
+            self._account([h for h, _ in successes], written, "done")
             batch[:] = [(h, o) for h, o in batch if not isinstance(o, _Success)]
         if not batch:
             return
@@ -697,6 +704,13 @@ class Dispatcher:
             log.error("recording a batch failed (%s); recording one by one",
                       exc.sqlstate or type(exc).__name__)
             self._record_singly(conn, pending)
+
+    def _landed_before(self, conn: _Connection, helds: list[_Held]) -> set[int]:
+        """Ids among ``helds`` whose completion by this very claim already committed: a
+        retried batch whose first attempt landed but whose reply was lost."""
+        claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in helds)
+        return {r[0] for r in conn.execute(self._queries.recorded_claims,
+                                           {"claims": f"[{claims}]"})}
 
     def _record_singly(self, conn: _Connection, batch: list[tuple[_Held, _Outcome]]) -> None:
         """Fallback after a batch failed for a reason other than the connection: record

@@ -116,6 +116,14 @@ WITH finished AS (
 )
 SELECT f.id FROM finished f;
 
+-- name: recorded_claims
+-- Which of these claims already completed: after a lost reply, tells "my own done
+-- landed" apart from "my claim was lost".
+SELECT r.job_id
+FROM {schema}.effect_results r
+JOIN jsonb_to_recordset(%(claims)s::jsonb) AS c(id bigint, version bigint)
+  ON r.job_id = c.id AND r.claim_version = c.version;
+
 -- name: settle
 -- running -> pending (retry, or release with the attempt refunded), failed or reconcile.
 UPDATE {schema}.jobs j
