@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -21,6 +22,8 @@ from .errors import IdempotencyKeyConflict, InvalidKey, InvalidPayload
 MAX_KEY_LENGTH = 255
 MAX_PAYLOAD_BYTES = 1_000_000
 DEFAULT_MAX_ATTEMPTS = 25
+# A JSON \u0000 escape, i.e. one not itself escaped: "\\u0000" is a backslash and "u0000".
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 Payload = Mapping[str, Any] | BaseModel
 
@@ -88,6 +91,30 @@ def _reject_non_finite(value: Any) -> Any:
     raise InvalidPayload(f"payload holds a {type(value).__name__}, which is not JSON-serialisable")
 
 
+def jsonb_problem(text: str) -> str | None:
+    """Why PostgreSQL's jsonb would refuse the JSON ``text``, or None if it can store it."""
+    if _JSON_NUL.search(text):
+        return "a NUL character (\\u0000), which jsonb cannot store"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "a lone surrogate (half of a UTF-16 pair), which is not valid UTF-8"
+    return None
+
+
+def _non_finite(value: Any, path: str = "payload") -> str | None:
+    """Where ``value`` holds NaN or an infinity (e.g. ``payload['amount'] = nan``), or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{path} = {value!r}"
+    if isinstance(value, Mapping):
+        items: Any = ((f"{path}[{k!r}]", v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    return next((found for p, v in items if (found := _non_finite(v, p))), None)
+
+
 def canonical_json(payload: object) -> str:
     """The payload as canonical JSON (sorted keys, no spaces); raise InvalidPayload."""
     if isinstance(payload, BaseModel):
@@ -104,13 +131,22 @@ def canonical_json(payload: object) -> str:
     except InvalidPayload:
         raise
     except ValueError as exc:  # NaN / Infinity with allow_nan=False, circular references
+        try:
+            where = _non_finite(payload) if "Out of range float" in str(exc) else None
+        except RecursionError:
+            where = None
+        if where:
+            raise InvalidPayload(
+                f"payload is not valid JSON: {where} (NaN and infinities have no JSON form)"
+            ) from None
         raise InvalidPayload(f"payload is not valid JSON: {exc}") from None
     except TypeError as exc:  # e.g. non-string dict keys of unsortable types
         raise InvalidPayload(f"payload is not JSON-serialisable: {exc}") from None
     except RecursionError:
         raise InvalidPayload("payload is nested too deeply to serialise") from None
-    if "\\u0000" in text:
-        raise InvalidPayload("payload holds a NUL character (\\u0000), which jsonb cannot store")
+    problem = jsonb_problem(text)
+    if problem:
+        raise InvalidPayload(f"payload holds {problem}")
     if len(text.encode()) > MAX_PAYLOAD_BYTES:
         raise InvalidPayload(
             f"payload is {len(text.encode())} bytes as JSON; at most {MAX_PAYLOAD_BYTES} "

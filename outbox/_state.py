@@ -12,6 +12,7 @@ here is tested without a database. The state machine these decisions drive::
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -23,6 +24,9 @@ __all__ = ["Backoff", "Decision", "decide", "heartbeat_interval", "seconds"]
 
 Status = Literal["pending", "running", "done", "failed", "reconcile"]
 MAX_ERROR_LENGTH = 2000
+# The longest retry delay honoured: a Retry-After past a year is a bug or a bogus header,
+# and far enough out that now() + delay would leave PostgreSQL's calendar.
+MAX_RETRY_DELAY = 365 * 86400.0
 
 
 def seconds(value: float | timedelta, *, what: str, minimum: float = 0.0) -> float:
@@ -73,6 +77,9 @@ def describe(error: BaseException) -> str:
         text = f"{type(error).__name__}: {error.reason}"
     else:
         text = f"{type(error).__name__}: {error}"
+    # PostgreSQL text holds neither NUL nor lone surrogates: escape them, or the statement
+    # recording the outcome is refused and the outcome lost.
+    text = text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
     if len(text) > MAX_ERROR_LENGTH:
         text = text[: MAX_ERROR_LENGTH - 3] + "..."
     return text
@@ -107,10 +114,15 @@ def decide(
             return Decision("reconcile", error=f"{text} (past the idempotency window)")
         if attempt >= max_attempts:
             return Decision("reconcile", error=f"{text} (attempts exhausted)")
-        delay = error.after if error.after is not None else backoff.delay(attempt, rng)
-        return Decision("pending", delay=delay, error=text)
+        return Decision("pending", delay=_delay(error.after, attempt, backoff, rng), error=text)
     if attempt >= max_attempts:
         return Decision("failed", error=f"{text} (attempt {attempt} of {max_attempts})")
     after = error.after if isinstance(error, Retry) else None
-    delay = after if after is not None else backoff.delay(attempt, rng)
-    return Decision("pending", delay=delay, error=text)
+    return Decision("pending", delay=_delay(after, attempt, backoff, rng), error=text)
+
+
+def _delay(after: float | None, attempt: int, backoff: Backoff, rng: random.Random) -> float:
+    """``after`` when given and sane, capped at MAX_RETRY_DELAY; else the backoff."""
+    if after is None or math.isnan(after):
+        return backoff.delay(attempt, rng)
+    return min(max(after, 0.0), MAX_RETRY_DELAY)

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from queue import SimpleQueue
@@ -41,7 +41,7 @@ from psycopg import sql
 from pydantic import BaseModel, ValidationError
 
 from . import _state
-from ._enqueue import notify_channel
+from ._enqueue import jsonb_problem, notify_channel
 from ._sql import check_schema_name, queries
 from ._state import Backoff, Decision
 from .effect import Effect, Job, is_async_effect
@@ -220,7 +220,9 @@ class Dispatcher:
             raise ConfigurationError(f"concurrency must be a positive integer, got {concurrency!r}")
         self.concurrency = concurrency
         self.lease = self._seconds(lease, "lease", minimum=1.0)
-        self.batch_size = self._positive(batch_size or max(concurrency, 500), "batch_size")
+        self.batch_size = self._positive(
+            max(concurrency, 500) if batch_size is None else batch_size, "batch_size"
+        )
         self.prefetch = None if prefetch is None else self._positive(prefetch, "prefetch", 0)
         self.max_prefetch = self._positive(max_prefetch, "max_prefetch", 0)
         self._mean_perform_seconds: float | None = None
@@ -230,6 +232,8 @@ class Dispatcher:
             rescue_interval if rescue_interval is not None else min(self.lease, 5.0),
             "rescue_interval", minimum=0.01,
         )
+        if backoff is not None and not isinstance(backoff, Backoff):
+            raise ConfigurationError(f"backoff must be an outbox.Backoff, got {backoff!r}")
         self.backoff = backoff or Backoff()
         self.unknown_outcome_window = self._seconds(
             unknown_outcome_window, "unknown_outcome_window", minimum=0.0
@@ -275,6 +279,10 @@ class Dispatcher:
 
     @staticmethod
     def _index_effects(effects: Sequence[Effect]) -> dict[str, Effect]:
+        if isinstance(effects, str | bytes | Effect) or not isinstance(effects, Iterable):
+            raise ConfigurationError(
+                f"effects must be a list of Effect objects, got {type(effects).__name__}"
+            )
         indexed: dict[str, Effect] = {}
         for effect in effects:
             name = getattr(effect, "name", None)
@@ -657,8 +665,9 @@ class Dispatcher:
                         log.error("recorder statement failed: %s; retrying",
                                   exc.sqlstate or type(exc).__name__)
                     time.sleep(conn.backoff())
-                except psycopg.Error as exc:  # a heartbeat failed otherwise: next round
-                    log.error("heartbeat failed: %s", exc.sqlstate or type(exc).__name__)
+                except Exception as exc:  # a heartbeat failed otherwise: next round
+                    log.error("heartbeat failed: %s",
+                              getattr(exc, "sqlstate", None) or type(exc).__name__)
                     time.sleep(conn.backoff())
         finally:
             conn.discard()
@@ -700,9 +709,9 @@ class Dispatcher:
             self._record(conn, pending)
         except _CONNECTION_ERRORS:
             raise
-        except psycopg.Error as exc:
+        except Exception as exc:  # a row the database refused, or a bug of ours
             log.error("recording a batch failed (%s); recording one by one",
-                      exc.sqlstate or type(exc).__name__)
+                      getattr(exc, "sqlstate", None) or type(exc).__name__)
             self._record_singly(conn, pending)
 
     def _landed_before(self, conn: _Connection, helds: list[_Held]) -> set[int]:
@@ -722,12 +731,12 @@ class Dispatcher:
                 self._record(conn, [item])
             except _CONNECTION_ERRORS:
                 raise
-            except psycopg.Error as exc:
+            except Exception as exc:
                 held = item[0]
                 self._held.pop(held.job.id, None)
                 log.error("job %s (key %s): outcome could not be recorded (%s); the lease "
                           "will expire and the job be retried", held.job.id, held.job.key,
-                          exc.sqlstate or type(exc).__name__)
+                          getattr(exc, "sqlstate", None) or type(exc).__name__)
             batch.remove(item)
 
     def _settlement(self, held: _Held, outcome: _Outcome) -> Decision:
@@ -856,9 +865,10 @@ def _result_json(job: Job, result: object) -> str:
         if isinstance(result, BaseModel):
             text = result.model_dump_json()
         else:
-            text = json.dumps(result, separators=(",", ":"), allow_nan=False)
-        if "\\u0000" in text:
-            raise ValueError("NUL character, which jsonb cannot store")
+            text = json.dumps(result, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+        problem = jsonb_problem(text)
+        if problem:
+            raise ValueError(problem)
         return text
     except (TypeError, ValueError) as exc:
         # The effect has happened; refusing to record it would make it happen again.

@@ -94,8 +94,8 @@ class Retry(EffectOutcome):
         self.reason = reason
         if isinstance(after, timedelta):
             after = after.total_seconds()
-        if after is not None and after < 0:
-            raise ValueError(f"Retry(after=...) must not be negative, got {after}")
+        if after is not None and not after >= 0:  # also refuses NaN
+            raise ValueError(f"Retry(after=...) must not be negative or NaN, got {after}")
         self.after: float | None = after
 
 
@@ -121,4 +121,6 @@ class UnknownOutcome(EffectOutcome):
         self.reason = reason
         if isinstance(after, timedelta):
             after = after.total_seconds()
+        if after is not None and not after >= 0:  # also refuses NaN
+            raise ValueError(f"UnknownOutcome(after=...) must not be negative or NaN, got {after}")
         self.after: float | None = after

@@ -19,7 +19,7 @@ from psycopg.rows import tuple_row
 from . import _enqueue
 from ._enqueue import EnqueueResult, NewJob, Payload, PreparedJob
 from ._sql import queries
-from .errors import InvalidPayload
+from .errors import InvalidKey, InvalidPayload
 
 __all__ = ["AsyncTransaction", "Transaction", "transaction"]
 
@@ -34,7 +34,7 @@ def _prepare_many(jobs: Iterable[NewJob]) -> list[PreparedJob]:
                 _enqueue.prepare(job.effect, job.key, job.payload, job.run_at,
                                  job.ordering_key, job.max_attempts)
             )
-        except InvalidPayload as exc:
+        except (InvalidKey, InvalidPayload) as exc:
             raise type(exc)(f"job #{index} ({job.key!r}): {exc}") from None
     return prepared
 

@@ -1,0 +1,79 @@
+"""Bad input on the command line: a short error naming the problem, a non-zero exit status
+and never a traceback."""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+from click.testing import CliRunner, Result
+from psycopg import sql
+
+from outbox.cli import main
+
+from ._support import enqueue
+
+
+def _run(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args))
+
+
+def _lines(result: Result) -> list[str]:
+    return [line for line in result.output.splitlines() if line.strip()]
+
+
+def _assert_one_line_error(result: Result, *fragments: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = _lines(result)
+    assert len(lines) == 1, lines
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_retry_with_a_job_id_that_is_not_a_number(dsn: str, schema: str) -> None:
+    result = _run("retry", "abc", "--dsn", dsn, "--schema", schema)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+    # click's usage error: the usage reminder, then exactly one error line naming the value.
+    errors = [line for line in _lines(result) if line.startswith("Error:")]
+    assert len(errors) == 1, result.output
+    assert "JOB_ID" in errors[0] and "'abc' is not a valid integer" in errors[0]
+
+
+def test_retry_of_a_job_that_does_not_exist(dsn: str, schema: str) -> None:
+    result = _run("retry", "999999", "--dsn", dsn, "--schema", schema)
+    _assert_one_line_error(result, "no job 999999", schema)
+
+
+def test_retry_of_a_job_id_beyond_bigint(dsn: str, schema: str) -> None:
+    result = _run("retry", str(2**63), "--dsn", dsn, "--schema", schema)
+    _assert_one_line_error(result, "out of range")
+
+
+def test_retry_of_a_pending_job(dsn: str, schema: str) -> None:
+    job_id = enqueue(dsn, schema, "still-pending", {"n": 1})
+    result = _run("retry", str(job_id), "--dsn", dsn, "--schema", schema)
+    _assert_one_line_error(result, f"job {job_id} is pending", "only failed or reconcile")
+
+
+def test_status_on_an_unmigrated_schema(dsn: str) -> None:
+    result = _run("status", "--dsn", dsn, "--schema", f"never_{uuid.uuid4().hex[:8]}")
+    _assert_one_line_error(result, "has no outbox tables", "outbox migrate")
+
+
+def test_status_and_retry_on_a_newer_schema(dsn: str, schema: str) -> None:
+    table = sql.SQL("{}.schema_migrations").format(sql.Identifier(schema))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("INSERT INTO {} VALUES (999, 'future')").format(table))
+    for command in ("status", "retry"):
+        extra = ["1"] if command == "retry" else []
+        result = _run(command, *extra, "--dsn", dsn, "--schema", schema)
+        _assert_one_line_error(result, "version 999, newer than this code knows", "upgrade")
+
+
+def test_migrate_with_an_invalid_schema_name(dsn: str) -> None:
+    result = _run("migrate", "--dsn", dsn, "--schema", "s" * 64)
+    _assert_one_line_error(result, "not a valid PostgreSQL identifier")
