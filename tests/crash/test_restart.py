@@ -6,6 +6,8 @@ acts once per key, and no delivery happens without a claim behind it.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,13 +38,18 @@ SLOW = {"sleep": 0.02}  # 200 jobs at concurrency 4 take about a second: still f
 
 
 @pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[Any]:
-    """An embedded PostgreSQL of this test's own, to restart without disturbing others."""
-    server = start_server(tmp_path / "pgdata")
+def own_server() -> Iterator[Any]:
+    """An embedded PostgreSQL of this test's own, to restart without disturbing others.
+
+    Not under pytest's tmp_path: a later pytest session resets that tree to mode 0700,
+    which the server's own OS user then cannot read."""
+    data_dir = Path(tempfile.mkdtemp(prefix="outbox-crash-pg-"))
+    server = start_server(data_dir / "pgdata")
     try:
         yield server
     finally:
         server.cleanup()
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def _assert_each_done_once(db: Conn, schema: str, keys: list[str]) -> None:

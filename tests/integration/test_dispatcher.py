@@ -290,7 +290,7 @@ def test_run_wakes_on_notify_and_stops_cleanly(dsn: str, schema: str) -> None:
     thread.start()
     try:
         wait_until(lambda: bool(fetch(dsn, "SELECT 1 FROM pg_stat_activity "
-                                           "WHERE application_name = 'outbox listener' "
+                                           "WHERE application_name LIKE 'outbox listener %%' "
                                            "AND query LIKE 'LISTEN%%'")), what="listener")
         enqueue(dsn, schema, NewJob("test.record", "k", {}))
         # Polling is an hour away: only the notification can make this happen in time.

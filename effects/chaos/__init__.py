@@ -1,0 +1,28 @@
+"""effects.chaos: the chaos conformance runner (``outbox chaos``).
+
+It drains thousands of mixed jobs (``email.send``, ``payment.charge``, ``webhook.post``)
+through real dispatcher processes pointed at the fake providers of ``effects.testing``
+while a seeded fault schedule kills (SIGKILL) and freezes (SIGSTOP past the lease)
+dispatchers, restarts PostgreSQL, terminates dispatcher connections and makes the
+providers fail (5xx, 429 with Retry-After, latency spikes, success then timeout, dropped
+connections, declined cards). Then it checks the guarantees of DESIGN.md::
+
+    nothing lost              every committed job ends done, failed or reconcile
+    once at the provider      no key performed twice by any fake; done jobs once
+    no double claim           no (key, claim_version) delivered by two workers
+    ledger = done             ledger rows exactly for done jobs, same claim_version
+    bounded leases            no job running past lease + rescue interval + slack
+    permanent is final        declined cards end failed, with their decline code
+    faults happened           every enabled fault kind was injected at least once
+
+``run_chaos(ChaosConfig(...))`` returns a ``ChaosReport`` (``report.ok``; the figures
+are described in ``effects.chaos.report``); ``command`` is the click command that
+``outbox chaos`` and ``python -m effects.chaos`` run.
+"""
+
+from .cli import command
+from .config import ChaosConfig, parse_faults
+from .report import ChaosReport
+from .runner import run_chaos
+
+__all__ = ["ChaosConfig", "ChaosReport", "command", "parse_faults", "run_chaos"]

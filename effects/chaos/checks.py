@@ -1,0 +1,247 @@
+"""The invariants checked once a chaos run has drained, against the database, the audit
+and the fake providers' own counts.
+
+Each entry of ``Findings.violations`` must be empty for the run to pass:
+
+``missing_jobs``             a planned, committed job that is not in the jobs table
+``rolled_back_present``      a job of a rolled-back business transaction that exists, or
+                             that a provider performed
+``orders_mismatch``          a business row without its jobs' transaction, or the reverse
+``lost``                     a committed job not ``done``, ``failed`` or ``reconcile``
+``performed_twice``          a key a fake performed more than once
+``done_not_once``            a ``done`` job its provider did not perform exactly once
+``ledger_missing``           a ``done`` job without its ledger row
+``ledger_not_done``          a ledger row whose job is not ``done`` (or does not exist)
+``ledger_version_mismatch``  a ledger row whose claim_version or job id is not the job's
+``ledger_result_mismatch``   a ledger row naming another provider object than the one the
+                             provider made for the key (email id, PaymentIntent id)
+``double_claims``            one (key, claim_version) delivered by two workers
+``repeated_deliveries``      one (key, claim_version) delivered twice by one worker
+``unexpected_failures``      a ``failed`` job that was not a declined card
+``decline_mismatches``       a declined card's job not ``failed`` with its decline code,
+                             or not attempted exactly once at Stripe
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._sql import ChaosQueries
+from .database import connect
+from .providers import Providers
+from .schedule import JobPlan, PlannedJob
+
+__all__ = ["VIOLATIONS", "Findings", "JobRow", "check"]
+
+VIOLATIONS = (
+    "missing_jobs", "rolled_back_present", "orders_mismatch", "lost", "performed_twice",
+    "done_not_once", "ledger_missing", "ledger_not_done", "ledger_version_mismatch",
+    "ledger_result_mismatch", "double_claims", "repeated_deliveries", "unexpected_failures",
+    "decline_mismatches",
+)
+_EXAMPLES = 10
+# What an adapter's outcome text says about the provider fault behind it.
+_FAULT_SIGNS = {
+    "5xx": re.compile(r"HTTP 5\d\d"),
+    "429": re.compile(r"HTTP 429"),
+    "timeout": re.compile(r"ReadTimeout|WriteTimeout"),
+    "drop": re.compile(r"RemoteProtocolError|ReadError|disconnected"),
+}
+_IDS = re.compile(r"\b(pi|ch|re|req)_[0-9A-Za-z]+")
+_TERMINAL = ("done", "failed", "reconcile")
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """A job as it ended, with its ledger row if any."""
+
+    id: int
+    key: str
+    effect: str
+    status: str
+    attempts: int
+    claim_version: int
+    last_error: str | None
+    ledger_job_id: int | None
+    ledger_version: int | None
+    ledger_result: Any
+
+
+@dataclass
+class Findings:
+    """What the checks found.
+
+    ``statuses`` counts jobs per final status, ``per_effect`` per effect and status;
+    ``failed_reasons`` / ``reconcile_reasons`` group those jobs by their error with keys
+    and provider ids elided; ``outcomes`` counts adapter calls by how they ended (``ok``
+    or the exception raised); ``observed_faults`` counts the calls whose outcome shows
+    a provider fault of each kind (``decline``: jobs failed by a declined card);
+    ``finished_jobs`` / ``finished_seconds`` give the throughput (jobs that ended,
+    over the seconds from the first enqueue to the last end). ``violations`` maps each
+    name of ``VIOLATIONS`` to examples; ``counts`` to how many.
+    """
+
+    statuses: Counter[str] = field(default_factory=Counter)
+    per_effect: dict[str, Counter[str]] = field(default_factory=dict)
+    failed_reasons: Counter[str] = field(default_factory=Counter)
+    reconcile_reasons: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    observed_faults: Counter[str] = field(default_factory=Counter)
+    finished_jobs: int = 0
+    finished_seconds: float = 0.0
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VIOLATIONS, 0))
+    violations: dict[str, list[str]] = field(
+        default_factory=lambda: {name: [] for name in VIOLATIONS})
+
+    def flag(self, name: str, example: str) -> None:
+        """Record one violation of ``name`` (examples are capped)."""
+        self.counts[name] += 1
+        if len(self.violations[name]) < _EXAMPLES:
+            self.violations[name].append(example)
+
+
+def check(dsn: str, queries: ChaosQueries, plan: JobPlan, committed_batches: set[str],
+          providers: Providers) -> Findings:
+    """Run every check; see the module docstring."""
+    findings = Findings()
+    with connect(dsn, "chaos checks") as conn:
+        rows = [JobRow(*r) for r in conn.execute(queries.final_jobs, {}).fetchall()]
+        orphans = [str(r[0]) for r in conn.execute(queries.orphan_ledger_rows, {}).fetchall()]
+        repeats = conn.execute(queries.repeated_claims, {}).fetchall()
+        outcomes = conn.execute(queries.outcomes, {}).fetchall()
+        orders = {str(r[0]) for r in conn.execute(queries.order_names, {}).fetchall()}
+        throughput = conn.execute(queries.throughput, {}).fetchone()
+    by_key = {row.key: row for row in rows}
+    _check_intent(findings, plan, committed_batches, by_key, orders, providers)
+    _check_jobs(findings, rows, plan, providers)
+    _check_ledger(findings, rows, orphans, providers)
+    _check_claims(findings, repeats)
+    _tally_outcomes(findings, outcomes, rows)
+    if throughput is not None:
+        findings.finished_jobs, findings.finished_seconds = int(throughput[0]), float(throughput[1])
+    return findings
+
+
+def _check_intent(findings: Findings, plan: JobPlan, committed_batches: set[str],
+                  by_key: dict[str, JobRow], orders: set[str], providers: Providers) -> None:
+    planned = {job.key for job in plan.committed()}
+    for job in plan.committed():
+        if job.key not in by_key:
+            findings.flag("missing_jobs", f"{job.key}: planned and committed, not in jobs")
+    for job in plan.rolled_back():
+        performed = providers.for_effect(job.effect).performed(job.key)
+        if job.key in by_key or performed:
+            findings.flag("rolled_back_present", f"{job.key}: rolled back, yet exists "
+                                                 f"({job.key in by_key}) or performed {performed}x")
+    for key in sorted(set(by_key) - planned):
+        findings.flag("rolled_back_present", f"{key}: a job nobody committed")
+    for batch in plan.batches():
+        exists = batch.name in orders
+        if exists != (batch.name in committed_batches) or exists == batch.rollback:
+            findings.flag("orders_mismatch", f"{batch.name}: order row {exists}, committed "
+                                             f"{batch.name in committed_batches}, "
+                                             f"rollback {batch.rollback}")
+
+
+def _check_jobs(findings: Findings, rows: list[JobRow], plan: JobPlan,
+                providers: Providers) -> None:
+    declines = {job.key: job for job in plan.committed() if job.decline_code}
+    for row in rows:
+        findings.statuses[row.status] += 1
+        findings.per_effect.setdefault(row.effect, Counter())[row.status] += 1
+        performed = providers.for_effect(row.effect).performed(row.key)
+        if row.status not in _TERMINAL:
+            findings.flag("lost", f"{row.key}: still {row.status} after {row.attempts} attempts")
+        elif row.status == "done" and performed != 1:
+            findings.flag("done_not_once", f"{row.key}: done, performed {performed}x")
+        elif row.status == "failed":
+            findings.failed_reasons[_normalize(row.last_error, row.key)] += 1
+        elif row.status == "reconcile":
+            findings.reconcile_reasons[_normalize(row.last_error, row.key)] += 1
+        decline = declines.get(row.key)
+        if decline is not None:
+            _check_decline(findings, row, decline, performed)
+        elif row.status == "failed":
+            findings.flag("unexpected_failures", f"{row.key}: {row.last_error}")
+    for _, fake in providers.items():
+        for key in fake.performed_keys():
+            if fake.performed(key) > 1:
+                findings.flag("performed_twice", f"{key}: performed {fake.performed(key)}x")
+
+
+def _check_decline(findings: Findings, row: JobRow, job: PlannedJob, performed: int) -> None:
+    reason = row.last_error or ""
+    if row.status != "failed" or f"decline_code={job.decline_code}" not in reason:
+        findings.flag("decline_mismatches", f"{row.key}: card declined ({job.decline_code}) "
+                                            f"but {row.status}: {reason[:200]}")
+    elif performed != 1:
+        findings.flag("decline_mismatches", f"{row.key}: declined, attempted {performed}x "
+                                            "at Stripe (expected once)")
+
+
+def _check_ledger(findings: Findings, rows: list[JobRow], orphans: list[str],
+                  providers: Providers) -> None:
+    made = _provider_ids(providers)
+    for row in rows:
+        has_ledger = row.ledger_job_id is not None
+        if row.status == "done" and not has_ledger:
+            findings.flag("ledger_missing", f"{row.key}: done without a ledger row")
+        elif has_ledger and row.status != "done":
+            findings.flag("ledger_not_done", f"{row.key}: ledger row, job {row.status}")
+        if has_ledger and (row.ledger_version, row.ledger_job_id) != (row.claim_version, row.id):
+            findings.flag("ledger_version_mismatch",
+                          f"{row.key}: ledger (job {row.ledger_job_id}, version "
+                          f"{row.ledger_version}), job ({row.id}, version {row.claim_version})")
+        expected = made.get(row.key)
+        if has_ledger and expected is not None and _result_id(row.ledger_result) != expected:
+            findings.flag("ledger_result_mismatch", f"{row.key}: ledger names "
+                                                    f"{_result_id(row.ledger_result)}, "
+                                                    f"the provider made {expected}")
+    for key in orphans:
+        findings.flag("ledger_not_done", f"{key}: ledger row without a job")
+
+
+def _provider_ids(providers: Providers) -> dict[str, str]:
+    """key -> the id of what the provider made for it (emails sent, PaymentIntents)."""
+    made = {email.key: email.id for email in providers.email.sent_emails if email.key}
+    for intent in providers.stripe.payment_intents:
+        key = (intent.get("metadata") or {}).get("chaos_key")
+        if isinstance(key, str):
+            made[key] = str(intent["id"])
+    return made
+
+
+def _result_id(result: Any) -> str | None:
+    value = result.get("id") if isinstance(result, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _check_claims(findings: Findings, repeats: Iterable[tuple[Any, ...]]) -> None:
+    for key, version, workers, calls in repeats:
+        if workers > 1:
+            findings.flag("double_claims", f"{key} version {version}: delivered by "
+                                           f"{workers} workers")
+        if calls > workers:
+            findings.flag("repeated_deliveries", f"{key} version {version}: {calls} calls "
+                                                 f"by {workers} worker(s)")
+
+
+def _tally_outcomes(findings: Findings, outcomes: Iterable[tuple[Any, ...]],
+                    rows: list[JobRow]) -> None:
+    for _, outcome in outcomes:
+        findings.outcomes[str(outcome).split(":", 1)[0]] += 1
+        for kind, sign in _FAULT_SIGNS.items():
+            if sign.search(outcome):
+                findings.observed_faults[kind] += 1
+    findings.observed_faults["decline"] = sum(
+        1 for row in rows if row.status == "failed" and "card declined" in (row.last_error or ""))
+
+
+def _normalize(reason: str | None, key: str) -> str:
+    """An error with the job's key and provider ids elided, to group alike failures."""
+    text = (reason or "(no error recorded)").replace(key, "<key>")
+    return _IDS.sub(lambda m: f"{m.group(1)}_...", text)[:300]

@@ -1,0 +1,90 @@
+"""What a chaos run is asked to do: sizes, timings, and the fault kinds to inject."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["FAULT_KINDS", "PROCESS_FAULTS", "PROVIDER_FAULTS", "ChaosConfig", "parse_faults"]
+
+# Faults against the dispatcher processes and the database.
+PROCESS_FAULTS = ("kill", "stop", "restart", "terminate")
+# Faults at the fake providers ("decline" is a property of some jobs' payment methods).
+PROVIDER_FAULTS = ("5xx", "429", "latency", "timeout", "drop", "decline")
+FAULT_KINDS = PROCESS_FAULTS + PROVIDER_FAULTS
+
+
+def parse_faults(text: str) -> frozenset[str]:
+    """``"kill,5xx"`` as a set of fault kinds; ``"all"`` or ``""`` means every kind,
+    ``"none"`` no fault at all. Unknown names raise ValueError naming the valid ones."""
+    names = {part.strip() for part in text.split(",") if part.strip()}
+    if not names or names == {"all"}:
+        return frozenset(FAULT_KINDS)
+    if names == {"none"}:
+        return frozenset()
+    unknown = sorted(names - set(FAULT_KINDS))
+    if unknown:
+        raise ValueError(f"unknown fault kind(s) {', '.join(unknown)}; "
+                         f"choose from {', '.join(FAULT_KINDS)}")
+    return frozenset(names)
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """One chaos run.
+
+    ``duration`` is the chaos phase in seconds: faults are injected and jobs enqueued
+    during it. ``deadline`` bounds the whole run from the first enqueue: committed jobs
+    not finished by then count as lost. ``lease`` and ``rescue_interval`` configure the
+    dispatchers; ``slack`` is the allowance, on top of both, for a job to stay
+    ``running`` past its lease (restart downtime, reconnect backoff, a loaded machine).
+    ``dsn`` runs on an existing server in a database (or schemas) of the run's own,
+    dropped afterwards; without it an embedded PostgreSQL is started in ``work_dir``
+    (a temporary directory of its own when None; a given one must stay traversable by
+    the server's user for the whole run: pytest's ``tmp_path`` is not, as pytest resets
+    ``/tmp/pytest-of-<user>`` to mode 0700 whenever another session starts).
+    ``provider_retention`` is how long the fakes remember an idempotency key (24 hours,
+    as Stripe and Resend): shorten it to see what a provider that forgets keys early
+    does to "once" (the checks catch it).
+    """
+
+    workers: int = 3
+    jobs: int = 3000
+    duration: float = 40.0
+    deadline: float = 240.0
+    seed: int = 0
+    dsn: str | None = None
+    faults: frozenset[str] = field(default_factory=lambda: frozenset(FAULT_KINDS))
+    lease: float = 2.0
+    rescue_interval: float = 1.0
+    slack: float = 8.0
+    concurrency: int = 8
+    provider_timeout: float = 1.0
+    provider_latency: float = 0.01
+    provider_retention: float = 24 * 60 * 60.0
+    enqueue_threads: int = 4
+    work_dir: str | None = None
+    keep_logs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError("workers must be at least 1")
+        if self.jobs < 10:
+            raise ValueError("jobs must be at least 10")
+        if self.duration <= 0 or self.deadline <= self.duration:
+            raise ValueError("duration must be positive and deadline longer than duration")
+        if self.lease < 1.0:
+            raise ValueError("lease must be at least 1 second")
+        unknown = self.faults - set(FAULT_KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kind(s): {', '.join(sorted(unknown))}")
+
+    @property
+    def overrun_bound(self) -> float:
+        """The longest a job may stay ``running`` past its lease: lease + rescue + slack."""
+        return self.lease + self.rescue_interval + self.slack
+
+    @property
+    def stop_seconds(self) -> float:
+        """How long a SIGSTOP lasts: past the lease and one rescue round, so the frozen
+        worker's claims are taken over before it wakes."""
+        return self.lease + self.rescue_interval + 1.5

@@ -1,0 +1,273 @@
+"""Carrying out the fault schedule, and recording what each fault actually did.
+
+Kills are aimed at failure windows and judged afterwards (``effects.chaos.windows``);
+a killed worker is replaced at once. A stop freezes the busiest worker (SIGSTOP) past
+its lease and one rescue round, thaws it (SIGCONT) so its late writes meet the fence,
+then retires it (SIGTERM) to collect its counters: ``stale_completions`` and
+``lost_claims`` are those fenced late writes. Restarts and terminations cut every
+dispatcher connection (or one worker's); provider faults are armed at the fakes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ._sql import ChaosQueries
+from .config import ChaosConfig
+from .database import Database
+from .pool import WorkerPool, WorkerProcess
+from .providers import Providers
+from .schedule import FaultEvent
+from .windows import AIM_SECONDS, Aimer, died_inside, statement_windows
+
+__all__ = ["FaultInjector", "FaultLog", "KillRecord"]
+
+log = logging.getLogger("effects.chaos")
+
+_RETIRE_TIMEOUT = 30.0
+
+
+@dataclass
+class KillRecord:
+    """One kill: when (seconds into the chaos phase), whom, the window it aimed at,
+    whether the worker was seen in it just before, the windows it hit, and how many
+    jobs the worker still held when it died."""
+
+    at: float
+    tag: str
+    aimed: str
+    seen: bool
+    hit: list[str]
+    held: int
+
+
+@dataclass
+class FaultLog:
+    """What the injector did.
+
+    ``armed`` counts events carried out per kind (for provider faults: the requests
+    armed to be spoiled). ``injected`` counts evidence that a fault took effect: kills
+    sent, stops that outlasted the lease, restarts completed, terminate rounds that
+    ended at least one backend, requests slowed by a latency spike (the other provider
+    faults are counted from what the adapters saw, in the checks). ``frozen_jobs`` are
+    the jobs frozen workers held; ``stop_fenced`` the late writes their counters show
+    fenced (stale completions + lost claims) once retired.
+    """
+
+    armed: Counter[str] = field(default_factory=Counter)
+    injected: Counter[str] = field(default_factory=Counter)
+    kills: list[KillRecord] = field(default_factory=list)
+    window_jobs: Counter[str] = field(default_factory=Counter)
+    terminated_backends: int = 0
+    restart_seconds: list[float] = field(default_factory=list)
+    frozen_jobs: int = 0
+    stop_fenced: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def windows_hit(self) -> Counter[str]:
+        """Kills that hit each window."""
+        return Counter(window for kill in self.kills for window in kill.hit)
+
+
+class FaultInjector:
+    """Runs the schedule on its own thread: ``run(events, stop)``, then ``finish()``."""
+
+    def __init__(self, config: ChaosConfig, database: Database, queries: ChaosQueries,
+                 pool: WorkerPool, providers: Providers) -> None:
+        self._config = config
+        self._database = database
+        self._queries = queries
+        self._pool = pool
+        self._providers = providers
+        self._aimer = Aimer(database.dsn, queries, providers, config.concurrency)
+        self._frozen: dict[int, tuple[WorkerProcess, float]] = {}  # by the stop's ref
+        self._thawed: dict[int, WorkerProcess] = {}
+        self._spikes: dict[int, tuple[str, int]] = {}  # by ref: (provider, requests then)
+        self._retiring: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._started = time.monotonic()
+        self.log = FaultLog()
+        if "restart" in config.faults and not database.restartable:
+            self.log.skipped["restart"] = "the --dsn server is not the run's own: not restarted"
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self, events: Sequence[FaultEvent], stop: threading.Event) -> None:
+        """Carry out ``events`` at their times (seconds after this call), until ``stop``."""
+        self._started = time.monotonic()
+        for event in events:
+            if stop.wait(max(0.0, self._started + event.at - time.monotonic())):
+                return
+            try:
+                self._execute(event)
+            except Exception as exc:  # a fault that failed to fire is reported, not fatal
+                self.log.errors.append(f"{event.kind} at {event.at:.1f}s: "
+                                       f"{type(exc).__name__}: {exc}")
+                self._aimer.close()
+
+    def finish(self) -> None:
+        """Undo what is still in force: thaw frozen workers, end latency spikes, wait
+        for retiring workers."""
+        for worker, _ in self._frozen.values():
+            self._pool.thaw(worker)
+        self._frozen.clear()
+        for ref in list(self._spikes):
+            self._end_latency(ref)
+        for thread in self._retiring:
+            thread.join(_RETIRE_TIMEOUT + 30.0)
+            if thread.is_alive():
+                self.log.errors.append(f"{thread.name} did not finish")
+        self._aimer.close()
+
+    def _execute(self, event: FaultEvent) -> None:
+        handlers: dict[str, Callable[[FaultEvent], None]] = {
+            "kill": self._kill, "stop": self._stop, "cont": self._cont,
+            "retire": self._retire, "restart": self._restart, "terminate": self._terminate,
+            "latency": self._latency, "latency_end": lambda e: self._end_latency(e.ref),
+        }
+        handler = handlers.get(event.kind, self._provider_fault)
+        handler(event)
+
+    # -- kills --------------------------------------------------------------------------------
+
+    def _kill(self, event: FaultEvent) -> None:
+        worker = self._pool.pick(event.slot, min_age=self._config.lease)
+        if worker is None:
+            self.log.notes.append(f"kill at {event.at:.1f}s skipped: no worker free")
+            return
+        at = time.monotonic() - self._started
+        with self._aimer.aim(worker, event.window) as (before, seen):
+            self._pool.kill(worker)
+            try:
+                after = self._aimer.backends(worker)
+            finally:
+                self._pool.replace(worker)
+        self.log.armed["kill"] += 1
+        self.log.injected["kill"] += 1
+        hit = [w for w in statement_windows() if died_inside(w, worker.tag, before, after)]
+        held = self._aimer.left_behind(worker)
+        self.log.window_jobs.update(held)
+        hit += [window for window, jobs in held.items() if jobs]
+        self.log.kills.append(KillRecord(round(at, 2), worker.tag, event.window, seen, hit,
+                                         sum(held.values())))
+
+    # -- stops --------------------------------------------------------------------------------
+
+    def _stop(self, event: FaultEvent) -> None:
+        awake = [w for w in self._pool.live() if not w.frozen and not w.doomed]
+        if len(awake) < 2:  # keep one worker awake to rescue the frozen one's jobs
+            self.log.notes.append(f"stop at {event.at:.1f}s skipped: no worker to spare")
+            return
+        worker, held = self._busiest(awake, event.slot)
+        self.log.frozen_jobs += held
+        self._pool.freeze(worker)
+        self._frozen[event.ref] = (worker, time.monotonic())
+        self.log.armed["stop"] += 1
+
+    def _busiest(self, awake: list[WorkerProcess], slot: int) -> tuple[WorkerProcess, int]:
+        """The awake worker holding the most jobs (waiting, bounded, for one to hold
+        any: freezing an idle worker tests little); ties go to ``slot`` onwards."""
+        order = sorted(awake, key=lambda w: (w.slot - slot) % self._config.workers)
+        deadline = time.monotonic() + AIM_SECONDS
+        held: dict[str, int] = {}
+        for _ in range(1000):  # bounded in count as well as in time
+            held = {w.tag: len(self._aimer.held(w)) for w in order}
+            if any(held.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        worker = max(order, key=lambda w: held.get(w.tag, 0))
+        return worker, held.get(worker.tag, 0)
+
+    def _cont(self, event: FaultEvent) -> None:
+        frozen = self._frozen.pop(event.ref, None)
+        if frozen is None:
+            return  # the stop was skipped
+        worker, since = frozen
+        worker.doomed = True  # awaits its graceful stop: no other fault may take it
+        self._pool.thaw(worker)
+        if time.monotonic() - since >= self._config.lease and worker.proc.poll() is None:
+            self.log.injected["stop"] += 1
+        self._thawed[event.ref] = worker
+
+    def _retire(self, event: FaultEvent) -> None:
+        worker = self._thawed.pop(event.ref, None)
+        if worker is None:
+            return
+        thread = threading.Thread(target=self._retire_worker, args=(worker,),
+                                  name=f"chaos-retire-{event.slot}", daemon=True)
+        thread.start()  # a graceful stop takes a while: the schedule goes on meanwhile
+        self._retiring.append(thread)
+
+    def _retire_worker(self, worker: WorkerProcess) -> None:
+        stats = self._pool.retire(worker, _RETIRE_TIMEOUT)
+        if stats is not None:
+            with self._lock:
+                self.log.stop_fenced += int(stats.get("stale_completions", 0)
+                                            + stats.get("lost_claims", 0))
+
+    # -- the database -------------------------------------------------------------------------
+
+    def _restart(self, event: FaultEvent) -> None:
+        if not self._database.restartable:
+            return
+        self._aimer.close()
+        self.log.armed["restart"] += 1
+        self.log.restart_seconds.append(round(self._database.restart(), 2))
+        self.log.injected["restart"] += 1
+
+    def _terminate(self, event: FaultEvent) -> None:
+        if event.variant == "one":
+            worker = self._pool.pick(event.slot, min_age=self._config.lease)
+            workers = [] if worker is None else [worker]
+        else:
+            workers = self._pool.live()
+        names = [name for w in workers for name in w.settings.application_names()]
+        deadline = time.monotonic() + AIM_SECONDS
+        while not self._aimer.query(self._queries.worker_backends, {"names": names}) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)  # workers just started have not connected yet
+        (ended,) = self._aimer.query(self._queries.terminate_backends, {"names": names})[0]
+        self.log.armed["terminate"] += 1
+        self.log.terminated_backends += int(ended)
+        if ended:
+            self.log.injected["terminate"] += 1
+
+    # -- providers ----------------------------------------------------------------------------
+
+    def _provider_fault(self, event: FaultEvent) -> None:
+        fake = self._providers.by_name(event.provider)
+        if event.kind in ("5xx", "429"):
+            retry_after = event.seconds if event.kind == "429" else None
+            fake.fail_next(event.count, event.status, retry_after=retry_after)
+        elif event.kind == "timeout":
+            fake.succeed_then_timeout(event.count)
+        elif event.kind == "drop" and event.variant == "before":
+            fake.drop_connection(event.count)
+        elif event.kind == "drop":
+            fake.succeed_then_drop(event.count)
+        else:
+            raise ValueError(f"unknown fault kind {event.kind!r}")
+        self.log.armed[event.kind] += event.count
+
+    def _latency(self, event: FaultEvent) -> None:
+        if any(provider == event.provider for provider, _ in self._spikes.values()):
+            return  # a spike is already in force there
+        fake = self._providers.by_name(event.provider)
+        self._spikes[event.ref] = (event.provider, fake.total_requests)
+        fake.set_latency(event.seconds)
+        self.log.armed["latency"] += 1
+
+    def _end_latency(self, ref: int) -> None:
+        spike = self._spikes.pop(ref, None)
+        if spike is None:
+            return
+        fake = self._providers.by_name(spike[0])
+        fake.set_latency(self._providers.latency)
+        self.log.injected["latency"] += fake.total_requests - spike[1]

@@ -1,0 +1,79 @@
+"""The fake providers of a chaos run, in the runner's process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from effects.testing import FakeEmailProvider, FakeProvider, FakeStripe, FakeWebhookReceiver
+
+from .schedule import EFFECTS
+
+__all__ = ["WEBHOOK_SECRET", "Providers", "start_providers"]
+
+WEBHOOK_SECRET = "whsec_chaos"
+
+
+@dataclass
+class Providers:
+    """Resend, Stripe and a webhook receiver, each a local HTTP server that counts what
+    it performed per idempotency key."""
+
+    email: FakeEmailProvider
+    stripe: FakeStripe
+    webhook: FakeWebhookReceiver
+    latency: float
+
+    def by_name(self, name: str) -> FakeProvider:
+        """The fake called ``email``, ``stripe`` or ``webhook``."""
+        fakes: dict[str, FakeProvider] = {"email": self.email, "stripe": self.stripe,
+                                          "webhook": self.webhook}
+        return fakes[name]
+
+    def for_effect(self, effect: str) -> FakeProvider:
+        """The fake that performs ``effect``."""
+        return self.by_name(EFFECTS[effect])
+
+    def items(self) -> list[tuple[str, FakeProvider]]:
+        """(name, fake) pairs."""
+        return [(name, self.by_name(name)) for name in ("email", "stripe", "webhook")]
+
+    def stalled_answers(self, upper: int) -> int:
+        """Answers the fakes performed and then withheld (``succeed_then_timeout``), up
+        to ``upper``, found through the fakes' public ``wait_for_stalls``."""
+        return sum(_stalled(fake, upper) for _, fake in self.items())
+
+    def close(self) -> None:
+        """Release stalled answers and stop every server (joins their threads)."""
+        for _, fake in self.items():
+            fake.close()
+
+
+def start_providers(latency: float, max_stall: float, retention: float) -> Providers:
+    """Start the three fakes with a base ``latency`` per request; an answer stalled by
+    ``succeed_then_timeout`` is held at most ``max_stall`` seconds; a key is remembered
+    ``retention`` seconds."""
+    email = FakeEmailProvider(latency=latency, max_stall=max_stall, retention=retention)
+    try:
+        stripe = FakeStripe(latency=latency, max_stall=max_stall, retention=retention)
+    except BaseException:
+        email.close()
+        raise
+    try:
+        webhook = FakeWebhookReceiver(WEBHOOK_SECRET, latency=latency, max_stall=max_stall,
+                                      retention=retention)
+    except BaseException:
+        email.close()
+        stripe.close()
+        raise
+    return Providers(email, stripe, webhook, latency)
+
+
+def _stalled(fake: FakeProvider, upper: int) -> int:
+    count = 0
+    for n in range(1, upper + 1):
+        try:
+            fake.wait_for_stalls(n, timeout=0)
+        except AssertionError:
+            break
+        count = n
+    return count

@@ -1,0 +1,164 @@
+"""The report of a chaos run: figures, violations, a table for people and JSON for tools.
+
+What the figures mean:
+
+- ``jobs``: ``planned`` committed jobs, ``committed`` rows found in the jobs table,
+  ``done`` / ``failed`` / ``reconcile`` final states, ``lost`` committed jobs in none of
+  them by the deadline (must be 0), ``rolled_back`` jobs of business transactions that
+  rolled back (must never exist nor be performed).
+- ``faults``: per kind, ``armed`` (events carried out; for provider faults the number of
+  requests armed to fail) and ``injected``: evidence the fault took effect. Kills sent,
+  stops that outlasted the lease, restarts completed, terminate rounds that ended a
+  backend, requests slowed by a latency spike; for 5xx, 429, timeout and drop the
+  adapter calls whose outcome shows the fault (for timeout at least the answers the
+  fakes withheld: a worker killed meanwhile never sees its timeout), for decline the
+  jobs failed by a declined card. An enabled kind with nothing injected fails the
+  run: a schedule that injected nothing proves nothing.
+- ``windows``: per failure window of DESIGN.md, the kills aimed at it, those that saw
+  the worker in it just before the kill, the kills that hit it (judged after the kill)
+  and the jobs or statements caught in it (see ``effects.chaos.windows``); the
+  ``anytime`` row counts plain kills, those that hit any window and the jobs they left.
+- ``lease``: ``max_overrun`` the longest a job was seen ``running`` past its lease
+  (sampled every ~100 ms), ``bound`` = lease + rescue interval + slack, which it must
+  not exceed.
+- ``workers``: processes started, killed, and the ``DispatchStats`` summed over those
+  that exited on SIGTERM (killed workers print none): ``stale_completions`` are fenced
+  late writes (0 rows), ``lost_claims`` claims a heartbeat found gone.
+- ``throughput``: jobs that ended per second, from the first enqueue to the last end.
+  The trickle paces the later jobs over the chaos phase, so this is the rate the run
+  sustained under its faults, not the dispatchers' ceiling.
+- ``violations``: each invariant broken, with examples; the run passes when empty.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["ChaosReport"]
+
+
+@dataclass
+class ChaosReport:
+    """The outcome of ``run_chaos``; ``ok`` when no invariant was violated."""
+
+    seed: int
+    settings: dict[str, Any]
+    database: str
+    elapsed_seconds: float
+    jobs: dict[str, int]
+    per_effect: dict[str, dict[str, int]]
+    failed_reasons: dict[str, int]
+    reconcile_reasons: dict[str, int]
+    providers: dict[str, dict[str, int]]
+    outcomes: dict[str, int]
+    faults: dict[str, dict[str, int]]
+    windows: dict[str, dict[str, int]]
+    kills: list[dict[str, Any]]
+    workers: dict[str, int]
+    lease: dict[str, Any]
+    throughput: float
+    violations: dict[str, list[str]]
+    violation_counts: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+    log_dir: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when no invariant was violated."""
+        return not self.violations
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as plain JSON-ready data (with ``ok``)."""
+        return {"ok": self.ok, **asdict(self)}
+
+    def write_json(self, path: str | Path) -> None:
+        """Write ``as_dict()`` to ``path`` as indented JSON."""
+        Path(path).write_text(json.dumps(self.as_dict(), indent=2, default=str) + "\n")
+
+    def print(self, console: Console) -> None:
+        """Print the report as tables."""
+        console.print(self._summary())
+        console.print(self._fault_table())
+        console.print(self._window_table())
+        if self.failed_reasons or self.reconcile_reasons:
+            console.print(self._reason_table())
+        for note in self.notes:
+            console.print(f"note: {note}")
+        self._print_verdict(console)
+
+    def _summary(self) -> Table:
+        table = Table(title=f"outbox chaos: seed {self.seed}, {self.database}")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        table.add_column("must be", justify="right")
+        for name, value in self.jobs.items():
+            table.add_row(f"jobs {name}", str(value), "0" if name == "lost" else "")
+        for name in ("performed_twice", "double_claims", "repeated_deliveries",
+                     "ledger_missing", "ledger_not_done", "ledger_version_mismatch",
+                     "ledger_result_mismatch", "done_not_once", "decline_mismatches",
+                     "unexpected_failures", "missing_jobs", "rolled_back_present"):
+            table.add_row(name.replace("_", " "), str(self.violation_counts.get(name, 0)), "0")
+        overrun = f"{self.lease['max_overrun']:.2f} s"
+        table.add_row("longest running past lease", overrun, f"<= {self.lease['bound']:.1f} s")
+        table.add_row("throughput", f"{self.throughput:.1f} jobs/s", "")
+        for effect, counts in sorted(self.per_effect.items()):
+            table.add_row(f"  {effect}", _pairs(counts), "")
+        for name, counts in self.providers.items():
+            table.add_row(f"  fake {name}", _pairs(counts), "")
+        table.add_row("adapter outcomes", _pairs(self.outcomes), "")
+        table.add_row("workers", _pairs(self.workers), "")
+        table.add_row("elapsed", f"{self.elapsed_seconds:.1f} s", "")
+        return table
+
+    def _fault_table(self) -> Table:
+        table = Table(title="faults")
+        for column in ("kind", "armed", "injected"):
+            table.add_column(column, justify="left" if column == "kind" else "right")
+        for kind, counts in self.faults.items():
+            table.add_row(kind, str(counts["armed"]), str(counts["injected"]))
+        return table
+
+    def _window_table(self) -> Table:
+        table = Table(title="failure windows: kills aimed, worker seen in it before the "
+                            "kill, kills that hit it, jobs or statements caught")
+        table.add_column("window", no_wrap=True)
+        for column in ("aimed", "seen", "hit", "caught"):
+            table.add_column(column, justify="right")
+        for window, counts in self.windows.items():
+            table.add_row(window, *(str(counts[name]) for name in ("aimed", "seen", "kills",
+                                                                  "caught")))
+        return table
+
+    def _reason_table(self) -> Table:
+        table = Table(title="failed and reconcile jobs, by reason")
+        table.add_column("status")
+        table.add_column("jobs", justify="right")
+        table.add_column("reason")
+        for status, reasons in (("failed", self.failed_reasons),
+                                ("reconcile", self.reconcile_reasons)):
+            for reason, count in sorted(reasons.items(), key=lambda item: -item[1]):
+                table.add_row(status, str(count), reason)
+        return table
+
+    def _print_verdict(self, console: Console) -> None:
+        if self.ok:
+            console.print("[bold green]no violation[/]: every job ended, none performed twice, "
+                          "no double claim, ledger consistent, every enabled fault injected")
+            return
+        console.print(f"[bold red]{sum(self.violation_counts.values())} violation(s)[/]:")
+        for name, examples in self.violations.items():
+            console.print(f"  [bold]{name}[/] ({self.violation_counts.get(name, 0)}):")
+            for example in examples:
+                console.print(f"    {example}", markup=False)
+        if self.log_dir:
+            console.print(f"worker logs kept in {self.log_dir}")
+
+
+def _pairs(counts: dict[str, Any]) -> str:
+    return ", ".join(f"{name} {value}" for name, value in counts.items())

@@ -1,0 +1,58 @@
+"""What a chaos worker process is told: its settings, passed as JSON in the environment.
+
+Kept apart from ``effects.chaos.worker`` so that the runner can build settings without
+importing the worker module (which runs as ``__main__`` in the worker process).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+__all__ = ["ENV_VARIABLE", "ROLES", "WorkerSettings", "application_name"]
+
+ENV_VARIABLE = "OUTBOX_CHAOS_WORKER"
+# The dispatcher's connections; each is named "outbox <role> <tag>" in a chaos worker.
+ROLES = ("claimer", "recorder", "listener")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Everything a worker process needs, passed as JSON in ``$OUTBOX_CHAOS_WORKER``.
+
+    ``tag`` identifies the process: it is the dispatcher's ``worker_id`` (so the jobs'
+    ``claimed_by``) and the suffix of its connections' ``application_name``.
+    """
+
+    dsn: str
+    schema: str
+    chaos: str
+    tag: str
+    email_url: str
+    stripe_url: str
+    webhook_url: str
+    webhook_secret: str
+    lease: float
+    rescue_interval: float
+    concurrency: int
+    provider_timeout: float
+    backoff_base: float = 0.05
+    backoff_cap: float = 0.5
+
+    def to_json(self) -> str:
+        """The settings as the JSON the worker reads."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSettings:
+        """Settings from ``to_json``'s output."""
+        return cls(**json.loads(text))
+
+    def application_names(self) -> list[str]:
+        """The ``application_name`` of each dispatcher connection of this worker."""
+        return [application_name(role, self.tag) for role in ROLES]
+
+
+def application_name(role: str, tag: str) -> str:
+    """``outbox <role> <tag>``: starts with "outbox " like every dispatcher connection."""
+    return f"outbox {role} {tag}"[:63]
