@@ -27,13 +27,16 @@ FROM {schema}.effect_results r
 WHERE r.key = %(key)s::text AND NOT EXISTS (SELECT 1 FROM inserted);
 
 -- name: enqueue_many
--- The bulk path: one statement for any number of jobs, arrays in, created ids out.
+-- The bulk path: one statement for any number of jobs, created ids out. The jobs arrive
+-- as one JSON array (each payload already canonical JSON, embedded as is): one
+-- parameter, parsed by the server, however many jobs.
 WITH wanted AS (
     SELECT *
-    FROM unnest(%(effects)s::text[], %(keys)s::text[], %(payloads)s::jsonb[],
-                %(fingerprints)s::text[], %(run_ats)s::timestamptz[],
-                %(ordering_keys)s::text[], %(max_attempts)s::integer[])
-         WITH ORDINALITY AS w(effect, key, payload, fingerprint, run_at, ordering_key, max_attempts, ord)
+    FROM ROWS FROM (jsonb_to_recordset(%(jobs)s::jsonb)
+                    AS (effect text, key text, payload jsonb, fingerprint text,
+                        run_at timestamptz, ordering_key text, max_attempts integer))
+         WITH ORDINALITY
+         AS w(effect, key, payload, fingerprint, run_at, ordering_key, max_attempts, ord)
 ), inserted AS (
     INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts)
     SELECT w.effect, w.key, w.payload, w.fingerprint, coalesce(w.run_at, now()), w.ordering_key, w.max_attempts
