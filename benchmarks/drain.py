@@ -1,0 +1,241 @@
+"""Section 1, drain: no-op jobs per second, our dispatcher against the limit probe and
+the peer queues, each system in a fresh database, jobs enqueued before the clock.
+
+The clock starts when the worker processes (started, connected, prepared) are released
+and stops when the last of them returns; afterwards the database is checked to hold
+exactly what a complete drain leaves behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import asyncpg
+from pgqueuer import AsyncpgDriver, Queries
+
+from . import _drain_workers as workers
+from ._db import Server, asyncpg_params, fresh_database, migrated, scalar, settle
+from ._procs import Setup, run_released
+from ._results import Row, Section
+from ._seed import CHUNK, enqueue_outbox, seed_pending
+from ._stats import Figure, ratios
+
+log = logging.getLogger("benchmarks.drain")
+
+SYSTEMS = ("outbox", "probe", "pgqueuer", "procrastinate")
+
+
+@dataclass(frozen=True)
+class DrainConfig:
+    sizes: tuple[int, ...]
+    procs: tuple[int, ...]
+    runs: int
+    systems: tuple[str, ...] = SYSTEMS
+    outbox: workers.OutboxSettings = field(default_factory=workers.OutboxSettings)
+    probe_batch: int = 100
+    pgqueuer_batch: int = 500
+    pgqueuer_max_tasks: int | None = None
+    procrastinate_concurrency: int = 10
+    # procrastinate drains about 1% as fast as the others: by default it runs at this one
+    # size only (None: at every size).
+    procrastinate_jobs: int | None = 20_000
+
+    def sizes_for(self, system: str) -> tuple[int, ...]:
+        if system == "procrastinate" and self.procrastinate_jobs is not None:
+            return (self.procrastinate_jobs,)
+        return self.sizes
+
+    def all_sizes(self) -> list[int]:
+        return sorted({size for system in self.systems for size in self.sizes_for(system)})
+
+    def timeout(self, jobs: int) -> float:
+        return 60.0 + jobs / 100
+
+
+@dataclass
+class DrainRun:
+    system: str
+    jobs: int
+    procs: int
+    seconds: float
+    jobs_per_second: float
+    enqueue_per_second: float
+    workers: list[Any]
+
+
+# -- per-system preparation and checks ---------------------------------------------------
+
+def _prepare_outbox(dsn: str, jobs: int) -> float:
+    migrated(dsn)
+    return enqueue_outbox(dsn, jobs)
+
+
+def _prepare_probe(dsn: str, jobs: int) -> float:
+    migrated(dsn)
+    return seed_pending(dsn, jobs, prefix="probe-")
+
+
+async def _pgqueuer_enqueue(dsn: str, jobs: int) -> float:
+    conn = await asyncpg.connect(**asyncpg_params(dsn))
+    try:
+        queries = Queries(AsyncpgDriver(conn))
+        await queries.install()
+        started = time.perf_counter()
+        for first in range(0, jobs, CHUNK):
+            count = min(CHUNK, jobs - first)
+            await queries.enqueue([workers.PGQUEUER_ENTRYPOINT] * count,
+                                  [b'{"n":%d}' % (first + i) for i in range(count)],
+                                  [0] * count)
+        return jobs / (time.perf_counter() - started)
+    finally:
+        await conn.close()
+
+
+def _prepare_pgqueuer(dsn: str, jobs: int) -> float:
+    return asyncio.run(_pgqueuer_enqueue(dsn, jobs))
+
+
+async def _procrastinate_enqueue(dsn: str, jobs: int) -> float:
+    app = workers.procrastinate_app(dsn)
+    async with app.open_async():
+        await app.schema_manager.apply_schema_async()
+        task = app.tasks[workers.PROCRASTINATE_TASK]
+        started = time.perf_counter()
+        for first in range(0, jobs, CHUNK):
+            batch: list[dict[str, Any]] = [{"n": i} for i in range(first, min(jobs, first + CHUNK))]
+            await task.batch_defer_async(*batch)
+        return jobs / (time.perf_counter() - started)
+
+
+def _prepare_procrastinate(dsn: str, jobs: int) -> float:
+    return asyncio.run(_procrastinate_enqueue(dsn, jobs))
+
+
+def _check(what: str, found: Any, expected: int) -> None:
+    if found != expected:
+        raise AssertionError(f"{what}: found {found}, expected {expected}")
+
+
+def _verify_outbox(dsn: str, jobs: int) -> None:
+    _check("outbox jobs done", scalar(
+        dsn, "SELECT count(*) FROM outbox.jobs WHERE status = 'done'"), jobs)
+    _check("outbox ledger rows", scalar(dsn, "SELECT count(*) FROM outbox.effect_results"), jobs)
+
+
+def _verify_probe(dsn: str, jobs: int) -> None:
+    _check("probe rows left", scalar(dsn, "SELECT count(*) FROM outbox.jobs"), 0)
+
+
+def _verify_pgqueuer(dsn: str, jobs: int) -> None:
+    _check("pgqueuer rows left", scalar(dsn, "SELECT count(*) FROM pgqueuer"), 0)
+
+
+def _verify_procrastinate(dsn: str, jobs: int) -> None:
+    _check("procrastinate jobs succeeded", scalar(
+        dsn, "SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'"), jobs)
+
+
+@dataclass(frozen=True)
+class _System:
+    prepare: Callable[[str, int], float]
+    setup: Setup
+    spec: Callable[[DrainConfig, str, float], Any]
+    verify: Callable[[str, int], None]
+
+
+_REGISTRY: dict[str, _System] = {
+    "outbox": _System(
+        _prepare_outbox, workers.outbox_worker,
+        lambda c, dsn, t: workers.OutboxSpec(dsn, c.outbox, t),
+        _verify_outbox),
+    "probe": _System(
+        _prepare_probe, workers.probe_worker,
+        lambda c, dsn, t: workers.ProbeSpec(dsn, c.probe_batch, t), _verify_probe),
+    "pgqueuer": _System(
+        _prepare_pgqueuer, workers.pgqueuer_worker,
+        lambda c, dsn, t: workers.PgqueuerSpec(dsn, c.pgqueuer_batch, c.pgqueuer_max_tasks, t),
+        _verify_pgqueuer),
+    "procrastinate": _System(
+        _prepare_procrastinate, workers.procrastinate_worker,
+        lambda c, dsn, t: workers.ProcrastinateSpec(dsn, c.procrastinate_concurrency, t),
+        _verify_procrastinate),
+}
+
+
+def measure(server: Server, config: DrainConfig, system: str, jobs: int, procs: int) -> DrainRun:
+    """One drain of ``jobs`` by ``procs`` processes of ``system`` in a fresh database."""
+    entry = _REGISTRY[system]
+    with fresh_database(server, system) as dsn:
+        enqueue_rate = entry.prepare(dsn, jobs)
+        settle(dsn)
+        timeout = config.timeout(jobs)
+        released = run_released(entry.setup, [entry.spec(config, dsn, timeout)] * procs,
+                                timeout=timeout + 30)
+        entry.verify(dsn, jobs)
+    rate = jobs / released.seconds
+    log.info("drain %s %d jobs x%d: %.0f jobs/s", system, jobs, procs, rate)
+    return DrainRun(system, jobs, procs, released.seconds, rate, enqueue_rate,
+                    released.results)
+
+
+# -- the section ---------------------------------------------------------------------------
+
+def _label(jobs: int) -> str:
+    return f"{jobs // 1000}k" if jobs % 1000 == 0 else str(jobs)
+
+
+def _rates(runs: list[DrainRun], system: str, jobs: int, procs: int) -> list[float]:
+    return [r.jobs_per_second for r in runs
+            if r.system == system and r.jobs == jobs and r.procs == procs]
+
+
+def _size_rows(config: DrainConfig, runs: list[DrainRun], size: int, procs: int) -> list[Row]:
+    rows: list[Row] = []
+    probe = _rates(runs, "probe", size, procs)
+    for system in config.systems:
+        name = f"{system} {_label(size)} x{procs}"
+        mine = _rates(runs, system, size, procs)
+        if not mine:
+            if size in config.sizes:
+                rows.append(Row("drain", name, "jobs/s", Figure.of([]),
+                                note="skipped: slow; --slow-peers runs it"))
+            continue
+        if system == "probe" or not probe:
+            rows.append(Row("drain", name, "jobs/s", Figure.of(mine)))
+        else:
+            rows.append(Row("drain", name, "jobs/s", Figure.of(mine), "limit probe",
+                            Figure.of(probe), ratios(mine, probe)))
+    ours, peer = _rates(runs, "outbox", size, procs), _rates(runs, "pgqueuer", size, procs)
+    if ours and peer:
+        rows.append(Row("drain", f"outbox vs pgqueuer {_label(size)} x{procs}", "jobs/s",
+                        Figure.of(ours), "pgqueuer", Figure.of(peer), ratios(ours, peer)))
+    return rows
+
+
+def _rows(config: DrainConfig, runs: list[DrainRun]) -> list[Row]:
+    return [row for size in config.all_sizes() for procs in config.procs
+            for row in _size_rows(config, runs, size, procs)]
+
+
+def run(server: Server, config: DrainConfig) -> Section:
+    """Every system at its sizes and process counts, ``config.runs`` times, interleaved."""
+    results: list[DrainRun] = []
+    for _ in range(config.runs):
+        for size in config.all_sizes():
+            for procs in config.procs:
+                for system in config.systems:
+                    if size in config.sizes_for(system):
+                        results.append(measure(server, config, system, size, procs))
+    settings = {"outbox": config.outbox.describe(),
+                "probe": f"batch {config.probe_batch}",
+                "pgqueuer": f"asyncpg batch_size={config.pgqueuer_batch} "
+                f"max_concurrent_tasks={config.pgqueuer_max_tasks}",
+                "procrastinate": f"concurrency={config.procrastinate_concurrency}"}
+    return Section("drain", _rows(config, results),
+                   raw={"config": asdict(config), "runs": [asdict(r) for r in results]},
+                   settings=settings)
