@@ -126,7 +126,7 @@ def pgqueuer_worker(spec: PgqueuerSpec) -> Prepared:
     manager = QueueManager(Queries(AsyncpgDriver(conn)))
     performed = [0]
 
-    @manager.entrypoint(PGQUEUER_ENTRYPOINT)
+    @manager.entrypoint(PGQUEUER_ENTRYPOINT)  # type: ignore[untyped-decorator,unused-ignore]
     async def noop(job: PgqJob) -> None:
         performed[0] += 1
 
