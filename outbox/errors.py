@@ -77,6 +77,15 @@ class ConfigurationError(OutboxError, ValueError):
     """An argument given to a Dispatcher, a migration or the command line is invalid."""
 
 
+def _delay_seconds(after: float | timedelta | None, signal: str) -> float | None:
+    """A signal's ``after`` as seconds, refusing negative and NaN delays."""
+    if isinstance(after, timedelta):
+        after = after.total_seconds()
+    if after is not None and not after >= 0:  # also refuses NaN
+        raise ValueError(f"{signal}(after=...) must not be negative or NaN, got {after}")
+    return after
+
+
 class EffectOutcome(Exception):
     """Base of the signals an effect raises from ``perform`` to choose what happens next."""
 
@@ -92,11 +101,7 @@ class Retry(EffectOutcome):
     def __init__(self, reason: str = "retry requested", *, after: float | timedelta | None = None):
         super().__init__(reason)
         self.reason = reason
-        if isinstance(after, timedelta):
-            after = after.total_seconds()
-        if after is not None and not after >= 0:  # also refuses NaN
-            raise ValueError(f"Retry(after=...) must not be negative or NaN, got {after}")
-        self.after: float | None = after
+        self.after = _delay_seconds(after, "Retry")
 
 
 class Permanent(EffectOutcome):
@@ -119,8 +124,4 @@ class UnknownOutcome(EffectOutcome):
     def __init__(self, reason: str, *, after: float | timedelta | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
-        if isinstance(after, timedelta):
-            after = after.total_seconds()
-        if after is not None and not after >= 0:  # also refuses NaN
-            raise ValueError(f"UnknownOutcome(after=...) must not be negative or NaN, got {after}")
-        self.after: float | None = after
+        self.after = _delay_seconds(after, "UnknownOutcome")
