@@ -27,7 +27,7 @@ _OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": oper
 
 @dataclass(frozen=True)
 class Target:
-    """What the issue asks of a figure: ``on`` is "ratio" or "value"."""
+    """The target a figure is held to: ``on`` is "ratio" or "value"."""
 
     op: str
     bound: float

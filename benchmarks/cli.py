@@ -37,7 +37,7 @@ BEST_OUTBOX = OutboxSettings(concurrency=64, batch_size=2000)
 
 @dataclass(frozen=True)
 class Sizes:
-    """How much work each section does: the issue's sizes, or a smoke run's."""
+    """How much work each section does: the full sizes, or a smoke run's."""
 
     drain_sizes: tuple[int, ...]
     drain_procs: tuple[int, ...]

@@ -2,7 +2,7 @@
 
 One run at CI size (3 workers, 1500 jobs, every fault kind, an embedded PostgreSQL the
 runner owns so that it can restart it) is shared by the first two tests. Smaller runs
-check the rest: on the session's server (``--dsn`` mode) the runner keeps to a database
+check the rest: on the test session's server (``--dsn`` mode) the runner keeps to a database
 of its own; with a provider that forgets keys the checks do catch double performs (a
 checker that cannot fail proves nothing); the command prints and writes its report.
 ``OUTBOX_CHAOS_SEED`` replays another seed.
