@@ -18,14 +18,16 @@ import math
 import time
 from collections.abc import Mapping
 from email.utils import parsedate_to_datetime
+from typing import Self
 
 import httpx
 
-from outbox import Permanent, Retry, UnknownOutcome
+from outbox import Effect, Permanent, Retry, UnknownOutcome
 
 __all__ = [
     "NOT_SENT_ERRORS",
     "USER_AGENT",
+    "PooledAdapter",
     "never_reached_provider",
     "redact",
     "retry_after",
@@ -49,6 +51,21 @@ _UNBUILDABLE_ERRORS: tuple[type[Exception], ...] = (
 )
 
 _MAX_REASON_DETAIL = 300
+
+
+class PooledAdapter(Effect):
+    """An adapter that holds a connection pool: ``close()`` releases it, and ``with``
+    closes it on the way out."""
+
+    def close(self) -> None:
+        """Release the connection pool; the adapter cannot call its provider afterwards."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def send(client: httpx.Client, request: httpx.Request, *, what: str) -> httpx.Response:

@@ -22,14 +22,14 @@ this adapter does not pretend otherwise and supports Resend-compatible APIs only
 from __future__ import annotations
 
 import logging
-from typing import Any, Self
+from typing import Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from outbox import Effect, Job, Permanent, Retry
+from outbox import Job, Permanent, Retry
 
-from ._http import USER_AGENT, redact, retry_after, send
+from ._http import USER_AGENT, PooledAdapter, redact, retry_after, send
 from ._payload import validated_payload
 
 __all__ = ["EmailPayload", "EmailTag", "SendEmail"]
@@ -97,7 +97,7 @@ class EmailPayload(BaseModel):
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-class SendEmail(Effect):
+class SendEmail(PooledAdapter):
     """Sends ``email.send`` jobs through Resend's ``POST /emails`` over HTTPS.
 
     Guarantees: sends ``job.key`` as the ``Idempotency-Key`` unchanged, so retries and
@@ -147,12 +147,6 @@ class SendEmail(Effect):
     def close(self) -> None:
         """Close the HTTP connection pool. The adapter cannot send afterwards."""
         self._client.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"SendEmail(base_url={str(self._client.base_url)!r})"

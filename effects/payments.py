@@ -45,16 +45,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx
 import stripe
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from stripe.params import PaymentIntentCreateParams, RefundCreateParams
 
-from outbox import Effect, EffectOutcome, Job, Permanent, Retry, UnknownOutcome
+from outbox import EffectOutcome, Job, Permanent, Retry, UnknownOutcome
 
-from ._http import USER_AGENT, never_reached_provider, redact, retry_after
+from ._http import USER_AGENT, PooledAdapter, never_reached_provider, redact, retry_after
 from ._payload import validated_payload
 
 __all__ = ["ChargeCard", "ChargePayload", "RefundPayload", "RefundPayment"]
@@ -197,7 +197,7 @@ class _HttpxTransport(stripe.HTTPClient):
         self._client.close()
 
 
-class _StripeEffect(Effect):
+class _StripeEffect(PooledAdapter):
     """What charges and refunds share: the client, and the one error boundary."""
 
     def __init__(self, api_key: str, base_url: str | None = None, timeout: float = 30.0) -> None:
@@ -216,12 +216,6 @@ class _StripeEffect(Effect):
     def close(self) -> None:
         """Close the HTTP connection pool. The adapter cannot call Stripe afterwards."""
         self._transport.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base_url={self._base_url!r})"

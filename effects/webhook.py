@@ -28,14 +28,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Self
+from typing import Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-from outbox import Effect, Job, Permanent, Retry
+from outbox import Job, Permanent, Retry
 
-from ._http import USER_AGENT, retry_after, send
+from ._http import USER_AGENT, PooledAdapter, retry_after, send
 from ._payload import validated_payload
 from ._signing import compute_signature, verify_signature
 
@@ -55,7 +55,7 @@ class WebhookPayload(BaseModel):
     data: JsonValue
 
 
-class PostWebhook(Effect):
+class PostWebhook(PooledAdapter):
     """POSTs ``webhook.post`` jobs to ``url`` as signed JSON.
 
     Guarantees: sends ``job.key`` as the ``Idempotency-Key`` header and as the body's
@@ -98,12 +98,6 @@ class PostWebhook(Effect):
     def close(self) -> None:
         """Close the HTTP connection pool. The adapter cannot deliver afterwards."""
         self._client.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"PostWebhook(host={self._url.host!r})"
