@@ -87,9 +87,9 @@ def validate_key(key: object, *, what: str = "key") -> str:
     return key
 
 
-def _reject_non_finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidPayload(f"payload holds {value!r}, which JSON cannot represent")
+def _not_serialisable(value: Any) -> Any:
+    # json calls this only for objects it has no encoding for; NaN and infinities never
+    # get here (allow_nan=False raises ValueError for them, handled in canonical_json).
     raise InvalidPayload(f"payload holds a {type(value).__name__}, which is not JSON-serialisable")
 
 
@@ -128,7 +128,7 @@ def canonical_json(payload: object) -> str:
     try:
         text = json.dumps(
             payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-            allow_nan=False, default=_reject_non_finite,
+            allow_nan=False, default=_not_serialisable,
         )
     except InvalidPayload:
         raise
