@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Awaitable
 from concurrent.futures import Executor
+from functools import partial
 
 import psycopg
 
@@ -199,18 +200,24 @@ class TaskWorkers:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def submit(self, batch: list[Held]) -> None:
+        state = self.state
         for held in batch:
-            coro = (self.performer.perform_async(held) if held.is_async
-                    else self._perform_on_pool(held))
-            task = self._loop.create_task(coro)
-            self._tasks.add(task)
-            task.add_done_callback(self._done)
+            if (state.releasing or held.lost) and not state.begin(held):
+                continue  # handed back or dropped without waiting for a slot
+            # Slots are released on the loop only (sync effects' threads return their
+            # outcome to the loop first), so ``start`` runs on the loop.
+            state.slots.when_free(partial(self._start, held))
+
+    def _start(self, held: Held) -> None:
+        coro = (self.performer.perform_holding_slot(held) if held.is_async
+                else self._perform_on_pool(held))
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
 
     async def _perform_on_pool(self, held: Held) -> None:
+        """Holding a slot: ``perform`` on the pool; the outcome comes back to the loop."""
         state = self.state
-        if (state.releasing or held.lost) and not state.begin(held):
-            return
-        await state.slots.acquire_async()
         try:
             if state.begin(held):
                 outcome = await self._loop.run_in_executor(

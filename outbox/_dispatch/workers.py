@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from queue import SimpleQueue
 from typing import Any
 
@@ -54,17 +55,14 @@ class Performer:
         finally:
             state.slots.release()
 
-    async def perform_async(self, held: Held) -> None:
-        """On the event loop: wait for a slot, then perform ``held`` (or hand it back)."""
-        state = self.state
-        if (state.releasing or held.lost) and not state.begin(held):
-            return
-        await state.slots.acquire_async()
+    async def perform_holding_slot(self, held: Held) -> None:
+        """On the event loop, holding a slot (``Slots.when_free``): perform ``held`` (or
+        hand it back), then release the slot."""
         try:
-            if state.begin(held):
-                state.finish(held, await self.call_async(held))
+            if self.state.begin(held):
+                self.state.finish(held, await self.call_async(held))
         finally:
-            state.slots.release()
+            self.state.slots.release()
 
     def call_sync(self, held: Held) -> Outcome:
         """Call a sync ``perform`` (already begun); never raises."""
@@ -172,6 +170,7 @@ class LoopRunner:
         ready.wait()
 
     def _run(self, ready: threading.Event) -> None:
+        self._loop_thread = threading.get_ident()
         asyncio.set_event_loop(self._loop)
         self._loop.call_soon(ready.set)
         self._loop.run_forever()
@@ -181,10 +180,23 @@ class LoopRunner:
         self._loop.call_soon_threadsafe(self._spawn, batch)
 
     def _spawn(self, batch: list[Held]) -> None:
+        state = self._performer.state
         for held in batch:
-            task = self._loop.create_task(self._performer.perform_async(held))
-            self._tasks.add(task)
-            task.add_done_callback(self._done)
+            if (state.releasing or held.lost) and not state.begin(held):
+                continue  # handed back or dropped without waiting for a slot
+            state.slots.when_free(partial(self._start_soon, held))
+
+    def _start_soon(self, held: Held) -> None:
+        """Holding a slot: start ``held``'s task on the loop (from any thread)."""
+        if threading.get_ident() == self._loop_thread:
+            self._start(held)
+        else:
+            self._loop.call_soon_threadsafe(self._start, held)
+
+    def _start(self, held: Held) -> None:
+        task = self._loop.create_task(self._performer.perform_holding_slot(held))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
