@@ -312,3 +312,42 @@ def test_same_options_checked_the_same_way(dsn: str) -> None:
     with pytest.raises(outbox.ConfigurationError, match="lease must be at least 1.0 seconds"):
         AsyncDispatcher(dsn, [AsyncRecord()], lease=0.5)
     assert AsyncDispatcher(dsn, [AsyncRecord()], lease=2).lease == 2.0
+
+
+def _readme_example() -> str:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## AsyncDispatcher", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_fastapi_lifespan_drains_and_stops(
+    dsn: str, schema: str, fake_email: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from effects.email import SendEmail
+
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", dsn)
+    monkeypatch.setenv("RESEND_API_KEY", "re_test_key")
+    namespace: dict[str, Any] = {}
+    exec(compile(_readme_example(), "README.md", "exec"), namespace)
+    assert isinstance(namespace["dispatcher"], AsyncDispatcher)
+    # The same lifespan, with the dispatcher pointed at this test's schema and fake Resend.
+    adapter = SendEmail(api_key="re_test_key", base_url=fake_email.url)
+    dispatcher = AsyncDispatcher(dsn, [adapter], schema=schema)
+    namespace["dispatcher"] = dispatcher
+    app = namespace["app"]
+
+    async def serve() -> None:  # what the server does with the app's lifespan
+        async with app.router.lifespan_context(app):
+            await asyncio.to_thread(enqueue, dsn, schema, NewJob(
+                "email.send", "email-order-102", {"from": "shop@example.com",
+                "to": "ada@example.com", "subject": "Order 102", "text": "Thank you!"}))
+            await asyncio.to_thread(
+                wait_until, lambda: jobs(dsn, schema)["email-order-102"]["status"] == "done",
+                what="the email sent by the app's dispatcher")
+
+    run(asyncio.wait_for(serve(), 60))
+    assert dispatcher.stats.done == 1  # the lifespan's exit stopped and awaited run()
+    assert fake_email.performed("email-order-102") == 1
+    adapter.close()
