@@ -188,6 +188,8 @@ class SharedState(Generic[E]):
         # Counters of this run: the claimer and the recorder write their own fields.
         self.stats = stats
         self.observer = observer
+        # The default observer does nothing: skip its calls on the per-job paths.
+        self.observing = type(observer) is not DispatchObserver
 
     # -- claimer ---------------------------------------------------------------------
 
@@ -215,7 +217,8 @@ class SharedState(Generic[E]):
             self.finish(held, Release())
             return False
         held.started = True
-        guarded(self.observer.attempt_started, held.job.effect)
+        if self.observing:
+            guarded(self.observer.attempt_started, held.job.effect)
         return True
 
     def finish(self, held: Held, outcome: Outcome, *, signal: bool = True) -> None:
@@ -242,6 +245,8 @@ class SharedState(Generic[E]):
         """The recorder wrote (or found fenced off) ``held``'s outcome: it is no longer
         ours, and its slot in the claimer's budget is free."""
         self.held.pop(held.job.id, None)
+        if not self.observing:
+            return
         if outcome == "lost":
             guarded(self.observer.fence_rejected, held.job.effect)
         guarded(self.observer.attempt_finished, held.job.effect, outcome, held.duration)

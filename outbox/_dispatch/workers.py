@@ -43,11 +43,16 @@ class Performer:
     def __init__(self, state: SharedState[Any]) -> None:
         self.state = state
 
-    def perform_sync(self, held: Held, *, signal: bool = True) -> None:
-        """On a worker thread: wait for a slot, then perform ``held`` (or hand it back)."""
+    def perform_sync(self, held: Held, *, signal: bool = True, gated: bool = True) -> None:
+        """On a worker thread: wait for a slot, then perform ``held`` (or hand it back).
+        ``gated=False`` where the threads alone are the limit (no async effects)."""
         state = self.state
         if (state.releasing or held.lost) and not state.begin(held):
             return  # handed back or dropped without waiting for a slot
+        if not gated:
+            if state.begin(held):
+                state.finish(held, self.call_sync(held), signal=signal)
+            return
         state.slots.acquire()
         try:
             if state.begin(held):
@@ -136,9 +141,11 @@ class ThreadWorkers:
                 runner.close()
 
     def _work(self, queue: SimpleQueue[list[Held] | None]) -> None:
+        # With no async effects, the ``concurrency`` threads are the limit by themselves.
+        gated = bool(self.settings.async_names)
         while (chunk := queue.get()) is not None:
             for held in chunk:
-                self.performer.perform_sync(held, signal=False)
+                self.performer.perform_sync(held, signal=False, gated=gated)
             self.state.outcome_ready.set()  # once per chunk: the recorder takes them all
 
     def _chunks(self, batch: list[Held]) -> list[list[Held]]:
