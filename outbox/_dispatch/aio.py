@@ -22,7 +22,7 @@ import psycopg
 from .. import _state
 from ..migrate import require_current
 from .claimer import Claimer
-from .connection import CONNECTION_ERRORS, AsyncConnection, connect
+from .connection import CONNECTION_ERRORS, AsyncConnection, Reconnects, connect
 from .listener import listen_statement
 from .recorder import Recorder
 from .settings import Settings
@@ -101,7 +101,7 @@ async def wait_for_schema_async(
     """Refuse a missing or newer schema at once; wait for an unreachable database
     (until ``deadline``, when there is one). The check runs on a thread: it is the
     same blocking check as ``Dispatcher``'s, once per run."""
-    failures = AsyncConnection(settings, "claimer")  # for its backoff only
+    failures = Reconnects()
     while True:
         try:
             await asyncio.to_thread(_check_schema, settings)
