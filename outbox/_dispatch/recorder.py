@@ -82,6 +82,7 @@ class Recorder:
                     [h for h, _ in successes if h.job.id not in written])
             for held, _ in successes:
                 self._account(held, held.job.id in written, "done")
+            self.state.wake.set()  # room for the claimer
             batch[:] = [(h, o) for h, o in batch if not isinstance(o, Success)]
         if not batch:
             return
@@ -95,6 +96,7 @@ class Recorder:
         for held, released, decision in settles:
             outcome = "released" if released else _OBSERVED[decision.status]
             self._account(held, held.job.id in written, outcome)
+        self.state.wake.set()  # room for the claimer
         batch.clear()
 
     def landed_before(self, helds: list[Held]) -> Step[set[int]]:
@@ -152,7 +154,6 @@ class Recorder:
                         "was recorded; the newer claim decides", held.job.id, held.job.key,
                         held.job.claim_version)
         self.state.settled(held, outcome)
-        self.state.wake.set()
 
     def failed(self, exc: BaseException, *, lost: bool,
                pending: list[tuple[Held, Outcome]]) -> None:
