@@ -46,7 +46,7 @@ __all__ = [
 log = logging.getLogger("outbox.dispatcher")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Held:
     """A job this dispatcher has claimed and not yet recorded."""
 
@@ -58,7 +58,7 @@ class Held:
     duration: float = 0.0  # written by the worker: seconds ``perform`` ran
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made once per job, on the hot path
 class Success:
     """``perform`` returned; its result as JSON text for the ledger."""
 
@@ -227,10 +227,6 @@ class SharedState(Generic[E]):
         self.outcomes.append((held, outcome))
         if signal:
             self.outcome_ready.set()
-
-    def measured(self, elapsed: float) -> None:
-        mean = self.mean_perform_seconds
-        self.mean_perform_seconds = elapsed if mean is None else 0.9 * mean + 0.1 * elapsed
 
     # -- recorder --------------------------------------------------------------------
 
