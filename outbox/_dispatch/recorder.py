@@ -124,7 +124,7 @@ class Recorder:
                 raise
             except Exception as exc:
                 held = item[0]
-                self.state.held.pop(held.job.id, None)
+                self.state.drop(held)
                 log.error("job %s (key %s): outcome could not be recorded (%s); the lease "
                           "will expire and the job be retried", held.job.id, held.job.key,
                           getattr(exc, "sqlstate", None) or type(exc).__name__)
