@@ -413,19 +413,26 @@ class AsyncDispatcher(_Options):
         listener = (None if until_idle else loop.create_task(
             supervised_async(state, "listener", listen_async(settings, state))))
         claimer = AsyncConnection(settings, "claimer")
-        cancelled = False
+        cancelled = abandon = False
         error: BaseException | None = None
         try:
             await run_claimer_async(Claimer(settings, state, until_idle=until_idle),
                                     claimer, workers, deadline)
         except asyncio.CancelledError:
-            cancelled = True  # the first cancellation drains
-            log.info("dispatcher cancelled: finishing in-flight work, handing back the rest")
+            cancelled = True
+            current = asyncio.current_task()
+            # Cancelled twice already (the second came while the claimer finished its
+            # round): abandon, as a second cancellation during the drain would.
+            abandon = current is not None and current.cancelling() > 1
+            if not abandon:  # the first cancellation drains
+                log.info("dispatcher cancelled: finishing in-flight work, handing back "
+                         "the rest")
         except BaseException as exc:
             error = exc
         try:
             await claimer.discard()
-            await self._wind_down(state, workers, recorder)
+            if not abandon:
+                await self._wind_down(state, workers, recorder)
         finally:
             # Only left after a second cancellation (or a failure while winding down):
             # what still runs is abandoned; its jobs come back when their leases expire.
