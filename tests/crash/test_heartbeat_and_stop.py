@@ -6,6 +6,8 @@ import signal
 
 from psycopg import sql
 
+from outbox.testing import jobs, ledger
+
 from .provider import Conn, Provider
 from .support import (
     Workers,
@@ -13,8 +15,6 @@ from .support import (
     drain,
     enqueue,
     job,
-    jobs,
-    ledger,
     session,
     table,
     wait_until,

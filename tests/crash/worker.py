@@ -28,7 +28,7 @@ import psycopg
 from psycopg import sql
 
 import outbox
-from outbox._sql import queries
+from outbox.sql import queries
 
 from .provider import EFFECT, TableEffect
 

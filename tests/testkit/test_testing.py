@@ -46,8 +46,9 @@ def test_readers_return_the_job_and_ledger_rows_by_key(dsn: str, schema: str) ->
     found = job(dsn, "email-102", schema=schema)
     assert found is not None and found["id"] == job_id and found["status"] == "pending"
     assert job(dsn, "nope", schema=schema) is None
-    assert [j["key"] for j in jobs(dsn, schema=schema)] == ["email-102", "pay-102"]
-    assert [j["key"] for j in jobs(dsn, schema=schema, effect="payment.charge")] == ["pay-102"]
+    assert list(jobs(dsn, schema)) == ["email-102", "pay-102"]
+    assert list(jobs(dsn, schema, effect="payment.charge")) == ["pay-102"]
+    assert jobs(dsn, schema, key="pay-102")["pay-102"]["payload"] == {"amount": 100}
     assert ledger(dsn, schema=schema) == {}
     assert ledger_row(dsn, "email-102", schema=schema) is None
 
@@ -153,7 +154,7 @@ def test_the_fixtures_reach_a_users_suite_through_the_plugin(
 
         def test_schema_is_fresh(outbox_dsn, outbox_schema):
             with psycopg.connect(outbox_dsn) as conn:
-                assert outbox.testing.jobs(conn, schema=outbox_schema) == []
+                assert outbox.testing.jobs(conn, outbox_schema) == {}
     """)
     before = _schemas(dsn)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
