@@ -63,7 +63,7 @@ def _waiting_on_advisory_lock(conn: psycopg.Connection[tuple[object, ...]]) -> i
     row = conn.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
         " AND wait_event_type = 'Lock' AND wait_event = 'advisory'").fetchone()
-    return int(row[0]) if row else 0
+    return int(str(row[0])) if row else 0
 
 
 def _migrate_at_once(conninfo: str, schema: str) -> list[subprocess.CompletedProcess[str]]:
