@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import json
 import logging
 import sys
@@ -104,21 +105,45 @@ def migrate_command(dsn: str, schema: str) -> None:
 
 
 def load_dispatcher(target: str) -> Dispatcher:
-    """Resolve ``module:attribute`` to a Dispatcher (or a callable returning one)."""
+    """Resolve ``module:attribute`` to a Dispatcher, or to a function returning one.
+
+    A class is never instantiated. Every way this can fail (the module does not import,
+    the attribute is missing, the target is something else) is one ``ClickException``
+    line naming the target."""
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise click.BadParameter(f"expected MODULE:ATTRIBUTE, got {target!r}")
     if "" not in sys.path:
         sys.path.insert(0, "")  # like `python -m`: the current directory is importable
-    module = importlib.import_module(module_name)
-    value: Any = module
+    try:
+        value: Any = importlib.import_module(module_name)
+    except Exception as exc:  # whatever the module raises while it imports
+        raise click.ClickException(f"cannot import {module_name!r}: {_describe(exc)}") from None
     for part in attribute.split("."):
+        if not hasattr(value, part):
+            raise click.ClickException(f"{target}: {module_name!r} has no attribute {part!r}")
         value = getattr(value, part)
-    if not isinstance(value, Dispatcher) and callable(value):
-        value = value()
-    if not isinstance(value, Dispatcher):
-        raise click.BadParameter(f"{target} is a {type(value).__name__}, not an outbox.Dispatcher")
-    return value
+    if isinstance(value, Dispatcher):
+        return value
+    if inspect.isfunction(value) or inspect.ismethod(value):
+        try:
+            made = value()
+        except Exception as exc:  # the user's factory: say what it raised, in one line
+            raise click.ClickException(f"{target}() failed: {_describe(exc)}") from None
+        if isinstance(made, Dispatcher):
+            return made
+        raise click.ClickException(
+            f"{target}() returned a {type(made).__name__}, not an outbox.Dispatcher")
+    kind = "class" if isinstance(value, type) else type(value).__name__
+    raise click.ClickException(
+        f"{target} is a {kind}, not an outbox.Dispatcher "
+        "(name a Dispatcher, or a function that returns one)")
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 @main.command("run")
