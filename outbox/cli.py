@@ -74,8 +74,25 @@ class _Commands(click.Group):
         plugin = self._plugins().get(cmd_name)
         if plugin is None:
             return None
-        loaded = plugin.load()
-        return loaded if isinstance(loaded, click.Command) else None
+        try:
+            loaded = plugin.load()
+        except Exception as exc:  # a broken plug-in must not take every command down
+            return _unavailable(cmd_name, f"cannot load {plugin.value}: {_describe(exc)}")
+        if not isinstance(loaded, click.Command):
+            return _unavailable(cmd_name, f"{plugin.value} is not a click command")
+        return loaded
+
+
+def _unavailable(name: str, reason: str) -> click.Command:
+    """A stand-in for a plug-in command that cannot load: listed, and one line if run."""
+
+    def explain() -> None:
+        raise click.ClickException(f"outbox {name} is unavailable: {reason}")
+
+    return click.Command(name, callback=explain, help=f"(unavailable: {reason})",
+                         add_help_option=False,
+                         context_settings={"ignore_unknown_options": True,
+                                           "allow_extra_args": True})
 
 
 @click.group(cls=_Commands)
