@@ -16,8 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ("effects", "examples", "benchmarks", "tests")
 
-# Unit and property tests of the pure decision modules, which have no public twin.
+# Unit and property tests of private modules themselves: the pure decisions, and the
+# dispatcher's parts driven one at a time.
 UNIT_TESTS_OF_PRIVATE_MODULES = {
+    "tests/integration/test_dispatcher_parts.py": {"outbox._dispatch"},
     "tests/unit/test_state.py": {"outbox._state"},
     "tests/unit/test_enqueue_prepare.py": {"outbox._enqueue"},
     "tests/property/test_decisions.py": {"outbox._state"},
