@@ -20,6 +20,7 @@ import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
+from ._pg import configuration_error
 from ._sql import bind_schema, check_schema_name
 from .errors import SchemaError
 
@@ -88,8 +89,15 @@ def current_version(conn: psycopg.Connection[Any], schema: str = "outbox") -> in
 
 
 def require_current(conn: psycopg.Connection[Any], schema: str) -> None:
-    """Raise SchemaError unless ``schema`` is migrated to exactly this code's version."""
-    version = current_version(conn, schema)
+    """Raise SchemaError unless ``schema`` is migrated to exactly this code's version;
+    ``ConfigurationError`` if the role may not read it."""
+    try:
+        version = current_version(conn, schema)
+    except psycopg.Error as exc:
+        fatal = configuration_error(exc, doing=f"read schema {schema!r}")
+        if fatal is None:
+            raise
+        raise fatal from exc
     if version is None:
         raise SchemaError(
             f"schema {schema!r} has no outbox tables: run `outbox migrate` "

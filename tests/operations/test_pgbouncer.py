@@ -189,3 +189,43 @@ def test_a_worker_killed_mid_run_is_rescued_through_pgbouncer(
     assert {j["status"] for j in after.values()} == {"done"}
     assert held <= {k for k, j in after.items() if j["attempts"] == 2}  # rescued, run again
     assert effect.performed == dict.fromkeys(keys, 1)
+
+
+def test_the_async_dispatcher_drains_through_pgbouncer(bouncer: PgBouncer, schema: str) -> None:
+    import asyncio
+
+    keys = [f"a{i}" for i in range(150)]
+    _enqueue(bouncer.dsn, schema, keys)
+    effect = Recording()
+    dispatcher = outbox.AsyncDispatcher(bouncer.dsn, [effect], schema=schema, concurrency=8,
+                                        listen_conninfo=bouncer.direct)
+    stats = asyncio.run(dispatcher.run_until_idle(timeout=120))
+    assert stats.done == len(keys)
+    assert effect.performed == dict.fromkeys(keys, 1)
+
+
+def test_a_pooled_role_that_defaults_to_serializable_is_a_configuration_error(
+    bouncer: PgBouncer, dsn: str
+) -> None:
+    import uuid
+
+    from psycopg import sql
+    from psycopg.conninfo import make_conninfo
+
+    name = f"ser_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("ALTER DATABASE {} SET default_transaction_isolation = "
+                             "'serializable'").format(sql.Identifier(name)))
+    try:
+        with psycopg.connect(make_conninfo(dsn, dbname=name), autocommit=True) as conn:
+            outbox.migrate(conn)
+        pooled = make_conninfo(bouncer.dsn, dbname=name)
+        with pytest.raises(outbox.ConfigurationError, match="'serializable'.*read committed"):
+            outbox.Dispatcher(pooled, [Recording()]).run_until_idle()
+        # A direct connection SETs its own session: the same database works there.
+        direct = make_conninfo(dsn, dbname=name)
+        assert outbox.Dispatcher(direct, [Recording()]).run_until_idle().done == 0
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
