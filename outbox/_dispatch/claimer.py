@@ -63,7 +63,8 @@ class Claimer:
         now = time.monotonic()
         if self.rescue_timer.due(now):
             yield from self.rescue()
-        if not self.until_idle and self.retention_timer.due(now):
+        # Retention under run_until_idle too: cron deployments never call run().
+        if self.retention_timer.due(now):
             yield from self.purge()
         batch = yield from self.claim()
         if batch:
