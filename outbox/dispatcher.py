@@ -269,6 +269,8 @@ class Dispatcher(_Options):
             # SIGTERM during start-up) is not forgotten.
             state.reset()
             self._running = False
+        if isinstance(failure, ConfigurationError):
+            raise failure  # the set-up is wrong, not the code: say what is wrong
         if failure is not None:
             raise self._failed(failure) from failure
         return self.stats
@@ -402,6 +404,8 @@ class AsyncDispatcher(_Options):
             self._state = None
             self._stop_early = False
             self._running = False
+        if isinstance(state.failure, ConfigurationError):
+            raise state.failure  # the set-up is wrong, not the code: say what is wrong
         if state.failure is not None:
             raise self._failed(state.failure) from state.failure
         return self.stats

@@ -158,6 +158,8 @@ async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
             except CONNECTION_ERRORS as exc:
                 recorder.failed(exc, lost=conn.lost, pending=pending)
                 await asyncio.sleep(conn.backoff())
+            except ConfigurationError:
+                raise  # a missing privilege: no retry will help
             except Exception as exc:  # a heartbeat failed otherwise: next round
                 log.error("heartbeat failed: %s",
                           getattr(exc, "sqlstate", None) or type(exc).__name__)

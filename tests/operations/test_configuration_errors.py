@@ -113,3 +113,25 @@ def test_an_unreachable_server_is_waited_for_not_refused(tmp_path: Path) -> None
     with pytest.raises(psycopg.OperationalError) as raised:
         outbox.Dispatcher(nowhere, [Noop()]).run_until_idle(timeout=1.0)
     assert not isinstance(raised.value, ConfigurationError)
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_role_that_may_claim_but_not_record(server: Server, flavour: str) -> None:
+    import asyncio
+
+    schema = create_schema(server.dsn)
+    with psycopg.connect(server.dsn) as conn:
+        with outbox.transaction(conn, schema=schema) as tx:
+            tx.enqueue(Noop.name, key="k1", payload={})
+        ident = {"s": sql.Identifier(schema), "r": sql.Identifier(ROLE)}
+        for grant in ("GRANT USAGE ON SCHEMA {s} TO {r}",
+                      "GRANT SELECT, UPDATE, DELETE ON {s}.jobs TO {r}",
+                      "GRANT SELECT ON {s}.schema_migrations TO {r}",
+                      "GRANT SELECT, UPDATE, DELETE ON {s}.effect_results TO {r}"):  # no INSERT
+            conn.execute(sql.SQL(grant).format(**ident))
+    with pytest.raises(ConfigurationError, match="permission denied for table effect_results"):
+        if flavour == "sync":
+            outbox.Dispatcher(_as_role(server), [Noop()], schema=schema).run_until_idle()
+        else:
+            asyncio.run(outbox.AsyncDispatcher(_as_role(server), [Noop()], schema=schema)
+                        .run_until_idle())
