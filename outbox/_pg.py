@@ -45,6 +45,9 @@ def configuration_error(exc: BaseException, conninfo: str | None = None,
     password (``conninfo`` is only used to find and remove it)."""
     if not isinstance(exc, psycopg.Error):
         return None
+    if conninfo is not None and not _parses(conninfo):
+        # libpq's complaint may quote the string, password and all: not repeated here.
+        return ConfigurationError(f"cannot {doing}: the connection string is not valid")
     text = str(exc).strip()
     sqlstate = exc.sqlstate
     if sqlstate is not None:
@@ -56,13 +59,16 @@ def configuration_error(exc: BaseException, conninfo: str | None = None,
     return ConfigurationError(f"cannot {doing}: {_without_password(reason, conninfo)}")
 
 
-def _without_password(text: str, conninfo: str | None) -> str:
-    if not conninfo:
-        return text
+def _parses(conninfo: str) -> bool:
     try:
-        password = conninfo_to_dict(conninfo).get("password")
+        conninfo_to_dict(conninfo)
     except psycopg.Error:
-        return "the connection string is not valid"  # its text may quote the secret
+        return False
+    return True
+
+
+def _without_password(text: str, conninfo: str | None) -> str:
+    password = conninfo_to_dict(conninfo).get("password") if conninfo else None
     return text.replace(str(password), "***") if password else text
 
 

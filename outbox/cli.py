@@ -22,6 +22,7 @@ import click
 import psycopg
 
 from . import _sql
+from ._pg import configuration_error
 from .dispatcher import Dispatcher
 from .errors import OutboxError
 from .migrate import current_version, latest_version, migrate, require_current
@@ -55,7 +56,11 @@ def _one_line_errors(command: F) -> F:
 
 
 def _connect(dsn: str) -> psycopg.Connection[Any]:
-    return psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+    try:
+        return psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+    except psycopg.Error as exc:
+        # A refusal no retry can fix, in words that never repeat the password.
+        raise configuration_error(exc, dsn, "connect") or exc from None
 
 
 class _Commands(click.Group):

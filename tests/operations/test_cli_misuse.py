@@ -106,3 +106,11 @@ def test_commands_against_an_unmigrated_schema(tmp_path: Path, dsn: str, command
 def test_retry_of_a_job_that_does_not_exist(tmp_path: Path, dsn: str, schema: str) -> None:
     result = _outbox(tmp_path, "retry", "424242", "--schema", schema, dsn=dsn)
     _assert_one_line(result, "no job 424242", schema)
+
+
+@pytest.mark.parametrize("bad", ["host=db password=Sekr1t-99 oops",
+                                 "postgresql://app:Sekr1t-99@[db/shop"])
+def test_a_malformed_dsn_is_one_line_without_the_password(tmp_path: Path, bad: str) -> None:
+    result = _outbox(tmp_path, "status", dsn=bad)
+    _assert_one_line(result, "connection string is not valid")
+    assert "Sekr1t-99" not in result.stderr + result.stdout

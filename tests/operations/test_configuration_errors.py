@@ -135,3 +135,9 @@ def test_a_role_that_may_claim_but_not_record(server: Server, flavour: str) -> N
         else:
             asyncio.run(outbox.AsyncDispatcher(_as_role(server), [Noop()], schema=schema)
                         .run_until_idle())
+
+
+def test_a_malformed_connection_string_is_not_repeated() -> None:
+    bad = f"postgresql://{ROLE}:{PASSWORD}@[db/shop"
+    message = _raises_configuration_error(bad)
+    assert "connection string is not valid" in message and PASSWORD not in message
