@@ -59,6 +59,12 @@ log = logging.getLogger("outbox.dispatcher")
 
 _text_array = text_array  # the claim's effects parameter, for tests that claim by hand
 DRAIN_CHECK = 0.05  # seconds between checks that every held job is recorded
+# The checked options readable as attributes of a dispatcher (``d.lease``, ...).
+PUBLIC_OPTIONS = (
+    "schema", "concurrency", "lease", "batch_size", "prefetch", "max_prefetch",
+    "poll_interval", "rescue_interval", "backoff", "unknown_outcome_window", "retention",
+    "ledger_retention", "worker_id",
+)
 
 
 @dataclass
@@ -164,8 +170,10 @@ class Dispatcher(_Options):
     - A job is claimed in a short READ COMMITTED transaction with ``FOR UPDATE SKIP
       LOCKED``; two workers never hold the same job at the same ``claim_version``.
     - ``perform`` runs after the claim committed, outside any transaction, at most
-      ``concurrency`` at a time. Delivery to an effect is at least once: a crash or a
-      stall past the lease makes the job run again, with the same key.
+      ``concurrency`` at a time, sync and async effects together (sync ones on
+      ``concurrency`` threads, async ones on an event loop of the dispatcher's).
+      Delivery to an effect is at least once: a crash or a stall past the lease makes
+      the job run again, with the same key.
     - Completion is one statement: the fenced ``running -> done`` update and the ledger
       row commit together or not at all. A stale worker's writes change nothing.
     - Leases are extended by heartbeats while effects run; a job whose worker died is
@@ -192,7 +200,6 @@ class Dispatcher(_Options):
     dispatcher loudly: it is logged and ``run`` / ``run_until_idle`` raise
     ``outbox.DispatcherFailed``; the listener, only a hint, is restarted instead.
     """
-
 
     def _setup(self) -> None:
         # One state for the dispatcher's life, so a stop() before run() is honoured.
@@ -295,9 +302,7 @@ class Dispatcher(_Options):
                 finally:
                     self._drain()
         finally:
-            state.workers_done = True
-            state.stopping.set()
-            state.outcome_ready.set()
+            state.workers_ended()
             recorder.join()
             if listener.is_alive():
                 listener.join()
@@ -311,13 +316,6 @@ class Dispatcher(_Options):
             state.outcome_ready.set()
             state.wake.wait(DRAIN_CHECK)
             state.wake.clear()
-
-
-PUBLIC_OPTIONS = (
-    "schema", "concurrency", "lease", "batch_size", "prefetch", "max_prefetch",
-    "poll_interval", "rescue_interval", "backoff", "unknown_outcome_window", "retention",
-    "ledger_retention", "worker_id",
-)
 
 
 class AsyncDispatcher(_Options):
@@ -461,7 +459,5 @@ class AsyncDispatcher(_Options):
             await state.wake.wait(DRAIN_CHECK)
             state.wake.clear()
         await workers.join()
-        state.workers_done = True
-        state.stopping.set()
-        state.outcome_ready.set()
+        state.workers_ended()
         await recorder

@@ -10,11 +10,13 @@ effects run on a bounded thread pool; async ones as tasks; both within the one l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Awaitable
 from concurrent.futures import Executor
+from functools import partial
 
 import psycopg
 
@@ -23,7 +25,7 @@ from .._pg import is_pooled
 from ..errors import ConfigurationError
 from ..migrate import require_current
 from .claimer import Claimer
-from .connection import CONNECTION_ERRORS, AsyncConnection, connect
+from .connection import CONNECTION_ERRORS, AsyncConnection, Reconnects, connect
 from .listener import POLLING, listen_statement
 from .recorder import Recorder
 from .settings import Settings
@@ -102,7 +104,7 @@ async def wait_for_schema_async(
     """Refuse a missing or newer schema at once; wait for an unreachable database
     (until ``deadline``, when there is one). The check runs on a thread: it is the
     same blocking check as ``Dispatcher``'s, once per run."""
-    failures = AsyncConnection(settings, "claimer")  # for its backoff only
+    failures = Reconnects()
     while True:
         try:
             await asyncio.to_thread(_check_schema, settings)
@@ -123,8 +125,16 @@ async def run_claimer_async(
     while not state.stopping.is_set():
         if deadline is not None and time.monotonic() >= deadline:
             return
+        # A task of its own, shielded: a cancellation must not cut a claim off between
+        # its commit and its reply, leaving claimed jobs that nobody holds.
+        step = asyncio.ensure_future(run_async(claimer.round(), conn.execute))
         try:
-            result = await run_async(claimer.round(), conn.execute)
+            result = await asyncio.shield(step)
+        except asyncio.CancelledError:
+            state.request_stop()  # nothing new starts: what this round claims goes back
+            with contextlib.suppress(psycopg.Error):
+                workers.submit((await step).batch)
+            raise
         except psycopg.Error as exc:
             claimer.failed(exc, lost=conn.lost)
             wait = conn.backoff()
@@ -209,18 +219,24 @@ class TaskWorkers:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def submit(self, batch: list[Held]) -> None:
+        state = self.state
         for held in batch:
-            coro = (self.performer.perform_async(held) if held.is_async
-                    else self._perform_on_pool(held))
-            task = self._loop.create_task(coro)
-            self._tasks.add(task)
-            task.add_done_callback(self._done)
+            if (state.releasing or held.lost) and not state.begin(held):
+                continue  # handed back or dropped without waiting for a slot
+            # Slots are released on the loop only (sync effects' threads return their
+            # outcome to the loop first), so ``start`` runs on the loop.
+            state.slots.when_free(partial(self._start, held))
+
+    def _start(self, held: Held) -> None:
+        coro = (self.performer.perform_holding_slot(held) if held.is_async
+                else self._perform_on_pool(held))
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
 
     async def _perform_on_pool(self, held: Held) -> None:
+        """Holding a slot: ``perform`` on the pool; the outcome comes back to the loop."""
         state = self.state
-        if (state.releasing or held.lost) and not state.begin(held):
-            return
-        await state.slots.acquire_async()
         try:
             if state.begin(held):
                 outcome = await self._loop.run_in_executor(

@@ -26,6 +26,7 @@ __all__ = [
     "AsyncConnection",
     "ConnectParams",
     "Connection",
+    "Reconnects",
     "connect",
     "connect_async",
     "connection_params",
@@ -143,8 +144,8 @@ def _refused(exc: psycopg.Error, params: ConnectParams, role: str) -> Configurat
     return configuration_error(exc, params.conninfo, f"connect ({role} connection)")
 
 
-class _Reconnecting:
-    """Backoff between reconnection attempts, shared by both flavours."""
+class Reconnects:
+    """Backoff between reconnection attempts (capped, jittered), reset by a success."""
 
     def __init__(self) -> None:
         self._failures = 0
@@ -158,7 +159,7 @@ class _Reconnecting:
         self._failures = 0
 
 
-class Connection(_Reconnecting):
+class Connection(Reconnects):
     """One role's connection: autocommit, READ COMMITTED, keepalives, reconnecting."""
 
     def __init__(self, open_: Callable[[str], psycopg.Connection[Any]], role: str) -> None:
@@ -196,7 +197,7 @@ class Connection(_Reconnecting):
         self._conn = None
 
 
-class AsyncConnection(_Reconnecting):
+class AsyncConnection(Reconnects):
     """The asyncio twin of ``Connection``."""
 
     def __init__(self, settings: Settings, role: str) -> None:

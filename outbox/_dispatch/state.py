@@ -3,21 +3,23 @@
 Who runs where (``Dispatcher``; ``AsyncDispatcher`` runs the same roles as tasks on one
 event loop, with sync effects on a thread pool)::
 
-    claimer   the caller's thread   hold(), start_draining(); waits on ``wake``
-    workers   threads / the loop    begin(), finish(); hold a ``slots`` slot per perform
-    recorder  its own thread        take_outcomes(), settled(), lose(); waits on
-                                    ``outcome_ready``
-    listener  its own thread        wakes the claimer (``wake``)
-    anyone                          request_stop(), fail()
+    claimer    the caller's thread   hold(), start_draining(); waits on ``wake``
+    workers    threads / the loop    begin(), finish(); hold a ``slots`` slot per perform
+    recorder   its own thread        take_outcomes(), settled(), lose(), drop(); waits
+                                     on ``outcome_ready``
+    listener   its own thread        wakes the claimer (``wake``)
+    dispatcher the caller's thread   workers_ended(), reset() (between runs)
+    anyone                           request_stop(), fail()
 
-Fields are written only through these transitions; each field says who writes it. Reads
-from other threads are of single references or counters, safe under the GIL, and every
-decision that depends on them is re-checked by a fenced statement in the database.
+Fields are written through these transitions, except the counters (``stats``) and the
+moving average of perform time, written in place by their owners; each field says who
+writes it. Reads from other threads are of single references or counters, safe under
+the GIL, and every decision that depends on them is re-checked by a fenced statement in
+the database.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections import deque
@@ -47,7 +49,7 @@ __all__ = [
 log = logging.getLogger("outbox.dispatcher")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Held:
     """A job this dispatcher has claimed and not yet recorded."""
 
@@ -59,7 +61,7 @@ class Held:
     duration: float = 0.0  # written by the worker: seconds ``perform`` ran
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made once per job, on the hot path
 class Success:
     """``perform`` returned; its result as JSON text for the ledger."""
 
@@ -104,13 +106,14 @@ E = TypeVar("E", bound=Signal)
 
 class Slots:
     """The one concurrency limit: at most ``limit`` performs at once, sync and async
-    together. Threads block in ``acquire``; tasks await ``acquire_async``. Waiters are
+    together. A thread blocks in ``acquire``; a job for the event loop is started by
+    ``when_free`` once it holds a slot (no task exists while it waits). Waiters are
     served in arrival order whichever kind they are, so neither starves the other."""
 
     def __init__(self, limit: int) -> None:
         self._lock = threading.Lock()
         self._free = limit  # under _lock
-        self._waiters: deque[Callable[[], None]] = deque()  # under _lock; each hands a slot
+        self._waiters: deque[Callable[[], None]] = deque()  # under _lock; each takes a slot
 
     @property
     def waiting(self) -> int:
@@ -119,37 +122,23 @@ class Slots:
 
     def acquire(self) -> None:
         """Take a slot, blocking the calling thread until one is free."""
+        handed = threading.Event()
+        if not self._take_or_queue(handed.set):
+            handed.wait()
+
+    def when_free(self, start: Callable[[], None]) -> None:
+        """Call ``start`` holding a slot: now if one is free, else from the ``release``
+        that frees one (on the releasing thread: ``start`` must be thread-safe)."""
+        if self._take_or_queue(start):
+            start()
+
+    def _take_or_queue(self, waiter: Callable[[], None]) -> bool:
         with self._lock:
             if self._free and not self._waiters:
                 self._free -= 1
-                return
-            handed = threading.Event()
-            self._waiters.append(handed.set)
-        handed.wait()
-
-    async def acquire_async(self) -> None:
-        """Take a slot, suspending the calling task until one is free."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-
-        def hand() -> None:
-            loop.call_soon_threadsafe(_resolve, future)
-
-        with self._lock:
-            if self._free and not self._waiters:
-                self._free -= 1
-                return
-            self._waiters.append(hand)
-        try:
-            await future
-        except asyncio.CancelledError:
-            with self._lock:
-                queued = hand in self._waiters
-                if queued:
-                    self._waiters.remove(hand)
-            if not queued:  # the slot was handed over as we were cancelled: pass it on
-                self.release()
-            raise
+                return True
+            self._waiters.append(waiter)
+            return False
 
     def release(self) -> None:
         """Give a slot back: to the longest waiter, else to the pool."""
@@ -157,14 +146,8 @@ class Slots:
             if not self._waiters:
                 self._free += 1
                 return
-            hand = self._waiters.popleft()
-        hand()
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-    # A future cancelled before the hand-over arrived: acquire_async passes the slot on.
+            waiter = self._waiters.popleft()
+        waiter()
 
 
 class SharedState(Generic[E]):
@@ -189,24 +172,27 @@ class SharedState(Generic[E]):
         # Set by the listener (a notification), the recorder (room freed) and
         # request_stop(); waited on and cleared by the claimer.
         self.wake: E = event()
-        # Set by request_stop(), fail() and the claimer when it has drained; read by
-        # every loop as its signal to end.
+        # Set by request_stop(), fail() and workers_ended(); read by every loop as its
+        # signal to end.
         self.stopping: E = event()
         # Set by request_stop() and start_draining(): workers hand unstarted jobs back.
         self.releasing = False
-        # Set by the dispatcher once its workers have ended: nothing more to record
-        # after what is queued.
+        # Set by workers_ended(): nothing more to record after what is queued.
         self.workers_done = False
         # Set once by fail(): the first side part that died of an unexpected error.
         self.failure: BaseException | None = None
         # The concurrency limit, taken by workers around each perform.
+        self.concurrency = concurrency
         self.slots = Slots(concurrency)
         # Moving average of perform time: written by workers (a lost update between
         # them is harmless), read by the claimer to size its claims.
         self.mean_perform_seconds: float | None = None
-        # Counters of this run: the claimer and the recorder write their own fields.
+        # Counters of this run: the claimer and the recorder write their own fields;
+        # both count ``reconnects`` (a rare lost increment there is harmless).
         self.stats = stats
         self.observer = observer
+        # The default observer does nothing: skip its calls on the per-job paths.
+        self.observing = type(observer) is not DispatchObserver
 
     # -- claimer ---------------------------------------------------------------------
 
@@ -234,7 +220,8 @@ class SharedState(Generic[E]):
             self.finish(held, Release())
             return False
         held.started = True
-        guarded(self.observer.attempt_started, held.job.effect)
+        if self.observing:
+            guarded(self.observer.attempt_started, held.job.effect)
         return True
 
     def finish(self, held: Held, outcome: Outcome, *, signal: bool = True) -> None:
@@ -243,10 +230,6 @@ class SharedState(Generic[E]):
         self.outcomes.append((held, outcome))
         if signal:
             self.outcome_ready.set()
-
-    def measured(self, elapsed: float) -> None:
-        mean = self.mean_perform_seconds
-        self.mean_perform_seconds = elapsed if mean is None else 0.9 * mean + 0.1 * elapsed
 
     # -- recorder --------------------------------------------------------------------
 
@@ -261,9 +244,16 @@ class SharedState(Generic[E]):
         """The recorder wrote (or found fenced off) ``held``'s outcome: it is no longer
         ours, and its slot in the claimer's budget is free."""
         self.held.pop(held.job.id, None)
+        if not self.observing:
+            return
         if outcome == "lost":
             guarded(self.observer.fence_rejected, held.job.effect)
         guarded(self.observer.attempt_finished, held.job.effect, outcome, held.duration)
+
+    def drop(self, held: Held) -> None:
+        """An outcome that cannot be written at all: give the job up to its lease (the
+        rescuer retries it, counting the attempt)."""
+        self.held.pop(held.job.id, None)
 
     def lose(self, held: Held) -> None:
         """A heartbeat found ``held``'s claim gone: it must not start, and its outcome
@@ -271,7 +261,13 @@ class SharedState(Generic[E]):
         held.lost = True
         guarded(self.observer.fence_rejected, held.job.effect)
 
-    # -- the dispatcher, between runs ----------------------------------------------------
+    # -- the dispatcher ------------------------------------------------------------------
+
+    def workers_ended(self) -> None:
+        """Every worker has returned: the recorder ends once what is queued is written."""
+        self.workers_done = True
+        self.stopping.set()
+        self.outcome_ready.set()
 
     def reset(self) -> None:
         """Ready for the next run (the last one has joined every part)."""
@@ -283,6 +279,7 @@ class SharedState(Generic[E]):
         self.failure = None
         self.held.clear()
         self.outcomes.clear()
+        self.slots = Slots(self.concurrency)  # nothing can be waiting after a join
 
     # -- anyone ----------------------------------------------------------------------
 

@@ -185,6 +185,36 @@ def test_cancelling_run_finishes_in_flight_work_and_hands_back_the_rest(
     assert (dispatcher.stats.done, dispatcher.stats.released) == (1, 2)
 
 
+def test_a_claim_in_flight_when_cancelled_completes_and_is_handed_back(
+    dsn: str, schema: str
+) -> None:
+    enqueue(dsn, schema, *[NewJob("test.async_record", f"k{i}", {}) for i in range(3)])
+    effect = AsyncRecord()
+    dispatcher = AsyncDispatcher(dsn, [effect], schema=schema)
+    waiting = ("SELECT 1 FROM pg_stat_activity WHERE application_name LIKE "
+               "'outbox claimer %%' AND wait_event_type = 'Lock'")
+
+    async def scenario() -> None:
+        with psycopg.connect(dsn) as locker:
+            # The claimer's next statement waits for this lock: a round in flight.
+            locker.execute(f'LOCK TABLE "{schema}".jobs IN EXCLUSIVE MODE')
+            task = asyncio.create_task(dispatcher.run())
+            await asyncio.to_thread(wait_until, lambda: bool(fetch(dsn, waiting)),
+                                    what="the claimer blocked mid-round")
+            task.cancel()
+            await asyncio.to_thread(locker.rollback)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(asyncio.wait_for(scenario(), 30))
+    # The round finished: its jobs were claimed, then handed back unstarted.
+    rows = jobs(dsn, schema).values()
+    assert {(j["status"], j["attempts"], j["claim_version"]) for j in rows} == {
+        ("pending", 0, 1)}
+    assert (dispatcher.stats.claimed, dispatcher.stats.released) == (3, 3)
+    assert effect.calls == {}
+
+
 def test_async_with_runs_until_the_block_ends_and_wakes_on_notify(
     dsn: str, schema: str
 ) -> None:
@@ -313,3 +343,42 @@ def test_same_options_checked_the_same_way(dsn: str) -> None:
     with pytest.raises(outbox.ConfigurationError, match="lease must be at least 1.0 seconds"):
         AsyncDispatcher(dsn, [AsyncRecord()], lease=0.5)
     assert AsyncDispatcher(dsn, [AsyncRecord()], lease=2).lease == 2.0
+
+
+def _readme_example() -> str:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## AsyncDispatcher", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_fastapi_lifespan_drains_and_stops(
+    dsn: str, schema: str, fake_email: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from effects.email import SendEmail
+
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", dsn)
+    monkeypatch.setenv("RESEND_API_KEY", "re_test_key")
+    namespace: dict[str, Any] = {}
+    exec(compile(_readme_example(), "README.md", "exec"), namespace)
+    assert isinstance(namespace["dispatcher"], AsyncDispatcher)
+    # The same lifespan, with the dispatcher pointed at this test's schema and fake Resend.
+    adapter = SendEmail(api_key="re_test_key", base_url=fake_email.url)
+    dispatcher = AsyncDispatcher(dsn, [adapter], schema=schema)
+    namespace["dispatcher"] = dispatcher
+    app = namespace["app"]
+
+    async def serve() -> None:  # what the server does with the app's lifespan
+        async with app.router.lifespan_context(app):
+            await asyncio.to_thread(enqueue, dsn, schema, NewJob(
+                "email.send", "email-order-102", {"from": "shop@example.com",
+                "to": "ada@example.com", "subject": "Order 102", "text": "Thank you!"}))
+            await asyncio.to_thread(
+                wait_until, lambda: jobs(dsn, schema)["email-order-102"]["status"] == "done",
+                what="the email sent by the app's dispatcher")
+
+    run(asyncio.wait_for(serve(), 60))
+    assert dispatcher.stats.done == 1  # the lifespan's exit stopped and awaited run()
+    assert fake_email.performed("email-order-102") == 1
+    adapter.close()
