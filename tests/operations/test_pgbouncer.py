@@ -81,13 +81,16 @@ def test_enqueue_and_drain_through_pgbouncer(bouncer: PgBouncer, schema: str, fl
     assert sorted(ledger(bouncer.direct, schema)) == sorted(keys)
 
 
-@pytest.mark.parametrize("listen", [True, False], ids=["listen-direct", "poll-only"])
+# With a direct listen connection, the poll interval is an hour: only a notification can
+# wake the dispatcher in time. Without one, the dispatcher must poll.
+@pytest.mark.parametrize(("listen", "poll_interval"), [(True, 3600.0), (False, 0.5)],
+                         ids=["woken-by-listen-direct", "poll-only"])
 def test_run_picks_up_new_jobs_through_pgbouncer(
-    bouncer: PgBouncer, schema: str, listen: bool
+    bouncer: PgBouncer, schema: str, listen: bool, poll_interval: float
 ) -> None:
     effect = Recording()
     dispatcher = outbox.Dispatcher(bouncer.dsn, [effect], schema=schema, concurrency=4,
-                                   poll_interval=0.5,
+                                   poll_interval=poll_interval,
                                    listen_conninfo=bouncer.direct if listen else None)
     thread = threading.Thread(target=dispatcher.run)
     thread.start()
