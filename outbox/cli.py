@@ -14,6 +14,7 @@ import inspect
 import json
 import logging
 import sys
+import typing
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
@@ -148,6 +149,7 @@ def load_dispatcher(target: str) -> Dispatcher:
     if isinstance(value, Dispatcher):
         return value
     if inspect.isfunction(value) or inspect.ismethod(value):
+        _require_factory(target, value)
         try:
             made = value()
         except Exception as exc:  # the user's factory: say what it raised, in one line
@@ -160,6 +162,29 @@ def load_dispatcher(target: str) -> Dispatcher:
     raise click.ClickException(
         f"{target} is a {kind}, not an outbox.Dispatcher "
         "(name a Dispatcher, or a function that returns one)")
+
+
+def _require_factory(target: str, function: Callable[..., Any]) -> None:
+    """Refuse, without calling it, a function that cannot be a dispatcher factory: one
+    that needs arguments, or whose return annotation names something else (calling a
+    ``main() -> None`` would run it)."""
+    signature = inspect.signature(function)
+    try:
+        signature.bind()
+    except TypeError:
+        raise click.ClickException(
+            f"{target} is a function that needs arguments, not an outbox.Dispatcher "
+            "(name a Dispatcher, or a function of no arguments that returns one)") from None
+    try:
+        returns = typing.get_type_hints(function).get("return", inspect.Signature.empty)
+    except Exception:  # an annotation that does not resolve: let the call decide
+        return
+    if returns is inspect.Signature.empty:
+        return
+    if not (isinstance(returns, type) and issubclass(returns, Dispatcher)):
+        shown = getattr(returns, "__name__", None) or repr(returns)
+        raise click.ClickException(
+            f"{target} is a function returning {shown}, not an outbox.Dispatcher")
 
 
 def _describe(exc: BaseException) -> str:

@@ -36,6 +36,12 @@ APP = """
 
     def raises():
         raise RuntimeError("factory failed")
+
+    def main() -> None:
+        open("main-ran", "w").close()
+
+    def make() -> outbox.Dispatcher:
+        return dispatcher
 """
 
 
@@ -69,7 +75,8 @@ def app_dir(tmp_path: Path, dsn: str, schema: str) -> Path:
     ("shop_app:missing", ("shop_app", "missing")),
     ("shop_app:NotADispatcher", ("shop_app:NotADispatcher", "class", "Dispatcher")),
     ("shop_app:helper", ("shop_app:helper", "int", "Dispatcher")),
-    ("shop_app:needs_arguments", ("shop_app:needs_arguments", "argument")),
+    ("shop_app:needs_arguments", ("shop_app:needs_arguments", "needs arguments")),
+    ("shop_app:main", ("shop_app:main", "returning None", "Dispatcher")),
     ("shop_app:raises", ("shop_app:raises", "factory failed")),
     ("shop_app:outbox", ("shop_app:outbox", "module", "Dispatcher")),
 ])
@@ -77,6 +84,7 @@ def test_run_with_a_target_that_is_not_a_dispatcher(
     app_dir: Path, target: str, fragments: tuple[str, ...]
 ) -> None:
     _assert_one_line(_outbox(app_dir, "run", target), *fragments)
+    assert not (app_dir / "main-ran").exists()  # a function that is no factory is not run
 
 
 def test_run_against_an_unmigrated_schema(app_dir: Path, dsn: str) -> None:
