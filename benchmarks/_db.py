@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
-import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -21,7 +18,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
-from outbox._embedded import start_server
+from outbox.testing import start_server
 
 log = logging.getLogger("benchmarks")
 
@@ -54,13 +51,8 @@ def server(dsn: str | None) -> Iterator[Server]:
     if dsn:
         yield Server(dsn, embedded=False)
         return
-    directory = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
-    handle = start_server(directory / "data")  # also makes XDG_RUNTIME_DIR private (0700)
-    try:
-        yield Server(str(handle.get_uri()), embedded=True)
-    finally:
-        handle.cleanup()
-        shutil.rmtree(directory, ignore_errors=True)
+    with start_server() as embedded:  # also makes XDG_RUNTIME_DIR private (0700)
+        yield Server(embedded.dsn, embedded=True)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import psycopg
 from psycopg import sql
 
 import outbox
-from outbox import _enqueue
+from outbox.sql import fingerprint
 
 from ._db import table
 from ._effects import NOOP, payload
@@ -56,7 +56,7 @@ def seed_pending(dsn: str, n: int, prefix: str, schema: str = "outbox",
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL(_SEED_PENDING).format(jobs=table(schema, "jobs")), {
             "effect": effect, "prefix": prefix, "n": n,
-            "fingerprint": _enqueue.fingerprint(effect, "{}"),
+            "fingerprint": fingerprint(effect, "{}"),
         })
     return n / (time.perf_counter() - started)
 
@@ -66,7 +66,7 @@ def seed_history(dsn: str, n: int, schema: str = "outbox", effect: str = NOOP) -
     started = time.perf_counter()
     with psycopg.connect(dsn) as conn:
         params = {"effect": effect, "prefix": "history-", "n": n, "pattern": "history-%",
-                  "fingerprint": _enqueue.fingerprint(effect, "{}")}
+                  "fingerprint": fingerprint(effect, "{}")}
         conn.execute(sql.SQL(_SEED_DONE).format(jobs=table(schema, "jobs")), params)
         conn.execute(sql.SQL(_SEED_LEDGER).format(jobs=table(schema, "jobs"),
                                                   ledger=table(schema, "effect_results")),

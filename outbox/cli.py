@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import json
 import logging
 import sys
+import typing
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
@@ -21,6 +23,7 @@ import click
 import psycopg
 
 from . import _sql
+from ._pg import configuration_error
 from .dispatcher import Dispatcher
 from .errors import OutboxError
 from .migrate import current_version, latest_version, migrate, require_current
@@ -54,7 +57,11 @@ def _one_line_errors(command: F) -> F:
 
 
 def _connect(dsn: str) -> psycopg.Connection[Any]:
-    return psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+    try:
+        return psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+    except psycopg.Error as exc:
+        # A refusal no retry can fix, in words that never repeat the password.
+        raise configuration_error(exc, dsn, "connect") or exc from None
 
 
 class _Commands(click.Group):
@@ -73,8 +80,25 @@ class _Commands(click.Group):
         plugin = self._plugins().get(cmd_name)
         if plugin is None:
             return None
-        loaded = plugin.load()
-        return loaded if isinstance(loaded, click.Command) else None
+        try:
+            loaded = plugin.load()
+        except Exception as exc:  # a broken plug-in must not take every command down
+            return _unavailable(cmd_name, f"cannot load {plugin.value}: {_describe(exc)}")
+        if not isinstance(loaded, click.Command):
+            return _unavailable(cmd_name, f"{plugin.value} is not a click command")
+        return loaded
+
+
+def _unavailable(name: str, reason: str) -> click.Command:
+    """A stand-in for a plug-in command that cannot load: listed, and one line if run."""
+
+    def explain() -> None:
+        raise click.ClickException(f"outbox {name} is unavailable: {reason}")
+
+    return click.Command(name, callback=explain, help=f"(unavailable: {reason})",
+                         add_help_option=False,
+                         context_settings={"ignore_unknown_options": True,
+                                           "allow_extra_args": True})
 
 
 @click.group(cls=_Commands)
@@ -104,21 +128,69 @@ def migrate_command(dsn: str, schema: str) -> None:
 
 
 def load_dispatcher(target: str) -> Dispatcher:
-    """Resolve ``module:attribute`` to a Dispatcher (or a callable returning one)."""
+    """Resolve ``module:attribute`` to a Dispatcher, or to a function returning one.
+
+    A class is never instantiated. Every way this can fail (the module does not import,
+    the attribute is missing, the target is something else) is one ``ClickException``
+    line naming the target."""
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise click.BadParameter(f"expected MODULE:ATTRIBUTE, got {target!r}")
     if "" not in sys.path:
         sys.path.insert(0, "")  # like `python -m`: the current directory is importable
-    module = importlib.import_module(module_name)
-    value: Any = module
+    try:
+        value: Any = importlib.import_module(module_name)
+    except Exception as exc:  # whatever the module raises while it imports
+        raise click.ClickException(f"cannot import {module_name!r}: {_describe(exc)}") from None
     for part in attribute.split("."):
+        if not hasattr(value, part):
+            raise click.ClickException(f"{target}: {module_name!r} has no attribute {part!r}")
         value = getattr(value, part)
-    if not isinstance(value, Dispatcher) and callable(value):
-        value = value()
-    if not isinstance(value, Dispatcher):
-        raise click.BadParameter(f"{target} is a {type(value).__name__}, not an outbox.Dispatcher")
-    return value
+    if isinstance(value, Dispatcher):
+        return value
+    if inspect.isfunction(value) or inspect.ismethod(value):
+        _require_factory(target, value)
+        try:
+            made = value()
+        except Exception as exc:  # the user's factory: say what it raised, in one line
+            raise click.ClickException(f"{target}() failed: {_describe(exc)}") from None
+        if isinstance(made, Dispatcher):
+            return made
+        raise click.ClickException(
+            f"{target}() returned a {type(made).__name__}, not an outbox.Dispatcher")
+    kind = "class" if isinstance(value, type) else type(value).__name__
+    raise click.ClickException(
+        f"{target} is a {kind}, not an outbox.Dispatcher "
+        "(name a Dispatcher, or a function that returns one)")
+
+
+def _require_factory(target: str, function: Callable[..., Any]) -> None:
+    """Refuse, without calling it, a function that cannot be a dispatcher factory: one
+    that needs arguments, or whose return annotation names something else (calling a
+    ``main() -> None`` would run it)."""
+    signature = inspect.signature(function)
+    try:
+        signature.bind()
+    except TypeError:
+        raise click.ClickException(
+            f"{target} is a function that needs arguments, not an outbox.Dispatcher "
+            "(name a Dispatcher, or a function of no arguments that returns one)") from None
+    try:
+        returns = typing.get_type_hints(function).get("return", inspect.Signature.empty)
+    except Exception:  # an annotation that does not resolve: let the call decide
+        return
+    if returns is inspect.Signature.empty:
+        return
+    if not (isinstance(returns, type) and issubclass(returns, Dispatcher)):
+        shown = getattr(returns, "__name__", None) or repr(returns)
+        raise click.ClickException(
+            f"{target} is a function returning {shown}, not an outbox.Dispatcher")
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 @main.command("run")

@@ -189,8 +189,12 @@ class Dispatcher(_Options):
 
     ``observer`` (an ``outbox.observe.DispatchObserver``) receives every claim, attempt,
     fence rejection and rescue, for metrics and tracing; an exception it raises is
-    logged and ignored. ``listen_conninfo`` is the connection string for LISTEN when
-    ``conninfo`` goes through a pooler (None: the same as ``conninfo``).
+    logged and ignored. ``listen_conninfo`` is a direct connection string for LISTEN when
+    ``conninfo`` goes through a transaction-pooling PgBouncer; a connection found to be
+    pooled gets no session ``SET`` and no prepared statements, and without
+    ``listen_conninfo`` the dispatcher polls. A configuration that can never work (no
+    such database, a wrong password, a missing privilege) raises
+    ``outbox.ConfigurationError`` at once; an unreachable server is waited for.
 
     A part that dies of an unexpected error (the recorder, a worker) stops the
     dispatcher loudly: it is logged and ``run`` / ``run_until_idle`` raise
@@ -272,6 +276,8 @@ class Dispatcher(_Options):
             # SIGTERM during start-up) is not forgotten.
             state.reset()
             self._running = False
+        if isinstance(failure, ConfigurationError):
+            raise failure  # the set-up is wrong, not the code: say what is wrong
         if failure is not None:
             raise self._failed(failure) from failure
         return self.stats
@@ -396,6 +402,8 @@ class AsyncDispatcher(_Options):
             self._state = None
             self._stop_early = False
             self._running = False
+        if isinstance(state.failure, ConfigurationError):
+            raise state.failure  # the set-up is wrong, not the code: say what is wrong
         if state.failure is not None:
             raise self._failed(state.failure) from state.failure
         return self.stats

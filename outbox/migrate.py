@@ -18,7 +18,9 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.pq import TransactionStatus
 
+from ._pg import configuration_error
 from ._sql import bind_schema, check_schema_name
 from .errors import SchemaError
 
@@ -87,8 +89,15 @@ def current_version(conn: psycopg.Connection[Any], schema: str = "outbox") -> in
 
 
 def require_current(conn: psycopg.Connection[Any], schema: str) -> None:
-    """Raise SchemaError unless ``schema`` is migrated to exactly this code's version."""
-    version = current_version(conn, schema)
+    """Raise SchemaError unless ``schema`` is migrated to exactly this code's version;
+    ``ConfigurationError`` if the role may not read it."""
+    try:
+        version = current_version(conn, schema)
+    except psycopg.Error as exc:
+        fatal = configuration_error(exc, doing=f"read schema {schema!r}")
+        if fatal is None:
+            raise
+        raise fatal from exc
     if version is None:
         raise SchemaError(
             f"schema {schema!r} has no outbox tables: run `outbox migrate` "
@@ -111,11 +120,42 @@ def migrate(conn: psycopg.Connection[Any], schema: str = "outbox") -> list[int]:
     """Create or upgrade the outbox tables in ``schema``; return the versions applied.
 
     Idempotent, and safe when several processes run it at once (an advisory lock on the
-    schema name serialises them; the later ones apply nothing). All pending migrations
-    apply in one transaction: either the schema reaches the latest version or it is left
-    as it was. Joins the caller's transaction if ``conn`` is inside one.
+    schema name serialises them; the later ones apply nothing), whatever the database's
+    or role's ``default_transaction_isolation``: on an idle connection the run is its
+    own READ COMMITTED transaction. All pending migrations apply in one transaction:
+    either the schema reaches the latest version or it is left as it was. Joins the
+    caller's transaction if ``conn`` is inside one; under REPEATABLE READ or SERIALIZABLE
+    that transaction's snapshot may predate a concurrent run, which is then reported as
+    a ``SchemaError`` (run it again) rather than applied twice. Needs a direct
+    connection, not one through a transaction-pooling PgBouncer.
     """
     check_schema_name(schema)
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        return _joined(conn, schema)
+    # Under REPEATABLE READ or SERIALIZABLE the snapshot is taken by the first statement,
+    # the lock request, before the lock is granted: a run that waited would not see the
+    # versions the holder just applied and would apply them again.
+    previous = conn.isolation_level
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    try:
+        return _apply(conn, schema)
+    finally:
+        conn.isolation_level = previous
+
+
+def _joined(conn: psycopg.Connection[Any], schema: str) -> list[int]:
+    try:
+        return _apply(conn, schema)
+    except (psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable,
+            psycopg.errors.DuplicateSchema, psycopg.errors.UniqueViolation,
+            psycopg.errors.SerializationFailure) as exc:
+        raise SchemaError(
+            f"schema {schema!r} was migrated by another process after this transaction's "
+            "snapshot was taken: run migrate again in a new transaction"
+        ) from exc
+
+
+def _apply(conn: psycopg.Connection[Any], schema: str) -> list[int]:
     applied: list[int] = []
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",

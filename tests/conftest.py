@@ -1,53 +1,29 @@
 """Shared fixtures: one real PostgreSQL for the session, a fresh schema per test.
 
-Tests run against ``OUTBOX_TEST_DSN`` when it is set, else against an embedded
-PostgreSQL started for the session. Each test gets its own schema (migrated, dropped
-afterwards), so tests may commit, LISTEN and run dispatcher processes without seeing
-each other's rows.
+``dsn`` and ``schema`` are the test kit's ``outbox_dsn`` and ``outbox_schema``
+(``outbox.testing``, a pytest plugin): ``$OUTBOX_TEST_DSN`` when set, else an embedded
+PostgreSQL for the session; each test's schema is migrated and dropped afterwards, so
+tests may commit, LISTEN and run dispatcher processes without seeing each other's rows.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import sql
-
-import outbox
-from outbox._embedded import restart_server, start_server
 
 
 @pytest.fixture(scope="session")
-def dsn() -> Iterator[str]:
+def dsn(outbox_dsn: str) -> str:
     """Connection string of the PostgreSQL server the tests use."""
-    configured = os.environ.get("OUTBOX_TEST_DSN")
-    if configured:
-        yield configured
-        return
-    data_dir = Path(tempfile.mkdtemp(prefix="outbox-test-pg-"))
-    server = start_server(data_dir / "data")
-    uri: str = server.get_uri()
-    with psycopg.connect(uri, autocommit=True) as conn:
-        # Headroom for the tests that start several dispatcher processes at once.
-        conn.execute("ALTER SYSTEM SET max_connections = 300")
-    restart_server(server)
-    yield uri
+    return outbox_dsn
 
 
 @pytest.fixture
-def schema(dsn: str) -> Iterator[str]:
+def schema(outbox_schema: str) -> str:
     """A freshly migrated schema of its own for this test, dropped afterwards."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        outbox.migrate(conn, schema=name)
-    yield name
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+    return outbox_schema
 
 
 @pytest.fixture

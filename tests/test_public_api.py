@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-PACKAGES = ["outbox", "effects", "effects.testing"]
+PACKAGES = ["outbox", "effects", "effects.testing", "outbox.testing", "outbox.sql"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)

@@ -7,7 +7,7 @@ from importlib import resources
 
 from psycopg import sql
 
-from outbox._sql import check_schema_name, parse_blocks
+from outbox.sql import check_schema_name, parse_blocks
 
 __all__ = ["ChaosQueries", "chaos_queries"]
 

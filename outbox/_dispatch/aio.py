@@ -21,10 +21,12 @@ from functools import partial
 import psycopg
 
 from .. import _state
+from .._pg import is_pooled
+from ..errors import ConfigurationError
 from ..migrate import require_current
 from .claimer import Claimer
 from .connection import CONNECTION_ERRORS, AsyncConnection, Reconnects, connect
-from .listener import listen_statement
+from .listener import POLLING, listen_statement
 from .recorder import Recorder
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Timer
@@ -166,6 +168,8 @@ async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
             except CONNECTION_ERRORS as exc:
                 recorder.failed(exc, lost=conn.lost, pending=pending)
                 await asyncio.sleep(conn.backoff())
+            except ConfigurationError:
+                raise  # a missing privilege: no retry will help
             except Exception as exc:  # a heartbeat failed otherwise: next round
                 log.error("heartbeat failed: %s",
                           getattr(exc, "sqlstate", None) or type(exc).__name__)
@@ -182,6 +186,9 @@ async def listen_async(settings: Settings, state: AsyncState) -> None:
         while True:
             try:
                 listening = await conn.get()
+                if is_pooled(listening):
+                    log.info(POLLING)
+                    return
                 await listening.execute(listen_statement(settings))
                 state.wake.set()  # jobs may have arrived while we were not listening
                 async for _ in listening.notifies():
@@ -189,6 +196,9 @@ async def listen_async(settings: Settings, state: AsyncState) -> None:
             except CONNECTION_ERRORS:
                 await conn.discard()
                 await asyncio.sleep(conn.backoff())
+            except ConfigurationError as exc:
+                log.error("cannot LISTEN (%s); polling instead", exc)
+                return
             except Exception:
                 log.exception("listener failed unexpectedly; restarting it")
                 await conn.discard()

@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 
+from .._pg import configuration_error
 from ..effect import Job
 from ..migrate import require_current
 from .connection import CONNECTION_ERRORS, Connection
@@ -62,7 +63,8 @@ class Claimer:
         now = time.monotonic()
         if self.rescue_timer.due(now):
             yield from self.rescue()
-        if not self.until_idle and self.retention_timer.due(now):
+        # Retention under run_until_idle too: cron deployments never call run().
+        if self.retention_timer.due(now):
             yield from self.purge()
         batch = yield from self.claim()
         if batch:
@@ -77,7 +79,11 @@ class Claimer:
         return Round(batch, wait=self.settings.poll_interval * self.rng.uniform(0.5, 1.0))
 
     def failed(self, exc: psycopg.Error, *, lost: bool) -> None:
-        """A round failed: count a lost connection as a reconnect, log either way."""
+        """A round failed: count a lost connection as a reconnect, log either way; raise
+        ``ConfigurationError`` if no retry can help (a privilege or a table is missing)."""
+        fatal = configuration_error(exc, doing="dispatch")
+        if fatal is not None:
+            raise fatal from exc
         if lost:  # only a broken connection is replaced and counted
             self.state.stats.reconnects += 1
             log.warning("claimer lost its connection (%s); reconnecting", type(exc).__name__)

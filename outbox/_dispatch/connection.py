@@ -16,6 +16,8 @@ from typing import Any
 
 import psycopg
 
+from .._pg import configuration_error, detect_pooler
+from ..errors import ConfigurationError
 from .settings import Settings
 from .steps import Rows, Statement
 
@@ -50,8 +52,11 @@ class ConnectParams:
 
 def connection_params(settings: Settings, role: str) -> ConnectParams:
     """Everything about a dispatcher connection of ``role`` (claimer, recorder, listener)."""
+    conninfo = settings.conninfo
+    if role == "listener" and settings.listen_conninfo:
+        conninfo = settings.listen_conninfo  # direct: LISTEN cannot go through a pooler
     return ConnectParams(
-        conninfo=settings.conninfo,
+        conninfo=conninfo,
         options={
             "autocommit": True,
             "connect_timeout": 10,
@@ -74,21 +79,69 @@ def connection_params(settings: Settings, role: str) -> ConnectParams:
 
 
 def connect(settings: Settings, role: str) -> psycopg.Connection[Any]:
-    """A new connection for ``role``, set up."""
+    """A new connection for ``role``, set up; ``ConfigurationError`` if it can never be."""
     params = connection_params(settings, role)
-    conn = psycopg.connect(params.conninfo, **params.options)
-    for statement in params.setup:
-        conn.execute(statement)
+    try:
+        conn = psycopg.connect(params.conninfo, **params.options)
+    except psycopg.Error as exc:
+        raise _refused(exc, params, role) or exc from None
+    try:
+        probe = conn.execute(PROBE).fetchone()
+        for statement in _session_setup(conn, probe, params):
+            conn.execute(statement)
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 
 async def connect_async(settings: Settings, role: str) -> psycopg.AsyncConnection[Any]:
-    """A new asyncio connection for ``role``, set up."""
+    """A new asyncio connection for ``role``, set up; ``ConfigurationError`` if it can
+    never be."""
     params = connection_params(settings, role)
-    conn = await psycopg.AsyncConnection.connect(params.conninfo, **params.options)
-    for statement in params.setup:
-        await conn.execute(statement)
+    try:
+        conn = await psycopg.AsyncConnection.connect(params.conninfo, **params.options)
+    except psycopg.Error as exc:
+        raise _refused(exc, params, role) or exc from None
+    try:
+        probe = await (await conn.execute(PROBE)).fetchone()
+        for statement in _session_setup(conn, probe, params):
+            await conn.execute(statement)
+    except BaseException:
+        await conn.close()
+        raise
     return conn
+
+
+# -- behind a transaction-pooling PgBouncer -------------------------------------------------
+# A pooled connection shares server sessions with other clients: a SET would leak into
+# theirs, a prepared statement would be missing on the next session, a LISTEN would
+# listen on a session this client no longer holds. So behind a pooler the dispatcher
+# sends no session statement, prepares nothing, and LISTENs only on ``listen_conninfo``.
+
+PROBE = "SELECT pg_backend_pid(), current_setting('default_transaction_isolation')"
+
+
+def _session_setup(conn: Any, probe: tuple[Any, ...] | None, params: ConnectParams,
+                   ) -> tuple[str, ...]:
+    """The session statements ``conn`` gets: ``params.setup`` on a direct connection,
+    none through a pooler (whose role must then default to READ COMMITTED)."""
+    assert probe is not None
+    backend_pid, isolation = probe
+    if not detect_pooler(conn, backend_pid):
+        return params.setup
+    conn.prepare_threshold = None
+    if isolation != "read committed":
+        raise ConfigurationError(
+            f"through a connection pooler the dispatcher cannot SET its session, and "
+            f"this role's default_transaction_isolation is {isolation!r}: make it 'read "
+            "committed' for the dispatcher's role (ALTER ROLE ... SET "
+            "default_transaction_isolation = 'read committed')")
+    return ()
+
+
+def _refused(exc: psycopg.Error, params: ConnectParams, role: str) -> ConfigurationError | None:
+    return configuration_error(exc, params.conninfo, f"connect ({role} connection)")
 
 
 class Reconnects:

@@ -16,6 +16,8 @@ import psycopg
 from psycopg import sql
 
 from .._enqueue import notify_channel
+from .._pg import is_pooled
+from ..errors import ConfigurationError
 from .connection import CONNECTION_ERRORS, Connection
 from .settings import Settings
 from .state import SharedState
@@ -25,6 +27,8 @@ __all__ = ["Listener", "listen_statement"]
 log = logging.getLogger("outbox.dispatcher")
 
 NOTIFY_TIMEOUT = 0.25  # seconds between checks of the stop signal while listening
+POLLING = ("the connection goes through a pooler, where LISTEN cannot work: polling "
+           "(give the Dispatcher listen_conninfo, a direct connection, to be woken)")
 
 
 def listen_statement(settings: Settings) -> sql.Composed:
@@ -52,6 +56,9 @@ class Listener:
                 except CONNECTION_ERRORS:
                     self.conn.discard()
                     self.state.stopping.wait(self.conn.backoff())
+                except ConfigurationError as exc:
+                    log.error("cannot LISTEN (%s); polling instead", exc)
+                    self.state.stopping.wait()
                 except Exception:
                     log.exception("listener failed unexpectedly; restarting it")
                     self.conn.discard()
@@ -61,6 +68,10 @@ class Listener:
 
     def _listen(self) -> None:
         listening = self.conn.get()
+        if is_pooled(listening):
+            log.info(POLLING)
+            self.state.stopping.wait()
+            return
         listening.execute(listen_statement(self.settings))
         self.state.wake.set()  # jobs may have arrived while we were not listening
         while not self.state.stopping.is_set():

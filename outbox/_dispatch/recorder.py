@@ -18,7 +18,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .. import _state
+from .._pg import configuration_error
 from .._state import Decision
+from ..errors import ConfigurationError
 from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, Connection
 from .settings import Settings
@@ -63,6 +65,8 @@ class Recorder:
         except CONNECTION_ERRORS:
             raise
         except Exception as exc:  # a row the database refused, or a bug of ours
+            if (fatal := configuration_error(exc, doing="record outcomes")) is not None:
+                raise fatal from exc  # a missing privilege refuses every row alike
             log.error("recording a batch failed (%s); recording one by one",
                       getattr(exc, "sqlstate", None) or type(exc).__name__)
             yield from self.record_singly(pending)
@@ -219,6 +223,8 @@ def run_recorder(recorder: Recorder, conn: Connection) -> None:
             except CONNECTION_ERRORS as exc:
                 recorder.failed(exc, lost=conn.lost, pending=pending)
                 time.sleep(conn.backoff())
+            except ConfigurationError:
+                raise  # a missing privilege: no retry will help
             except Exception as exc:  # a heartbeat failed otherwise: next round
                 log.error("heartbeat failed: %s",
                           getattr(exc, "sqlstate", None) or type(exc).__name__)

@@ -252,3 +252,20 @@ FROM {schema}.jobs
 WHERE status IN ('failed', 'reconcile')
 ORDER BY updated_at DESC, id DESC
 LIMIT %(limit)s;
+
+-- ---------------------------------------------------------------------------------------
+-- Test kit readers (outbox.testing): what a test asserts on, so users write no SQL.
+-- ---------------------------------------------------------------------------------------
+
+-- name: testkit_jobs
+-- Every job, oldest first; narrowed to one effect and/or one key when those are given.
+SELECT * FROM {schema}.jobs
+WHERE (%(effect)s::text IS NULL OR effect = %(effect)s::text)
+  AND (%(key)s::text IS NULL OR key = %(key)s::text)
+ORDER BY id;
+
+-- name: testkit_ledger
+-- Every ledger row, oldest first; narrowed to one key when it is given.
+SELECT * FROM {schema}.effect_results
+WHERE %(key)s::text IS NULL OR key = %(key)s::text
+ORDER BY recorded_at, key;

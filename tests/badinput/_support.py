@@ -8,12 +8,12 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 import outbox
 from outbox import Effect, Job
+from outbox.testing import jobs, ledger
 
-__all__ = ["Scripted", "enqueue", "job_rows", "keys", "ledger_rows"]
+__all__ = ["Scripted", "enqueue", "keys"]
 
 
 class Scripted(Effect):
@@ -41,24 +41,6 @@ def enqueue(dsn: str, schema: str, key: str, payload: dict[str, Any], **options:
     return result.job_id
 
 
-def _rows(dsn: str, schema: str, table: str) -> list[dict[str, Any]]:
-    query = sql.SQL("SELECT * FROM {}.{}").format(sql.Identifier(schema), sql.Identifier(table))
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        cur = conn.execute(query)
-        names = [d.name for d in cur.description or []]
-        return [dict(zip(names, row, strict=True)) for row in cur]
-
-
-def job_rows(dsn: str, schema: str) -> dict[str, dict[str, Any]]:
-    """Every job by key."""
-    return {row["key"]: row for row in _rows(dsn, schema, "jobs")}
-
-
-def ledger_rows(dsn: str, schema: str) -> dict[str, dict[str, Any]]:
-    """Every ledger row by key."""
-    return {row["key"]: row for row in _rows(dsn, schema, "effect_results")}
-
-
 def keys(dsn: str, schema: str) -> set[str]:
     """The keys of every job and every ledger row: what enqueue has written."""
-    return set(job_rows(dsn, schema)) | set(ledger_rows(dsn, schema))
+    return set(jobs(dsn, schema)) | set(ledger(dsn, schema))

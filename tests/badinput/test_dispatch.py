@@ -15,12 +15,14 @@ import pytest
 from effects.email import SendEmail
 from effects.testing import FakeEmailProvider
 from outbox import Dispatcher, Job, Permanent, Retry, UnknownOutcome
-from outbox._state import MAX_ERROR_LENGTH
+from outbox.testing import jobs as job_rows
+from outbox.testing import ledger as ledger_rows
 
-from ._support import Scripted, enqueue, job_rows, ledger_rows
+from ._support import Scripted, enqueue
 
-# Room for the suffix decide() appends to the bounded text, e.g. " (attempt 1 of 1)".
-ERROR_BOUND = MAX_ERROR_LENGTH + 64
+# A stored error is cut to 2,000 characters, plus room for the suffix the dispatcher
+# appends, e.g. " (attempt 1 of 1)".
+ERROR_BOUND = 2000 + 64
 
 
 def _dispatch(dsn: str, schema: str, effect: Scripted, **options: Any) -> None:

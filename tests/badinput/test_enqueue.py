@@ -15,8 +15,9 @@ import pytest
 
 import outbox
 from outbox import EnqueueError, InvalidKey, InvalidPayload, NewJob
+from outbox.testing import jobs as job_rows
 
-from ._support import job_rows, keys
+from ._support import keys
 
 
 def _nested(levels: int) -> dict[str, Any]:

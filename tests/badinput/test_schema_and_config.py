@@ -17,8 +17,10 @@ from psycopg import sql
 import outbox
 from outbox import ConfigurationError, Dispatcher, Effect, Job, SchemaError
 from outbox.cli import main
+from outbox.testing import jobs as job_rows
+from outbox.testing import ledger as ledger_rows
 
-from ._support import Scripted, enqueue, job_rows, ledger_rows
+from ._support import Scripted, enqueue
 
 
 def _noop() -> Scripted:

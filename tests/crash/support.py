@@ -21,11 +21,11 @@ from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import dict_row
 
 import outbox
 from outbox import Dispatcher, DispatchStats, NewJob
-from outbox._enqueue import notify_channel
+from outbox.sql import notify_channel
+from outbox.testing import jobs
 
 from .provider import EFFECT, Conn, TableEffect
 
@@ -72,23 +72,9 @@ def connect(dsn: str) -> Conn:
 # -- the database, as the tests see it ------------------------------------------------------
 
 
-def jobs(conn: Conn, schema: str) -> dict[str, dict[str, Any]]:
-    """Every job by key, as dicts of its columns."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(sql.SQL("SELECT * FROM {} ORDER BY id").format(table(schema, "jobs")))
-        return {row["key"]: row for row in cur.fetchall()}
-
-
 def job(conn: Conn, schema: str, key: str) -> dict[str, Any]:
-    """One job's columns."""
-    return jobs(conn, schema)[key]
-
-
-def ledger(conn: Conn, schema: str) -> dict[str, dict[str, Any]]:
-    """Every ledger row by key."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(sql.SQL("SELECT * FROM {}").format(table(schema, "effect_results")))
-        return {row["key"]: row for row in cur.fetchall()}
+    """One job's columns (it must exist)."""
+    return jobs(conn, schema, key=key)[key]
 
 
 def status_counts(conn: Conn, schema: str) -> dict[str, int]:

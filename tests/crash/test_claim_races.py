@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 from psycopg import sql
 
-from outbox._sql import queries
+from outbox.sql import queries
+from outbox.testing import ledger
 
 from .provider import EFFECT, Conn
-from .support import connect, enqueue, job, ledger, session, table, wait_until, waiting_on_lock
+from .support import connect, enqueue, job, session, table, wait_until, waiting_on_lock
 
 Rows = list[tuple[Any, ...]]
 

@@ -17,7 +17,8 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 import outbox
-from outbox._sql import queries
+from outbox.sql import queries
+from outbox.testing import jobs, ledger
 
 from .provider import EFFECT, Conn, Provider, create_tables
 from .support import (
@@ -27,8 +28,6 @@ from .support import (
     count_done,
     dispatcher_backends,
     enqueue,
-    jobs,
-    ledger,
     session,
     wait_until,
     waiting_on_lock,

@@ -7,6 +7,8 @@ import signal
 import pytest
 from psycopg import sql
 
+from outbox.testing import jobs, ledger
+
 from .provider import Conn, Provider
 from .support import (
     Workers,
@@ -14,8 +16,6 @@ from .support import (
     drain,
     enqueue,
     job,
-    jobs,
-    ledger,
     session,
     table,
     wait_until,

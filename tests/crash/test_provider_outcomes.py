@@ -13,9 +13,10 @@ from contextlib import contextmanager
 
 import outbox
 from outbox import Dispatcher, DispatchStats
+from outbox.testing import jobs, ledger
 
 from .provider import VALIDATED_EFFECT, Conn, Provider, TableEffect, ValidatedEffect
-from .support import drain, enqueue, job, jobs, ledger, wait_until
+from .support import drain, enqueue, job, wait_until
 
 
 @contextmanager

@@ -6,18 +6,15 @@ acts once per key, and no delivery happens without a claim behind it.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 import outbox
-from outbox._embedded import restart_server, start_server
+from outbox.testing import Server, jobs, ledger, start_server
 
 from .provider import Conn, Provider, create_tables
 from .support import (
@@ -26,8 +23,6 @@ from .support import (
     count_done,
     dispatcher_backends,
     enqueue,
-    jobs,
-    ledger,
     session,
     table,
     wait_until,
@@ -38,18 +33,10 @@ SLOW = {"sleep": 0.02}  # 200 jobs at concurrency 4 take about a second: still f
 
 
 @pytest.fixture
-def own_server() -> Iterator[Any]:
-    """An embedded PostgreSQL of this test's own, to restart without disturbing others.
-
-    Not under pytest's tmp_path: a later pytest session resets that tree to mode 0700,
-    which the server's own OS user then cannot read."""
-    data_dir = Path(tempfile.mkdtemp(prefix="outbox-crash-pg-"))
-    server = start_server(data_dir / "pgdata")
-    try:
+def own_server() -> Iterator[Server]:
+    """An embedded PostgreSQL of this test's own, to restart without disturbing others."""
+    with start_server() as server:
         yield server
-    finally:
-        server.cleanup()
-        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def _assert_each_done_once(db: Conn, schema: str, keys: list[str]) -> None:
@@ -64,8 +51,8 @@ def _assert_each_done_once(db: Conn, schema: str, keys: list[str]) -> None:
     assert all(1 <= performed[k] <= by_key[k]["attempts"] for k in keys)
 
 
-def test_postgresql_restart_mid_run_loses_nothing(own_server: Any, tmp_path: Path) -> None:
-    uri: str = own_server.get_uri()
+def test_postgresql_restart_mid_run_loses_nothing(own_server: Server, tmp_path: Path) -> None:
+    uri = own_server.dsn
     schema = "outbox"
     first = [f"a-{i}" for i in range(WAVE)]
     second = [f"b-{i}" for i in range(WAVE)]
@@ -77,7 +64,7 @@ def test_postgresql_restart_mid_run_loses_nothing(own_server: Any, tmp_path: Pat
             worker = workers.start("run", lease=2.0, concurrency=4)
             enqueue(db, schema, first, SLOW)
             wait_until(lambda: count_done(db, schema) >= WAVE // 5, "jobs to flow")
-        restart_server(own_server)  # drops every connection, ours included
+        own_server.restart()  # drops every connection, ours included
         with connect(uri) as db:
             assert count_done(db, schema) < WAVE, "the restart came while jobs were flowing"
             enqueue(db, schema, second, SLOW)

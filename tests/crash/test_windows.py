@@ -15,7 +15,8 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox._sql import queries
+from outbox.sql import queries
+from outbox.testing import jobs, ledger
 
 from .provider import EFFECT, Conn, Provider
 from .support import (
@@ -25,9 +26,7 @@ from .support import (
     drain,
     enqueue,
     job,
-    jobs,
     lease_expired,
-    ledger,
     poll_for,
     process_stopped,
     session,

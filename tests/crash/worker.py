@@ -33,7 +33,7 @@ import psycopg
 from psycopg import sql
 
 import outbox
-from outbox._sql import queries
+from outbox.sql import queries
 
 from .provider import EFFECT, TableEffect
 

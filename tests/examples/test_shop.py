@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 from examples.shop import app, demo
+from outbox.testing import jobs
 
 
 @pytest.fixture
@@ -30,10 +31,10 @@ def test_an_order_and_its_two_effects_commit_together(shop_dsn: str) -> None:
         order_id = app.place_order(conn, customer="ada", email="ada@example.com", amount=1250)
         with pytest.raises(psycopg.errors.CheckViolation):
             app.place_order(conn, customer="bob", email="bob@example.com", amount=-1)
-        keys = conn.execute("SELECT key, effect FROM outbox.jobs ORDER BY key").fetchall()
+        found = jobs(conn, app.OUTBOX_SCHEMA)
         orders = conn.execute("SELECT count(*) FROM shop_orders").fetchone()
-    assert keys == [(f"email-order-{order_id}", "email.send"),
-                    (f"payment-order-{order_id}", "payment.charge")]
+    assert {key: job["effect"] for key, job in found.items()} == {
+        f"email-order-{order_id}": "email.send", f"payment-order-{order_id}": "payment.charge"}
     assert orders == (1,)
 
 

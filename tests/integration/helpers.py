@@ -23,22 +23,6 @@ def fetch(
         return conn.execute(query, params).fetchall()
 
 
-def jobs(dsn: str, schema: str) -> dict[str, dict[str, Any]]:
-    """Every job of the schema by key, as dicts."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        cur = conn.execute(sql.SQL("SELECT * FROM {} ORDER BY id").format(table(schema, "jobs")))
-        names = [d.name for d in cur.description or []]
-        return {row[names.index("key")]: dict(zip(names, row, strict=True)) for row in cur}
-
-
-def ledger(dsn: str, schema: str) -> dict[str, dict[str, Any]]:
-    """Every ledger row of the schema by key, as dicts."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        cur = conn.execute(sql.SQL("SELECT * FROM {}").format(table(schema, "effect_results")))
-        names = [d.name for d in cur.description or []]
-        return {row[0]: dict(zip(names, row, strict=True)) for row in cur}
-
-
 def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
     """Poll ``predicate`` until true; fail with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -16,8 +16,9 @@ import pytest
 import outbox
 from outbox import AsyncDispatcher, Dispatcher, DispatcherFailed, Effect, Job, NewJob
 from outbox.observe import AttemptOutcome, DispatchObserver
+from outbox.testing import jobs, ledger
 
-from .helpers import fetch, jobs, ledger, wait_until
+from .helpers import fetch, wait_until
 
 T = TypeVar("T")
 

@@ -17,8 +17,9 @@ from psycopg import sql
 
 import outbox
 from outbox.cli import main
+from outbox.testing import jobs
 
-from .helpers import jobs, wait_until
+from .helpers import wait_until
 
 
 def test_migrate_creates_then_reports_up_to_date(dsn: str) -> None:

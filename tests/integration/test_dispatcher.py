@@ -13,9 +13,11 @@ import pytest
 from pydantic import BaseModel
 
 import outbox
+import outbox.sql
 from outbox import Dispatcher, Effect, Job, NewJob, Permanent, Retry, UnknownOutcome
+from outbox.testing import jobs, ledger
 
-from .helpers import fetch, jobs, ledger, wait_until
+from .helpers import fetch, wait_until
 
 
 def enqueue(dsn: str, schema: str, *items: NewJob) -> None:
@@ -245,7 +247,7 @@ def test_due_later_jobs_are_not_claimed(dsn: str, schema: str) -> None:
 def test_expired_lease_is_rescued_and_performed(dsn: str, schema: str) -> None:
     enqueue(dsn, schema, NewJob("test.record", "k", {}))
     with psycopg.connect(dsn, autocommit=True) as conn:  # a worker that claimed, then died
-        conn.execute(outbox._sql.queries(schema).claim, {
+        conn.execute(outbox.sql.queries(schema).claim, {
             "effects": ["test.record"], "limit": 10, "lease": 1.0, "worker": "dead"})
     effect = Recorder()
     stats = Dispatcher(dsn, [effect], schema=schema, lease=1).run_until_idle(timeout=30)
@@ -258,7 +260,7 @@ def test_expired_lease_is_rescued_and_performed(dsn: str, schema: str) -> None:
 def test_crashing_worker_jobs_reach_failed(dsn: str, schema: str) -> None:
     enqueue(dsn, schema, NewJob("test.record", "k", {}, max_attempts=1))
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(outbox._sql.queries(schema).claim, {
+        conn.execute(outbox.sql.queries(schema).claim, {
             "effects": ["test.record"], "limit": 10, "lease": 1.0, "worker": "dead"})
     effect = Recorder()
     Dispatcher(dsn, [effect], schema=schema, lease=1).run_until_idle(timeout=30)

@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 import outbox
+import outbox.sql
 from outbox import Dispatcher, DispatcherFailed, DispatchStats, Effect, Job, NewJob
 from outbox._dispatch.claimer import Claimer
 from outbox._dispatch.connection import Connection, connect
@@ -21,8 +22,9 @@ from outbox._dispatch.settings import Settings
 from outbox._dispatch.state import Held, Outcome, SharedState, Success
 from outbox._dispatch.steps import run
 from outbox.observe import AttemptOutcome, DispatchObserver
+from outbox.testing import jobs, ledger
 
-from .helpers import jobs, ledger, wait_until
+from .helpers import wait_until
 
 
 def enqueue(dsn: str, schema: str, *items: NewJob) -> None:
@@ -101,7 +103,7 @@ def test_observer_hears_claims_attempts_and_outcomes(dsn: str, schema: str) -> N
 def test_observer_hears_rescues_and_fence_rejections(dsn: str, schema: str) -> None:
     enqueue(dsn, schema, NewJob("test.by_payload", "k", {}))
     with psycopg.connect(dsn, autocommit=True) as conn:  # a worker that claimed, then died
-        conn.execute(outbox._sql.queries(schema).claim, {
+        conn.execute(outbox.sql.queries(schema).claim, {
             "effects": "{test.by_payload}", "limit": 1, "lease": 1.0, "worker": "dead"})
     events = Events()
     Dispatcher(dsn, [ByPayload()], schema=schema, lease=1,
@@ -292,8 +294,8 @@ def test_a_retried_completion_whose_first_reply_was_lost_counts_as_done(
     with psycopg.connect(dsn, autocommit=True) as other:  # "stolen": rescued, re-claimed
         other.execute(f"UPDATE \"{schema}\".jobs SET lease_until = now() - interval '1 s' "
                       "WHERE key = 'stolen'")
-        other.execute(outbox._sql.queries(schema).rescue, {"limit": 10, "unknown_window": 1e6})
-        other.execute(outbox._sql.queries(schema).claim, {
+        other.execute(outbox.sql.queries(schema).rescue, {"limit": 10, "unknown_window": 1e6})
+        other.execute(outbox.sql.queries(schema).claim, {
             "effects": settings.effect_names, "limit": 10, "lease": 30.0, "worker": "other"})
     recorder = Recorder(settings, state)
     pending: list[tuple[Held, Outcome]] = [(h, Success('{"ok":true}')) for h in held.values()]

@@ -11,9 +11,11 @@ from psycopg.rows import dict_row
 from pydantic import BaseModel
 
 import outbox
+import outbox.sql
 from outbox import IdempotencyKeyConflict, InvalidKey, NewJob
+from outbox.testing import jobs
 
-from .helpers import fetch, jobs, table
+from .helpers import fetch, table
 
 
 def _orders(conn: psycopg.Connection[Any], schema: str) -> None:
@@ -107,7 +109,7 @@ def test_key_known_only_to_the_ledger_is_not_enqueued_again(dsn: str, schema: st
             tx.enqueue("e", key="k", payload={"a": 1})
         conn.execute(f'UPDATE "{schema}".jobs SET status = \'running\', lease_until = now(), '
                      "claimed_by = 'w', claim_version = 1")
-        conn.execute(outbox._sql.queries(schema).complete,
+        conn.execute(outbox.sql.queries(schema).complete,
                      {"claims": '[{"id": 1, "version": 1, "result": {"ok": true}}]'})
         conn.execute(f'DELETE FROM "{schema}".jobs')  # retention removed the done job
         conn.commit()
@@ -207,7 +209,7 @@ def test_enqueue_many_names_the_bad_job(dsn: str, schema: str) -> None:
 
 
 def test_enqueue_notifies_listeners_on_commit(dsn: str, schema: str) -> None:
-    channel = outbox._enqueue.notify_channel(schema)
+    channel = outbox.sql.notify_channel(schema)
     with psycopg.connect(dsn, autocommit=True) as listener:
         listener.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
         with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:

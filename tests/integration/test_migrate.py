@@ -12,8 +12,8 @@ from psycopg import sql
 
 import outbox
 from outbox import SchemaError
-from outbox._sql import queries
 from outbox.migrate import current_version, latest_version, migrations, require_current
+from outbox.sql import queries
 
 JOBS_COLUMNS = {
     "id": "bigint", "effect": "text", "key": "text", "payload": "jsonb", "status": "text",

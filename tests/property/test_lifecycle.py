@@ -1,6 +1,6 @@
 """The job lifecycle as a state machine, on real PostgreSQL, with several workers.
 
-Simulated workers run the real named queries (``outbox._sql.queries``) with the parameters
+Simulated workers run the real named queries (``outbox.sql.queries``) with the parameters
 in the formats the Dispatcher sends (a ``text[]`` literal of effect names for the claim,
 one JSON array of claims for heartbeat, complete and settle), in any order hypothesis
 picks: claim, heartbeat, complete, settle (retry, fail, unknown outcome, release with the
@@ -42,9 +42,9 @@ from psycopg import sql
 
 import outbox
 from outbox import Permanent, Retry, UnknownOutcome
-from outbox._sql import queries
 from outbox._state import Backoff, decide
 from outbox.dispatcher import _text_array
+from outbox.sql import queries
 
 WORKERS = ("worker-a", "worker-b", "worker-c")
 EFFECTS = ("test.mail", "test.charge")

@@ -34,7 +34,6 @@ __all__ = [
     "RecordingWebhook",
     "capture_everything",
     "exception_texts",
-    "job_rows",
     "log_texts",
     "logged_about",
     "stored_texts",
@@ -96,15 +95,6 @@ def stored_texts(dsn: str, schema: str) -> list[str]:
     """Every job row and every ledger row, all columns, as JSON text."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         return _table_texts(conn, schema, "jobs") + _table_texts(conn, schema, "effect_results")
-
-
-def job_rows(dsn: str, schema: str) -> dict[str, dict[str, Any]]:
-    """Every job by key, as dicts."""
-    query = sql.SQL("SELECT * FROM {}.jobs").format(sql.Identifier(schema))
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        cur = conn.execute(query)
-        names = [d.name for d in cur.description or []]
-        return {row[names.index("key")]: dict(zip(names, row, strict=True)) for row in cur}
 
 
 class RecordingEmail(SendEmail):

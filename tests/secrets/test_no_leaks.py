@@ -27,6 +27,7 @@ import stripe
 import outbox
 from effects.testing import FakeEmailProvider, FakeStripe, FakeWebhookReceiver
 from outbox import Backoff, Dispatcher, DispatchStats, Effect
+from outbox.testing import jobs as job_rows
 
 from ._support import (
     PII,
@@ -39,7 +40,6 @@ from ._support import (
     RecordingWebhook,
     capture_everything,
     exception_texts,
-    job_rows,
     log_texts,
     logged_about,
     stored_texts,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from outbox import ConfigurationError
-from outbox._sql import bind_schema, parse_blocks, queries
+from outbox.sql import bind_schema, parse_blocks, queries
 
 
 def test_blocks_are_split_by_name_and_comments_dropped() -> None:

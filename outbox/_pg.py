@@ -1,0 +1,94 @@
+"""Facts about a PostgreSQL connection that outbox acts on: which errors no retry can fix,
+and whether a connection goes through a transaction-pooling PgBouncer.
+
+``configuration_error`` is the one place where a psycopg error is judged permanent (the
+database does not exist, the password is wrong, the role lacks a privilege) and turned
+into ``outbox.ConfigurationError``; everything else (a server down, restarting, out of
+connections) stays a psycopg error that callers wait out with backoff.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from .errors import ConfigurationError
+
+__all__ = ["configuration_error", "detect_pooler", "is_pooled"]
+
+# SQLSTATE classes of statement errors that mean the set-up is wrong, not the moment:
+# 28 invalid authorization, 3D no such database, 3F no such schema, 42 access rule
+# violation (insufficient privilege, undefined table).
+_FATAL_CLASSES = ("28", "3D", "3F", "42")
+
+# libpq reports a refused connection as text only (no SQLSTATE): the server's (or
+# PgBouncer's) reasons that waiting will not change.
+_FATAL_CONNECT = re.compile(
+    r"database \S+ does not exist|role \S+ does not exist|password authentication failed"
+    r"|no pg_hba\.conf entry|authentication failed for user|no password supplied"
+    r"|permission denied for database|is not permitted to log in|no such database"
+    r"|no such user|invalid connection option|invalid dsn|invalid URI",
+    re.IGNORECASE,
+)
+_SEVERITY = re.compile(r"^.*?\b(?:FATAL|ERROR):\s+", re.DOTALL)
+
+
+def configuration_error(exc: BaseException, conninfo: str | None = None,
+                        doing: str = "connect") -> ConfigurationError | None:
+    """The ``ConfigurationError`` that ``exc`` amounts to, or None when waiting may help.
+
+    Its text names the problem as the server put it, without the connection string's
+    password (``conninfo`` is only used to find and remove it)."""
+    if not isinstance(exc, psycopg.Error):
+        return None
+    if conninfo is not None and not _parses(conninfo):
+        # libpq's complaint may quote the string, password and all: not repeated here.
+        return ConfigurationError(f"cannot {doing}: the connection string is not valid")
+    text = str(exc).strip()
+    sqlstate = exc.sqlstate
+    if sqlstate is not None:
+        if sqlstate[:2] not in _FATAL_CLASSES:
+            return None
+    elif not _FATAL_CONNECT.search(text):
+        return None
+    reason = _SEVERITY.sub("", text.splitlines()[0] if text else type(exc).__name__)
+    return ConfigurationError(f"cannot {doing}: {_without_password(reason, conninfo)}")
+
+
+def _parses(conninfo: str) -> bool:
+    try:
+        conninfo_to_dict(conninfo)
+    except psycopg.Error:
+        return False
+    return True
+
+
+def _without_password(text: str, conninfo: str | None) -> str:
+    password = conninfo_to_dict(conninfo).get("password") if conninfo else None
+    return text.replace(str(password), "***") if password else text
+
+
+# Connections found to go through a pooler; a weak set, so closed ones drop out.
+_pooled: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def detect_pooler(conn: Any, backend_pid: int) -> bool:
+    """Record and return whether ``conn`` goes through a pooler, given the backend pid
+    the server reports for it (``SELECT pg_backend_pid()``).
+
+    A pooler such as PgBouncer answers the client's start-up with a cancel key of its
+    own, so the pid the client was told (``conn.info.backend_pid``) is not the pid of
+    the server session; on a direct connection they are the same."""
+    pooled: bool = backend_pid != conn.info.backend_pid
+    if pooled:
+        _pooled.add(conn)
+    return pooled
+
+
+def is_pooled(conn: Any) -> bool:
+    """Whether ``detect_pooler`` found ``conn`` to go through a pooler."""
+    return conn in _pooled

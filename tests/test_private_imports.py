@@ -1,0 +1,88 @@
+"""Code outside the ``outbox`` package reaches it only through public modules.
+
+Shipped code (``effects``, ``examples``, ``benchmarks``) and the tests use ``outbox``,
+``outbox.testing``, ``outbox.sql`` and the other public modules, never a private
+``outbox._x``: what they need is a seam users may need too. The one exception is a
+unit test of a pure private module, which tests that module itself.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCANNED = ("effects", "examples", "benchmarks", "tests")
+
+# Unit and property tests of private modules themselves: the pure decisions, and the
+# dispatcher's parts driven one at a time.
+UNIT_TESTS_OF_PRIVATE_MODULES = {
+    "tests/integration/test_dispatcher_parts.py": {"outbox._dispatch"},
+    "tests/unit/test_state.py": {"outbox._state"},
+    "tests/unit/test_enqueue_prepare.py": {"outbox._enqueue"},
+    "tests/property/test_decisions.py": {"outbox._state"},
+    "tests/property/test_lifecycle.py": {"outbox._state"},
+}
+
+
+def private_uses(source: str) -> set[str]:
+    """Every private ``outbox._x`` module that ``source`` imports or reaches by attribute."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if _private(a.name)}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if _private(node.module):
+                found.add(node.module)
+            elif node.module == "outbox":
+                found |= {f"outbox.{a.name}" for a in node.names if _underscored(a.name)}
+        elif isinstance(node, ast.Attribute) and _private(_dotted(node)):
+            found.add(_dotted(node))
+    return {".".join(name.split(".")[:2]) for name in found}
+
+
+def _private(module: str) -> bool:
+    parts = module.split(".")
+    return parts[0] == "outbox" and any(_underscored(p) for p in parts[1:])
+
+
+def _underscored(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")  # __all__, __version__
+
+
+def _dotted(node: ast.expr) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _sources() -> list[Path]:
+    return sorted(p for top in SCANNED for p in (ROOT / top).rglob("*.py")
+                  if "peers" not in p.parts)
+
+
+@pytest.mark.parametrize(
+    "source", ["import outbox._sql", "from outbox._embedded import start_server",
+               "from outbox import _enqueue", "import outbox\noutbox._sql.queries('x')",
+               "from outbox.testing._x import y"])
+def test_the_scan_finds_every_form_of_private_import(source: str) -> None:
+    assert private_uses(source)
+
+
+def test_the_scan_lets_public_modules_through() -> None:
+    assert not private_uses("import outbox\nfrom outbox.testing import jobs\n"
+                            "from outbox.sql import queries\nfrom . import _support\n"
+                            "outbox.transaction\n")
+
+
+def test_nothing_outside_the_package_imports_a_private_outbox_module() -> None:
+    offenders = {}
+    for path in _sources():
+        name = path.relative_to(ROOT).as_posix()
+        uses = private_uses(path.read_text("utf-8"))
+        uses -= UNIT_TESTS_OF_PRIVATE_MODULES.get(name, set())
+        if uses:
+            offenders[name] = sorted(uses)
+    assert offenders == {}, "use a public module (outbox.testing, outbox.sql, ...) instead"
