@@ -272,7 +272,7 @@ RETURNING true AS first;
 -- is purged counts as new: keep the retention longer than any redelivery can lag.
 WITH doomed AS (
     SELECT consumer, message_id FROM {schema}.inbox
-    WHERE received_at < now() - %(age)s::float8 * interval '1 second'
+    WHERE received_at < now() - CAST(%(age)s AS float8) * interval '1 second'
     ORDER BY received_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
