@@ -145,11 +145,16 @@ def start_web(env: dict[str, str], log: Path, port: int = 0) -> tuple[subprocess
             httpx.get(f"{url}/openapi.json", timeout=1).raise_for_status()
             return proc, url
         except httpx.TransportError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise click.ClickException(
-                    f"the shop's web server did not start: {log.read_text()[-500:]}") from None
-            time.sleep(0.05)
+            if proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            problem = "did not start"
+        except httpx.HTTPStatusError as exc:
+            problem = f"answered {exc.response.status_code}"
+        proc.kill()
+        proc.wait()
+        raise click.ClickException(
+            f"the shop's web server {problem}: {log.read_text()[-500:]}")
 
 
 def _place_orders(url: str, count: int, threads: int, rng: random.Random) -> list[int]:
