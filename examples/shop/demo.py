@@ -130,13 +130,15 @@ def _free_port() -> int:
         return port
 
 
-def start_web(env: dict[str, str], log: Path, port: int = 0) -> tuple[subprocess.Popen[str], str]:
+def start_web(
+    env: dict[str, str], log: Path, port: int = 0, log_level: str = "warning"
+) -> tuple[subprocess.Popen[str], str]:
     """Start the shop's web application under uvicorn; return it and its base URL."""
     port = port or _free_port()
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "examples.shop.web:create_app",
-             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+             "--host", "127.0.0.1", "--port", str(port), "--log-level", log_level],
             cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30

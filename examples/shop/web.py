@@ -1,8 +1,15 @@
 """The shop as a web application (FastAPI): ``POST /orders``, ``GET /orders/{id}``.
 
 ``POST /orders`` writes the order and enqueues its email and its charge through
-``outbox.contrib.sqlalchemy`` in the request's one transaction; dispatchers perform them
-(``outbox run examples.shop.worker:dispatcher``, separate processes). Serve it with::
+``outbox.contrib.sqlalchemy`` in the request's one transaction. Dispatchers perform them
+in one of two modes:
+
+- separate processes (``outbox run examples.shop.worker:dispatcher``), the default;
+- inside the application (``SHOP_DISPATCH=app``): an ``outbox.AsyncDispatcher`` runs on
+  uvicorn's event loop for the application's lifetime; at shutdown (SIGTERM) it stops
+  claiming, finishes what is in flight and hands back what had not started.
+
+Serve it with::
 
     OUTBOX_DATABASE_URL=postgresql://... uvicorn --factory examples.shop.web:create_app
 """
@@ -10,7 +17,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -18,6 +25,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request, status
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
+import outbox
 from examples.shop import app as shop
 
 
@@ -62,15 +70,32 @@ def _session(request: Request) -> Iterator[Session]:
 Db = Annotated[Session, Depends(_session)]
 
 
-def create_app(database_url: str | None = None) -> FastAPI:
-    """The shop's ASGI application on ``database_url`` (default ``$OUTBOX_DATABASE_URL``)."""
-    dsn = database_url or os.environ["OUTBOX_DATABASE_URL"]
+def create_app(
+    database_url: str | None = None, *, dispatch: bool | None = None,
+    env: Mapping[str, str] = os.environ,
+) -> FastAPI:
+    """The shop's ASGI application on ``database_url`` (default ``$OUTBOX_DATABASE_URL``).
+
+    With ``dispatch`` (default: ``SHOP_DISPATCH=app`` in ``env``) the application runs
+    its own ``outbox.AsyncDispatcher`` during its lifespan.
+    """
+    dsn = database_url or env["OUTBOX_DATABASE_URL"]
+    if dispatch is None:
+        dispatch = env.get("SHOP_DISPATCH", "processes") == "app"
     engine = shop.engine_for(dsn)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        engine.dispose()
+        try:
+            if dispatch:
+                dispatcher = outbox.AsyncDispatcher(
+                    dsn, shop.build_effects(env), **shop.dispatcher_options(env))
+                async with dispatcher:  # on exit: stop, finish or hand back, await
+                    yield
+            else:
+                yield
+        finally:
+            engine.dispose()
 
     api = FastAPI(title="outbox example shop", lifespan=lifespan)
     api.state.engine = engine

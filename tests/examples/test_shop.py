@@ -16,7 +16,10 @@ import pytest
 import sqlalchemy.exc
 from sqlalchemy.orm import Session
 
+from effects.testing import FakeEmailProvider, FakeStripe
 from examples.shop import app, demo
+
+from ..integration.helpers import wait_until
 
 
 @pytest.fixture
@@ -98,3 +101,54 @@ def test_the_http_interface_places_and_shows_orders(shop_dsn: str, shop_url: str
 
 def test_the_demo_kills_a_worker_and_still_performs_everything_once(shop_dsn: str) -> None:
     assert demo.run_demo(shop_dsn, orders=80, seed=7) == 0
+
+
+def test_sigterm_stops_the_lifespan_dispatcher_with_nothing_lost(
+    shop_dsn: str, tmp_path: Path
+) -> None:
+    """uvicorn gets SIGTERM while its in-app dispatcher has both of its slots held in
+    flight at the providers: what was performed is recorded done, what was not is handed
+    back (pending, attempt refunded), nothing stays running; a dispatcher started
+    afterwards completes the rest, each effect performed once."""
+    app.setup(shop_dsn)
+    with FakeEmailProvider() as email, FakeStripe() as stripe:
+        env = {**os.environ, "OUTBOX_DATABASE_URL": shop_dsn, "SHOP_DISPATCH": "app",
+               "SHOP_EMAIL_URL": email.url, "SHOP_STRIPE_URL": stripe.url,
+               "SHOP_CONCURRENCY": "2", "SHOP_LEASE": "60"}
+        holds = [email.hold_next(), stripe.hold_next()]
+        log = tmp_path / "web.log"
+        server, url = demo.start_web(env, log, log_level="info")
+        with httpx.Client(base_url=url) as client:
+            for n in range(10):
+                client.post("/orders", json={
+                    "customer": f"c{n}", "email": f"c{n}@example.com", "amount": 100 + n,
+                }).raise_for_status()
+        for hold in holds:
+            hold.wait_for_arrival()
+        server.send_signal(signal.SIGTERM)
+        wait_until(lambda: "Waiting for application shutdown" in log.read_text(),
+                   what="uvicorn to start its lifespan shutdown")
+        for hold in holds:
+            hold.release()
+        assert server.wait(timeout=60) in (0, -signal.SIGTERM), log.read_text()[-2000:]
+
+        def performed(key: str) -> int:
+            return (email if key.startswith("email-") else stripe).performed(key)
+
+        jobs = _job_rows(shop_dsn)
+        assert len(jobs) == 20
+        for key, status, attempts in jobs:
+            if performed(key):
+                assert status == "done", (key, status)
+            else:
+                assert (status, attempts) == ("pending", 0), (key, status, attempts)
+        assert sum(status == "done" for _, status, _ in jobs) >= 2  # the held two
+        app.dispatcher(env).run_until_idle(timeout=60)
+        assert {status for _, status, _ in _job_rows(shop_dsn)} == {"done"}
+        assert all(performed(key) == 1 for key, _, _ in jobs)
+
+
+def _job_rows(dsn: str) -> list[tuple[str, str, int]]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT key, status, attempts FROM outbox.jobs ORDER BY key")
+        return [(str(k), str(s), int(a)) for k, s, a in rows]
