@@ -12,7 +12,14 @@ import psycopg
 import pytest
 from sqlalchemy import Connection, Engine, Integer, create_engine, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    Mapped,
+    Session,
+    mapped_column,
+    scoped_session,
+    sessionmaker,
+)
 
 from outbox import ConfigurationError, IdempotencyKeyConflict, NewJob
 from outbox.contrib.sqlalchemy import colon_params, transaction
@@ -327,3 +334,21 @@ def test_async_inside_an_explicit_begin(dsn: str, schema: str, async_url: str) -
     _run(async_url, schema, body)
     assert list(jobs(dsn, schema)) == ["email-order-3"]
     assert _orders(dsn, schema) == [3]
+
+
+def test_a_scoped_session_stands_for_its_current_session(
+    dsn: str, schema: str, engine: Engine
+) -> None:
+    registry = scoped_session(sessionmaker(engine))
+    try:
+        registry.add(Order(id=8))
+        with transaction(registry, schema=schema) as tx:
+            tx.enqueue("email.send", key="email-order-8", payload={})
+        registry.rollback()
+        assert jobs(dsn, schema) == {}
+        with transaction(registry, schema=schema) as tx:
+            tx.enqueue("email.send", key="email-order-9", payload={})
+        registry.commit()
+    finally:
+        registry.remove()
+    assert list(jobs(dsn, schema)) == ["email-order-9"]
