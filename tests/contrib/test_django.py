@@ -273,6 +273,8 @@ def test_manage_py_outbox_runs_the_cli_on_databases(
             assert f"no job 999999 in schema {other!r}" in capsys.readouterr().err
             call_command("outbox", "--database", "default", "run", "--help")
             assert "MODULE:DISPATCHER" in capsys.readouterr().out
+            call_command("outbox", "demo", "--help")  # plug-in commands are delegated too
+            assert "--serve" in capsys.readouterr().out
     finally:
         _drop(dsn, other)
     assert os.environ.get("OUTBOX_DATABASE_URL") == before
