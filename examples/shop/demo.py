@@ -79,19 +79,24 @@ class Workers:
         held: dict[int, int] = {int(pid): int(n) for pid, n in rows}
         return max(self.running, key=lambda proc: held.get(proc.pid, 0))
 
-    def kill_one(self, dsn: str) -> None:
+    def kill_one(self, dsn: str, console: Console) -> None:
         victim = self.busiest(dsn)
         self.running.remove(victim)
         victim.send_signal(signal.SIGKILL)
         victim.communicate()  # reaps it and closes its pipe
         self.killed += 1
-        self.start()
+        replacement = self.start()
+        console.print(f"  [red]kill -9[/] dispatcher {victim.pid} mid-run; "
+                      f"dispatcher {replacement.pid} started")
 
-    def freeze_one(self, dsn: str, seconds: float) -> None:
+    def freeze_one(self, dsn: str, seconds: float, console: Console) -> None:
         victim = self.busiest(dsn)
         victim.send_signal(signal.SIGSTOP)
+        console.print(f"  [yellow]SIGSTOP[/] dispatcher {victim.pid} for {seconds:.1f} s "
+                      f"(its lease is {LEASE:.0f} s)")
         time.sleep(seconds)  # the point is to outlive the lease: a real stall
         victim.send_signal(signal.SIGCONT)
+        console.print(f"  [yellow]SIGCONT[/] dispatcher {victim.pid}: its late writes are fenced")
         self.frozen += 1
 
     def stop_all(self) -> None:
@@ -159,29 +164,40 @@ def start_web(
             f"the shop's web server {problem}: {log.read_text()[-500:]}")
 
 
-def _place_orders(url: str, count: int, threads: int, rng: random.Random) -> list[int]:
+@dataclass
+class Orders:
+    """The orders placed over HTTP so far, and the first failure, if any."""
+
+    placed: list[int] = field(default_factory=list)
+    failure: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _place_orders(url: str, count: int, threads: int, rng: random.Random,
+                  orders: Orders) -> None:
     """Place ``count`` orders over HTTP from ``threads`` threads, each with its client."""
     plans = [(f"c{n}", DECLINED_CARD if n % 25 == 7 else "pm_card_visa",
               rng.randrange(500, 20000)) for n in range(count)]
-    placed: list[int] = []
-    lock = threading.Lock()
 
     def place(share: list[tuple[str, str, int]]) -> None:
-        with httpx.Client(base_url=url, timeout=30) as client:
-            for customer, card, amount in share:
-                reply = client.post("/orders", json={
-                    "customer": customer, "email": f"{customer}@customers.example",
-                    "amount": amount, "payment_method": card})
-                reply.raise_for_status()
-                with lock:
-                    placed.append(int(reply.json()["id"]))
+        try:
+            with httpx.Client(base_url=url, timeout=30) as client:
+                for customer, card, amount in share:
+                    reply = client.post("/orders", json={
+                        "customer": customer, "email": f"{customer}@customers.example",
+                        "amount": amount, "payment_method": card})
+                    reply.raise_for_status()
+                    with orders.lock:
+                        orders.placed.append(int(reply.json()["id"]))
+        except httpx.HTTPError as exc:
+            with orders.lock:
+                orders.failure = orders.failure or f"placing an order failed: {exc}"
 
     pool = [threading.Thread(target=place, args=(plans[i::threads],)) for i in range(threads)]
     for thread in pool:
         thread.start()
     for thread in pool:
         thread.join()
-    return placed
 
 
 def _inject_faults(email: FakeEmailProvider, stripe: FakeStripe) -> dict[str, int]:
@@ -209,26 +225,31 @@ def _drive(dsn: str, url: str, orders: int, workers: Workers, console: Console,
     total = 2 * orders
     killed_at = int(total * 0.35)
     frozen_at = int(total * 0.6)
-    placer = threading.Thread(target=_place_orders,
-                              args=(url, orders, 6, random.Random(seed)), daemon=True)
+    placing = Orders()
+    placer = threading.Thread(target=_place_orders, daemon=True,
+                              args=(url, orders, 6, random.Random(seed), placing))
     placer.start()
     deadline = time.monotonic() + 120
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+    with Progress(TextColumn("[bold]{task.description:<13}"), BarColumn(bar_width=24),
+                  MofNCompleteColumn(),
                   TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
+        placed = progress.add_task("orders placed", total=orders, detail="POST /orders")
         task = progress.add_task("jobs finished", total=total, detail="")
         while time.monotonic() < deadline:
+            if placing.failure:
+                raise click.ClickException(placing.failure)
+            progress.update(placed, completed=len(placing.placed))
             counts = _job_counts(dsn)
             finished = counts["done"] + counts["failed"] + counts["reconcile"]
             if workers.killed == 0 and finished >= killed_at:
-                workers.kill_one(dsn)
+                workers.kill_one(dsn, progress.console)
             if not workers.freezing and finished >= frozen_at:
                 workers.freezing = True
-                threading.Thread(target=workers.freeze_one, args=(dsn, LEASE + 1.5),
-                                 daemon=True).start()
+                threading.Thread(target=workers.freeze_one, daemon=True,
+                                 args=(dsn, LEASE + 1.5, progress.console)).start()
             progress.update(task, completed=finished, detail=(
-                f"running {counts['running']:>3}  pending {counts['pending']:>3}  "
-                f"killed {workers.killed}  frozen {workers.frozen}"))
+                f"running {counts['running']:>3}  pending {counts['pending']:>3}"))
             if not placer.is_alive() and finished == total and workers.frozen:
                 return
             time.sleep(0.1)  # a progress display refresh, not a synchronisation
