@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -352,3 +353,23 @@ def test_a_scoped_session_stands_for_its_current_session(
     finally:
         registry.remove()
     assert list(jobs(dsn, schema)) == ["email-order-9"]
+
+
+def test_every_enqueue_option_binds_on_every_async_driver(
+    dsn: str, schema: str, async_url: str
+) -> None:
+    async def body(engine: AsyncEngine) -> None:
+        async with AsyncSession(engine) as session, session.begin(), \
+                transaction(session, schema=schema) as tx:
+            await tx.enqueue("email.send", key="later", payload={"x": [1, "ü", None]},
+                             run_at=timedelta(hours=1), ordering_key="order-1",
+                             max_attempts=3)
+            await tx.enqueue("email.send", key="at", payload={},
+                             run_at=datetime(2030, 1, 1, tzinfo=UTC))
+
+    _run(async_url, schema, body)
+    later, at = jobs(dsn, schema)["later"], jobs(dsn, schema)["at"]
+    assert later["payload"] == {"x": [1, "ü", None]}
+    assert (later["ordering_key"], later["max_attempts"]) == ("order-1", 3)
+    assert later["available_at"] > datetime.now(UTC) + timedelta(minutes=50)
+    assert at["available_at"] == datetime(2030, 1, 1, tzinfo=UTC)
