@@ -1,0 +1,220 @@
+"""Prometheus metrics (``outbox[prometheus]``): the queue as the database sees it, and
+each dispatcher's own activity.
+
+Two sources, never mixed:
+
+- ``DatabaseCollector``: gauges read from the tables at scrape time, by one collector
+  (the dashboard's ``GET /metrics``), not by every worker: ``outbox_jobs{status,effect}``
+  (done jobs estimated from a sample on large tables), ``outbox_oldest_due_job_age_seconds
+  {effect}``, ``outbox_expired_leases{effect}``, ``outbox_oldest_reconcile_job_age_seconds
+  {effect}``, ``outbox_jobs_dead_tuples``.
+- ``PrometheusObserver``: a ``DispatchObserver`` counting one dispatcher process's
+  attempts, durations, queue waits, claims, fence rejections and rescues.
+
+Labels carry only bounded values: the status, the outcome and the effect name (an effect
+registered with the dispatcher; the collector folds effects past ``MAX_EFFECTS`` into
+``other``). Never ids, keys, worker names or error text.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import psycopg
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import REGISTRY, Collector
+
+from ._sql import check_schema_name
+from .observe import AttemptOutcome, DispatchObserver
+
+__all__ = ["MAX_EFFECTS", "DatabaseCollector", "PrometheusObserver", "render_database_metrics"]
+
+MAX_EFFECTS = 50
+STATUSES = ("pending", "running", "done", "failed", "reconcile")
+EXACT_COUNT_LIMIT = 200_000
+SCRAPE_TIMEOUT = "5s"
+
+
+class DatabaseCollector(Collector):
+    """Gauges computed from the outbox tables on each scrape (one connection, one
+    read-only transaction bounded by a statement timeout)."""
+
+    def __init__(self, conninfo: str, schema: str = "outbox") -> None:
+        from .web._queries import web_queries
+
+        self.conninfo = conninfo
+        self.schema = check_schema_name(schema)
+        self._queries = web_queries(schema)
+
+    def collect(self) -> Iterator[Metric]:
+        """Read the tables and yield the gauges."""
+        q = self._queries
+        with psycopg.connect(self.conninfo, connect_timeout=10) as conn:
+            conn.read_only = True
+            with conn.transaction():
+                conn.execute("SELECT set_config('statement_timeout', %s, true)",
+                             (SCRAPE_TIMEOUT,))
+                size = conn.execute(q.table_size, {"schema_name": self.schema}).fetchone()
+                estimate, dead = (int(size[0]), int(size[1])) if size else (0, 0)
+                counts = self._counts(conn, estimate)
+                health = conn.execute(q.effect_health).fetchall()
+        yield from self._families(counts, health, dead)
+
+    def _counts(self, conn: psycopg.Connection[Any], estimate: int) -> dict[tuple[str, str], int]:
+        q = self._queries
+        if estimate < EXACT_COUNT_LIMIT:
+            return {(s, e): int(n) for s, e, n in conn.execute(q.counts_exact)}
+        counts = {(s, e): int(n) for s, e, n in conn.execute(q.counts_unfinished)}
+        percent = min(100.0, 100.0 * 20_000 / estimate)
+        sample = dict(conn.execute(q.done_sample, {"percent": percent}).fetchall())
+        done_total = max(0, estimate - sum(counts.values()))
+        sampled = sum(sample.values())
+        for effect, n in sample.items():
+            counts[("done", effect)] = round(done_total * n / sampled)
+        return counts
+
+    @staticmethod
+    def _families(counts: dict[tuple[str, str], int], health: Sequence[tuple[Any, ...]],
+                  dead: int) -> Iterable[Metric]:
+        bounded = _bounded_effects({e for _, e in counts} | {h[0] for h in health})
+        jobs = GaugeMetricFamily("outbox_jobs", "Jobs per status and effect (done jobs "
+                                 "estimated on large tables).", labels=["status", "effect"])
+        folded: dict[tuple[str, str], int] = {}
+        for (status, effect), n in counts.items():
+            label = (status, bounded(effect))
+            folded[label] = folded.get(label, 0) + n
+        for effect in sorted({e for _, e in folded}):
+            for status in STATUSES:
+                jobs.add_metric([status, effect], folded.get((status, effect), 0))
+        oldest = GaugeMetricFamily(
+            "outbox_oldest_due_job_age_seconds",
+            "Seconds the oldest due pending job has waited (0 when none is due).",
+            labels=["effect"])
+        expired = GaugeMetricFamily(
+            "outbox_expired_leases", "Running jobs whose lease has passed.", labels=["effect"])
+        reconcile = GaugeMetricFamily(
+            "outbox_oldest_reconcile_job_age_seconds",
+            "Seconds the oldest reconcile job has waited for a person (0 when none).",
+            labels=["effect"])
+        merged: dict[str, list[float]] = {}
+        for effect, due_age, leases, reconcile_age, _due in health:
+            row = merged.setdefault(bounded(effect), [0.0, 0.0, 0.0])
+            row[0] = max(row[0], due_age or 0.0)
+            row[1] += leases
+            row[2] = max(row[2], reconcile_age or 0.0)
+        for effect, (due_age, leases, reconcile_age) in sorted(merged.items()):
+            oldest.add_metric([effect], due_age)
+            expired.add_metric([effect], leases)
+            reconcile.add_metric([effect], reconcile_age)
+        dead_tuples = GaugeMetricFamily(
+            "outbox_jobs_dead_tuples", "Dead tuples in the jobs table (vacuum debt).",
+            value=dead)
+        return (jobs, oldest, expired, reconcile, dead_tuples)
+
+
+def _bounded_effects(effects: set[str]) -> Any:
+    kept = set(sorted(effects)[:MAX_EFFECTS])
+    return lambda effect: effect if effect in kept else "other"
+
+
+def render_database_metrics(conninfo: str, schema: str = "outbox") -> tuple[bytes, str]:
+    """The database gauges in the Prometheus text format, and its content type."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DatabaseCollector(conninfo, schema))
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+_QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400)
+_CLAIM_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+OUTCOMES: tuple[AttemptOutcome, ...] = ("done", "retry", "failed", "reconcile", "released",
+                                        "lost")
+
+
+class PrometheusObserver(DispatchObserver):
+    """One dispatcher process's metrics, as a ``DispatchObserver``.
+
+    ``outbox_job_attempts_total{effect,outcome}``,
+    ``outbox_job_attempt_duration_seconds{effect,outcome}``,
+    ``outbox_job_queue_wait_seconds{effect}``, ``outbox_claim_duration_seconds``,
+    ``outbox_fence_rejections_total{effect}``, ``outbox_lease_rescues_total``,
+    ``outbox_jobs_in_flight{effect}`` and ``outbox_last_claim_timestamp_seconds`` (the
+    last claim that returned jobs). Use one per registry: ``PrometheusObserver.default()``
+    is the shared instance on prometheus-client's default registry. Thread-safe; each
+    event is a few dictionary lookups and locked additions, no I/O.
+    """
+
+    _default: PrometheusObserver | None = None
+    _default_lock = threading.Lock()
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        registry = REGISTRY if registry is None else registry
+        self.attempts = Counter("outbox_job_attempts", "Attempts by how they ended.",
+                                ["effect", "outcome"], registry=registry)
+        self.attempt_duration = Histogram(
+            "outbox_job_attempt_duration_seconds", "Seconds perform() ran, by outcome.",
+            ["effect", "outcome"], registry=registry)
+        self.queue_wait = Histogram(
+            "outbox_job_queue_wait_seconds", "Seconds a job was due before it was claimed.",
+            ["effect"], buckets=_QUEUE_WAIT_BUCKETS, registry=registry)
+        self.claim_duration = Histogram(
+            "outbox_claim_duration_seconds", "Seconds one claim statement took.",
+            buckets=_CLAIM_BUCKETS, registry=registry)
+        self.fence_rejections = Counter(
+            "outbox_fence_rejections", "Fenced writes that changed 0 rows (claim lost).",
+            ["effect"], registry=registry)
+        self.rescues = Counter("outbox_lease_rescues", "Expired leases taken back.",
+                               registry=registry)
+        self.in_flight = Gauge("outbox_jobs_in_flight", "Jobs whose perform() is running.",
+                               ["effect"], registry=registry)
+        self.last_claim = Gauge(
+            "outbox_last_claim_timestamp_seconds",
+            "Unix time of the last claim that returned jobs.", registry=registry)
+        # Label children cached per effect: .labels() validates and locks on every call.
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    @classmethod
+    def default(cls) -> PrometheusObserver:
+        """The process-wide observer on the default registry (created once)."""
+        with cls._default_lock:
+            if cls._default is None:
+                cls._default = cls()
+            return cls._default
+
+    def _child(self, kind: str, metric: Any, *labels: str) -> Any:
+        key = (kind, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def claimed(self, duration: float, waits: Sequence[tuple[str, float]]) -> None:
+        """Claim latency, each claimed job's queue wait, and the last claim time."""
+        self.claim_duration.observe(duration)
+        if waits:
+            self.last_claim.set(time.time())
+            for effect, seconds in waits:
+                self._child("wait", self.queue_wait, effect).observe(max(0.0, seconds))
+
+    def attempt_started(self, effect: str) -> None:
+        """One more job in flight."""
+        self._child("flight", self.in_flight, effect).inc()
+
+    def attempt_finished(self, effect: str, outcome: AttemptOutcome, duration: float) -> None:
+        """Count the attempt, its duration, and one job fewer in flight."""
+        self._child("attempts", self.attempts, effect, outcome).inc()
+        self._child("duration", self.attempt_duration, effect, outcome).observe(duration)
+        if outcome != "released":  # a released job never started
+            self._child("flight", self.in_flight, effect).dec()
+
+    def fence_rejected(self, effect: str) -> None:
+        """A fenced write changed 0 rows."""
+        self._child("fence", self.fence_rejections, effect).inc()
+
+    def rescued(self, count: int) -> None:
+        """Leases taken back by this dispatcher's rescuer."""
+        self.rescues.inc(count)
