@@ -27,8 +27,9 @@ def seed(dsn: str, schema: str, *jobs: dict[str, Any]) -> list[int]:
                    "status": "pending", "attempts": 0, "claim_version": 0,
                    "last_error": None, "lease_until": None, "claimed_by": None,
                    "available_at": None, "created_at": None, "updated_at": None, **job}
-            if row["status"] == "running" and row["lease_until"] is None:
-                row["lease_until"] = datetime.now(UTC) + timedelta(hours=1)
+            if row["status"] == "running":
+                if row["lease_until"] is None:
+                    row["lease_until"] = datetime.now(UTC) + timedelta(hours=1)
                 row["claimed_by"] = row["claimed_by"] or "host-1:42"
             row["payload"] = json.dumps(row["payload"])
             query = sql.SQL(
