@@ -42,6 +42,12 @@ def age(moment: datetime | None, now: datetime | None = None) -> str:
     return seconds_text(seconds)
 
 
+def ago(moment: datetime | None, now: datetime | None = None) -> str:
+    """``5m ago`` for the past, ``in 5m`` for the future."""
+    text = age(moment, now)
+    return text if text == "-" or text.startswith("in ") else f"{text} ago"
+
+
 def seconds_text(seconds: float | None) -> str:
     """A duration in its largest whole unit, ``in 5m`` when negative."""
     if seconds is None:

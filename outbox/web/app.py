@@ -45,7 +45,7 @@ from ._security import (
     new_token,
     token_matches,
 )
-from ._views import Redactor, age, minute_chart, seconds_text, shown_payload, timestamp
+from ._views import Redactor, age, ago, minute_chart, seconds_text, shown_payload, timestamp
 from ._views import truncate_payload as default_redact
 
 log = logging.getLogger("outbox.web")
@@ -113,7 +113,7 @@ def _templates() -> Jinja2Templates:
         autoescape=True,  # everything, whatever the template's file name
         undefined=jinja2.StrictUndefined,
     )
-    env.filters.update(age=age, ts=timestamp, seconds=seconds_text)
+    env.filters.update(age=age, ago=ago, ts=timestamp, seconds=seconds_text)
     return Jinja2Templates(env=env)
 
 
