@@ -13,6 +13,7 @@ from .dispatcher import Dispatcher, DispatchStats
 from .effect import Effect, Job
 from .errors import (
     ConfigurationError,
+    DispatcherFailed,
     EffectOutcome,
     EnqueueError,
     IdempotencyKeyConflict,
@@ -33,6 +34,7 @@ __all__ = [
     "ConfigurationError",
     "DispatchStats",
     "Dispatcher",
+    "DispatcherFailed",
     "Effect",
     "EffectOutcome",
     "EnqueueError",

@@ -8,7 +8,9 @@ The tree is split by what the caller can do about it::
     │   ├── InvalidPayload           payload not JSON-serialisable (NaN, cycles, ...)
     │   └── IdempotencyKeyConflict   key already used for another effect or payload
     ├── SchemaError                  database schema missing, or newer than this code
-    └── ConfigurationError           a Dispatcher or CLI argument is invalid
+    ├── ConfigurationError           a Dispatcher or CLI argument is invalid
+    └── DispatcherFailed             a part of a running dispatcher died of an
+                                     unexpected error (a bug): it stopped
 
     EffectOutcome                    raised *by an effect's perform()* to steer the job
     ├── Retry(after=None)            transient: try again later with the same key
@@ -27,6 +29,7 @@ from datetime import timedelta
 
 __all__ = [
     "ConfigurationError",
+    "DispatcherFailed",
     "EffectOutcome",
     "EnqueueError",
     "IdempotencyKeyConflict",
@@ -75,6 +78,13 @@ class SchemaError(OutboxError):
 
 class ConfigurationError(OutboxError, ValueError):
     """An argument given to a Dispatcher, a migration or the command line is invalid."""
+
+
+class DispatcherFailed(OutboxError):
+    """A part of a running dispatcher (its recorder, a worker, its event loop) died of an
+    unexpected error, so it stopped rather than run on degraded. The part's own error is
+    the ``__cause__``. Outcomes it could not record are not lost: those jobs' leases
+    expire and the rescuer retries them (at least once, with the same key)."""
 
 
 def _delay_seconds(after: float | timedelta | None, signal: str) -> float | None:

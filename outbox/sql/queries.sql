@@ -91,7 +91,9 @@ SET status = 'running',
     updated_at = now()
 WHERE j.id = ANY (ARRAY(SELECT id FROM candidates)) AND j.status = 'pending'
 RETURNING j.id, j.effect, j.key, j.payload, j.attempts, j.claim_version, j.ordering_key,
-          j.max_attempts, j.first_attempted_at;
+          j.max_attempts, j.first_attempted_at,
+          -- how long the job had been due: the queue wait reported to observers
+          greatest(extract(epoch FROM now() - j.available_at), 0)::float8 AS waited;
 
 -- name: heartbeat
 -- Extend the leases of the claims this worker still holds; ids missing from the result

@@ -1,0 +1,13 @@
+"""The dispatcher's parts, each in its own module (River's services, in threads)::
+
+    settings    the options, validated once (frozen), shared by both dispatchers
+    state       what the parts share, with named transitions and a stated owner per field
+    steps       database work written once, driven on threads or on asyncio
+    connection  how connections are opened (one function) and replaced when they break
+    claimer     claim batches, rescue expired leases, retention
+    workers     run ``perform`` within the one concurrency limit
+    recorder    complete / settle batches (fenced), heartbeat held leases
+    listener    LISTEN for enqueue notifications, wake the claimer
+
+``outbox.dispatcher.Dispatcher`` builds, starts and joins them.
+"""

@@ -1,0 +1,210 @@
+"""The claimer: claims due jobs in batches, rescues expired leases, applies retention.
+
+The decisions (how many to claim, what each round does next) are written once here as
+steps (see ``steps``); ``Dispatcher`` drives them on a blocking connection in the
+caller's thread, ``AsyncDispatcher`` on an asyncio connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from ..effect import Job
+from ..migrate import require_current
+from .connection import CONNECTION_ERRORS, Connection
+from .settings import Settings
+from .state import Held, SharedState, Timer, guarded
+from .steps import Statement, Step, run
+
+__all__ = ["Claimer", "Round", "run_claimer", "wait_for_schema"]
+
+log = logging.getLogger("outbox.dispatcher")
+
+RETENTION_INTERVAL = 60.0
+RETENTION_BATCH = 1000
+RESCUE_BATCH = 1000
+IDLE_RECHECK = 0.05  # run_until_idle: how soon to look again while others hold jobs
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """What one round of the claimer got, and what the loop does next: hand ``batch``
+    to the workers, then wait ``wait`` seconds for a wake-up (0: go on at once), or
+    return when ``idle`` (``run_until_idle`` found nothing left anywhere)."""
+
+    batch: list[Held]
+    wait: float = 0.0
+    idle: bool = False
+
+
+class Claimer:
+    """The claimer's decisions. Runs on one thread (or task) only."""
+
+    def __init__(self, settings: Settings, state: SharedState[Any], *, until_idle: bool) -> None:
+        self.settings = settings
+        self.state = state
+        self.until_idle = until_idle
+        self.queries = settings.queries
+        self.rng = random.Random()
+        self.rescue_timer = Timer(settings.rescue_interval)
+        self.retention_timer = Timer(RETENTION_INTERVAL)
+
+    def round(self) -> Step[Round]:
+        """One round: rescue and retention when due, a claim, and what to do next."""
+        now = time.monotonic()
+        if self.rescue_timer.due(now):
+            yield from self.rescue()
+        if not self.until_idle and self.retention_timer.due(now):
+            yield from self.purge()
+        batch = yield from self.claim()
+        if batch:
+            return Round(batch)
+        if self.state.held:
+            return Round(batch, wait=self.settings.poll_interval)
+        if self.until_idle:
+            if not (yield from self.has_due_work()):
+                return Round(batch, idle=True)
+            yield from self.rescue()
+            return Round(batch, wait=IDLE_RECHECK)
+        return Round(batch, wait=self.settings.poll_interval * self.rng.uniform(0.5, 1.0))
+
+    def failed(self, exc: psycopg.Error, *, lost: bool) -> None:
+        """A round failed: count a lost connection as a reconnect, log either way."""
+        if lost:  # only a broken connection is replaced and counted
+            self.state.stats.reconnects += 1
+            log.warning("claimer lost its connection (%s); reconnecting", type(exc).__name__)
+        else:  # a failed statement, transient (40001, 40P01, 55P03, 57014) or not
+            log.error("claimer query failed: %s", exc.sqlstate or type(exc).__name__)
+
+    # -- how much to claim -------------------------------------------------------------
+
+    def room(self) -> int:
+        """How many jobs to claim now (0: wait for workers to free a good part)."""
+        capacity = self.capacity()
+        room = capacity - len(self.state.held)
+        # Claim in batches: wait until a good part of a batch is free rather than
+        # spending a round trip per finished job, unless nothing at all is held.
+        if self.state.held and room < max(1, min(self.settings.batch_size, capacity // 4)):
+            return 0
+        return min(room, self.settings.batch_size)
+
+    def capacity(self) -> int:
+        """Jobs to hold at once: one per worker, plus claimed ones waiting for a worker,
+        so workers never idle while the next claim is in flight."""
+        concurrency = self.settings.concurrency
+        if self.settings.prefetch is not None:
+            return concurrency + self.settings.prefetch
+        mean = self.state.mean_perform_seconds
+        if mean is None:  # nothing measured yet: be modest
+            return 2 * concurrency
+        one_second_of_work = concurrency / max(mean, 1e-6)
+        return concurrency + int(min(self.settings.max_prefetch, max(1.0, one_second_of_work)))
+
+    # -- statements ----------------------------------------------------------------------
+
+    def claim(self) -> Step[list[Held]]:
+        limit = self.room()
+        if limit <= 0:
+            return []
+        settings = self.settings
+        started = time.monotonic()
+        rows = yield Statement(self.queries.claim, {
+            "effects": settings.effect_names, "limit": limit, "lease": settings.lease,
+            "worker": settings.worker_id,
+        })
+        elapsed = time.monotonic() - started
+        stats = self.state.stats
+        stats.claim_queries += 1
+        stats.claim_seconds += elapsed
+        stats.claim_seconds_max = max(stats.claim_seconds_max, elapsed)
+        batch = [self._held(row) for row in rows]
+        self.state.hold(batch)
+        stats.claimed += len(batch)
+        guarded(settings.observer.claimed, elapsed,
+                [(h.job.effect, float(row[9])) for h, row in zip(batch, rows, strict=True)])
+        return batch
+
+    def _held(self, row: tuple[Any, ...]) -> Held:
+        job = Job(id=row[0], effect=row[1], key=row[2], payload=row[3], attempt=row[4],
+                  claim_version=row[5], ordering_key=row[6], max_attempts=row[7],
+                  first_attempted_at=row[8])
+        return Held(job, self.settings.effects[job.effect], job.effect in self.settings.async_names)
+
+    def has_due_work(self) -> Step[bool]:
+        rows = yield Statement(self.queries.has_due_work, {"effects": self.settings.effect_names})
+        return bool(rows[0][0])
+
+    def rescue(self) -> Step[None]:
+        rows = yield Statement(self.queries.rescue, {
+            "limit": RESCUE_BATCH, "unknown_window": self.settings.unknown_outcome_window,
+        })
+        for job_id, key, status, version in rows:
+            log.warning("rescued job %s (key %s, version %s) after its lease expired: now %s",
+                        job_id, key, version, status)
+        self.state.stats.rescued += len(rows)
+        if rows:
+            guarded(self.settings.observer.rescued, len(rows))
+
+    def purge(self) -> Step[None]:
+        settings = self.settings
+        for query, age in ((self.queries.purge_done, settings.retention),
+                           (self.queries.purge_ledger, settings.ledger_retention)):
+            if age is None:
+                continue
+            for _ in range(10):  # bounded per round: retention must not starve claims
+                rows = yield Statement(query, {"age": age, "limit": RETENTION_BATCH}, count=True)
+                deleted = rows[0][0]
+                self.state.stats.purged += max(deleted, 0)
+                if deleted < RETENTION_BATCH:
+                    break
+
+
+def wait_for_schema(
+    conn: Connection, settings: Settings, state: SharedState[threading.Event],
+    deadline: float | None,
+) -> None:
+    """Refuse a missing or newer schema at once; wait for an unreachable database
+    (until ``deadline``, when there is one)."""
+    while True:
+        try:
+            require_current(conn.get(), settings.schema)
+            return
+        except CONNECTION_ERRORS as exc:
+            conn.discard()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+            log.warning("cannot reach the database (%s); retrying", type(exc).__name__)
+            if state.stopping.wait(conn.backoff()):
+                return
+
+
+def run_claimer(
+    claimer: Claimer, conn: Connection, submit: Callable[[list[Held]], None],
+    deadline: float | None,
+) -> None:
+    """The claimer's loop on the caller's thread, until stopped, idle or ``deadline``."""
+    state: SharedState[threading.Event] = claimer.state
+    while not state.stopping.is_set():
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        try:
+            result = run(claimer.round(), conn.execute)
+        except psycopg.Error as exc:
+            claimer.failed(exc, lost=conn.lost)
+            wait = conn.backoff()
+        else:
+            submit(result.batch)
+            if result.idle:
+                return
+            wait = result.wait
+        if wait:
+            state.wake.wait(wait)
+            state.wake.clear()

@@ -1,0 +1,180 @@
+"""The dispatcher's connections: how they are opened, and replaced when they break.
+
+Every option a dispatcher connection gets is decided in ``connection_params``, the one
+place to change when a role must connect elsewhere or differently (a direct connection
+for LISTEN behind a pooler, say). ``Connection`` and ``AsyncConnection`` wrap one role's
+connection: opened on first use, discarded when it broke, reopened with backoff.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from .settings import Settings
+from .steps import Rows, Statement
+
+__all__ = [
+    "CONNECTION_ERRORS",
+    "AsyncConnection",
+    "ConnectParams",
+    "Connection",
+    "connect",
+    "connect_async",
+    "connection_params",
+]
+
+# Errors after which a statement is retried as a whole (the recorder keeps its batch).
+# psycopg raises OperationalError both for a lost connection and for transient failures
+# on a healthy one (40001 serialization, 40P01 deadlock, 55P03 lock timeout, 57014
+# statement timeout): ``Connection.lost`` tells them apart, and only a lost connection
+# is replaced and counted as a reconnect.
+CONNECTION_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectParams:
+    """How to open one role's connection: where, with which options, then which
+    session statements."""
+
+    conninfo: str
+    options: Mapping[str, Any]
+    setup: tuple[str, ...]
+
+
+def connection_params(settings: Settings, role: str) -> ConnectParams:
+    """Everything about a dispatcher connection of ``role`` (claimer, recorder, listener)."""
+    return ConnectParams(
+        conninfo=settings.conninfo,
+        options={
+            "autocommit": True,
+            "connect_timeout": 10,
+            "application_name": f"outbox {role} {settings.worker_id}"[:63],
+            "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
+            "keepalives_count": 3,
+        },
+        setup=(
+            # Explicit, whatever the server default: under REPEATABLE READ or
+            # SERIALIZABLE, SKIP LOCKED raises serialization failures instead of
+            # skipping. The timeout releases a dead worker's open transaction (we never
+            # hold one on purpose).
+            "SET default_transaction_isolation = 'read committed'",
+            "SET idle_in_transaction_session_timeout = '60s'",
+            # Abort a statement whose client has gone (PostgreSQL 14+), so a worker that
+            # dies mid-claim leaves its claim rolled back instead of committed, orphaned.
+            "SET client_connection_check_interval = '1s'",
+        ),
+    )
+
+
+def connect(settings: Settings, role: str) -> psycopg.Connection[Any]:
+    """A new connection for ``role``, set up."""
+    params = connection_params(settings, role)
+    conn = psycopg.connect(params.conninfo, **params.options)
+    for statement in params.setup:
+        conn.execute(statement)
+    return conn
+
+
+async def connect_async(settings: Settings, role: str) -> psycopg.AsyncConnection[Any]:
+    """A new asyncio connection for ``role``, set up."""
+    params = connection_params(settings, role)
+    conn = await psycopg.AsyncConnection.connect(params.conninfo, **params.options)
+    for statement in params.setup:
+        await conn.execute(statement)
+    return conn
+
+
+class _Reconnecting:
+    """Backoff between reconnection attempts, shared by both flavours."""
+
+    def __init__(self) -> None:
+        self._failures = 0
+
+    def backoff(self) -> float:
+        """Seconds to wait before the next reconnection attempt (capped, jittered)."""
+        self._failures += 1
+        return random.uniform(0.05, min(5.0, 0.1 * 2**self._failures))
+
+    def succeeded(self) -> None:
+        self._failures = 0
+
+
+class Connection(_Reconnecting):
+    """One role's connection: autocommit, READ COMMITTED, keepalives, reconnecting."""
+
+    def __init__(self, open_: Callable[[str], psycopg.Connection[Any]], role: str) -> None:
+        super().__init__()
+        self._open = open_
+        self.role = role
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def get(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = self._open(self.role)
+        return self._conn
+
+    @property
+    def lost(self) -> bool:
+        """Whether the connection is gone (after an error: lost, not a failed statement)."""
+        return self._conn is None or self._conn.closed
+
+    def execute(self, statement: Statement) -> Rows:
+        """Run one statement (its own transaction); discard the connection if it broke."""
+        try:
+            cursor = self.get().execute(statement.query, statement.params)
+            rows = [(cursor.rowcount,)] if statement.count else cursor.fetchall()
+        except CONNECTION_ERRORS:
+            if self.lost:
+                self.discard()
+            raise
+        self.succeeded()
+        return rows
+
+    def discard(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+        self._conn = None
+
+
+class AsyncConnection(_Reconnecting):
+    """The asyncio twin of ``Connection``."""
+
+    def __init__(self, settings: Settings, role: str) -> None:
+        super().__init__()
+        self._settings = settings
+        self.role = role
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+
+    async def get(self) -> psycopg.AsyncConnection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = await connect_async(self._settings, self.role)
+        return self._conn
+
+    @property
+    def lost(self) -> bool:
+        return self._conn is None or self._conn.closed
+
+    async def execute(self, statement: Statement) -> Rows:
+        try:
+            conn = await self.get()
+            cursor = await conn.execute(statement.query, statement.params)
+            rows = [(cursor.rowcount,)] if statement.count else await cursor.fetchall()
+        except CONNECTION_ERRORS:
+            if self.lost:
+                await self.discard()
+            raise
+        self.succeeded()
+        return rows
+
+    async def discard(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close()
+        self._conn = None

@@ -1,0 +1,68 @@
+"""The listener: turns enqueue notifications into wake-ups of the claimer.
+
+Only a hint: the claimer polls too, so a missed notification delays a job by at most
+one poll interval. A lost connection is reopened with backoff; an unexpected error is
+logged and the listener restarted, since losing it would silently degrade wake-ups to
+polling.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .._enqueue import notify_channel
+from .connection import CONNECTION_ERRORS, Connection
+from .settings import Settings
+from .state import SharedState
+
+__all__ = ["Listener", "listen_statement"]
+
+log = logging.getLogger("outbox.dispatcher")
+
+NOTIFY_TIMEOUT = 0.25  # seconds between checks of the stop signal while listening
+
+
+def listen_statement(settings: Settings) -> sql.Composed:
+    """``LISTEN`` on this schema's channel, the identifier quoted."""
+    return sql.SQL("LISTEN {}").format(sql.Identifier(notify_channel(settings.schema)))
+
+
+class Listener:
+    """``Dispatcher``'s listener thread."""
+
+    def __init__(
+        self, settings: Settings, state: SharedState[Any],
+        open_: Callable[[str], psycopg.Connection[Any]],
+    ) -> None:
+        self.settings = settings
+        self.state = state
+        self.conn = Connection(open_, "listener")
+
+    def run(self) -> None:
+        """Listen until the dispatcher stops; restart after any ``Exception``."""
+        try:
+            while not self.state.stopping.is_set():
+                try:
+                    self._listen()
+                except CONNECTION_ERRORS:
+                    self.conn.discard()
+                    self.state.stopping.wait(self.conn.backoff())
+                except Exception:
+                    log.exception("listener failed unexpectedly; restarting it")
+                    self.conn.discard()
+                    self.state.stopping.wait(self.conn.backoff())
+        finally:
+            self.conn.discard()
+
+    def _listen(self) -> None:
+        listening = self.conn.get()
+        listening.execute(listen_statement(self.settings))
+        self.state.wake.set()  # jobs may have arrived while we were not listening
+        while not self.state.stopping.is_set():
+            for _ in listening.notifies(timeout=NOTIFY_TIMEOUT):
+                self.state.wake.set()

@@ -1,0 +1,220 @@
+"""The recorder: writes outcomes in fenced batches and heartbeats the leases held.
+
+Written once as steps (see ``steps``), driven by the recorder thread of ``Dispatcher``
+and the recorder task of ``AsyncDispatcher``. A batch is at most two statements:
+``complete`` (the fenced ``running -> done`` update and the ledger row, together) and
+``settle`` (retry, release, failed, reconcile). A fenced write that changes 0 rows means
+the claim was lost: counted, reported, never retried as if it had landed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from .. import _state
+from .._state import Decision
+from ..observe import AttemptOutcome
+from .connection import CONNECTION_ERRORS, Connection
+from .settings import Settings
+from .state import Held, Outcome, Release, SharedState, Success, Timer
+from .steps import Statement, Step, run
+
+__all__ = ["Recorder", "run_recorder"]
+
+log = logging.getLogger("outbox.dispatcher")
+
+_COUNTERS: dict[AttemptOutcome, str] = {
+    "done": "done", "retry": "retried", "failed": "failed", "reconcile": "reconcile",
+    "released": "released",
+}
+_OBSERVED: dict[str, AttemptOutcome] = {
+    "pending": "retry", "failed": "failed", "reconcile": "reconcile", "done": "done",
+}
+
+
+class Recorder:
+    """The recorder's logic. Runs on one thread (or task) only."""
+
+    def __init__(self, settings: Settings, state: SharedState[Any]) -> None:
+        self.settings = settings
+        self.state = state
+        self.queries = settings.queries
+        # Written by the recorder only: it is re-sending a batch after an error, so a
+        # completion missing from the reply may have landed the first time.
+        self.retrying = False
+        self.rng = random.Random()  # the backoff's jitter
+
+    # -- outcomes ---------------------------------------------------------------------
+
+    def flush(self, pending: list[tuple[Held, Outcome]]) -> Step[None]:
+        """Record ``pending``; on a refused batch (not a lost connection), one by one.
+
+        What was written is removed from ``pending``, so after a connection error the
+        caller retries only the rest (with ``retrying`` set).
+        """
+        try:
+            yield from self.record(pending)
+        except CONNECTION_ERRORS:
+            raise
+        except Exception as exc:  # a row the database refused, or a bug of ours
+            log.error("recording a batch failed (%s); recording one by one",
+                      getattr(exc, "sqlstate", None) or type(exc).__name__)
+            yield from self.record_singly(pending)
+
+    def record(self, batch: list[tuple[Held, Outcome]]) -> Step[None]:
+        """Write one batch of outcomes: at most two statements, each fenced."""
+        successes = [(h, o) for h, o in batch if isinstance(o, Success)]
+        if successes:
+            claims = ",".join(
+                f'{{"id":{h.job.id},"version":{h.job.claim_version},"result":{o.result_json}}}'
+                for h, o in successes
+            )
+            rows = yield Statement(self.queries.complete, {"claims": f"[{claims}]"})
+            written = {r[0] for r in rows}
+            if self.retrying and len(written) < len(successes):
+                written |= yield from self.landed_before(
+                    [h for h, _ in successes if h.job.id not in written])
+            for held, _ in successes:
+                self._account(held, held.job.id in written, "done")
+            batch[:] = [(h, o) for h, o in batch if not isinstance(o, Success)]
+        if not batch:
+            return
+        settles = [(h, isinstance(o, Release), self.settlement(h, o)) for h, o in batch]
+        rows = yield Statement(self.queries.settle, {"claims": json.dumps([
+            {"id": h.job.id, "version": h.job.claim_version, "status": d.status,
+             "delay": d.delay, "error": d.error, "refund": released}
+            for h, released, d in settles
+        ])})
+        written = {r[0] for r in rows}
+        for held, released, decision in settles:
+            outcome = "released" if released else _OBSERVED[decision.status]
+            self._account(held, held.job.id in written, outcome)
+        batch.clear()
+
+    def landed_before(self, helds: list[Held]) -> Step[set[int]]:
+        """Ids among ``helds`` whose completion by this very claim already committed: a
+        retried batch whose first attempt landed but whose reply was lost."""
+        claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in helds)
+        rows = yield Statement(self.queries.recorded_claims, {"claims": f"[{claims}]"})
+        return {r[0] for r in rows}
+
+    def record_singly(self, batch: list[tuple[Held, Outcome]]) -> Step[None]:
+        """Fallback after a batch failed for a reason other than the connection: record
+        each outcome alone so one bad row cannot block the rest. An outcome that still
+        cannot be written is dropped here; its lease expires and the rescuer retries it,
+        so it counts an attempt and ends ``failed`` rather than looping forever."""
+        for item in list(batch):
+            try:
+                yield from self.record([item])
+            except CONNECTION_ERRORS:
+                raise
+            except Exception as exc:
+                held = item[0]
+                self.state.held.pop(held.job.id, None)
+                log.error("job %s (key %s): outcome could not be recorded (%s); the lease "
+                          "will expire and the job be retried", held.job.id, held.job.key,
+                          getattr(exc, "sqlstate", None) or type(exc).__name__)
+            batch.remove(item)
+
+    def settlement(self, held: Held, outcome: Outcome) -> Decision:
+        """Where a failed (or released) attempt sends the job: the pure decision."""
+        if isinstance(outcome, Release):
+            return Decision("pending", delay=0.0, error=None)
+        assert isinstance(outcome, BaseException)
+        decision = _state.decide(
+            outcome, attempt=held.job.attempt, max_attempts=held.job.max_attempts,
+            first_attempted_at=held.job.first_attempted_at, now=datetime.now(UTC),
+            unknown_outcome_window=self.settings.unknown_outcome_window,
+            backoff=self.settings.backoff, rng=self.rng,
+        )
+        log.log(
+            logging.WARNING if decision.status != "pending" else logging.INFO,
+            "job %s (key %s) attempt %s: %s -> %s",
+            held.job.id, held.job.key, held.job.attempt, type(outcome).__name__, decision.status,
+        )
+        return decision
+
+    def _account(self, held: Held, written: bool, outcome: AttemptOutcome) -> None:
+        stats = self.state.stats
+        if written:
+            counter = _COUNTERS[outcome]
+            setattr(stats, counter, getattr(stats, counter) + 1)
+        else:
+            outcome = "lost"
+            stats.stale_completions += 1
+            log.warning("job %s (key %s): claim version %s was lost before its outcome "
+                        "was recorded; the newer claim decides", held.job.id, held.job.key,
+                        held.job.claim_version)
+        self.state.settled(held, outcome)
+        self.state.wake.set()
+
+    def failed(self, exc: BaseException, *, lost: bool,
+               pending: list[tuple[Held, Outcome]]) -> None:
+        """A statement failed on the connection: the batch left in ``pending`` is sent
+        again (``retrying``); a lost connection is counted as a reconnect."""
+        self.retrying = bool(pending)
+        if lost:
+            self.state.stats.reconnects += 1
+            log.warning("recorder lost its connection (%s); reconnecting", type(exc).__name__)
+        else:  # transient (40001, 40P01, 55P03, 57014): retry the same batch
+            log.error("recorder statement failed: %s; retrying",
+                      getattr(exc, "sqlstate", None) or type(exc).__name__)
+
+    # -- leases -----------------------------------------------------------------------
+
+    def heartbeat(self) -> Step[None]:
+        """Extend the leases of every claim held; mark those found lost."""
+        held = [h for h in list(self.state.held.values()) if not h.lost]
+        if not held:
+            return
+        claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in held)
+        rows = yield Statement(self.queries.heartbeat, {"claims": f"[{claims}]",
+                                                        "lease": self.settings.lease})
+        alive = {r[0] for r in rows}
+        for h in held:
+            if h.job.id not in alive and h.job.id in self.state.held:
+                self.state.lose(h)
+                self.state.stats.lost_claims += 1
+                log.warning("job %s (key %s): heartbeat found claim version %s lost",
+                            h.job.id, h.job.key, h.job.claim_version)
+
+    def finished(self, pending: list[tuple[Held, Outcome]]) -> bool:
+        """Whether the recorder may end: the dispatcher stops, its workers are done
+        and every outcome is written (or, after a part died, nothing more will come)."""
+        state = self.state
+        return (state.stopping.is_set() and state.workers_done and not pending
+                and not state.outcomes)
+
+
+def run_recorder(recorder: Recorder, conn: Connection) -> None:
+    """The recorder's loop on its own thread, until ``Recorder.finished``."""
+    state: SharedState[threading.Event] = recorder.state
+    heartbeat = Timer(_state.heartbeat_interval(recorder.settings.lease))
+    heartbeat.next_at = time.monotonic() + heartbeat.interval
+    pending: list[tuple[Held, Outcome]] = []
+    try:
+        while not recorder.finished(pending):
+            state.outcome_ready.wait(min(heartbeat.interval, 0.5))
+            state.outcome_ready.clear()
+            pending.extend(state.take_outcomes())
+            try:
+                if pending:
+                    run(recorder.flush(pending), conn.execute)
+                recorder.retrying = False
+                if heartbeat.due(time.monotonic()):
+                    run(recorder.heartbeat(), conn.execute)
+            except CONNECTION_ERRORS as exc:
+                recorder.failed(exc, lost=conn.lost, pending=pending)
+                time.sleep(conn.backoff())
+            except Exception as exc:  # a heartbeat failed otherwise: next round
+                log.error("heartbeat failed: %s",
+                          getattr(exc, "sqlstate", None) or type(exc).__name__)
+                time.sleep(conn.backoff())
+    finally:
+        conn.discard()

@@ -1,0 +1,171 @@
+"""The dispatcher's options, validated once into a frozen ``Settings``.
+
+``Dispatcher`` and ``AsyncDispatcher`` take the same keyword arguments and hand them to
+``Settings.build``; every part reads its options from the result and never checks them
+again.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from .. import _state
+from .._sql import Queries, check_schema_name, queries
+from .._state import Backoff
+from ..effect import Effect, is_async_effect
+from ..errors import ConfigurationError
+from ..observe import DispatchObserver
+
+__all__ = ["Settings", "text_array"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Every option of a dispatcher, checked; see ``Dispatcher`` for their meaning."""
+
+    # Connection strings may carry a password: never in a repr.
+    conninfo: str = field(repr=False)
+    listen_conninfo: str | None = field(default=None, repr=False)
+    effects: Mapping[str, Effect]
+    schema: str = "outbox"
+    concurrency: int = 16
+    lease: float = 30.0
+    batch_size: int = 500
+    prefetch: int | None = None
+    max_prefetch: int = 4000
+    poll_interval: float = 1.0
+    rescue_interval: float = 5.0
+    backoff: Backoff = field(default_factory=Backoff)
+    unknown_outcome_window: float = 86400.0
+    retention: float | None = 7 * 86400.0
+    ledger_retention: float | None = 90 * 86400.0
+    worker_id: str = ""
+    observer: DispatchObserver = field(default_factory=DispatchObserver)
+    # Derived once: the effect names as a text[] literal, and which effects are async.
+    effect_names: str = ""
+    async_names: frozenset[str] = frozenset()
+
+    @classmethod
+    def build(
+        cls,
+        conninfo: str,
+        effects: Sequence[Effect],
+        *,
+        schema: str = "outbox",
+        concurrency: int = 16,
+        lease: float | timedelta = 30.0,
+        batch_size: int | None = None,
+        prefetch: int | None = None,
+        max_prefetch: int = 4000,
+        poll_interval: float | timedelta = 1.0,
+        rescue_interval: float | timedelta | None = None,
+        backoff: Backoff | None = None,
+        unknown_outcome_window: float | timedelta = timedelta(hours=24),
+        retention: float | timedelta | None = timedelta(days=7),
+        ledger_retention: float | timedelta | None = timedelta(days=90),
+        worker_id: str | None = None,
+        listen_conninfo: str | None = None,
+        observer: DispatchObserver | None = None,
+    ) -> Settings:
+        """Check every option; raise ``ConfigurationError`` naming the first bad one."""
+        indexed = _index_effects(effects)
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigurationError(f"concurrency must be a positive integer, got {concurrency!r}")
+        leased = _seconds(lease, "lease", minimum=1.0)
+        retained = None if retention is None else _seconds(retention, "retention")
+        ledger_kept = (None if ledger_retention is None
+                       else _seconds(ledger_retention, "ledger_retention"))
+        if retained is not None and ledger_kept is not None and ledger_kept < retained:
+            raise ConfigurationError("ledger_retention must not be shorter than retention")
+        if backoff is not None and not isinstance(backoff, Backoff):
+            raise ConfigurationError(f"backoff must be an outbox.Backoff, got {backoff!r}")
+        if listen_conninfo is not None and not isinstance(listen_conninfo, str):
+            raise ConfigurationError(
+                f"listen_conninfo must be a connection string or None, "
+                f"got {type(listen_conninfo).__name__}")
+        if observer is not None and not isinstance(observer, DispatchObserver):
+            raise ConfigurationError(
+                f"observer must be an outbox.observe.DispatchObserver, "
+                f"got {type(observer).__name__}")
+        if worker_id is not None and not isinstance(worker_id, str):
+            raise ConfigurationError(f"worker_id must be a string, got {worker_id!r}")
+        return cls(
+            conninfo=conninfo,
+            listen_conninfo=listen_conninfo,
+            effects=indexed,
+            schema=check_schema_name(schema),
+            concurrency=concurrency,
+            lease=leased,
+            batch_size=_positive(
+                max(concurrency, 500) if batch_size is None else batch_size, "batch_size"),
+            prefetch=None if prefetch is None else _positive(prefetch, "prefetch", 0),
+            max_prefetch=_positive(max_prefetch, "max_prefetch", 0),
+            poll_interval=_seconds(poll_interval, "poll_interval", minimum=0.001),
+            rescue_interval=_seconds(
+                rescue_interval if rescue_interval is not None else min(leased, 5.0),
+                "rescue_interval", minimum=0.01),
+            backoff=backoff or Backoff(),
+            unknown_outcome_window=_seconds(
+                unknown_outcome_window, "unknown_outcome_window", minimum=0.0),
+            retention=retained,
+            ledger_retention=ledger_kept,
+            worker_id=worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}",
+            observer=observer or DispatchObserver(),
+            effect_names=text_array(sorted(indexed)),
+            async_names=frozenset(n for n, e in indexed.items() if is_async_effect(e)),
+        )
+
+    @property
+    def queries(self) -> Queries:
+        """The named SQL blocks bound to this schema (composed once per process)."""
+        return queries(self.schema)
+
+    @property
+    def has_sync(self) -> bool:
+        """Whether any effect's ``perform`` is a plain method (run on threads)."""
+        return len(self.async_names) < len(self.effects)
+
+
+def _seconds(value: Any, what: str, minimum: float = 0.0) -> float:
+    try:
+        return _state.seconds(value, what=what, minimum=minimum)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(str(exc)) from None
+
+
+def _positive(value: Any, what: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigurationError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _index_effects(effects: Sequence[Effect]) -> dict[str, Effect]:
+    if isinstance(effects, str | bytes | Effect) or not isinstance(effects, Iterable):
+        raise ConfigurationError(
+            f"effects must be a list of Effect objects, got {type(effects).__name__}"
+        )
+    indexed: dict[str, Effect] = {}
+    for effect in effects:
+        name = getattr(effect, "name", None)
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"{type(effect).__name__} has no effect name")
+        if not callable(getattr(effect, "perform", None)):
+            raise ConfigurationError(f"effect {name!r} has no perform() method")
+        if name in indexed:
+            raise ConfigurationError(f"two effects are named {name!r}")
+        indexed[name] = effect
+    if not indexed:
+        raise ConfigurationError("a Dispatcher needs at least one effect")
+    return indexed
+
+
+def text_array(values: list[str]) -> str:
+    """A PostgreSQL text[] literal, built once: cheaper than adapting a list per query."""
+    quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
+    return "{" + ",".join(quoted) + "}"

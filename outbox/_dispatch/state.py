@@ -1,0 +1,335 @@
+"""What the dispatcher's threads share, in one object with named transitions.
+
+Who runs where (``Dispatcher``; ``AsyncDispatcher`` runs the same roles as tasks on one
+event loop, with sync effects on a thread pool)::
+
+    claimer   the caller's thread   hold(), start_draining(); waits on ``wake``
+    workers   threads / the loop    begin(), finish(); hold a ``slots`` slot per perform
+    recorder  its own thread        take_outcomes(), settled(), lose(); waits on
+                                    ``outcome_ready``
+    listener  its own thread        wakes the claimer (``wake``)
+    anyone                          request_stop(), fail()
+
+Fields are written only through these transitions; each field says who writes it. Reads
+from other threads are of single references or counters, safe under the GIL, and every
+decision that depends on them is re-checked by a fenced statement in the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from ..effect import Effect, Job
+from ..observe import AttemptOutcome, DispatchObserver
+
+if TYPE_CHECKING:
+    from ..dispatcher import DispatchStats
+
+__all__ = [
+    "Held",
+    "Outcome",
+    "Release",
+    "SharedState",
+    "Signal",
+    "Slots",
+    "Success",
+    "Timer",
+    "guarded",
+    "supervised",
+]
+
+log = logging.getLogger("outbox.dispatcher")
+
+
+@dataclass(eq=False)
+class Held:
+    """A job this dispatcher has claimed and not yet recorded."""
+
+    job: Job
+    effect: Effect
+    is_async: bool
+    started: bool = False  # written by the worker that runs it (begin)
+    lost: bool = False  # written by the recorder (a heartbeat found the claim gone)
+    duration: float = 0.0  # written by the worker: seconds ``perform`` ran
+
+
+@dataclass(frozen=True, slots=True)
+class Success:
+    """``perform`` returned; its result as JSON text for the ledger."""
+
+    result_json: str
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Not started before shutdown: hand it back with the attempt refunded."""
+
+
+Outcome = Success | BaseException | Release
+
+
+@dataclass
+class Timer:
+    """Due every ``interval`` seconds of the monotonic clock."""
+
+    interval: float
+    next_at: float = field(default=0.0)
+
+    def due(self, now: float) -> bool:
+        if now < self.next_at:
+            return False
+        self.next_at = now + self.interval
+        return True
+
+
+class Signal(Protocol):
+    """An event one part sets and another waits on (``threading.Event``, or the event
+    loop's equivalent in ``AsyncDispatcher``)."""
+
+    def set(self) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+
+E = TypeVar("E", bound=Signal)
+
+
+class Slots:
+    """The one concurrency limit: at most ``limit`` performs at once, sync and async
+    together. Threads block in ``acquire``; tasks await ``acquire_async``. Waiters are
+    served in arrival order whichever kind they are, so neither starves the other."""
+
+    def __init__(self, limit: int) -> None:
+        self._lock = threading.Lock()
+        self._free = limit  # under _lock
+        self._waiters: deque[Callable[[], None]] = deque()  # under _lock; each hands a slot
+
+    @property
+    def waiting(self) -> int:
+        """How many performs wait for a slot now."""
+        return len(self._waiters)
+
+    def acquire(self) -> None:
+        """Take a slot, blocking the calling thread until one is free."""
+        with self._lock:
+            if self._free and not self._waiters:
+                self._free -= 1
+                return
+            handed = threading.Event()
+            self._waiters.append(handed.set)
+        handed.wait()
+
+    async def acquire_async(self) -> None:
+        """Take a slot, suspending the calling task until one is free."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def hand() -> None:
+            loop.call_soon_threadsafe(_resolve, future)
+
+        with self._lock:
+            if self._free and not self._waiters:
+                self._free -= 1
+                return
+            self._waiters.append(hand)
+        try:
+            await future
+        except asyncio.CancelledError:
+            with self._lock:
+                queued = hand in self._waiters
+                if queued:
+                    self._waiters.remove(hand)
+            if not queued:  # the slot was handed over as we were cancelled: pass it on
+                self.release()
+            raise
+
+    def release(self) -> None:
+        """Give a slot back: to the longest waiter, else to the pool."""
+        with self._lock:
+            if not self._waiters:
+                self._free += 1
+                return
+            hand = self._waiters.popleft()
+        hand()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+    # A future cancelled before the hand-over arrived: acquire_async passes the slot on.
+
+
+class SharedState(Generic[E]):
+    """The jobs in hand, the outcomes to record, and the signals between the parts."""
+
+    def __init__(
+        self,
+        stats: DispatchStats,
+        observer: DispatchObserver,
+        concurrency: int,
+        event: Callable[[], E],
+    ) -> None:
+        # Claimed and not yet recorded, by job id. Added by the claimer (hold), removed
+        # by the recorder (settled) or a worker (begin, for a claim already lost).
+        self.held: dict[int, Held] = {}
+        # Outcomes waiting for the recorder: appended by workers (finish), popped by the
+        # recorder (take_outcomes). deque appends and pops are atomic.
+        self.outcomes: deque[tuple[Held, Outcome]] = deque()
+        # Set by workers when outcomes are queued and by the claimer while draining;
+        # waited on and cleared by the recorder.
+        self.outcome_ready: E = event()
+        # Set by the listener (a notification), the recorder (room freed) and
+        # request_stop(); waited on and cleared by the claimer.
+        self.wake: E = event()
+        # Set by request_stop(), fail() and the claimer when it has drained; read by
+        # every loop as its signal to end.
+        self.stopping: E = event()
+        # Set by request_stop() and start_draining(): workers hand unstarted jobs back.
+        self.releasing = False
+        # Set by the dispatcher once its workers have ended: nothing more to record
+        # after what is queued.
+        self.workers_done = False
+        # Set once by fail(): the first side part that died of an unexpected error.
+        self.failure: BaseException | None = None
+        # The concurrency limit, taken by workers around each perform.
+        self.slots = Slots(concurrency)
+        # Moving average of perform time: written by workers (a lost update between
+        # them is harmless), read by the claimer to size its claims.
+        self.mean_perform_seconds: float | None = None
+        # Counters of this run: the claimer and the recorder write their own fields.
+        self.stats = stats
+        self.observer = observer
+
+    # -- claimer ---------------------------------------------------------------------
+
+    def hold(self, batch: list[Held]) -> None:
+        """The claimer took ``batch``: it is ours until recorded."""
+        for held in batch:
+            self.held[held.job.id] = held
+
+    def start_draining(self) -> None:
+        """The claimer stops: jobs not started yet are handed back."""
+        self.releasing = True
+        self.outcome_ready.set()
+
+    # -- workers ---------------------------------------------------------------------
+
+    def begin(self, held: Held) -> bool:
+        """A worker is about to perform ``held``: mark it started, or hand it back if it
+        must not start (its claim is lost, or the dispatcher is stopping)."""
+        if held.lost:
+            self.held.pop(held.job.id, None)
+            guarded(self.observer.attempt_finished, held.job.effect, "lost", 0.0)
+            self.wake.set()
+            return False
+        if self.releasing:
+            self.finish(held, Release())
+            return False
+        held.started = True
+        guarded(self.observer.attempt_started, held.job.effect)
+        return True
+
+    def finish(self, held: Held, outcome: Outcome, *, signal: bool = True) -> None:
+        """A worker is done with ``held``; the recorder will write ``outcome``. Threads
+        running a run of fast jobs signal once per run (``signal=False`` before)."""
+        self.outcomes.append((held, outcome))
+        if signal:
+            self.outcome_ready.set()
+
+    def measured(self, elapsed: float) -> None:
+        mean = self.mean_perform_seconds
+        self.mean_perform_seconds = elapsed if mean is None else 0.9 * mean + 0.1 * elapsed
+
+    # -- recorder --------------------------------------------------------------------
+
+    def take_outcomes(self) -> list[tuple[Held, Outcome]]:
+        """Everything the workers have finished so far."""
+        taken = []
+        while self.outcomes:
+            taken.append(self.outcomes.popleft())
+        return taken
+
+    def settled(self, held: Held, outcome: AttemptOutcome) -> None:
+        """The recorder wrote (or found fenced off) ``held``'s outcome: it is no longer
+        ours, and its slot in the claimer's budget is free."""
+        self.held.pop(held.job.id, None)
+        if outcome == "lost":
+            guarded(self.observer.fence_rejected, held.job.effect)
+        guarded(self.observer.attempt_finished, held.job.effect, outcome, held.duration)
+
+    def lose(self, held: Held) -> None:
+        """A heartbeat found ``held``'s claim gone: it must not start, and its outcome
+        will be refused by the fence."""
+        held.lost = True
+        guarded(self.observer.fence_rejected, held.job.effect)
+
+    # -- the dispatcher, between runs ----------------------------------------------------
+
+    def reset(self) -> None:
+        """Ready for the next run (the last one has joined every part)."""
+        self.stopping.clear()
+        self.wake.clear()
+        self.outcome_ready.clear()
+        self.releasing = False
+        self.workers_done = False
+        self.failure = None
+        self.held.clear()
+        self.outcomes.clear()
+
+    # -- anyone ----------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Stop claiming; hand back what has not started; finish the rest."""
+        self.releasing = True
+        self.stopping.set()
+        self.wake.set()
+
+    def fail(self, part: str, error: BaseException) -> None:
+        """``part`` died of an unexpected error: stop the dispatcher, loudly."""
+        log.critical("dispatcher %s died of an unexpected error; stopping the dispatcher",
+                     part, exc_info=error)
+        if self.failure is None:
+            self.failure = error
+        self.request_stop()
+        self.outcome_ready.set()
+
+
+_reported: set[str] = set()
+
+
+def guarded(method: Callable[..., None], *args: object) -> None:
+    """Call an observer method; an ``Exception`` it raises is logged and ignored (the
+    first time per method with its traceback), so observing never changes what happens
+    to a job. A ``BaseException`` (SystemExit, KeyboardInterrupt) is not swallowed: it
+    ends the part that called, which the dispatcher's supervision reports."""
+    try:
+        method(*args)
+    except Exception:
+        name = getattr(method, "__qualname__", repr(method))
+        if name not in _reported:
+            _reported.add(name)
+            log.exception("observer %s raised; ignored (further errors of it logged once "
+                          "per event at debug level)", name)
+        else:
+            log.debug("observer %s raised; ignored", name, exc_info=True)
+
+
+def supervised(state: SharedState[Any], part: str, body: Callable[[], None]) -> Callable[[], None]:
+    """``body`` as a thread target whose unexpected death stops the dispatcher loudly
+    (``run`` and ``run_until_idle`` then raise) instead of leaving it silently degraded."""
+
+    def target() -> None:
+        try:
+            body()
+        except BaseException as exc:
+            state.fail(part, exc)
+
+    return target
