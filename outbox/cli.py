@@ -123,10 +123,19 @@ def load_dispatcher(target: str) -> Dispatcher:
 
 @main.command("run")
 @click.argument("target", metavar="MODULE:DISPATCHER")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve this process's Prometheus metrics on this port.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Address for --metrics-port.")
 @_one_line_errors
-def run_command(target: str) -> None:
+def run_command(target: str, metrics_port: int | None, metrics_host: str) -> None:
     """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work."""
     dispatcher = load_dispatcher(target)
+    if metrics_port is not None:
+        from .metrics import serve_metrics  # outbox[prometheus]
+
+        dispatcher._enable_metrics()
+        serve_metrics(metrics_port, metrics_host)
     stats = dispatcher.run()
     click.echo(json.dumps(stats.as_dict()), err=True)
 

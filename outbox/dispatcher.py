@@ -18,6 +18,7 @@ means the claim was lost, and is counted, never retried as if it had landed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 import threading
@@ -107,7 +108,10 @@ class Dispatcher:
 
     ``observer`` (an ``outbox.observe.DispatchObserver``) receives every claim, attempt,
     fence rejection and rescue, for metrics and tracing; an exception it raises is
-    logged and ignored. ``listen_conninfo`` is the connection string for LISTEN when
+    logged and ignored. ``metrics=True`` adds the Prometheus metrics of
+    ``outbox.metrics.PrometheusObserver`` on prometheus-client's default registry
+    (``outbox[prometheus]``; serve them with ``outbox.metrics.serve_metrics``).
+    ``listen_conninfo`` is the connection string for LISTEN when
     ``conninfo`` goes through a pooler (None: the same as ``conninfo``).
 
     A part that dies of an unexpected error (the recorder, a worker) stops the
@@ -151,6 +155,7 @@ class Dispatcher:
         worker_id: str | None = None,
         listen_conninfo: str | None = None,
         observer: DispatchObserver | None = None,
+        metrics: bool = False,
     ) -> None:
         self.settings = Settings.build(
             conninfo, effects, schema=schema, concurrency=concurrency, lease=lease,
@@ -167,6 +172,16 @@ class Dispatcher:
         self._state = SharedState(self.stats, self.settings.observer,
                                   self.settings.concurrency, threading.Event)
         self._running = False
+        if metrics:
+            self._enable_metrics()
+
+    def _enable_metrics(self) -> None:
+        """Add the process's PrometheusObserver (default registry) to the observer."""
+        from .metrics import with_metrics  # prometheus-client is an optional extra
+
+        observer = with_metrics(self.settings.observer)
+        self.settings = dataclasses.replace(self.settings, observer=observer)
+        self._state.observer = observer
 
     def _connect(self, role: str) -> psycopg.Connection[Any]:
         """A new connection for ``role`` (claimer, recorder, listener), set up."""

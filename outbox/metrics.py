@@ -30,9 +30,16 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import REGISTRY, Collector
 
 from ._sql import check_schema_name
-from .observe import AttemptOutcome, DispatchObserver
+from .observe import AttemptOutcome, DispatchObserver, MultiObserver
 
-__all__ = ["MAX_EFFECTS", "DatabaseCollector", "PrometheusObserver", "render_database_metrics"]
+__all__ = [
+    "MAX_EFFECTS",
+    "DatabaseCollector",
+    "PrometheusObserver",
+    "render_database_metrics",
+    "serve_metrics",
+    "with_metrics",
+]
 
 MAX_EFFECTS = 50
 STATUSES = ("pending", "running", "done", "failed", "reconcile")
@@ -208,7 +215,9 @@ class PrometheusObserver(DispatchObserver):
         """Count the attempt, its duration, and one job fewer in flight."""
         self._child("attempts", self.attempts, effect, outcome).inc()
         self._child("duration", self.attempt_duration, effect, outcome).observe(duration)
-        if outcome != "released":  # a released job never started
+        # A job released at shutdown, or found lost before it began, never started:
+        # per the observer contract its duration is 0 and it was never counted in.
+        if outcome not in ("released", "lost") or duration > 0:
             self._child("flight", self.in_flight, effect).dec()
 
     def fence_rejected(self, effect: str) -> None:
@@ -218,3 +227,22 @@ class PrometheusObserver(DispatchObserver):
     def rescued(self, count: int) -> None:
         """Leases taken back by this dispatcher's rescuer."""
         self.rescues.inc(count)
+
+
+def with_metrics(observer: DispatchObserver) -> DispatchObserver:
+    """``observer`` plus the process's default PrometheusObserver (added once)."""
+    metrics = PrometheusObserver.default()
+    if observer is metrics or (isinstance(observer, MultiObserver)
+                               and metrics in observer.observers):
+        return observer
+    if type(observer) is DispatchObserver:  # the do-nothing default
+        return metrics
+    return MultiObserver([observer, metrics])
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
+    """Serve the default registry on ``host:port`` (loopback unless told otherwise;
+    prometheus-client alone would bind every interface)."""
+    from prometheus_client import start_http_server
+
+    start_http_server(port, addr=host)

@@ -8,12 +8,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+import outbox
 from outbox.metrics import DatabaseCollector, PrometheusObserver
+from outbox.observe import DispatchObserver, MultiObserver
 
 from .support import seed
 
@@ -135,3 +138,54 @@ def test_the_alert_rules_parse_and_name_only_exported_metrics() -> None:
         used = set(re.findall(r"\boutbox_[a-z_]+", expr))
         assert used, name
         assert used <= exported, f"{name} names unknown metrics {used - exported}"
+
+
+class _Outcomes(outbox.Effect):
+    """Ends each job as its payload says."""
+
+    name = "test.outcome"
+
+    def perform(self, job: outbox.Job) -> dict[str, str] | None:
+        wanted = job.payload["outcome"]
+        if wanted == "retry":
+            raise outbox.Retry(after=3600)
+        if wanted == "failed":
+            raise outbox.Permanent("no")
+        return {"ok": "yes"}
+
+
+def test_a_dispatcher_reports_the_outcomes_it_ran(dsn: str, schema: str) -> None:
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        for i, outcome in enumerate(["done", "done", "done", "failed", "retry"]):
+            tx.enqueue("test.outcome", key=f"m{i}", payload={"outcome": outcome})
+    registry = CollectorRegistry()
+    dispatcher = outbox.Dispatcher(dsn, [_Outcomes()], schema=schema,
+                                   observer=PrometheusObserver(registry))
+    stats = dispatcher.run_until_idle(timeout=60)
+    assert (stats.done, stats.failed, stats.retried) == (3, 1, 1)
+    got = samples(generate_latest(registry).decode())
+
+    def attempts(outcome: str) -> float:
+        return got.get(("outbox_job_attempts_total",
+                        (("effect", "test.outcome"), ("outcome", outcome))), 0)
+
+    assert [attempts(o) for o in ("done", "failed", "retry", "lost")] == [3, 1, 1, 0]
+    assert got[("outbox_job_queue_wait_seconds_count", (("effect", "test.outcome"),))] == 5
+    assert got[("outbox_job_attempt_duration_seconds_count",
+                (("effect", "test.outcome"), ("outcome", "done")))] == 3
+    assert got[("outbox_jobs_in_flight", (("effect", "test.outcome"),))] == 0
+    assert got[("outbox_claim_duration_seconds_count", ())] >= 1
+
+
+def test_metrics_true_adds_the_default_observer_once(dsn: str, schema: str) -> None:
+    class Mine(DispatchObserver):
+        pass
+
+    mine = Mine()
+    dispatcher = outbox.Dispatcher(dsn, [_Outcomes()], schema=schema, observer=mine,
+                                   metrics=True)
+    observer = dispatcher.settings.observer
+    assert isinstance(observer, MultiObserver)
+    assert observer.observers == (mine, PrometheusObserver.default())
+    plain = outbox.Dispatcher(dsn, [_Outcomes()], schema=schema, metrics=True)
+    assert plain.settings.observer is PrometheusObserver.default()
