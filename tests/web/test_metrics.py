@@ -119,6 +119,7 @@ def test_the_default_observer_is_created_once() -> None:
 def exported_names() -> set[str]:
     registry = CollectorRegistry()
     observer = PrometheusObserver(registry)
+    observer.claimed(0.001, [("e", 1.0)])
     observer.attempt_finished("e", "done", 0.1)
     names = {m.name for m in registry.collect()}
     names |= {"outbox_jobs", "outbox_oldest_due_job_age_seconds", "outbox_expired_leases",
