@@ -227,12 +227,12 @@ class PrometheusObserver(DispatchObserver, Collector):
             if now is not None:
                 self._last_claim = now
             histograms = self._waits
-            for effect, seconds in waits:
+            for effect, waited in waits:
                 histogram = histograms.get(effect)
                 if histogram is None:
                     histogram = histograms[effect] = _Histogram(_QUEUE_WAIT_BUCKETS)
                 # Inlined _Histogram.observe: this loop runs once per claimed job.
-                seconds = seconds if seconds > 0 else 0.0  # clock skew: never negative
+                seconds = waited if waited > 0 else 0.0  # clock skew: never negative
                 histogram.counts[bisect_left(_QUEUE_WAIT_BUCKETS, seconds)] += 1
                 histogram.total += seconds
 
