@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from .. import tracing
 from ..effect import Effect, Job
 from ..observe import AttemptOutcome, DispatchObserver
 
@@ -57,6 +58,12 @@ class Held:
     started: bool = False  # written by the worker that runs it (begin)
     lost: bool = False  # written by the recorder (a heartbeat found the claim gone)
     duration: float = 0.0  # written by the worker: seconds ``perform`` ran
+    # Tracing (outbox.tracing): whether it was on at the claim, the enqueue's trace
+    # context from the claim, and the attempt's span (written by the worker in begin,
+    # ended by the recorder in settled).
+    traced: bool = False
+    trace_context: Any = None
+    span: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +241,9 @@ class SharedState(Generic[E]):
             self.finish(held, Release())
             return False
         held.started = True
+        if held.traced:
+            job = held.job
+            held.span = tracing.attempt_span(job.id, job.effect, job.attempt, held.trace_context)
         guarded(self.observer.attempt_started, held.job.effect)
         return True
 
@@ -264,6 +274,8 @@ class SharedState(Generic[E]):
         if outcome == "lost":
             guarded(self.observer.fence_rejected, held.job.effect)
         guarded(self.observer.attempt_finished, held.job.effect, outcome, held.duration)
+        if held.span is not None:
+            guarded(tracing.settle, held.span, held.job.effect, outcome)
 
     def lose(self, held: Held) -> None:
         """A heartbeat found ``held``'s claim gone: it must not start, and its outcome
