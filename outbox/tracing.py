@@ -8,8 +8,9 @@ per attempt linked to it, and the settle step.
 - ``process {effect}`` (CONSUMER) covers one attempt, from the moment ``perform`` may
   start to the recording of its outcome, with a link to the enqueue's span; it is the
   current span while ``perform`` runs, so instrumented HTTP clients nest under it.
-- ``settle {effect}``, its child, is the recording: ``outbox.outcome`` and
-  ``outbox.fence_rejected`` (the fenced write changed 0 rows: the claim was lost).
+- The settle step (the recording of the outcome) is the ``settle`` event of that span,
+  with ``outbox.outcome`` and ``outbox.fence_rejected`` (the fenced write changed 0
+  rows: the claim was lost); the span carries both attributes too.
 
 Attributes follow the OpenTelemetry messaging conventions (``messaging.system`` is
 ``outbox``, the destination is the effect name) and carry the job id and attempt number,
@@ -43,12 +44,17 @@ def enabled() -> bool:
     return not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
 
 
+_TRACER: tuple[Any, Any] | None = None  # (provider, its tracer): get_tracer is not cheap
+
+
 def _tracer() -> Any:
+    global _TRACER
     from opentelemetry import trace
 
-    from . import __name__ as package
-
-    return trace.get_tracer(package)
+    provider = trace.get_tracer_provider()
+    if _TRACER is None or _TRACER[0] is not provider:
+        _TRACER = (provider, provider.get_tracer("outbox"))
+    return _TRACER[1]
 
 
 def _propagator() -> Any:
@@ -128,19 +134,14 @@ def activated(span: Any) -> Iterator[None]:
 
 
 def settle(span: Any, effect: str, outcome: str) -> None:
-    """Record the settle step as a child span, then end the attempt's span."""
+    """Record the settle step (an event: half the cost of a child span) and end the
+    attempt's span."""
     from opentelemetry import trace
 
     rejected = outcome == "lost"
-    child = _tracer().start_span(
-        f"settle {effect}", context=trace.set_span_in_context(span),
-        kind=trace.SpanKind.CLIENT, attributes={
-            "messaging.system": SYSTEM, "messaging.operation.type": "settle",
-            "messaging.operation.name": outcome, "messaging.destination.name": effect,
-            "outbox.outcome": outcome, "outbox.fence_rejected": rejected})
-    child.end()
-    span.set_attribute("outbox.outcome", outcome)
-    span.set_attribute("outbox.fence_rejected", rejected)
+    attributes = {"outbox.outcome": outcome, "outbox.fence_rejected": rejected}
+    span.add_event("settle", attributes)
+    span.set_attributes(attributes)
     if outcome in ("failed", "reconcile"):
         span.set_status(trace.Status(trace.StatusCode.ERROR))
     span.end()

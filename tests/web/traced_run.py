@@ -46,6 +46,7 @@ def main(dsn: str, schema: str) -> None:
             "parent": format(s.parent.span_id, "016x") if s.parent else None,
             "links": [format(link.context.span_id, "016x") for link in s.links],
             "attributes": dict(s.attributes or {}), "status": s.status.status_code.name,
+            "events": [{"name": e.name, **dict(e.attributes or {})} for e in s.events],
         }))
 
 
