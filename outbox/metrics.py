@@ -327,9 +327,13 @@ def with_metrics(observer: DispatchObserver) -> DispatchObserver:
     return MultiObserver([observer, metrics])
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
-    """Serve the default registry on ``host:port`` (loopback unless told otherwise;
-    prometheus-client alone would bind every interface)."""
+def serve_metrics(port: int, host: str = "127.0.0.1",
+                  registry: CollectorRegistry | None = None) -> Any:
+    """Serve ``registry`` (default: the default one) on ``host:port`` from a daemon
+    thread; loopback unless told otherwise (prometheus-client alone would bind every
+    interface). Returns the server: ``shutdown()`` stops it."""
     from prometheus_client import start_http_server
 
-    start_http_server(port, addr=host)
+    server, _thread = start_http_server(port, addr=host,
+                                        registry=REGISTRY if registry is None else registry)
+    return server
