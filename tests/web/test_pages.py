@@ -122,3 +122,21 @@ async def test_htmx_is_served_from_the_package(client: httpx.AsyncClient) -> Non
     response = await client.get("/static/htmx.min.js")
     assert response.status_code == 200
     assert "htmx" in response.text[:200]
+
+
+async def test_a_search_past_the_statement_timeout_asks_for_a_narrower_filter(
+        client: httpx.AsyncClient, dsn: str, schema: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import psycopg
+
+    from outbox.web import app as web_app
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'INSERT INTO "{schema}".jobs (effect, key, payload, fingerprint, '
+                     "last_error) SELECT 'e', 'k' || i, '{}', 'f', 'error ' || i "
+                     "FROM generate_series(1, 200000) i")
+    # A full scan of 200,000 rows cannot finish within a millisecond.
+    monkeypatch.setattr(web_app, "STATEMENT_TIMEOUT", "1ms")
+    response = await client.get("/jobs", params={"error": "no such text"})
+    assert response.status_code == 503
+    assert "took longer than 1ms and was stopped. Narrow the filter" in response.text
