@@ -237,3 +237,28 @@ async def test_a_host_authorizer_can_grant_read_only_or_refuse(
     allowed = await client.post(f"/jobs/{job_id}/retry", data=form(0, "failed"),
                                 headers=operator)
     assert allowed.status_code == 303
+
+
+async def test_a_role_that_cannot_update_the_jobs_gets_a_read_only_dashboard(
+        make_client: ClientFactory, dsn: str, schema: str) -> None:
+    [job_id] = seed(dsn, schema, {"key": "ro3", "status": "failed"})
+    role = f"reader_{schema}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE ROLE "{role}" LOGIN')
+        conn.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"')
+        conn.execute(f'GRANT SELECT ON ALL TABLES IN SCHEMA "{schema}" TO "{role}"')
+    try:
+        client = await make_client(make_conninfo(dsn, user=role))
+        page = (await client.get(f"/jobs/{job_id}")).text
+        assert "Job " in page and 'method="post"' not in page
+        response = await client.post(f"/jobs/{job_id}/retry", data=form(0, "failed"),
+                                     headers=SAME_ORIGIN)
+        assert response.status_code == 403
+        await client.aclose()
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                         "WHERE usename = %s", (role,))
+            conn.execute(f'DROP OWNED BY "{role}"')
+            conn.execute(f'DROP ROLE "{role}"')
+    assert job(dsn, schema, job_id)["status"] == "failed"
