@@ -27,7 +27,8 @@ from typing import Any
 
 Tick = Callable[[list[int], float], None]
 
-_PRELOAD = ["benchmarks._drain_workers", "benchmarks.wake", "benchmarks.latency"]
+_PRELOAD = ["benchmarks._drain_workers", "benchmarks.wake", "benchmarks.latency",
+            "benchmarks.asyncdispatch"]
 _context: ForkServerContext | None = None
 
 

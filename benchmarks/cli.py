@@ -17,14 +17,14 @@ from typing import Any
 
 from rich.console import Console
 
-from . import bloat, drain, enqueue, latency, memory, wake
+from . import asyncdispatch, bloat, drain, enqueue, latency, memory, wake
 from ._db import Server, server
 from ._drain_workers import OutboxSettings
 from ._results import Section, environment, render, write_json
 
 log = logging.getLogger("benchmarks")
 
-SECTIONS = ("drain", "enqueue", "wake", "latency", "bloat", "memory")
+SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory")
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVER_SETTINGS = ("shared_buffers", "max_connections", "fsync", "synchronous_commit",
                    "wal_level", "max_wal_size", "autovacuum")
@@ -52,6 +52,7 @@ class Sizes:
     bloat_jobs: int
     claim_samples: int
     memory_jobs: int
+    async_sizes: tuple[int, ...] = (1000, 10_000)
     memory_runs: int | None = None  # None: --runs
 
 
@@ -64,7 +65,7 @@ QUICK = Sizes(drain_sizes=(5_000,), drain_procs=(1, 2), procrastinate_jobs=300,
               single_transactions=100, bulk_transactions=3, wake_samples=15,
               latency_seconds_of_work=0.1, latency_concurrencies=(64,),
               latency_async_concurrencies=(64,), bloat_history=50_000, bloat_jobs=2_000,
-              claim_samples=20, memory_jobs=100_000, memory_runs=1)
+              claim_samples=20, memory_jobs=100_000, async_sizes=(1000,), memory_runs=1)
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
@@ -145,6 +146,8 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
         "latency": lambda srv: latency.run(srv, latency.LatencyConfig(
             runs, sizes.latency_concurrencies, sizes.latency_async_concurrencies,
             seconds_of_work=sizes.latency_seconds_of_work)),
+        "async": lambda srv: asyncdispatch.run(srv, asyncdispatch.AsyncConfig(
+            runs, sizes.async_sizes)),
         "bloat": lambda srv: bloat.run(srv, bloat.BloatConfig(
             runs, sizes.bloat_history, sizes.bloat_jobs, sizes.claim_samples, outbox=best)),
         "memory": lambda srv: memory.run(srv, memory.MemoryConfig(

@@ -5,11 +5,18 @@ Write business rows and the effects they call for in one transaction
 any transaction and records it in the effect ledger together with the fenced
 ``running -> done`` update. Delivery to an effect is at least once; with a provider that
 honours idempotency keys, the effect happens once.
+
+``AsyncDispatcher`` is the same dispatcher on one asyncio event loop (psycopg
+``AsyncConnection``), with the same options, statements and guarantees: fenced writes,
+leases heartbeated while effects run, expired leases rescued, at most ``concurrency``
+performs at once (sync effects on a bounded thread pool, async ones on the loop), and on
+``stop()`` or cancellation in-flight work finished or handed back with its attempt
+refunded.
 """
 
 from ._enqueue import EnqueueResult, NewJob
 from ._state import Backoff
-from .dispatcher import Dispatcher, DispatchStats
+from .dispatcher import AsyncDispatcher, Dispatcher, DispatchStats
 from .effect import Effect, Job
 from .errors import (
     ConfigurationError,
@@ -29,6 +36,7 @@ from .migrate import migrate
 from .transaction import AsyncTransaction, Transaction, transaction
 
 __all__ = [
+    "AsyncDispatcher",
     "AsyncTransaction",
     "Backoff",
     "ConfigurationError",

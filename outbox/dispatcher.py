@@ -17,6 +17,7 @@ means the claim was lost, and is counted, never retried as if it had landed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -24,6 +25,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from types import FrameType
@@ -31,8 +33,17 @@ from typing import Any
 
 import psycopg
 
+from ._dispatch.aio import (
+    LoopEvent,
+    TaskWorkers,
+    listen_async,
+    run_claimer_async,
+    run_recorder_async,
+    supervised_async,
+    wait_for_schema_async,
+)
 from ._dispatch.claimer import Claimer, run_claimer, wait_for_schema
-from ._dispatch.connection import Connection, connect
+from ._dispatch.connection import AsyncConnection, Connection, connect
 from ._dispatch.listener import Listener
 from ._dispatch.recorder import Recorder, run_recorder
 from ._dispatch.settings import Settings, text_array
@@ -43,12 +54,18 @@ from .effect import Effect
 from .errors import ConfigurationError, DispatcherFailed
 from .observe import DispatchObserver
 
-__all__ = ["DispatchStats", "Dispatcher"]
+__all__ = ["AsyncDispatcher", "DispatchStats", "Dispatcher"]
 
 log = logging.getLogger("outbox.dispatcher")
 
 _text_array = text_array  # the claim's effects parameter, for tests that claim by hand
 DRAIN_CHECK = 0.05  # seconds between checks that every held job is recorded
+# The checked options readable as attributes of a dispatcher (``d.lease``, ...).
+PUBLIC_OPTIONS = (
+    "schema", "concurrency", "lease", "batch_size", "prefetch", "max_prefetch",
+    "poll_interval", "rescue_interval", "backoff", "unknown_outcome_window", "retention",
+    "ledger_retention", "worker_id",
+)
 
 
 @dataclass
@@ -83,42 +100,8 @@ class DispatchStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-class Dispatcher:
-    """Claims due jobs, performs their effects outside any transaction, records outcomes.
-
-    Guarantees (with the database as the only source of truth):
-
-    - A job is claimed in a short READ COMMITTED transaction with ``FOR UPDATE SKIP
-      LOCKED``; two workers never hold the same job at the same ``claim_version``.
-    - ``perform`` runs after the claim committed, outside any transaction, at most
-      ``concurrency`` at a time. Delivery to an effect is at least once: a crash or a
-      stall past the lease makes the job run again, with the same key.
-    - Completion is one statement: the fenced ``running -> done`` update and the ledger
-      row commit together or not at all. A stale worker's writes change nothing.
-    - Leases are extended by heartbeats while effects run; a job whose worker died is
-      rescued (fenced) once its lease expires, within one ``rescue_interval``.
-    - Only jobs whose ``effect`` names one of ``effects`` are claimed; others stay pending.
-
-    ``lease`` is the claim's lifetime in seconds (or a timedelta), at least 1 second.
-    ``batch_size`` caps the jobs one claim takes. ``prefetch`` is how many claimed jobs
-    may wait for a free worker (their leases are heartbeated too); by default it adapts
-    to about one second of work at the measured speed of the effects (up to
-    ``max_prefetch``), so fast effects are claimed in large batches while slow ones are
-    not hoarded by one process. ``prefetch=0`` claims only what can start at once.
-
-    ``observer`` (an ``outbox.observe.DispatchObserver``) receives every claim, attempt,
-    fence rejection and rescue, for metrics and tracing; an exception it raises is
-    logged and ignored. ``metrics=True`` adds the Prometheus metrics of
-    ``outbox.metrics.PrometheusObserver`` on prometheus-client's default registry
-    (``outbox[prometheus]``; serve them with ``outbox.metrics.serve_metrics``).
-    ``listen_conninfo`` is the connection string for LISTEN when
-    ``conninfo`` goes through a pooler (None: the same as ``conninfo``).
-
-    A part that dies of an unexpected error (the recorder, a worker) stops the
-    dispatcher loudly: it is logged and ``run`` / ``run_until_idle`` raise
-    ``outbox.DispatcherFailed``; the listener, only a hint, is restarted instead.
-    """
-
+class _Options:
+    """What both dispatchers take: the options, checked once into ``settings``."""
 
     # The checked options, also readable as attributes (``d.lease``, ``d.schema``, ...).
     schema: str
@@ -157,6 +140,10 @@ class Dispatcher:
         observer: DispatchObserver | None = None,
         metrics: bool = False,
     ) -> None:
+        if metrics:
+            from .metrics import with_metrics  # prometheus-client is an optional extra
+
+            observer = with_metrics(observer or DispatchObserver())
         self.settings = Settings.build(
             conninfo, effects, schema=schema, concurrency=concurrency, lease=lease,
             batch_size=batch_size, prefetch=prefetch, max_prefetch=max_prefetch,
@@ -168,20 +155,70 @@ class Dispatcher:
         for name in PUBLIC_OPTIONS:
             setattr(self, name, getattr(self.settings, name))
         self.stats = DispatchStats()
-        # One state for the dispatcher's life, so a stop() before run() is honoured.
-        self._state = SharedState(self.stats, self.settings.observer,
-                                  self.settings.concurrency, threading.Event)
         self._running = False
-        if metrics:
-            self._enable_metrics()
+        self._setup()
+
+    def _setup(self) -> None:
+        """What a flavour prepares once, after the options are checked."""
 
     def _enable_metrics(self) -> None:
-        """Add the process's PrometheusObserver (default registry) to the observer."""
+        """Add the process's PrometheusObserver (default registry) to the observer of a
+        dispatcher built without ``metrics=True`` (``outbox run --metrics-port``)."""
         from .metrics import with_metrics  # prometheus-client is an optional extra
 
         observer = with_metrics(self.settings.observer)
         self.settings = dataclasses.replace(self.settings, observer=observer)
-        self._state.observer = observer
+        self._setup()  # the shared state takes its observer from the settings
+
+    def _failed(self, failure: BaseException) -> DispatcherFailed:
+        return DispatcherFailed(
+            f"the dispatcher stopped: a part of it died of {type(failure).__name__} "
+            "(logged); jobs it held are retried once their leases expire"
+        )
+
+
+class Dispatcher(_Options):
+    """Claims due jobs, performs their effects outside any transaction, records outcomes.
+
+    Guarantees (with the database as the only source of truth):
+
+    - A job is claimed in a short READ COMMITTED transaction with ``FOR UPDATE SKIP
+      LOCKED``; two workers never hold the same job at the same ``claim_version``.
+    - ``perform`` runs after the claim committed, outside any transaction, at most
+      ``concurrency`` at a time, sync and async effects together (sync ones on
+      ``concurrency`` threads, async ones on an event loop of the dispatcher's).
+      Delivery to an effect is at least once: a crash or a stall past the lease makes
+      the job run again, with the same key.
+    - Completion is one statement: the fenced ``running -> done`` update and the ledger
+      row commit together or not at all. A stale worker's writes change nothing.
+    - Leases are extended by heartbeats while effects run; a job whose worker died is
+      rescued (fenced) once its lease expires, within one ``rescue_interval``.
+    - Only jobs whose ``effect`` names one of ``effects`` are claimed; others stay pending.
+
+    ``lease`` is the claim's lifetime in seconds (or a timedelta), at least 1 second.
+    ``batch_size`` caps the jobs one claim takes. ``prefetch`` is how many claimed jobs
+    may wait for a free worker (their leases are heartbeated too); by default it adapts
+    to about one second of work at the measured speed of the effects (up to
+    ``max_prefetch``), so fast effects are claimed in large batches while slow ones are
+    not hoarded by one process. ``prefetch=0`` claims only what can start at once.
+
+    ``observer`` (an ``outbox.observe.DispatchObserver``) receives every claim, attempt,
+    fence rejection and rescue, for metrics and tracing; an exception it raises is
+    logged and ignored. ``metrics=True`` adds the Prometheus metrics of
+    ``outbox.metrics.PrometheusObserver`` on prometheus-client's default registry
+    (``outbox[prometheus]``; serve them with ``outbox.metrics.serve_metrics``).
+    ``listen_conninfo`` is the connection string for LISTEN when ``conninfo`` goes
+    through a pooler (None: the same as ``conninfo``).
+
+    A part that dies of an unexpected error (the recorder, a worker) stops the
+    dispatcher loudly: it is logged and ``run`` / ``run_until_idle`` raise
+    ``outbox.DispatcherFailed``; the listener, only a hint, is restarted instead.
+    """
+
+    def _setup(self) -> None:
+        # One state for the dispatcher's life, so a stop() before run() is honoured.
+        self._state = SharedState(self.stats, self.settings.observer,
+                                  self.settings.concurrency, threading.Event)
 
     def _connect(self, role: str) -> psycopg.Connection[Any]:
         """A new connection for ``role`` (claimer, recorder, listener), set up."""
@@ -254,10 +291,7 @@ class Dispatcher:
             state.reset()
             self._running = False
         if failure is not None:
-            raise DispatcherFailed(
-                f"the dispatcher stopped: a part of it died of {type(failure).__name__} "
-                "(logged); jobs it held are retried once their leases expire"
-            ) from failure
+            raise self._failed(failure) from failure
         return self.stats
 
     def _dispatch(self, claimer: Connection, until_idle: bool, deadline: float | None) -> None:
@@ -298,8 +332,146 @@ class Dispatcher:
             state.wake.clear()
 
 
-PUBLIC_OPTIONS = (
-    "schema", "concurrency", "lease", "batch_size", "prefetch", "max_prefetch",
-    "poll_interval", "rescue_interval", "backoff", "unknown_outcome_window", "retention",
-    "ledger_retention", "worker_id",
-)
+class AsyncDispatcher(_Options):
+    """``Dispatcher`` on one asyncio event loop: the same options and guarantees.
+
+    - Claims, records and heartbeats run as tasks over psycopg ``AsyncConnection``s,
+      with the same statements and decisions as ``Dispatcher`` (one shared core).
+    - Async effects run as tasks on the loop; sync effects on a thread pool of at most
+      ``concurrency`` threads; at most ``concurrency`` performs at once across both.
+    - ``await d.run_until_idle(timeout=None)`` processes every job due now, then
+      returns the counters. ``await d.run()`` dispatches until ``d.stop()`` or until
+      cancelled; either way in-flight work finishes, and jobs not yet started are handed
+      back with their attempt refunded (the first cancellation drains; ``run`` then
+      re-raises ``CancelledError``; a second one abandons the rest to the rescuer, which
+      takes those jobs back once their leases expire). No signal handlers are installed:
+      the application owns them.
+    - ``async with d:`` starts ``run()`` in a task and, on exit, stops it and awaits it
+      (its errors surface there).
+
+    Delivery to an effect is at least once, as with ``Dispatcher``: a crash or a stall
+    past the lease makes the job run again with the same key; fenced writes make a stale
+    worker's outcome change nothing.
+    """
+
+    def _setup(self) -> None:
+        self._state: SharedState[LoopEvent] | None = None  # during a run only
+        self._stop_early = False  # stop() came before the run had its state
+        self._task: asyncio.Task[DispatchStats] | None = None
+
+    def stop(self) -> None:
+        """Ask ``run`` to stop: nothing new is claimed; in-flight work finishes or is
+        handed back. Safe to call from any thread, before or during a run."""
+        state = self._state
+        if state is None:
+            self._stop_early = True
+        else:
+            state.request_stop()
+
+    async def run_until_idle(self, timeout: float | None = None) -> DispatchStats:  # noqa: ASYNC109 - the contract's name
+        """Process every job that is due now, then return the counters of this call.
+
+        As ``Dispatcher.run_until_idle``: a job running elsewhere is waited for (and
+        rescued if its lease expires); with ``timeout`` (seconds), claiming stops when it
+        passes and the call returns once in-flight work is recorded.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return await self._serve(until_idle=True, deadline=deadline)
+
+    async def run(self) -> DispatchStats:
+        """Dispatch until ``stop()`` or cancellation; then finish in-flight work.
+
+        Wakes on LISTEN/NOTIFY and polls with jitter; reconnects with backoff after a
+        connection loss or a database restart.
+        """
+        return await self._serve(until_idle=False, deadline=None)
+
+    async def __aenter__(self) -> AsyncDispatcher:
+        if self._task is not None:
+            raise ConfigurationError("this AsyncDispatcher is already running")
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="outbox-dispatcher")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self.stop()
+        await task
+
+    async def _serve(self, *, until_idle: bool, deadline: float | None) -> DispatchStats:
+        if self._running:
+            raise ConfigurationError("this AsyncDispatcher is already running")
+        self._running = True
+        settings = self.settings
+        self.stats = DispatchStats()
+        state = SharedState(self.stats, settings.observer, settings.concurrency, LoopEvent)
+        self._state = state
+        if self._stop_early:
+            state.request_stop()
+        try:
+            await wait_for_schema_async(settings, state, deadline)
+            await self._dispatch(state, until_idle, deadline)
+        finally:
+            self._state = None
+            self._stop_early = False
+            self._running = False
+        if state.failure is not None:
+            raise self._failed(state.failure) from state.failure
+        return self.stats
+
+    async def _dispatch(
+        self, state: SharedState[LoopEvent], until_idle: bool, deadline: float | None
+    ) -> None:
+        settings = self.settings
+        loop = asyncio.get_running_loop()
+        pool = (ThreadPoolExecutor(settings.concurrency, thread_name_prefix="outbox-worker")
+                if settings.has_sync else None)
+        workers = TaskWorkers(state, pool)
+        recorder = loop.create_task(supervised_async(state, "recorder", run_recorder_async(
+            Recorder(settings, state), AsyncConnection(settings, "recorder"))))
+        listener = (None if until_idle else loop.create_task(
+            supervised_async(state, "listener", listen_async(settings, state))))
+        claimer = AsyncConnection(settings, "claimer")
+        cancelled = False
+        error: BaseException | None = None
+        try:
+            await run_claimer_async(Claimer(settings, state, until_idle=until_idle),
+                                    claimer, workers, deadline)
+        except asyncio.CancelledError:
+            cancelled = True  # the first cancellation drains
+            log.info("dispatcher cancelled: finishing in-flight work, handing back the rest")
+        except BaseException as exc:
+            error = exc
+        try:
+            await claimer.discard()
+            await self._wind_down(state, workers, recorder)
+        finally:
+            # Only left after a second cancellation (or a failure while winding down):
+            # what still runs is abandoned; its jobs come back when their leases expire.
+            leftovers = [*workers.cancel(), recorder, *([listener] if listener else [])]
+            for task in leftovers:
+                task.cancel()
+            await asyncio.gather(*leftovers, return_exceptions=True)
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        if error is not None:
+            raise error
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def _wind_down(
+        self, state: SharedState[LoopEvent], workers: TaskWorkers, recorder: asyncio.Task[None]
+    ) -> None:
+        """Stop claiming; hand back what has not started; wait until in-flight work is
+        recorded (unless a part died: then what it held is left to the rescuer)."""
+        state.start_draining()
+        while state.held and state.failure is None:
+            state.outcome_ready.set()
+            await state.wake.wait(DRAIN_CHECK)
+            state.wake.clear()
+        await workers.join()
+        state.workers_done = True
+        state.stopping.set()
+        state.outcome_ready.set()
+        await recorder

@@ -24,6 +24,7 @@ __all__ = [
     "AsyncConnection",
     "ConnectParams",
     "Connection",
+    "Reconnects",
     "connect",
     "connect_async",
     "connection_params",
@@ -90,8 +91,8 @@ async def connect_async(settings: Settings, role: str) -> psycopg.AsyncConnectio
     return conn
 
 
-class _Reconnecting:
-    """Backoff between reconnection attempts, shared by both flavours."""
+class Reconnects:
+    """Backoff between reconnection attempts (capped, jittered), reset by a success."""
 
     def __init__(self) -> None:
         self._failures = 0
@@ -105,7 +106,7 @@ class _Reconnecting:
         self._failures = 0
 
 
-class Connection(_Reconnecting):
+class Connection(Reconnects):
     """One role's connection: autocommit, READ COMMITTED, keepalives, reconnecting."""
 
     def __init__(self, open_: Callable[[str], psycopg.Connection[Any]], role: str) -> None:
@@ -143,7 +144,7 @@ class Connection(_Reconnecting):
         self._conn = None
 
 
-class AsyncConnection(_Reconnecting):
+class AsyncConnection(Reconnects):
     """The asyncio twin of ``Connection``."""
 
     def __init__(self, settings: Settings, role: str) -> None:

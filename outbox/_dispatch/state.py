@@ -17,7 +17,6 @@ decision that depends on them is re-checked by a fenced statement in the databas
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections import deque
@@ -111,13 +110,14 @@ E = TypeVar("E", bound=Signal)
 
 class Slots:
     """The one concurrency limit: at most ``limit`` performs at once, sync and async
-    together. Threads block in ``acquire``; tasks await ``acquire_async``. Waiters are
+    together. A thread blocks in ``acquire``; a job for the event loop is started by
+    ``when_free`` once it holds a slot (no task exists while it waits). Waiters are
     served in arrival order whichever kind they are, so neither starves the other."""
 
     def __init__(self, limit: int) -> None:
         self._lock = threading.Lock()
         self._free = limit  # under _lock
-        self._waiters: deque[Callable[[], None]] = deque()  # under _lock; each hands a slot
+        self._waiters: deque[Callable[[], None]] = deque()  # under _lock; each takes a slot
 
     @property
     def waiting(self) -> int:
@@ -126,37 +126,23 @@ class Slots:
 
     def acquire(self) -> None:
         """Take a slot, blocking the calling thread until one is free."""
+        handed = threading.Event()
+        if not self._take_or_queue(handed.set):
+            handed.wait()
+
+    def when_free(self, start: Callable[[], None]) -> None:
+        """Call ``start`` holding a slot: now if one is free, else from the ``release``
+        that frees one (on the releasing thread: ``start`` must be thread-safe)."""
+        if self._take_or_queue(start):
+            start()
+
+    def _take_or_queue(self, waiter: Callable[[], None]) -> bool:
         with self._lock:
             if self._free and not self._waiters:
                 self._free -= 1
-                return
-            handed = threading.Event()
-            self._waiters.append(handed.set)
-        handed.wait()
-
-    async def acquire_async(self) -> None:
-        """Take a slot, suspending the calling task until one is free."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-
-        def hand() -> None:
-            loop.call_soon_threadsafe(_resolve, future)
-
-        with self._lock:
-            if self._free and not self._waiters:
-                self._free -= 1
-                return
-            self._waiters.append(hand)
-        try:
-            await future
-        except asyncio.CancelledError:
-            with self._lock:
-                queued = hand in self._waiters
-                if queued:
-                    self._waiters.remove(hand)
-            if not queued:  # the slot was handed over as we were cancelled: pass it on
-                self.release()
-            raise
+                return True
+            self._waiters.append(waiter)
+            return False
 
     def release(self) -> None:
         """Give a slot back: to the longest waiter, else to the pool."""
@@ -164,14 +150,8 @@ class Slots:
             if not self._waiters:
                 self._free += 1
                 return
-            hand = self._waiters.popleft()
-        hand()
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-    # A future cancelled before the hand-over arrived: acquire_async passes the slot on.
+            waiter = self._waiters.popleft()
+        waiter()
 
 
 class SharedState(Generic[E]):
@@ -207,6 +187,7 @@ class SharedState(Generic[E]):
         # Set once by fail(): the first side part that died of an unexpected error.
         self.failure: BaseException | None = None
         # The concurrency limit, taken by workers around each perform.
+        self.concurrency = concurrency
         self.slots = Slots(concurrency)
         # Moving average of perform time: written by workers (a lost update between
         # them is harmless), read by the claimer to size its claims.
@@ -214,6 +195,8 @@ class SharedState(Generic[E]):
         # Counters of this run: the claimer and the recorder write their own fields.
         self.stats = stats
         self.observer = observer
+        # The default observer does nothing: skip its calls on the per-job paths.
+        self.observing = type(observer) is not DispatchObserver
 
     # -- claimer ---------------------------------------------------------------------
 
@@ -244,7 +227,8 @@ class SharedState(Generic[E]):
         if held.traced:
             job = held.job
             held.span = tracing.attempt_span(job.id, job.effect, job.attempt, held.trace_context)
-        guarded(self.observer.attempt_started, held.job.effect)
+        if self.observing:
+            guarded(self.observer.attempt_started, held.job.effect)
         return True
 
     def finish(self, held: Held, outcome: Outcome, *, signal: bool = True) -> None:
@@ -271,11 +255,13 @@ class SharedState(Generic[E]):
         """The recorder wrote (or found fenced off) ``held``'s outcome: it is no longer
         ours, and its slot in the claimer's budget is free."""
         self.held.pop(held.job.id, None)
+        if held.span is not None:
+            guarded(tracing.settle, held.span, held.job.effect, outcome)
+        if not self.observing:
+            return
         if outcome == "lost":
             guarded(self.observer.fence_rejected, held.job.effect)
         guarded(self.observer.attempt_finished, held.job.effect, outcome, held.duration)
-        if held.span is not None:
-            guarded(tracing.settle, held.span, held.job.effect, outcome)
 
     def lose(self, held: Held) -> None:
         """A heartbeat found ``held``'s claim gone: it must not start, and its outcome
@@ -295,6 +281,7 @@ class SharedState(Generic[E]):
         self.failure = None
         self.held.clear()
         self.outcomes.clear()
+        self.slots = Slots(self.concurrency)  # nothing can be waiting after a join
 
     # -- anyone ----------------------------------------------------------------------
 

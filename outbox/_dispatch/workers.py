@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from queue import SimpleQueue
 from typing import Any
 
@@ -43,11 +44,16 @@ class Performer:
     def __init__(self, state: SharedState[Any]) -> None:
         self.state = state
 
-    def perform_sync(self, held: Held, *, signal: bool = True) -> None:
-        """On a worker thread: wait for a slot, then perform ``held`` (or hand it back)."""
+    def perform_sync(self, held: Held, *, signal: bool = True, gated: bool = True) -> None:
+        """On a worker thread: wait for a slot, then perform ``held`` (or hand it back).
+        ``gated=False`` where the threads alone are the limit (no async effects)."""
         state = self.state
         if (state.releasing or held.lost) and not state.begin(held):
             return  # handed back or dropped without waiting for a slot
+        if not gated:
+            if state.begin(held):
+                state.finish(held, self.call_sync(held), signal=signal)
+            return
         state.slots.acquire()
         try:
             if state.begin(held):
@@ -55,17 +61,14 @@ class Performer:
         finally:
             state.slots.release()
 
-    async def perform_async(self, held: Held) -> None:
-        """On the event loop: wait for a slot, then perform ``held`` (or hand it back)."""
-        state = self.state
-        if (state.releasing or held.lost) and not state.begin(held):
-            return
-        await state.slots.acquire_async()
+    async def perform_holding_slot(self, held: Held) -> None:
+        """On the event loop, holding a slot (``Slots.when_free``): perform ``held`` (or
+        hand it back), then release the slot."""
         try:
-            if state.begin(held):
-                state.finish(held, await self.call_async(held))
+            if self.state.begin(held):
+                self.state.finish(held, await self.call_async(held))
         finally:
-            state.slots.release()
+            self.state.slots.release()
 
     def call_sync(self, held: Held) -> Outcome:
         """Call a sync ``perform`` (already begun); never raises."""
@@ -147,9 +150,11 @@ class ThreadWorkers:
                 runner.close()
 
     def _work(self, queue: SimpleQueue[list[Held] | None]) -> None:
+        # With no async effects, the ``concurrency`` threads are the limit by themselves.
+        gated = bool(self.settings.async_names)
         while (chunk := queue.get()) is not None:
             for held in chunk:
-                self.performer.perform_sync(held, signal=False)
+                self.performer.perform_sync(held, signal=False, gated=gated)
             self.state.outcome_ready.set()  # once per chunk: the recorder takes them all
 
     def _chunks(self, batch: list[Held]) -> list[list[Held]]:
@@ -181,6 +186,7 @@ class LoopRunner:
         ready.wait()
 
     def _run(self, ready: threading.Event) -> None:
+        self._loop_thread = threading.get_ident()
         asyncio.set_event_loop(self._loop)
         self._loop.call_soon(ready.set)
         self._loop.run_forever()
@@ -190,10 +196,23 @@ class LoopRunner:
         self._loop.call_soon_threadsafe(self._spawn, batch)
 
     def _spawn(self, batch: list[Held]) -> None:
+        state = self._performer.state
         for held in batch:
-            task = self._loop.create_task(self._performer.perform_async(held))
-            self._tasks.add(task)
-            task.add_done_callback(self._done)
+            if (state.releasing or held.lost) and not state.begin(held):
+                continue  # handed back or dropped without waiting for a slot
+            state.slots.when_free(partial(self._start_soon, held))
+
+    def _start_soon(self, held: Held) -> None:
+        """Holding a slot: start ``held``'s task on the loop (from any thread)."""
+        if threading.get_ident() == self._loop_thread:
+            self._start(held)
+        else:
+            self._loop.call_soon_threadsafe(self._start, held)
+
+    def _start(self, held: Held) -> None:
+        task = self._loop.create_task(self._performer.perform_holding_slot(held))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 from psycopg import sql
 
 from .provider import Conn, Provider
@@ -48,12 +49,14 @@ def test_heartbeat_keeps_a_slow_effect_claimed_against_an_eager_rescuer(
     assert took is not None and took[0].total_seconds() >= 3.0, "it outlived three leases"
 
 
+@pytest.mark.parametrize("flavour", ["sync", "async"])
 def test_sigterm_finishes_in_flight_work_and_hands_back_the_rest(
     dsn: str, schema: str, db: Conn, provider: Provider, workers: Workers,
+    flavour: str,
 ) -> None:
     keys = [f"k{i}" for i in range(6)]
     enqueue(db, schema, keys, {"pause": "before"})
-    worker = workers.start("run", lease=1.0, concurrency=2, prefetch=2)
+    worker = workers.start("run", lease=1.0, concurrency=2, prefetch=2, flavour=flavour)
     wait_until(lambda: len(provider.checkpoints("before")) == 2, "two effects in flight")
     in_flight = sorted(key for key, *_ in provider.checkpoints("before"))
     running = sorted(k for k, j in jobs(db, schema).items() if j["status"] == "running")

@@ -135,11 +135,13 @@ def _paused(provider: Provider, point: str, worker_pid: int) -> tuple[int, int]:
     return attempt, version
 
 
+@pytest.mark.parametrize("flavour", ["sync", "async"])
 def test_worker_killed_after_claim_before_provider_call_is_rescued_and_performed_once(
     dsn: str, schema: str, db: Conn, provider: Provider, workers: Workers,
+    flavour: str,
 ) -> None:
     enqueue(db, schema, ["k"], {"pause": "before"})
-    worker = workers.start("run", lease=1.0)
+    worker = workers.start("run", lease=1.0, flavour=flavour)
     assert _paused(provider, "before", worker.pid) == (1, 1)
     running = job(db, schema, "k")
     assert (running["status"], running["claimed_by"] is not None) == ("running", True)
@@ -237,13 +239,15 @@ def test_worker_killed_during_its_done_transaction(
     assert (row["effect"], row["job_id"], row["claim_version"]) == (EFFECT, done["id"], expected[2])
 
 
+@pytest.mark.parametrize("flavour", ["sync", "async"])
 def test_stalled_worker_wakes_to_find_its_claim_fenced(
     schema: str, db: Conn, provider: Provider, workers: Workers,
+    flavour: str,
 ) -> None:
     # Attempt 1 pauses before the provider call; attempt 2 pauses after it, so the
     # rescuer's claim is still in flight when the stale worker wakes up.
     enqueue(db, schema, ["k"], {"pause": {"1": "before", "2": "after"}})
-    stale = workers.start("run", lease=1.0)
+    stale = workers.start("run", lease=1.0, flavour=flavour)
     assert _paused(provider, "before", stale.pid) == (1, 1)
 
     stale.signal(signal.SIGSTOP)

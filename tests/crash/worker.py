@@ -8,6 +8,9 @@ Modes:
 
 ``run``           ``Dispatcher.run()`` with the table effect, until SIGTERM; prints stats.
 ``idle``          ``Dispatcher.run_until_idle()``; prints stats.
+``--flavour async`` runs the same modes on ``AsyncDispatcher`` (the table effect wrapped in
+an ``async def perform``; SIGTERM calls ``stop()`` through the event loop's handler).
+
 ``hold-claim``    opens a transaction, runs the shipped claim SQL for one job, prints
                   ``{"ids": [...], "backend_pid": n}`` and hangs, never committing.
 ``hold-enqueue``  opens a business transaction, writes an order and enqueues its job,
@@ -17,9 +20,11 @@ Modes:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from typing import Any
@@ -42,19 +47,51 @@ def _hang() -> None:
     threading.Event().wait()  # until killed: the point of a hold mode
 
 
-def _dispatch(dsn: str, args: argparse.Namespace) -> None:
-    effect = TableEffect(dsn, args.schema)
+class AsyncTableEffect(outbox.Effect):
+    """The table effect behind an ``async def perform`` (its blocking calls on a thread)."""
+
+    name = EFFECT
+
+    def __init__(self, inner: TableEffect) -> None:
+        self.inner = inner
+
+    async def perform(self, job: outbox.Job) -> dict[str, Any]:
+        return await asyncio.to_thread(self.inner.perform, job)
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {} if args.prefetch is None else {"prefetch": args.prefetch}
-    dispatcher = outbox.Dispatcher(
-        dsn, [effect], schema=args.schema, lease=args.lease, concurrency=args.concurrency,
+    return dict(
+        schema=args.schema, lease=args.lease, concurrency=args.concurrency,
         poll_interval=args.poll_interval, rescue_interval=args.rescue_interval,
         backoff=outbox.Backoff(base=args.backoff_base, cap=args.backoff_cap), **extra,
     )
+
+
+async def _dispatch_async(dsn: str, args: argparse.Namespace,
+                          effect: TableEffect) -> outbox.DispatchStats:
+    dispatcher = outbox.AsyncDispatcher(dsn, [AsyncTableEffect(effect)], **_options(args))
+    if args.mode == "idle":
+        return await dispatcher.run_until_idle(timeout=args.timeout)
+
+    def on_sigterm() -> None:  # the application owns the signals, not the dispatcher
+        logging.getLogger("crash.worker").info("SIGTERM: stopping after in-flight work")
+        dispatcher.stop()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+    return await dispatcher.run()
+
+
+def _dispatch(dsn: str, args: argparse.Namespace) -> None:
+    effect = TableEffect(dsn, args.schema)
     try:
-        if args.mode == "run":
-            stats = dispatcher.run()
+        if args.flavour == "async":
+            stats = asyncio.run(_dispatch_async(dsn, args, effect))
+        elif args.mode == "run":
+            stats = outbox.Dispatcher(dsn, [effect], **_options(args)).run()
         else:
-            stats = dispatcher.run_until_idle(timeout=args.timeout)
+            stats = outbox.Dispatcher(dsn, [effect], **_options(args)).run_until_idle(
+                timeout=args.timeout)
     finally:
         effect.close()
     logging.getLogger("crash.worker").info("stats %s", stats.as_dict())
@@ -94,6 +131,7 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--order", type=int, default=1)
+    parser.add_argument("--flavour", choices=["sync", "async"], default="sync")
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr,

@@ -190,3 +190,13 @@ def test_metrics_true_adds_the_default_observer_once(dsn: str, schema: str) -> N
     assert observer.observers == (mine, PrometheusObserver.default())
     plain = outbox.Dispatcher(dsn, [_Outcomes()], schema=schema, metrics=True)
     assert plain.settings.observer is PrometheusObserver.default()
+    in_loop = outbox.AsyncDispatcher(dsn, [_Outcomes()], schema=schema, metrics=True)
+    assert in_loop.settings.observer is PrometheusObserver.default()
+
+
+def test_enabling_metrics_later_reaches_the_dispatchers_state(dsn: str, schema: str) -> None:
+    dispatcher = outbox.Dispatcher(dsn, [_Outcomes()], schema=schema)
+    dispatcher._enable_metrics()  # what outbox run --metrics-port does
+    assert dispatcher.settings.observer is PrometheusObserver.default()
+    assert dispatcher._state.observer is PrometheusObserver.default()
+    assert dispatcher._state.observing

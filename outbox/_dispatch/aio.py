@@ -1,0 +1,246 @@
+"""The parts of ``AsyncDispatcher``: the same claimer, recorder and performer logic as
+``Dispatcher``'s, driven as tasks on one event loop over asyncio connections.
+
+Only the loops differ from the threaded ones (waiting, sleeping, cancelling); every
+decision is the shared steps' (``claimer``, ``recorder``) and ``Performer``'s. Sync
+effects run on a bounded thread pool; async ones as tasks; both within the one limit,
+``SharedState.slots``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable
+from concurrent.futures import Executor
+from functools import partial
+
+import psycopg
+
+from .. import _state
+from ..migrate import require_current
+from .claimer import Claimer
+from .connection import CONNECTION_ERRORS, AsyncConnection, Reconnects, connect
+from .listener import listen_statement
+from .recorder import Recorder
+from .settings import Settings
+from .state import Held, Outcome, SharedState, Timer
+from .steps import run_async
+from .workers import Performer
+
+__all__ = [
+    "LoopEvent",
+    "TaskWorkers",
+    "listen_async",
+    "run_claimer_async",
+    "run_recorder_async",
+    "supervised_async",
+    "wait_for_schema_async",
+]
+
+log = logging.getLogger("outbox.dispatcher")
+
+AsyncState = SharedState["LoopEvent"]
+
+
+class LoopEvent:
+    """A ``threading.Event`` look-alike for one event loop: ``set`` from any thread (so
+    ``stop()`` and sync effects' threads can signal), waited on by tasks."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
+        self._event = asyncio.Event()
+        self._flag = False
+
+    def set(self) -> None:
+        self._flag = True
+        if threading.get_ident() == self._thread:
+            self._event.set()
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    def clear(self) -> None:
+        self._flag = False
+        self._event.clear()
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    async def wait(self, seconds: float) -> bool:
+        """Wait until set or ``seconds`` passed; return whether it is set."""
+        if not self._event.is_set():
+            try:
+                async with asyncio.timeout(seconds):
+                    await self._event.wait()
+            except TimeoutError:
+                pass
+        return self._flag
+
+
+async def supervised_async(state: AsyncState, part: str, body: Awaitable[None]) -> None:
+    """Await ``body``; its unexpected death stops the dispatcher loudly."""
+    try:
+        await body
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # reported, then the dispatcher stops
+        state.fail(part, exc)
+
+
+def _check_schema(settings: Settings) -> None:
+    with connect(settings, "claimer") as conn:
+        require_current(conn, settings.schema)
+
+
+async def wait_for_schema_async(
+    settings: Settings, state: AsyncState, deadline: float | None
+) -> None:
+    """Refuse a missing or newer schema at once; wait for an unreachable database
+    (until ``deadline``, when there is one). The check runs on a thread: it is the
+    same blocking check as ``Dispatcher``'s, once per run."""
+    failures = Reconnects()
+    while True:
+        try:
+            await asyncio.to_thread(_check_schema, settings)
+            return
+        except CONNECTION_ERRORS as exc:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+            log.warning("cannot reach the database (%s); retrying", type(exc).__name__)
+            if await state.stopping.wait(failures.backoff()):
+                return
+
+
+async def run_claimer_async(
+    claimer: Claimer, conn: AsyncConnection, workers: TaskWorkers, deadline: float | None,
+) -> None:
+    """The claimer's loop as a task, until stopped, idle or ``deadline``."""
+    state: AsyncState = claimer.state
+    while not state.stopping.is_set():
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        try:
+            result = await run_async(claimer.round(), conn.execute)
+        except psycopg.Error as exc:
+            claimer.failed(exc, lost=conn.lost)
+            wait = conn.backoff()
+        else:
+            workers.submit(result.batch)
+            if result.idle:
+                return
+            wait = result.wait
+        if wait:
+            await state.wake.wait(wait)
+            state.wake.clear()
+
+
+async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
+    """The recorder's loop as a task, until ``Recorder.finished``."""
+    state: AsyncState = recorder.state
+    heartbeat = Timer(_state.heartbeat_interval(recorder.settings.lease))
+    heartbeat.next_at = time.monotonic() + heartbeat.interval
+    pending: list[tuple[Held, Outcome]] = []
+    try:
+        while not recorder.finished(pending):
+            await state.outcome_ready.wait(min(heartbeat.interval, 0.5))
+            state.outcome_ready.clear()
+            pending.extend(state.take_outcomes())
+            try:
+                if pending:
+                    await run_async(recorder.flush(pending), conn.execute)
+                recorder.retrying = False
+                if heartbeat.due(time.monotonic()):
+                    await run_async(recorder.heartbeat(), conn.execute)
+            except CONNECTION_ERRORS as exc:
+                recorder.failed(exc, lost=conn.lost, pending=pending)
+                await asyncio.sleep(conn.backoff())
+            except Exception as exc:  # a heartbeat failed otherwise: next round
+                log.error("heartbeat failed: %s",
+                          getattr(exc, "sqlstate", None) or type(exc).__name__)
+                await asyncio.sleep(conn.backoff())
+    finally:
+        await conn.discard()
+
+
+async def listen_async(settings: Settings, state: AsyncState) -> None:
+    """Turn enqueue notifications into wake-ups until cancelled; restart after any
+    ``Exception`` (the claimer polls too: a notification is only a hint)."""
+    conn = AsyncConnection(settings, "listener")
+    try:
+        while True:
+            try:
+                listening = await conn.get()
+                await listening.execute(listen_statement(settings))
+                state.wake.set()  # jobs may have arrived while we were not listening
+                async for _ in listening.notifies():
+                    state.wake.set()
+            except CONNECTION_ERRORS:
+                await conn.discard()
+                await asyncio.sleep(conn.backoff())
+            except Exception:
+                log.exception("listener failed unexpectedly; restarting it")
+                await conn.discard()
+                await asyncio.sleep(conn.backoff())
+    finally:
+        await conn.discard()
+
+
+class TaskWorkers:
+    """``AsyncDispatcher``'s workers: a task per claimed job; a sync effect's ``perform``
+    goes to ``pool`` once the task holds a slot."""
+
+    def __init__(self, state: AsyncState, pool: Executor | None) -> None:
+        self.state = state
+        self.performer = Performer(state)
+        self.pool = pool
+        self._loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def submit(self, batch: list[Held]) -> None:
+        state = self.state
+        for held in batch:
+            if (state.releasing or held.lost) and not state.begin(held):
+                continue  # handed back or dropped without waiting for a slot
+            # Slots are released on the loop only (sync effects' threads return their
+            # outcome to the loop first), so ``start`` runs on the loop.
+            state.slots.when_free(partial(self._start, held))
+
+    def _start(self, held: Held) -> None:
+        coro = (self.performer.perform_holding_slot(held) if held.is_async
+                else self._perform_on_pool(held))
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    async def _perform_on_pool(self, held: Held) -> None:
+        """Holding a slot: ``perform`` on the pool; the outcome comes back to the loop."""
+        state = self.state
+        try:
+            if state.begin(held):
+                outcome = await self._loop.run_in_executor(
+                    self.pool, self.performer.call_sync, held)
+                state.finish(held, outcome)
+        finally:
+            state.slots.release()
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            self.state.fail("worker task", error)
+
+    async def join(self) -> None:
+        """Wait until every job handed over has finished (or been handed back)."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+    def cancel(self) -> list[asyncio.Task[None]]:
+        """Cancel what still runs (an abandoned run: the rescuer takes those jobs)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        return tasks
+
+
