@@ -17,7 +17,7 @@ $(XDG_RUNTIME_DIR):
 	mkdir -p -m 0700 $(XDG_RUNTIME_DIR)
 
 demo: $(STAMP) | $(XDG_RUNTIME_DIR)
-	$(BIN)/outbox demo
+	$(BIN)/outbox demo $(ARGS)
 
 test: $(STAMP) | $(XDG_RUNTIME_DIR)
 	$(BIN)/ruff check .

@@ -1,83 +1,121 @@
-"""The shop: placing an order writes the order and enqueues its email and its charge in one
-transaction, keyed ``email-order-<id>`` and ``payment-order-<id>``.
+"""The shop's domain: orders as SQLAlchemy models; placing one writes the order and
+enqueues its confirmation email and its charge in one transaction, keyed
+``email-order-<id>`` and ``payment-order-<id>``.
 
 It talks to the fake providers of ``effects.testing`` by default (their URLs in
 ``SHOP_EMAIL_URL`` / ``SHOP_STRIPE_URL``), and to the real Resend and Stripe when
-``RESEND_API_KEY`` / ``STRIPE_API_KEY`` are set. Run a dispatcher for it with::
+``RESEND_API_KEY`` / ``STRIPE_API_KEY`` are set. The web application is in
+``examples.shop.web``; run dispatchers for it with::
 
-    OUTBOX_DATABASE_URL=postgresql://... outbox run examples.shop.app:dispatcher
+    OUTBOX_DATABASE_URL=postgresql://... outbox run examples.shop.worker:dispatcher
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 import psycopg
+from sqlalchemy import CheckConstraint, Engine, Identity, String, create_engine, func, text
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import outbox
 from effects.email import SendEmail
 from effects.payments import ChargeCard
+from outbox.contrib.sqlalchemy import transaction as outbox_tx
 
 OUTBOX_SCHEMA = "outbox"
 FAKE_API_KEY = "test_key_for_the_fakes"
 SHOP_EMAIL_FROM = "Shop <orders@shop.example>"
 
-ORDERS_TABLE = """
-CREATE TABLE IF NOT EXISTS shop_orders (
-    id             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    customer       text    NOT NULL,
-    email          text    NOT NULL,
-    amount         integer NOT NULL CHECK (amount > 0),
-    currency       text    NOT NULL,
-    payment_method text    NOT NULL,
-    created_at     timestamptz NOT NULL DEFAULT now()
-)
-"""
+
+class Base(DeclarativeBase):
+    """The shop's models."""
 
 
-def setup(conn: psycopg.Connection[Any]) -> None:
+class Order(Base):
+    """An order: who pays how much with which payment method."""
+
+    __tablename__ = "shop_orders"
+    __table_args__ = (CheckConstraint("amount > 0", name="shop_orders_amount_positive"),)
+
+    id: Mapped[int] = mapped_column(Identity(always=True), primary_key=True)
+    customer: Mapped[str] = mapped_column(String)
+    email: Mapped[str] = mapped_column(String)
+    amount: Mapped[int]
+    currency: Mapped[str] = mapped_column(String)
+    payment_method: Mapped[str] = mapped_column(String)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+
+def engine_for(dsn: str) -> Engine:
+    """A SQLAlchemy engine on psycopg 3 for any libpq connection string (URI or key=value)."""
+    return create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(dsn),
+                         pool_size=10, max_overflow=10)
+
+
+def setup(dsn: str) -> None:
     """Create the outbox schema and the shop's own table (idempotent)."""
-    outbox.migrate(conn, schema=OUTBOX_SCHEMA)
-    with conn.transaction():
-        conn.execute(ORDERS_TABLE)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        outbox.migrate(conn, schema=OUTBOX_SCHEMA)
+    engine = engine_for(dsn)
+    try:
+        Base.metadata.create_all(engine)
+    finally:
+        engine.dispose()
 
 
 def place_order(
-    conn: psycopg.Connection[Any], *, customer: str, email: str, amount: int,
+    session: Session, *, customer: str, email: str, amount: int,
     currency: str = "eur", payment_method: str = "pm_card_visa",
-) -> int:
-    """Write the order and enqueue its confirmation email and its charge, atomically.
+) -> Order:
+    """Add the order and enqueue its confirmation email and its charge, atomically.
 
-    If anything here fails, neither the order nor its effects exist. The keys name the
-    business effect (this order's email, this order's charge), so however often the
-    dispatcher retries, the provider acts once.
+    Runs in the session's transaction and leaves the commit to the caller: the jobs
+    commit if and only if the order does. The keys name the business effect (this
+    order's email, this order's charge), so however often the dispatcher retries, the
+    provider acts once.
     """
-    with outbox.transaction(conn, schema=OUTBOX_SCHEMA) as tx:
-        row = conn.execute(
-            "INSERT INTO shop_orders (customer, email, amount, currency, payment_method) "
-            "VALUES (%s, %s, %s, %s, %s) RETURNING id",
-            (customer, email, amount, currency, payment_method),
-        ).fetchone()
-        assert row is not None
-        order_id = int(row[0])
-        tx.enqueue("email.send", key=f"email-order-{order_id}", payload={
+    order = Order(customer=customer, email=email, amount=amount, currency=currency,
+                  payment_method=payment_method)
+    session.add(order)
+    session.flush()  # the id comes from the database
+    with outbox_tx(session, schema=OUTBOX_SCHEMA) as tx:
+        tx.enqueue("email.send", key=f"email-order-{order.id}", payload={
             "from": SHOP_EMAIL_FROM,
             "to": email,
-            "subject": f"Order {order_id} confirmed",
-            "text": f"Thank you, {customer}. Your order {order_id} is confirmed.",
-            "tags": [{"name": "order", "value": str(order_id)}],
+            "subject": f"Order {order.id} confirmed",
+            "text": f"Thank you, {customer}. Your order {order.id} is confirmed.",
+            "tags": [{"name": "order", "value": str(order.id)}],
         })
-        tx.enqueue("payment.charge", key=f"payment-order-{order_id}", payload={
+        tx.enqueue("payment.charge", key=f"payment-order-{order.id}", payload={
             "amount": amount,
             "currency": currency,
             "customer": f"cus_{customer}",
             "payment_method": payment_method,
-            "description": f"Order {order_id}",
-            "metadata": {"order_id": str(order_id)},
+            "description": f"Order {order.id}",
+            "metadata": {"order_id": str(order.id)},
         })
-    return order_id
+    return order
+
+
+def effect_states(session: Session, order_id: int) -> list[dict[str, Any]]:
+    """Where the order's effects stand: one row per job (or ledger entry), by key."""
+    rows = session.execute(text(
+        f"SELECT k.key, coalesce(j.effect, r.effect), "
+        f"coalesce(j.status, CASE WHEN r.key IS NOT NULL THEN 'done' END), "
+        f"j.attempts, j.last_error, r.result "
+        f"FROM unnest(CAST(:keys AS text[])) AS k(key) "
+        f"LEFT JOIN {OUTBOX_SCHEMA}.jobs j ON j.key = k.key "
+        f"LEFT JOIN {OUTBOX_SCHEMA}.effect_results r ON r.key = k.key "
+        f"ORDER BY k.key"), {"keys": [f"email-order-{order_id}", f"payment-order-{order_id}"]})
+    return [
+        {"key": key, "effect": effect, "status": status, "attempts": attempts,
+         "last_error": error, "result": result}
+        for key, effect, status, attempts, error, result in rows if status is not None
+    ]
 
 
 def build_effects(env: Mapping[str, str] = os.environ) -> list[outbox.Effect]:
@@ -92,12 +130,18 @@ def build_effects(env: Mapping[str, str] = os.environ) -> list[outbox.Effect]:
     return [email, charge]
 
 
+def dispatcher_options(env: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The dispatcher settings of the shop, from the environment."""
+    return {
+        "schema": OUTBOX_SCHEMA,
+        "concurrency": int(env.get("SHOP_CONCURRENCY", "8")),
+        "lease": float(env.get("SHOP_LEASE", "30")),
+        "backoff": outbox.Backoff(base=float(env.get("SHOP_BACKOFF_BASE", "1")),
+                                  cap=float(env.get("SHOP_BACKOFF_CAP", "300"))),
+    }
+
+
 def dispatcher(env: Mapping[str, str] = os.environ) -> outbox.Dispatcher:
     """The shop's dispatcher, configured from the environment (for ``outbox run``)."""
-    return outbox.Dispatcher(
-        env["OUTBOX_DATABASE_URL"], build_effects(env), schema=OUTBOX_SCHEMA,
-        concurrency=int(env.get("SHOP_CONCURRENCY", "8")),
-        lease=float(env.get("SHOP_LEASE", "30")),
-        backoff=outbox.Backoff(base=float(env.get("SHOP_BACKOFF_BASE", "1")),
-                               cap=float(env.get("SHOP_BACKOFF_CAP", "300"))),
-    )
+    return outbox.Dispatcher(env["OUTBOX_DATABASE_URL"], build_effects(env),
+                             **dispatcher_options(env))

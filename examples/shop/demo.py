@@ -1,23 +1,27 @@
 """``make demo`` / ``outbox demo``: the shop end to end, with a worker killed mid-run.
 
-1. Start an embedded PostgreSQL (or use ``--dsn``) and the fake email and Stripe APIs.
-2. Start two dispatcher processes; place orders from several threads meanwhile.
+1. Start an embedded PostgreSQL (or use ``--dsn``), the fake email and Stripe APIs, and
+   the shop's web application (uvicorn, ``examples.shop.web``).
+2. Start two dispatcher processes; place orders over HTTP from several threads meanwhile.
 3. Inject provider faults (5xx bursts, 429 with Retry-After, success followed by a
    timeout or a dropped connection, declined cards); kill -9 one dispatcher in the
    middle and start another; freeze one past its lease, then let it go.
 4. Wait for every job to finish, then check the invariants: every business effect
    performed exactly once at its provider, none lost. Exit 1 if any was violated.
+5. With ``--serve``, keep the shop, fresh dispatchers and the fakes running to browse.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import httpx
 import psycopg
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -74,19 +79,24 @@ class Workers:
         held: dict[int, int] = {int(pid): int(n) for pid, n in rows}
         return max(self.running, key=lambda proc: held.get(proc.pid, 0))
 
-    def kill_one(self, dsn: str) -> None:
+    def kill_one(self, dsn: str, console: Console) -> None:
         victim = self.busiest(dsn)
         self.running.remove(victim)
         victim.send_signal(signal.SIGKILL)
         victim.communicate()  # reaps it and closes its pipe
         self.killed += 1
-        self.start()
+        replacement = self.start()
+        console.print(f"  [red]kill -9[/] dispatcher {victim.pid} mid-run; "
+                      f"dispatcher {replacement.pid} started")
 
-    def freeze_one(self, dsn: str, seconds: float) -> None:
+    def freeze_one(self, dsn: str, seconds: float, console: Console) -> None:
         victim = self.busiest(dsn)
         victim.send_signal(signal.SIGSTOP)
+        console.print(f"  [yellow]SIGSTOP[/] dispatcher {victim.pid} for {seconds:.1f} s "
+                      f"(its lease is {LEASE:.0f} s)")
         time.sleep(seconds)  # the point is to outlive the lease: a real stall
         victim.send_signal(signal.SIGCONT)
+        console.print(f"  [yellow]SIGCONT[/] dispatcher {victim.pid}: its late writes are fenced")
         self.frozen += 1
 
     def stop_all(self) -> None:
@@ -115,31 +125,79 @@ def _reset(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP TABLE IF EXISTS shop_orders")
         conn.execute(f"DROP SCHEMA IF EXISTS {app.OUTBOX_SCHEMA} CASCADE")
-        app.setup(conn)
+    app.setup(dsn)
 
 
-def _place_orders(dsn: str, count: int, threads: int, rng: random.Random) -> list[int]:
-    """Place ``count`` orders from ``threads`` threads, each on its own connection."""
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def start_web(
+    env: dict[str, str], log: Path, port: int = 0, log_level: str = "warning"
+) -> tuple[subprocess.Popen[str], str]:
+    """Start the shop's web application under uvicorn; return it and its base URL."""
+    port = port or _free_port()
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--factory", "examples.shop.web:create_app",
+             "--host", "127.0.0.1", "--port", str(port), "--log-level", log_level],
+            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:  # the server is up once it answers
+        try:
+            httpx.get(f"{url}/openapi.json", timeout=1).raise_for_status()
+            return proc, url
+        except httpx.TransportError:
+            if proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            problem = "did not start"
+        except httpx.HTTPStatusError as exc:
+            problem = f"answered {exc.response.status_code}"
+        proc.kill()
+        proc.wait()
+        raise click.ClickException(
+            f"the shop's web server {problem}: {log.read_text()[-500:]}")
+
+
+@dataclass
+class Orders:
+    """The orders placed over HTTP so far, and the first failure, if any."""
+
+    placed: list[int] = field(default_factory=list)
+    failure: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _place_orders(url: str, count: int, threads: int, rng: random.Random,
+                  orders: Orders) -> None:
+    """Place ``count`` orders over HTTP from ``threads`` threads, each with its client."""
     plans = [(f"c{n}", DECLINED_CARD if n % 25 == 7 else "pm_card_visa",
               rng.randrange(500, 20000)) for n in range(count)]
-    placed: list[int] = []
-    lock = threading.Lock()
 
     def place(share: list[tuple[str, str, int]]) -> None:
-        with psycopg.connect(dsn) as conn:
-            for customer, card, amount in share:
-                order_id = app.place_order(conn, customer=customer, amount=amount,
-                                           email=f"{customer}@customers.example",
-                                           payment_method=card)
-                with lock:
-                    placed.append(order_id)
+        try:
+            with httpx.Client(base_url=url, timeout=30) as client:
+                for customer, card, amount in share:
+                    reply = client.post("/orders", json={
+                        "customer": customer, "email": f"{customer}@customers.example",
+                        "amount": amount, "payment_method": card})
+                    reply.raise_for_status()
+                    with orders.lock:
+                        orders.placed.append(int(reply.json()["id"]))
+        except httpx.HTTPError as exc:
+            with orders.lock:
+                orders.failure = orders.failure or f"placing an order failed: {exc}"
 
     pool = [threading.Thread(target=place, args=(plans[i::threads],)) for i in range(threads)]
     for thread in pool:
         thread.start()
     for thread in pool:
         thread.join()
-    return placed
 
 
 def _inject_faults(email: FakeEmailProvider, stripe: FakeStripe) -> dict[str, int]:
@@ -161,31 +219,37 @@ def _job_counts(dsn: str) -> Counter[str]:
     return Counter({str(status): int(n) for status, n in rows})
 
 
-def _drive(dsn: str, orders: int, workers: Workers, console: Console, seed: int) -> None:
+def _drive(dsn: str, url: str, orders: int, workers: Workers, console: Console,
+           seed: int) -> None:
     """Place the orders and run the chaos while showing progress, until all finished."""
     total = 2 * orders
     killed_at = int(total * 0.35)
     frozen_at = int(total * 0.6)
-    placer = threading.Thread(target=_place_orders,
-                              args=(dsn, orders, 6, random.Random(seed)), daemon=True)
+    placing = Orders()
+    placer = threading.Thread(target=_place_orders, daemon=True,
+                              args=(url, orders, 6, random.Random(seed), placing))
     placer.start()
     deadline = time.monotonic() + 120
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+    with Progress(TextColumn("[bold]{task.description:<13}"), BarColumn(bar_width=24),
+                  MofNCompleteColumn(),
                   TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
+        placed = progress.add_task("orders placed", total=orders, detail="POST /orders")
         task = progress.add_task("jobs finished", total=total, detail="")
         while time.monotonic() < deadline:
+            if placing.failure:
+                raise click.ClickException(placing.failure)
+            progress.update(placed, completed=len(placing.placed))
             counts = _job_counts(dsn)
             finished = counts["done"] + counts["failed"] + counts["reconcile"]
             if workers.killed == 0 and finished >= killed_at:
-                workers.kill_one(dsn)
+                workers.kill_one(dsn, progress.console)
             if not workers.freezing and finished >= frozen_at:
                 workers.freezing = True
-                threading.Thread(target=workers.freeze_one, args=(dsn, LEASE + 1.5),
-                                 daemon=True).start()
+                threading.Thread(target=workers.freeze_one, daemon=True,
+                                 args=(dsn, LEASE + 1.5, progress.console)).start()
             progress.update(task, completed=finished, detail=(
-                f"running {counts['running']:>3}  pending {counts['pending']:>3}  "
-                f"killed {workers.killed}  frozen {workers.frozen}"))
+                f"running {counts['running']:>3}  pending {counts['pending']:>3}"))
             if not placer.is_alive() and finished == total and workers.frozen:
                 return
             time.sleep(0.1)  # a progress display refresh, not a synchronisation
@@ -251,12 +315,42 @@ def _summary(console: Console, figures: dict[str, Any], workers: Workers,
         console.print(f"  failed x{n}: {reason}")
 
 
-def run_demo(dsn: str | None, orders: int, seed: int | None) -> int:
+def _browse_hint(console: Console, url: str, serving: bool) -> None:
+    if not serving:
+        console.print("To browse the shop, keep it running: [bold]make demo ARGS=--serve[/]"
+                      " (or outbox demo --serve)")
+        return
+    console.print(f"""[bold]The shop is running[/] at {url} with two dispatchers (Ctrl-C stops it):
+  curl -s -X POST {url}/orders -H 'content-type: application/json' \\
+       -d '{{"customer": "ada", "email": "ada@example.com", "amount": 1250}}'
+  curl -s {url}/orders/1          the order, its email and its charge
+  {url}/docs                       the API, to try in a browser""")
+
+
+def _serve(console: Console, url: str, workers: Workers) -> None:
+    """Keep the shop and fresh dispatchers running until Ctrl-C or SIGTERM."""
+    workers.running.clear()
+    workers.start()
+    workers.start()
+    _browse_hint(console, url, serving=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        workers.stop_all()
+
+
+def run_demo(dsn: str | None, orders: int, seed: int | None, serve: bool = False,
+             port: int = 0) -> int:
     """Run the demo; return the exit status (0 when nothing was lost or doubled)."""
     console = Console()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per order is noise
     seed = seed if seed is not None else random.randrange(1 << 30)
     started = time.monotonic()
-    console.print(f"[bold]outbox demo[/]: {orders} orders, seed {seed}")
+    console.print(f"[bold]outbox demo[/]: {orders} orders over HTTP, seed {seed}")
     database = _database(dsn)
     _reset(database)
     log_dir = Path(tempfile.mkdtemp(prefix="outbox-demo-logs-"))
@@ -268,26 +362,36 @@ def run_demo(dsn: str | None, orders: int, seed: int | None) -> int:
                "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
         for key in ("RESEND_API_KEY", "STRIPE_API_KEY"):  # the demo always uses the fakes
             env.pop(key, None)
-        workers = Workers(env, log_dir)
-        faults = _inject_faults(email, stripe)
-        workers.start()
-        workers.start()
+        web, url = start_web(env, log_dir / "web.log", port)
         try:
-            _drive(database, orders, workers, console, seed)
+            workers = Workers(env, log_dir)
+            faults = _inject_faults(email, stripe)
+            workers.start()
+            workers.start()
+            try:
+                _drive(database, url, orders, workers, console, seed)
+            finally:
+                workers.stop_all()
+                email.release_stalled()
+                stripe.release_stalled()
+            violations, figures = _check(database, email, stripe)
+            _summary(console, figures, workers, email, stripe, faults,
+                     time.monotonic() - started)
+            if violations:
+                console.print(f"[bold red]{len(violations)} violation(s)[/]:")
+                for line in violations[:20]:
+                    console.print(f"  {line}")
+                console.print(f"worker logs: {log_dir}")
+                return 1
+            console.print("[bold green]every business effect performed exactly once; none lost[/]")
+            if serve:
+                _serve(console, url, workers)
+            else:
+                _browse_hint(console, url, serving=False)
         finally:
-            workers.stop_all()
-            email.release_stalled()
-            stripe.release_stalled()
-        violations, figures = _check(database, email, stripe)
-        _summary(console, figures, workers, email, stripe, faults, time.monotonic() - started)
-    if violations:
-        console.print(f"[bold red]{len(violations)} violation(s)[/]:")
-        for line in violations[:20]:
-            console.print(f"  {line}")
-        console.print(f"worker logs: {log_dir}")
-        return 1
+            web.send_signal(signal.SIGTERM)
+            web.wait(timeout=30)
     shutil.rmtree(log_dir, ignore_errors=True)
-    console.print("[bold green]every business effect performed exactly once; none lost[/]")
     return 0
 
 
@@ -296,9 +400,12 @@ def run_demo(dsn: str | None, orders: int, seed: int | None) -> int:
               help="Use this PostgreSQL instead of an embedded one (tables are replaced).")
 @click.option("--orders", default=300, show_default=True, help="Orders to place.")
 @click.option("--seed", type=int, default=None, help="Seed for the order amounts.")
-def command(dsn: str | None, orders: int, seed: int | None) -> None:
+@click.option("--serve", is_flag=True,
+              help="Afterwards, keep the shop and its dispatchers running to browse.")
+@click.option("--port", default=0, help="Port of the shop's web server (default: any free).")
+def command(dsn: str | None, orders: int, seed: int | None, serve: bool, port: int) -> None:
     """Run the example shop end to end, killing a worker mid-run, and check "once"."""
-    sys.exit(run_demo(dsn, orders, seed))
+    sys.exit(run_demo(dsn, orders, seed, serve, port))
 
 
 if __name__ == "__main__":

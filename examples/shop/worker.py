@@ -1,4 +1,8 @@
-"""One dispatcher process of the shop: runs until SIGTERM, then prints its counters."""
+"""One dispatcher process of the shop: runs until SIGTERM, then prints its counters.
+
+``python -m examples.shop.worker`` (the demo's way: counters as JSON on stdout), or
+``outbox run examples.shop.worker:dispatcher``.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import logging
 import sys
 
 from examples.shop.app import dispatcher
+
+__all__ = ["dispatcher", "main"]
 
 
 def main() -> None:

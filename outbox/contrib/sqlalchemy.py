@@ -27,10 +27,10 @@ from typing import Any, overload
 
 from sqlalchemy import Connection, TextClause, text
 from sqlalchemy.engine import NestedTransaction
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
 from sqlalchemy.ext.asyncio import AsyncTransaction as _SAAsyncTransaction
 from sqlalchemy.ext.asyncio.session import AsyncSessionTransaction
-from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy.orm import Session, SessionTransaction, scoped_session
 
 from .._enqueue import Row
 from .._sql import queries
@@ -140,19 +140,26 @@ class AsyncTransaction(AsyncOperations):
 
 @overload
 def transaction(
-    target: AsyncSession | AsyncConnection, *, schema: str = ...
+    target: AsyncSession | AsyncConnection | async_scoped_session[Any], *, schema: str = ...
 ) -> AsyncTransaction: ...
 @overload
-def transaction(target: Session | Connection, *, schema: str = ...) -> Transaction: ...
 def transaction(
-    target: Session | Connection | AsyncSession | AsyncConnection, *, schema: str = "outbox"
+    target: Session | Connection | scoped_session[Any], *, schema: str = ...
+) -> Transaction: ...
+def transaction(
+    target: Session | Connection | scoped_session[Any] | AsyncSession | AsyncConnection
+    | async_scoped_session[Any],
+    *, schema: str = "outbox",
 ) -> Transaction | AsyncTransaction:
     """Open an outbox block in the SQLAlchemy transaction of ``target``.
 
     ``with`` for a ``Session`` or ``Connection``, ``async with`` for an ``AsyncSession``
-    or ``AsyncConnection``. The jobs commit if and only if the ORM's transaction commits;
-    the block is a savepoint and never commits a transaction itself.
+    or ``AsyncConnection`` (a ``scoped_session`` stands for its current session). The
+    jobs commit if and only if the ORM's transaction commits; the block is a savepoint
+    and never commits a transaction itself.
     """
+    if isinstance(target, scoped_session | async_scoped_session):
+        target = target()  # the registry's current session (Flask-SQLAlchemy's db.session)
     if isinstance(target, AsyncSession | AsyncConnection):
         return AsyncTransaction(target, schema)
     if isinstance(target, Session | Connection):

@@ -43,13 +43,18 @@ def _configure(dsn: str) -> None:
         finally:
             sys.modules["psycopg"] = saved
     params = conninfo_to_dict(dsn)
+    database = {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": params.get("dbname", "postgres"), "USER": params.get("user", ""),
+        "PASSWORD": params.get("password", ""), "HOST": params.get("host", ""),
+        "PORT": params.get("port", ""),
+    }
     settings.configure(
-        DATABASES={"default": {
-            "ENGINE": "django.db.backends.postgresql",
-            "NAME": params.get("dbname", "postgres"), "USER": params.get("user", ""),
-            "PASSWORD": params.get("password", ""), "HOST": params.get("host", ""),
-            "PORT": params.get("port", ""), "ATOMIC_REQUESTS": True,
-        }},
+        DATABASES={
+            "default": {**database, "ATOMIC_REQUESTS": True},
+            # psycopg 3 only: parameters bound by the server instead of the client.
+            "server_binding": {**database, "OPTIONS": {"server_side_binding": True}},
+        },
         INSTALLED_APPS=["outbox.contrib.django", "tests.contrib.djangoshop"],
         ROOT_URLCONF="tests.contrib.djangoshop.urls",
         ALLOWED_HOSTS=["testserver"], SECRET_KEY="not-a-secret", USE_TZ=True, MIDDLEWARE=[],
@@ -116,6 +121,24 @@ def test_outermost_block_commits_its_jobs_with_the_orm_writes(dsn: str, project:
         raise RuntimeError("business rule failed")
     assert list(jobs(dsn, project)) == ["email-order-1"]
     assert _orders(dsn) == [1]
+
+
+def test_a_second_database_alias_with_server_side_binding(dsn: str, project: str) -> None:
+    from django.db import transaction as django_transaction
+
+    from outbox.contrib.django import transaction as outbox_atomic
+
+    using = "server_binding"
+    with django_transaction.atomic(using=using):
+        with outbox_atomic(using=using) as tx:
+            tx.enqueue("email.send", key="k1", payload={"n": 1}, run_at=None)
+            assert tx.enqueue_many([NewJob("email.send", "k1", {"n": 1}),
+                                    NewJob("email.send", "k2", {})])[1].created
+            assert tx.receive("billing", "m1")
+        with pytest.raises(RuntimeError), outbox_atomic(using=using) as tx:
+            tx.enqueue("email.send", key="k3", payload={})
+            raise RuntimeError("business rule failed")
+    assert sorted(jobs(dsn, project)) == ["k1", "k2"]
 
 
 def test_block_first_in_an_atomic_that_rolls_back_leaves_no_job(dsn: str, project: str) -> None:
@@ -273,6 +296,8 @@ def test_manage_py_outbox_runs_the_cli_on_databases(
             assert f"no job 999999 in schema {other!r}" in capsys.readouterr().err
             call_command("outbox", "--database", "default", "run", "--help")
             assert "MODULE:DISPATCHER" in capsys.readouterr().out
+            call_command("outbox", "demo", "--help")  # plug-in commands are delegated too
+            assert "--serve" in capsys.readouterr().out
     finally:
         _drop(dsn, other)
     assert os.environ.get("OUTBOX_DATABASE_URL") == before
@@ -299,4 +324,4 @@ def test_the_suite_passes_on_psycopg2(dsn: str) -> None:
         [sys.executable, "-m", "pytest", here, "-q", "-p", "no:cacheprovider", *deselect],
         cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
-    assert "9 passed, 2 deselected" in child.stdout, child.stdout[-3000:]
+    assert "10 passed, 2 deselected" in child.stdout, child.stdout[-3000:]

@@ -6,13 +6,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
 from sqlalchemy import Connection, Engine, Integer, create_engine, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    Mapped,
+    Session,
+    mapped_column,
+    scoped_session,
+    sessionmaker,
+)
 
 from outbox import ConfigurationError, IdempotencyKeyConflict, NewJob
 from outbox.contrib.sqlalchemy import colon_params, transaction
@@ -327,3 +335,41 @@ def test_async_inside_an_explicit_begin(dsn: str, schema: str, async_url: str) -
     _run(async_url, schema, body)
     assert list(jobs(dsn, schema)) == ["email-order-3"]
     assert _orders(dsn, schema) == [3]
+
+
+def test_a_scoped_session_stands_for_its_current_session(
+    dsn: str, schema: str, engine: Engine
+) -> None:
+    registry = scoped_session(sessionmaker(engine))
+    try:
+        registry.add(Order(id=8))
+        with transaction(registry, schema=schema) as tx:
+            tx.enqueue("email.send", key="email-order-8", payload={})
+        registry.rollback()
+        assert jobs(dsn, schema) == {}
+        with transaction(registry, schema=schema) as tx:
+            tx.enqueue("email.send", key="email-order-9", payload={})
+        registry.commit()
+    finally:
+        registry.remove()
+    assert list(jobs(dsn, schema)) == ["email-order-9"]
+
+
+def test_every_enqueue_option_binds_on_every_async_driver(
+    dsn: str, schema: str, async_url: str
+) -> None:
+    async def body(engine: AsyncEngine) -> None:
+        async with AsyncSession(engine) as session, session.begin(), \
+                transaction(session, schema=schema) as tx:
+            await tx.enqueue("email.send", key="later", payload={"x": [1, "ü", None]},
+                             run_at=timedelta(hours=1), ordering_key="order-1",
+                             max_attempts=3)
+            await tx.enqueue("email.send", key="at", payload={},
+                             run_at=datetime(2030, 1, 1, tzinfo=UTC))
+
+    _run(async_url, schema, body)
+    later, at = jobs(dsn, schema)["later"], jobs(dsn, schema)["at"]
+    assert later["payload"] == {"x": [1, "ü", None]}
+    assert (later["ordering_key"], later["max_attempts"]) == ("order-1", 3)
+    assert later["available_at"] > datetime.now(UTC) + timedelta(minutes=50)
+    assert at["available_at"] == datetime(2030, 1, 1, tzinfo=UTC)
