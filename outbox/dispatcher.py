@@ -314,9 +314,7 @@ class Dispatcher(_Options):
                 finally:
                     self._drain()
         finally:
-            state.workers_done = True
-            state.stopping.set()
-            state.outcome_ready.set()
+            state.workers_ended()
             recorder.join()
             if listener.is_alive():
                 listener.join()
@@ -471,7 +469,5 @@ class AsyncDispatcher(_Options):
             await state.wake.wait(DRAIN_CHECK)
             state.wake.clear()
         await workers.join()
-        state.workers_done = True
-        state.stopping.set()
-        state.outcome_ready.set()
+        state.workers_ended()
         await recorder

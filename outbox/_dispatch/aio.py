@@ -10,6 +10,7 @@ effects run on a bounded thread pool; async ones as tasks; both within the one l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -122,8 +123,16 @@ async def run_claimer_async(
     while not state.stopping.is_set():
         if deadline is not None and time.monotonic() >= deadline:
             return
+        # A task of its own, shielded: a cancellation must not cut a claim off between
+        # its commit and its reply, leaving claimed jobs that nobody holds.
+        step = asyncio.ensure_future(run_async(claimer.round(), conn.execute))
         try:
-            result = await run_async(claimer.round(), conn.execute)
+            result = await asyncio.shield(step)
+        except asyncio.CancelledError:
+            state.request_stop()  # nothing new starts: what this round claims goes back
+            with contextlib.suppress(psycopg.Error):
+                workers.submit((await step).batch)
+            raise
         except psycopg.Error as exc:
             claimer.failed(exc, lost=conn.lost)
             wait = conn.backoff()

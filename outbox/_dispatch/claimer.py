@@ -130,8 +130,9 @@ class Claimer:
         batch = [self._held(row, traced) for row in rows]
         self.state.hold(batch)
         stats.claimed += len(batch)
-        guarded(settings.observer.claimed, elapsed,
-                [(h.job.effect, float(row[9])) for h, row in zip(batch, rows, strict=True)])
+        if self.state.observing:
+            guarded(settings.observer.claimed, elapsed,
+                    [(h.job.effect, float(row[9])) for h, row in zip(batch, rows, strict=True)])
         return batch
 
     def _held(self, row: tuple[Any, ...], traced: bool) -> Held:

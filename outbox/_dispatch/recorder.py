@@ -80,8 +80,15 @@ class Recorder:
             if self.retrying and len(written) < len(successes):
                 written |= yield from self.landed_before(
                     [h for h, _ in successes if h.job.id not in written])
-            for held, _ in successes:
-                self._account(held, held.job.id in written, "done")
+            state, done = self.state, 0
+            for held, _ in successes:  # per job: kept lean, this is the drain's hot path
+                if held.job.id in written:
+                    done += 1
+                    state.settled(held, "done")
+                else:
+                    self._account(held, False, "done")
+            state.stats.done += done
+            state.wake.set()  # room for the claimer
             batch[:] = [(h, o) for h, o in batch if not isinstance(o, Success)]
         if not batch:
             return
@@ -95,6 +102,7 @@ class Recorder:
         for held, released, decision in settles:
             outcome = "released" if released else _OBSERVED[decision.status]
             self._account(held, held.job.id in written, outcome)
+        self.state.wake.set()  # room for the claimer
         batch.clear()
 
     def landed_before(self, helds: list[Held]) -> Step[set[int]]:
@@ -116,7 +124,7 @@ class Recorder:
                 raise
             except Exception as exc:
                 held = item[0]
-                self.state.held.pop(held.job.id, None)
+                self.state.drop(held)
                 log.error("job %s (key %s): outcome could not be recorded (%s); the lease "
                           "will expire and the job be retried", held.job.id, held.job.key,
                           getattr(exc, "sqlstate", None) or type(exc).__name__)
@@ -152,7 +160,6 @@ class Recorder:
                         "was recorded; the newer claim decides", held.job.id, held.job.key,
                         held.job.claim_version)
         self.state.settled(held, outcome)
-        self.state.wake.set()
 
     def failed(self, exc: BaseException, *, lost: bool,
                pending: list[tuple[Held, Outcome]]) -> None:

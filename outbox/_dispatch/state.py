@@ -3,16 +3,19 @@
 Who runs where (``Dispatcher``; ``AsyncDispatcher`` runs the same roles as tasks on one
 event loop, with sync effects on a thread pool)::
 
-    claimer   the caller's thread   hold(), start_draining(); waits on ``wake``
-    workers   threads / the loop    begin(), finish(); hold a ``slots`` slot per perform
-    recorder  its own thread        take_outcomes(), settled(), lose(); waits on
-                                    ``outcome_ready``
-    listener  its own thread        wakes the claimer (``wake``)
-    anyone                          request_stop(), fail()
+    claimer    the caller's thread   hold(), start_draining(); waits on ``wake``
+    workers    threads / the loop    begin(), finish(); hold a ``slots`` slot per perform
+    recorder   its own thread        take_outcomes(), settled(), lose(), drop(); waits
+                                     on ``outcome_ready``
+    listener   its own thread        wakes the claimer (``wake``)
+    dispatcher the caller's thread   workers_ended(), reset() (between runs)
+    anyone                           request_stop(), fail()
 
-Fields are written only through these transitions; each field says who writes it. Reads
-from other threads are of single references or counters, safe under the GIL, and every
-decision that depends on them is re-checked by a fenced statement in the database.
+Fields are written through these transitions, except the counters (``stats``) and the
+moving average of perform time, written in place by their owners; each field says who
+writes it. Reads from other threads are of single references or counters, safe under
+the GIL, and every decision that depends on them is re-checked by a fenced statement in
+the database.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ __all__ = [
 log = logging.getLogger("outbox.dispatcher")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Held:
     """A job this dispatcher has claimed and not yet recorded."""
 
@@ -65,7 +68,7 @@ class Held:
     span: Any = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made once per job, on the hot path
 class Success:
     """``perform`` returned; its result as JSON text for the ledger."""
 
@@ -176,13 +179,12 @@ class SharedState(Generic[E]):
         # Set by the listener (a notification), the recorder (room freed) and
         # request_stop(); waited on and cleared by the claimer.
         self.wake: E = event()
-        # Set by request_stop(), fail() and the claimer when it has drained; read by
-        # every loop as its signal to end.
+        # Set by request_stop(), fail() and workers_ended(); read by every loop as its
+        # signal to end.
         self.stopping: E = event()
         # Set by request_stop() and start_draining(): workers hand unstarted jobs back.
         self.releasing = False
-        # Set by the dispatcher once its workers have ended: nothing more to record
-        # after what is queued.
+        # Set by workers_ended(): nothing more to record after what is queued.
         self.workers_done = False
         # Set once by fail(): the first side part that died of an unexpected error.
         self.failure: BaseException | None = None
@@ -192,7 +194,8 @@ class SharedState(Generic[E]):
         # Moving average of perform time: written by workers (a lost update between
         # them is harmless), read by the claimer to size its claims.
         self.mean_perform_seconds: float | None = None
-        # Counters of this run: the claimer and the recorder write their own fields.
+        # Counters of this run: the claimer and the recorder write their own fields;
+        # both count ``reconnects`` (a rare lost increment there is harmless).
         self.stats = stats
         self.observer = observer
         # The default observer does nothing: skip its calls on the per-job paths.
@@ -238,10 +241,6 @@ class SharedState(Generic[E]):
         if signal:
             self.outcome_ready.set()
 
-    def measured(self, elapsed: float) -> None:
-        mean = self.mean_perform_seconds
-        self.mean_perform_seconds = elapsed if mean is None else 0.9 * mean + 0.1 * elapsed
-
     # -- recorder --------------------------------------------------------------------
 
     def take_outcomes(self) -> list[tuple[Held, Outcome]]:
@@ -263,13 +262,24 @@ class SharedState(Generic[E]):
             guarded(self.observer.fence_rejected, held.job.effect)
         guarded(self.observer.attempt_finished, held.job.effect, outcome, held.duration)
 
+    def drop(self, held: Held) -> None:
+        """An outcome that cannot be written at all: give the job up to its lease (the
+        rescuer retries it, counting the attempt)."""
+        self.held.pop(held.job.id, None)
+
     def lose(self, held: Held) -> None:
         """A heartbeat found ``held``'s claim gone: it must not start, and its outcome
         will be refused by the fence."""
         held.lost = True
         guarded(self.observer.fence_rejected, held.job.effect)
 
-    # -- the dispatcher, between runs ----------------------------------------------------
+    # -- the dispatcher ------------------------------------------------------------------
+
+    def workers_ended(self) -> None:
+        """Every worker has returned: the recorder ends once what is queued is written."""
+        self.workers_done = True
+        self.stopping.set()
+        self.outcome_ready.set()
 
     def reset(self) -> None:
         """Ready for the next run (the last one has joined every part)."""

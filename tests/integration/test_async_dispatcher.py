@@ -184,6 +184,36 @@ def test_cancelling_run_finishes_in_flight_work_and_hands_back_the_rest(
     assert (dispatcher.stats.done, dispatcher.stats.released) == (1, 2)
 
 
+def test_a_claim_in_flight_when_cancelled_completes_and_is_handed_back(
+    dsn: str, schema: str
+) -> None:
+    enqueue(dsn, schema, *[NewJob("test.async_record", f"k{i}", {}) for i in range(3)])
+    effect = AsyncRecord()
+    dispatcher = AsyncDispatcher(dsn, [effect], schema=schema)
+    waiting = ("SELECT 1 FROM pg_stat_activity WHERE application_name LIKE "
+               "'outbox claimer %%' AND wait_event_type = 'Lock'")
+
+    async def scenario() -> None:
+        with psycopg.connect(dsn) as locker:
+            # The claimer's next statement waits for this lock: a round in flight.
+            locker.execute(f'LOCK TABLE "{schema}".jobs IN EXCLUSIVE MODE')
+            task = asyncio.create_task(dispatcher.run())
+            await asyncio.to_thread(wait_until, lambda: bool(fetch(dsn, waiting)),
+                                    what="the claimer blocked mid-round")
+            task.cancel()
+            await asyncio.to_thread(locker.rollback)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(asyncio.wait_for(scenario(), 30))
+    # The round finished: its jobs were claimed, then handed back unstarted.
+    rows = jobs(dsn, schema).values()
+    assert {(j["status"], j["attempts"], j["claim_version"]) for j in rows} == {
+        ("pending", 0, 1)}
+    assert (dispatcher.stats.claimed, dispatcher.stats.released) == (3, 3)
+    assert effect.calls == {}
+
+
 def test_async_with_runs_until_the_block_ends_and_wakes_on_notify(
     dsn: str, schema: str
 ) -> None:
