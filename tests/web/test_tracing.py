@@ -9,21 +9,24 @@ import sys
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 
 import outbox
 from outbox import tracing
 
 
-def _spans(dsn: str, schema: str) -> list[dict[str, Any]]:
-    done = subprocess.run([sys.executable, "-m", "tests.web.traced_run", dsn, schema],
+def _spans(dsn: str, schema: str, flavour: str = "threads") -> list[dict[str, Any]]:
+    done = subprocess.run([sys.executable, "-m", "tests.web.traced_run", dsn, schema, flavour],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
-def test_enqueue_and_attempts_are_traced_and_linked(dsn: str, schema: str) -> None:
-    spans = _spans(dsn, schema)
+@pytest.mark.parametrize("flavour", ["threads", "async"])
+def test_enqueue_and_attempts_are_traced_and_linked(
+        dsn: str, schema: str, flavour: str) -> None:
+    spans = _spans(dsn, schema, flavour)
     by_name: dict[str, list[dict[str, Any]]] = {}
     for span in spans:
         by_name.setdefault(span["name"], []).append(span)

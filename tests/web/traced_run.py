@@ -3,6 +3,7 @@ application span, dispatch, and print the finished spans as JSON lines."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 
@@ -25,7 +26,7 @@ class Outcomes(outbox.Effect):
                 raise outbox.Permanent("SECRET-ERROR-TEXT")
 
 
-def main(dsn: str, schema: str) -> None:
+def main(dsn: str, schema: str, flavour: str) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -35,7 +36,11 @@ def main(dsn: str, schema: str) -> None:
         tx.enqueue("test.outcome", key="SECRET-KEY-1", payload={"outcome": "done"})
         tx.enqueue("test.outcome", key="SECRET-KEY-2", payload={"outcome": "failed"})
         tx.enqueue_many([outbox.NewJob("test.outcome", "SECRET-KEY-3", {"outcome": "done"})])
-    outbox.Dispatcher(dsn, [Outcomes()], schema=schema).run_until_idle(timeout=60)
+    if flavour == "async":
+        asyncio.run(outbox.AsyncDispatcher(dsn, [Outcomes()], schema=schema)
+                    .run_until_idle(timeout=60))
+    else:
+        outbox.Dispatcher(dsn, [Outcomes()], schema=schema).run_until_idle(timeout=60)
     # The settle step of a claim that was lost, as the recorder reports it.
     span = tracing.attempt_span(0, "test.outcome", 2, None)
     tracing.settle(span, "test.outcome", "lost")
@@ -51,4 +56,4 @@ def main(dsn: str, schema: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
