@@ -49,13 +49,13 @@ __all__ = [
 
 MAX_EFFECTS = 50
 STATUSES = ("pending", "running", "done", "failed", "reconcile")
-EXACT_COUNT_LIMIT = 200_000
 SCRAPE_TIMEOUT = "5s"
 
 
 class DatabaseCollector(Collector):
     """Gauges computed from the outbox tables on each scrape (one connection, one
-    read-only transaction bounded by a statement timeout)."""
+    read-only transaction bounded by a statement timeout). Shares the dashboard's
+    queries, so it needs ``outbox[web]``; the dashboard serves it at ``/metrics``."""
 
     def __init__(self, conninfo: str, schema: str = "outbox") -> None:
         from .web._queries import web_queries
@@ -79,17 +79,14 @@ class DatabaseCollector(Collector):
         yield from self._families(counts, health, dead)
 
     def _counts(self, conn: psycopg.Connection[Any], estimate: int) -> dict[tuple[str, str], int]:
+        from .web import _counts  # the dashboard's, so both count alike (outbox[web])
+
         q = self._queries
-        if estimate < EXACT_COUNT_LIMIT:
+        if _counts.exact(estimate):
             return {(s, e): int(n) for s, e, n in conn.execute(q.counts_exact)}
-        counts = {(s, e): int(n) for s, e, n in conn.execute(q.counts_unfinished)}
-        percent = min(100.0, 100.0 * 20_000 / estimate)
-        sample = dict(conn.execute(q.done_sample, {"percent": percent}).fetchall())
-        done_total = max(0, estimate - sum(counts.values()))
-        sampled = sum(sample.values())
-        for effect, n in sample.items():
-            counts[("done", effect)] = round(done_total * n / sampled)
-        return counts
+        unfinished = conn.execute(q.counts_unfinished).fetchall()
+        sample = conn.execute(q.done_sample, {"percent": _counts.sample_percent(estimate)})
+        return _counts.with_done_estimated(unfinished, sample.fetchall(), estimate)
 
     @staticmethod
     def _families(counts: dict[tuple[str, str], int], health: Sequence[tuple[Any, ...]],

@@ -30,6 +30,7 @@ from starlette.templating import Jinja2Templates
 
 from .._enqueue import notify_channel
 from .._sql import check_schema_name
+from . import _counts
 from ._filters import STATUSES, FilterError, JobFilter
 from ._queries import WebQueries, web_queries
 from ._security import (
@@ -55,7 +56,6 @@ PAGE_SIZE = 50
 COUNT_CAP = 10_000
 BULK_CAP = 1_000
 STATEMENT_TIMEOUT = "5s"
-EXACT_COUNT_LIMIT = 200_000
 # Fixed messages for the outcome of an action: the page never reflects request text.
 OUTCOMES = {
     "retried": "Job sent back to pending.",
@@ -230,17 +230,12 @@ async def job_counts(settings: Settings, conn: psycopg.AsyncConnection[Any]) -> 
     q = settings.queries
     size = await rows(conn, q.table_size, {"schema_name": settings.schema})
     estimate, dead = (int(size[0][0]), int(size[0][1])) if size else (0, 0)
-    if estimate < EXACT_COUNT_LIMIT:
-        exact = await rows(conn, q.counts_exact)
-        return Counts({(s, e): int(n) for s, e, n in exact}, False, dead)
-    unfinished = {(s, e): int(n) for s, e, n in await rows(conn, q.counts_unfinished)}
-    percent = min(100.0, 100.0 * 20_000 / estimate)
-    sample = {e: int(n) for e, n in await rows(conn, q.done_sample, {"percent": percent})}
-    done_total = max(0, estimate - sum(unfinished.values()))
-    sampled = sum(sample.values())
-    for effect, n in sample.items():
-        unfinished[("done", effect)] = round(done_total * n / sampled)
-    return Counts(unfinished, True, dead)
+    if _counts.exact(estimate):
+        found = await rows(conn, q.counts_exact)
+        return Counts({(s, e): int(n) for s, e, n in found}, False, dead)
+    unfinished = await rows(conn, q.counts_unfinished)
+    sample = await rows(conn, q.done_sample, {"percent": _counts.sample_percent(estimate)})
+    return Counts(_counts.with_done_estimated(unfinished, sample, estimate), True, dead)
 
 
 async def job_list(request: Request) -> Response:
