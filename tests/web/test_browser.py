@@ -176,3 +176,17 @@ def test_a_hostile_payload_never_executes(serve: Callable[..., str], page: Any, 
     assert page.locator("pre.error").inner_text() == HOSTILE  # shown as text
     _shot(page, "job.png")
     assert page.dialogs == []
+
+
+def test_older_jobs_load_below_the_page(serve: Callable[..., str], page: Any, dsn: str,
+                                        schema: str) -> None:
+    ids = seed(dsn, schema, *({"key": f"k{i:03d}", "status": "failed"} for i in range(70)))
+    page.goto(serve() + "/jobs?status=failed")
+    assert page.locator("tbody#job-rows tr[id^=job-]").count() == 50
+    page.click("text=Older jobs")
+    page.locator(f"#job-{min(ids)}").wait_for()
+    shown = page.locator("tbody#job-rows tr[id^=job-]").evaluate_all(
+        "rows => rows.map(r => Number(r.id.slice(4)))")
+    assert shown == sorted(ids, reverse=True)
+    assert page.url.endswith("/jobs?status=failed")  # swapped in place, no navigation
+    assert page.csp_violations == []
