@@ -103,7 +103,8 @@ WHERE j.id = ANY (ARRAY(SELECT id FROM candidates)) AND j.status = 'pending'
 RETURNING j.id, j.effect, j.key, j.payload, j.attempts, j.claim_version, j.ordering_key,
           j.max_attempts, j.first_attempted_at,
           -- how long the job had been due: the queue wait reported to observers
-          greatest(extract(epoch FROM now() - j.available_at), 0)::float8 AS waited,
+          -- (date_part gives float8 directly; extract() would compute a numeric)
+          greatest(date_part('epoch', now() - j.available_at), 0) AS waited,
           -- the enqueue's span, for the attempt's span to link to (NULL when not traced)
           j.trace_context;
 

@@ -187,6 +187,22 @@ def test_a_dead_worker_stops_run_loudly_and_its_job_is_rescued(dsn: str, schema:
     assert ledger(dsn, schema)["k"]["result"] == {"attempt": 2}
 
 
+class AsyncByPayload(Effect):
+    name = "test.async_by_payload"
+
+    async def perform(self, job: Job) -> dict[str, int]:
+        return {"attempt": job.attempt}
+
+
+def test_a_dead_async_worker_stops_run_until_idle_loudly(dsn: str, schema: str) -> None:
+    enqueue(dsn, schema, NewJob("test.async_by_payload", "k", {}))
+    dispatcher = Dispatcher(dsn, [AsyncByPayload()], schema=schema, observer=KillsAWorker())
+    with pytest.raises(DispatcherFailed) as raised:
+        dispatcher.run_until_idle(timeout=60)
+    assert isinstance(raised.value.__cause__, Fatal)
+    assert jobs(dsn, schema)["k"]["status"] == "running"  # left to the rescuer
+
+
 # -- one concurrency limit -----------------------------------------------------------------
 
 
