@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from . import tracing
 from .errors import IdempotencyKeyConflict, InvalidKey, InvalidPayload
 
 _json_string = json.encoder.encode_basestring_ascii  # str -> JSON string literal (C)
@@ -214,9 +215,11 @@ def prepare(
     )
 
 
-def single_params(job: PreparedJob, channel: str) -> dict[str, Any]:
+def single_params(job: PreparedJob, channel: str,
+                  trace_context: str | None = None) -> dict[str, Any]:
     """Parameters of the ``enqueue`` query."""
     return {
+        "trace_context": trace_context,
         "effect": job.effect,
         "key": job.key,
         "payload": job.payload_json,
@@ -228,7 +231,8 @@ def single_params(job: PreparedJob, channel: str) -> dict[str, Any]:
     }
 
 
-def many_params(jobs: Sequence[PreparedJob], channel: str) -> dict[str, Any]:
+def many_params(jobs: Sequence[PreparedJob], channel: str,
+                trace_context: str | None = None) -> dict[str, Any]:
     """Parameters of the ``enqueue_many`` query: the jobs as one JSON array.
 
     Built by hand around each payload's canonical JSON text rather than re-encoded: the
@@ -243,7 +247,8 @@ def many_params(jobs: Sequence[PreparedJob], channel: str) -> dict[str, Any]:
             f'"payload":{job.payload_json},"fingerprint":"{job.fingerprint}",'
             f'"run_at":{run_at},"ordering_key":{ordering},"max_attempts":{job.max_attempts}}}'
         )
-    return {"jobs": "[" + ",".join(rows) + "]", "channel": channel}
+    return {"jobs": "[" + ",".join(rows) + "]", "channel": channel,
+            "trace_context": trace_context}
 
 
 def existing_result(
@@ -323,13 +328,22 @@ def _many_results(
 
 def enqueue_steps(job: PreparedJob, channel: str) -> Steps[EnqueueResult]:
     """Insert one prepared job unless its key is known; the result or the conflict."""
-    rows = yield ("enqueue", single_params(job, channel))
-    result = _single_result(job, rows)
-    if result is None:  # inserted concurrently, committed after our snapshot
-        found = yield ("lookup_keys", {"keys": [job.key]})
-        row = found[0]
-        result = existing_result(job, row[1], row[2], row[3])
-    return result
+    with tracing.producer_span(job.effect) as trace_context:
+        rows = yield ("enqueue", single_params(job, channel, trace_context))
+        result = _single_result(job, rows)
+        if result is None:  # inserted concurrently, committed after our snapshot
+            found = yield ("lookup_keys", {"keys": [job.key]})
+            row = found[0]
+            result = existing_result(job, row[1], row[2], row[3])
+        return result
+
+
+def _batch_name(jobs: Sequence[PreparedJob]) -> str:
+    """The effect a batch's span is named after (``batch`` when they differ)."""
+    if not tracing.enabled():
+        return ""
+    effects = {job.effect for job in jobs}
+    return effects.pop() if len(effects) == 1 else "batch"
 
 
 def enqueue_many_steps(jobs: Sequence[PreparedJob], channel: str) -> Steps[list[EnqueueResult]]:
@@ -337,14 +351,15 @@ def enqueue_many_steps(jobs: Sequence[PreparedJob], channel: str) -> Steps[list[
     unique = dedupe_batch(jobs)
     if not unique:
         return []
-    rows = yield ("enqueue_many", many_params(unique, channel))
-    created = {row[0]: row[1] for row in rows if row[0] is not None}
-    found: dict[str, Row] = {}
-    missing = [job.key for job in unique if job.key not in created]
-    if missing:
-        looked_up = yield ("lookup_keys", {"keys": missing})
-        found = {row[0]: row for row in looked_up}
-    return _many_results(jobs, unique, created, found)
+    with tracing.producer_span(_batch_name(unique), len(unique)) as trace_context:
+        rows = yield ("enqueue_many", many_params(unique, channel, trace_context))
+        created = {row[0]: row[1] for row in rows if row[0] is not None}
+        found: dict[str, Row] = {}
+        missing = [job.key for job in unique if job.key not in created]
+        if missing:
+            looked_up = yield ("lookup_keys", {"keys": missing})
+            found = {row[0]: row for row in looked_up}
+        return _many_results(jobs, unique, created, found)
 
 
 def receive_steps(consumer: str, message_id: str) -> Steps[bool]:

@@ -195,10 +195,19 @@ def _describe(exc: BaseException) -> str:
 
 @main.command("run")
 @click.argument("target", metavar="MODULE:DISPATCHER")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve this process's Prometheus metrics on this port.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Address for --metrics-port.")
 @_one_line_errors
-def run_command(target: str) -> None:
+def run_command(target: str, metrics_port: int | None, metrics_host: str) -> None:
     """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work."""
     dispatcher = load_dispatcher(target)
+    if metrics_port is not None:
+        from .metrics import serve_metrics  # outbox[prometheus]
+
+        dispatcher._enable_metrics()
+        serve_metrics(metrics_port, metrics_host)
     stats = dispatcher.run()
     click.echo(json.dumps(stats.as_dict()), err=True)
 
@@ -273,6 +282,26 @@ def retry_command(dsn: str, schema: str, job_id: int) -> None:
                 f"job {job_id} is {current[0]}; only failed or reconcile jobs can be retried"
             )
     click.echo(f"job {job_id} ({row[2]}, key {row[1]}) is pending again")
+
+
+@main.command("web")
+@dsn_option
+@schema_option
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; anything but loopback needs a password.")
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--read-only", is_flag=True, help="Show the queue; allow no action.")
+@click.option("--password-file", type=click.Path(dir_okay=False),
+              help="File whose first line is the HTTP Basic password "
+                   "(default: $OUTBOX_WEB_PASSWORD; no password: no authentication).")
+@_one_line_errors
+def web_command(dsn: str, schema: str, host: str, port: int, read_only: bool,
+                password_file: str | None) -> None:
+    """Serve the dashboard (and its /metrics) with uvicorn."""
+    from .web._serve import serve  # the web extra is optional
+
+    serve(dsn, schema=schema, host=host, port=port, read_only=read_only,
+          password_file=password_file)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import threading
@@ -137,7 +138,12 @@ class _Options:
         worker_id: str | None = None,
         listen_conninfo: str | None = None,
         observer: DispatchObserver | None = None,
+        metrics: bool = False,
     ) -> None:
+        if metrics:
+            from .metrics import with_metrics  # prometheus-client is an optional extra
+
+            observer = with_metrics(observer or DispatchObserver())
         self.settings = Settings.build(
             conninfo, effects, schema=schema, concurrency=concurrency, lease=lease,
             batch_size=batch_size, prefetch=prefetch, max_prefetch=max_prefetch,
@@ -154,6 +160,15 @@ class _Options:
 
     def _setup(self) -> None:
         """What a flavour prepares once, after the options are checked."""
+
+    def _enable_metrics(self) -> None:
+        """Add the process's PrometheusObserver (default registry) to the observer of a
+        dispatcher built without ``metrics=True`` (``outbox run --metrics-port``)."""
+        from .metrics import with_metrics  # prometheus-client is an optional extra
+
+        observer = with_metrics(self.settings.observer)
+        self.settings = dataclasses.replace(self.settings, observer=observer)
+        self._setup()  # the shared state takes its observer from the settings
 
     def _failed(self, failure: BaseException) -> DispatcherFailed:
         return DispatcherFailed(
@@ -189,7 +204,10 @@ class Dispatcher(_Options):
 
     ``observer`` (an ``outbox.observe.DispatchObserver``) receives every claim, attempt,
     fence rejection and rescue, for metrics and tracing; an exception it raises is
-    logged and ignored. ``listen_conninfo`` is a direct connection string for LISTEN when
+    logged and ignored. ``metrics=True`` adds the Prometheus metrics of
+    ``outbox.metrics.PrometheusObserver`` on prometheus-client's default registry
+    (``outbox[prometheus]``; serve them with ``outbox.metrics.serve_metrics``).
+    ``listen_conninfo`` is a direct connection string for LISTEN when
     ``conninfo`` goes through a transaction-pooling PgBouncer; a connection found to be
     pooled gets no session ``SET`` and no prepared statements, and without
     ``listen_conninfo`` the dispatcher polls. A configuration that can never work (no

@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 
+from .. import tracing
 from .._pg import configuration_error
 from ..effect import Job
 from ..migrate import require_current
@@ -131,7 +132,8 @@ class Claimer:
         stats.claim_queries += 1
         stats.claim_seconds += elapsed
         stats.claim_seconds_max = max(stats.claim_seconds_max, elapsed)
-        batch = [self._held(row) for row in rows]
+        traced = tracing.enabled()
+        batch = [self._held(row, traced) for row in rows]
         self.state.hold(batch)
         stats.claimed += len(batch)
         if self.state.observing:
@@ -139,11 +141,12 @@ class Claimer:
                     [(h.job.effect, float(row[9])) for h, row in zip(batch, rows, strict=True)])
         return batch
 
-    def _held(self, row: tuple[Any, ...]) -> Held:
+    def _held(self, row: tuple[Any, ...], traced: bool) -> Held:
         job = Job(id=row[0], effect=row[1], key=row[2], payload=row[3], attempt=row[4],
                   claim_version=row[5], ordering_key=row[6], max_attempts=row[7],
                   first_attempted_at=row[8])
-        return Held(job, self.settings.effects[job.effect], job.effect in self.settings.async_names)
+        return Held(job, self.settings.effects[job.effect], job.effect in self.settings.async_names,
+                    traced=traced, trace_context=row[10] if traced else None)
 
     def has_due_work(self) -> Step[bool]:
         rows = yield Statement(self.queries.has_due_work, {"effects": self.settings.effect_names})

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from .. import tracing
 from ..effect import Effect, Job
 from ..observe import AttemptOutcome, DispatchObserver
 
@@ -59,6 +60,12 @@ class Held:
     started: bool = False  # written by the worker that runs it (begin)
     lost: bool = False  # written by the recorder (a heartbeat found the claim gone)
     duration: float = 0.0  # written by the worker: seconds ``perform`` ran
+    # Tracing (outbox.tracing): whether it was on at the claim, the enqueue's trace
+    # context from the claim, and the attempt's span (written by the worker in begin,
+    # ended by the recorder in settled).
+    traced: bool = False
+    trace_context: Any = None
+    span: Any = None
 
 
 @dataclass(slots=True)  # not frozen: made once per job, on the hot path
@@ -220,6 +227,9 @@ class SharedState(Generic[E]):
             self.finish(held, Release())
             return False
         held.started = True
+        if held.traced:
+            job = held.job
+            held.span = tracing.attempt_span(job.id, job.effect, job.attempt, held.trace_context)
         if self.observing:
             guarded(self.observer.attempt_started, held.job.effect)
         return True
@@ -244,6 +254,8 @@ class SharedState(Generic[E]):
         """The recorder wrote (or found fenced off) ``held``'s outcome: it is no longer
         ours, and its slot in the claimer's budget is free."""
         self.held.pop(held.job.id, None)
+        if held.span is not None:
+            guarded(tracing.settle, held.span, held.job.effect, outcome)
         if not self.observing:
             return
         if outcome == "lost":

@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from .. import tracing
 from .._enqueue import jsonb_problem
 from ..effect import Job
 from ..errors import Permanent
@@ -73,7 +74,11 @@ class Performer:
         """Call a sync ``perform`` (already begun); never raises."""
         started = time.monotonic()
         try:
-            result = held.effect.perform(prepare(held))
+            if held.span is None:  # not traced: no context manager on the hot path
+                result = held.effect.perform(prepare(held))
+            else:
+                with tracing.activated(held.span):
+                    result = held.effect.perform(prepare(held))
             outcome: Outcome = Success(result_json(held.job, result))
         except BaseException as exc:
             # Every failure is an outcome to record, even SystemExit raised by an effect:
@@ -86,7 +91,11 @@ class Performer:
         """Await an async ``perform`` (already begun); never raises."""
         started = time.monotonic()
         try:
-            result = await held.effect.perform(prepare(held))  # type: ignore[misc]
+            if held.span is None:
+                result = await held.effect.perform(prepare(held))  # type: ignore[misc]
+            else:
+                with tracing.activated(held.span):
+                    result = await held.effect.perform(prepare(held))  # type: ignore[misc]
             outcome: Outcome = Success(result_json(held.job, result))
         except BaseException as exc:  # CancelledError included: recorded as a retry
             outcome = exc

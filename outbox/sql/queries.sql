@@ -12,10 +12,12 @@
 -- Insert one job unless its key is already a job or a ledger row. The notify wakes idle
 -- dispatchers when the transaction commits (PostgreSQL folds repeats into one).
 WITH inserted AS (
-    INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts)
+    INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts,
+                               trace_context)
     SELECT CAST(%(effect)s AS text), CAST(%(key)s AS text), CAST(%(payload)s AS jsonb),
            CAST(%(fingerprint)s AS text), coalesce(CAST(%(run_at)s AS timestamptz), now()),
-           CAST(%(ordering_key)s AS text), CAST(%(max_attempts)s AS integer)
+           CAST(%(ordering_key)s AS text), CAST(%(max_attempts)s AS integer),
+           CAST(%(trace_context)s AS jsonb)
     WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = CAST(%(key)s AS text))
     ON CONFLICT (key) DO NOTHING
     RETURNING id
@@ -34,7 +36,8 @@ WHERE r.key = CAST(%(key)s AS text) AND NOT EXISTS (SELECT 1 FROM inserted);
 -- name: enqueue_many
 -- The bulk path: one statement for any number of jobs, created ids out. The jobs arrive
 -- as one JSON array (each payload already canonical JSON, embedded as is): one
--- parameter, parsed by the server, however many jobs.
+-- parameter, parsed by the server, however many jobs. The batch shares one enqueue span,
+-- so one trace context (NULL when tracing is off).
 WITH wanted AS (
     SELECT *
     FROM ROWS FROM (jsonb_to_recordset(CAST(%(jobs)s AS jsonb))
@@ -43,8 +46,10 @@ WITH wanted AS (
          WITH ORDINALITY
          AS w(effect, key, payload, fingerprint, run_at, ordering_key, max_attempts, ord)
 ), inserted AS (
-    INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts)
-    SELECT w.effect, w.key, w.payload, w.fingerprint, coalesce(w.run_at, now()), w.ordering_key, w.max_attempts
+    INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts,
+                               trace_context)
+    SELECT w.effect, w.key, w.payload, w.fingerprint, coalesce(w.run_at, now()), w.ordering_key, w.max_attempts,
+           CAST(%(trace_context)s AS jsonb)
     FROM wanted w
     WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = w.key)
     ORDER BY w.ord
@@ -99,7 +104,9 @@ RETURNING j.id, j.effect, j.key, j.payload, j.attempts, j.claim_version, j.order
           j.max_attempts, j.first_attempted_at,
           -- how long the job had been due: the queue wait reported to observers
           -- (date_part gives float8 directly; extract() would compute a numeric)
-          greatest(date_part('epoch', now() - j.available_at), 0) AS waited;
+          greatest(date_part('epoch', now() - j.available_at), 0) AS waited,
+          -- the enqueue's span, for the attempt's span to link to (NULL when not traced)
+          j.trace_context;
 
 -- name: heartbeat
 -- Extend the leases of the claims this worker still holds; ids missing from the result

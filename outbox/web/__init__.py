@@ -1,0 +1,22 @@
+"""The outbox dashboard (``outbox[web]``): an ASGI app to watch and operate the queue.
+
+``create_app(conninfo, schema=..., read_only=..., authorize=..., redact=...)`` returns a
+Starlette application: run it with ``outbox web`` (uvicorn, loopback by default) or
+mount it in your own application. See ``create_app`` for its guarantees.
+"""
+
+from ._security import Access, Authorizer, BasicAuth, check_bind, is_loopback, password_from
+from ._views import Redactor, truncate_payload
+from .app import create_app
+
+__all__ = [
+    "Access",
+    "Authorizer",
+    "BasicAuth",
+    "Redactor",
+    "check_bind",
+    "create_app",
+    "is_loopback",
+    "password_from",
+    "truncate_payload",
+]

@@ -1,0 +1,470 @@
+"""The dashboard as an ASGI application: overview, job list and detail, fenced actions.
+
+``create_app`` returns a Starlette application that can run on its own (``outbox web``)
+or be mounted in a host application (``Mount("/outbox", create_app(...))``). It opens its
+connection pool on first use, so a mounted app needs no lifespan events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg_pool import AsyncConnectionPool
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from .._enqueue import notify_channel
+from .._sql import check_schema_name
+from . import _counts
+from ._filters import STATUSES, FilterError, JobFilter
+from ._queries import WebQueries, web_queries
+from ._security import (
+    CSRF_COOKIE,
+    CSRF_FIELD,
+    SECURITY_HEADERS,
+    Access,
+    Authorizer,
+    BasicAuth,
+    access_of,
+    actor_of,
+    cross_site_reason,
+    new_token,
+    token_matches,
+)
+from ._views import Redactor, age, ago, minute_chart, seconds_text, shown_payload, timestamp
+from ._views import truncate_payload as default_redact
+
+log = logging.getLogger("outbox.web")
+
+HERE = Path(__file__).parent
+PAGE_SIZE = 50
+COUNT_CAP = 10_000
+BULK_CAP = 1_000
+STATEMENT_TIMEOUT = "5s"
+# Fixed messages for the outcome of an action: the page never reflects request text.
+OUTCOMES = {
+    "retried": "Job sent back to pending.",
+    "cancelled": "Job cancelled: it will not be performed.",
+    "resolved_done": "Recorded as performed at the provider.",
+    "resolved_failed": "Recorded as not performed; the job is failed.",
+    "moved": "The job moved on before your action: nothing was changed. Review it again.",
+}
+
+
+@dataclass
+class Settings:
+    """One dashboard's configuration and its lazily opened pool."""
+
+    conninfo: str
+    schema: str
+    read_only: bool
+    authorize: Authorizer | None
+    redact: Redactor
+    queries: WebQueries
+    channel: str
+    pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+    lock: asyncio.Lock | None = None
+
+    async def get_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
+        """The pool, opened on first use (mounted apps get no lifespan events)."""
+        if self.pool is None:
+            self.lock = self.lock or asyncio.Lock()
+            async with self.lock:
+                if self.pool is None:
+                    pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = (
+                        AsyncConnectionPool(self.conninfo, min_size=1, max_size=4,
+                                            open=False, name="outbox-web"))
+                    await pool.open()
+                    self.pool = pool
+        return self.pool
+
+    async def close(self) -> None:
+        """Close the pool, if it was opened."""
+        if self.pool is not None:
+            await self.pool.close()
+            self.pool = None
+
+
+class Denied(Exception):
+    """A request refused before any work; carries the response to send."""
+
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+
+def _templates() -> Jinja2Templates:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"),
+        autoescape=True,  # everything, whatever the template's file name
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters.update(age=age, ago=ago, ts=timestamp, seconds=seconds_text)
+    return Jinja2Templates(env=env)
+
+
+TEMPLATES = _templates()
+
+
+def settings_of(request: Request) -> Settings:
+    """The dashboard settings of the app serving ``request``."""
+    settings: Settings = request.app.state.outbox
+    return settings
+
+
+@asynccontextmanager
+async def transaction(settings: Settings) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """A pooled connection in a transaction bounded by the statement timeout."""
+    pool = await settings.get_pool()
+    async with pool.connection() as conn, conn.transaction():
+        # Custom plans fold the optional filters' NULL tests away; the timeout keeps a
+        # broad filter on a large table from holding a connection.
+        await conn.execute(
+            "SELECT set_config('statement_timeout', %(t)s, true), "
+            "set_config('plan_cache_mode', 'force_custom_plan', true)",
+            {"t": STATEMENT_TIMEOUT})
+        yield conn
+
+
+async def rows(conn: psycopg.AsyncConnection[Any], query: str,
+               params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
+    """Every row of ``query``."""
+    cur = await conn.execute(query, params or {})
+    return await cur.fetchall()
+
+
+async def writable(settings: Settings, conn: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether actions are possible: not read-only by flag, transaction or privilege."""
+    if settings.read_only:
+        return False
+    q = settings.queries
+    found = await rows(conn, q.writable, {"jobs_table": q.jobs_table,
+                                          "audit_table": q.audit_table})
+    return bool(found[0][0])
+
+
+async def authorized(request: Request, needed: Access) -> Access:
+    """The caller's access, or Denied (401 with a challenge, or 403)."""
+    settings = settings_of(request)
+    granted = await access_of(settings.authorize, request)
+    if granted is None:
+        if isinstance(settings.authorize, BasicAuth):
+            raise Denied(PlainTextResponse(
+                "authentication required", status_code=401,
+                headers={"www-authenticate": settings.authorize.challenge}))
+        raise Denied(PlainTextResponse("forbidden", status_code=403))
+    if needed == "operate" and granted != "operate":
+        raise Denied(PlainTextResponse("read-only access: actions are not allowed", 403))
+    return granted
+
+
+def render(request: Request, name: str, context: dict[str, Any],
+           status_code: int = 200) -> Response:
+    """A template with the common context, a CSRF cookie, and the security headers."""
+    token = request.cookies.get(CSRF_COOKIE) or new_token()
+    base = request.scope.get("root_path", "")
+    context = {"base": base, "csrf_field": CSRF_FIELD, "csrf": token, "statuses": STATUSES,
+               **context}
+    response = TEMPLATES.TemplateResponse(request, name, context, status_code=status_code)
+    if request.cookies.get(CSRF_COOKIE) != token:
+        response.set_cookie(CSRF_COOKIE, token, httponly=True, samesite="strict",
+                            path=base or "/")
+    return response
+
+
+async def overview(request: Request) -> Response:
+    """Counts, backlog age, the last hour's throughput and failures, dispatchers."""
+    access = await authorized(request, "read")
+    settings = settings_of(request)
+    q = settings.queries
+    since = (datetime.now(UTC) - timedelta(minutes=59)).replace(second=0, microsecond=0)
+    async with transaction(settings) as conn:
+        counts = await job_counts(settings, conn)
+        health = await rows(conn, q.effect_health)
+        settled = await rows(conn, q.settled_per_minute, {"since": since})
+        dispatchers = await rows(conn, q.dispatchers)
+        audit = await rows(conn, q.recent_audit, {"limit": 10})
+        can_act = access == "operate" and await writable(settings, conn)
+    effects = sorted({effect for (_, effect) in counts.counts} | {h[0] for h in health})
+    return render(request, "overview.html", {
+        "counts": counts, "effects": effects, "health": {h[0]: h for h in health},
+        "chart": minute_chart([(m, d, f) for m, d, f in settled], since),
+        "dispatchers": dispatchers, "audit": audit, "can_act": can_act,
+        "oldest_due": max((h[1] for h in health if h[1] is not None), default=None),
+    })
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Jobs per (status, effect); ``estimated`` when done jobs were sampled."""
+
+    counts: dict[tuple[str, str], int]
+    estimated: bool
+    dead_tuples: int
+
+    def total(self, status: str) -> int:
+        """All jobs of ``status``."""
+        return sum(n for (s, _), n in self.counts.items() if s == status)
+
+    def get(self, status: str, effect: str) -> int:
+        """Jobs of ``status`` and ``effect``."""
+        return self.counts.get((status, effect), 0)
+
+
+async def job_counts(settings: Settings, conn: psycopg.AsyncConnection[Any]) -> Counts:
+    """Exact counts on a small table; on a large one, done jobs estimated from a sample."""
+    q = settings.queries
+    size = await rows(conn, q.table_size, {"schema_name": settings.schema})
+    estimate, dead = (int(size[0][0]), int(size[0][1])) if size else (0, 0)
+    if _counts.exact(estimate):
+        found = await rows(conn, q.counts_exact)
+        return Counts({(s, e): int(n) for s, e, n in found}, False, dead)
+    unfinished = await rows(conn, q.counts_unfinished)
+    sample = await rows(conn, q.done_sample, {"percent": _counts.sample_percent(estimate)})
+    return Counts(_counts.with_done_estimated(unfinished, sample, estimate), True, dead)
+
+
+async def job_list(request: Request) -> Response:
+    """Jobs matching the filter, newest first, a keyset page at a time."""
+    access = await authorized(request, "read")
+    settings = settings_of(request)
+    q = settings.queries
+    try:
+        job_filter = JobFilter.from_query(request.query_params)
+        before = _int_param(request.query_params.get("before"), "before")
+    except FilterError as exc:
+        return render(request, "error.html", {"message": str(exc)}, status_code=400)
+    params = {**job_filter.params(), "before": before, "limit": PAGE_SIZE + 1}
+    try:
+        async with transaction(settings) as conn:
+            page = await rows(conn, q.job_page, params)
+            total = None if before else (await rows(
+                conn, q.job_count, {**job_filter.params(), "cap": COUNT_CAP + 1}))[0][0]
+            effects = [r[0] for r in await rows(conn, q.effects_seen)]
+            can_act = access == "operate" and await writable(settings, conn)
+    except pg_errors.QueryCanceled:
+        return render(request, "error.html", {"message": (
+            f"The search took longer than {STATEMENT_TIMEOUT} and was stopped. "
+            "Narrow the filter (a status, an effect or a key prefix).")}, status_code=503)
+    more = len(page) > PAGE_SIZE
+    page = page[:PAGE_SIZE]
+    template = "_rows.html" if request.headers.get("hx-request") and before else "jobs.html"
+    return render(request, template, {
+        "jobs": page, "filter": job_filter, "query": job_filter.query(), "total": total,
+        "count_cap": COUNT_CAP, "next_before": page[-1][0] if more else None,
+        "effects": effects, "can_act": can_act, "bulk_cap": BULK_CAP, "message": None,
+    })
+
+
+def _int_param(value: str | None, name: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise FilterError(f"{name}: {value[:40]!r} is not a whole number") from None
+
+
+async def job_detail(request: Request) -> Response:
+    """One job: state, attempts, lease, last error, ledger row, redacted payload, audit."""
+    access = await authorized(request, "read")
+    settings = settings_of(request)
+    q = settings.queries
+    job_id = request.path_params["job_id"]
+    async with transaction(settings) as conn:
+        found = await rows(conn, q.job_detail, {"id": job_id})
+        if not found:
+            return render(request, "error.html", {"message": f"No job {job_id}."}, 404)
+        job = _job_dict(found[0], settings)
+        ledger = await rows(conn, q.job_ledger, {"key": job["key"]})
+        audit = await rows(conn, q.job_audit, {"id": job_id})
+        can_act = access == "operate" and await writable(settings, conn)
+    outcome = OUTCOMES.get(request.query_params.get("outcome", ""))
+    return render(request, "job.html", {
+        "job": job, "ledger": ledger[0] if ledger else None, "audit": audit,
+        "can_act": can_act, "message": outcome,
+        "moved": request.query_params.get("outcome") == "moved",
+    })
+
+
+_DETAIL_COLUMNS = ("id", "effect", "key", "status", "attempts", "max_attempts",
+                   "claim_version", "available_at", "lease_until", "claimed_by",
+                   "ordering_key", "last_error", "first_attempted_at", "created_at",
+                   "updated_at", "payload", "trace_context")
+
+
+def _job_dict(row: tuple[Any, ...], settings: Settings) -> dict[str, Any]:
+    job = dict(zip(_DETAIL_COLUMNS, row, strict=True))
+    job["payload_shown"] = shown_payload(settings.redact, job["effect"], job.pop("payload"))
+    return job
+
+
+async def mutation_form(request: Request) -> tuple[dict[str, str], str]:
+    """The form of an allowed mutation and the actor, or Denied."""
+    await authorized(request, "operate")
+    reason = cross_site_reason(request)
+    form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
+    if reason is None or (reason == "" and token_matches(request, form.get(CSRF_FIELD))):
+        settings = settings_of(request)
+        if settings.read_only:
+            raise Denied(PlainTextResponse("the dashboard is read-only", 403))
+        return form, actor_of(settings.authorize, request)
+    log.warning("refused a cross-site dashboard request: %s", reason or "no CSRF token")
+    raise Denied(PlainTextResponse("cross-site request refused", status_code=403))
+
+
+ACTIONS = {
+    "retry": ("retry", "retried"),
+    "cancel": ("cancel", "cancelled"),
+    "resolve_done": ("resolve_done", "resolved_done"),
+    "resolve_failed": ("resolve_failed", "resolved_failed"),
+}
+
+
+async def job_action(request: Request) -> Response:
+    """A fenced action on one job: changes it only if it is still as the operator saw it."""
+    form, actor = await mutation_form(request)
+    settings = settings_of(request)
+    action = request.path_params["action"]
+    if action not in ACTIONS:
+        return PlainTextResponse(f"unknown action {action[:40]!r}", status_code=404)
+    query_name, done_outcome = ACTIONS[action]
+    job_id = request.path_params["job_id"]
+    try:
+        seen_version = int(form.get("claim_version", ""))
+    except ValueError:
+        return PlainTextResponse("claim_version: a whole number is required", 400)
+    note = form.get("note", "")[:1000]
+    params = {
+        "id": job_id, "seen_version": seen_version, "seen_status": form.get("status", ""),
+        "actor": actor, "channel": settings.channel,
+        "detail": json.dumps({"seen_version": seen_version, "note": note} if note
+                             else {"seen_version": seen_version}),
+        "result": json.dumps({"resolved_by": actor, "note": note}),
+    }
+    async with transaction(settings) as conn:
+        if not await writable(settings, conn):
+            return PlainTextResponse("the database is read-only for the dashboard", 403)
+        changed = (await rows(conn, getattr(settings.queries, query_name), params))[0][0]
+    outcome = done_outcome if changed else "moved"
+    if form.get("view") == "row":
+        return await _row_after_action(request, job_id, outcome)
+    base = request.scope.get("root_path", "")
+    return RedirectResponse(f"{base}/jobs/{job_id}?outcome={outcome}", status_code=303)
+
+
+async def _row_after_action(request: Request, job_id: int, outcome: str) -> Response:
+    settings = settings_of(request)
+    async with transaction(settings) as conn:
+        found = await rows(conn, settings.queries.job_page, {
+            **JobFilter().params(), "before": job_id + 1, "limit": 1})
+        can_act = await writable(settings, conn)
+    job_rows = [r for r in found if r[0] == job_id]
+    return render(request, "_rows.html", {
+        "jobs": job_rows, "can_act": can_act, "message": OUTCOMES[outcome],
+        "moved": outcome == "moved", "next_before": None, "query": {},
+    })
+
+
+async def bulk_retry(request: Request) -> Response:
+    """Retry failed jobs matching a filter: first a confirmation page, then the action."""
+    form, actor = await mutation_form(request)
+    settings = settings_of(request)
+    q = settings.queries
+    try:
+        job_filter = JobFilter.from_query({**form, "status": "failed"})
+    except FilterError as exc:
+        return render(request, "error.html", {"message": str(exc)}, status_code=400)
+    async with transaction(settings) as conn:
+        if not await writable(settings, conn):
+            return PlainTextResponse("the database is read-only for the dashboard", 403)
+        if form.get("confirm") != "yes":
+            count = (await rows(conn, q.job_count,
+                                {**job_filter.params(), "cap": BULK_CAP + 1}))[0][0]
+            return render(request, "confirm_bulk.html", {
+                "filter": job_filter, "query": job_filter.query(), "count": count,
+                "bulk_cap": BULK_CAP})
+        changed = (await rows(conn, q.bulk_retry, {
+            **job_filter.params(), "cap": BULK_CAP, "actor": actor,
+            "channel": settings.channel,
+            "detail": json.dumps({"filter": job_filter.describe(), "cap": BULK_CAP}),
+        }))[0][0]
+    return render(request, "bulk_done.html", {"changed": changed, "query": job_filter.query()})
+
+
+async def metrics(request: Request) -> Response:
+    """The database-derived gauges, in the Prometheus text format."""
+    await authorized(request, "read")
+    from ..metrics import render_database_metrics  # prometheus-client is an extra
+
+    settings = settings_of(request)
+    body, content_type = await asyncio.to_thread(
+        render_database_metrics, settings.conninfo, settings.schema)
+    return Response(body, media_type=content_type)
+
+
+def _guarded(endpoint: Any) -> Any:
+    async def guarded(request: Request) -> Response:
+        try:
+            response: Response = await endpoint(request)
+        except Denied as denied:
+            response = denied.response
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+    guarded.__name__ = endpoint.__name__
+    guarded.__doc__ = endpoint.__doc__
+    return guarded
+
+
+def create_app(conninfo: str, *, schema: str = "outbox", read_only: bool = False,
+               authorize: Authorizer | None = None, redact: Redactor | None = None,
+               ) -> Starlette:
+    """The dashboard as an ASGI app for ``schema`` on the database at ``conninfo``.
+
+    Guarantees: pages only read; every action is a POST, refused cross-site (403), and a
+    single fenced statement conditional on the status and claim_version the operator saw,
+    written to ``dashboard_audit`` in the same transaction; a job that moved on changes 0
+    rows and the operator is told so. ``read_only=True`` (or a read-only database, or a
+    role that cannot update the jobs) hides and refuses every action. ``authorize``
+    (sync or async) maps a request to None (refused), ``"read"`` or ``"operate"``;
+    without it everyone who can reach the app may operate, which is why ``outbox web``
+    binds loopback unless a password is set. Payloads pass through ``redact(effect,
+    payload)`` before display (default: JSON cut at 2000 characters); everything shown
+    is HTML-escaped.
+    """
+    check_schema_name(schema)
+    settings = Settings(conninfo, schema, read_only, authorize, redact or default_redact,
+                        web_queries(schema), notify_channel(schema))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await settings.close()
+
+    routes = [
+        Route("/", _guarded(overview), name="overview"),
+        Route("/jobs", _guarded(job_list), name="jobs"),
+        Route("/jobs/bulk-retry", _guarded(bulk_retry), methods=["POST"]),
+        Route("/jobs/{job_id:int}", _guarded(job_detail), name="job"),
+        Route("/jobs/{job_id:int}/{action:str}", _guarded(job_action), methods=["POST"]),
+        Route("/metrics", _guarded(metrics), name="metrics"),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.outbox = settings
+    return app
