@@ -10,7 +10,7 @@ from .schedule import EFFECTS
 
 __all__ = ["WEBHOOK_SECRET", "Providers", "start_providers"]
 
-WEBHOOK_SECRET = "whsec_chaos"
+WEBHOOK_SECRET = "whsec_Y2hhb3M="  # base64 of "chaos"
 
 
 @dataclass

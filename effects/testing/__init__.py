@@ -12,8 +12,8 @@ test can assert "once"::
         assert resend.performed(job.key) == 1
 
 ``FakeEmailProvider`` is Resend's ``POST /emails``; ``FakeStripe`` serves PaymentIntents
-and Refunds to stripe-python; ``FakeWebhookReceiver`` checks webhook signatures and
-deduplicates by ``Idempotency-Key``. The pytest plugin (``effects.testing.pytest_plugin``,
+and Refunds to stripe-python; ``FakeWebhookReceiver`` checks Standard Webhooks signatures
+and deduplicates by ``webhook-id``. The pytest plugin (``effects.testing.pytest_plugin``,
 registered automatically) provides them as the fixtures ``fake_email``, ``fake_stripe``
 and ``fake_webhook``. Unlike stripe-mock, these fakes honour idempotency keys, which is
 what the outbox's guarantees rest on.
