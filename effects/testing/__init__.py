@@ -17,11 +17,16 @@ and deduplicates by ``webhook-id``. The pytest plugin (``effects.testing.pytest_
 registered automatically) provides them as the fixtures ``fake_email``, ``fake_stripe``
 and ``fake_webhook``. Unlike stripe-mock, these fakes honour idempotency keys, which is
 what the outbox's guarantees rest on.
+
+NATS is not faked: ``NatsServer`` / ``nats_server()`` run the real ``nats-server``
+binary with JetStream on 127.0.0.1 (fixture ``nats_server``), with ``stop``, ``kill``
+and ``restart`` for broker faults.
 """
 
 from ._base import FakeProvider
 from ._email import FakeEmailProvider, SentEmail
 from ._faults import Hold
+from ._nats import NatsServer, find_nats_server, nats_server
 from ._stripe import DEFAULT_DECLINED_CARDS, FakeStripe
 from ._webhook import FakeWebhookReceiver, ReceivedWebhook
 
@@ -32,6 +37,9 @@ __all__ = [
     "FakeStripe",
     "FakeWebhookReceiver",
     "Hold",
+    "NatsServer",
     "ReceivedWebhook",
     "SentEmail",
+    "find_nats_server",
+    "nats_server",
 ]
