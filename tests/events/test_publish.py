@@ -120,9 +120,11 @@ def test_an_invalid_payload_is_permanent_before_any_network_call(
     payload: dict[str, Any], field: str
 ) -> None:
     # Nothing listens on port 9: a network call would give Retry, not Permanent.
-    with PublishEvent("nats://127.0.0.1:9", "EVENTS") as publisher:
-        with pytest.raises(outbox.Permanent) as caught:
-            run(publisher.perform(make_job("evt-bad", payload)))
+    with (
+        PublishEvent("nats://127.0.0.1:9", "EVENTS") as publisher,
+        pytest.raises(outbox.Permanent) as caught,
+    ):
+        run(publisher.perform(make_job("evt-bad", payload)))
 
     assert field in caught.value.reason
     assert "evt-bad" in caught.value.reason
