@@ -99,3 +99,12 @@ def make_job(
         claim_version=attempt, ordering_key=ordering_key, max_attempts=25,
         first_attempted_at=first_attempted_at or datetime.now(UTC),
     )
+
+
+def stored_count(url: str, stream: str) -> int:
+    """How many messages ``stream`` holds (cheap: one stream info request)."""
+
+    async def count(js: JetStreamContext) -> int:
+        return int((await js.stream_info(stream)).state.messages)
+
+    return run(_with_js(url, count))
