@@ -1,7 +1,11 @@
-"""Pure preparation of enqueue requests: validation, canonical JSON, fingerprints.
+"""Pure core of enqueue and receive: validation, canonical JSON, fingerprints, and the
+conversation with the database as steps.
 
-Shared by the sync and async transactions so both accept and refuse exactly the same
-input. No I/O here.
+Every transaction kind (psycopg sync and async, SQLAlchemy, Django) runs the same steps:
+a step generator yields ``(query name, parameters)``, the kind executes that named block
+its own way and sends the rows back, and the generator returns the result or raises the
+outbox error. So validation, the SQL, the interpretation of rows and the error mapping
+exist once, and every kind accepts and refuses exactly the same input. No I/O here.
 """
 
 from __future__ import annotations
@@ -10,10 +14,10 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -28,6 +32,12 @@ DEFAULT_MAX_ATTEMPTS = 25
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 Payload = Mapping[str, Any] | BaseModel
+Row = tuple[Any, ...]
+Query = tuple[str, dict[str, Any]]
+"""A request to the database: the name of a block of ``queries.sql`` and its parameters."""
+T = TypeVar("T")
+Steps = Generator[Query, list[Row], T]
+"""A conversation with the database: yields queries, is sent their rows, returns T."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,3 +272,108 @@ def notify_channel(schema: str) -> str:
     """The LISTEN/NOTIFY channel for a schema (a hint that jobs were enqueued)."""
     digest = hashlib.sha1(schema.encode(), usedforsecurity=False).hexdigest()[:16]
     return f"outbox_{digest}"
+
+
+def prepare_many(jobs: Iterable[NewJob]) -> list[PreparedJob]:
+    """Validate every job of a batch; the error names the job's position and key."""
+    prepared = []
+    for index, job in enumerate(jobs):
+        try:
+            prepared.append(
+                prepare(job.effect, job.key, job.payload, job.run_at, job.ordering_key,
+                        job.max_attempts)
+            )
+        except (InvalidKey, InvalidPayload) as exc:
+            raise type(exc)(f"job #{index} ({job.key!r}): {exc}") from None
+    return prepared
+
+
+def _single_result(job: PreparedJob, rows: Sequence[Row]) -> EnqueueResult | None:
+    """Interpret the enqueue query's rows; None when a concurrent insert hid the key."""
+    if not rows:
+        return None
+    if rows[0][1]:
+        return EnqueueResult(job_id=rows[0][0], created=True)
+    existing = next((r for r in rows if r[0] is not None), rows[0])
+    return existing_result(job, existing[0], existing[2], existing[3])
+
+
+def _many_results(
+    jobs: Sequence[PreparedJob], unique: Sequence[PreparedJob], created: dict[str, int],
+    found: dict[str, Row],
+) -> list[EnqueueResult]:
+    by_key: dict[str, EnqueueResult] = {}
+    for job in unique:
+        if job.key in created:
+            by_key[job.key] = EnqueueResult(job_id=created[job.key], created=True)
+        else:
+            row = found[job.key]
+            by_key[job.key] = existing_result(job, row[1], row[2], row[3])
+    results = []
+    reported: set[str] = set()
+    for job in jobs:
+        result = by_key[job.key]
+        # A key repeated within one batch is created once; its repeats report created=False.
+        if job.key in reported and result.created:
+            result = EnqueueResult(job_id=result.job_id, created=False)
+        reported.add(job.key)
+        results.append(result)
+    return results
+
+
+def enqueue_steps(job: PreparedJob, channel: str) -> Steps[EnqueueResult]:
+    """Insert one prepared job unless its key is known; the result or the conflict."""
+    rows = yield ("enqueue", single_params(job, channel))
+    result = _single_result(job, rows)
+    if result is None:  # inserted concurrently, committed after our snapshot
+        found = yield ("lookup_keys", {"keys": [job.key]})
+        row = found[0]
+        result = existing_result(job, row[1], row[2], row[3])
+    return result
+
+
+def enqueue_many_steps(jobs: Sequence[PreparedJob], channel: str) -> Steps[list[EnqueueResult]]:
+    """Insert a prepared batch in one statement (two if some keys are already known)."""
+    unique = dedupe_batch(jobs)
+    if not unique:
+        return []
+    rows = yield ("enqueue_many", many_params(unique, channel))
+    created = {row[0]: row[1] for row in rows if row[0] is not None}
+    found: dict[str, Row] = {}
+    missing = [job.key for job in unique if job.key not in created]
+    if missing:
+        looked_up = yield ("lookup_keys", {"keys": missing})
+        found = {row[0]: row for row in looked_up}
+    return _many_results(jobs, unique, created, found)
+
+
+def receive_steps(consumer: str, message_id: str) -> Steps[bool]:
+    """Record ``message_id`` in ``consumer``'s inbox; True unless it was already there."""
+    validate_key(consumer, what="consumer")
+    validate_key(message_id, what="message_id")
+    rows = yield ("receive", {"consumer": consumer, "message_id": message_id})
+    return bool(rows)
+
+
+def run_steps(steps: Steps[T], execute: Callable[[str, dict[str, Any]], list[Row]]) -> T:
+    """Drive ``steps`` to its result with a synchronous ``execute(name, params) -> rows``."""
+    try:
+        query = next(steps)
+        while True:
+            query = steps.send(execute(*query))
+    except StopIteration as done:
+        result: T = done.value
+        return result
+
+
+async def run_steps_async(
+    steps: Steps[T], execute: Callable[[str, dict[str, Any]], Awaitable[list[Row]]]
+) -> T:
+    """Drive ``steps`` to its result with an asynchronous ``execute``."""
+    try:
+        query = next(steps)
+        while True:
+            query = steps.send(await execute(*query))
+    except StopIteration as done:
+        result: T = done.value
+        return result

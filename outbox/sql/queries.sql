@@ -4,27 +4,32 @@
 -- claimed job is conditional on status = 'running' AND claim_version = the claim's
 -- version, so a stale worker's write changes 0 rows.
 
+-- Enqueue: the blocks every transaction kind runs (psycopg, SQLAlchemy, Django), the
+-- inbox's receive too. SQLAlchemy's text() reads ":key::text" as a parameter named "ke",
+-- so their parameters are cast with CAST(... AS ...), never with "::".
+
 -- name: enqueue
 -- Insert one job unless its key is already a job or a ledger row. The notify wakes idle
 -- dispatchers when the transaction commits (PostgreSQL folds repeats into one).
 WITH inserted AS (
     INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts)
-    SELECT %(effect)s::text, %(key)s::text, %(payload)s::jsonb, %(fingerprint)s::text,
-           coalesce(%(run_at)s::timestamptz, now()), %(ordering_key)s::text, %(max_attempts)s::integer
-    WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = %(key)s::text)
+    SELECT CAST(%(effect)s AS text), CAST(%(key)s AS text), CAST(%(payload)s AS jsonb),
+           CAST(%(fingerprint)s AS text), coalesce(CAST(%(run_at)s AS timestamptz), now()),
+           CAST(%(ordering_key)s AS text), CAST(%(max_attempts)s AS integer)
+    WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = CAST(%(key)s AS text))
     ON CONFLICT (key) DO NOTHING
     RETURNING id
 )
 SELECT i.id, true AS created, NULL::text AS effect, NULL::text AS fingerprint
-FROM inserted i, pg_notify(%(channel)s::text, '')
+FROM inserted i, pg_notify(CAST(%(channel)s AS text), '')
 UNION ALL
 SELECT j.id, false, j.effect, j.fingerprint
 FROM {schema}.jobs j
-WHERE j.key = %(key)s::text AND NOT EXISTS (SELECT 1 FROM inserted)
+WHERE j.key = CAST(%(key)s AS text) AND NOT EXISTS (SELECT 1 FROM inserted)
 UNION ALL
 SELECT NULL, false, r.effect, r.fingerprint
 FROM {schema}.effect_results r
-WHERE r.key = %(key)s::text AND NOT EXISTS (SELECT 1 FROM inserted);
+WHERE r.key = CAST(%(key)s AS text) AND NOT EXISTS (SELECT 1 FROM inserted);
 
 -- name: enqueue_many
 -- The bulk path: one statement for any number of jobs, created ids out. The jobs arrive
@@ -32,7 +37,7 @@ WHERE r.key = %(key)s::text AND NOT EXISTS (SELECT 1 FROM inserted);
 -- parameter, parsed by the server, however many jobs.
 WITH wanted AS (
     SELECT *
-    FROM ROWS FROM (jsonb_to_recordset(%(jobs)s::jsonb)
+    FROM ROWS FROM (jsonb_to_recordset(CAST(%(jobs)s AS jsonb))
                     AS (effect text, key text, payload jsonb, fingerprint text,
                         run_at timestamptz, ordering_key text, max_attempts integer))
          WITH ORDINALITY
@@ -48,13 +53,13 @@ WITH wanted AS (
 )
 SELECT i.key, i.id FROM inserted i
 UNION ALL
-SELECT NULL, NULL FROM (SELECT 1 FROM inserted LIMIT 1) AS any_inserted, pg_notify(%(channel)s::text, '');
+SELECT NULL, NULL FROM (SELECT 1 FROM inserted LIMIT 1) AS any_inserted, pg_notify(CAST(%(channel)s AS text), '');
 
 -- name: lookup_keys
 -- What already holds each key: a job (id, effect, fingerprint) or only the ledger.
 SELECT k.key, j.id, coalesce(j.effect, r.effect) AS effect,
        coalesce(j.fingerprint, r.fingerprint) AS fingerprint
-FROM unnest(%(keys)s::text[]) AS k(key)
+FROM unnest(CAST(%(keys)s AS text[])) AS k(key)
 LEFT JOIN {schema}.jobs j ON j.key = k.key
 LEFT JOIN {schema}.effect_results r ON r.key = k.key;
 
@@ -249,3 +254,28 @@ FROM {schema}.jobs
 WHERE status IN ('failed', 'reconcile')
 ORDER BY updated_at DESC, id DESC
 LIMIT %(limit)s;
+
+-- Inbox: the idempotent consumer's record of the messages it handled.
+
+-- name: receive
+-- Record a message in the caller's transaction; a row comes back only the first time.
+-- A concurrent insert of the same message waits for the other transaction and then
+-- conflicts (no row) if it committed, or inserts (a row) if it rolled back.
+INSERT INTO {schema}.inbox (consumer, message_id)
+VALUES (CAST(%(consumer)s AS text), CAST(%(message_id)s AS text))
+ON CONFLICT (consumer, message_id) DO NOTHING
+RETURNING true AS first;
+
+-- name: purge_inbox
+-- Retention of the inbox: delete rows received more than %(age)s seconds ago, at most
+-- %(limit)s per call (repeat while it deletes %(limit)s). A repeat arriving after its row
+-- is purged counts as new: keep the retention longer than any redelivery can lag.
+WITH doomed AS (
+    SELECT consumer, message_id FROM {schema}.inbox
+    WHERE received_at < now() - CAST(%(age)s AS float8) * interval '1 second'
+    ORDER BY received_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {schema}.inbox i USING doomed d
+WHERE i.consumer = d.consumer AND i.message_id = d.message_id;

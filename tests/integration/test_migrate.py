@@ -138,3 +138,17 @@ def test_newer_schema_is_refused(dsn: str, schema: str) -> None:
             require_current(conn, schema)
         with pytest.raises(SchemaError, match="refusing to migrate"):
             outbox.migrate(conn, schema=schema)
+
+
+def test_the_inbox_table_has_its_key_and_retention_index(dsn: str, fresh_schema: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        outbox.migrate(conn, schema=fresh_schema)
+        assert _columns(conn, fresh_schema, "inbox") == {
+            "consumer": "text", "message_id": "text",
+            "received_at": "timestamp with time zone"}
+        indexes = conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE schemaname = %s AND tablename = 'inbox'",
+            (fresh_schema,)).fetchall()
+        definitions = " ".join(str(row[0]) for row in indexes)
+        assert "(consumer, message_id)" in definitions
+        assert "(received_at)" in definitions
