@@ -90,10 +90,14 @@ from outbox import (
     UnknownOutcome,
 )
 
+from ._nats_consumer import ConsumerStats, InboxConsumer, InboxEvent
 from ._payload import validated_payload
 
 __all__ = [
+    "ConsumerStats",
     "EventPayload",
+    "InboxConsumer",
+    "InboxEvent",
     "PublishEvent",
     "StreamFacts",
     "canonical_json",
