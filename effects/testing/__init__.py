@@ -12,8 +12,9 @@ test can assert "once"::
         assert resend.performed(job.key) == 1
 
 ``FakeEmailProvider`` is Resend's ``POST /emails``; ``FakeStripe`` serves PaymentIntents
-and Refunds to stripe-python; ``FakeWebhookReceiver`` checks Standard Webhooks signatures
-and deduplicates by ``webhook-id``. The pytest plugin (``effects.testing.pytest_plugin``,
+and Refunds to stripe-python, and sends signed webhook events (``send_event``);
+``FakeWebhookReceiver`` checks Standard Webhooks signatures and deduplicates by
+``webhook-id``. The pytest plugin (``effects.testing.pytest_plugin``,
 registered automatically) provides them as the fixtures ``fake_email``, ``fake_stripe``
 and ``fake_webhook``. Unlike stripe-mock, these fakes honour idempotency keys, which is
 what the outbox's guarantees rest on.
@@ -27,7 +28,7 @@ from ._base import FakeProvider
 from ._email import FakeEmailProvider, SentEmail
 from ._faults import Hold
 from ._nats import NatsServer, find_nats_server, nats_server
-from ._stripe import DEFAULT_DECLINED_CARDS, FakeStripe
+from ._stripe import DEFAULT_DECLINED_CARDS, FakeStripe, stripe_signature
 from ._webhook import FakeWebhookReceiver, ReceivedWebhook
 
 __all__ = [
@@ -42,4 +43,5 @@ __all__ = [
     "SentEmail",
     "find_nats_server",
     "nats_server",
+    "stripe_signature",
 ]

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import re
 import secrets
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qsl
+
+import httpx
 
 from ._base import DAY, FakeProvider, Performed
 from ._http import Reply, Request
@@ -79,8 +84,12 @@ class FakeStripe(FakeProvider):
         retention: float = DAY,
         latency: float = 0.0,
         max_stall: float = 60.0,
+        webhook_url: str | None = None,
+        webhook_secret: str = "whsec_fake_stripe",  # noqa: S107  (a test double's default)
     ) -> None:
         self._api_key = api_key
+        self.webhook_url = webhook_url
+        self.webhook_secret = webhook_secret
         self._records_lock = threading.Lock()
         self._declines = {**DEFAULT_DECLINED_CARDS, **(declined_cards or {})}
         self._intents: dict[str, dict[str, Any]] = {}
@@ -108,6 +117,38 @@ class FakeStripe(FakeProvider):
         """Every Refund created, in order, as Stripe's JSON."""
         with self._records_lock:
             return [dict(refund) for refund in self._refunds.values()]
+
+    # -- webhooks -----------------------------------------------------------------
+
+    def send_event(
+        self, event_type: str, data_object: Mapping[str, Any], *, event_id: str | None = None
+    ) -> httpx.Response:
+        """POST a signed Stripe event to ``webhook_url``, as Stripe's webhooks do.
+
+        The body is an ``event`` object (``{"id": "evt_...", "type": event_type, "data":
+        {"object": data_object}, ...}``) with a ``Stripe-Signature`` header made with
+        ``webhook_secret``. Pass the ``event_id`` of an earlier event to redeliver it, as
+        Stripe does when an endpoint did not answer 2xx. Returns the endpoint's answer.
+        """
+        if self.webhook_url is None:
+            raise RuntimeError("FakeStripe(webhook_url=...) is needed to send events")
+        event = {
+            "id": event_id or f"evt_{secrets.token_hex(12)}",
+            "object": "event",
+            "api_version": "2024-06-20",
+            "created": int(time.time()),
+            "type": event_type,
+            "livemode": False,
+            "pending_webhooks": 1,
+            "request": {"id": None, "idempotency_key": None},
+            "data": {"object": dict(data_object)},
+        }
+        body = json.dumps(event).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "Stripe-Signature": stripe_signature(self.webhook_secret, body),
+        }
+        return httpx.post(self.webhook_url, content=body, headers=headers, timeout=10.0)
 
     # -- routing ------------------------------------------------------------------
 
@@ -358,6 +399,16 @@ class FakeStripe(FakeProvider):
             self._intents.clear()
             self._refunds.clear()
             self._declines = dict(DEFAULT_DECLINED_CARDS)
+
+
+def stripe_signature(secret: str, body: bytes, timestamp: int | None = None) -> str:
+    """A ``Stripe-Signature`` header for ``body``: ``t=<time>,v1=<hex HMAC-SHA256>``.
+
+    Stripe signs ``f"{t}.{body}"`` with the endpoint's signing secret (used as is).
+    """
+    stamp = int(time.time()) if timestamp is None else timestamp
+    digest = hmac.new(secret.encode(), f"{stamp}.".encode() + body, hashlib.sha256)
+    return f"t={stamp},v1={digest.hexdigest()}"
 
 
 def _nest(pairs: list[tuple[str, str]]) -> Params:
