@@ -14,7 +14,9 @@ transaction back (no inbox row, no business rows) and the message is nak'ed with
 growing delay; on its ``max_deliver``-th failed delivery it is parked on the dead-letter
 subject and terminated, so a poison message never loops. If parking fails (no stream
 captures the dead-letter subject), the message is kept and retried later: nothing is
-dropped. A database that cannot be reached naks the message too.
+dropped. A database that cannot be reached naks the message too, and never parks it
+(the message is not at fault). A broker that goes away is waited for: the client
+reconnects, and unacknowledged messages are redelivered after ``ack_wait``.
 
 The message id is the ``Outbox-Message-Id`` header (the publishing job's key), else
 ``Nats-Msg-Id``, else ``<stream>:<stream sequence>`` (which only recognises redeliveries).
@@ -44,6 +46,7 @@ __all__ = ["ConsumerStats", "InboxConsumer", "InboxEvent"]
 log = logging.getLogger("effects.nats.consumer")
 
 MESSAGE_ID_HEADER = "Outbox-Message-Id"
+_RECONNECT_PAUSE = 0.2
 Handler = Callable[["outbox.Transaction", "InboxEvent"], object]
 
 
@@ -156,33 +159,58 @@ class InboxConsumer:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
-        if running is loop:
+        if running is loop or loop.is_closed():
             stopping.set()
         else:
             loop.call_soon_threadsafe(stopping.set)
 
     async def _consume(self, *, until_idle: bool, idle_timeout: float) -> ConsumerStats:
+        stopping = self._stopping
+        assert stopping is not None
         client = await nats.connect(servers=self._servers, max_reconnect_attempts=-1,
-                                    **self._options)
+                                    error_cb=self._on_error, **self._options)
         try:
             js = client.jetstream()
             subscription = await self._subscribe(js)
-            assert self._stopping is not None
-            while not self._stopping.is_set():
+            while not stopping.is_set():
                 try:
                     messages = await subscription.fetch(self.batch, timeout=idle_timeout)
-                except nats.errors.TimeoutError:
+                except TimeoutError:  # nats-py raises its own and asyncio's
                     if until_idle and await self._idle(js):
                         break
                     continue
+                except nats.errors.Error as exc:
+                    # Disconnected: the client reconnects by itself; unacked messages come
+                    # back after ack_wait.
+                    log.info("%s: fetch failed (%s); retrying", self.name, type(exc).__name__)
+                    await asyncio.sleep(_RECONNECT_PAUSE)
+                    continue
                 for message in messages:
-                    await self._process(js, message)
+                    try:
+                        await self._process(js, message)
+                    except nats.errors.Error as exc:
+                        log.info("%s: lost the broker mid-message (%s); it will be "
+                                 "redelivered", self.name, type(exc).__name__)
         finally:
             await client.close()
             await asyncio.to_thread(self._close_db)
         return self.stats
 
     async def _subscribe(self, js: JetStreamContext) -> JetStreamContext.PullSubscription:
+        """The pull subscription, waiting out a broker that is (re)starting."""
+        assert self._stopping is not None
+        while True:
+            try:
+                return await self._pull_subscribe(js)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                    nats.js.errors.ServiceUnavailableError) as exc:
+                if self._stopping.is_set():
+                    raise
+                log.info("%s: JetStream not ready (%s); retrying", self.name,
+                         type(exc).__name__)
+                await asyncio.sleep(_RECONNECT_PAUSE)
+
+    async def _pull_subscribe(self, js: JetStreamContext) -> JetStreamContext.PullSubscription:
         config = ConsumerConfig(
             durable_name=self.name,
             ack_policy=AckPolicy.EXPLICIT,
@@ -195,8 +223,15 @@ class InboxConsumer:
         return await js.pull_subscribe(self.subject or "", durable=self.name,
                                        stream=self.stream, config=config)
 
+    async def _on_error(self, exc: Exception) -> None:
+        # nats-py would log each failed reconnection with a traceback; one line will do.
+        log.info("%s: connection error %s", self.name, type(exc).__name__)
+
     async def _idle(self, js: JetStreamContext) -> bool:
-        info = await js.consumer_info(self.stream, self.name)
+        try:
+            info = await js.consumer_info(self.stream, self.name)
+        except nats.errors.Error:
+            return False  # the broker is away: not idle as far as we know
         return bool(info.num_pending == 0 and info.num_ack_pending == 0)
 
     # -- one message -----------------------------------------------------------------
@@ -243,7 +278,9 @@ class InboxConsumer:
         self.stats.errors.append(type(exc).__name__)
         log.warning("%s: message %s failed on delivery %d (%s)", self.name, event.message_id,
                     event.deliveries, type(exc).__name__)
-        if event.deliveries >= self.max_deliver and await self._park(js, event, exc):
+        # An unreachable database is not the message's fault: retried, never parked.
+        poison = not isinstance(exc, psycopg.OperationalError)
+        if poison and event.deliveries >= self.max_deliver and await self._park(js, event, exc):
             self.stats.dead_lettered += 1
             await message.term()
             return
