@@ -64,7 +64,6 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -116,6 +115,7 @@ _MAX_HEADERS = 64
 _MAX_SUBJECT = 1024
 _STRICT_DUPLICATE = 10077  # "maximum messages per subject exceeded" (discard new)
 _RECHECK_SECONDS = 60.0
+_STRICT_DEFAULT_WINDOW = 24 * 3600.0
 
 TraceHeaders = Callable[[Job], Mapping[str, str]]
 """Returns extra headers for an attempt (e.g. ``traceparent``); called once per attempt."""
@@ -389,13 +389,16 @@ class PublishEvent(Effect):
     def unknown_outcome_window(self) -> float | None:
         """Seconds after a job's first attempt during which re-publishing is safe.
 
-        The stream's effective duplicate window, known after ``check()`` (None before);
-        infinite in strict mode. Give it to the dispatcher running these jobs as its
-        ``unknown_outcome_window``.
+        The stream's effective duplicate window, known after ``check()`` (None before).
+        In strict mode the broker refuses repeats for as long as it keeps a message:
+        ``max_age`` when the stream has one, else the dispatcher's default of 24 hours.
+        Give it to the dispatcher running these jobs as its ``unknown_outcome_window``.
         """
         if self._facts is None:
             return None
-        return math.inf if self._facts.strict else self._facts.window
+        if self._facts.strict:
+            return self._facts.max_age or _STRICT_DEFAULT_WINDOW
+        return self._facts.window
 
     @property
     def connected(self) -> bool:

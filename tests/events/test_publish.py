@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -252,3 +253,17 @@ def test_a_first_attempt_is_never_held_back_by_the_window(
 def test_subject_matching_follows_nats_wildcards(pattern: str, subject: str,
                                                  matches: bool) -> None:
     assert subject_matches(pattern, subject) is matches
+
+
+def test_credentials_in_server_urls_reach_no_reason_log_or_repr(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    with PublishEvent("nats://alice:s3cr3t-pw@127.0.0.1:9", "EVENTS") as publisher:
+        with pytest.raises(outbox.Retry) as caught:
+            run(publisher.perform(make_job("evt-1", event("EVENTS"))))
+        shown = repr(publisher)
+
+    texts = [shown, str(caught.value), *(r.getMessage() for r in caplog.records)]
+    assert not [text for text in texts if "s3cr3t-pw" in text]
+    assert "127.0.0.1:9" in caught.value.reason
