@@ -8,6 +8,10 @@ the at-least-once delivery of the dispatcher becomes one effect at the provider:
     RefundPayment   "payment.refund"  Stripe Refund
     PostWebhook     "webhook.post"    JSON POST to any endpoint, signed per Standard Webhooks
 
+With the ``outbox[nats]`` extra, ``effects.nats`` adds ``PublishEvent`` ("nats.publish",
+JetStream deduplicated by the key) and the ``InboxConsumer``; ``effects.inbox`` verifies
+incoming Standard Webhooks and Stripe webhooks and records them through ``tx.receive``.
+
 Each maps its provider's answers to ``outbox.Retry``, ``outbox.Permanent`` or
 ``outbox.UnknownOutcome`` (tables in each module's docstring). ``effects.testing`` has
 local fake providers with the same idempotency semantics, for tests.

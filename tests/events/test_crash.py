@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -84,8 +85,9 @@ def test_a_worker_killed_after_publish_and_before_done_publishes_once(
     assert per_key(nats_server.url, stream) == {"evt-order-102-paid": 1}
 
 
+@pytest.mark.parametrize("how", ["kill", "stop"])
 def test_a_broker_restarted_mid_run_loses_nothing_and_duplicates_nothing(
-    dsn: str, schema: str, db: psycopg.Connection[tuple[object, ...]],
+    dsn: str, schema: str, db: psycopg.Connection[tuple[object, ...]], how: str,
 ) -> None:
     keys = [f"evt-{n}" for n in range(500)]
     with NatsServer() as server:
@@ -96,7 +98,10 @@ def test_a_broker_restarted_mid_run_loses_nothing_and_duplicates_nothing(
         def restart_once_some_are_stored() -> None:
             wait_until(lambda: stored_count(server.url, stream) >= 50,
                        "some events to be stored")
-            server.kill()  # a crash: no graceful goodbye to clients
+            if how == "kill":
+                server.kill()  # a crash: no goodbye to the clients
+            else:
+                server.stop()
             server.start()
             restarted.set()
 
@@ -126,3 +131,37 @@ def test_a_broker_restarted_mid_run_loses_nothing_and_duplicates_nothing(
     assert first.failed == 0
     assert set(counts) == set(keys)
     assert max(counts.values()) == 1
+
+
+def test_an_unknown_outcome_past_the_window_goes_to_reconcile_without_publishing_again(
+    dsn: str, schema: str, db: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    with NatsServer() as server:
+        stream = add_stream(server.url, duplicate_window=60.0)
+        enqueue_events(db, schema, stream, ["evt-frozen"])
+        with PublishEvent(server.url, stream, timeout=0.5, lease=2.0,
+                          rescue_interval=0.1) as publisher:
+            publisher.check()
+            dispatcher = outbox.Dispatcher(
+                dsn, [publisher], schema=schema, lease=2.0, rescue_interval=0.1,
+                poll_interval=0.05, backoff=outbox.Backoff(base=0.05, cap=0.1),
+                unknown_outcome_window=publisher.unknown_outcome_window or 0.0,
+            )
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGSTOP)  # the publish is written, never answered
+            try:
+                first = dispatcher.run_until_idle(timeout=60)
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            assert first.retried == 1  # UnknownOutcome, inside the window: retried
+            # The first attempt was stored after all; pretend the window has passed.
+            db.execute(f'UPDATE "{schema}".jobs SET first_attempted_at = now() - '
+                       "interval '10 minutes', available_at = now()")
+            dispatcher.run_until_idle(timeout=60)
+
+        job = jobs(db, schema)["evt-frozen"]
+        counts = per_key(server.url, stream)
+
+    assert job["status"] == "reconcile"
+    assert "past the stream's duplicate window" in job["last_error"]
+    assert counts == {"evt-frozen": 1}

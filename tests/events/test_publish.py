@@ -10,10 +10,11 @@ import signal
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import nats.js.errors
 import pytest
 
 import outbox
-from effects.nats import PublishEvent, canonical_json, subject_matches
+from effects.nats import PublishEvent, _api_outcome, canonical_json, subject_matches
 from effects.testing import NatsServer
 from tests.crash.support import wait_until
 
@@ -267,3 +268,21 @@ def test_credentials_in_server_urls_reach_no_reason_log_or_repr(
     texts = [shown, str(caught.value), *(r.getMessage() for r in caplog.records)]
     assert not [text for text in texts if "s3cr3t-pw" in text]
     assert "127.0.0.1:9" in caught.value.reason
+
+
+@pytest.mark.parametrize(
+    ("code", "err_code", "outcome"),
+    [(503, 10039, outbox.Retry), (400, 10060, outbox.Permanent),
+     (404, 10059, outbox.Permanent), (500, 10049, outbox.UnknownOutcome)],
+)
+def test_jetstream_answers_map_to_outcomes(
+    code: int, err_code: int, outcome: type[outbox.EffectOutcome]
+) -> None:
+    with pytest.raises(nats.js.errors.APIError) as answer:  # nats-py raises what it parses
+        nats.js.errors.APIError.from_error(
+            {"code": code, "err_code": err_code, "description": "as the server says"})
+
+    mapped = _api_outcome(answer.value, "nats.publish job k")
+
+    assert type(mapped) is outcome
+    assert f"err_code {err_code}: as the server says" in str(mapped)
