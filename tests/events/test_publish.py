@@ -188,6 +188,9 @@ def test_a_stopped_broker_is_retried_and_a_restarted_one_takes_the_event() -> No
         with PublishEvent(server.url, name, timeout=2.0) as publisher:
             run(publisher.perform(make_job("evt-1", event(name))))
             server.stop()
+            # Until the client has seen the connection close, a publish would be written
+            # into it and time out (UnknownOutcome): wait for the client to know.
+            wait_until(lambda: not publisher.connected, "the publisher to see the broker go")
             with pytest.raises(outbox.Retry, match="not connected|could not connect"):
                 run(publisher.perform(make_job("evt-2", event(name))))
             server.start()
