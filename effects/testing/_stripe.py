@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import queue
 import re
 import secrets
 import threading
@@ -67,6 +68,13 @@ class FakeStripe(FakeProvider):
     - ``Authorization: Bearer <key>`` required (401); when ``api_key`` is given, others
       are refused with 401 too (the message never echoes the key).
 
+    Webhooks: with ``webhook_url``, each PaymentIntent that succeeds is announced as a
+    ``payment_intent.succeeded`` event, POSTed after the API answer on a thread of its
+    own and signed with ``webhook_secret`` (``Stripe-Signature``, verifiable with
+    ``stripe.Webhook.construct_event``); an endpoint that does not answer 2xx gets the
+    same event (same id) again, up to 4 attempts. ``delivered_events`` and
+    ``wait_for_deliveries`` show what was sent; ``send_event`` sends any event.
+
     Idempotency as Stripe: ``Idempotency-Key`` up to 255 characters; the answer of a
     request that executed (success or card decline alike) is saved for ``retention``
     and replayed with ``Idempotent-Replayed: true``; other parameters or another
@@ -90,6 +98,10 @@ class FakeStripe(FakeProvider):
         self._api_key = api_key
         self.webhook_url = webhook_url
         self.webhook_secret = webhook_secret
+        self._deliveries: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue()
+        self._delivered: list[tuple[str, str, int]] = []
+        self._delivered_changed = threading.Condition()
+        self._sender: threading.Thread | None = None
         self._records_lock = threading.Lock()
         self._declines = {**DEFAULT_DECLINED_CARDS, **(declined_cards or {})}
         self._intents: dict[str, dict[str, Any]] = {}
@@ -119,6 +131,57 @@ class FakeStripe(FakeProvider):
             return [dict(refund) for refund in self._refunds.values()]
 
     # -- webhooks -----------------------------------------------------------------
+
+    @property
+    def delivered_events(self) -> list[tuple[str, str, int]]:
+        """``(event id, type, HTTP status)`` of each automatic delivery attempt so far
+        (status 0: the endpoint could not be reached)."""
+        with self._delivered_changed:
+            return list(self._delivered)
+
+    def wait_for_deliveries(self, n: int, timeout: float = 10.0) -> None:
+        """Block until ``n`` automatic delivery attempts were made; AssertionError after
+        ``timeout`` seconds (a test's way to know without sleeping)."""
+        with self._delivered_changed:
+            if not self._delivered_changed.wait_for(lambda: len(self._delivered) >= n,
+                                                    timeout):
+                raise AssertionError(f"{len(self._delivered)} of {n} webhook deliveries "
+                                     f"after {timeout}s")
+
+    def close(self) -> None:
+        """Stop the webhook sender (pending deliveries are dropped), then the server."""
+        if self._sender is not None:
+            self._deliveries.put(None)
+            self._sender.join(30.0)
+            self._sender = None
+        super().close()
+
+    def _announce(self, event_type: str, data_object: dict[str, Any]) -> None:
+        """Queue an event for delivery after the API answer, as Stripe sends webhooks."""
+        if self.webhook_url is None:
+            return
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_events, daemon=True,
+                                            name="fake-stripe-webhooks")
+            self._sender.start()
+        self._deliveries.put((event_type, dict(data_object)))
+
+    def _send_events(self) -> None:
+        while (item := self._deliveries.get()) is not None:
+            event_type, data_object = item
+            event_id = f"evt_{secrets.token_hex(12)}"
+            # Stripe retries an event (same id) until the endpoint answers 2xx.
+            for attempt in range(_WEBHOOK_ATTEMPTS):
+                try:
+                    status = self.send_event(event_type, data_object,
+                                             event_id=event_id).status_code
+                except httpx.HTTPError:
+                    status = 0
+                with self._delivered_changed:
+                    self._delivered.append((event_id, event_type, status))
+                    self._delivered_changed.notify_all()
+                if 200 <= status < 300 or self._closing.wait(0.05 * 2**attempt):
+                    break
 
     def send_event(
         self, event_type: str, data_object: Mapping[str, Any], *, event_id: str | None = None
@@ -265,6 +328,11 @@ class FakeStripe(FakeProvider):
             return dict(intent)
 
     def _settle(self, intent_id: str) -> dict[str, Any]:
+        settled = self._settle_intent(intent_id)
+        self._announce("payment_intent.succeeded", settled)
+        return settled
+
+    def _settle_intent(self, intent_id: str) -> dict[str, Any]:
         with self._records_lock:
             intent = self._intents[intent_id]
             intent["amount_received"] = intent["amount"]
@@ -399,6 +467,9 @@ class FakeStripe(FakeProvider):
             self._intents.clear()
             self._refunds.clear()
             self._declines = dict(DEFAULT_DECLINED_CARDS)
+
+
+_WEBHOOK_ATTEMPTS = 4
 
 
 def stripe_signature(secret: str, body: bytes, timestamp: int | None = None) -> str:

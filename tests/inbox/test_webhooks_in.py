@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request, Response
 from psycopg import sql
 
 import outbox
-from effects import PostWebhook
+from effects import ChargeCard, PostWebhook
 from effects.inbox import (
     WebhookRejected,
     areceive_stripe_event,
@@ -68,6 +68,15 @@ def make_app(dsn: str, schema: str) -> FastAPI:
             if got.new and got.event.type == "payment_intent.succeeded":
                 conn.execute(orders, (got.event.data.object["id"],))
         return Response(status_code=200)
+
+    answered: list[int] = []
+
+    @app.post("/hooks/stripe-answer-lost")
+    async def stripe_hook_answer_lost(request: Request) -> Response:
+        # Commits its work, then fails the first answer, as if the response were lost.
+        await stripe_hook(request)
+        answered.append(1)
+        return Response(status_code=500 if len(answered) == 1 else 200)
 
     @app.post("/hooks/stripe-async")
     async def stripe_hook_async(request: Request) -> Response:
@@ -228,3 +237,31 @@ def test_the_async_helper_records_once_on_an_async_transaction(
 
     assert (first.status_code, again.status_code) == (200, 200)
     assert rows(db, schema, "paid") == [("pi_9",)]
+
+
+# -- FakeStripe announcing the charges it makes ----------------------------------------
+
+
+def charge_job(key: str) -> outbox.Job:
+    return outbox.Job(id=1, effect="payment.charge", key=key, attempt=1, claim_version=1,
+                      payload={"amount": 2000, "currency": "eur", "customer": "cus_Ada",
+                               "payment_method": "pm_card_visa"})
+
+
+@pytest.mark.parametrize("path", ["/hooks/stripe", "/hooks/stripe-answer-lost"])
+def test_a_charge_is_announced_by_webhook_and_handled_once(
+    served: Served, db: Conn, schema: str, path: str
+) -> None:
+    with (
+        FakeStripe(webhook_url=served.url(path), webhook_secret=STRIPE_SECRET) as fake,
+        ChargeCard(api_key="sk_test_x", base_url=fake.url) as charge,
+    ):
+        result = charge.perform(charge_job("charge-order-102"))
+        charge.perform(charge_job("charge-order-102"))  # a retry: replayed, not announced
+        deliveries = 2 if path.endswith("answer-lost") else 1
+        fake.wait_for_deliveries(deliveries)
+        delivered = fake.delivered_events
+
+    assert [status for _, _, status in delivered] == ([500, 200] if deliveries == 2 else [200])
+    assert len({event_id for event_id, _, _ in delivered}) == 1  # a redelivery, same id
+    assert rows(db, schema, "paid") == [(result["id"],)]
