@@ -25,9 +25,10 @@ The message id is the ``Outbox-Message-Id`` header (the publishing job's key), e
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,9 @@ log = logging.getLogger("effects.nats.consumer")
 
 MESSAGE_ID_HEADER = "Outbox-Message-Id"
 _RECONNECT_PAUSE = 0.2
-Handler = Callable[["outbox.Transaction", "InboxEvent"], object]
+SyncHandler = Callable[["outbox.Transaction", "InboxEvent"], object]
+AsyncHandler = Callable[["outbox.AsyncTransaction", "InboxEvent"], Awaitable[object]]
+Handler = SyncHandler | AsyncHandler
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,9 @@ class InboxConsumer:
 
     ``handler`` is a plain function called in a worker thread with an
     ``outbox.Transaction`` on this consumer's own connection (``tx.connection``), so it
-    may write business rows and ``tx.enqueue`` follow-up jobs atomically.
+    may write business rows and ``tx.enqueue`` follow-up jobs atomically; or an
+    ``async def`` awaited on the consumer's loop with an ``outbox.AsyncTransaction`` on
+    a ``psycopg.AsyncConnection``.
     """
 
     def __init__(
@@ -130,6 +135,7 @@ class InboxConsumer:
         self._options = {"connect_timeout": 2, "reconnect_time_wait": 0.5, "name": name}
         self._options.update(connect_options or {})
         self._db: psycopg.Connection[Any] | None = None
+        self._adb: psycopg.AsyncConnection[Any] | None = None
         self._stopping: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats = ConsumerStats()
@@ -194,6 +200,7 @@ class InboxConsumer:
         finally:
             await client.close()
             await asyncio.to_thread(self._close_db)
+            await self._aclose_db()
         return self.stats
 
     async def _subscribe(self, js: JetStreamContext) -> JetStreamContext.PullSubscription:
@@ -239,7 +246,10 @@ class InboxConsumer:
     async def _process(self, js: JetStreamContext, message: Msg) -> None:
         event = _event(message, self.stream)
         try:
-            handled = await asyncio.to_thread(self._handle, event)
+            if inspect.iscoroutinefunction(self._handler):
+                handled = await self._handle_async(event)
+            else:
+                handled = await asyncio.to_thread(self._handle, event)
         except Exception as exc:
             await self._failed(js, message, event, exc)
             return
@@ -253,16 +263,42 @@ class InboxConsumer:
 
     def _handle(self, event: InboxEvent) -> bool:
         """In a worker thread: receive and handle in one transaction; False for a repeat."""
+        handler: SyncHandler = self._handler  # type: ignore[assignment]
         db = self._connection()
         try:
             with outbox.transaction(db, schema=self.schema) as tx:
                 if not tx.receive(self.name, event.message_id):
                     return False
-                self._handler(tx, event)
+                handler(tx, event)
             return True
         except psycopg.OperationalError:
             self._close_db()  # a fresh connection next time
             raise
+
+    async def _handle_async(self, event: InboxEvent) -> bool:
+        """On the loop: receive and await the handler in one transaction."""
+        handler: AsyncHandler = self._handler  # type: ignore[assignment]
+        db = await self._aconnection()
+        try:
+            async with outbox.transaction(db, schema=self.schema) as tx:
+                if not await tx.receive(self.name, event.message_id):
+                    return False
+                await handler(tx, event)
+            return True
+        except psycopg.OperationalError:
+            await self._aclose_db()
+            raise
+
+    async def _aconnection(self) -> psycopg.AsyncConnection[Any]:
+        if self._adb is None or self._adb.closed:
+            self._adb = await psycopg.AsyncConnection.connect(
+                self._conninfo, autocommit=True, application_name=f"outbox inbox {self.name}")
+        return self._adb
+
+    async def _aclose_db(self) -> None:
+        adb, self._adb = self._adb, None
+        if adb is not None:
+            await adb.close()
 
     async def _acknowledge(self, message: Msg) -> None:
         """Ack and wait for the server: a lost ack only means one harmless redelivery."""

@@ -189,3 +189,24 @@ def test_run_stops_when_asked_from_the_handlers_thread(
 
     assert stats.handled == 1
     assert handled(db, schema) == [("evt-1", 1)]
+
+
+def test_an_async_handler_runs_once_per_message_on_an_async_transaction(
+    dsn: str, schema: str, db: Conn, nats_server: NatsServer, streams: tuple[str, str]
+) -> None:
+    events, _ = streams
+    publish(nats_server.url, f"{events}.orders.paid", b"{}", "evt-1")
+    publish(nats_server.url, f"{events}.orders.paid", b"{}", "evt-1", nats_msg_id="again")
+    publish(nats_server.url, f"{events}.orders.paid", b"{}", "evt-2")
+    insert = sql.SQL("INSERT INTO {}.handled (message_id, deliveries) VALUES (%s, %s)").format(
+        sql.Identifier(schema))
+
+    async def record_async(tx: outbox.AsyncTransaction, event: InboxEvent) -> None:
+        await tx.connection.execute(insert, (event.message_id, event.deliveries))
+        if event.message_id == "evt-2" and event.deliveries == 1:
+            raise RuntimeError("first delivery fails")
+
+    stats = run(consumer(dsn, schema, nats_server.url, events, record_async).run_until_idle())
+
+    assert (stats.handled, stats.duplicates, stats.failed) == (2, 1, 1)
+    assert handled(db, schema) == [("evt-1", 1), ("evt-2", 2)]
