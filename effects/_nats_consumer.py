@@ -325,7 +325,8 @@ class InboxConsumer:
 
     async def _park(self, js: JetStreamContext, event: InboxEvent, exc: Exception) -> bool:
         """Publish the message to the dead-letter subject; False if that failed."""
-        headers = {k: v for k, v in event.headers.items() if k.lower() != "nats-msg-id"}
+        # Nats-* headers steer the broker (the id, the expected stream): not copied.
+        headers = {k: v for k, v in event.headers.items() if not k.lower().startswith("nats-")}
         headers.update({
             # A consumer that dies after parking and before term parks it again: dedup.
             "Nats-Msg-Id": f"dead:{self.stream}:{self.name}:{event.stream_seq}",

@@ -13,10 +13,10 @@ import pytest
 from psycopg import sql
 
 import outbox
-from effects.nats import InboxConsumer, InboxEvent
+from effects.nats import InboxConsumer, InboxEvent, PublishEvent
 from effects.testing import NatsServer
 
-from .support import add_stream, delete_stream, messages, run
+from .support import add_stream, delete_stream, make_job, messages, run
 from .test_crash import start_worker
 from .worker import record
 
@@ -127,13 +127,17 @@ def test_a_poison_message_is_parked_after_max_deliver_and_not_looped(
     dsn: str, schema: str, db: Conn, nats_server: NatsServer, streams: tuple[str, str]
 ) -> None:
     events, dead = streams
-    publish(nats_server.url, f"{events}.orders.paid", b"not json", "evt-poison")
+    # Published as the outbox does (with Nats-Expected-Stream), parked on another stream.
+    with PublishEvent(nats_server.url, events) as publisher:
+        run(publisher.perform(make_job("evt-poison", {"subject": f"{events}.orders.paid",
+                                                      "data": "not json"})))
     publish(nats_server.url, f"{events}.orders.paid", b'{"ok": true}', "evt-fine")
     calls: list[str] = []
 
     def parse(tx: outbox.Transaction, event: InboxEvent) -> None:
         calls.append(event.message_id)
-        event.json()  # raises for the poison message, every time
+        if not isinstance(event.json(), dict):  # the poison message, every time
+            raise ValueError("an order event must be a JSON object")
         record(tx, event)
 
     stats = run(consumer(dsn, schema, nats_server.url, events, parse,
@@ -144,11 +148,12 @@ def test_a_poison_message_is_parked_after_max_deliver_and_not_looped(
     assert handled(db, schema) == [("evt-fine", 1)]
     assert inbox(db, schema) == [("billing", "evt-fine")]
     [parked] = messages(nats_server.url, dead)
-    assert parked.data == b"not json"
+    assert parked.data == b'"not json"'
     assert parked.subject == f"DLQ.{events}.billing"
     assert parked.headers["Outbox-Message-Id"] == "evt-poison"
     assert parked.headers["Outbox-Deliveries"] == "3"
-    assert parked.headers["Outbox-Dead-Letter-Reason"] == "JSONDecodeError"
+    assert parked.headers["Outbox-Dead-Letter-Reason"] == "ValueError"
+    assert parked.headers["Outbox-Original-Subject"] == f"{events}.orders.paid"
 
 
 def test_a_consumer_killed_between_commit_and_ack_does_not_handle_twice(
