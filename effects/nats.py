@@ -61,15 +61,14 @@ or one subject partition per worker, and uses ``Outbox-Ordering-Key`` to route.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit
 
 import nats
@@ -89,6 +88,7 @@ from outbox import (
     UnknownOutcome,
 )
 
+from ._loop import LoopThread
 from ._nats_consumer import ConsumerStats, InboxConsumer, InboxEvent
 from ._payload import validated_payload
 
@@ -104,8 +104,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("effects.nats")
-
-T = TypeVar("T")
 
 MESSAGE_ID_HEADER = "Outbox-Message-Id"
 EVENT_TIME_HEADER = "Outbox-Event-Time"
@@ -205,45 +203,8 @@ class StreamFacts:
     checked_at: float
 
 
-class _LoopThread:
-    """A private event loop on a daemon thread: the NATS connection lives here.
-
-    nats-py binds a connection to the loop that made it. Keeping it on a loop of its own
-    lets ``perform`` be awaited from any loop (the dispatcher's, a test's ``asyncio.run``)
-    and lets ``close()`` work from any thread, with one connection per effect instance.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name=name, daemon=True)
-        self._thread.start()
-        ready.wait()
-
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.call_soon(ready.set)
-        self.loop.run_forever()
-
-    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-
-    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coroutine`` on this loop and wait for it from a thread not running it."""
-        return self.submit(coroutine).result(timeout)
-
-    async def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Await ``coroutine`` on this loop from another loop."""
-        return await asyncio.wrap_future(self.submit(coroutine))
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
-
-
 class _Connection:
-    """One reconnecting NATS connection, made on first use; owned by ``_LoopThread``."""
+    """One reconnecting NATS connection, made on first use; owned by ``LoopThread``."""
 
     def __init__(self, servers: list[str], options: Mapping[str, Any], what: str) -> None:
         self._servers = servers
@@ -365,7 +326,7 @@ class PublishEvent(Effect):
         options.update(connect_options or {})
         self._connection = _Connection(self._servers, options, self._what)
         self._facts: StreamFacts | None = None
-        self._loop: _LoopThread | None = None
+        self._loop: LoopThread | None = None
         self._loop_lock = threading.Lock()
 
     # -- the effect -----------------------------------------------------------------
@@ -442,10 +403,10 @@ class PublishEvent(Effect):
 
     # -- on the private loop --------------------------------------------------------
 
-    def _on_loop(self) -> _LoopThread:
+    def _on_loop(self) -> LoopThread:
         with self._loop_lock:
             if self._loop is None:
-                self._loop = _LoopThread(f"nats.publish:{self.stream}")
+                self._loop = LoopThread(f"nats.publish:{self.stream}")
             return self._loop
 
     async def _publish(

@@ -21,8 +21,8 @@ import nats.errors
 from nats.js.api import RetentionPolicy, StreamConfig
 
 import outbox
+from effects._loop import LoopThread
 from effects.nats import InboxConsumer, InboxEvent
-from effects.nats import _LoopThread as LoopThread
 from effects.testing import NatsServer
 
 from ._sql import chaos_queries
