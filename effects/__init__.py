@@ -6,7 +6,11 @@ the at-least-once delivery of the dispatcher becomes one effect at the provider:
     SendEmail       "email.send"      Resend's POST /emails, over httpx
     ChargeCard      "payment.charge"  Stripe PaymentIntent, created and confirmed
     RefundPayment   "payment.refund"  Stripe Refund
-    PostWebhook     "webhook.post"    signed JSON POST to any endpoint
+    PostWebhook     "webhook.post"    JSON POST to any endpoint, signed per Standard Webhooks
+
+With the ``outbox[nats]`` extra, ``effects.nats`` adds ``PublishEvent`` ("nats.publish",
+JetStream deduplicated by the key) and the ``InboxConsumer``; ``effects.inbox`` verifies
+incoming Standard Webhooks and Stripe webhooks and records them through ``tx.receive``.
 
 Each maps its provider's answers to ``outbox.Retry``, ``outbox.Permanent`` or
 ``outbox.UnknownOutcome`` (tables in each module's docstring). ``effects.testing`` has
@@ -15,7 +19,14 @@ local fake providers with the same idempotency semantics, for tests.
 
 from .email import EmailPayload, EmailTag, SendEmail
 from .payments import ChargeCard, ChargePayload, RefundPayload, RefundPayment
-from .webhook import PostWebhook, WebhookPayload, compute_signature, verify_signature
+from .webhook import (
+    PostWebhook,
+    WebhookPayload,
+    compute_signature,
+    generate_secret,
+    verify_headers,
+    verify_signature,
+)
 
 __all__ = [
     "ChargeCard",
@@ -28,5 +39,7 @@ __all__ = [
     "SendEmail",
     "WebhookPayload",
     "compute_signature",
+    "generate_secret",
+    "verify_headers",
     "verify_signature",
 ]

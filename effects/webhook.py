@@ -1,14 +1,17 @@
 """``webhook.post``: deliver a signed JSON event to one HTTP endpoint.
 
 The request body is ``{"data": ..., "event": ..., "id": <job key>}`` (compact JSON, keys
-sorted, so every attempt sends the same bytes), with these headers:
+sorted, so every attempt sends the same bytes), signed per the Standard Webhooks
+specification:
 
-    Idempotency-Key     the job's key, unchanged: receivers deduplicate on it
-    Webhook-Timestamp   Unix seconds when this attempt was signed
-    Webhook-Signature   v1=<hex HMAC-SHA256(secret, f"{timestamp}.{body}")>
+    webhook-id          the job's key, unchanged on every attempt: receivers dedupe on it
+    webhook-timestamp   Unix seconds when this attempt was signed
+    webhook-signature   v1,<base64 HMAC-SHA256(key, f"{id}.{timestamp}.{body}")>, one
+                        per secret (several while a secret is rotated)
 
-Receivers check the signature with ``verify_signature``. Delivery is at least once; the
-effect is once when the receiver deduplicates by ``Idempotency-Key`` (or by ``id``).
+Receivers verify with the ``standardwebhooks`` (or ``svix``) library, or with
+``verify_headers`` / ``effects.inbox``. Delivery is at least once; the effect is once
+when the receiver deduplicates by ``webhook-id`` (or by the body's ``id``).
 
 Outcome of a call, by what came back::
 
@@ -19,8 +22,8 @@ Outcome of a call, by what came back::
     could not connect                           Retry: nothing reached the receiver
     timeout / dropped connection after sending  UnknownOutcome
 
-409 is retried because the IETF Idempotency-Key draft gives it to "a request with this
-key is still being processed"; a key reused with another body gets 422, which is final.
+409 is retried because receivers that deduplicate answer it for "a message with this id
+is still being processed"; an id reused with another body gets 422, which is final.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -37,9 +41,23 @@ from outbox import Job, Permanent, Retry
 
 from ._http import USER_AGENT, PooledAdapter, retry_after, send
 from ._payload import validated_payload
-from ._signing import compute_signature, verify_signature
+from ._signing import (
+    WebhookSecret,
+    compute_signature,
+    decode_secrets,
+    generate_secret,
+    verify_headers,
+    verify_signature,
+)
 
-__all__ = ["PostWebhook", "WebhookPayload", "compute_signature", "verify_signature"]
+__all__ = [
+    "PostWebhook",
+    "WebhookPayload",
+    "compute_signature",
+    "generate_secret",
+    "verify_headers",
+    "verify_signature",
+]
 
 log = logging.getLogger("effects.webhook")
 
@@ -58,24 +76,31 @@ class WebhookPayload(BaseModel):
 class PostWebhook(PooledAdapter):
     """POSTs ``webhook.post`` jobs to ``url`` as signed JSON.
 
-    Guarantees: sends ``job.key`` as the ``Idempotency-Key`` header and as the body's
-    ``id``, unchanged on every attempt, and the same body bytes every time, so a
-    receiver that deduplicates on either performs the event once. Each attempt is signed
-    afresh with its own timestamp (see ``verify_signature``). Redirects are never
-    followed. One ``httpx.Client`` per instance, shared by all worker threads. The
-    secret never leaves the process; reasons and logs carry the job key, the
-    receiver's host and the status, never the payload or the full URL (URLs may hold
+    Guarantees: sends ``job.key`` as the ``webhook-id`` header and as the body's ``id``,
+    unchanged on every attempt, and the same body bytes every time, so a receiver that
+    deduplicates on either performs the event once. Each attempt is signed afresh with
+    its own timestamp, per the Standard Webhooks specification. ``secret`` is one
+    ``whsec_<base64>`` secret or a list of them: during a rotation every request carries
+    one signature per secret, so receivers holding the old or the new one accept it.
+    Redirects are never followed. One ``httpx.Client`` per instance, shared by all
+    worker threads. The secret never leaves the process; reasons and logs carry the job
+    key, the receiver's host and the status, never the payload or the full URL (URLs may hold
     tokens).
     """
 
     name = "webhook.post"
     payload_model = WebhookPayload
 
-    def __init__(self, url: str, secret: str, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        secret: WebhookSecret | Sequence[WebhookSecret],
+        timeout: float = 10.0,
+    ) -> None:
         if not secret:
             raise ValueError("PostWebhook needs a signing secret")
         self._url = httpx.URL(url)
-        self._secret = secret
+        self._keys = decode_secrets(secret)  # refuses a malformed secret now, not per job
         self._client = httpx.Client(
             timeout=timeout, follow_redirects=False, headers={"User-Agent": USER_AGENT}
         )
@@ -106,9 +131,9 @@ class PostWebhook(PooledAdapter):
         timestamp = int(time.time())
         return {
             "Content-Type": "application/json",
-            "Idempotency-Key": key,
-            "Webhook-Timestamp": str(timestamp),
-            "Webhook-Signature": compute_signature(self._secret, timestamp, body),
+            "webhook-id": key,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": compute_signature(self._keys, key, timestamp, body),
         }
 
 

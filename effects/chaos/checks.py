@@ -20,6 +20,13 @@ Each entry of ``Findings.violations`` must be empty for the run to pass:
 ``unexpected_failures``      a ``failed`` job that was not a declined card
 ``decline_mismatches``       a declined card's job not ``failed`` with its decline code,
                              or not attempted exactly once at Stripe
+``consumed_not_once``        a message in the events stream the inbox consumer did not
+                             handle exactly once, or a handling of no stored message
+``dead_lettered``            a message the consumer parked (its handler never fails)
+
+For ``nats.publish`` jobs, "performed" is the number of messages the stream holds for
+the job's key (one subject per key), so ``performed_twice`` and ``done_not_once`` cover
+the broker too.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ VIOLATIONS = (
     "missing_jobs", "rolled_back_present", "orders_mismatch", "lost", "performed_twice",
     "done_not_once", "ledger_missing", "ledger_not_done", "ledger_version_mismatch",
     "ledger_result_mismatch", "double_claims", "repeated_deliveries", "unexpected_failures",
-    "decline_mismatches",
+    "decline_mismatches", "consumed_not_once", "dead_lettered",
 )
 _EXAMPLES = 10
 # What an adapter's outcome text says about the provider fault behind it.
@@ -91,6 +98,7 @@ class Findings:
     reconcile_reasons: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
     observed_faults: Counter[str] = field(default_factory=Counter)
+    events: dict[str, int] = field(default_factory=dict)
     finished_jobs: int = 0
     finished_seconds: float = 0.0
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VIOLATIONS, 0))
@@ -115,12 +123,15 @@ def check(dsn: str, queries: ChaosQueries, plan: JobPlan, committed_batches: set
         outcomes = conn.execute(queries.outcomes, {}).fetchall()
         orders = {str(r[0]) for r in conn.execute(queries.order_names, {}).fetchall()}
         throughput = conn.execute(queries.throughput, {}).fetchone()
+        consumed = {str(r[0]): int(r[1])
+                    for r in conn.execute(queries.consumed_counts, {}).fetchall()}
     by_key = {row.key: row for row in rows}
     _check_intent(findings, plan, committed_batches, by_key, orders, providers)
     _check_jobs(findings, rows, plan, providers)
     _check_ledger(findings, rows, orphans, providers)
     _check_claims(findings, repeats)
     _tally_outcomes(findings, outcomes, rows)
+    _check_events(findings, providers, consumed)
     if throughput is not None:
         findings.finished_jobs, findings.finished_seconds = int(throughput[0]), float(throughput[1])
     return findings
@@ -171,6 +182,30 @@ def _check_jobs(findings: Findings, rows: list[JobRow], plan: JobPlan,
         for key in fake.performed_keys():
             if fake.performed(key) > 1:
                 findings.flag("performed_twice", f"{key}: performed {fake.performed(key)}x")
+
+
+def _check_events(findings: Findings, providers: Providers, consumed: dict[str, int]) -> None:
+    """One message per key in the stream, each handled once by the inbox consumer."""
+    stored = providers.broker.messages_per_key()
+    for key, count in sorted(stored.items()):
+        if count > 1:
+            findings.flag("performed_twice", f"{key}: {count} messages in the stream")
+        if consumed.get(key, 0) != 1:
+            findings.flag("consumed_not_once", f"{key}: stored, handled "
+                                               f"{consumed.get(key, 0)}x by the consumer")
+    for key in sorted(set(consumed) - set(stored)):
+        findings.flag("consumed_not_once", f"{key}: handled, not in the stream")
+    parked = providers.broker.dead_letters()
+    if parked:
+        findings.flag("dead_lettered", f"{parked} message(s) on the dead-letter subject")
+    stats = providers.broker.consumer_stats
+    findings.events = {
+        "keys": len(stored), "messages": sum(stored.values()),
+        "max_per_key": max(stored.values(), default=0), "handled": sum(consumed.values()),
+        "skipped_as_repeats": stats.get("duplicates", 0),
+        "handler_retries": stats.get("failed", 0), "dead_lettered": parked,
+        "broker_restarts": len(providers.broker.restart_seconds),
+    }
 
 
 def _check_decline(findings: Findings, row: JobRow, job: PlannedJob, performed: int) -> None:

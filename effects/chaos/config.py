@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["FAULT_KINDS", "PROCESS_FAULTS", "PROVIDER_FAULTS", "ChaosConfig", "parse_faults"]
+__all__ = ["BROKER_FAULTS", "FAULT_KINDS", "PROCESS_FAULTS", "PROVIDER_FAULTS", "ChaosConfig",
+           "parse_faults"]
 
 # Faults against the dispatcher processes and the database.
 PROCESS_FAULTS = ("kill", "stop", "restart", "terminate")
 # Faults at the fake providers ("decline" is a property of some jobs' payment methods).
 PROVIDER_FAULTS = ("5xx", "429", "latency", "timeout", "drop", "decline")
-FAULT_KINDS = PROCESS_FAULTS + PROVIDER_FAULTS
+# Faults at the NATS broker: killed or stopped, then started again on the same store.
+BROKER_FAULTS = ("broker",)
+FAULT_KINDS = PROCESS_FAULTS + PROVIDER_FAULTS + BROKER_FAULTS
 
 
 def parse_faults(text: str) -> frozenset[str]:

@@ -103,7 +103,9 @@ def _create_tables(database: Database) -> None:
     with connect(database.dsn) as conn:
         outbox.migrate(conn, schema=database.schema)
         conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(database.chaos)))
-        conn.execute(chaos_queries(database.schema, database.chaos).create_tables)
+        queries = chaos_queries(database.schema, database.chaos)
+        conn.execute(queries.create_tables)
+        conn.execute(queries.create_consumed)
 
 
 def release(database: Database) -> None:

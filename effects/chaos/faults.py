@@ -5,7 +5,8 @@ a killed worker is replaced at once. A stop freezes the busiest worker (SIGSTOP)
 its lease and one rescue round, thaws it (SIGCONT) so its late writes meet the fence,
 then retires it (SIGTERM) to collect its counters: ``stale_completions`` and
 ``lost_claims`` are those fenced late writes. Restarts and terminations cut every
-dispatcher connection (or one worker's); provider faults are armed at the fakes.
+dispatcher connection (or one worker's); provider faults are armed at the fakes; a
+broker fault kills or stops the NATS server and starts it again.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ class FaultInjector:
             "kill": self._kill, "stop": self._stop, "cont": self._cont,
             "retire": self._retire, "restart": self._restart, "terminate": self._terminate,
             "latency": self._latency, "latency_end": lambda e: self._end_latency(e.ref),
+            "broker": self._broker,
         }
         handler = handlers.get(event.kind, self._provider_fault)
         handler(event)
@@ -238,6 +240,15 @@ class FaultInjector:
         self.log.terminated_backends += int(ended)
         if ended:
             self.log.injected["terminate"] += 1
+
+    # -- the broker ---------------------------------------------------------------------------
+
+    def _broker(self, event: FaultEvent) -> None:
+        """Kill or stop the NATS server and start it again, clients connected."""
+        self.log.armed["broker"] += 1
+        took = self._providers.broker.restart(event.variant, event.seconds)
+        self.log.injected["broker"] += 1
+        self.log.notes.append(f"broker {event.variant} at {event.at:.1f}s, back in {took:.1f} s")
 
     # -- providers ----------------------------------------------------------------------------
 

@@ -1,27 +1,39 @@
-"""The fake providers of a chaos run, in the runner's process."""
+"""The fake providers of a chaos run, and its NATS broker, in the runner's process."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from effects.testing import FakeEmailProvider, FakeProvider, FakeStripe, FakeWebhookReceiver
 
+from .broker import ChaosBroker
 from .schedule import EFFECTS
 
 __all__ = ["WEBHOOK_SECRET", "Providers", "start_providers"]
 
-WEBHOOK_SECRET = "whsec_chaos"
+WEBHOOK_SECRET = "whsec_Y2hhb3M="  # base64 of "chaos"
+
+
+class Performer(Protocol):
+    """What the checks ask of a provider: how often it performed a key."""
+
+    def performed(self, key: str) -> int: ...
+
+    def performed_keys(self) -> list[str]: ...
 
 
 @dataclass
 class Providers:
     """Resend, Stripe and a webhook receiver, each a local HTTP server that counts what
-    it performed per idempotency key."""
+    it performed per idempotency key, and a NATS broker whose stream counts messages per
+    job key."""
 
     email: FakeEmailProvider
     stripe: FakeStripe
     webhook: FakeWebhookReceiver
     latency: float
+    broker: ChaosBroker
 
     def by_name(self, name: str) -> FakeProvider:
         """The fake called ``email``, ``stripe`` or ``webhook``."""
@@ -29,9 +41,10 @@ class Providers:
                                           "webhook": self.webhook}
         return fakes[name]
 
-    def for_effect(self, effect: str) -> FakeProvider:
-        """The fake that performs ``effect``."""
-        return self.by_name(EFFECTS[effect])
+    def for_effect(self, effect: str) -> Performer:
+        """The fake (or the broker) that performs ``effect``."""
+        name = EFFECTS[effect]
+        return self.broker if name == "nats" else self.by_name(name)
 
     def items(self) -> list[tuple[str, FakeProvider]]:
         """(name, fake) pairs."""
@@ -46,6 +59,7 @@ class Providers:
         """Release stalled answers and stop every server (joins their threads)."""
         for _, fake in self.items():
             fake.close()
+        self.broker.close()
 
 
 def start_providers(latency: float, max_stall: float, retention: float) -> Providers:
@@ -65,7 +79,13 @@ def start_providers(latency: float, max_stall: float, retention: float) -> Provi
         email.close()
         stripe.close()
         raise
-    return Providers(email, stripe, webhook, latency)
+    try:
+        broker = ChaosBroker()
+    except BaseException:
+        for fake in (email, stripe, webhook):
+            fake.close()
+        raise
+    return Providers(email, stripe, webhook, latency, broker)
 
 
 def _stalled(fake: FakeProvider, upper: int) -> int:

@@ -125,3 +125,19 @@ SELECT count(*)::int,
        coalesce(extract(epoch FROM max(updated_at) - min(created_at)), 0)::float8
 FROM {schema}.jobs
 WHERE status IN ('done', 'failed', 'reconcile');
+
+-- Events: what the chaos consumer handled, one row per handling (no key: a message
+-- handled twice shows as two rows, which the checks count).
+
+-- name: create_consumed
+CREATE TABLE {chaos}.consumed (
+    message_id  text        NOT NULL,
+    subject     text        NOT NULL,
+    handled_at  timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
+-- name: consumed_insert
+INSERT INTO {chaos}.consumed (message_id, subject) VALUES (%(message_id)s, %(subject)s);
+
+-- name: consumed_counts
+SELECT message_id, count(*)::int FROM {chaos}.consumed GROUP BY message_id;

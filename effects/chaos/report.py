@@ -27,6 +27,11 @@ What the figures mean:
 - ``throughput``: jobs that ended per second, from the first enqueue to the last end.
   The trickle paces the later jobs over the chaos phase, so this is the rate the run
   sustained under its faults, not the dispatchers' ceiling.
+- ``events``: the NATS half: job keys with a message in the stream (``keys``), the
+  messages stored (``messages``, must equal ``keys``), the most stored for one key
+  (``max_per_key``, must be at most 1), the consumer's handlings (``handled``, must
+  equal ``messages``), redeliveries the inbox skipped, handler retries (a database or
+  broker away), messages parked, broker restarts.
 - ``violations``: each invariant broken, with examples; the run passes when empty.
 """
 
@@ -65,6 +70,7 @@ class ChaosReport:
     throughput: float
     violations: dict[str, list[str]]
     violation_counts: dict[str, int]
+    events: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     log_dir: str | None = None
 
@@ -102,7 +108,8 @@ class ChaosReport:
         for name in ("performed_twice", "double_claims", "repeated_deliveries",
                      "ledger_missing", "ledger_not_done", "ledger_version_mismatch",
                      "ledger_result_mismatch", "done_not_once", "decline_mismatches",
-                     "unexpected_failures", "missing_jobs", "rolled_back_present"):
+                     "unexpected_failures", "missing_jobs", "rolled_back_present",
+                     "consumed_not_once", "dead_lettered"):
             table.add_row(name.replace("_", " "), str(self.violation_counts.get(name, 0)), "0")
         overrun = f"{self.lease['max_overrun']:.2f} s"
         table.add_row("longest running past lease", overrun, f"<= {self.lease['bound']:.1f} s")
@@ -112,6 +119,8 @@ class ChaosReport:
         for name, counts in self.providers.items():
             table.add_row(f"  fake {name}", _pairs(counts), "")
         table.add_row("adapter outcomes", _pairs(self.outcomes), "")
+        if self.events:
+            table.add_row("events (NATS)", _pairs(self.events), "max_per_key <= 1")
         table.add_row("workers", _pairs(self.workers), "")
         table.add_row("elapsed", f"{self.elapsed_seconds:.1f} s", "")
         return table

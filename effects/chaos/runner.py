@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 
 from ._sql import ChaosQueries, chaos_queries
+from .broker import STREAM
 from .checks import VIOLATIONS, Findings, check
 from .config import FAULT_KINDS, ChaosConfig
 from .database import Database, connect, provision, release
@@ -45,6 +46,7 @@ Progress = Callable[[str], None]
 
 _STOP_TIMEOUT = 30.0
 _JOIN_TIMEOUT = 90.0
+_CONSUMER_DRAIN = 60.0
 _PROGRESS_EVERY = 5.0
 _JITTER_NOTE = ("the seed replays the same jobs, payloads and fault schedule; timing "
                 "(which claim or request a fault meets) is inherently not replayed")
@@ -80,7 +82,10 @@ def run_chaos(config: ChaosConfig, progress: Progress | None = None) -> ChaosRep
         stack.callback(release, database)
         run = _Run(config, database, providers, log_dir, say)
         stack.callback(run.pool.cleanup)
+        providers.broker.start_consumer(database.dsn, database.schema, database.chaos)
+        stack.callback(providers.broker.stop_consumer)
         run.execute(plan, events)
+        run.drain_consumer()
         findings = check(database.dsn, run.queries, plan, run.enqueuer.committed, providers)
         report = _report(config, run, plan, findings, time.monotonic() - started)
     if report.ok and not config.keep_logs:
@@ -140,6 +145,12 @@ class _Run:
             self.injector.finish()
             self.say("stopping workers (SIGTERM)")
             self.pool.stop_all(_STOP_TIMEOUT)
+
+    def drain_consumer(self) -> None:
+        """Let the inbox consumer handle what the workers published, then stop it."""
+        if not self.providers.broker.wait_consumed(_CONSUMER_DRAIN):
+            self.unfinished_threads.append("chaos-consumer (messages left unhandled)")
+        self.providers.broker.stop_consumer()
 
     def _join(self, threads: Sequence[threading.Thread]) -> None:
         limit = time.monotonic() + _JOIN_TIMEOUT
@@ -204,6 +215,7 @@ def _template(config: ChaosConfig, database: Database, providers: Providers) -> 
         dsn=database.dsn, schema=database.schema, chaos=database.chaos, tag="",
         email_url=providers.email.url, stripe_url=providers.stripe.url,
         webhook_url=providers.webhook.url, webhook_secret=WEBHOOK_SECRET,
+        nats_url=providers.broker.url, nats_stream=STREAM,
         lease=config.lease, rescue_interval=config.rescue_interval,
         concurrency=config.concurrency, provider_timeout=config.provider_timeout,
     )
@@ -248,7 +260,8 @@ def _report(config: ChaosConfig, run: _Run, plan: JobPlan, findings: Findings,
                "samples": run.monitor.samples, "samples_lost": run.monitor.failed},
         throughput=round(findings.finished_jobs / findings.finished_seconds, 1)
         if findings.finished_seconds else 0.0,
-        violations=violations, violation_counts=counts, notes=_notes(run),
+        violations=violations, violation_counts=counts, events=findings.events,
+        notes=_notes(run),
     )
 
 
@@ -347,5 +360,8 @@ def _notes(run: _Run) -> list[str]:
                  f"{log.frozen_jobs} jobs held by frozen workers, {log.stop_fenced} of their "
                  "late writes fenced; "
                  f"{run.enqueuer.retries} enqueue transactions retried after a lost connection")
+    if run.providers.broker.consumer_errors:
+        notes.append("the inbox consumer was restarted after: "
+                     + ", ".join(run.providers.broker.consumer_errors[:5]))
     notes.append(_JITTER_NOTE)
     return notes

@@ -15,7 +15,7 @@ from typing import Any
 
 from effects.testing import DEFAULT_DECLINED_CARDS
 
-from .config import PROCESS_FAULTS, ChaosConfig
+from .config import BROKER_FAULTS, PROCESS_FAULTS, ChaosConfig
 
 __all__ = [
     "EFFECTS",
@@ -27,15 +27,18 @@ __all__ = [
     "PlannedJob",
     "build_schedule",
     "plan_jobs",
+    "subject_for",
 ]
 
 # effect name -> the fake provider that performs it
-EFFECTS = {"email.send": "email", "payment.charge": "stripe", "webhook.post": "webhook"}
+EFFECTS = {"email.send": "email", "payment.charge": "stripe", "webhook.post": "webhook",
+           "nats.publish": "nats"}
+# The HTTP fakes, where provider faults are armed (the broker has faults of its own).
 PROVIDERS = ("email", "stripe", "webhook")
 # What a kill aims at (see DESIGN.md, "Failure windows"); "anytime" is a plain random kill.
 KILL_WINDOWS = ("during_claim", "after_claim", "after_provider", "during_done", "anytime")
 
-_EFFECT_WEIGHTS = (0.4, 0.35, 0.25)
+_EFFECT_WEIGHTS = (0.35, 0.3, 0.2, 0.15)
 _DECLINE_SHARE = 0.05
 _BULK_SHARE = 0.4
 _BULK_BATCH = 100
@@ -60,7 +63,16 @@ _RATES: dict[str, tuple[float, int]] = {
     "latency": (10.0, 1),
     "timeout": (5.0, 2),
     "drop": (5.0, 2),
+    "broker": (15.0, 2),
 }
+
+
+EVENT_SUBJECTS = "chaos.events"
+
+
+def subject_for(key: str) -> str:
+    """The subject a job's event goes to: one per key, so the stream counts per key."""
+    return f"{EVENT_SUBJECTS}.{key}"
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,8 @@ def _payload(effect: str, key: str, n: int, rng: random.Random,
             card = next(pm for pm, code in DEFAULT_DECLINED_CARDS.items() if code == decline_code)
         return {"amount": rng.randrange(100, 20000), "currency": "eur", "customer": f"cus_{n}",
                 "payment_method": card, "metadata": {"chaos_key": key}}
+    if effect == "nats.publish":
+        return {"subject": subject_for(key), "data": {"order": n, "key": key}}
     return {"event": "order.placed", "data": {"order": n, "key": key}}
 
 
@@ -201,7 +215,7 @@ def build_schedule(config: ChaosConfig, rng: random.Random) -> list[FaultEvent]:
         if kind not in config.faults:
             continue
         count = max(minimum, round(config.duration / every))
-        end = _PROCESS_END if kind in PROCESS_FAULTS else _PROVIDER_END
+        end = _PROCESS_END if kind in PROCESS_FAULTS + BROKER_FAULTS else _PROVIDER_END
         for _ in range(count):
             at = rng.uniform(_FAULTS_START * config.duration, end * config.duration)
             ref = len(events) + 1
@@ -221,6 +235,9 @@ def _events(kind: str, at: float, config: ChaosConfig, rng: random.Random,
         return [FaultEvent(at, kind, slot=slot, seconds=config.stop_seconds),
                 FaultEvent(thaw, "cont", slot=slot),
                 FaultEvent(thaw + config.lease + 1.0, "retire", slot=slot)]
+    if kind == "broker":
+        return [FaultEvent(at, kind, variant=rng.choice(("kill", "stop")),
+                           seconds=round(rng.uniform(0.5, 2.0), 2))]
     if kind in ("restart", "terminate"):
         variant = rng.choice(("one", "all")) if kind == "terminate" else ""
         return [FaultEvent(at, kind, slot=slot, variant=variant)]

@@ -32,6 +32,8 @@ class WorkerSettings:
     stripe_url: str
     webhook_url: str
     webhook_secret: str
+    nats_url: str
+    nats_stream: str
     lease: float
     rescue_interval: float
     concurrency: int

@@ -1,9 +1,10 @@
 """One dispatcher process of a chaos run: ``python -m effects.chaos.worker``.
 
 Its settings come as JSON in ``$OUTBOX_CHAOS_WORKER`` (the DSN may hold a password: not
-on the command line). It runs ``outbox.Dispatcher.run()`` with the email, payment and
-webhook adapters pointed at the runner's fake providers until SIGTERM, then prints its
-``DispatchStats`` as one JSON line on stdout. A worker killed with SIGKILL prints nothing.
+on the command line). It runs ``outbox.Dispatcher.run()`` with the email, payment,
+webhook and NATS adapters pointed at the runner's fakes and broker until SIGTERM, then
+prints its ``DispatchStats`` as one JSON line on stdout. A worker killed with SIGKILL
+prints nothing.
 
 Every adapter is wrapped in an audit: before the provider is called, the worker commits
 ``(key, claim_version, worker)`` to the ``deliveries`` table on a connection of its own,
@@ -13,6 +14,7 @@ delivered by two workers) and to see which provider faults reached the adapters.
 
 from __future__ import annotations
 
+import asyncio
 import faulthandler
 import json
 import logging
@@ -29,9 +31,11 @@ from pydantic import BaseModel
 
 import outbox
 from effects.email import SendEmail
+from effects.nats import PublishEvent
 from effects.payments import ChargeCard
 from effects.webhook import PostWebhook
 from outbox import Effect, Job, Retry
+from outbox.effect import is_async_effect
 
 from ._sql import chaos_queries
 from .settings import ENV_VARIABLE, WorkerSettings, application_name
@@ -121,10 +125,26 @@ class _Audited(Effect):
         return result
 
 
+class _AuditedAsync(_Audited):
+    """The audit around an adapter whose ``perform`` is a coroutine function."""
+
+    async def perform(self, job: Job) -> Any:
+        """Record the call, await the wrapped adapter, record the outcome."""
+        call_id = await asyncio.to_thread(self._audit.begin, job)
+        try:
+            result = await self._inner.perform(job)  # type: ignore[misc]
+        except Exception as exc:
+            await asyncio.to_thread(self._audit.end, call_id, f"{type(exc).__name__}: {exc}")
+            raise
+        await asyncio.to_thread(self._audit.end, call_id, "ok")
+        return result
+
+
 def audited(inner: Effect, audit: AuditLog) -> Effect:
     """``inner`` wrapped in the audit, under the same effect name and payload model."""
+    base = _AuditedAsync if is_async_effect(inner) else _Audited
 
-    class Audited(_Audited):
+    class Audited(base):  # type: ignore[valid-type,misc]
         name = inner.name
         payload_model = inner.payload_model
 
@@ -150,6 +170,8 @@ def _adapters(settings: WorkerSettings) -> list[Effect]:
         SendEmail(api_key=FAKE_API_KEY, base_url=settings.email_url, timeout=timeout),
         ChargeCard(api_key=FAKE_API_KEY, base_url=settings.stripe_url, timeout=timeout),
         PostWebhook(url=settings.webhook_url, secret=settings.webhook_secret, timeout=timeout),
+        PublishEvent(settings.nats_url, settings.nats_stream, timeout=timeout,
+                     lease=settings.lease, rescue_interval=settings.rescue_interval),
     ]
 
 

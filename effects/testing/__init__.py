@@ -12,17 +12,23 @@ test can assert "once"::
         assert resend.performed(job.key) == 1
 
 ``FakeEmailProvider`` is Resend's ``POST /emails``; ``FakeStripe`` serves PaymentIntents
-and Refunds to stripe-python; ``FakeWebhookReceiver`` checks webhook signatures and
-deduplicates by ``Idempotency-Key``. The pytest plugin (``effects.testing.pytest_plugin``,
+and Refunds to stripe-python, and sends signed webhook events (``send_event``);
+``FakeWebhookReceiver`` checks Standard Webhooks signatures and deduplicates by
+``webhook-id``. The pytest plugin (``effects.testing.pytest_plugin``,
 registered automatically) provides them as the fixtures ``fake_email``, ``fake_stripe``
 and ``fake_webhook``. Unlike stripe-mock, these fakes honour idempotency keys, which is
 what the outbox's guarantees rest on.
+
+NATS is not faked: ``NatsServer`` / ``nats_server()`` run the real ``nats-server``
+binary with JetStream on 127.0.0.1 (fixture ``nats_server``), with ``stop``, ``kill``
+and ``restart`` for broker faults.
 """
 
 from ._base import FakeProvider
 from ._email import FakeEmailProvider, SentEmail
 from ._faults import Hold
-from ._stripe import DEFAULT_DECLINED_CARDS, FakeStripe
+from ._nats import NatsServer, find_nats_server, nats_server
+from ._stripe import DEFAULT_DECLINED_CARDS, FakeStripe, stripe_signature
 from ._webhook import FakeWebhookReceiver, ReceivedWebhook
 
 __all__ = [
@@ -32,6 +38,10 @@ __all__ = [
     "FakeStripe",
     "FakeWebhookReceiver",
     "Hold",
+    "NatsServer",
     "ReceivedWebhook",
     "SentEmail",
+    "find_nats_server",
+    "nats_server",
+    "stripe_signature",
 ]

@@ -264,7 +264,7 @@ class FakeProvider:
         return reply
 
     def _answer(self, request: Request) -> Reply | None:
-        self._count_request(request.header("Idempotency-Key"))
+        self._count_request(self._request_key(request))
         latency = self._faults.latency
         if latency:
             self._closing.wait(latency)
@@ -274,6 +274,10 @@ class FakeProvider:
         if isinstance(fault, Failure):
             return self._error(fault.status, fault.error, "injected failure", fault.retry_after)
         return self._route(request)
+
+    def _request_key(self, request: Request) -> str | None:
+        """The header a request's idempotency key travels in (providers differ)."""
+        return request.header("Idempotency-Key")
 
     def _count_request(self, key: str | None) -> None:
         with self._lock:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import queue
 import re
 import secrets
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qsl
+
+import httpx
 
 from ._base import DAY, FakeProvider, Performed
 from ._http import Reply, Request
@@ -62,6 +68,13 @@ class FakeStripe(FakeProvider):
     - ``Authorization: Bearer <key>`` required (401); when ``api_key`` is given, others
       are refused with 401 too (the message never echoes the key).
 
+    Webhooks: with ``webhook_url``, each PaymentIntent that succeeds is announced as a
+    ``payment_intent.succeeded`` event, POSTed after the API answer on a thread of its
+    own and signed with ``webhook_secret`` (``Stripe-Signature``, verifiable with
+    ``stripe.Webhook.construct_event``); an endpoint that does not answer 2xx gets the
+    same event (same id) again, up to 4 attempts. ``delivered_events`` and
+    ``wait_for_deliveries`` show what was sent; ``send_event`` sends any event.
+
     Idempotency as Stripe: ``Idempotency-Key`` up to 255 characters; the answer of a
     request that executed (success or card decline alike) is saved for ``retention``
     and replayed with ``Idempotent-Replayed: true``; other parameters or another
@@ -79,8 +92,16 @@ class FakeStripe(FakeProvider):
         retention: float = DAY,
         latency: float = 0.0,
         max_stall: float = 60.0,
+        webhook_url: str | None = None,
+        webhook_secret: str = "whsec_fake_stripe",  # noqa: S107  (a test double's default)
     ) -> None:
         self._api_key = api_key
+        self.webhook_url = webhook_url
+        self.webhook_secret = webhook_secret
+        self._deliveries: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue()
+        self._delivered: list[tuple[str, str, int]] = []
+        self._delivered_changed = threading.Condition()
+        self._sender: threading.Thread | None = None
         self._records_lock = threading.Lock()
         self._declines = {**DEFAULT_DECLINED_CARDS, **(declined_cards or {})}
         self._intents: dict[str, dict[str, Any]] = {}
@@ -108,6 +129,89 @@ class FakeStripe(FakeProvider):
         """Every Refund created, in order, as Stripe's JSON."""
         with self._records_lock:
             return [dict(refund) for refund in self._refunds.values()]
+
+    # -- webhooks -----------------------------------------------------------------
+
+    @property
+    def delivered_events(self) -> list[tuple[str, str, int]]:
+        """``(event id, type, HTTP status)`` of each automatic delivery attempt so far
+        (status 0: the endpoint could not be reached)."""
+        with self._delivered_changed:
+            return list(self._delivered)
+
+    def wait_for_deliveries(self, n: int, timeout: float = 10.0) -> None:
+        """Block until ``n`` automatic delivery attempts were made; AssertionError after
+        ``timeout`` seconds (a test's way to know without sleeping)."""
+        with self._delivered_changed:
+            if not self._delivered_changed.wait_for(lambda: len(self._delivered) >= n,
+                                                    timeout):
+                raise AssertionError(f"{len(self._delivered)} of {n} webhook deliveries "
+                                     f"after {timeout}s")
+
+    def close(self) -> None:
+        """Stop the webhook sender (pending deliveries are dropped), then the server."""
+        if self._sender is not None:
+            self._deliveries.put(None)
+            self._sender.join(30.0)
+            self._sender = None
+        super().close()
+
+    def _announce(self, event_type: str, data_object: dict[str, Any]) -> None:
+        """Queue an event for delivery after the API answer, as Stripe sends webhooks."""
+        if self.webhook_url is None:
+            return
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_events, daemon=True,
+                                            name="fake-stripe-webhooks")
+            self._sender.start()
+        self._deliveries.put((event_type, dict(data_object)))
+
+    def _send_events(self) -> None:
+        while (item := self._deliveries.get()) is not None:
+            event_type, data_object = item
+            event_id = f"evt_{secrets.token_hex(12)}"
+            # Stripe retries an event (same id) until the endpoint answers 2xx.
+            for attempt in range(_WEBHOOK_ATTEMPTS):
+                try:
+                    status = self.send_event(event_type, data_object,
+                                             event_id=event_id).status_code
+                except httpx.HTTPError:
+                    status = 0
+                with self._delivered_changed:
+                    self._delivered.append((event_id, event_type, status))
+                    self._delivered_changed.notify_all()
+                if 200 <= status < 300 or self._closing.wait(0.05 * 2**attempt):
+                    break
+
+    def send_event(
+        self, event_type: str, data_object: Mapping[str, Any], *, event_id: str | None = None
+    ) -> httpx.Response:
+        """POST a signed Stripe event to ``webhook_url``, as Stripe's webhooks do.
+
+        The body is an ``event`` object (``{"id": "evt_...", "type": event_type, "data":
+        {"object": data_object}, ...}``) with a ``Stripe-Signature`` header made with
+        ``webhook_secret``. Pass the ``event_id`` of an earlier event to redeliver it, as
+        Stripe does when an endpoint did not answer 2xx. Returns the endpoint's answer.
+        """
+        if self.webhook_url is None:
+            raise RuntimeError("FakeStripe(webhook_url=...) is needed to send events")
+        event = {
+            "id": event_id or f"evt_{secrets.token_hex(12)}",
+            "object": "event",
+            "api_version": "2024-06-20",
+            "created": int(time.time()),
+            "type": event_type,
+            "livemode": False,
+            "pending_webhooks": 1,
+            "request": {"id": None, "idempotency_key": None},
+            "data": {"object": dict(data_object)},
+        }
+        body = json.dumps(event).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "Stripe-Signature": stripe_signature(self.webhook_secret, body),
+        }
+        return httpx.post(self.webhook_url, content=body, headers=headers, timeout=10.0)
 
     # -- routing ------------------------------------------------------------------
 
@@ -224,6 +328,11 @@ class FakeStripe(FakeProvider):
             return dict(intent)
 
     def _settle(self, intent_id: str) -> dict[str, Any]:
+        settled = self._settle_intent(intent_id)
+        self._announce("payment_intent.succeeded", settled)
+        return settled
+
+    def _settle_intent(self, intent_id: str) -> dict[str, Any]:
         with self._records_lock:
             intent = self._intents[intent_id]
             intent["amount_received"] = intent["amount"]
@@ -358,6 +467,19 @@ class FakeStripe(FakeProvider):
             self._intents.clear()
             self._refunds.clear()
             self._declines = dict(DEFAULT_DECLINED_CARDS)
+
+
+_WEBHOOK_ATTEMPTS = 4
+
+
+def stripe_signature(secret: str, body: bytes, timestamp: int | None = None) -> str:
+    """A ``Stripe-Signature`` header for ``body``: ``t=<time>,v1=<hex HMAC-SHA256>``.
+
+    Stripe signs ``f"{t}.{body}"`` with the endpoint's signing secret (used as is).
+    """
+    stamp = int(time.time()) if timestamp is None else timestamp
+    digest = hmac.new(secret.encode(), f"{stamp}.".encode() + body, hashlib.sha256)
+    return f"t={stamp},v1={digest.hexdigest()}"
 
 
 def _nest(pairs: list[tuple[str, str]]) -> Params:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._signing import verify_signature
+from .._signing import WebhookSecret, decode_secrets, verify_signature
 from ._base import DAY, FakeProvider, Performed
 from ._http import Reply, Request
 
@@ -36,14 +37,16 @@ class ReceivedWebhook:
 class FakeWebhookReceiver(FakeProvider):
     """A webhook endpoint at ``url`` that behaves as a careful receiver should.
 
-    - Checks ``Webhook-Timestamp`` and ``Webhook-Signature`` with ``verify_signature``
-      against ``secret``, on wall-clock time with ``tolerance`` seconds (401 if wrong).
-    - Requires ``Idempotency-Key`` (400), and a JSON body whose ``id`` equals it, with
-      ``event`` and ``data`` (400).
-    - Deduplicates by key, as the IETF Idempotency-Key draft says: the first delivery
-      is performed and its answer saved for ``retention``; the same body again is
-      acknowledged without being performed again; another body with the key gets 422;
-      a delivery while the first is in flight gets 409.
+    - Checks ``webhook-id``, ``webhook-timestamp`` and ``webhook-signature`` per the
+      Standard Webhooks specification against ``secret`` (one ``whsec_`` secret or a
+      list, as a receiver holds during a rotation), on wall-clock time with
+      ``tolerance`` seconds (401 if wrong or missing).
+    - Requires a JSON body whose ``id`` equals ``webhook-id``, with ``event`` and
+      ``data`` (400).
+    - Deduplicates by ``webhook-id``: the first delivery is performed and its answer
+      saved for ``retention``; the same body again is acknowledged without being
+      performed again; another body with the id gets 422; a delivery while the first is
+      in flight gets 409.
 
     Error bodies are ``{"error": "<name>", "message": "..."}``. Faults and counters: see
     ``FakeProvider``; ``received`` lists the events performed.
@@ -51,7 +54,7 @@ class FakeWebhookReceiver(FakeProvider):
 
     def __init__(
         self,
-        secret: str,
+        secret: WebhookSecret | Sequence[WebhookSecret],
         *,
         tolerance: float = 300,
         path: str = "/webhook",
@@ -59,6 +62,7 @@ class FakeWebhookReceiver(FakeProvider):
         latency: float = 0.0,
         max_stall: float = 60.0,
     ) -> None:
+        decode_secrets(secret)  # a malformed secret is refused here, not as 401s later
         self.secret = secret
         self.tolerance = tolerance
         self._path = "/" + path.strip("/")
@@ -77,21 +81,26 @@ class FakeWebhookReceiver(FakeProvider):
         with self._received_lock:
             return list(self._received)
 
+    def _request_key(self, request: Request) -> str | None:
+        return request.header("webhook-id")
+
     def _route(self, request: Request) -> Reply | None:
         if request.path.rstrip("/") != self._path:
             return self._error(404, "not_found", "No endpoint here.")
         if request.method != "POST":
             return self._error(405, "method_not_allowed", "POST only.")
-        key = request.header("Idempotency-Key")
-        if not key:
-            return self._error(400, "missing_idempotency_key", "Idempotency-Key is required.")
-        timestamp = request.header("Webhook-Timestamp") or ""
-        signature = request.header("Webhook-Signature") or ""
-        if not verify_signature(self.secret, timestamp, request.body, signature, self.tolerance):
-            return self._error(401, "invalid_signature", "Signature or timestamp is invalid.")
+        key = request.header("webhook-id") or ""
+        timestamp = request.header("webhook-timestamp") or ""
+        signature = request.header("webhook-signature") or ""
+        if not verify_signature(
+            self.secret, key, timestamp, request.body, signature, self.tolerance
+        ):
+            return self._error(
+                401, "invalid_signature", "Signature, id or timestamp is missing or invalid."
+            )
         event = _event_of(request.body, key)
         if event is None:
-            return self._error(400, "bad_request", "Body must be {id: <key>, event, data}.")
+            return self._error(400, "bad_request", "Body must be {id: <webhook-id>, event, data}.")
         fingerprint = hashlib.sha256(request.body).hexdigest()
         return self._perform_once(
             key, fingerprint, lambda: self._accept(key, event, int(timestamp))
@@ -111,10 +120,10 @@ class FakeWebhookReceiver(FakeProvider):
         return Reply.json(status, {"error": name, "message": message}, headers)
 
     def _key_mismatch(self, key: str) -> Reply:
-        return self._error(422, "key_reused", "This key was used with another body.")
+        return self._error(422, "key_reused", "This webhook-id was used with another body.")
 
     def _key_in_flight(self, key: str) -> Reply:
-        return self._error(409, "request_in_progress", "A request with this key is running.")
+        return self._error(409, "request_in_progress", "A message with this id is running.")
 
     def _forget_records(self) -> None:
         with self._received_lock:

@@ -119,3 +119,18 @@ def test_the_command_prints_the_seed_and_a_table_and_writes_json(tmp_path: Path)
     assert written["ok"] is True
     assert written["seed"] == 5
     assert written["jobs"]["done"] == written["jobs"]["committed"] == 60
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_chaos_with_broker_restarts_stores_and_consumes_each_event_once() -> None:
+    config = ChaosConfig(workers=2, jobs=300, duration=10.0, deadline=120.0, seed=SEED,
+                         faults=parse_faults("broker,kill"))
+    result = run_chaos(config)
+    assert result.ok, _explain(result)
+    events = result.events
+    assert result.faults["broker"]["injected"] >= 2
+    assert events["keys"] == result.per_effect["nats.publish"]["done"] > 0
+    assert events["messages"] == events["keys"] == events["handled"]
+    assert events["max_per_key"] == 1
+    assert events["dead_lettered"] == 0

@@ -35,7 +35,8 @@ def test_the_plan_commits_exactly_the_jobs_asked_for_with_unique_keys() -> None:
     keys = [job.key for job in committed + plan.rolled_back()]
     assert len(keys) == len(set(keys))
     assert plan.rolled_back(), "some business transactions roll back"
-    assert {job.effect for job in committed} == {"email.send", "payment.charge", "webhook.post"}
+    assert {job.effect for job in committed} == {"email.send", "payment.charge", "webhook.post",
+                                                 "nats.publish"}
     assert any(job.decline_code for job in committed)
     assert all(batch.at <= 0.85 * config.duration for batch in plan.trickle)
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Self
 
+import standardwebhooks
 from pydantic import BaseModel
 
 import outbox
+from effects.testing._http import LocalServer, Reply, Request
 
 RESEND_KEY = "re_test_SECRET_c0ffee0123456789"
 STRIPE_KEY = "sk_test_SECRET_51Hc0ffee0123456789"
-WEBHOOK_SECRET = "whsec_SECRET_c0ffee0123456789"
+WEBHOOK_SECRET = "whsec_SECRETc0ffee0123456789"
 SECRETS = (RESEND_KEY, STRIPE_KEY, WEBHOOK_SECRET)
 
 # Generous for a loopback call, yet far below pytest's own timeout.
@@ -58,3 +61,38 @@ def _apply(payload: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
         else:
             payload[name] = value
     return payload
+
+
+class LibraryReceiver:
+    """A webhook endpoint that verifies with the ``standardwebhooks`` library itself.
+
+    401 unless ``Webhook.verify`` accepts the request; ``verified`` lists the parsed
+    bodies it accepted and ``ids`` their ``webhook-id`` headers.
+    """
+
+    def __init__(self, library: standardwebhooks.Webhook) -> None:
+        self._library = library
+        self._lock = threading.Lock()
+        self.verified: list[Any] = []
+        self.ids: list[str] = []
+        self._server = LocalServer(self._answer, name="library-receiver")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.port}/hook"
+
+    def _answer(self, request: Request) -> Reply:
+        try:
+            document = self._library.verify(request.body, dict(request.headers))
+        except standardwebhooks.WebhookVerificationError:
+            return Reply.json(401, {"error": "invalid_signature"})
+        with self._lock:
+            self.verified.append(document)
+            self.ids.append(request.headers["webhook-id"])
+        return Reply.json(200, {"ok": True})
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.close()

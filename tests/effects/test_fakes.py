@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -14,6 +14,7 @@ import pytest
 import stripe
 
 from effects import compute_signature
+from effects._signing import WebhookSecret
 from effects.testing import FakeEmailProvider, FakeStripe, FakeWebhookReceiver
 
 from ._support import RESEND_KEY, STRIPE_KEY, TIMEOUT, email_payload
@@ -268,7 +269,7 @@ def test_close_releases_held_requests_and_joins_threads(http: httpx.Client) -> N
 
 
 def test_close_does_not_wait_for_silent_clients(http: httpx.Client) -> None:
-    fake = FakeWebhookReceiver("s")
+    fake = FakeWebhookReceiver("whsec_cw==")
     host, port = fake.url.split("//")[1].split("/")[0].split(":")
     with socket.create_connection((host, int(port))):
         # Connections are accepted in order: once this one is answered, the silent one
@@ -382,24 +383,32 @@ def test_stripe_refusals(stripe_fake: FakeStripe, http: httpx.Client) -> None:
 # -- webhook receiver ----------------------------------------------------------------
 
 
-def signed(secret: str, body: bytes, key: str, timestamp: int | None = None) -> dict[str, str]:
+RIGHT, WRONG, S = "whsec_cmlnaHQ=", "whsec_d3Jvbmc=", "whsec_cw=="
+
+
+def signed(
+    secret: WebhookSecret | Sequence[WebhookSecret],
+    body: bytes,
+    key: str,
+    timestamp: int | None = None,
+) -> dict[str, str]:
     stamp = int(time.time()) if timestamp is None else timestamp
     return {
-        "Idempotency-Key": key,
-        "Webhook-Timestamp": str(stamp),
-        "Webhook-Signature": compute_signature(secret, stamp, body),
+        "webhook-id": key,
+        "webhook-timestamp": str(stamp),
+        "webhook-signature": compute_signature(secret, key, stamp, body),
     }
 
 
 @pytest.mark.parametrize(
     ("secret", "age", "status"),
-    [("right", 0, 200), ("wrong", 0, 401), ("right", 301, 401)],
+    [(RIGHT, 0, 200), (WRONG, 0, 401), (RIGHT, 301, 401)],
 )
 def test_webhook_receiver_checks_signatures(
     http: httpx.Client, secret: str, age: int, status: int
 ) -> None:
     body = b'{"data":null,"event":"e","id":"k1"}'
-    with FakeWebhookReceiver("right") as receiver:
+    with FakeWebhookReceiver(RIGHT) as receiver:
         headers = signed(secret, body, "k1", int(time.time()) - age)
         response = http.post(receiver.url, content=body, headers=headers)
 
@@ -409,11 +418,30 @@ def test_webhook_receiver_checks_signatures(
 
 def test_webhook_receiver_requires_a_key_matching_the_body(http: httpx.Client) -> None:
     body = b'{"data":null,"event":"e","id":"k1"}'
-    with FakeWebhookReceiver("s") as receiver:
-        no_key = http.post(receiver.url, content=body, headers=signed("s", body, ""))
-        other_key = http.post(receiver.url, content=body, headers=signed("s", body, "k2"))
+    with FakeWebhookReceiver(S) as receiver:
+        no_key = http.post(receiver.url, content=body, headers=signed(S, body, ""))
+        other_key = http.post(receiver.url, content=body, headers=signed(S, body, "k2"))
 
-    assert (no_key.status_code, other_key.status_code) == (400, 400)
+    # Without an id there is nothing to verify (401); a body for another id is refused.
+    assert (no_key.status_code, other_key.status_code) == (401, 400)
+
+
+def test_webhook_receiver_accepts_old_and_new_secrets_while_rotating(
+    http: httpx.Client,
+) -> None:
+    body = b'{"data":null,"event":"e","id":"k1"}'
+    with FakeWebhookReceiver([RIGHT, S]) as receiver:
+        old = http.post(receiver.url, content=body, headers=signed(S, body, "k1"))
+        wrong = http.post(receiver.url, content=body, headers=signed(WRONG, body, "k1"))
+
+    assert (old.status_code, wrong.status_code) == (200, 401)
+
+
+def test_webhook_receiver_refuses_a_malformed_secret() -> None:
+    with pytest.raises(ValueError, match="whsec_") as caught:
+        FakeWebhookReceiver("whsec_not base64!")
+
+    assert "not base64!" not in str(caught.value)
 
 
 # -- the pytest plugin ---------------------------------------------------------------

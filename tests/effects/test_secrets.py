@@ -120,7 +120,7 @@ def test_no_secret_in_stripe_outcomes_or_logs(caplog: pytest.LogCaptureFixture) 
 def test_no_secret_in_webhook_outcomes_or_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     job = make_job("webhook.post", "k-hook", {"event": "e", "data": {}})
-    with FakeWebhookReceiver("other-secret") as receiver:
+    with FakeWebhookReceiver("whsec_b3RoZXI=") as receiver:
         arms: list[Callable[[], None]] = [
             lambda: None,  # the receiver refuses our signature: 401
             receiver.succeed_then_timeout,

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import base64
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import standardwebhooks
 
 import outbox
-from effects import PostWebhook, compute_signature, verify_signature
+from effects import (
+    PostWebhook,
+    compute_signature,
+    generate_secret,
+    verify_headers,
+    verify_signature,
+)
 from effects.testing import FakeWebhookReceiver
 
-from ._support import TIMEOUT, WEBHOOK_SECRET, make_job
+from ._support import TIMEOUT, WEBHOOK_SECRET, LibraryReceiver, make_job
+
+WEBHOOK_SECRET_B64 = WEBHOOK_SECRET
 
 KEY = "webhook-order-102"
 DATA = {"order": 102, "total": {"amount": 2000, "currency": "eur"}, "items": ["tea"]}
@@ -45,7 +57,7 @@ def test_a_redelivery_sends_the_same_body_and_is_deduplicated(
 
 def test_a_wrong_secret_is_permanent(receiver: FakeWebhookReceiver) -> None:
     with (
-        PostWebhook(url=receiver.url, secret="whsec_wrong", timeout=TIMEOUT) as adapter,
+        PostWebhook(url=receiver.url, secret="whsec_d3Jvbmc=", timeout=TIMEOUT) as adapter,
         pytest.raises(outbox.Permanent, match="HTTP 401"),
     ):
         adapter.perform(webhook_job())
@@ -165,38 +177,129 @@ def test_a_missing_data_field_is_refused(post_webhook: PostWebhook) -> None:
 
 BODY = b'{"data":{},"event":"order.paid","id":"k"}'
 NOW = 1_700_000_000
+SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+OTHER = "whsec_c2VjcmV0LWItcm90YXRlZA=="
 
 
-def test_a_signature_verifies_for_its_body_and_time() -> None:
-    signature = compute_signature("s3cret", NOW, BODY)
+def test_a_signature_verifies_for_its_id_body_and_time() -> None:
+    signature = compute_signature(SECRET, "k", NOW, BODY)
 
-    assert signature.startswith("v1=")
-    assert verify_signature("s3cret", str(NOW), BODY, signature, now=NOW + 10)
-    assert verify_signature("s3cret", NOW, BODY.decode(), signature, now=NOW)
+    assert signature.startswith("v1,")
+    assert verify_signature(SECRET, "k", str(NOW), BODY, signature, now=NOW + 10)
+    assert verify_signature(SECRET, "k", NOW, BODY.decode(), signature, now=NOW)
 
 
 @pytest.mark.parametrize(
-    ("secret", "timestamp", "body", "now"),
+    ("secret", "msg_id", "timestamp", "body", "now"),
     [
-        ("other", str(NOW), BODY, NOW),  # wrong secret
-        ("s3cret", str(NOW), BODY + b" ", NOW),  # body changed
-        ("s3cret", str(NOW + 1), BODY, NOW),  # timestamp changed
-        ("s3cret", str(NOW), BODY, NOW + 301),  # too old
-        ("s3cret", str(NOW), BODY, NOW - 301),  # too far ahead
-        ("s3cret", "not-a-time", BODY, NOW),
-        ("s3cret", "", BODY, NOW),
+        (OTHER, "k", str(NOW), BODY, NOW),  # wrong secret
+        (SECRET, "k2", str(NOW), BODY, NOW),  # another id
+        (SECRET, "", str(NOW), BODY, NOW),  # no id
+        (SECRET, "k", str(NOW), BODY + b" ", NOW),  # body changed
+        (SECRET, "k", str(NOW + 1), BODY, NOW),  # timestamp changed
+        (SECRET, "k", str(NOW), BODY, NOW + 301),  # too old
+        (SECRET, "k", str(NOW), BODY, NOW - 301),  # too far ahead
+        (SECRET, "k", "not-a-time", BODY, NOW),
+        (SECRET, "k", "", BODY, NOW),
     ],
 )
 def test_a_signature_fails_when_anything_differs(
-    secret: str, timestamp: str, body: bytes, now: int
+    secret: str, msg_id: str, timestamp: str, body: bytes, now: int
 ) -> None:
-    signature = compute_signature("s3cret", NOW, BODY)
+    signature = compute_signature(SECRET, "k", NOW, BODY)
 
-    assert not verify_signature(secret, timestamp, body, signature, now=now)
+    assert not verify_signature(secret, msg_id, timestamp, body, signature, now=now)
 
 
 def test_any_of_several_signatures_may_match() -> None:
-    rotated = f"v1=deadbeef, {compute_signature('s3cret', NOW, BODY)}"
+    rotated = f"v1,ZGVhZGJlZWY= {compute_signature(SECRET, 'k', NOW, BODY)}"
 
-    assert verify_signature("s3cret", NOW, BODY, rotated, now=NOW)
-    assert not verify_signature("s3cret", NOW, BODY, "v0=abc v1=", now=NOW)
+    assert verify_signature(SECRET, "k", NOW, BODY, rotated, now=NOW)
+    assert verify_signature([OTHER, SECRET], "k", NOW, BODY, rotated, now=NOW)
+    assert not verify_signature(SECRET, "k", NOW, BODY, "v0,abc v1, v1,!!", now=NOW)
+
+
+def test_signing_with_two_secrets_satisfies_holders_of_either() -> None:
+    both = compute_signature([SECRET, OTHER], "k", NOW, BODY)
+
+    assert len(both.split(" ")) == 2
+    assert verify_signature(SECRET, "k", NOW, BODY, both, now=NOW)
+    assert verify_signature(OTHER, "k", NOW, BODY, both, now=NOW)
+
+
+@pytest.mark.parametrize("secret", ["whsec_", "whsec_not base64!", "", b""])
+def test_a_malformed_secret_is_refused_without_repeating_it(secret: str | bytes) -> None:
+    with pytest.raises(ValueError) as caught:
+        compute_signature(secret, "k", NOW, BODY)
+
+    assert "not base64!" not in str(caught.value)
+
+
+def test_raw_bytes_and_unpadded_base64_are_the_same_key() -> None:
+    key = b"0123456789abcdef"
+    padded = "whsec_" + base64.b64encode(key).decode()
+
+    assert compute_signature(key, "k", NOW, BODY) == compute_signature(padded, "k", NOW, BODY)
+    assert compute_signature(padded.rstrip("="), "k", NOW, BODY) == compute_signature(
+        key, "k", NOW, BODY
+    )
+
+
+def test_verify_headers_returns_the_verified_id() -> None:
+    headers = {
+        "Webhook-Id": "k",
+        "Webhook-Timestamp": str(NOW),
+        "Webhook-Signature": compute_signature(SECRET, "k", NOW, BODY),
+    }
+
+    assert verify_headers(SECRET, headers, BODY, now=NOW) == "k"
+    assert verify_headers(OTHER, headers, BODY, now=NOW) is None
+    assert verify_headers(SECRET, {**headers, "Webhook-Id": "k2"}, BODY, now=NOW) is None
+
+
+# -- interoperability with the standardwebhooks library -------------------------------
+
+
+def test_generated_secrets_work_with_the_standardwebhooks_library() -> None:
+    secret = generate_secret()
+    sent = compute_signature(secret, "k", NOW, BODY)
+
+    assert secret.startswith("whsec_")
+    assert standardwebhooks.Webhook(secret).sign("k", datetime.fromtimestamp(NOW, UTC),
+                                                 BODY.decode()) == sent
+
+
+def test_the_standardwebhooks_library_verifies_what_post_webhook_sends() -> None:
+    library = standardwebhooks.Webhook(WEBHOOK_SECRET_B64)
+    with LibraryReceiver(library) as server, PostWebhook(
+        url=server.url, secret=[WEBHOOK_SECRET_B64, OTHER], timeout=TIMEOUT
+    ) as adapter:
+        assert adapter.perform(webhook_job()) == {"status": 200}
+        adapter.perform(webhook_job())  # a redelivery: same id and body, fresh signature
+
+    first, second = server.verified
+    assert first == second == {"id": KEY, "event": "order.paid", "data": DATA}
+    assert server.ids == [KEY, KEY]
+
+
+def test_post_webhook_is_verified_by_a_receiver_holding_only_the_new_secret() -> None:
+    library = standardwebhooks.Webhook(OTHER)
+    with LibraryReceiver(library) as server, PostWebhook(
+        url=server.url, secret=[WEBHOOK_SECRET_B64, OTHER], timeout=TIMEOUT
+    ) as adapter:
+        adapter.perform(webhook_job())
+
+    assert server.ids == [KEY]
+
+
+def test_verify_headers_accepts_what_the_standardwebhooks_library_signs() -> None:
+    library = standardwebhooks.Webhook(SECRET)
+    stamp = int(time.time())
+    headers = {
+        "webhook-id": "msg_1",
+        "webhook-timestamp": str(stamp),
+        "webhook-signature": library.sign("msg_1", datetime.fromtimestamp(stamp, UTC),
+                                          BODY.decode()),
+    }
+
+    assert verify_headers(SECRET, headers, BODY) == "msg_1"

@@ -41,9 +41,9 @@ __all__ = [
 
 STRIPE_KEY = "sk_test_SECRET_abc123"
 RESEND_KEY = "re_test_SECRET_abc123"
-WEBHOOK_SECRET = "whsec_SECRET_abc123"
+WEBHOOK_SECRET = "whsec_SECRETabc123"
 # The shared core also catches a key echoed in part (e.g. without its prefix).
-SECRETS = (STRIPE_KEY, RESEND_KEY, WEBHOOK_SECRET, "SECRET_abc123")
+SECRETS = (STRIPE_KEY, RESEND_KEY, WEBHOOK_SECRET, "SECRET_abc123", "SECRETabc123")
 PII = "PAYLOAD_PII_MARKER"
 
 # Set to DEBUG explicitly, in case a library pinned its own level.

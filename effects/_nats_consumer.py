@@ -1,0 +1,372 @@
+"""``InboxConsumer``: a JetStream pull consumer whose handler runs once per message.
+
+For each message, in order::
+
+    open a database transaction
+      tx.receive(name, message_id)      False: handled before, skip the handler
+      handler(tx, event)                the user's work, in the same transaction
+    commit
+    ack                                 (waits for the server to confirm it)
+
+A crash between commit and ack redelivers the message; ``receive`` then says False and
+the message is acked without handling it again. A handler that raises rolls the
+transaction back (no inbox row, no business rows) and the message is nak'ed with a
+growing delay; on its ``max_deliver``-th failed delivery it is parked on the dead-letter
+subject and terminated, so a poison message never loops. If parking fails (no stream
+captures the dead-letter subject), the message is kept and retried later: nothing is
+dropped. A database that cannot be reached naks the message too, and never parks it
+(the message is not at fault). A broker that goes away is waited for: the client
+reconnects, and unacknowledged messages are redelivered after ``ack_wait``.
+
+The message id is the ``Outbox-Message-Id`` header (the publishing job's key), else
+``Nats-Msg-Id``, else ``<stream>:<stream sequence>`` (which only recognises redeliveries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+import psycopg
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+import outbox
+
+__all__ = ["ConsumerStats", "InboxConsumer", "InboxEvent"]
+
+log = logging.getLogger("effects.nats.consumer")
+
+MESSAGE_ID_HEADER = "Outbox-Message-Id"
+_RECONNECT_PAUSE = 0.2
+SyncHandler = Callable[["outbox.Transaction", "InboxEvent"], object]
+AsyncHandler = Callable[["outbox.AsyncTransaction", "InboxEvent"], Awaitable[object]]
+Handler = SyncHandler | AsyncHandler
+
+
+@dataclass(frozen=True)
+class InboxEvent:
+    """One message as the handler sees it.
+
+    ``data`` is the raw body (``json()`` parses it); ``deliveries`` counts deliveries of
+    this message, 1 the first time.
+    """
+
+    message_id: str
+    subject: str
+    data: bytes
+    headers: Mapping[str, str]
+    stream_seq: int
+    deliveries: int
+
+    def json(self) -> Any:
+        """The body parsed as JSON (raises ``ValueError`` if it is not JSON)."""
+        return json.loads(self.data)
+
+
+@dataclass
+class ConsumerStats:
+    """Counters of one run: messages handled, skipped as repeats, failed, parked."""
+
+    handled: int = 0
+    duplicates: int = 0
+    failed: int = 0
+    dead_lettered: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class InboxConsumer:
+    """Consumes ``subject`` from ``stream`` through the durable consumer ``name``.
+
+    Guarantee: ``handler(tx, event)`` commits at most once per message id and consumer
+    name (the inbox row and the handler's writes commit together), and every message is
+    eventually handled, or parked on ``dead_letter_subject`` after ``max_deliver`` failed
+    deliveries. ``name`` is both the JetStream durable consumer and the inbox's consumer
+    name. Messages are handled one at a time in delivery order; ``backoff`` gives the
+    nak delay after the n-th failure (the last value repeats).
+
+    ``handler`` is a plain function called in a worker thread with an
+    ``outbox.Transaction`` on this consumer's own connection (``tx.connection``), so it
+    may write business rows and ``tx.enqueue`` follow-up jobs atomically; or an
+    ``async def`` awaited on the consumer's loop with an ``outbox.AsyncTransaction`` on
+    a ``psycopg.AsyncConnection``.
+    """
+
+    def __init__(
+        self,
+        conninfo: str,
+        handler: Handler,
+        *,
+        servers: str | Sequence[str] = "nats://127.0.0.1:4222",
+        stream: str = "EVENTS",
+        name: str,
+        subject: str | None = None,
+        schema: str = "outbox",
+        max_deliver: int = 5,
+        backoff: Sequence[float] = (1.0, 5.0, 30.0),
+        ack_wait: float = 30.0,
+        batch: int = 16,
+        dead_letter_subject: str | None = None,
+        connect_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if max_deliver < 1 or not backoff or any(not b >= 0 for b in backoff):
+            raise ValueError("max_deliver must be >= 1 and backoff non-negative delays")
+        self._conninfo = conninfo
+        self._handler = handler
+        self._servers = [servers] if isinstance(servers, str) else list(servers)
+        self.stream = stream
+        self.name = name
+        self.subject = subject
+        self.schema = schema
+        self.max_deliver = max_deliver
+        self.backoff = tuple(backoff)
+        self.ack_wait = ack_wait
+        self.batch = batch
+        self.dead_letter_subject = dead_letter_subject or f"DLQ.{stream}.{name}"
+        self._options = {"connect_timeout": 2, "reconnect_time_wait": 0.5, "name": name}
+        self._options.update(connect_options or {})
+        self._db: psycopg.Connection[Any] | None = None
+        self._adb: psycopg.AsyncConnection[Any] | None = None
+        self._stopping: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stats = ConsumerStats()
+
+    # -- running ---------------------------------------------------------------------
+
+    async def run(self) -> ConsumerStats:
+        """Consume until ``stop()``; reconnects to NATS and PostgreSQL as needed."""
+        self._stopping, self._loop = asyncio.Event(), asyncio.get_running_loop()
+        return await self._consume(until_idle=False, idle_timeout=1.0)
+
+    async def run_until_idle(self, idle_timeout: float = 0.5) -> ConsumerStats:
+        """Consume until nothing is left to deliver or awaiting acknowledgement.
+
+        Messages nak'ed with a delay count as outstanding: this returns once each was
+        handled, skipped or parked (for tests and batch jobs).
+        """
+        self._stopping, self._loop = asyncio.Event(), asyncio.get_running_loop()
+        return await self._consume(until_idle=True, idle_timeout=idle_timeout)
+
+    def stop(self) -> None:
+        """Ask ``run`` to return after the message in hand; safe from any thread."""
+        stopping, loop = self._stopping, self._loop
+        if stopping is None or loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop or loop.is_closed():
+            stopping.set()
+        else:
+            loop.call_soon_threadsafe(stopping.set)
+
+    async def _consume(self, *, until_idle: bool, idle_timeout: float) -> ConsumerStats:
+        stopping = self._stopping
+        assert stopping is not None
+        client = await nats.connect(servers=self._servers, max_reconnect_attempts=-1,
+                                    error_cb=self._on_error, **self._options)
+        try:
+            js = client.jetstream()
+            subscription = await self._subscribe(js)
+            while not stopping.is_set():
+                try:
+                    messages = await subscription.fetch(self.batch, timeout=idle_timeout)
+                except TimeoutError:  # nats-py raises its own and asyncio's
+                    if until_idle and await self._idle(js):
+                        break
+                    continue
+                except nats.errors.Error as exc:
+                    # Disconnected: the client reconnects by itself; unacked messages come
+                    # back after ack_wait.
+                    log.info("%s: fetch failed (%s); retrying", self.name, type(exc).__name__)
+                    await asyncio.sleep(_RECONNECT_PAUSE)
+                    continue
+                for message in messages:
+                    try:
+                        await self._process(js, message)
+                    except nats.errors.Error as exc:
+                        log.info("%s: lost the broker mid-message (%s); it will be "
+                                 "redelivered", self.name, type(exc).__name__)
+        finally:
+            await client.close()
+            await asyncio.to_thread(self._close_db)
+            await self._aclose_db()
+        return self.stats
+
+    async def _subscribe(self, js: JetStreamContext) -> JetStreamContext.PullSubscription:
+        """The pull subscription, waiting out a broker that is (re)starting."""
+        assert self._stopping is not None
+        while True:
+            try:
+                return await self._pull_subscribe(js)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                    nats.js.errors.ServiceUnavailableError) as exc:
+                if self._stopping.is_set():
+                    raise
+                log.info("%s: JetStream not ready (%s); retrying", self.name,
+                         type(exc).__name__)
+                await asyncio.sleep(_RECONNECT_PAUSE)
+
+    async def _pull_subscribe(self, js: JetStreamContext) -> JetStreamContext.PullSubscription:
+        config = ConsumerConfig(
+            durable_name=self.name,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=self.ack_wait,
+            # Parking is ours: the server must not drop a message silently at its limit.
+            max_deliver=-1,
+            filter_subject=self.subject,
+        )
+        return await js.pull_subscribe(self.subject or "", durable=self.name,
+                                       stream=self.stream, config=config)
+
+    async def _on_error(self, exc: Exception) -> None:
+        # nats-py would log each failed reconnection with a traceback; one line will do.
+        log.info("%s: connection error %s", self.name, type(exc).__name__)
+
+    async def _idle(self, js: JetStreamContext) -> bool:
+        try:
+            info = await js.consumer_info(self.stream, self.name)
+        except nats.errors.Error:
+            return False  # the broker is away: not idle as far as we know
+        return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+
+    # -- one message -----------------------------------------------------------------
+
+    async def _process(self, js: JetStreamContext, message: Msg) -> None:
+        event = _event(message, self.stream)
+        try:
+            if inspect.iscoroutinefunction(self._handler):
+                handled = await self._handle_async(event)
+            else:
+                handled = await asyncio.to_thread(self._handle, event)
+        except Exception as exc:
+            await self._failed(js, message, event, exc)
+            return
+        if handled:
+            self.stats.handled += 1
+        else:
+            self.stats.duplicates += 1
+            log.info("%s: message %s already handled; acknowledging", self.name,
+                     event.message_id)
+        await self._acknowledge(message)
+
+    def _handle(self, event: InboxEvent) -> bool:
+        """In a worker thread: receive and handle in one transaction; False for a repeat."""
+        handler: SyncHandler = self._handler  # type: ignore[assignment]
+        db = self._connection()
+        try:
+            with outbox.transaction(db, schema=self.schema) as tx:
+                if not tx.receive(self.name, event.message_id):
+                    return False
+                handler(tx, event)
+            return True
+        except psycopg.OperationalError:
+            self._close_db()  # a fresh connection next time
+            raise
+
+    async def _handle_async(self, event: InboxEvent) -> bool:
+        """On the loop: receive and await the handler in one transaction."""
+        handler: AsyncHandler = self._handler  # type: ignore[assignment]
+        db = await self._aconnection()
+        try:
+            async with outbox.transaction(db, schema=self.schema) as tx:
+                if not await tx.receive(self.name, event.message_id):
+                    return False
+                await handler(tx, event)
+            return True
+        except psycopg.OperationalError:
+            await self._aclose_db()
+            raise
+
+    async def _aconnection(self) -> psycopg.AsyncConnection[Any]:
+        if self._adb is None or self._adb.closed:
+            self._adb = await psycopg.AsyncConnection.connect(
+                self._conninfo, autocommit=True, application_name=f"outbox inbox {self.name}")
+        return self._adb
+
+    async def _aclose_db(self) -> None:
+        adb, self._adb = self._adb, None
+        if adb is not None:
+            await adb.close()
+
+    async def _acknowledge(self, message: Msg) -> None:
+        """Ack and wait for the server: a lost ack only means one harmless redelivery."""
+        try:
+            await message.ack_sync(timeout=5.0)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("%s: ack not confirmed (%s); the message will be redelivered and "
+                        "skipped", self.name, type(exc).__name__)
+
+    async def _failed(self, js: JetStreamContext, message: Msg, event: InboxEvent,
+                      exc: Exception) -> None:
+        self.stats.failed += 1
+        self.stats.errors.append(type(exc).__name__)
+        log.warning("%s: message %s failed on delivery %d (%s)", self.name, event.message_id,
+                    event.deliveries, type(exc).__name__)
+        # An unreachable database is not the message's fault: retried, never parked.
+        poison = not isinstance(exc, psycopg.OperationalError)
+        if poison and event.deliveries >= self.max_deliver and await self._park(js, event, exc):
+            self.stats.dead_lettered += 1
+            await message.term()
+            return
+        delay = self.backoff[min(event.deliveries, len(self.backoff)) - 1]
+        await message.nak(delay=delay)
+
+    async def _park(self, js: JetStreamContext, event: InboxEvent, exc: Exception) -> bool:
+        """Publish the message to the dead-letter subject; False if that failed."""
+        # Nats-* headers steer the broker (the id, the expected stream): not copied.
+        headers = {k: v for k, v in event.headers.items() if not k.lower().startswith("nats-")}
+        headers.update({
+            # A consumer that dies after parking and before term parks it again: dedup.
+            "Nats-Msg-Id": f"dead:{self.stream}:{self.name}:{event.stream_seq}",
+            "Outbox-Dead-Letter-Reason": type(exc).__name__,
+            "Outbox-Original-Subject": event.subject,
+            "Outbox-Original-Stream-Seq": str(event.stream_seq),
+            "Outbox-Deliveries": str(event.deliveries),
+            MESSAGE_ID_HEADER: event.message_id,
+        })
+        try:
+            await js.publish(self.dead_letter_subject, event.data, headers=headers, timeout=5.0)
+        except (nats.errors.Error, TimeoutError) as error:
+            log.error("%s: message %s could not be parked on %s (%s); kept for redelivery",
+                      self.name, event.message_id, self.dead_letter_subject,
+                      type(error).__name__)
+            return False
+        log.error("%s: message %s parked on %s after %d deliveries", self.name,
+                  event.message_id, self.dead_letter_subject, event.deliveries)
+        return True
+
+    # -- the database connection (used from worker threads, one at a time) -------------
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._db is None or self._db.closed:
+            self._db = psycopg.connect(self._conninfo, autocommit=True,
+                                       application_name=f"outbox inbox {self.name}")
+        return self._db
+
+    def _close_db(self) -> None:
+        db, self._db = self._db, None
+        if db is not None:
+            db.close()
+
+
+def _event(message: Msg, stream: str) -> InboxEvent:
+    headers = dict(message.headers or {})
+    metadata = message.metadata
+    seq = metadata.sequence.stream if metadata.sequence else 0
+    message_id = (headers.get(MESSAGE_ID_HEADER) or headers.get("Nats-Msg-Id")
+                  or f"{stream}:{seq}")
+    return InboxEvent(message_id, message.subject, message.data, headers, seq,
+                      metadata.num_delivered or 1)
+

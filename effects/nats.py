@@ -1,0 +1,580 @@
+"""``nats.publish``: publish an event to NATS JetStream, once per key inside the window.
+
+The payload is ``{"subject": ..., "data": <any JSON>, "headers": {...}}`` (``headers``
+optional). The message body is the canonical JSON of ``data`` (compact, keys sorted),
+so every attempt publishes the same bytes, with these headers:
+
+    Nats-Msg-Id         the job's key: JetStream drops a repeat inside the stream's
+                        duplicate window and answers with the original sequence
+    Outbox-Message-Id   the job's key again, for consumers to deduplicate on (an inbox)
+    Outbox-Event-Time   when the job was first attempted (RFC 3339, UTC): the same on
+                        every attempt and re-claim; absent for a job never claimed
+    Outbox-Ordering-Key the job's ordering key, when it has one
+    Content-Type        application/json
+    traceparent, ...    whatever ``trace_headers(job)`` returns, when tracing is on
+
+The ledger result is ``{"stream", "seq", "duplicate"}``; for a repeat the broker dropped,
+``seq`` is the original message's and ``duplicate`` is true.
+
+Outcome of an attempt, by what happened::
+
+    PubAck (new or duplicate)                       done
+    payload invalid: no subject, a wildcard or      Permanent, before any network call
+      $-subject, a subject outside the stream,
+      reserved or malformed headers, NaN in data
+    not connected (connecting, reconnecting)        Retry: nothing was written
+    no responders, 503                              Retry: nothing was stored
+    400-class answer (wrong stream, message too     Permanent, with the server's
+      large, invalid subject), payload over the       description
+      server's max_payload
+    timeout after the request was written,          UnknownOutcome: retried with the
+      500, connection lost mid-request                same Nats-Msg-Id
+    stream misconfigured (see ``check``)            Retry, logged as an error, until fixed
+    re-attempt past the duplicate window            UnknownOutcome, nothing published
+                                                    (reconcile once the dispatcher's
+                                                    window ends; see below)
+
+The guarantee: a job is stored in the stream once, provided every attempt after the first
+lands inside the stream's duplicate window, counted from the first attempt. ``check``
+refuses a window too short to cover a re-claim (the dispatcher's ``lease`` plus
+``rescue_interval``) and a retention that forgets ids early (work-queue, interest). Past
+the window, the effect will not publish again: the job's fate is unknown and a person (or
+a reconciler reading the stream) decides. Run ``nats.publish`` jobs on a dispatcher whose
+``unknown_outcome_window`` is ``publisher.unknown_outcome_window`` so such jobs go to
+``reconcile`` at once rather than after the dispatcher's default 24 hours.
+
+Strict mode (``strict=True``): the stream keeps one message per subject
+(``max_msgs_per_subject=1``, ``discard=new``, ``discard_new_per_subject=true``) and each
+event has a subject of its own (e.g. ``orders.paid.102``). The broker then refuses a
+second message on a subject (error 10077) for as long as it keeps the first, whatever
+the duplicate window: a repeat past the window is found on its subject and recorded as a
+duplicate, and re-attempts are never stopped by the window. The trade-off: one subject
+per event (more subject state in the server, consumers filter with wildcards) and the
+guarantee lasts only while the message is retained (``max_age``, limits).
+
+Order: JetStream stores messages in the order they are acknowledged. Jobs sharing an
+``ordering_key`` run one at a time, so their events reach the stream in order; a
+consumer keeps that order by processing one message at a time (``max_ack_pending=1``)
+or one subject partition per worker, and uses ``Outbox-Ordering-Key`` to route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js.api import DiscardPolicy, PubAck, RetentionPolicy
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
+
+from outbox import (
+    ConfigurationError,
+    Effect,
+    EffectOutcome,
+    Job,
+    Permanent,
+    Retry,
+    UnknownOutcome,
+)
+
+from ._loop import LoopThread
+from ._nats_consumer import ConsumerStats, InboxConsumer, InboxEvent
+from ._payload import validated_payload
+
+__all__ = [
+    "ConsumerStats",
+    "EventPayload",
+    "InboxConsumer",
+    "InboxEvent",
+    "PublishEvent",
+    "StreamFacts",
+    "canonical_json",
+    "subject_matches",
+]
+
+log = logging.getLogger("effects.nats")
+
+MESSAGE_ID_HEADER = "Outbox-Message-Id"
+EVENT_TIME_HEADER = "Outbox-Event-Time"
+ORDERING_KEY_HEADER = "Outbox-Ordering-Key"
+_RESERVED_PREFIXES = ("nats-", "outbox-")
+_MAX_HEADERS = 64
+_MAX_SUBJECT = 1024
+_STRICT_DUPLICATE = 10077  # "maximum messages per subject exceeded" (discard new)
+_RECHECK_SECONDS = 60.0
+_STRICT_DEFAULT_WINDOW = 24 * 3600.0
+
+TraceHeaders = Callable[[Job], Mapping[str, str]]
+"""Returns extra headers for an attempt (e.g. ``traceparent``); called once per attempt."""
+
+
+def _check_subject(subject: str) -> str:
+    """A publishable NATS subject: dot-separated tokens, no wildcards, no system prefix."""
+    if not subject.isascii() or not subject.isprintable() or " " in subject:
+        raise ValueError("must be printable ASCII without spaces")
+    tokens = subject.split(".")
+    if any(token == "" for token in tokens):
+        raise ValueError("must not have empty tokens (leading, trailing or double dots)")
+    if any(token in ("*", ">") for token in tokens):
+        raise ValueError("must not contain wildcards ('*', '>'): a message has one subject")
+    if tokens[0].startswith("$") or tokens[0] == "_INBOX":
+        raise ValueError("must not be a system subject ($..., _INBOX...)")
+    return subject
+
+
+def _check_header(name: str, value: str) -> None:
+    if not name or not name.isascii() or not name.isprintable() or ":" in name or " " in name:
+        raise ValueError(f"header name {name!r} must be printable ASCII without ':' or spaces")
+    if name.lower().startswith(_RESERVED_PREFIXES):
+        raise ValueError(f"header {name!r} is reserved (Nats-* and Outbox-* are set here)")
+    if "\r" in value or "\n" in value:
+        raise ValueError(f"header {name!r}: value must not contain line breaks")
+
+
+class EventPayload(BaseModel):
+    """A ``nats.publish`` payload: ``subject``, ``data`` (any JSON), optional ``headers``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    subject: str = Field(min_length=1, max_length=_MAX_SUBJECT)
+    data: JsonValue
+    headers: dict[str, str] = Field(default_factory=dict, max_length=_MAX_HEADERS)
+
+    @field_validator("subject")
+    @classmethod
+    def _valid_subject(cls, subject: str) -> str:
+        return _check_subject(subject)
+
+    @field_validator("headers")
+    @classmethod
+    def _valid_headers(cls, headers: dict[str, str]) -> dict[str, str]:
+        for name, value in headers.items():
+            _check_header(name, value)
+        return headers
+
+
+def canonical_json(data: Any) -> bytes:
+    """``data`` as compact JSON with sorted keys: equal data gives equal bytes.
+
+    Raises ``ValueError`` for NaN or infinity, which JSON cannot carry.
+    """
+    text = json.dumps(
+        data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
+    return text.encode()
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """True when ``subject`` falls under the stream subject ``pattern`` (``*``, ``>``)."""
+    wanted, actual = pattern.split("."), subject.split(".")
+    for index, token in enumerate(wanted):
+        if token == ">":
+            return len(actual) > index
+        if index >= len(actual) or (token != "*" and token != actual[index]):
+            return False
+    return len(actual) == len(wanted)
+
+
+@dataclass(frozen=True)
+class StreamFacts:
+    """What ``check`` learned about the stream, in seconds where it is a duration.
+
+    ``window`` is the effective duplicate window: the stream's ``duplicate_window``, or
+    its ``max_age`` when shorter (a message gone is an id forgotten).
+    """
+
+    stream: str
+    subjects: tuple[str, ...]
+    duplicate_window: float
+    max_age: float
+    window: float
+    strict: bool
+    checked_at: float
+
+
+class _Connection:
+    """One reconnecting NATS connection, made on first use; owned by ``LoopThread``."""
+
+    def __init__(self, servers: list[str], options: Mapping[str, Any], what: str) -> None:
+        self._servers = servers
+        self._options = dict(options)
+        self._what = what
+        self._client: NatsClient | None = None
+        self._lock: asyncio.Lock | None = None
+
+    @property
+    def client(self) -> NatsClient | None:
+        return self._client
+
+    async def get(self) -> NatsClient:
+        """The connected client; raises ``Retry`` when the broker cannot be reached."""
+        if self._client is not None and not self._client.is_closed:
+            return self._client
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._client is None or self._client.is_closed:
+                self._client = await self._connect()
+        return self._client
+
+    async def _connect(self) -> NatsClient:
+        try:
+            client = await nats.connect(
+                servers=self._servers,
+                # No buffering while disconnected: a publish then fails before a byte is
+                # written, which is what makes "not connected" a safe Retry.
+                pending_size=0,
+                allow_reconnect=True,
+                # One try per server now: an unreachable broker is a Retry of the job, not
+                # a perform that hangs. Once connected, reconnect forever (below).
+                max_reconnect_attempts=1,
+                error_cb=self._on_error,
+                disconnected_cb=self._on_disconnect,
+                reconnected_cb=self._on_reconnect,
+                **self._options,
+            )
+        except (OSError, TimeoutError, nats.errors.Error) as exc:
+            raise Retry(f"{self._what}: could not connect ({type(exc).__name__})") from exc
+        # nats-py reads this option on every reconnection round.
+        client.options["max_reconnect_attempts"] = -1
+        return client
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and not client.is_closed:
+            await client.close()
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.debug("%s: connection error %s", self._what, type(exc).__name__)
+
+    async def _on_disconnect(self) -> None:
+        log.info("%s: disconnected; reconnecting", self._what)
+
+    async def _on_reconnect(self) -> None:
+        log.info("%s: reconnected", self._what)
+
+
+def _server_list(servers: str | Sequence[str]) -> list[str]:
+    listed = [servers] if isinstance(servers, str) else list(servers)
+    if not listed or not all(isinstance(s, str) and s for s in listed):
+        raise ValueError("servers must be a NATS URL or a non-empty list of them")
+    return listed
+
+
+def _hosts(servers: list[str]) -> str:
+    """Hosts and ports only: server URLs may carry credentials."""
+    return ",".join(f"{urlsplit(s).hostname}:{urlsplit(s).port or 4222}" for s in servers)
+
+
+class PublishEvent(Effect):
+    """Publishes ``nats.publish`` jobs to the JetStream stream ``stream``.
+
+    Guarantees: every attempt publishes the same bytes with ``Nats-Msg-Id`` = the job's
+    key, so the broker stores the event once while attempts stay inside the stream's
+    duplicate window; past it, the effect refuses to publish again (see the module
+    docstring). ``check()`` (also run on first use and every minute) refuses a stream
+    whose window cannot cover a re-claim after ``lease`` + ``rescue_interval`` (give the
+    dispatcher's values) or whose retention forgets ids early. One reconnecting
+    connection per instance, on a private event loop; ``close()`` ends it. Reasons and
+    logs carry the job key, the subject's stream and the server's hosts, never the data
+    or credentials in server URLs.
+
+    ``trace_headers(job)``, when given, returns extra headers for each attempt (the
+    tracing integration passes one that injects ``traceparent``). ``connect_options``
+    are passed to ``nats.connect`` (credentials, TLS, ``connect_timeout`` ...).
+    """
+
+    name = "nats.publish"
+    payload_model = EventPayload
+
+    def __init__(
+        self,
+        servers: str | Sequence[str] = "nats://127.0.0.1:4222",
+        stream: str = "EVENTS",
+        *,
+        timeout: float = 5.0,
+        lease: float = 30.0,
+        rescue_interval: float = 5.0,
+        strict: bool = False,
+        trace_headers: TraceHeaders | None = None,
+        connect_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not stream or any(c in stream for c in " .*>\t"):
+            raise ValueError(f"stream must be a JetStream stream name, got {stream!r}")
+        if not timeout > 0 or not lease > 0 or not rescue_interval >= 0:
+            raise ValueError("timeout and lease must be positive, rescue_interval not negative")
+        self._servers = _server_list(servers)
+        self.stream = stream
+        self.timeout = timeout
+        self.lease = lease
+        self.rescue_interval = rescue_interval
+        self.strict = strict
+        self._trace_headers = trace_headers
+        self._what = f"nats.publish to stream {stream} at {_hosts(self._servers)}"
+        options = {"connect_timeout": 2, "reconnect_time_wait": 0.5, "name": "outbox"}
+        options.update(connect_options or {})
+        self._connection = _Connection(self._servers, options, self._what)
+        self._facts: StreamFacts | None = None
+        self._loop: LoopThread | None = None
+        self._loop_lock = threading.Lock()
+
+    # -- the effect -----------------------------------------------------------------
+
+    async def perform(self, job: Job) -> dict[str, Any]:
+        """Publish the job's event; return ``{"stream", "seq", "duplicate"}``.
+
+        Raises ``Retry``, ``Permanent`` or ``UnknownOutcome`` as drawn in the module
+        docstring. Validation happens before any network call.
+        """
+        event = validated_payload(EventPayload, job)
+        try:
+            body = canonical_json(event.data)
+        except ValueError as exc:
+            raise Permanent(f"invalid nats.publish payload for job {job.key}: "
+                            "data: not JSON (NaN or infinity)") from exc
+        headers = self._headers(job, event)
+        return await self._on_loop().run(self._publish(job, event.subject, body, headers))
+
+    @property
+    def unknown_outcome_window(self) -> float | None:
+        """Seconds after a job's first attempt during which re-publishing is safe.
+
+        The stream's effective duplicate window, known after ``check()`` (None before).
+        In strict mode the broker refuses repeats for as long as it keeps a message:
+        ``max_age`` when the stream has one, else the dispatcher's default of 24 hours.
+        Give it to the dispatcher running these jobs as its ``unknown_outcome_window``.
+        """
+        if self._facts is None:
+            return None
+        if self._facts.strict:
+            return self._facts.max_age or _STRICT_DEFAULT_WINDOW
+        return self._facts.window
+
+    @property
+    def connected(self) -> bool:
+        """True while the connection is up (False before first use and while reconnecting).
+
+        For health checks; ``perform`` does not need it (it answers ``Retry`` instead).
+        """
+        client = self._connection.client
+        return client is not None and client.is_connected
+
+    def check(self) -> StreamFacts:
+        """Connect and check the stream now; raise ``ConfigurationError`` if it is unfit.
+
+        Refused: a missing stream or one without subjects; retention other than
+        ``limits``; an effective duplicate window shorter than ``lease`` +
+        ``rescue_interval``; in strict mode, a stream not keeping one message per
+        subject with ``discard=new`` per subject. Each message says which setting to
+        change. Raises ``ConnectionError`` when the broker cannot be reached.
+        """
+        try:
+            return self._on_loop().call(self._check())
+        except Retry as exc:
+            raise ConnectionError(exc.reason) from exc
+
+    def close(self) -> None:
+        """Close the connection and its event loop; the effect cannot publish afterwards."""
+        with self._loop_lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.call(self._connection.close(), timeout=10.0)
+            loop.stop()
+
+    def __enter__(self) -> PublishEvent:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"PublishEvent(servers={_hosts(self._servers)!r}, stream={self.stream!r})"
+
+    # -- on the private loop --------------------------------------------------------
+
+    def _on_loop(self) -> LoopThread:
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = LoopThread(f"nats.publish:{self.stream}")
+            return self._loop
+
+    async def _publish(
+        self, job: Job, subject: str, body: bytes, headers: dict[str, str]
+    ) -> dict[str, Any]:
+        what = f"nats.publish job {job.key} to stream {self.stream}"
+        client = await self._connection.get()
+        facts = await self._current_facts(client, what)
+        if not any(subject_matches(p, subject) for p in facts.subjects):
+            raise Permanent(f"{what}: subject is not one of the stream's subjects "
+                            f"({', '.join(facts.subjects)}); nothing published")
+        self._refuse_past_window(job, facts, what)
+        if len(body) > client.max_payload:
+            raise Permanent(f"{what}: message of {len(body)} bytes exceeds the server's "
+                            f"max_payload ({client.max_payload}); nothing published")
+        if not client.is_connected:
+            raise Retry(f"{what}: not connected to NATS; nothing sent")
+        try:
+            ack = await client.jetstream().publish(
+                subject, body, timeout=self.timeout, stream=self.stream, headers=headers
+            )
+        except nats.js.errors.APIError as exc:
+            if facts.strict and exc.err_code == _STRICT_DUPLICATE:
+                return await self._strict_duplicate(client, subject, job, what)
+            raise _api_outcome(exc, what) from exc
+        except Exception as exc:
+            outcome = _transport_outcome(exc, what)
+            if outcome is None:
+                raise
+            raise outcome from exc
+        log.debug("%s: seq %s%s", what, ack.seq, " (duplicate)" if ack.duplicate else "")
+        return _result(ack)
+
+    async def _strict_duplicate(
+        self, client: NatsClient, subject: str, job: Job, what: str
+    ) -> dict[str, Any]:
+        """The broker refused a second message on the subject: find and report the first."""
+        try:
+            stored = await client.jetstream().get_last_msg(self.stream, subject)
+        except Exception as exc:
+            raise Retry(f"{what}: subject already holds a message; reading it failed "
+                        f"({type(exc).__name__})") from exc
+        stored_id = (stored.headers or {}).get("Nats-Msg-Id")
+        if stored_id != job.key:
+            raise Permanent(f"{what}: subject already holds another event "
+                            f"(seq {stored.seq}); in strict mode each event needs its own "
+                            "subject")
+        return {"stream": self.stream, "seq": stored.seq, "duplicate": True}
+
+    def _refuse_past_window(self, job: Job, facts: StreamFacts, what: str) -> None:
+        if facts.strict or job.attempt <= 1 or job.first_attempted_at is None:
+            return
+        elapsed = (datetime.now(UTC) - job.first_attempted_at).total_seconds()
+        # An earlier attempt may have stored the message as late as its own timeout.
+        if elapsed + self.timeout >= facts.window:
+            raise UnknownOutcome(
+                f"{what}: attempt {job.attempt} comes {elapsed:.0f} s after the first, past "
+                f"the stream's duplicate window ({facts.window:.0f} s); an earlier attempt "
+                "may have been stored, so publishing again could duplicate it: not published"
+            )
+
+    async def _current_facts(self, client: NatsClient, what: str) -> StreamFacts:
+        facts = self._facts
+        if facts is not None and time.monotonic() - facts.checked_at < _RECHECK_SECONDS:
+            return facts
+        try:
+            return await self._check(client)
+        except ConfigurationError as exc:
+            log.error("%s", exc)
+            raise Retry(f"{what}: stream unfit: {exc}") from exc
+
+    async def _check(self, client: NatsClient | None = None) -> StreamFacts:
+        client = client or await self._connection.get()
+        try:
+            info = await client.jetstream().stream_info(self.stream)
+        except nats.js.errors.NotFoundError as exc:
+            raise ConfigurationError(
+                f"JetStream stream {self.stream!r} does not exist at {_hosts(self._servers)}: "
+                "create it (e.g. nats stream add) with retention=limits"
+            ) from exc
+        except (nats.errors.Error, OSError, TimeoutError) as exc:
+            raise Retry(f"{self._what}: stream info failed ({type(exc).__name__})") from exc
+        facts = _judge(info.config, self.stream, self.lease + self.rescue_interval, self.strict)
+        self._facts = facts
+        return facts
+
+    def _headers(self, job: Job, event: EventPayload) -> dict[str, str]:
+        headers = dict(event.headers)
+        if self._trace_headers is not None:
+            headers.update(self._trace_headers(job))
+        headers.update({
+            "Nats-Msg-Id": job.key,
+            MESSAGE_ID_HEADER: job.key,
+            "Content-Type": "application/json",
+        })
+        if job.first_attempted_at is not None:
+            stamp = job.first_attempted_at.astimezone(UTC)
+            headers[EVENT_TIME_HEADER] = stamp.isoformat(timespec="microseconds")
+        if job.ordering_key is not None:
+            headers[ORDERING_KEY_HEADER] = job.ordering_key
+        return headers
+
+
+def _judge(config: Any, stream: str, needed: float, strict: bool) -> StreamFacts:
+    """The stream's facts, or ``ConfigurationError`` naming the setting to change."""
+    subjects = tuple(config.subjects or ())
+    if not subjects:
+        raise ConfigurationError(f"stream {stream!r} has no subjects to publish to")
+    retention = config.retention
+    if retention not in (None, RetentionPolicy.LIMITS):
+        raise ConfigurationError(
+            f"stream {stream!r} has retention={getattr(retention, 'value', retention)}: a "
+            "consumed message's id is forgotten, so a re-sent event could be stored "
+            "twice; use retention=limits"
+        )
+    duplicate_window = float(config.duplicate_window or 0)
+    max_age = float(config.max_age or 0)
+    window = min(duplicate_window, max_age) if max_age > 0 else duplicate_window
+    if window < needed:
+        setting = "max_age" if max_age and max_age < duplicate_window else "duplicate_window"
+        raise ConfigurationError(
+            f"stream {stream!r} remembers message ids for {window:g} s ({setting}), less "
+            f"than a re-claim can take (lease + rescue_interval = {needed:g} s): raise "
+            f"{setting} (e.g. nats stream edit {stream} --dupe-window=1h)"
+        )
+    if strict and not (
+        config.discard == DiscardPolicy.NEW
+        and config.discard_new_per_subject
+        and config.max_msgs_per_subject == 1
+    ):
+        raise ConfigurationError(
+            f"strict mode needs stream {stream!r} with max_msgs_per_subject=1, "
+            "discard=new and discard_new_per_subject=true"
+        )
+    return StreamFacts(stream, subjects, duplicate_window, max_age, window, strict,
+                       time.monotonic())
+
+
+def _result(ack: PubAck) -> dict[str, Any]:
+    return {"stream": ack.stream, "seq": ack.seq, "duplicate": bool(ack.duplicate)}
+
+
+def _api_outcome(exc: nats.js.errors.APIError, what: str) -> EffectOutcome:
+    """The one place JetStream's answers become outcomes."""
+    detail = f"{what}: JetStream answered {exc.code} (err_code {exc.err_code}: " \
+             f"{exc.description})"
+    if isinstance(exc, nats.js.errors.ServiceUnavailableError) or exc.code == 503:
+        return Retry(detail + "; nothing stored")
+    if exc.code is not None and 400 <= exc.code < 500:
+        return Permanent(detail)
+    return UnknownOutcome(detail)
+
+
+def _transport_outcome(exc: Exception, what: str) -> EffectOutcome | None:
+    """The one place nats-py's client errors become outcomes (see the module table)."""
+    name = type(exc).__name__
+    if isinstance(exc, nats.js.errors.NoStreamResponseError | nats.errors.NoRespondersError):
+        return Retry(f"{what}: no responders (JetStream unavailable); nothing stored")
+    if isinstance(exc, nats.errors.OutboundBufferLimitError | nats.errors.ConnectionClosedError
+                  | nats.errors.ConnectionDrainingError
+                  | nats.errors.ConnectionReconnectingError):
+        return Retry(f"{what}: not connected ({name}); nothing sent")
+    if isinstance(exc, nats.errors.MaxPayloadError):
+        return Permanent(f"{what}: message too large for the server; nothing published")
+    if isinstance(exc, nats.errors.BadSubjectError | nats.errors.BadHeaderError):
+        return Permanent(f"{what}: refused by the client ({name}); nothing published")
+    if isinstance(exc, TimeoutError | nats.errors.Error | OSError):
+        return UnknownOutcome(f"{what}: {name} after the request was written; the broker "
+                              "may have stored it")
+    return None
+
