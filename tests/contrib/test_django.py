@@ -23,8 +23,9 @@ from psycopg.conninfo import conninfo_to_dict
 
 import outbox
 from outbox import Dispatcher, Effect, IdempotencyKeyConflict, Job, NewJob
+from outbox.testing import jobs
 
-from ..integration.helpers import fetch, jobs, table
+from ..integration.helpers import fetch, table
 
 DRIVER = os.environ.get("OUTBOX_DJANGO_DRIVER", "psycopg")
 

@@ -24,9 +24,10 @@ from sqlalchemy.orm import (
 
 from outbox import ConfigurationError, IdempotencyKeyConflict, NewJob
 from outbox.contrib.sqlalchemy import colon_params, transaction
+from outbox.testing import jobs
 from outbox.transaction import Transaction as PsycopgTransaction
 
-from ..integration.helpers import fetch, jobs, table
+from ..integration.helpers import fetch, table
 
 
 class Base(DeclarativeBase):
@@ -227,7 +228,7 @@ def test_bad_schema_and_bad_target_are_refused(engine: Engine) -> None:
 
 
 def test_every_named_block_converts_to_text_parameters() -> None:
-    from outbox._sql import queries
+    from outbox.sql import queries
 
     for name in ("enqueue", "enqueue_many", "lookup_keys", "receive", "purge_inbox"):
         converted = colon_params(getattr(queries("outbox"), name))

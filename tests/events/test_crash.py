@@ -17,7 +17,8 @@ from psycopg.rows import dict_row
 import outbox
 from effects.nats import PublishEvent
 from effects.testing import NatsServer
-from tests.crash.support import REPO, Worker, jobs, lease_expired, wait_until
+from outbox.testing import jobs
+from tests.crash.support import REPO, Worker, lease_expired, wait_until
 
 from .support import add_stream, per_key, stored_count
 

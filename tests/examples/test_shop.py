@@ -19,7 +19,6 @@ from sqlalchemy.orm import Session
 from effects.testing import FakeEmailProvider, FakeStripe
 from examples.shop import app, demo
 from outbox.testing import jobs
-from outbox.testing import jobs
 
 from ..integration.helpers import wait_until
 

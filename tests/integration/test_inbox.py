@@ -12,7 +12,7 @@ import pytest
 
 import outbox
 from outbox import InvalidKey
-from outbox._sql import queries
+from outbox.sql import queries
 
 from .helpers import fetch, table, wait_until
 
