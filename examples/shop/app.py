@@ -1,6 +1,7 @@
 """The shop's domain: orders as SQLAlchemy models; placing one writes the order and
 enqueues its confirmation email and its charge in one transaction, keyed
-``email-order-<id>`` and ``payment-order-<id>``.
+``email-order-<id>`` and ``payment-order-<id>``. Stripe's ``payment_intent.succeeded``
+webhook marks the order paid (``mark_paid``), once per Stripe event.
 
 It talks to the fake providers of ``effects.testing`` by default (their URLs in
 ``SHOP_EMAIL_URL`` / ``SHOP_STRIPE_URL``), and to the real Resend and Stripe when
@@ -18,7 +19,16 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from sqlalchemy import CheckConstraint, Engine, Identity, String, create_engine, func, text
+from sqlalchemy import (
+    CheckConstraint,
+    Engine,
+    Identity,
+    String,
+    create_engine,
+    func,
+    text,
+    update,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import outbox
@@ -48,6 +58,11 @@ class Order(Base):
     currency: Mapped[str] = mapped_column(String)
     payment_method: Mapped[str] = mapped_column(String)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    # Set by Stripe's payment_intent.succeeded webhook: when, by which PaymentIntent and
+    # which event (the event id is what a redelivery of the same event carries again).
+    paid_at: Mapped[datetime | None] = mapped_column(default=None)
+    payment_intent: Mapped[str | None] = mapped_column(String, default=None)
+    payment_event: Mapped[str | None] = mapped_column(String, default=None)
 
 
 def engine_for(dsn: str) -> Engine:
@@ -99,6 +114,25 @@ def place_order(
             "metadata": {"order_id": str(order.id)},
         })
     return order
+
+
+def mark_paid(session: Session, event: Mapping[str, Any]) -> int | None:
+    """Mark the order of a ``payment_intent.succeeded`` event (its JSON) paid; return its id.
+
+    The order is the one the charge named in the PaymentIntent's metadata
+    (``order_id``, as ``place_order`` enqueued it). Returns None, changing nothing, for a
+    PaymentIntent that is not one of the shop's orders (no such metadata or no such
+    order): another system may share the Stripe account. Runs in the session's
+    transaction; the caller makes it happen once per event (``receive_stripe_event``).
+    """
+    intent = event["data"]["object"]
+    order_id = str((intent.get("metadata") or {}).get("order_id", ""))
+    if not order_id.isdigit():
+        return None
+    return session.execute(
+        update(Order).where(Order.id == int(order_id))
+        .values(paid_at=func.now(), payment_intent=intent["id"], payment_event=event["id"])
+        .returning(Order.id)).scalar_one_or_none()
 
 
 def effect_states(session: Session, order_id: int) -> list[dict[str, Any]]:

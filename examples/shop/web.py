@@ -1,4 +1,5 @@
-"""The shop as a web application (FastAPI): ``POST /orders``, ``GET /orders/{id}``.
+"""The shop as a web application (FastAPI): ``POST /orders``, ``GET /orders/{id}``,
+``POST /webhooks/stripe``.
 
 ``POST /orders`` writes the order and enqueues its email and its charge through
 ``outbox.contrib.sqlalchemy`` in the request's one transaction. Dispatchers perform them
@@ -9,6 +10,11 @@ in one of two modes:
   uvicorn's event loop for the application's lifetime; at shutdown (SIGTERM) it stops
   claiming, finishes what is in flight and hands back what had not started.
 
+``POST /webhooks/stripe`` receives Stripe's events signed with ``STRIPE_WEBHOOK_SECRET``:
+the signature is checked, the event id recorded in the outbox's inbox and a
+``payment_intent.succeeded`` marks its order paid, all in one transaction, so a
+redelivered event changes nothing.
+
 Serve it with::
 
     OUTBOX_DATABASE_URL=postgresql://... uvicorn --factory examples.shop.web:create_app
@@ -16,9 +22,11 @@ Serve it with::
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request, status
@@ -26,7 +34,12 @@ from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 import outbox
+from effects.inbox import WebhookRejected, receive_stripe_event
 from examples.shop import app as shop
+from outbox.contrib.sqlalchemy import transaction as outbox_tx
+
+# The inbox consumer name under which the shop records the Stripe events it handled.
+STRIPE_CONSUMER = "shop.stripe"
 
 
 class OrderIn(BaseModel):
@@ -59,7 +72,18 @@ class OrderOut(BaseModel):
     amount: int
     currency: str
     payment_method: str
+    paid_at: datetime | None = Field(description="Set by Stripe's payment_intent.succeeded.")
+    payment_intent: str | None
     effects: list[EffectOut]
+
+
+class StripeEventOut(BaseModel):
+    """The answer to Stripe: the event, whether it was new, and the order it paid."""
+
+    event: str
+    new: bool
+    order: int | None = Field(description="The order marked paid; null for a repeat or "
+                                          "an event that concerns no order of the shop.")
 
 
 def _session(request: Request) -> Iterator[Session]:
@@ -67,22 +91,31 @@ def _session(request: Request) -> Iterator[Session]:
         yield session
 
 
+async def _raw_body(request: Request) -> bytes:
+    # The signature covers the bytes exactly as sent: read them before anything parses.
+    return await request.body()
+
+
 Db = Annotated[Session, Depends(_session)]
+RawBody = Annotated[bytes, Depends(_raw_body)]
 
 
 def create_app(
     database_url: str | None = None, *, dispatch: bool | None = None,
-    env: Mapping[str, str] = os.environ,
+    env: Mapping[str, str] = os.environ, stripe_webhook_secret: str | None = None,
 ) -> FastAPI:
     """The shop's ASGI application on ``database_url`` (default ``$OUTBOX_DATABASE_URL``).
 
     With ``dispatch`` (default: ``SHOP_DISPATCH=app`` in ``env``) the application runs
-    its own ``outbox.AsyncDispatcher`` during its lifespan.
+    its own ``outbox.AsyncDispatcher`` during its lifespan. ``stripe_webhook_secret``
+    (default ``$STRIPE_WEBHOOK_SECRET``) is the signing secret of the Stripe webhook
+    endpoint; without it ``POST /webhooks/stripe`` answers 503.
     """
     dsn = database_url or env["OUTBOX_DATABASE_URL"]
     if dispatch is None:
         dispatch = env.get("SHOP_DISPATCH", "processes") == "app"
     engine = shop.engine_for(dsn)
+    webhook_secret = stripe_webhook_secret or env.get("STRIPE_WEBHOOK_SECRET")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -103,7 +136,8 @@ def create_app(
     def render(s: Session, order: shop.Order) -> OrderOut:
         return OrderOut(id=order.id, customer=order.customer, email=order.email,
                         amount=order.amount, currency=order.currency,
-                        payment_method=order.payment_method,
+                        payment_method=order.payment_method, paid_at=order.paid_at,
+                        payment_intent=order.payment_intent,
                         effects=[EffectOut(**e) for e in shop.effect_states(s, order.id)])
 
     @api.post("/orders", status_code=status.HTTP_201_CREATED)
@@ -120,5 +154,29 @@ def create_app(
         if order is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no order {order_id}")
         return render(s, order)
+
+    @api.post("/webhooks/stripe", responses={400: {"description": "Not a valid signed "
+                                                                  "Stripe event."}})
+    def stripe_webhook(body: RawBody, request: Request, s: Db) -> StripeEventOut:
+        """Stripe's events, each handled once: verified, recorded in the inbox and, for
+        ``payment_intent.succeeded``, the order marked paid, in one transaction.
+
+        A redelivery (same event id) answers 200 with ``new: false`` and changes
+        nothing; a forged, stale or malformed request answers 400 and records nothing.
+        """
+        if webhook_secret is None:
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
+                                "the Stripe webhook is not configured (STRIPE_WEBHOOK_SECRET)")
+        with s.begin():
+            with outbox_tx(s, schema=shop.OUTBOX_SCHEMA) as tx:
+                try:
+                    got = receive_stripe_event(tx, STRIPE_CONSUMER, body, request.headers,
+                                               secret=webhook_secret)
+                except WebhookRejected as exc:
+                    raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from exc
+            paid = None
+            if got.new and got.event["type"] == "payment_intent.succeeded":
+                paid = shop.mark_paid(s, json.loads(body))  # verified JSON, as sent
+        return StripeEventOut(event=got.message_id, new=got.new, order=paid)
 
     return api

@@ -1,10 +1,11 @@
-"""The example shop: atomic orders through its HTTP interface, and the demo's end-to-end
-"once" check."""
+"""The example shop: atomic orders through its HTTP interface, Stripe's webhook handled
+once per event, and the demo's end-to-end "once" check."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +19,12 @@ from sqlalchemy.orm import Session
 
 from effects.testing import FakeEmailProvider, FakeStripe
 from examples.shop import app, demo
+from examples.shop.web import STRIPE_CONSUMER
 from outbox.testing import jobs
 
 from ..integration.helpers import wait_until
+
+WEBHOOK_SECRET = "whsec_shop_test_endpoint"
 
 
 @pytest.fixture
@@ -70,7 +74,8 @@ def test_an_order_and_its_two_effects_commit_together(shop_dsn: str) -> None:
 def shop_url(shop_dsn: str, tmp_path: Path) -> Iterator[str]:
     """The shop's web application served by uvicorn in a process of its own."""
     app.setup(shop_dsn)
-    env = {**os.environ, "OUTBOX_DATABASE_URL": shop_dsn}
+    env = {**os.environ, "OUTBOX_DATABASE_URL": shop_dsn,
+           "STRIPE_WEBHOOK_SECRET": WEBHOOK_SECRET}
     server, url = demo.start_web(env, tmp_path / "web.log")
     yield url
     server.send_signal(signal.SIGTERM)
@@ -96,6 +101,102 @@ def test_the_http_interface_places_and_shows_orders(shop_dsn: str, shop_url: str
         assert where == {("body", "email"), ("body", "amount")}
     assert _orders(shop_dsn) == 1
     assert len(_jobs(shop_dsn)) == 2
+
+
+def _paid(dsn: str) -> list[tuple[int, str | None, str | None, object]]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT id, payment_intent, payment_event, paid_at "
+                            "FROM shop_orders ORDER BY id").fetchall()
+    return [(int(i), pi, evt, at) for i, pi, evt, at in rows]
+
+
+def _stripe_events_received(dsn: str) -> list[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(f"SELECT message_id FROM {app.OUTBOX_SCHEMA}.inbox "
+                            "WHERE consumer = %s ORDER BY 1", (STRIPE_CONSUMER,)).fetchall()
+    return [str(r[0]) for r in rows]
+
+
+def _charge_orders(shop_dsn: str, stripe: FakeStripe, orders: int) -> None:
+    """Place orders over HTTP and run a dispatcher until their charges are made."""
+    with FakeEmailProvider() as email:
+        env = {"OUTBOX_DATABASE_URL": shop_dsn, "SHOP_EMAIL_URL": email.url,
+               "SHOP_STRIPE_URL": stripe.url}
+        app.dispatcher(env).run_until_idle(timeout=60)
+    assert len(stripe.charges) == orders
+
+
+def test_stripe_webhook_marks_the_order_paid_once_however_often_delivered(
+    shop_dsn: str, shop_url: str
+) -> None:
+    """The charge's payment_intent.succeeded event, sent by the fake Stripe to the
+    shop's endpoint, marks the order paid; the same event again (as Stripe redelivers)
+    and two copies at once change nothing and are answered 2xx."""
+    with FakeStripe(webhook_url=f"{shop_url}/webhooks/stripe",
+                    webhook_secret=WEBHOOK_SECRET) as stripe, \
+            httpx.Client(base_url=shop_url) as client:
+        for customer in ("ada", "bob"):
+            client.post("/orders", json={"customer": customer, "amount": 1250,
+                                         "email": f"{customer}@example.com"}
+                        ).raise_for_status()
+        _charge_orders(shop_dsn, stripe, 2)
+        stripe.wait_for_deliveries(2)
+        assert [status for _, _, status in stripe.delivered_events] == [200, 200]
+        paid = _paid(shop_dsn)
+        intents = {intent["metadata"]["order_id"]: intent for intent in stripe.charges}
+        events = [event for event, _, _ in stripe.delivered_events]
+        for order_id, intent_id, event_id, paid_at in paid:
+            assert intent_id == intents[str(order_id)]["id"]
+            assert event_id in events
+            assert paid_at is not None
+            shown = client.get(f"/orders/{order_id}").json()
+            assert (shown["payment_intent"], shown["paid_at"] is not None) == (intent_id, True)
+        assert _stripe_events_received(shop_dsn) == sorted(events)
+
+        # Stripe redelivers the first order's event: answered 200, handled no more.
+        order_id, intent_id, event_id, _ = paid[0]
+        assert event_id is not None
+        again = stripe.send_event("payment_intent.succeeded", intents[str(order_id)],
+                                  event_id=event_id)
+        assert again.status_code == 200, again.text
+        assert again.json() == {"event": event_id, "new": False, "order": None}
+        # Two copies of the second order's event at once: one handles it, one waits
+        # for that transaction and finds it done.
+        order_id, intent_id, event_id, _ = paid[1]
+        answers: list[httpx.Response] = []
+        copies = [threading.Thread(target=lambda: answers.append(stripe.send_event(
+            "payment_intent.succeeded", intents[str(order_id)], event_id=event_id)))
+            for _ in range(2)]
+        for copy in copies:
+            copy.start()
+        for copy in copies:
+            copy.join()
+        assert [a.status_code for a in answers] == [200, 200]
+        assert not any(a.json()["new"] for a in answers)
+    assert _paid(shop_dsn) == paid  # paid_at untouched: no event was handled twice
+    assert _stripe_events_received(shop_dsn) == sorted(events)
+
+
+def test_a_forged_stripe_event_is_refused_and_records_nothing(
+    shop_dsn: str, shop_url: str
+) -> None:
+    with httpx.Client(base_url=shop_url) as client:
+        order = client.post("/orders", json={"customer": "eve", "amount": 990,
+                                             "email": "eve@example.com"}).json()
+    intent = {"id": "pi_forged", "object": "payment_intent", "amount": 990,
+              "status": "succeeded", "metadata": {"order_id": str(order["id"])}}
+    with FakeStripe(webhook_url=f"{shop_url}/webhooks/stripe",
+                    webhook_secret="whsec_not_the_shops") as forger:
+        forged = forger.send_event("payment_intent.succeeded", intent)
+    assert forged.status_code == 400
+    assert "Stripe-Signature" in forged.json()["detail"]
+    unsigned = httpx.post(f"{shop_url}/webhooks/stripe", json={
+        "id": "evt_unsigned", "type": "payment_intent.succeeded",
+        "data": {"object": intent}})
+    assert unsigned.status_code == 400
+    assert WEBHOOK_SECRET not in forged.text + unsigned.text
+    assert _stripe_events_received(shop_dsn) == []
+    assert [paid_at for *_, paid_at in _paid(shop_dsn)] == [None]
 
 
 def test_the_demo_kills_a_worker_and_still_performs_everything_once(shop_dsn: str) -> None:
