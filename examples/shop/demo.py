@@ -6,8 +6,12 @@
 3. Inject provider faults (5xx bursts, 429 with Retry-After, success followed by a
    timeout or a dropped connection, declined cards); kill -9 one dispatcher in the
    middle and start another; freeze one past its lease, then let it go.
-4. Wait for every job to finish, then check the invariants: every business effect
-   performed exactly once at its provider, none lost. Exit 1 if any was violated.
+4. Wait for every job to finish and for the fake Stripe's ``payment_intent.succeeded``
+   webhooks to reach the shop (``POST /webhooks/stripe``), then send every event once
+   more with its id, as Stripe redelivers. Check the invariants: every business effect
+   performed exactly once at its provider, none lost, each charged order paid once by
+   its own PaymentIntent, a redelivered event changing nothing. Exit 1 if any was
+   violated.
 5. With ``--serve``, keep the shop, fresh dispatchers and the fakes running to browse.
 """
 
@@ -41,11 +45,13 @@ from rich.table import Table
 
 from effects.testing import FakeEmailProvider, FakeStripe
 from examples.shop import app
+from examples.shop.web import STRIPE_CONSUMER
 from outbox.testing import start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DECLINED_CARD = "pm_card_chargeDeclined"
 LEASE = 2.0
+WEBHOOK_SECRET = "whsec_demo_shop_endpoint"  # the fake Stripe's and the shop's, for the demo
 
 
 @dataclass
@@ -280,9 +286,77 @@ def _check(dsn: str, email: FakeEmailProvider, stripe: FakeStripe) -> tuple[list
     return violations, {"orders": orders, "jobs": jobs}
 
 
+@dataclass
+class Payments:
+    """What Stripe's webhook did to the orders, and what sending each event again did."""
+
+    paid: int = 0
+    deliveries: int = 0
+    redelivered: int = 0
+    changed_by_redelivery: int = 0
+    violations: list[str] = field(default_factory=list)
+
+
+def _paid_orders(dsn: str) -> dict[int, tuple[str | None, str | None, Any]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT id, payment_intent, payment_event, paid_at "
+                            "FROM shop_orders").fetchall()
+    return {int(order): (intent, event, at) for order, intent, event, at in rows}
+
+
+def _await_webhooks(stripe: FakeStripe, timeout: float = 60.0) -> None:
+    """Until every charge's event was answered 2xx by the shop (Stripe retries others)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answered = {event for event, _, status in stripe.delivered_events
+                    if 200 <= status < 300}
+        if len(answered) >= len(stripe.charges):
+            return
+        if time.monotonic() > deadline:
+            raise click.ClickException(
+                f"{len(answered)} of {len(stripe.charges)} payment webhooks answered "
+                f"2xx by the shop within {timeout:.0f} s")
+        time.sleep(0.05)  # the fake's sender is a thread of its own: poll its record
+
+
+def _check_payments(dsn: str, stripe: FakeStripe) -> Payments:
+    """Each charged order paid by its PaymentIntent; every event sent again, as Stripe
+    redelivers, answered 2xx and changing nothing."""
+    result = Payments(deliveries=len(stripe.delivered_events))
+    charged = {intent["metadata"].get("order_id"): intent for intent in stripe.charges}
+    before = _paid_orders(dsn)
+    for order, (intent_id, event_id, paid_at) in sorted(before.items()):
+        intent = charged.get(str(order))
+        expected = intent["id"] if intent else None
+        if intent_id != expected or (paid_at is None) != (expected is None):
+            result.violations.append(f"order {order}: charged by {expected}, "
+                                     f"marked paid by {intent_id} at {paid_at}")
+        if intent is None or event_id is None:
+            continue
+        result.paid += 1
+        again = stripe.send_event("payment_intent.succeeded", intent, event_id=event_id)
+        result.redelivered += 1
+        if again.status_code != 200 or again.json().get("new") is not False:
+            result.violations.append(f"order {order}: event {event_id} sent again was "
+                                     f"answered {again.status_code} {again.text[:200]}")
+    after = _paid_orders(dsn)
+    result.changed_by_redelivery = sum(after[order] != before[order] for order in before)
+    if result.changed_by_redelivery:
+        result.violations.append(f"{result.changed_by_redelivery} orders changed when "
+                                 f"their Stripe event was delivered again")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        (recorded,) = conn.execute(
+            f"SELECT count(*) FROM {app.OUTBOX_SCHEMA}.inbox WHERE consumer = %s",
+            (STRIPE_CONSUMER,)).fetchone() or (0,)
+    if recorded != len(stripe.charges):
+        result.violations.append(f"{recorded} Stripe events in the inbox for "
+                                 f"{len(stripe.charges)} charges")
+    return result
+
+
 def _summary(console: Console, figures: dict[str, Any], workers: Workers,
              email: FakeEmailProvider, stripe: FakeStripe, faults: dict[str, int],
-             elapsed: float) -> None:
+             payments: Payments, elapsed: float) -> None:
     jobs = figures["jobs"]
     status = Counter((effect, s) for _, effect, s, *_ in jobs)
     table = Table(title="outbox demo: the shop", show_lines=False)
@@ -294,6 +368,10 @@ def _summary(console: Console, figures: dict[str, Any], workers: Workers,
         ("email requests received (retries replayed)", email.total_requests),
         ("charges made (once per key at the fake)", stripe.total_performed),
         ("charge requests received (retries replayed)", stripe.total_requests),
+        ("orders paid by Stripe's webhook (once each)", payments.paid),
+        ("webhook deliveries to the shop (Stripe's retries included)", payments.deliveries),
+        ("events sent again with their id / orders they changed",
+         f"{payments.redelivered} / {payments.changed_by_redelivery}"),
         ("jobs done", sum(n for (_, s), n in status.items() if s == "done")),
         ("jobs failed (declined cards)", sum(n for (_, s), n in status.items() if s == "failed")),
         ("jobs in reconcile", sum(n for (_, s), n in status.items() if s == "reconcile")),
@@ -322,7 +400,7 @@ def _browse_hint(console: Console, url: str, serving: bool) -> None:
     console.print(f"""[bold]The shop is running[/] at {url} with two dispatchers (Ctrl-C stops it):
   curl -s -X POST {url}/orders -H 'content-type: application/json' \\
        -d '{{"customer": "ada", "email": "ada@example.com", "amount": 1250}}'
-  curl -s {url}/orders/1          the order, its email and its charge
+  curl -s {url}/orders/1          the order, its email, its charge, when it was paid
   {url}/docs                       the API, to try in a browser""")
 
 
@@ -353,15 +431,18 @@ def run_demo(dsn: str | None, orders: int, seed: int | None, serve: bool = False
     database = _database(dsn)
     _reset(database)
     log_dir = Path(tempfile.mkdtemp(prefix="outbox-demo-logs-"))
-    with FakeEmailProvider(latency=0.02) as email, FakeStripe(latency=0.02) as stripe:
+    with FakeEmailProvider(latency=0.02) as email, \
+            FakeStripe(latency=0.02, webhook_secret=WEBHOOK_SECRET) as stripe:
         env = {**os.environ, "OUTBOX_DATABASE_URL": database, "SHOP_EMAIL_URL": email.url,
-               "SHOP_STRIPE_URL": stripe.url, "SHOP_CONCURRENCY": "4",
+               "SHOP_STRIPE_URL": stripe.url, "STRIPE_WEBHOOK_SECRET": WEBHOOK_SECRET,
+               "SHOP_CONCURRENCY": "4",
                "SHOP_LEASE": str(LEASE), "SHOP_BACKOFF_BASE": "0.2", "SHOP_BACKOFF_CAP": "1",
                "SHOP_PROVIDER_TIMEOUT": "1.5",
                "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
         for key in ("RESEND_API_KEY", "STRIPE_API_KEY"):  # the demo always uses the fakes
             env.pop(key, None)
         web, url = start_web(env, log_dir / "web.log", port)
+        stripe.webhook_url = f"{url}/webhooks/stripe"  # each charge is announced to the shop
         try:
             workers = Workers(env, log_dir)
             faults = _inject_faults(email, stripe)
@@ -374,7 +455,10 @@ def run_demo(dsn: str | None, orders: int, seed: int | None, serve: bool = False
                 email.release_stalled()
                 stripe.release_stalled()
             violations, figures = _check(database, email, stripe)
-            _summary(console, figures, workers, email, stripe, faults,
+            _await_webhooks(stripe)
+            payments = _check_payments(database, stripe)
+            violations += payments.violations
+            _summary(console, figures, workers, email, stripe, faults, payments,
                      time.monotonic() - started)
             if violations:
                 console.print(f"[bold red]{len(violations)} violation(s)[/]:")
@@ -382,7 +466,8 @@ def run_demo(dsn: str | None, orders: int, seed: int | None, serve: bool = False
                     console.print(f"  {line}")
                 console.print(f"worker logs: {log_dir}")
                 return 1
-            console.print("[bold green]every business effect performed exactly once; none lost[/]")
+            console.print("[bold green]every business effect performed exactly once, none lost; "
+                          "each charged order paid once[/]")
             if serve:
                 _serve(console, url, workers)
             else:
