@@ -3,15 +3,25 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The oldest ORM versions supported: tests/contrib also runs on them, in a venv of its own.
+COMPAT       := .venv-compat
+COMPAT_STAMP := $(COMPAT)/.installed
+COMPAT_PINS  := 'sqlalchemy[asyncio]==2.0.*' 'django==4.2.*'
 export XDG_RUNTIME_DIR ?= $(CURDIR)/.runtime
 
-.PHONY: demo test lint bench chaos clean
+.PHONY: demo test test-compat lint bench chaos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+$(COMPAT_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(COMPAT)
+	$(COMPAT)/bin/python -m pip install --quiet --upgrade pip
+	$(COMPAT)/bin/python -m pip install --quiet -e '.[dev]' $(COMPAT_PINS)
+	touch $(COMPAT_STAMP)
 
 $(XDG_RUNTIME_DIR):
 	mkdir -p -m 0700 $(XDG_RUNTIME_DIR)
@@ -23,6 +33,13 @@ test: $(STAMP) | $(XDG_RUNTIME_DIR)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
+	$(MAKE) --no-print-directory test-compat
+
+# The ORM integrations on SQLAlchemy 2.0 and Django 4.2 LTS (the main suite has the newest).
+test-compat: $(COMPAT_STAMP) | $(XDG_RUNTIME_DIR)
+	@$(COMPAT)/bin/python -c "import django, sqlalchemy; print('tests/contrib on SQLAlchemy', \
+	    sqlalchemy.__version__, 'and Django', django.__version__)"
+	$(COMPAT)/bin/python -m pytest tests/contrib -q -p no:cacheprovider
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -36,4 +53,4 @@ chaos: $(STAMP) | $(XDG_RUNTIME_DIR)
 	$(BIN)/outbox chaos
 
 clean:
-	rm -rf $(VENV) .runtime .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT) .runtime .pytest_cache .mypy_cache .ruff_cache
