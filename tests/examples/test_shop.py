@@ -180,6 +180,8 @@ def test_stripe_webhook_marks_the_order_paid_once_however_often_delivered(
 def test_a_forged_stripe_event_is_refused_and_records_nothing(
     shop_dsn: str, shop_url: str
 ) -> None:
+    """A bad or missing signature answers 400 with the inbox and the order untouched; a
+    genuine event about a PaymentIntent of no order of the shop is acknowledged only."""
     with httpx.Client(base_url=shop_url) as client:
         order = client.post("/orders", json={"customer": "eve", "amount": 990,
                                              "email": "eve@example.com"}).json()
@@ -196,6 +198,13 @@ def test_a_forged_stripe_event_is_refused_and_records_nothing(
     assert unsigned.status_code == 400
     assert WEBHOOK_SECRET not in forged.text + unsigned.text
     assert _stripe_events_received(shop_dsn) == []
+    # Signed, but for a PaymentIntent of no order of the shop: acknowledged, pays nothing.
+    with FakeStripe(webhook_url=f"{shop_url}/webhooks/stripe",
+                    webhook_secret=WEBHOOK_SECRET) as stripe:
+        foreign = stripe.send_event("payment_intent.succeeded", {
+            **intent, "id": "pi_elsewhere", "metadata": {"order_id": "999999"}})
+    assert foreign.status_code == 200, foreign.text
+    assert foreign.json()["order"] is None
     assert [paid_at for *_, paid_at in _paid(shop_dsn)] == [None]
 
 
