@@ -8,11 +8,13 @@ imports them.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import inspect
 import json
 import logging
+import signal
 import sys
 import typing
 from collections.abc import Callable
@@ -24,7 +26,7 @@ import psycopg
 
 from . import _sql
 from ._pg import configuration_error
-from .dispatcher import Dispatcher
+from .dispatcher import AsyncDispatcher, Dispatcher
 from .errors import OutboxError
 from .migrate import current_version, latest_version, migrate, require_current
 
@@ -127,8 +129,12 @@ def migrate_command(dsn: str, schema: str) -> None:
         click.echo(f"schema {schema!r}: up to date at version {latest_version():04d}")
 
 
-def load_dispatcher(target: str) -> Dispatcher:
-    """Resolve ``module:attribute`` to a Dispatcher, or to a function returning one.
+AnyDispatcher = Dispatcher | AsyncDispatcher
+
+
+def load_dispatcher(target: str) -> AnyDispatcher:
+    """Resolve ``module:attribute`` to a Dispatcher or AsyncDispatcher, or to a function
+    returning one.
 
     A class is never instantiated. Every way this can fail (the module does not import,
     the attribute is missing, the target is something else) is one ``ClickException``
@@ -146,7 +152,7 @@ def load_dispatcher(target: str) -> Dispatcher:
         if not hasattr(value, part):
             raise click.ClickException(f"{target}: {module_name!r} has no attribute {part!r}")
         value = getattr(value, part)
-    if isinstance(value, Dispatcher):
+    if isinstance(value, AnyDispatcher):
         return value
     if inspect.isfunction(value) or inspect.ismethod(value):
         _require_factory(target, value)
@@ -154,7 +160,7 @@ def load_dispatcher(target: str) -> Dispatcher:
             made = value()
         except Exception as exc:  # the user's factory: say what it raised, in one line
             raise click.ClickException(f"{target}() failed: {_describe(exc)}") from None
-        if isinstance(made, Dispatcher):
+        if isinstance(made, AnyDispatcher):
             return made
         raise click.ClickException(
             f"{target}() returned a {type(made).__name__}, not an outbox.Dispatcher")
@@ -181,7 +187,7 @@ def _require_factory(target: str, function: Callable[..., Any]) -> None:
         return
     if returns is inspect.Signature.empty:
         return
-    if not (isinstance(returns, type) and issubclass(returns, Dispatcher)):
+    if not (isinstance(returns, type) and issubclass(returns, AnyDispatcher)):
         shown = getattr(returns, "__name__", None) or repr(returns)
         raise click.ClickException(
             f"{target} is a function returning {shown}, not an outbox.Dispatcher")
@@ -208,8 +214,20 @@ def run_command(target: str, metrics_port: int | None, metrics_host: str) -> Non
 
         dispatcher._enable_metrics()
         serve_metrics(metrics_port, metrics_host)
-    stats = dispatcher.run()
+    if isinstance(dispatcher, AsyncDispatcher):
+        stats = asyncio.run(_run_async(dispatcher))
+    else:
+        stats = dispatcher.run()
     click.echo(json.dumps(stats.as_dict()), err=True)
+
+
+async def _run_async(dispatcher: AsyncDispatcher) -> Any:
+    """An AsyncDispatcher installs no signal handlers (its host owns them); here the
+    command is the host: SIGTERM and SIGINT stop it, and in-flight work finishes."""
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, dispatcher.stop)
+    return await dispatcher.run()
 
 
 @main.command("status")

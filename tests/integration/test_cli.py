@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import psycopg
+import pytest
 from click.testing import CliRunner
 from psycopg import sql
 
@@ -84,8 +85,9 @@ def test_errors_are_one_line_without_traceback(dsn: str) -> None:
     assert no_dsn.exit_code == 2 and "--dsn" in no_dsn.output
 
 
+@pytest.mark.parametrize("kind", ["Dispatcher", "AsyncDispatcher"])
 def test_run_loads_module_attribute_and_stops_on_sigterm(
-        dsn: str, schema: str, tmp_path: Path) -> None:
+        dsn: str, schema: str, tmp_path: Path, kind: str) -> None:
     (tmp_path / "shopapp.py").write_text(textwrap.dedent(f"""
         import outbox
 
@@ -94,7 +96,7 @@ def test_run_loads_module_attribute_and_stops_on_sigterm(
             def perform(self, job):
                 return {{"ok": job.key}}
 
-        dispatcher = outbox.Dispatcher({dsn!r}, [Noop()], schema={schema!r})
+        dispatcher = outbox.{kind}({dsn!r}, [Noop()], schema={schema!r})
     """))
     with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
         tx.enqueue("noop", key="k", payload={})
