@@ -64,7 +64,7 @@ DRAIN_CHECK = 0.05  # seconds between checks that every held job is recorded
 PUBLIC_OPTIONS = (
     "schema", "concurrency", "lease", "batch_size", "prefetch", "max_prefetch",
     "poll_interval", "rescue_interval", "backoff", "unknown_outcome_window", "retention",
-    "ledger_retention", "worker_id",
+    "ledger_retention", "inbox_retention", "worker_id",
 )
 
 
@@ -116,6 +116,7 @@ class _Options:
     unknown_outcome_window: float
     retention: float | None
     ledger_retention: float | None
+    inbox_retention: float | None
     worker_id: str
 
     def __init__(
@@ -135,6 +136,7 @@ class _Options:
         unknown_outcome_window: float | timedelta = timedelta(hours=24),
         retention: float | timedelta | None = timedelta(days=7),
         ledger_retention: float | timedelta | None = timedelta(days=90),
+        inbox_retention: float | timedelta | None = timedelta(days=7),
         worker_id: str | None = None,
         listen_conninfo: str | None = None,
         observer: DispatchObserver | None = None,
@@ -149,7 +151,8 @@ class _Options:
             batch_size=batch_size, prefetch=prefetch, max_prefetch=max_prefetch,
             poll_interval=poll_interval, rescue_interval=rescue_interval, backoff=backoff,
             unknown_outcome_window=unknown_outcome_window, retention=retention,
-            ledger_retention=ledger_retention, worker_id=worker_id,
+            ledger_retention=ledger_retention, inbox_retention=inbox_retention,
+            worker_id=worker_id,
             listen_conninfo=listen_conninfo, observer=observer,
         )
         for name in PUBLIC_OPTIONS:
@@ -201,6 +204,15 @@ class Dispatcher(_Options):
     to about one second of work at the measured speed of the effects (up to
     ``max_prefetch``), so fast effects are claimed in large batches while slow ones are
     not hoarded by one process. ``prefetch=0`` claims only what can start at once.
+
+    Retention (seconds or a timedelta; None keeps rows forever) runs about once a minute
+    under ``run`` and ``run_until_idle`` alike: done jobs are deleted after ``retention``
+    (7 days), ledger rows after ``ledger_retention`` (90 days, never shorter than
+    ``retention``), inbox rows (``tx.receive``) after ``inbox_retention`` (7 days; a
+    message redelivered after its row is gone counts as new). Each runs in batches, a
+    bounded number per round, so a large backlog never starves claims. A role without
+    SELECT, UPDATE and DELETE on a purged table raises ``outbox.ConfigurationError``
+    naming the option that turns that retention off.
 
     ``observer`` (an ``outbox.observe.DispatchObserver``) receives every claim, attempt,
     fence rejection and rescue, for metrics and tracing; an exception it raises is

@@ -1,4 +1,5 @@
-"""The claimer: claims due jobs in batches, rescues expired leases, applies retention.
+"""The claimer: claims due jobs in batches, rescues expired leases, applies retention
+(done jobs, ledger rows, inbox rows).
 
 The decisions (how many to claim, what each round does next) are written once here as
 steps (see ``steps``); ``Dispatcher`` drives them on a blocking connection in the
@@ -20,6 +21,7 @@ import psycopg
 from .. import tracing
 from .._pg import configuration_error
 from ..effect import Job
+from ..errors import ConfigurationError
 from ..migrate import require_current
 from .connection import CONNECTION_ERRORS, Connection
 from .settings import Settings
@@ -32,6 +34,7 @@ log = logging.getLogger("outbox.dispatcher")
 
 RETENTION_INTERVAL = 60.0
 RETENTION_BATCH = 1000
+PURGE_BATCHES = 10  # per table and round
 RESCUE_BATCH = 1000
 IDLE_RECHECK = 0.05  # run_until_idle: how soon to look again while others hold jobs
 
@@ -164,18 +167,39 @@ class Claimer:
             guarded(self.settings.observer.rescued, len(rows))
 
     def purge(self) -> Step[None]:
-        settings = self.settings
-        for query, age in ((self.queries.purge_done, settings.retention),
-                           (self.queries.purge_ledger, settings.ledger_retention)):
+        """Retention: done jobs, ledger rows and inbox rows older than their periods, a
+        batch at a time, at most ``PURGE_BATCHES`` batches of each per round."""
+        settings, q = self.settings, self.queries
+        for what, query, age in (("done jobs", q.purge_done, settings.retention),
+                                 ("the ledger", q.purge_ledger, settings.ledger_retention),
+                                 ("the inbox", q.purge_inbox, settings.inbox_retention)):
             if age is None:
                 continue
-            for _ in range(10):  # bounded per round: retention must not starve claims
-                rows = yield Statement(query, {"age": age, "limit": RETENTION_BATCH}, count=True)
+            for _ in range(PURGE_BATCHES):  # bounded per round: must not starve claims
+                try:
+                    rows = yield Statement(query, {"age": age, "limit": RETENTION_BATCH},
+                                           count=True)
+                except psycopg.errors.InsufficientPrivilege as exc:
+                    raise _purge_refused(what, exc, settings) from exc
                 deleted = rows[0][0]
                 self.state.stats.purged += max(deleted, 0)
                 if deleted < RETENTION_BATCH:
                     break
 
+
+_RETENTION_OPTION = {"done jobs": "retention", "the ledger": "ledger_retention",
+                     "the inbox": "inbox_retention"}
+
+
+def _purge_refused(what: str, exc: psycopg.Error, settings: Settings) -> ConfigurationError:
+    """A purge the role may not run: say which table and how to fix it (the inbox is
+    the one a dispatcher's role is most likely not to have been granted)."""
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    reason = reason.removeprefix("ERROR:").strip()
+    return ConfigurationError(
+        f"cannot purge {what} ({reason}): grant the dispatcher's role SELECT, UPDATE "
+        f"(the purge locks rows) and DELETE there, or turn this retention off with "
+        f"{_RETENTION_OPTION[what]}=None")
 
 def wait_for_schema(
     conn: Connection, settings: Settings, state: SharedState[threading.Event],

@@ -45,6 +45,7 @@ class Settings:
     unknown_outcome_window: float = 86400.0
     retention: float | None = 7 * 86400.0
     ledger_retention: float | None = 90 * 86400.0
+    inbox_retention: float | None = 7 * 86400.0
     worker_id: str = ""
     observer: DispatchObserver = field(default_factory=DispatchObserver)
     # Derived once: the effect names as a text[] literal, and which effects are async.
@@ -69,6 +70,7 @@ class Settings:
         unknown_outcome_window: float | timedelta = timedelta(hours=24),
         retention: float | timedelta | None = timedelta(days=7),
         ledger_retention: float | timedelta | None = timedelta(days=90),
+        inbox_retention: float | timedelta | None = timedelta(days=7),
         worker_id: str | None = None,
         listen_conninfo: str | None = None,
         observer: DispatchObserver | None = None,
@@ -83,6 +85,8 @@ class Settings:
                        else _seconds(ledger_retention, "ledger_retention"))
         if retained is not None and ledger_kept is not None and ledger_kept < retained:
             raise ConfigurationError("ledger_retention must not be shorter than retention")
+        inbox_kept = (None if inbox_retention is None
+                      else _seconds(inbox_retention, "inbox_retention"))
         if backoff is not None and not isinstance(backoff, Backoff):
             raise ConfigurationError(f"backoff must be an outbox.Backoff, got {backoff!r}")
         if listen_conninfo is not None and not isinstance(listen_conninfo, str):
@@ -115,6 +119,7 @@ class Settings:
                 unknown_outcome_window, "unknown_outcome_window", minimum=0.0),
             retention=retained,
             ledger_retention=ledger_kept,
+            inbox_retention=inbox_kept,
             worker_id=worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}",
             observer=observer or DispatchObserver(),
             effect_names=text_array(sorted(indexed)),

@@ -8,6 +8,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -127,7 +128,8 @@ def test_a_role_that_may_claim_but_not_record(server: Server, flavour: str) -> N
         for grant in ("GRANT USAGE ON SCHEMA {s} TO {r}",
                       "GRANT SELECT, UPDATE, DELETE ON {s}.jobs TO {r}",
                       "GRANT SELECT ON {s}.schema_migrations TO {r}",
-                      "GRANT SELECT, UPDATE, DELETE ON {s}.effect_results TO {r}"):  # no INSERT
+                      "GRANT SELECT, UPDATE, DELETE ON {s}.effect_results TO {r}",  # no INSERT
+                      "GRANT SELECT, UPDATE, DELETE ON {s}.inbox TO {r}"):
             conn.execute(sql.SQL(grant).format(**ident))
     with pytest.raises(ConfigurationError, match="permission denied for table effect_results"):
         if flavour == "sync":
@@ -135,6 +137,36 @@ def test_a_role_that_may_claim_but_not_record(server: Server, flavour: str) -> N
         else:
             asyncio.run(outbox.AsyncDispatcher(_as_role(server), [Noop()], schema=schema)
                         .run_until_idle())
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_role_that_may_not_purge_the_inbox_is_told_how_to_fix_it(
+    server: Server, flavour: str
+) -> None:
+    import asyncio
+
+    schema = create_schema(server.dsn)
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        ident = {"s": sql.Identifier(schema), "r": sql.Identifier(ROLE)}
+        for grant in ("GRANT USAGE ON SCHEMA {s} TO {r}",
+                      "GRANT SELECT, UPDATE, DELETE ON {s}.jobs TO {r}",
+                      "GRANT SELECT ON {s}.schema_migrations TO {r}",
+                      "GRANT ALL ON {s}.effect_results TO {r}"):  # nothing on the inbox
+            conn.execute(sql.SQL(grant).format(**ident))
+
+    def run(**options: Any) -> outbox.DispatchStats:
+        if flavour == "sync":
+            return outbox.Dispatcher(_as_role(server), [Noop()], schema=schema,
+                                     **options).run_until_idle()
+        return asyncio.run(outbox.AsyncDispatcher(_as_role(server), [Noop()], schema=schema,
+                                                  **options).run_until_idle())
+
+    with pytest.raises(ConfigurationError) as raised:
+        run()
+    message = str(raised.value)
+    assert "cannot purge the inbox" in message and "permission denied for table inbox" in message
+    assert "inbox_retention=None" in message and PASSWORD not in message
+    assert run(inbox_retention=None).purged == 0  # the documented way out works
 
 
 def test_a_malformed_connection_string_is_not_repeated() -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from datetime import timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -11,6 +14,8 @@ from psycopg import sql
 import outbox
 from outbox import NewJob
 from outbox.testing import jobs, ledger
+
+from ..integration.helpers import wait_until
 
 
 class Echo(outbox.Effect):
@@ -63,3 +68,66 @@ def test_retention_none_keeps_everything(dsn: str, schema: str) -> None:
                                    ledger_retention=None)
     assert dispatcher.run_until_idle().purged == 0
     assert set(jobs(dsn, schema)) == {"old"} and set(ledger(dsn, schema)) == {"old"}
+
+
+def _receive(dsn: str, schema: str, *, days: dict[str, float]) -> None:
+    """Inbox rows through ``tx.receive``, then received ``days`` ago."""
+    with psycopg.connect(dsn) as conn:
+        for message_id in days:
+            with outbox.transaction(conn, schema=schema) as tx:
+                assert tx.receive("billing", message_id)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for message_id, ago in days.items():
+            conn.execute(sql.SQL("UPDATE {}.inbox SET received_at = now() - "
+                                 "make_interval(secs => %s) WHERE message_id = %s").format(
+                                     sql.Identifier(schema)), (ago * 86400, message_id))
+
+
+def _inbox(dsn: str, schema: str) -> set[str]:
+    with psycopg.connect(dsn) as conn:
+        return {row[0] for row in conn.execute(sql.SQL("SELECT message_id FROM {}.inbox").format(
+            sql.Identifier(schema)))}
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_run_until_idle_purges_old_inbox_rows_and_keeps_recent_ones(
+    dsn: str, schema: str, flavour: str
+) -> None:
+    _receive(dsn, schema, days={"old": 8, "older": 400, "recent": 6.5, "new": 0})
+    options: dict[str, Any] = {"schema": schema, "inbox_retention": 7 * 86400.0}
+    if flavour == "sync":
+        stats = outbox.Dispatcher(dsn, [Echo()], **options).run_until_idle()
+    else:
+        stats = asyncio.run(outbox.AsyncDispatcher(dsn, [Echo()], **options).run_until_idle())
+    assert stats.purged == 2
+    assert _inbox(dsn, schema) == {"recent", "new"}
+    # A purged message counts as new again: the retention is the inbox's memory.
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        assert tx.receive("billing", "old") and not tx.receive("billing", "recent")
+
+
+def test_the_inbox_is_purged_by_run_in_batches(dsn: str, schema: str) -> None:
+    old = 2500  # more than two batches of 1000: the round repeats while batches fill
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL(
+            "INSERT INTO {}.inbox (consumer, message_id, received_at) "
+            "SELECT 'billing', 'old-' || i, now() - interval '2 days' "
+            "FROM generate_series(1, %s) i").format(sql.Identifier(schema)), (old,))
+    _receive(dsn, schema, days={"recent": 0.5})
+    dispatcher = outbox.Dispatcher(dsn, [Echo()], schema=schema, inbox_retention=timedelta(days=1))
+    result: list[outbox.DispatchStats] = []
+    thread = threading.Thread(target=lambda: result.append(dispatcher.run()))
+    thread.start()
+    try:
+        wait_until(lambda: _inbox(dsn, schema) == {"recent"}, what="the inbox purge")
+    finally:
+        dispatcher.stop()
+        thread.join(30)
+    assert result[0].purged == old
+
+
+def test_inbox_retention_none_keeps_the_inbox(dsn: str, schema: str) -> None:
+    _receive(dsn, schema, days={"ancient": 4000})
+    stats = outbox.Dispatcher(dsn, [Echo()], schema=schema, inbox_retention=None).run_until_idle()
+    assert stats.purged == 0
+    assert _inbox(dsn, schema) == {"ancient"}
