@@ -39,9 +39,10 @@ lands inside the stream's duplicate window, counted from the first attempt. ``ch
 refuses a window too short to cover a re-claim (the dispatcher's ``lease`` plus
 ``rescue_interval``) and a retention that forgets ids early (work-queue, interest). Past
 the window, the effect will not publish again: the job's fate is unknown and a person (or
-a reconciler reading the stream) decides. Run ``nats.publish`` jobs on a dispatcher whose
-``unknown_outcome_window`` is ``publisher.unknown_outcome_window`` so such jobs go to
-``reconcile`` at once rather than after the dispatcher's default 24 hours.
+a reconciler reading the stream) decides. The effect declares that window as its
+``unknown_outcome_window`` (an ``outbox.Effect`` attribute), which the dispatcher uses for
+its jobs instead of its own: such jobs go to ``reconcile`` at once rather than after the
+dispatcher's default 24 hours, with nothing to copy into the dispatcher.
 
 Strict mode (``strict=True``): the stream keeps one message per subject
 (``max_msgs_per_subject=1``, ``discard=new``, ``discard_new_per_subject=true``) and each
@@ -352,8 +353,9 @@ class PublishEvent(Effect):
 
         The stream's effective duplicate window, known after ``check()`` (None before).
         In strict mode the broker refuses repeats for as long as it keeps a message:
-        ``max_age`` when the stream has one, else the dispatcher's default of 24 hours.
-        Give it to the dispatcher running these jobs as its ``unknown_outcome_window``.
+        ``max_age`` when the stream has one, else 24 hours. The dispatcher reads it at
+        each decision about these jobs (``outbox.Effect.unknown_outcome_window``) and
+        uses it instead of its own window; before the first check, its own applies.
         """
         if self._facts is None:
             return None

@@ -205,6 +205,14 @@ class Dispatcher(_Options):
     ``max_prefetch``), so fast effects are claimed in large batches while slow ones are
     not hoarded by one process. ``prefetch=0`` claims only what can start at once.
 
+    ``unknown_outcome_window`` (24 hours) is how long after a job's first attempt an
+    ``UnknownOutcome`` or an expired lease is retried with the same key before the job
+    goes to ``reconcile``; an effect that declares its own
+    (``outbox.Effect.unknown_outcome_window``, its provider's idempotency window) has
+    its jobs decided by that one instead, whether longer or shorter. The rescuer applies
+    this dispatcher's effects' windows to every expired lease it takes back, and its own
+    window to jobs of effects it does not run.
+
     Retention (seconds or a timedelta; None keeps rows forever) runs about once a minute
     under ``run`` and ``run_until_idle`` alike: done jobs are deleted after ``retention``
     (7 days), ledger rows after ``ledger_retention`` (90 days, never shorter than

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
 from pydantic import BaseModel
@@ -55,10 +55,28 @@ class Effect:
     Set ``payload_model`` to a pydantic model to have the dispatcher validate each
     payload before ``perform`` is called: an invalid payload fails the job at once with
     a message naming the fields, and ``job.model`` holds the validated model.
+
+    Override ``unknown_outcome_window`` (a class attribute or a property) where the
+    provider's idempotency window is known: see there.
     """
 
     name: ClassVar[str]
     payload_model: ClassVar[type[BaseModel] | None] = None
+
+    @property
+    def unknown_outcome_window(self) -> float | timedelta | None:
+        """How long the provider remembers an idempotency key (seconds or a timedelta),
+        counted from a job's first attempt; None (this default): the dispatcher's.
+
+        For this effect's jobs the dispatcher uses it instead of its own
+        ``unknown_outcome_window``, longer or shorter: an ``UnknownOutcome``, or a lease
+        that expired mid-attempt, is retried with the same key inside it and goes to
+        ``reconcile`` past it. Checked when the dispatcher is built (a bad value raises
+        ``ConfigurationError``) and read again at each decision, so a property may learn
+        it late (once connected to the provider, say). Override it with a class
+        attribute (``unknown_outcome_window = 3600.0``) or a property.
+        """
+        return None
 
     def perform(self, job: Job) -> Mapping[str, Any] | BaseModel | Awaitable[Any] | None:
         """Perform the effect for ``job``; see the class docstring for the contract."""

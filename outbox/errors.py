@@ -126,9 +126,10 @@ class UnknownOutcome(EffectOutcome):
     """The provider may or may not have acted (e.g. a timeout after the request was sent).
 
     The job is retried with the same key, which the provider deduplicates, for as long as
-    the provider remembers keys (the dispatcher's ``unknown_outcome_window``, 24 hours by
-    default, counted from the first attempt). Past that window re-sending could act twice,
-    so the job goes to ``reconcile`` for a person or a reconciler to settle.
+    the provider remembers keys (the effect's ``unknown_outcome_window`` when it declares
+    one, else the dispatcher's, 24 hours by default; counted from the first attempt).
+    Past that window re-sending could act twice, so the job goes to ``reconcile`` for a
+    person or a reconciler to settle.
     """
 
     def __init__(self, reason: str, *, after: float | timedelta | None = None) -> None:

@@ -158,6 +158,8 @@ class Claimer:
     def rescue(self) -> Step[None]:
         rows = yield Statement(self.queries.rescue, {
             "limit": RESCUE_BATCH, "unknown_window": self.settings.unknown_outcome_window,
+            # Per effect, read each time: an effect may learn its window late.
+            "windows": self.settings.windows_json(),
         })
         for job_id, key, status, version in rows:
             log.warning("rescued job %s (key %s, version %s) after its lease expired: now %s",

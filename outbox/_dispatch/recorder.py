@@ -142,7 +142,7 @@ class Recorder:
         decision = _state.decide(
             outcome, attempt=held.job.attempt, max_attempts=held.job.max_attempts,
             first_attempted_at=held.job.first_attempted_at, now=datetime.now(UTC),
-            unknown_outcome_window=self.settings.unknown_outcome_window,
+            unknown_outcome_window=self.settings.window_for(held.effect),
             backoff=self.settings.backoff, rng=self.rng,
         )
         log.log(

@@ -7,6 +7,8 @@ again.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import socket
 import uuid
@@ -22,7 +24,9 @@ from ..effect import Effect, is_async_effect
 from ..errors import ConfigurationError
 from ..observe import DispatchObserver
 
-__all__ = ["Settings", "text_array"]
+__all__ = ["Settings", "declared_window", "text_array"]
+
+log = logging.getLogger("outbox.dispatcher")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +135,27 @@ class Settings:
         """The named SQL blocks bound to this schema (composed once per process)."""
         return queries(self.schema)
 
+    def window_for(self, effect: Effect) -> float:
+        """The unknown-outcome window for ``effect``'s jobs: its own when it declares
+        one, else the dispatcher's. Read at each decision (a property may change); a
+        value that became invalid is logged and the dispatcher's window used."""
+        try:
+            declared = declared_window(effect)
+        except Exception as exc:  # a property's bug must not stop the recording
+            log.error("%s; using the dispatcher's unknown_outcome_window", exc)
+            return self.unknown_outcome_window
+        return self.unknown_outcome_window if declared is None else declared
+
+    def windows_json(self) -> str:
+        """The declared windows as a JSON object, effect name -> seconds, for the
+        rescuer (effects declaring none are absent: the dispatcher's window applies)."""
+        windows = {}
+        for name, effect in self.effects.items():
+            window = self.window_for(effect)
+            if window != self.unknown_outcome_window:
+                windows[name] = window
+        return json.dumps(windows)
+
     @property
     def has_sync(self) -> bool:
         """Whether any effect's ``perform`` is a plain method (run on threads)."""
@@ -142,6 +167,15 @@ def _seconds(value: Any, what: str, minimum: float = 0.0) -> float:
         return _state.seconds(value, what=what, minimum=minimum)
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(str(exc)) from None
+
+
+def declared_window(effect: Effect) -> float | None:
+    """``effect.unknown_outcome_window`` in seconds, or None when it declares none;
+    ``TypeError`` / ``ValueError`` naming the effect when the value is not a duration."""
+    value = getattr(effect, "unknown_outcome_window", None)
+    if value is None:
+        return None
+    return _state.seconds(value, what=f"effect {effect.name!r}: unknown_outcome_window")
 
 
 def _positive(value: Any, what: str, minimum: int = 1) -> int:
@@ -164,6 +198,10 @@ def _index_effects(effects: Sequence[Effect]) -> dict[str, Effect]:
             raise ConfigurationError(f"effect {name!r} has no perform() method")
         if name in indexed:
             raise ConfigurationError(f"two effects are named {name!r}")
+        try:
+            declared_window(effect)
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(str(exc)) from None
         indexed[name] = effect
     if not indexed:
         raise ConfigurationError("a Dispatcher needs at least one effect")

@@ -163,7 +163,9 @@ RETURNING j.id;
 -- Take back claims whose lease expired (the worker died or stalled). Fenced on the
 -- version read under lock and rechecked on the UPDATE, so a heartbeat that commits
 -- first wins. The attempt already counted; past the provider's idempotency window an
--- unknown outcome cannot be retried safely, so such a job goes to reconcile.
+-- unknown outcome cannot be retried safely, so such a job goes to reconcile. The window
+-- is per effect where the effect declares one (%(windows)s, a JSON object effect ->
+-- seconds), else %(unknown_window)s.
 WITH expired AS (
     SELECT id, claim_version
     FROM {schema}.jobs
@@ -174,7 +176,9 @@ WITH expired AS (
 )
 UPDATE {schema}.jobs j
 SET status = CASE
-        WHEN j.first_attempted_at < now() - %(unknown_window)s::float8 * interval '1 second'
+        WHEN j.first_attempted_at < now() - coalesce(
+                CAST(CAST(%(windows)s AS jsonb) ->> j.effect AS float8),
+                CAST(%(unknown_window)s AS float8)) * interval '1 second'
             THEN 'reconcile'
         WHEN j.attempts >= j.max_attempts THEN 'failed'
         ELSE 'pending' END,

@@ -202,7 +202,8 @@ def test_a_stale_claims_heartbeat_done_retry_and_fail_change_nothing(
     enqueue(db, schema, ["k"])
     job_id, version = _claim(db, schema, "w1")
     _expire_lease(db, schema, job_id)
-    rescued = db.execute(q.rescue, {"limit": 10, "unknown_window": 86400.0}).fetchall()
+    rescued = db.execute(q.rescue, {"limit": 10, "unknown_window": 86400.0,
+                                    "windows": "{}"}).fetchall()
     assert [(r[0], r[2], r[3]) for r in rescued] == [(job_id, "pending", version)]
     assert _claim(db, schema, "w2") == (job_id, version + 1)
 
@@ -240,7 +241,7 @@ def test_rescuer_does_not_take_a_job_whose_heartbeat_committed_first(
     dsn: str, schema: str, db: Conn, name: str,
 ) -> None:
     rescue = RESCUES[name](schema)
-    params = {"limit": 10, "unknown_window": 86400.0}
+    params = {"limit": 10, "unknown_window": 86400.0, "windows": "{}"}
     enqueue(db, schema, ["k"])
     job_id, version = _claim(db, schema, "w1")
     worker = Fenced(db, schema, job_id, version)

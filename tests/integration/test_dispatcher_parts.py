@@ -294,7 +294,8 @@ def test_a_retried_completion_whose_first_reply_was_lost_counts_as_done(
     with psycopg.connect(dsn, autocommit=True) as other:  # "stolen": rescued, re-claimed
         other.execute(f"UPDATE \"{schema}\".jobs SET lease_until = now() - interval '1 s' "
                       "WHERE key = 'stolen'")
-        other.execute(outbox.sql.queries(schema).rescue, {"limit": 10, "unknown_window": 1e6})
+        other.execute(outbox.sql.queries(schema).rescue, {"limit": 10, "unknown_window": 1e6,
+                                                           "windows": "{}"})
         other.execute(outbox.sql.queries(schema).claim, {
             "effects": settings.effect_names, "limit": 10, "lease": 30.0, "worker": "other"})
     recorder = Recorder(settings, state)

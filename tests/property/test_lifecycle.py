@@ -326,7 +326,8 @@ class Lifecycle(RuleBasedStateMachine):
     def rescue_expired(self, limit: int) -> None:
         expired = {j.id for j in self.model.values() if j.status == "running" and j.expired}
         before = self.rows()
-        rows = self.conn.execute(self.q.rescue, {"limit": limit, "unknown_window": WINDOW})
+        rows = self.conn.execute(self.q.rescue, {"limit": limit, "unknown_window": WINDOW,
+                                                  "windows": "{}"})
         rescued = rows.fetchall()
         assert len(rescued) == min(limit, len(expired)), (rescued, expired)
         after = self.rows()
