@@ -77,7 +77,12 @@ class DispatchStats:
     found gone. Both are expected after a stall, and harmless: the later claim wins.
     ``rescued`` counts expired leases this dispatcher took back. ``claim_queries`` and
     ``claim_seconds`` give the claim latency (``claim_seconds / claim_queries`` on
-    average, ``claim_seconds_max`` at worst).
+    average, ``claim_seconds_max`` at worst). ``purged`` counts rows retention deleted
+    (done jobs, ledger and inbox rows); ``reconnects``, lost connections replaced.
+
+    Counted from the ``outbox.observe.DispatchObserver`` events the dispatcher reports
+    (``claimed``, ``recorded``, ``claims_lost``, ``rescued``, ``reconnected``,
+    ``purged``), so an observer of its own hears exactly what these counters hold.
     """
 
     claimed: int = 0

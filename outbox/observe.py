@@ -2,8 +2,9 @@
 
 A dispatcher reports every event that metrics, tracing or logs could want to an
 observer. The default observer does nothing, so a dispatcher without metrics pays one
-method call per event. ``DispatchStats`` counting, the Prometheus metrics
-(``outbox[prometheus]``) and tracing are observers; an application may add its own.
+method call per event. The counters a run returns (``DispatchStats``) are filled by an
+observer of these events, the same ones the Prometheus metrics (``outbox[prometheus]``)
+hear; an application may add its own.
 
 Contract for implementers:
 
@@ -21,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-__all__ = ["AttemptOutcome", "DispatchObserver", "MultiObserver"]
+__all__ = ["AttemptOutcome", "DispatchObserver", "MultiObserver", "PurgedTable",
+           "ReconnectingPart"]
 
 AttemptOutcome = Literal["done", "retry", "failed", "reconcile", "released", "lost"]
 """How one attempt ended, as recorded (or not) in the database.
@@ -31,6 +33,13 @@ AttemptOutcome = Literal["done", "retry", "failed", "reconcile", "released", "lo
 ``lost``: the claim was gone when the outcome was written (a fence rejection) or when a
 heartbeat ran; the later claim owns the job.
 """
+
+ReconnectingPart = Literal["claimer", "recorder"]
+"""The dispatcher parts whose lost connection is reported (the listener, a hint only,
+reconnects silently)."""
+
+PurgedTable = Literal["jobs", "effect_results", "inbox"]
+"""The tables retention deletes from: done jobs, the ledger, the inbox."""
 
 
 class DispatchObserver:
@@ -55,6 +64,24 @@ class DispatchObserver:
 
     def rescued(self, count: int) -> None:
         """The rescuer took back ``count`` jobs whose leases had expired."""
+
+    # Events since the dispatcher counts ``DispatchStats`` from its events too. Each is
+    # called once per batch (never per job), carrying a count.
+
+    def recorded(self, outcome: AttemptOutcome, count: int) -> None:
+        """The recorder wrote ``count`` outcomes of one batch as ``outcome``; ``lost``:
+        their fenced write changed nothing (stale completions: the claim was gone). Every
+        such job is also reported to ``attempt_finished``."""
+
+    def claims_lost(self, count: int) -> None:
+        """A heartbeat found ``count`` claims gone (their leases expired and were taken
+        back); each is also reported to ``fence_rejected``."""
+
+    def reconnected(self, part: ReconnectingPart) -> None:
+        """``part``'s connection was lost; it reconnects (with backoff)."""
+
+    def purged(self, table: PurgedTable, count: int) -> None:
+        """Retention deleted ``count`` rows of ``table`` (one batch)."""
 
 
 class MultiObserver(DispatchObserver):
@@ -82,3 +109,19 @@ class MultiObserver(DispatchObserver):
     def rescued(self, count: int) -> None:
         for observer in self.observers:
             observer.rescued(count)
+
+    def recorded(self, outcome: AttemptOutcome, count: int) -> None:
+        for observer in self.observers:
+            observer.recorded(outcome, count)
+
+    def claims_lost(self, count: int) -> None:
+        for observer in self.observers:
+            observer.claims_lost(count)
+
+    def reconnected(self, part: ReconnectingPart) -> None:
+        for observer in self.observers:
+            observer.reconnected(part)
+
+    def purged(self, table: PurgedTable, count: int) -> None:
+        for observer in self.observers:
+            observer.purged(table, count)

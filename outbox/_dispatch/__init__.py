@@ -8,6 +8,7 @@
     workers     run ``perform`` within the one concurrency limit
     recorder    complete / settle batches (fenced), heartbeat held leases
     listener    LISTEN for enqueue notifications, wake the claimer
+    counting    ``DispatchStats`` counted from the observer events the parts report
 
 ``outbox.dispatcher.Dispatcher`` builds, starts and joins them.
 """

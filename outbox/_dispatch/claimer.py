@@ -23,7 +23,9 @@ from .._pg import configuration_error
 from ..effect import Job
 from ..errors import ConfigurationError
 from ..migrate import require_current
+from ..observe import PurgedTable
 from .connection import CONNECTION_ERRORS, Connection
+from .counting import Waits
 from .settings import Settings
 from .state import Held, SharedState, Timer, guarded
 from .steps import Statement, Step, run
@@ -89,7 +91,7 @@ class Claimer:
         if fatal is not None:
             raise fatal from exc
         if lost:  # only a broken connection is replaced and counted
-            self.state.stats.reconnects += 1
+            guarded(self.state.events.reconnected, "claimer")
             log.warning("claimer lost its connection (%s); reconnecting", type(exc).__name__)
         else:  # a failed statement, transient (40001, 40P01, 55P03, 57014) or not
             log.error("claimer query failed: %s", exc.sqlstate or type(exc).__name__)
@@ -131,17 +133,10 @@ class Claimer:
             "worker": settings.worker_id,
         })
         elapsed = time.monotonic() - started
-        stats = self.state.stats
-        stats.claim_queries += 1
-        stats.claim_seconds += elapsed
-        stats.claim_seconds_max = max(stats.claim_seconds_max, elapsed)
         traced = tracing.enabled()
         batch = [self._held(row, traced) for row in rows]
         self.state.hold(batch)
-        stats.claimed += len(batch)
-        if self.state.observing:
-            guarded(settings.observer.claimed, elapsed,
-                    [(h.job.effect, float(row[9])) for h, row in zip(batch, rows, strict=True)])
+        guarded(self.state.events.claimed, elapsed, Waits(rows))
         return batch
 
     def _held(self, row: tuple[Any, ...], traced: bool) -> Held:
@@ -164,17 +159,18 @@ class Claimer:
         for job_id, key, status, version in rows:
             log.warning("rescued job %s (key %s, version %s) after its lease expired: now %s",
                         job_id, key, version, status)
-        self.state.stats.rescued += len(rows)
         if rows:
-            guarded(self.settings.observer.rescued, len(rows))
+            guarded(self.state.events.rescued, len(rows))
 
     def purge(self) -> Step[None]:
         """Retention: done jobs, ledger rows and inbox rows older than their periods, a
         batch at a time, at most ``PURGE_BATCHES`` batches of each per round."""
         settings, q = self.settings, self.queries
-        for what, query, age in (("done jobs", q.purge_done, settings.retention),
-                                 ("the ledger", q.purge_ledger, settings.ledger_retention),
-                                 ("the inbox", q.purge_inbox, settings.inbox_retention)):
+        purges: tuple[tuple[str, PurgedTable, str, float | None], ...] = (
+            ("done jobs", "jobs", q.purge_done, settings.retention),
+            ("the ledger", "effect_results", q.purge_ledger, settings.ledger_retention),
+            ("the inbox", "inbox", q.purge_inbox, settings.inbox_retention))
+        for what, table, query, age in purges:
             if age is None:
                 continue
             for _ in range(PURGE_BATCHES):  # bounded per round: must not starve claims
@@ -184,7 +180,8 @@ class Claimer:
                 except psycopg.errors.InsufficientPrivilege as exc:
                     raise _purge_refused(what, exc, settings) from exc
                 deleted = rows[0][0]
-                self.state.stats.purged += max(deleted, 0)
+                if deleted > 0:
+                    guarded(self.state.events.purged, table, deleted)
                 if deleted < RETENTION_BATCH:
                     break
 

@@ -14,6 +14,7 @@ import logging
 import random
 import threading
 import time
+from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,17 +25,13 @@ from ..errors import ConfigurationError
 from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, Connection
 from .settings import Settings
-from .state import Held, Outcome, Release, SharedState, Success, Timer
+from .state import Held, Outcome, Release, SharedState, Success, Timer, guarded
 from .steps import Statement, Step, run
 
 __all__ = ["Recorder", "run_recorder"]
 
 log = logging.getLogger("outbox.dispatcher")
 
-_COUNTERS: dict[AttemptOutcome, str] = {
-    "done": "done", "retry": "retried", "failed": "failed", "reconcile": "reconcile",
-    "released": "released",
-}
 _OBSERVED: dict[str, AttemptOutcome] = {
     "pending": "retry", "failed": "failed", "reconcile": "reconcile", "done": "done",
 }
@@ -84,14 +81,17 @@ class Recorder:
             if self.retrying and len(written) < len(successes):
                 written |= yield from self.landed_before(
                     [h for h, _ in successes if h.job.id not in written])
-            state, done = self.state, 0
+            state, stale = self.state, 0
             for held, _ in successes:  # per job: kept lean, this is the drain's hot path
                 if held.job.id in written:
-                    done += 1
                     state.settled(held, "done")
                 else:
-                    self._account(held, False, "done")
-            state.stats.done += done
+                    stale += 1
+                    self._lost(held)
+            if stale < len(successes):
+                guarded(state.events.recorded, "done", len(successes) - stale)
+            if stale:
+                guarded(state.events.recorded, "lost", stale)
             state.wake.set()  # room for the claimer
             batch[:] = [(h, o) for h, o in batch if not isinstance(o, Success)]
         if not batch:
@@ -103,9 +103,17 @@ class Recorder:
             for h, released, d in settles
         ])})
         written = {r[0] for r in rows}
+        counts: Counter[AttemptOutcome] = Counter()
         for held, released, decision in settles:
-            outcome = "released" if released else _OBSERVED[decision.status]
-            self._account(held, held.job.id in written, outcome)
+            if held.job.id in written:
+                outcome: AttemptOutcome = "released" if released else _OBSERVED[decision.status]
+                self.state.settled(held, outcome)
+            else:
+                outcome = "lost"
+                self._lost(held)
+            counts[outcome] += 1
+        for outcome, count in counts.items():
+            guarded(self.state.events.recorded, outcome, count)
         self.state.wake.set()  # room for the claimer
         batch.clear()
 
@@ -152,18 +160,13 @@ class Recorder:
         )
         return decision
 
-    def _account(self, held: Held, written: bool, outcome: AttemptOutcome) -> None:
-        stats = self.state.stats
-        if written:
-            counter = _COUNTERS[outcome]
-            setattr(stats, counter, getattr(stats, counter) + 1)
-        else:
-            outcome = "lost"
-            stats.stale_completions += 1
-            log.warning("job %s (key %s): claim version %s was lost before its outcome "
-                        "was recorded; the newer claim decides", held.job.id, held.job.key,
-                        held.job.claim_version)
-        self.state.settled(held, outcome)
+    def _lost(self, held: Held) -> None:
+        """``held``'s fenced write changed nothing: its claim was lost (a stale
+        completion, counted per batch by the caller)."""
+        log.warning("job %s (key %s): claim version %s was lost before its outcome "
+                    "was recorded; the newer claim decides", held.job.id, held.job.key,
+                    held.job.claim_version)
+        self.state.settled(held, "lost")
 
     def failed(self, exc: BaseException, *, lost: bool,
                pending: list[tuple[Held, Outcome]]) -> None:
@@ -171,7 +174,7 @@ class Recorder:
         again (``retrying``); a lost connection is counted as a reconnect."""
         self.retrying = bool(pending)
         if lost:
-            self.state.stats.reconnects += 1
+            guarded(self.state.events.reconnected, "recorder")
             log.warning("recorder lost its connection (%s); reconnecting", type(exc).__name__)
         else:  # transient (40001, 40P01, 55P03, 57014): retry the same batch
             log.error("recorder statement failed: %s; retrying",
@@ -188,12 +191,15 @@ class Recorder:
         rows = yield Statement(self.queries.heartbeat, {"claims": f"[{claims}]",
                                                         "lease": self.settings.lease})
         alive = {r[0] for r in rows}
+        lost = 0
         for h in held:
             if h.job.id not in alive and h.job.id in self.state.held:
                 self.state.lose(h)
-                self.state.stats.lost_claims += 1
+                lost += 1
                 log.warning("job %s (key %s): heartbeat found claim version %s lost",
                             h.job.id, h.job.key, h.job.claim_version)
+        if lost:
+            guarded(self.state.events.claims_lost, lost)
 
     def finished(self, pending: list[tuple[Held, Outcome]]) -> bool:
         """Whether the recorder may end: the dispatcher stops, its workers are done

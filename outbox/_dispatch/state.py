@@ -11,9 +11,10 @@ event loop, with sync effects on a thread pool)::
     dispatcher the caller's thread   workers_ended(), reset() (between runs)
     anyone                           request_stop(), fail()
 
-Fields are written through these transitions, except the counters (``stats``) and the
-moving average of perform time, written in place by their owners; each field says who
-writes it. Reads from other threads are of single references or counters, safe under
+Fields are written through these transitions, except the moving average of perform
+time, written in place by the workers, and the counters (``stats``), written only by
+``counter`` from the events the parts report (``events``); each field says who writes
+it. Reads from other threads are of single references or counters, safe under
 the GIL, and every decision that depends on them is re-checked by a fenced statement in
 the database.
 """
@@ -29,7 +30,8 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .. import tracing
 from ..effect import Effect, Job
-from ..observe import AttemptOutcome, DispatchObserver
+from ..observe import AttemptOutcome, DispatchObserver, MultiObserver
+from .counting import StatsObserver
 
 if TYPE_CHECKING:
     from ..dispatcher import DispatchStats
@@ -194,12 +196,24 @@ class SharedState(Generic[E]):
         # Moving average of perform time: written by workers (a lost update between
         # them is harmless), read by the claimer to size its claims.
         self.mean_perform_seconds: float | None = None
-        # Counters of this run: the claimer and the recorder write their own fields;
-        # both count ``reconnects`` (a rare lost increment there is harmless).
-        self.stats = stats
+        # The user's observer, told of per-job events only when it is not the
+        # do-nothing default (``observing``): they are the hot path.
         self.observer = observer
-        # The default observer does nothing: skip its calls on the per-job paths.
         self.observing = type(observer) is not DispatchObserver
+        # The counters of this run, filled by ``counter`` from the batch events; the
+        # parts send those to ``events``: the counter, then the user's observer.
+        self.counter = StatsObserver(stats)
+        self.events: DispatchObserver = (MultiObserver([self.counter, observer])
+                                         if self.observing else self.counter)
+
+    @property
+    def stats(self) -> DispatchStats:
+        """The counters of this run (written by ``counter`` only)."""
+        return self.counter.stats
+
+    @stats.setter
+    def stats(self, stats: DispatchStats) -> None:
+        self.counter.stats = stats
 
     # -- claimer ---------------------------------------------------------------------
 
@@ -269,9 +283,10 @@ class SharedState(Generic[E]):
 
     def lose(self, held: Held) -> None:
         """A heartbeat found ``held``'s claim gone: it must not start, and its outcome
-        will be refused by the fence."""
+        will be refused by the fence (the heartbeat reports ``claims_lost`` per batch)."""
         held.lost = True
-        guarded(self.observer.fence_rejected, held.job.effect)
+        if self.observing:
+            guarded(self.observer.fence_rejected, held.job.effect)
 
     # -- the dispatcher ------------------------------------------------------------------
 
