@@ -44,6 +44,13 @@ schema_option = click.option(
 )
 
 
+# The optional extra that brings each integration's top-level module.
+_EXTRA_OF_MODULE = {
+    "starlette": "web", "jinja2": "web", "uvicorn": "web", "multipart": "web",
+    "prometheus_client": "prometheus",
+}
+
+
 def _one_line_errors(command: F) -> F:
     """Turn expected failures into one line on stderr and exit status 1."""
 
@@ -51,6 +58,12 @@ def _one_line_errors(command: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
+        except ModuleNotFoundError as exc:
+            extra = _EXTRA_OF_MODULE.get((exc.name or "").partition(".")[0])
+            if extra is None:
+                raise click.ClickException(str(exc)) from None
+            raise click.ClickException(
+                f"{exc.name} is not installed: pip install 'outbox[{extra}]'") from None
         except (OutboxError, psycopg.Error, ImportError, AttributeError, ValueError) as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise click.ClickException(message) from None

@@ -122,3 +122,15 @@ def test_a_malformed_dsn_is_one_line_without_the_password(tmp_path: Path, bad: s
     result = _outbox(tmp_path, "status", dsn=bad)
     _assert_one_line(result, "connection string is not valid")
     assert "Sekr1t-99" not in result.stderr + result.stdout
+
+
+def test_a_command_whose_extra_is_not_installed_names_the_extra(
+        tmp_path: Path, dsn: str, schema: str) -> None:
+    # None in sys.modules is Python's own way to make an import fail as if the package
+    # were absent: here uvicorn, which only the ``web`` extra installs.
+    blocked = ("import sys; sys.modules['uvicorn'] = None; from outbox.cli import main; "
+               "main()")
+    result = subprocess.run(
+        [sys.executable, "-c", blocked, "web", "--dsn", dsn, "--schema", schema],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    _assert_one_line(result, "pip install 'outbox[web]'")
