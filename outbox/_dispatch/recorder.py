@@ -44,6 +44,10 @@ class Recorder:
         self.settings = settings
         self.state = state
         self.queries = settings.queries
+        # retention 0 keeps no done rows: completion deletes the job (same fence, same
+        # ledger row), sparing the index entries of an update and a purge later.
+        self.complete = (self.queries.complete_delete if settings.retention == 0
+                         else self.queries.complete)
         # Written by the recorder only: it is re-sending a batch after an error, so a
         # completion missing from the reply may have landed the first time.
         self.retrying = False
@@ -76,7 +80,7 @@ class Recorder:
                 f'{{"id":{h.job.id},"version":{h.job.claim_version},"result":{o.result_json}}}'
                 for h, o in successes
             )
-            rows = yield Statement(self.queries.complete, {"claims": f"[{claims}]"})
+            rows = yield Statement(self.complete, {"claims": f"[{claims}]"})
             written = {r[0] for r in rows}
             if self.retrying and len(written) < len(successes):
                 written |= yield from self.landed_before(
@@ -119,7 +123,9 @@ class Recorder:
 
     def landed_before(self, helds: list[Held]) -> Step[set[int]]:
         """Ids among ``helds`` whose completion by this very claim already committed: a
-        retried batch whose first attempt landed but whose reply was lost."""
+        retried batch whose first attempt landed but whose reply was lost. Read from the
+        ledger (job id and claim version), which a completion writes whether it updates
+        the job row or, with retention 0, deletes it."""
         claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in helds)
         rows = yield Statement(self.queries.recorded_claims, {"claims": f"[{claims}]"})
         return {r[0] for r in rows}

@@ -134,6 +134,28 @@ WITH finished AS (
 )
 SELECT f.id FROM finished f;
 
+-- ---------------------------------------------------------------------------------------
+-- Delete on done (retention = 0): no done rows are kept, so completion deletes the job.
+-- ---------------------------------------------------------------------------------------
+
+-- name: complete_delete
+-- running -> gone and the ledger row, in one statement and so in one transaction; fenced
+-- exactly like complete, so a stale claim deletes nothing and writes no ledger row. A
+-- delete adds no index entries where the done update adds one to every index of the
+-- table, and leaves no row for retention to delete later. Enqueue dedup then rests on
+-- the ledger row alone, which recorded_claims reads too.
+WITH finished AS (
+    DELETE FROM {schema}.jobs j
+    USING jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
+    WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
+    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
+), recorded AS (
+    INSERT INTO {schema}.effect_results (key, effect, job_id, claim_version, result, fingerprint)
+    SELECT f.key, f.effect, f.id, f.claim_version, f.result, f.fingerprint FROM finished f
+    ON CONFLICT (key) DO NOTHING
+)
+SELECT f.id FROM finished f;
+
 -- name: recorded_claims
 -- Which of these claims already completed: after a lost reply, tells "my own done
 -- landed" apart from "my claim was lost".

@@ -8,6 +8,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Sequence
+from datetime import timedelta
 
 import psycopg
 import pytest
@@ -278,12 +279,15 @@ def test_sync_and_async_effects_share_one_concurrency_limit(dsn: str, schema: st
 # -- the recorder, staged without threads ----------------------------------------------------
 
 
+# retention 0: the completion deletes the job row, and the ledger row alone tells "my
+# own completion landed" apart from "my claim was lost".
+@pytest.mark.parametrize("retention", [timedelta(days=7), 0])
 def test_a_retried_completion_whose_first_reply_was_lost_counts_as_done(
-    dsn: str, schema: str
+    dsn: str, schema: str, retention: timedelta | int
 ) -> None:
     enqueue(dsn, schema, NewJob("test.by_payload", "landed", {}),
             NewJob("test.by_payload", "stolen", {}))
-    settings = Settings.build(dsn, [ByPayload()], schema=schema, lease=1)
+    settings = Settings.build(dsn, [ByPayload()], schema=schema, lease=1, retention=retention)
     events = Events()
     state: SharedState[threading.Event] = SharedState(DispatchStats(), events, 4,
                                                       threading.Event)
@@ -316,10 +320,53 @@ def test_a_retried_completion_whose_first_reply_was_lost_counts_as_done(
     assert events.finished == {("test.by_payload", "done"): 1, ("test.by_payload", "lost"): 1}
     assert events.fenced == {"test.by_payload": 1}
     rows = jobs(dsn, schema)
-    assert (rows["landed"]["status"], rows["stolen"]["status"]) == ("done", "running")
+    assert rows["stolen"]["status"] == "running"
     assert rows["stolen"]["claimed_by"] == "other"
+    if retention == 0:
+        assert "landed" not in rows
+    else:
+        assert rows["landed"]["status"] == "done"
     assert set(ledger(dsn, schema)) == {"landed"}
+    assert ledger(dsn, schema)["landed"]["claim_version"] == held["landed"].job.claim_version
     assert state.held == {}
+    conn.discard()
+
+
+def _staged_with_stolen_claim(dsn: str, schema: str) -> tuple[
+        Settings, SharedState[threading.Event], Events, Connection, dict[str, Held]]:
+    """Claims every job with a claimer driven by hand, then has another worker rescue
+    and re-claim the job keyed "stolen": its first claim is now stale."""
+    settings = Settings.build(dsn, [ByPayload()], schema=schema, lease=1, retention=0)
+    events = Events()
+    state: SharedState[threading.Event] = SharedState(DispatchStats(), events, 4,
+                                                      threading.Event)
+    conn = Connection(lambda role: connect(settings, role), "recorder")
+    round_ = run(Claimer(settings, state, until_idle=True).round(), conn.execute)
+    held = {h.job.key: h for h in round_.batch}
+    with psycopg.connect(dsn, autocommit=True) as other:
+        other.execute(f"UPDATE \"{schema}\".jobs SET lease_until = now() - interval '1 s' "
+                      "WHERE key = 'stolen'")
+        other.execute(outbox.sql.queries(schema).rescue, {"limit": 10, "unknown_window": 1e6,
+                                                           "windows": "{}"})
+        other.execute(outbox.sql.queries(schema).claim, {
+            "effects": settings.effect_names, "limit": 10, "lease": 30.0, "worker": "other"})
+    return settings, state, events, conn, held
+
+
+def test_a_stale_completion_deletes_nothing_and_writes_no_ledger_row(
+    dsn: str, schema: str
+) -> None:
+    enqueue(dsn, schema, NewJob("test.by_payload", "stolen", {}))
+    settings, state, events, conn, held = _staged_with_stolen_claim(dsn, schema)
+    recorder = Recorder(settings, state)
+    pending: list[tuple[Held, Outcome]] = [(held["stolen"], Success('{"late":true}'))]
+    run(recorder.flush(pending), conn.execute)
+    assert pending == []
+    assert (state.stats.done, state.stats.stale_completions) == (0, 1)
+    assert events.fenced == {"test.by_payload": 1}
+    row = jobs(dsn, schema)["stolen"]
+    assert (row["status"], row["claimed_by"], row["claim_version"]) == ("running", "other", 2)
+    assert ledger(dsn, schema) == {}
     conn.discard()
 
 
