@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import asyncpg
@@ -48,6 +48,12 @@ class OutboxSettings:
     batch_size: int | None = None
     async_effect: bool = False
     options: dict[str, Any] = field(default_factory=dict)
+
+    def retained(self) -> OutboxSettings:
+        """The same settings with the default retention (done rows kept), whatever
+        ``options`` says: the figure for deployments that keep done jobs."""
+        return replace(self, options={k: v for k, v in self.options.items()
+                                      if k != "retention"})
 
     def describe(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in sorted(self.options.items()))

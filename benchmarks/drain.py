@@ -27,7 +27,9 @@ from ._stats import Figure, ratios
 
 log = logging.getLogger("benchmarks.drain")
 
-SYSTEMS = ("outbox", "probe", "pgqueuer", "procrastinate")
+# "outbox" runs with the settings given (cli.BEST_OUTBOX: done jobs deleted at once);
+# "outbox-retained" with the same settings but the default retention, done rows kept.
+SYSTEMS = ("outbox", "outbox-retained", "probe", "pgqueuer", "procrastinate")
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,9 @@ def _check(what: str, found: Any, expected: int) -> None:
 
 
 def _verify_outbox(dsn: str, jobs: int) -> None:
-    _check("outbox jobs done", scalar(
-        dsn, "SELECT count(*) FROM outbox.jobs WHERE status = 'done'"), jobs)
+    # Every job done: its row marked done, or deleted (retention 0); its ledger row kept.
+    _check("outbox jobs not done", scalar(
+        dsn, "SELECT count(*) FROM outbox.jobs WHERE status <> 'done'"), 0)
     _check("outbox ledger rows", scalar(dsn, "SELECT count(*) FROM outbox.effect_results"), jobs)
 
 
@@ -152,6 +155,10 @@ _REGISTRY: dict[str, _System] = {
     "outbox": _System(
         _prepare_outbox, workers.outbox_worker,
         lambda c, dsn, t: workers.OutboxSpec(dsn, c.outbox, t),
+        _verify_outbox),
+    "outbox-retained": _System(
+        _prepare_outbox, workers.outbox_worker,
+        lambda c, dsn, t: workers.OutboxSpec(dsn, c.outbox.retained(), t),
         _verify_outbox),
     "probe": _System(
         _prepare_probe, workers.probe_worker,
@@ -210,7 +217,12 @@ def _size_rows(config: DrainConfig, runs: list[DrainRun], size: int, procs: int)
         else:
             rows.append(Row("drain", name, "jobs/s", Figure.of(mine), "limit probe",
                             Figure.of(probe), ratios(mine, probe)))
-    ours, peer = _rates(runs, "outbox", size, procs), _rates(runs, "pgqueuer", size, procs)
+    ours, kept = _rates(runs, "outbox", size, procs), _rates(runs, "outbox-retained", size, procs)
+    if ours and kept:
+        rows.append(Row("drain", f"outbox vs outbox-retained {_label(size)} x{procs}",
+                        "jobs/s", Figure.of(ours), "outbox-retained", Figure.of(kept),
+                        ratios(ours, kept)))
+    peer = _rates(runs, "pgqueuer", size, procs)
     if ours and peer:
         rows.append(Row("drain", f"outbox vs pgqueuer {_label(size)} x{procs}", "jobs/s",
                         Figure.of(ours), "pgqueuer", Figure.of(peer), ratios(ours, peer)))
@@ -232,6 +244,7 @@ def run(server: Server, config: DrainConfig) -> Section:
                     if size in config.sizes_for(system):
                         results.append(measure(server, config, system, size, procs))
     settings = {"outbox": config.outbox.describe(),
+                "outbox-retained": config.outbox.retained().describe(),
                 "probe": f"batch {config.probe_batch}",
                 "pgqueuer": f"asyncpg batch_size={config.pgqueuer_batch} "
                 f"max_concurrent_tasks={config.pgqueuer_max_tasks}",

@@ -197,8 +197,9 @@ class Dispatcher(_Options):
       ``concurrency`` threads, async ones on an event loop of the dispatcher's).
       Delivery to an effect is at least once: a crash or a stall past the lease makes
       the job run again, with the same key.
-    - Completion is one statement: the fenced ``running -> done`` update and the ledger
-      row commit together or not at all. A stale worker's writes change nothing.
+    - Completion is one statement: the fenced ``running -> done`` update (with
+      ``retention=0``, the fenced delete) and the ledger row commit together or not at
+      all. A stale worker's writes change nothing.
     - Leases are extended by heartbeats while effects run; a job whose worker died is
       rescued (fenced) once its lease expires, within one ``rescue_interval``.
     - Only jobs whose ``effect`` names one of ``effects`` are claimed; others stay pending.
@@ -226,6 +227,15 @@ class Dispatcher(_Options):
     bounded number per round, so a large backlog never starves claims. A role without
     SELECT, UPDATE and DELETE on a purged table raises ``outbox.ConfigurationError``
     naming the option that turns that retention off.
+
+    ``retention=0`` (or ``timedelta(0)``) keeps no done rows: completion deletes the job
+    instead of marking it done, in the same fenced statement that writes its ledger row
+    (a stale claim deletes nothing and writes no ledger row), which drains faster. The
+    ledger row then alone keeps the key from being enqueued again; the dashboard and
+    ``outbox status`` show no done jobs, only failed and reconcile ones. One window is
+    wider than with done rows kept: an enqueue of the same key whose statement (under
+    REPEATABLE READ, whose transaction) began before the completion committed does not
+    see the ledger row yet and creates the job again.
 
     ``observer`` (an ``outbox.observe.DispatchObserver``) receives every claim, attempt,
     fence rejection and rescue, for metrics and tracing; an exception it raises is
