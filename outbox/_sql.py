@@ -7,6 +7,7 @@ and it goes in through ``psycopg.sql.Identifier``, which quotes it.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from functools import cache
 from importlib import resources
 
@@ -55,18 +56,28 @@ def bind_schema(template: str, schema: str) -> str:
     return composed.as_string(None)
 
 
-class Queries:
-    """The named queries with one schema bound in; attribute access by block name."""
+class BoundQueries:
+    """Named SQL blocks whose identifiers are already bound; attribute access by block
+    name. ``source`` names the file the blocks came from, for the error on a typo."""
 
-    def __init__(self, schema: str) -> None:
-        self.schema = schema
-        self._bound = {name: bind_schema(body, schema) for name, body in _raw_queries().items()}
+    def __init__(self, bound: Mapping[str, str], source: str) -> None:
+        self._bound = dict(bound)
+        self._source = source
 
     def __getattr__(self, name: str) -> str:
         try:
             return self._bound[name]
         except KeyError:
-            raise AttributeError(f"no query named {name!r} in queries.sql") from None
+            raise AttributeError(f"no query named {name!r} in {self._source}") from None
+
+
+class Queries(BoundQueries):
+    """The named queries with one schema bound in; attribute access by block name."""
+
+    def __init__(self, schema: str) -> None:
+        self.schema = schema
+        super().__init__({name: bind_schema(body, schema)
+                          for name, body in _raw_queries().items()}, "queries.sql")
 
 
 @cache

@@ -7,7 +7,7 @@ from importlib import resources
 
 from psycopg import sql
 
-from outbox.sql import check_schema_name, parse_blocks
+from outbox.sql import BoundQueries, check_schema_name, parse_blocks
 
 __all__ = ["ChaosQueries", "chaos_queries"]
 
@@ -18,20 +18,14 @@ def _raw() -> dict[str, str]:
     return parse_blocks(text)
 
 
-class ChaosQueries:
+class ChaosQueries(BoundQueries):
     """The runner's queries with ``{schema}`` (outbox) and ``{chaos}`` (audit) bound."""
 
     def __init__(self, schema: str, chaos: str) -> None:
         identifiers = {"schema": sql.Identifier(check_schema_name(schema)),
                        "chaos": sql.Identifier(check_schema_name(chaos))}
-        self._bound = {name: sql.SQL(body).format(**identifiers).as_string(None)
-                       for name, body in _raw().items()}
-
-    def __getattr__(self, name: str) -> str:
-        try:
-            return self._bound[name]
-        except KeyError:
-            raise AttributeError(f"no query named {name!r} in effects/chaos/queries.sql") from None
+        super().__init__({name: sql.SQL(body).format(**identifiers).as_string(None)
+                          for name, body in _raw().items()}, "effects/chaos/queries.sql")
 
 
 @cache

@@ -8,9 +8,10 @@ follow the schema version of this release; applications enqueue and dispatch thr
 """
 
 from .._enqueue import fingerprint, notify_channel
-from .._sql import Queries, bind_schema, check_schema_name, parse_blocks, queries
+from .._sql import BoundQueries, Queries, bind_schema, check_schema_name, parse_blocks, queries
 
 __all__ = [
+    "BoundQueries",
     "Queries",
     "bind_schema",
     "check_schema_name",

@@ -7,7 +7,7 @@ from importlib import resources
 
 from psycopg import sql
 
-from .._sql import check_schema_name, parse_blocks
+from .._sql import BoundQueries, check_schema_name, parse_blocks
 
 _FRAGMENTS = ("job_filter",)
 
@@ -18,26 +18,20 @@ def _raw() -> dict[str, str]:
     return parse_blocks(text)
 
 
-class WebQueries:
+class WebQueries(BoundQueries):
     """The dashboard's statements for one schema; attribute access by block name."""
 
     def __init__(self, schema: str) -> None:
         identifier = sql.Identifier(check_schema_name(schema))
         raw = _raw()
         job_filter = sql.SQL(raw["job_filter"])
-        self._bound = {
+        super().__init__({
             name: sql.SQL(body).format(schema=identifier, job_filter=job_filter).as_string(None)
             for name, body in raw.items() if name not in _FRAGMENTS
-        }
+        }, "web/queries.sql")
         # Table names for has_table_privilege(), quoted as PostgreSQL reads them.
         self.jobs_table = sql.SQL("{}.jobs").format(identifier).as_string(None)
         self.audit_table = sql.SQL("{}.dashboard_audit").format(identifier).as_string(None)
-
-    def __getattr__(self, name: str) -> str:
-        try:
-            return self._bound[name]
-        except KeyError:
-            raise AttributeError(f"no query named {name!r} in web/queries.sql") from None
 
 
 @cache
