@@ -32,11 +32,13 @@ from .errors import (
     SchemaError,
     UnknownOutcome,
 )
+from .flows import AsyncHookTransaction, HookTransaction, NotPerformed, Performed
 from .migrate import migrate
 from .transaction import AsyncTransaction, Transaction, transaction
 
 __all__ = [
     "AsyncDispatcher",
+    "AsyncHookTransaction",
     "AsyncTransaction",
     "Backoff",
     "ConfigurationError",
@@ -47,12 +49,15 @@ __all__ = [
     "EffectOutcome",
     "EnqueueError",
     "EnqueueResult",
+    "HookTransaction",
     "IdempotencyKeyConflict",
     "InvalidKey",
     "InvalidPayload",
     "Job",
     "NewJob",
+    "NotPerformed",
     "OutboxError",
+    "Performed",
     "Permanent",
     "Retry",
     "SchemaError",

@@ -24,7 +24,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from datetime import timedelta
@@ -44,6 +44,7 @@ from ._dispatch.aio import (
 )
 from ._dispatch.claimer import Claimer, run_claimer, wait_for_schema
 from ._dispatch.connection import AsyncConnection, Connection, connect
+from ._dispatch.hookset import require_sync_hooks
 from ._dispatch.listener import Listener
 from ._dispatch.recorder import Recorder, run_recorder
 from ._dispatch.settings import Settings, text_array
@@ -64,7 +65,7 @@ DRAIN_CHECK = 0.05  # seconds between checks that every held job is recorded
 PUBLIC_OPTIONS = (
     "schema", "concurrency", "lease", "batch_size", "prefetch", "max_prefetch",
     "poll_interval", "rescue_interval", "backoff", "unknown_outcome_window", "retention",
-    "ledger_retention", "inbox_retention", "worker_id",
+    "ledger_retention", "inbox_retention", "worker_id", "reconcile_interval",
 )
 
 
@@ -123,6 +124,7 @@ class _Options:
     ledger_retention: float | None
     inbox_retention: float | None
     worker_id: str
+    reconcile_interval: float
 
     def __init__(
         self,
@@ -146,6 +148,9 @@ class _Options:
         listen_conninfo: str | None = None,
         observer: DispatchObserver | None = None,
         metrics: bool = False,
+        on_done: Mapping[str, Callable[..., Any]] | None = None,
+        on_failed: Mapping[str, Callable[..., Any]] | None = None,
+        reconcile_interval: float | timedelta = 60.0,
     ) -> None:
         if metrics:
             from .metrics import with_metrics  # prometheus-client is an optional extra
@@ -159,6 +164,7 @@ class _Options:
             ledger_retention=ledger_retention, inbox_retention=inbox_retention,
             worker_id=worker_id,
             listen_conninfo=listen_conninfo, observer=observer,
+            on_done=on_done, on_failed=on_failed, reconcile_interval=reconcile_interval,
         )
         for name in PUBLIC_OPTIONS:
             setattr(self, name, getattr(self.settings, name))
@@ -249,12 +255,22 @@ class Dispatcher(_Options):
     such database, a wrong password, a missing privilege) raises
     ``outbox.ConfigurationError`` at once; an unreachable server is waited for.
 
+    Flows (``outbox.flows``): an effect's ``on_done`` / ``on_failed`` (or a function given
+    here as ``on_done={effect: fn}`` / ``on_failed={...}``, which takes the method's place)
+    runs inside the transaction that records the job's outcome; its writes, its follow-up
+    jobs, the ledger row and the fenced status change commit together or not at all, each
+    job in a savepoint of its own (jobs without hooks keep the batched statements).
+    ``Dispatcher`` runs plain hooks only; ``async def`` hooks need ``AsyncDispatcher``.
+    Jobs in ``reconcile`` of an effect that defines ``reconcile`` are asked about within
+    ``reconcile_interval`` seconds (60), then with backoff.
+
     A part that dies of an unexpected error (the recorder, a worker) stops the
     dispatcher loudly: it is logged and ``run`` / ``run_until_idle`` raise
     ``outbox.DispatcherFailed``; the listener, only a hint, is restarted instead.
     """
 
     def _setup(self) -> None:
+        require_sync_hooks(self.settings.done_hooks, self.settings.failed_hooks)
         # One state for the dispatcher's life, so a stop() before run() is honoured.
         self._state = SharedState(self.stats, self.settings.observer,
                                   self.settings.concurrency, threading.Event)

@@ -82,6 +82,49 @@ class Effect:
         """Perform the effect for ``job``; see the class docstring for the contract."""
         raise NotImplementedError(f"{type(self).__name__} must define perform()")
 
+    # -- flows (see ``outbox.flows``) --------------------------------------------------
+
+    def on_done(self, tx: Any, job: Job, result: Any) -> Any:
+        """Called inside the fenced ``done`` transaction of ``job`` (no-op by default).
+
+        ``tx`` is an ``outbox.flows.HookTransaction`` (``tx.execute``, ``tx.enqueue``,
+        ``tx.connection``); ``result`` is the ledger's JSON value of what ``perform``
+        returned. The hook's writes, its follow-up jobs, the ledger row and the fenced
+        ``running -> done`` commit together or not at all; a claim that lost its fence
+        never calls it. If it raises, its writes roll back, the job is retried later
+        without calling the provider again (the result obtained is kept with the job and
+        reused), and after ``max_attempts`` the job is ``failed`` with the hook's error
+        while the result goes to the ledger. May be ``async def`` on ``AsyncDispatcher``
+        (then ``tx`` is an ``AsyncHookTransaction``).
+        """
+        return None
+
+    def on_failed(self, tx: Any, job: Job, error: BaseException) -> Any:
+        """Called inside the fenced ``failed`` transaction of ``job`` (no-op by default).
+
+        Runs when the effect itself ends ``failed`` from an attempt: ``outbox.Permanent``
+        (a card declined, an invalid payload) or the attempts exhausted; ``error`` is the
+        exception of that last attempt. It does not run when the provider did act and only
+        ``on_done`` kept failing (the result is in the ledger then), nor for a job failed
+        by the rescuer because its worker died on its last attempt. Same transaction
+        rules as ``on_done``; if it raises, its writes roll back and the job is retried
+        (the provider is asked again with the same key, which replays its answer), and
+        after ``max_attempts`` it is ``failed`` without the hook's writes.
+        """
+        return None
+
+    def reconcile(self, job: Job) -> Any:
+        """Ask the provider what became of ``job`` whose outcome is unknown (None by default).
+
+        Return ``outbox.Performed(result)`` when the provider acted (ledger, ``done`` and
+        ``on_done``, fenced), ``outbox.NotPerformed()`` when it has no trace (the job goes
+        back to ``pending`` under the same key), or None when the answer is still unknown
+        (asked again later, with backoff). Raise when the provider cannot be reached: such
+        passes do not count toward giving up. Called by a dispatcher's maintenance, outside
+        any transaction, for jobs in ``reconcile``; may be ``async def``.
+        """
+        return None
+
 
 def is_async_effect(effect: Effect) -> bool:
     """True when the effect's ``perform`` is a coroutine function."""

@@ -26,6 +26,7 @@ from ..errors import ConfigurationError
 from ..migrate import require_current
 from .claimer import Claimer
 from .connection import CONNECTION_ERRORS, AsyncConnection, Reconnects, connect
+from .hooks import close_quietly, flush_hooked_async
 from .listener import POLLING, listen_statement
 from .recorder import Recorder
 from .settings import Settings
@@ -162,6 +163,8 @@ async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
             try:
                 if pending:
                     await run_async(recorder.flush(pending), conn.execute)
+                if recorder.hooked_waiting:
+                    await flush_hooked_async(recorder.hooks, conn)  # type: ignore[arg-type]
                 recorder.retrying = False
                 if heartbeat.due(time.monotonic()):
                     await run_async(recorder.heartbeat(), conn.execute)
@@ -175,6 +178,7 @@ async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
                           getattr(exc, "sqlstate", None) or type(exc).__name__)
                 await asyncio.sleep(conn.backoff())
     finally:
+        close_quietly(recorder.hooks)
         await conn.discard()
 
 

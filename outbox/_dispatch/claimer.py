@@ -144,7 +144,8 @@ class Claimer:
                   claim_version=row[5], ordering_key=row[6], max_attempts=row[7],
                   first_attempted_at=row[8])
         return Held(job, self.settings.effects[job.effect], job.effect in self.settings.async_names,
-                    traced=traced, trace_context=row[10] if traced else None)
+                    traced=traced, trace_context=row[10] if traced else None,
+                    kept_result=row[11])
 
     def has_due_work(self) -> Step[bool]:
         rows = yield Statement(self.queries.has_due_work, {"effects": self.settings.effect_names})

@@ -24,6 +24,7 @@ from .._state import Decision
 from ..errors import ConfigurationError
 from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, Connection
+from .hooks import HookedOutcomes, close_quietly, flush_hooked
 from .settings import Settings
 from .state import Held, Outcome, Release, SharedState, Success, Timer, guarded
 from .steps import Statement, Step, run
@@ -52,6 +53,12 @@ class Recorder:
         # completion missing from the reply may have landed the first time.
         self.retrying = False
         self.rng = random.Random()  # the backoff's jitter
+        # Outcomes whose effect has a completion hook take the per-job path (hooks);
+        # None keeps the batched path alone, untouched, when no effect has one.
+        self.hooks = (HookedOutcomes(self) if settings.done_hooks or settings.failed_hooks
+                      else None)
+        # Settlements already decided while sorting out hooked outcomes, by job id.
+        self.decided: dict[int, Decision] = {}
 
     # -- outcomes ---------------------------------------------------------------------
 
@@ -59,8 +66,11 @@ class Recorder:
         """Record ``pending``; on a refused batch (not a lost connection), one by one.
 
         What was written is removed from ``pending``, so after a connection error the
-        caller retries only the rest (with ``retrying`` set).
+        caller retries only the rest (with ``retrying`` set). Outcomes with a completion
+        hook are moved to ``hooks``, written by the caller with ``flush_hooked``.
         """
+        if self.hooks is not None:
+            self.hooks.take(pending)
         try:
             yield from self.record(pending)
         except CONNECTION_ERRORS:
@@ -152,6 +162,8 @@ class Recorder:
         """Where a failed (or released) attempt sends the job: the pure decision."""
         if isinstance(outcome, Release):
             return Decision("pending", delay=0.0, error=None)
+        if self.decided and (decided := self.decided.pop(held.job.id, None)) is not None:
+            return decided
         assert isinstance(outcome, BaseException)
         decision = _state.decide(
             outcome, attempt=held.job.attempt, max_attempts=held.job.max_attempts,
@@ -166,6 +178,10 @@ class Recorder:
         )
         return decision
 
+    def lost(self, held: Held) -> None:
+        """``held``'s fenced write changed nothing (see ``_lost``)."""
+        self._lost(held)
+
     def _lost(self, held: Held) -> None:
         """``held``'s fenced write changed nothing: its claim was lost (a stale
         completion, counted per batch by the caller)."""
@@ -178,7 +194,7 @@ class Recorder:
                pending: list[tuple[Held, Outcome]]) -> None:
         """A statement failed on the connection: the batch left in ``pending`` is sent
         again (``retrying``); a lost connection is counted as a reconnect."""
-        self.retrying = bool(pending)
+        self.retrying = bool(pending) or self.hooked_waiting
         if lost:
             guarded(self.state.events.reconnected, "recorder")
             log.warning("recorder lost its connection (%s); reconnecting", type(exc).__name__)
@@ -212,7 +228,12 @@ class Recorder:
         and every outcome is written (or, after a part died, nothing more will come)."""
         state = self.state
         return (state.stopping.is_set() and state.workers_done and not pending
-                and not state.outcomes)
+                and not state.outcomes and not self.hooked_waiting)
+
+    @property
+    def hooked_waiting(self) -> bool:
+        """Whether hooked outcomes wait to be written (``flush_hooked``)."""
+        return self.hooks is not None and bool(self.hooks.items)
 
 
 def run_recorder(recorder: Recorder, conn: Connection) -> None:
@@ -229,6 +250,8 @@ def run_recorder(recorder: Recorder, conn: Connection) -> None:
             try:
                 if pending:
                     run(recorder.flush(pending), conn.execute)
+                if recorder.hooked_waiting:
+                    flush_hooked(recorder.hooks, conn)  # type: ignore[arg-type]
                 recorder.retrying = False
                 if heartbeat.due(time.monotonic()):
                     run(recorder.heartbeat(), conn.execute)
@@ -242,4 +265,5 @@ def run_recorder(recorder: Recorder, conn: Connection) -> None:
                           getattr(exc, "sqlstate", None) or type(exc).__name__)
                 time.sleep(conn.backoff())
     finally:
+        close_quietly(recorder.hooks)
         conn.discard()

@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -23,6 +23,7 @@ from .._state import Backoff
 from ..effect import Effect, is_async_effect
 from ..errors import ConfigurationError
 from ..observe import DispatchObserver
+from .hookset import hooks_for
 
 __all__ = ["Settings", "declared_window", "text_array"]
 
@@ -55,6 +56,11 @@ class Settings:
     # Derived once: the effect names as a text[] literal, and which effects are async.
     effect_names: str = ""
     async_names: frozenset[str] = frozenset()
+    # Flows (``outbox.flows``): completion hooks per effect name (the effect's own
+    # on_done / on_failed, or the dispatcher's mapping), and the reconciler's pace.
+    done_hooks: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    failed_hooks: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    reconcile_interval: float = 60.0
 
     @classmethod
     def build(
@@ -78,6 +84,9 @@ class Settings:
         worker_id: str | None = None,
         listen_conninfo: str | None = None,
         observer: DispatchObserver | None = None,
+        on_done: Mapping[str, Callable[..., Any]] | None = None,
+        on_failed: Mapping[str, Callable[..., Any]] | None = None,
+        reconcile_interval: float | timedelta = 60.0,
     ) -> Settings:
         """Check every option; raise ``ConfigurationError`` naming the first bad one."""
         indexed = _index_effects(effects)
@@ -128,6 +137,9 @@ class Settings:
             observer=observer or DispatchObserver(),
             effect_names=text_array(sorted(indexed)),
             async_names=frozenset(n for n, e in indexed.items() if is_async_effect(e)),
+            done_hooks=hooks_for(indexed, "on_done", on_done),
+            failed_hooks=hooks_for(indexed, "on_failed", on_failed),
+            reconcile_interval=_seconds(reconcile_interval, "reconcile_interval", minimum=0.01),
         )
 
     @property

@@ -68,6 +68,9 @@ class Held:
     traced: bool = False
     trace_context: Any = None
     span: Any = None
+    # The provider's answer (ledger JSON) from an earlier attempt whose completion hook
+    # raised: the attempt reuses it instead of performing again (from the claim).
+    kept_result: str | None = None
 
 
 @dataclass(slots=True)  # not frozen: made once per job, on the hot path

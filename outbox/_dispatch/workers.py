@@ -72,6 +72,8 @@ class Performer:
 
     def call_sync(self, held: Held) -> Outcome:
         """Call a sync ``perform`` (already begun); never raises."""
+        if held.kept_result is not None:  # performed before; only its hook failed
+            return Success(held.kept_result)
         started = time.monotonic()
         try:
             if held.span is None:  # not traced: no context manager on the hot path
@@ -89,6 +91,8 @@ class Performer:
 
     async def call_async(self, held: Held) -> Outcome:
         """Await an async ``perform`` (already begun); never raises."""
+        if held.kept_result is not None:  # performed before; only its hook failed
+            return Success(held.kept_result)
         started = time.monotonic()
         try:
             if held.span is None:

@@ -106,7 +106,9 @@ RETURNING j.id, j.effect, j.key, j.payload, j.attempts, j.claim_version, j.order
           -- (date_part gives float8 directly; extract() would compute a numeric)
           greatest(date_part('epoch', now() - j.available_at), 0) AS waited,
           -- the enqueue's span, for the attempt's span to link to (NULL when not traced)
-          j.trace_context;
+          j.trace_context,
+          -- the provider's answer kept after a completion hook raised: reused, not re-performed
+          CAST(j.performed_result AS text) AS performed_result;
 
 -- name: heartbeat
 -- Extend the leases of the claims this worker still holds; ids missing from the result

@@ -1,0 +1,404 @@
+"""Completion hooks: the recorder's per-job path for outcomes whose effect has a hook.
+
+Outcomes without hooks keep the recorder's batched statements. Outcomes with one are
+written here, all of a batch in one transaction, each inside a savepoint of its own::
+
+    SAVEPOINT
+      the fenced status change (done + ledger row, or failed)   0 rows: claim lost, no hook
+      the hook (its writes, its follow-up jobs)
+    RELEASE                       or, if the hook raised:   ROLLBACK TO SAVEPOINT
+                                                            the fenced retry / failure
+COMMIT
+
+so a hook that raises leaves nothing half-written and does not disturb the other jobs of
+the batch. The decisions are written once, as a step that yields ``Statement``s (run in
+the transaction) and ``CallHook``s (the driver calls the hook with a transaction object
+of its flavour): ``record_hooked`` drives it on a blocking connection, and
+``record_hooked_async`` on ``AsyncDispatcher``'s asyncio connection (sync hooks there go
+to ``record_hooked`` on a thread, with a blocking connection of their own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import psycopg
+
+from .. import _state
+from .._state import Decision
+from ..effect import Job
+from ..errors import Permanent
+from ..flows import AsyncHookTransaction, HookTransaction
+from ..observe import AttemptOutcome
+from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
+from .flowsql import flow_queries
+from .hookset import is_async_hook
+from .state import Held, Outcome, Success, guarded
+from .steps import Rows, Statement
+
+if TYPE_CHECKING:
+    from .recorder import Recorder
+
+__all__ = ["CallHook", "HookRaised", "Hooked", "HookedOutcomes", "hook_decision",
+           "record_hooked", "record_hooked_async"]
+
+log = logging.getLogger("outbox.dispatcher")
+
+T = TypeVar("T")
+
+SAVEPOINT = Statement("SAVEPOINT outbox_hook", {})
+RELEASE = Statement("RELEASE SAVEPOINT outbox_hook", {})
+ROLLBACK = Statement("ROLLBACK TO SAVEPOINT outbox_hook", {})
+
+
+@dataclass(frozen=True, slots=True)
+class CallHook:
+    """Call ``fn(tx, job, value)`` in the transaction; the step receives the ids of the
+    follow-up jobs it created."""
+
+    fn: Callable[..., Any]
+    job: Job
+    value: Any
+
+
+class HookRaised(Exception):
+    """Thrown into the step by a driver: the hook raised ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class HookLeftAborted(Exception):
+    """The hook returned normally, but one of its statements had failed."""
+
+
+HookStep = Generator[Statement | CallHook, Any, T]
+
+
+@dataclass(eq=False, slots=True)
+class Hooked:
+    """An outcome to record with its hook: ``decision`` is the settlement of a failure."""
+
+    held: Held
+    outcome: Outcome
+    hook: Callable[..., Any]
+    decision: Decision | None = None
+    is_async: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.is_async = is_async_hook(self.hook)
+
+
+def hook_decision(error: BaseException, job: Job, backoff: _state.Backoff,
+                  rng: random.Random, now: datetime) -> Decision:
+    """Where a job goes when its hook raised: retried with backoff until ``max_attempts``
+    (``Permanent`` from a hook: at once), then failed. Never ``reconcile``: the provider's
+    outcome is known, only the hook failed."""
+    if isinstance(error, Permanent) or job.attempt >= job.max_attempts:
+        return Decision("failed", error=None)
+    return _state.decide(RuntimeError(), attempt=job.attempt, max_attempts=job.max_attempts,
+                         first_attempted_at=job.first_attempted_at, now=now,
+                         unknown_outcome_window=float("inf"), backoff=backoff, rng=rng)
+
+
+class HookedOutcomes:
+    """The hooked outcomes the recorder holds, and the step that writes them."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self.settings = recorder.settings
+        self.queries = flow_queries(recorder.settings.schema)
+        self.items: list[Hooked] = []
+        self.sync_conn: Connection | None = None  # AsyncDispatcher's, for sync hooks
+
+    def take(self, pending: list[tuple[Held, Outcome]]) -> None:
+        """Move the outcomes whose effect has a hook for them out of ``pending``."""
+        done, failed = self.settings.done_hooks, self.settings.failed_hooks
+        rest: list[tuple[Held, Outcome]] = []
+        for held, outcome in pending:
+            name = held.job.effect
+            if isinstance(outcome, Success) and name in done:
+                self.items.append(Hooked(held, outcome, done[name]))
+                continue
+            if isinstance(outcome, BaseException) and name in failed:
+                decision = self.recorder.settlement(held, outcome)
+                if decision.status == "failed":
+                    self.items.append(Hooked(held, outcome, failed[name], decision))
+                    continue
+                self.recorder.decided[held.job.id] = decision  # not decided twice
+            rest.append((held, outcome))
+        pending[:] = rest
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
+        """Write ``items``, each in its savepoint; what each became, in order."""
+        written: list[AttemptOutcome] = []
+        for item in items:
+            yield SAVEPOINT
+            if isinstance(item.outcome, Success):
+                outcome = yield from self._done(item, item.outcome)
+            else:
+                outcome = yield from self._failed(item)
+            yield RELEASE
+            written.append(outcome)
+        return written
+
+    def _done(self, item: Hooked, success: Success) -> HookStep[AttemptOutcome]:
+        job = item.held.job
+        rows = yield Statement(self.recorder.complete, {"claims": (
+            f'[{{"id":{job.id},"version":{job.claim_version},"result":{success.result_json}}}]')})
+        if not rows:
+            if self.recorder.retrying and (yield from self.recorder.landed_before([item.held])):
+                return "done"  # our own commit landed; its reply was lost
+            return "lost"
+        error = yield from self._hook(item, json.loads(success.result_json))
+        if error is None:
+            return "done"
+        yield ROLLBACK
+        decision = hook_decision(error, job, self.settings.backoff, self.recorder.rng,
+                                 datetime.now(UTC))
+        text = f"on_done raised {_state.describe(error)}"
+        params = {"id": job.id, "version": job.claim_version, "result": success.result_json,
+                  "delay": decision.delay, "error": text}
+        log.warning("job %s (key %s) attempt %s: on_done raised %s -> %s (the provider's "
+                    "answer is kept: it is not performed again)", job.id, job.key,
+                    job.attempt, type(error).__name__, decision.status)
+        if decision.status == "pending":
+            rows = yield Statement(self.queries.keep_result, params)
+            return "retry" if rows else "lost"
+        rows = yield Statement(self.queries.fail_performed, params)
+        return "failed" if rows else "lost"
+
+    def _failed(self, item: Hooked) -> HookStep[AttemptOutcome]:
+        job, decision = item.held.job, item.decision
+        assert decision is not None and isinstance(item.outcome, BaseException)
+        rows = yield from self._settle(job, "failed", 0.0, decision.error)
+        if not rows:
+            return "lost"
+        error = yield from self._hook(item, item.outcome)
+        if error is None:
+            return "failed"
+        yield ROLLBACK
+        retry = hook_decision(error, job, self.settings.backoff, self.recorder.rng,
+                              datetime.now(UTC))
+        text = f"{decision.error}; on_failed raised {_state.describe(error)}"
+        log.warning("job %s (key %s) attempt %s: on_failed raised %s -> %s", job.id, job.key,
+                    job.attempt, type(error).__name__, retry.status)
+        rows = yield from self._settle(job, retry.status, retry.delay, text)
+        return ("retry" if retry.status == "pending" else "failed") if rows else "lost"
+
+    def _settle(self, job: Job, status: str, delay: float, error: str | None) -> HookStep[Rows]:
+        rows: Rows = yield Statement(self.recorder.queries.settle, {"claims": json.dumps([
+            {"id": job.id, "version": job.claim_version, "status": status, "delay": delay,
+             "error": error, "refund": False}])})
+        return rows
+
+    def _hook(self, item: Hooked, value: Any) -> HookStep[Exception | None]:
+        """Call the hook and adopt its follow-ups; the error if it (or what it left
+        behind: an aborted transaction) failed, else None."""
+        try:
+            created = yield CallHook(item.hook, item.held.job, value)
+            if created:
+                yield Statement(self.queries.adopt_followups,
+                                {"parent": item.held.job.key, "ids": created})
+            yield Statement("SELECT 1", {})  # fails if the hook left the transaction aborted
+        except HookRaised as raised:
+            return raised.error
+        except CONNECTION_ERRORS:
+            raise
+        except psycopg.Error as exc:  # the hook swallowed an error of its own statement
+            return HookLeftAborted(
+                "the hook returned with its transaction aborted (it caught an error of one "
+                f"of its statements: {type(exc).__name__}); nothing it wrote was kept")
+        return None
+
+    # -- after the commit ----------------------------------------------------------------
+
+    def applied(self, items: list[Hooked], written: list[AttemptOutcome]) -> None:
+        """The transaction writing ``items`` committed: settle them and count."""
+        recorder, state = self.recorder, self.recorder.state
+        counts: Counter[AttemptOutcome] = Counter()
+        for item, outcome in zip(items, written, strict=True):
+            if outcome == "lost":
+                recorder.lost(item.held)
+            else:
+                state.settled(item.held, outcome)
+            counts[outcome] += 1
+        for outcome, count in counts.items():
+            guarded(state.events.recorded, outcome, count)
+        done = set(map(id, items))
+        self.items = [i for i in self.items if id(i) not in done]
+        state.wake.set()
+
+    def close(self) -> None:
+        if self.sync_conn is not None:
+            self.sync_conn.discard()
+
+
+# -- drivers ---------------------------------------------------------------------------------
+
+
+def _drive(step: HookStep[T], conn: psycopg.Connection[Any], schema: str) -> T:
+    instruction = next(step)
+    while True:
+        try:
+            if isinstance(instruction, Statement):
+                cursor = conn.execute(instruction.query, instruction.params)
+                value: Any = cursor.fetchall() if cursor.description else []
+            else:
+                tx = HookTransaction(conn, schema)
+                try:
+                    instruction.fn(tx, instruction.job, instruction.value)
+                except Exception as exc:
+                    if conn.closed:
+                        raise
+                    raise HookRaised(exc) from exc
+                value = tx.created
+        except Exception as exc:
+            try:
+                instruction = step.throw(exc)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+        else:
+            try:
+                instruction = step.send(value)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+
+def record_hooked(hooks: HookedOutcomes, conn: Connection, items: list[Hooked]) -> None:
+    """Write ``items`` in one transaction on a blocking connection (the recorder's thread,
+    or a thread of ``AsyncDispatcher``'s for its sync hooks)."""
+    pg = conn.get()
+    try:
+        with pg.transaction():
+            written = _drive(hooks.step(items), pg, hooks.settings.schema)
+    except CONNECTION_ERRORS:
+        if conn.lost:
+            conn.discard()
+        raise
+    conn.succeeded()
+    hooks.applied(items, written)
+
+
+async def _drive_async(step: HookStep[T], conn: psycopg.AsyncConnection[Any], schema: str) -> T:
+    instruction = next(step)
+    while True:
+        try:
+            if isinstance(instruction, Statement):
+                cursor = await conn.execute(instruction.query, instruction.params)
+                value: Any = await cursor.fetchall() if cursor.description else []
+            else:
+                tx = AsyncHookTransaction(conn, schema)
+                try:
+                    await instruction.fn(tx, instruction.job, instruction.value)
+                except Exception as exc:
+                    if conn.closed:
+                        raise
+                    raise HookRaised(exc) from exc
+                value = tx.created
+        except Exception as exc:
+            try:
+                instruction = step.throw(exc)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+        else:
+            try:
+                instruction = step.send(value)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+
+async def record_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> None:
+    """``AsyncDispatcher``: async hooks in one transaction on the recorder's asyncio
+    connection; sync hooks in another, on a thread with a blocking connection."""
+    async_items = [i for i in hooks.items if i.is_async]
+    sync_items = [i for i in hooks.items if not i.is_async]
+    if async_items:
+        pg = await conn.get()
+        try:
+            async with pg.transaction():
+                written = await _drive_async(hooks.step(async_items), pg, hooks.settings.schema)
+        except CONNECTION_ERRORS:
+            if conn.lost:
+                await conn.discard()
+            raise
+        conn.succeeded()
+        hooks.applied(async_items, written)
+    if sync_items:
+        if hooks.sync_conn is None:
+            settings = hooks.settings
+            hooks.sync_conn = Connection(lambda role: connect(settings, role), "recorder")
+        await asyncio.to_thread(record_hooked, hooks, hooks.sync_conn, sync_items)
+
+
+def close_quietly(hooks: HookedOutcomes | None) -> None:
+    """Discard the hooks' own connection, if any (end of a run)."""
+    if hooks is not None:
+        with contextlib.suppress(Exception):
+            hooks.close()
+
+
+def _refused_singly(hooks: HookedOutcomes, item: Hooked, exc: Exception) -> None:
+    """An item that cannot be written even alone: left to its lease (the rescuer retries
+    it, counting the attempt), as the batched path does."""
+    hooks.recorder.state.drop(item.held)
+    hooks.items.remove(item)
+    log.error("job %s (key %s): outcome could not be recorded (%s); the lease will expire "
+              "and the job be retried", item.held.job.id, item.held.job.key,
+              getattr(exc, "sqlstate", None) or type(exc).__name__)
+
+
+def flush_hooked(hooks: HookedOutcomes, conn: Connection) -> None:
+    """Write every hooked outcome held; after a refusal other than a lost connection,
+    one per transaction, so one bad row cannot block the rest."""
+    try:
+        record_hooked(hooks, conn, list(hooks.items))
+        return
+    except CONNECTION_ERRORS:
+        raise
+    except Exception as exc:
+        log.error("recording hooked outcomes failed (%s); recording one by one",
+                  getattr(exc, "sqlstate", None) or type(exc).__name__)
+    for item in list(hooks.items):
+        try:
+            record_hooked(hooks, conn, [item])
+        except CONNECTION_ERRORS:
+            raise
+        except Exception as exc:
+            _refused_singly(hooks, item, exc)
+
+
+async def flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> None:
+    """``flush_hooked`` for ``AsyncDispatcher``."""
+    try:
+        await record_hooked_async(hooks, conn)
+        return
+    except CONNECTION_ERRORS:
+        raise
+    except Exception as exc:
+        log.error("recording hooked outcomes failed (%s); recording one by one",
+                  getattr(exc, "sqlstate", None) or type(exc).__name__)
+    for item in list(hooks.items):
+        saved, hooks.items = hooks.items, [item]
+        try:
+            await record_hooked_async(hooks, conn)
+        except CONNECTION_ERRORS:
+            hooks.items = saved
+            raise
+        except Exception as exc:
+            hooks.items = saved
+            _refused_singly(hooks, item, exc)
+        else:
+            hooks.items = [i for i in saved if i is not item]

@@ -1,0 +1,121 @@
+"""Flows: what a completion hook runs in, and what a reconciler answers.
+
+A completion hook (``Effect.on_done`` / ``Effect.on_failed``, or a function given to the
+dispatcher as ``on_done={effect: fn}`` / ``on_failed={...}``) runs inside the one
+transaction that records the job's outcome: the fenced status change, the ledger row,
+the hook's own writes and the follow-up jobs it enqueues commit together or not at all.
+It receives a ``HookTransaction`` (``AsyncHookTransaction`` for an ``async def`` hook on
+``AsyncDispatcher``).
+
+``Effect.reconcile(job)`` answers for a job whose outcome is unknown: ``Performed(result)``
+(the provider acted: the result goes to the ledger, the job to ``done``, ``on_done``
+runs), ``NotPerformed()`` (the provider has no trace: the job runs again under the same
+key) or ``None`` (still unknown: asked again later).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from pydantic import BaseModel
+
+from ._enqueue import EnqueueResult, NewJob, Payload
+from .transaction import AsyncTransaction, Transaction
+
+__all__ = ["AsyncHookTransaction", "HookTransaction", "NotPerformed", "Performed", "Reconciled"]
+
+
+@dataclass(frozen=True, slots=True)
+class Performed:
+    """The provider did act for the job: ``result`` is what it returned (stored in the
+    ledger, as ``perform``'s return value would have been)."""
+
+    result: Mapping[str, Any] | BaseModel | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NotPerformed:
+    """The provider has no trace of the job: performing it again under the same key
+    cannot act twice."""
+
+
+Reconciled = Performed | NotPerformed | None
+
+
+class HookTransaction(Transaction):
+    """The transaction a completion hook runs in, on the dispatcher's connection.
+
+    ``connection`` is that transaction's connection; ``execute(query, params=None)`` runs
+    business SQL on it; ``enqueue`` / ``enqueue_many`` add follow-up jobs with the usual
+    rules (the same key and payload is a no-op, another payload raises
+    ``IdempotencyKeyConflict``) and wake idle dispatchers when it commits. Everything the
+    hook writes commits with the job's fenced status change and its ledger row, or not
+    at all: a hook that raises has its writes rolled back (up to a savepoint of its own,
+    so the rest of the batch is not disturbed). Do not commit or roll back here.
+
+    Follow-ups remember the job that enqueued them (``parent_key``), which the dashboard
+    shows as the job's chain. Give them the parent's ``ordering_key`` to have the chain
+    run in order after other jobs of that key.
+    """
+
+    def __init__(self, conn: psycopg.Connection[Any], schema: str = "outbox") -> None:
+        super().__init__(conn, schema)
+        self.created: list[int] = []  # follow-up job ids this hook created
+
+    def execute(self, query: Any, params: Any = None) -> psycopg.Cursor[Any]:
+        """Run ``query`` with ``params`` in the hook's transaction; return the cursor."""
+        return self.connection.execute(query, params)
+
+    def enqueue(
+        self, effect: str, *, key: str, payload: Payload,
+        run_at: datetime | timedelta | None = None, ordering_key: str | None = None,
+        max_attempts: int | None = None,
+    ) -> EnqueueResult:
+        """As ``outbox.Transaction.enqueue``, in the hook's transaction."""
+        result = super().enqueue(effect, key=key, payload=payload, run_at=run_at,
+                                 ordering_key=ordering_key, max_attempts=max_attempts)
+        self._adopt([result])
+        return result
+
+    def enqueue_many(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
+        """As ``outbox.Transaction.enqueue_many``, in the hook's transaction."""
+        results = super().enqueue_many(jobs)
+        self._adopt(results)
+        return results
+
+    def _adopt(self, results: list[EnqueueResult]) -> None:
+        self.created.extend(r.job_id for r in results if r.created and r.job_id is not None)
+
+
+class AsyncHookTransaction(AsyncTransaction):
+    """The ``async def`` hook's mirror of ``HookTransaction``, on ``AsyncDispatcher``'s
+    asyncio connection: the same guarantees, awaited."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any], schema: str = "outbox") -> None:
+        super().__init__(conn, schema)
+        self.created: list[int] = []
+
+    async def execute(self, query: Any, params: Any = None) -> psycopg.AsyncCursor[Any]:
+        """Run ``query`` with ``params`` in the hook's transaction; return the cursor."""
+        return await self.connection.execute(query, params)
+
+    async def enqueue(
+        self, effect: str, *, key: str, payload: Payload,
+        run_at: datetime | timedelta | None = None, ordering_key: str | None = None,
+        max_attempts: int | None = None,
+    ) -> EnqueueResult:
+        """As ``outbox.AsyncTransaction.enqueue``, in the hook's transaction."""
+        result = await super().enqueue(effect, key=key, payload=payload, run_at=run_at,
+                                       ordering_key=ordering_key, max_attempts=max_attempts)
+        self.created.extend([result.job_id] if result.created and result.job_id else [])
+        return result
+
+    async def enqueue_many(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
+        """As ``outbox.AsyncTransaction.enqueue_many``, in the hook's transaction."""
+        results = await super().enqueue_many(jobs)
+        self.created.extend(r.job_id for r in results if r.created and r.job_id is not None)
+        return results
