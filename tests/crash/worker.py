@@ -8,6 +8,7 @@ Modes:
 
 ``run``           ``Dispatcher.run()`` with the table effect, until SIGTERM; prints stats.
 ``idle``          ``Dispatcher.run_until_idle()``; prints stats.
+``--hooks 1`` uses the table effect with an ``on_done`` hook (``flow_effect``).
 ``--flavour async`` runs the same modes on ``AsyncDispatcher`` (the table effect wrapped in
 an ``async def perform``; SIGTERM calls ``stop()`` through the event loop's handler).
 
@@ -35,6 +36,7 @@ from psycopg import sql
 import outbox
 from outbox.sql import queries
 
+from .flow_effect import AsyncHookedTableEffect, HookedTableEffect
 from .provider import EFFECT, TableEffect
 
 
@@ -70,7 +72,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _dispatch_async(dsn: str, args: argparse.Namespace,
                           effect: TableEffect) -> outbox.DispatchStats:
-    dispatcher = outbox.AsyncDispatcher(dsn, [AsyncTableEffect(effect)], **_options(args))
+    wrapped: outbox.Effect = (AsyncHookedTableEffect(effect)
+                              if isinstance(effect, HookedTableEffect)
+                              else AsyncTableEffect(effect))
+    dispatcher = outbox.AsyncDispatcher(dsn, [wrapped], **_options(args))
     if args.mode == "idle":
         return await dispatcher.run_until_idle(timeout=args.timeout)
 
@@ -83,7 +88,7 @@ async def _dispatch_async(dsn: str, args: argparse.Namespace,
 
 
 def _dispatch(dsn: str, args: argparse.Namespace) -> None:
-    effect = TableEffect(dsn, args.schema)
+    effect = (HookedTableEffect if args.hooks else TableEffect)(dsn, args.schema)
     try:
         if args.flavour == "async":
             stats = asyncio.run(_dispatch_async(dsn, args, effect))
@@ -132,6 +137,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--order", type=int, default=1)
     parser.add_argument("--flavour", choices=["sync", "async"], default="sync")
+    parser.add_argument("--hooks", type=int, default=0)  # 1: the effect with on_done
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr,
