@@ -9,18 +9,20 @@
 -- so a flow can be shown as a chain. A key, not an id: retention deletes done jobs
 -- before their ledger rows, and the key outlives both.
 --
--- reconcile_at / reconcile_checks: when the reconciler asks the provider next about a
--- job in reconcile (NULL: as soon as it runs; also pushed ahead by a lease while one
--- dispatcher asks, so two never ask about the same job at once), and how many passes
--- had the provider answer "still unknown" (passes where it could not be reached do not
--- count toward giving up).
+-- reconcile_at / reconcile_checks / reconcile_version: when the reconciler asks the
+-- provider next about a job in reconcile (pushed ahead while one dispatcher asks, so two
+-- never ask about the same job at once; NULL once it gave up), how many passes had the
+-- provider answer "still unknown" (passes where it could not be reached do not count
+-- toward giving up), and the claim_version those two belong to: a job that comes back
+-- to reconcile under a newer claim (after an operator's retry) is asked afresh.
 --
 -- All nullable or with a constant default: adding them rewrites nothing.
 ALTER TABLE {schema}.jobs
     ADD COLUMN performed_result jsonb,
     ADD COLUMN parent_key text,
     ADD COLUMN reconcile_at timestamptz,
-    ADD COLUMN reconcile_checks integer NOT NULL DEFAULT 0 CHECK (reconcile_checks >= 0);
+    ADD COLUMN reconcile_checks integer NOT NULL DEFAULT 0 CHECK (reconcile_checks >= 0),
+    ADD COLUMN reconcile_version bigint;
 
 -- Serves the dashboard's "follow-ups of this job".
 CREATE INDEX jobs_parent ON {schema}.jobs (parent_key) WHERE parent_key IS NOT NULL;

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from datetime import timedelta
+from functools import partial
 from types import FrameType
 from typing import Any
 
@@ -46,6 +47,7 @@ from ._dispatch.claimer import Claimer, run_claimer, wait_for_schema
 from ._dispatch.connection import AsyncConnection, Connection, connect
 from ._dispatch.hookset import require_sync_hooks
 from ._dispatch.listener import Listener
+from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_reconciler_async
 from ._dispatch.recorder import Recorder, run_recorder
 from ._dispatch.settings import Settings, text_array
 from ._dispatch.state import SharedState, supervised
@@ -360,6 +362,7 @@ class Dispatcher(_Options):
         listener = threading.Thread(
             target=supervised(state, "listener", Listener(settings, state, self._connect).run),
             name="outbox-listener", daemon=True)
+        reconciler = self._reconciler(until_idle)
         recorder.start()
         if not until_idle:
             listener.start()
@@ -375,6 +378,25 @@ class Dispatcher(_Options):
             recorder.join()
             if listener.is_alive():
                 listener.join()
+            if reconciler is not None:
+                reconciler.join()
+
+    def _reconciler(self, until_idle: bool) -> threading.Thread | None:
+        """Where an effect reconciles: under ``run_until_idle`` one pass now, before
+        claiming (what it sends back to pending is then claimed in this run); under
+        ``run`` a thread of its own, a pass every ``reconcile_interval``."""
+        settings, state = self.settings, self._state
+        if not reconcilers(settings):
+            return None
+        body = partial(run_reconciler, Reconciler(settings, state),
+                       Connection(self._connect, "reconciler"), once=until_idle)
+        if until_idle:
+            body()
+            return None
+        thread = threading.Thread(target=supervised(state, "reconciler", body),
+                                  name="outbox-reconciler", daemon=True)
+        thread.start()
+        return thread
 
     def _drain(self) -> None:
         """Stop claiming; release queued jobs; wait until every held job is recorded
@@ -489,6 +511,15 @@ class AsyncDispatcher(_Options):
             Recorder(settings, state), AsyncConnection(settings, "recorder"))))
         listener = (None if until_idle else loop.create_task(
             supervised_async(state, "listener", listen_async(settings, state))))
+        reconciling = (Reconciler(settings, state) if reconcilers(settings) else None)
+        reconciler = None
+        if reconciling is not None:  # as Dispatcher: one pass first, or a task of its own
+            run = run_reconciler_async(reconciling, AsyncConnection(settings, "reconciler"),
+                                       once=until_idle)
+            if until_idle:
+                await supervised_async(state, "reconciler", run)
+            else:
+                reconciler = loop.create_task(supervised_async(state, "reconciler", run))
         claimer = AsyncConnection(settings, "claimer")
         cancelled = abandon = False
         error: BaseException | None = None
@@ -513,7 +544,8 @@ class AsyncDispatcher(_Options):
         finally:
             # Only left after a second cancellation (or a failure while winding down):
             # what still runs is abandoned; its jobs come back when their leases expire.
-            leftovers = [*workers.cancel(), recorder, *([listener] if listener else [])]
+            leftovers = [*workers.cancel(), recorder, *([listener] if listener else []),
+                         *([reconciler] if reconciler else [])]
             for task in leftovers:
                 task.cancel()
             await asyncio.gather(*leftovers, return_exceptions=True)

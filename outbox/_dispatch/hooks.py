@@ -48,8 +48,8 @@ from .steps import Rows, Statement
 if TYPE_CHECKING:
     from .recorder import Recorder
 
-__all__ = ["CallHook", "HookRaised", "Hooked", "HookedOutcomes", "hook_decision",
-           "record_hooked", "record_hooked_async"]
+__all__ = ["CallHook", "HookRaised", "Hooked", "HookedOutcomes", "call_hook", "drive",
+           "drive_async", "hook_decision", "record_hooked", "record_hooked_async"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -205,23 +205,7 @@ class HookedOutcomes:
         return rows
 
     def _hook(self, item: Hooked, value: Any) -> HookStep[Exception | None]:
-        """Call the hook and adopt its follow-ups; the error if it (or what it left
-        behind: an aborted transaction) failed, else None."""
-        try:
-            created = yield CallHook(item.hook, item.held.job, value)
-            if created:
-                yield Statement(self.queries.adopt_followups,
-                                {"parent": item.held.job.key, "ids": created})
-            yield Statement("SELECT 1", {})  # fails if the hook left the transaction aborted
-        except HookRaised as raised:
-            return raised.error
-        except CONNECTION_ERRORS:
-            raise
-        except psycopg.Error as exc:  # the hook swallowed an error of its own statement
-            return HookLeftAborted(
-                "the hook returned with its transaction aborted (it caught an error of one "
-                f"of its statements: {type(exc).__name__}); nothing it wrote was kept")
-        return None
+        return (yield from call_hook(item.hook, item.held.job, value, self.queries))
 
     # -- after the commit ----------------------------------------------------------------
 
@@ -246,10 +230,31 @@ class HookedOutcomes:
             self.sync_conn.discard()
 
 
+def call_hook(fn: Callable[..., Any], job: Job, value: Any,
+              queries: Any) -> HookStep[Exception | None]:
+    """Call ``fn(tx, job, value)`` and adopt its follow-ups; the error if it (or what it
+    left behind: an aborted transaction) failed, else None. The caller rolls back to its
+    savepoint on an error."""
+    try:
+        created = yield CallHook(fn, job, value)
+        if created:
+            yield Statement(queries.adopt_followups, {"parent": job.key, "ids": created})
+        yield Statement("SELECT 1", {})  # fails if the hook left the transaction aborted
+    except HookRaised as raised:
+        return raised.error
+    except CONNECTION_ERRORS:
+        raise
+    except psycopg.Error as exc:  # the hook swallowed an error of its own statement
+        return HookLeftAborted(
+            "the hook returned with its transaction aborted (it caught an error of one "
+            f"of its statements: {type(exc).__name__}); nothing it wrote was kept")
+    return None
+
+
 # -- drivers ---------------------------------------------------------------------------------
 
 
-def _drive(step: HookStep[T], conn: psycopg.Connection[Any], schema: str) -> T:
+def drive(step: HookStep[T], conn: psycopg.Connection[Any], schema: str) -> T:
     instruction = next(step)
     while True:
         try:
@@ -283,7 +288,7 @@ def record_hooked(hooks: HookedOutcomes, conn: Connection, items: list[Hooked]) 
     pg = conn.get()
     try:
         with pg.transaction():
-            written = _drive(hooks.step(items), pg, hooks.settings.schema)
+            written = drive(hooks.step(items), pg, hooks.settings.schema)
     except CONNECTION_ERRORS:
         if conn.lost:
             conn.discard()
@@ -292,7 +297,7 @@ def record_hooked(hooks: HookedOutcomes, conn: Connection, items: list[Hooked]) 
     hooks.applied(items, written)
 
 
-async def _drive_async(step: HookStep[T], conn: psycopg.AsyncConnection[Any], schema: str) -> T:
+async def drive_async(step: HookStep[T], conn: psycopg.AsyncConnection[Any], schema: str) -> T:
     instruction = next(step)
     while True:
         try:
@@ -329,7 +334,7 @@ async def record_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> N
         pg = await conn.get()
         try:
             async with pg.transaction():
-                written = await _drive_async(hooks.step(async_items), pg, hooks.settings.schema)
+                written = await drive_async(hooks.step(async_items), pg, hooks.settings.schema)
         except CONNECTION_ERRORS:
             if conn.lost:
                 await conn.discard()

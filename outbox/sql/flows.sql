@@ -45,3 +45,124 @@ WITH finished AS (
     ON CONFLICT (key) DO NOTHING
 )
 SELECT f.id FROM finished f;
+
+-- ---------------------------------------------------------------------------------------
+-- The reconciler: asks the provider about jobs in reconcile, outside any transaction,
+-- and writes each answer fenced on the claim_version it took the job at.
+-- ---------------------------------------------------------------------------------------
+
+-- name: reconcile_take
+-- Take up to %(limit)s jobs in reconcile that are due to be asked, for effects this
+-- dispatcher can reconcile: jobs new to reconcile (their claim_version is not the one the
+-- reconciler last wrote) and jobs whose next ask has come, unless it gave up on them.
+-- Taking bumps claim_version (the fence of the answer) and pushes reconcile_at ahead by
+-- %(hold)s seconds, so another dispatcher does not ask about the same job meanwhile;
+-- SKIP LOCKED keeps two takes apart. A job new to reconcile starts with no checks.
+WITH due AS (
+    SELECT id FROM {schema}.jobs
+    WHERE status = 'reconcile'
+      AND effect = ANY(CAST(%(effects)s AS text[]))
+      AND (reconcile_version IS DISTINCT FROM claim_version OR reconcile_at <= now())
+    ORDER BY reconcile_at NULLS FIRST, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.jobs j
+SET claim_version = j.claim_version + 1,
+    reconcile_version = j.claim_version + 1,
+    reconcile_checks = CASE WHEN j.reconcile_version IS DISTINCT FROM j.claim_version
+                            THEN 0 ELSE j.reconcile_checks END,
+    reconcile_at = now() + CAST(%(hold)s AS float8) * interval '1 second'
+FROM due
+WHERE j.id = due.id AND j.status = 'reconcile'
+RETURNING j.id, j.effect, j.key, j.payload, j.attempts, j.claim_version, j.ordering_key,
+          j.max_attempts, j.first_attempted_at, j.reconcile_checks, j.created_at;
+
+-- name: reconcile_done
+-- The provider did act: reconcile -> done with the ledger row, fenced.
+WITH finished AS (
+    UPDATE {schema}.jobs j
+    SET status = 'done', reconcile_at = NULL, last_error = NULL, updated_at = now()
+    WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'reconcile'
+      AND j.claim_version = CAST(%(version)s AS bigint)
+    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint
+), recorded AS (
+    INSERT INTO {schema}.effect_results (key, effect, job_id, claim_version, result, fingerprint)
+    SELECT f.key, f.effect, f.id, f.claim_version, CAST(%(result)s AS jsonb), f.fingerprint
+    FROM finished f
+    ON CONFLICT (key) DO NOTHING
+)
+SELECT f.id FROM finished f;
+
+-- name: reconcile_fail
+-- The provider acted and refused (a reconcile that raised Permanent): failed, fenced.
+UPDATE {schema}.jobs j
+SET status = 'failed', reconcile_at = NULL, last_error = CAST(%(error)s AS text),
+    updated_at = now()
+WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'reconcile'
+  AND j.claim_version = CAST(%(version)s AS bigint)
+RETURNING j.id;
+
+-- name: reconcile_keep
+-- The provider did act but on_done raised: back to pending with the answer kept, so the
+-- next claim runs the hook again without performing (as after any hook failure).
+UPDATE {schema}.jobs j
+SET status = 'pending', performed_result = CAST(%(result)s AS jsonb), attempts = 0,
+    available_at = now(), reconcile_at = NULL, reconcile_checks = 0,
+    last_error = CAST(%(error)s AS text), updated_at = now()
+WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'reconcile'
+  AND j.claim_version = CAST(%(version)s AS bigint)
+RETURNING j.id;
+
+-- name: reconcile_not_performed
+-- The provider has no trace: back to pending under the same key, with a fresh attempt
+-- budget and a fresh idempotency window, as an operator's retry would.
+UPDATE {schema}.jobs j
+SET status = 'pending', attempts = 0, first_attempted_at = NULL, available_at = now(),
+    reconcile_at = NULL, reconcile_checks = 0,
+    last_error = CAST(%(error)s AS text), updated_at = now()
+WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'reconcile'
+  AND j.claim_version = CAST(%(version)s AS bigint)
+RETURNING j.id;
+
+-- name: reconcile_later
+-- Still unknown (or the provider unreachable): ask again after %(delay)s seconds (NULL:
+-- never again, a person decides: NULL + NULL is NULL). %(answered)s counts the pass
+-- toward giving up.
+UPDATE {schema}.jobs j
+SET reconcile_at = now() + CAST(%(delay)s AS float8) * interval '1 second',
+    reconcile_checks = j.reconcile_checks + CASE WHEN CAST(%(answered)s AS boolean) THEN 1 ELSE 0 END,
+    last_error = coalesce(CAST(%(error)s AS text), j.last_error),
+    updated_at = now()
+WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'reconcile'
+  AND j.claim_version = CAST(%(version)s AS bigint)
+RETURNING j.id;
+
+-- name: reconcile_audit
+-- Every decision of the reconciler, in the transaction of the write it describes (also
+-- when the fence refused it: affected = 0), beside the operators' actions.
+INSERT INTO {schema}.dashboard_audit (actor, action, job_id, detail, affected)
+VALUES ('reconciler', 'reconcile', CAST(%(id)s AS bigint), CAST(%(detail)s AS jsonb),
+        CAST(%(affected)s AS integer));
+
+-- name: resolve_by_event
+-- An event from the provider says the job with this key was performed (a Stripe webhook
+-- whose metadata carries the key). A job in reconcile, or pending between attempts, goes
+-- (back) to pending with the provider's answer kept: the next claim records it without
+-- performing, runs on_done and writes the ledger row, fenced like any completion. A
+-- running job is left to its claim. Audited as the reconciler's decision.
+WITH resolved AS (
+    UPDATE {schema}.jobs j
+    SET status = 'pending', performed_result = CAST(%(result)s AS jsonb), attempts = 0,
+        available_at = now(), reconcile_at = NULL, reconcile_checks = 0,
+        last_error = CAST(%(note)s AS text), updated_at = now()
+    WHERE j.key = CAST(%(key)s AS text) AND j.status IN ('reconcile', 'pending')
+      AND j.performed_result IS NULL
+    RETURNING j.id
+), audited AS (
+    INSERT INTO {schema}.dashboard_audit (actor, action, job_id, detail, affected)
+    SELECT 'reconciler', 'reconcile', r.id,
+           jsonb_build_object('decision', 'performed', 'source', CAST(%(source)s AS text)), 1
+    FROM resolved r
+)
+SELECT r.id FROM resolved r, pg_notify(CAST(%(channel)s AS text), '');

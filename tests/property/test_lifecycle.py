@@ -208,7 +208,7 @@ class Lifecycle(RuleBasedStateMachine):
         }).fetchall()
         assert len(rows) == min(limit, len(claimable)), (rows, claimable)
         for job_id, effect, key, payload, attempt, version, ordering_key, max_attempts, \
-                first_attempted_at, _waited, _trace_context in rows:
+                first_attempted_at, _waited, _trace_context, _kept in rows:
             job = self.model[job_id]
             assert job_id in claimable
             assert (effect, key, payload, ordering_key, max_attempts) == (

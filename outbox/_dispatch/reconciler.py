@@ -1,0 +1,332 @@
+"""The reconciler: asks the provider about jobs in ``reconcile``, and writes the answer.
+
+A dispatcher runs it when one of its effects defines ``reconcile`` (a part of its own: a
+thread of ``Dispatcher``, a task of ``AsyncDispatcher``; under ``run_until_idle`` one
+pass before claiming). Each pass::
+
+    take       one short statement: due jobs in reconcile, claim_version + 1 (the fence of
+               the answer), reconcile_at pushed ahead while this dispatcher asks
+    ask        effect.reconcile(job), outside any transaction, never on the claimer's
+               connection: claims are never held up by a provider
+    resolve    one transaction per job, fenced on the version taken, audited as actor
+               'reconciler':
+                 Performed(result)  reconcile -> done + ledger row + on_done (savepoint;
+                                    if the hook raises: pending, the answer kept)
+                 NotPerformed()     reconcile -> pending, same key, fresh window
+                 Permanent raised   reconcile -> failed + on_failed
+                 None               asked again later, with backoff; after
+                                    MAX_UNKNOWN_PASSES answers of None, left to a person
+                 anything else      the provider could not be reached: asked again,
+                 raised             the pass not counted toward giving up
+
+The decisions (``decide``) and the resolutions (``resolve``, a step that yields statements
+and hook calls) are written once; ``run_reconciler`` and ``run_reconciler_async`` drive
+them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import random
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .. import _state
+from ..effect import Effect, Job
+from ..errors import ConfigurationError, Permanent
+from ..flows import NotPerformed, Performed
+from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
+from .flowsql import flow_queries
+from .hooks import ROLLBACK, SAVEPOINT, HookStep, call_hook, drive, drive_async
+from .hookset import is_async_hook, overrides
+from .settings import Settings
+from .state import SharedState
+from .steps import Statement
+from .workers import result_json
+
+__all__ = ["MAX_UNKNOWN_PASSES", "Answer", "Reconciler", "decide", "next_ask",
+           "run_reconciler", "run_reconciler_async"]
+
+log = logging.getLogger("outbox.reconciler")
+
+BATCH = 100  # jobs taken per statement
+MAX_BATCHES = 10  # per pass: a large backlog is worked through over several passes
+MAX_UNKNOWN_PASSES = 8  # answers of "still unknown" before a person must decide
+MAX_DELAY = 6 * 3600.0  # the longest wait between two asks
+
+Kind = Literal["performed", "not_performed", "failed", "unknown", "unreachable"]
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the provider said about one job (or that it could not be asked)."""
+
+    job: Job
+    checks: int  # passes answered "still unknown" before this one
+    kind: Kind
+    result_json: str = "null"
+    error: BaseException | None = None
+
+
+def next_ask(interval: float, answered: int, rng: random.Random) -> float | None:
+    """Seconds until the next ask after ``answered`` answers of "still unknown" (None:
+    never again). Doubling from ``interval``, capped, with jitter so that a backlog
+    spreads out."""
+    if answered >= MAX_UNKNOWN_PASSES:
+        return None
+    return min(MAX_DELAY, interval * 2.0 ** answered) * rng.uniform(0.75, 1.0)
+
+
+def decide(job: Job, checks: int, reply: object, error: BaseException | None) -> Answer:
+    """The answer a ``reconcile`` call gave: its return value, or what it raised."""
+    if isinstance(error, Permanent):
+        return Answer(job, checks, "failed", error=error)
+    if error is not None:
+        return Answer(job, checks, "unreachable", error=error)
+    if isinstance(reply, Performed):
+        return Answer(job, checks, "performed", result_json=result_json(job, reply.result))
+    if isinstance(reply, NotPerformed):
+        return Answer(job, checks, "not_performed")
+    if reply is None:
+        return Answer(job, checks, "unknown")
+    problem = TypeError(f"reconcile() of {job.effect!r} returned {type(reply).__name__}: "
+                        "expected outbox.Performed, outbox.NotPerformed or None")
+    return Answer(job, checks, "unreachable", error=problem)
+
+
+def reconcilers(settings: Settings) -> dict[str, Effect]:
+    """The effects of this dispatcher that define ``reconcile``."""
+    return {name: effect for name, effect in settings.effects.items()
+            if overrides(effect, "reconcile")}
+
+
+class Reconciler:
+    """The reconciler's decisions. Runs on one thread (or task) only."""
+
+    def __init__(self, settings: Settings, state: SharedState[Any]) -> None:
+        self.settings = settings
+        self.state = state
+        self.effects = reconcilers(settings)
+        self.queries = flow_queries(settings.schema)
+        self.names = "{" + ",".join(json.dumps(n) for n in sorted(self.effects)) + "}"
+        # While one dispatcher asks, others leave the job alone this long.
+        self.hold = max(settings.lease, 30.0)
+        self.rng = random.Random()
+
+    # -- take ------------------------------------------------------------------------------
+
+    def take(self) -> HookStep[list[tuple[Job, int]]]:
+        rows = yield Statement(self.queries.reconcile_take, {
+            "effects": self.names, "limit": BATCH, "hold": self.hold})
+        return [(Job(id=r[0], effect=r[1], key=r[2], payload=r[3], attempt=r[4],
+                     claim_version=r[5], ordering_key=r[6], max_attempts=r[7],
+                     first_attempted_at=r[8] or r[10]), r[9]) for r in rows]
+
+    # -- ask -------------------------------------------------------------------------------
+
+    def ask(self, job: Job, checks: int) -> Answer:
+        """Call the effect's ``reconcile`` (an ``async def`` one on a loop of its own)."""
+        method = self.effects[job.effect].reconcile
+        try:
+            reply = method(job)
+            if inspect.isawaitable(reply):
+                reply = asyncio.run(_awaited(reply))
+        except Exception as exc:
+            return decide(job, checks, None, exc)
+        return decide(job, checks, reply, None)
+
+    async def ask_async(self, job: Job, checks: int) -> Answer:
+        """``ask`` on ``AsyncDispatcher``'s loop (a plain ``reconcile`` on a thread)."""
+        method = self.effects[job.effect].reconcile
+        try:
+            if inspect.iscoroutinefunction(method):
+                reply = await method(job)
+            else:
+                reply = await asyncio.to_thread(method, job)
+        except Exception as exc:
+            return decide(job, checks, None, exc)
+        return decide(job, checks, reply, None)
+
+    # -- resolve ---------------------------------------------------------------------------
+
+    def resolve(self, answer: Answer) -> HookStep[str]:
+        """Write ``answer`` in the current transaction; the decision taken."""
+        job, q = answer.job, self.queries
+        fence = {"id": job.id, "version": job.claim_version}
+        if answer.kind == "performed":
+            decision, rows = yield from self._performed(answer)
+        elif answer.kind == "failed":
+            decision, rows = yield from self._failed(answer)
+        elif answer.kind == "not_performed":
+            decision = "not_performed"
+            rows = yield Statement(q.reconcile_not_performed, {**fence, "error": (
+                "reconciler: the provider has no trace of this key; performing again")})
+        else:
+            answered = answer.kind == "unknown"
+            delay = next_ask(self.settings.reconcile_interval,
+                             answer.checks + answered, self.rng)
+            decision = answer.kind if delay is not None else "gave_up"
+            note = (_state.describe(answer.error) if answer.error is not None
+                    else f"reconciler: still unknown after {answer.checks + 1} answer(s)")
+            rows = yield Statement(q.reconcile_later, {
+                **fence, "delay": delay, "answered": answered,
+                "error": f"reconciler gave up: {note}" if delay is None else None})
+            if answer.kind == "unreachable":
+                log.warning("job %s (key %s): reconcile could not reach the provider (%s)",
+                            job.id, job.key, type(answer.error).__name__)
+                return "unreachable"  # not a decision: nothing to audit
+        yield Statement(q.reconcile_audit, {"id": job.id, "affected": len(rows),
+                                            "detail": json.dumps({"decision": decision})})
+        log.info("job %s (key %s): reconciled: %s%s", job.id, job.key, decision,
+                 "" if rows else " (the job had moved on: nothing changed)")
+        return decision if rows else "moved_on"
+
+    def _performed(self, answer: Answer) -> HookStep[tuple[str, list[Any]]]:
+        job = answer.job
+        fence = {"id": job.id, "version": job.claim_version, "result": answer.result_json}
+        hook = self.settings.done_hooks.get(job.effect)
+        yield SAVEPOINT
+        rows = yield Statement(self.queries.reconcile_done, fence)
+        if rows and hook is not None:
+            error = yield from call_hook(hook, job, json.loads(answer.result_json),
+                                         self.queries)
+            if error is not None:
+                yield ROLLBACK
+                log.warning("job %s (key %s): on_done raised %s after reconciliation; the "
+                            "job is retried with the provider's answer kept", job.id,
+                            job.key, type(error).__name__)
+                rows = yield Statement(self.queries.reconcile_keep, {
+                    **fence, "error": f"on_done raised {_state.describe(error)}"})
+        return "performed", rows
+
+    def _failed(self, answer: Answer) -> HookStep[tuple[str, list[Any]]]:
+        job, error = answer.job, answer.error
+        assert error is not None
+        hook = self.settings.failed_hooks.get(job.effect)
+        fence = {"id": job.id, "version": job.claim_version}
+        yield SAVEPOINT
+        rows = yield Statement(self.queries.reconcile_fail,
+                               {**fence, "error": _state.describe(error)})
+        if rows and hook is not None:
+            hook_error = yield from call_hook(hook, job, error, self.queries)
+            if hook_error is not None:  # the failure stands; only the hook's writes go
+                yield ROLLBACK
+                rows = yield Statement(self.queries.reconcile_fail, {**fence, "error": (
+                    f"{_state.describe(error)}; on_failed raised "
+                    f"{_state.describe(hook_error)}")})
+        return "failed", rows
+
+    def sync_hook(self, answer: Answer) -> bool:
+        """Whether resolving ``answer`` calls a plain hook (on ``AsyncDispatcher``: on a
+        thread, with a blocking connection)."""
+        hooks = {"performed": self.settings.done_hooks,
+                 "failed": self.settings.failed_hooks}.get(answer.kind, {})
+        hook = hooks.get(answer.job.effect)
+        return hook is not None and not is_async_hook(hook)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+# -- drivers -----------------------------------------------------------------------------------
+
+
+def reconcile_pass(reconciler: Reconciler, conn: Connection) -> int:
+    """One pass on a blocking connection: take, ask, resolve; how many were asked."""
+    asked = 0
+    for _ in range(MAX_BATCHES):
+        pg = conn.get()
+        taken = drive(reconciler.take(), pg, reconciler.settings.schema)
+        for job, checks in taken:
+            resolve_on(reconciler, conn, reconciler.ask(job, checks))
+            asked += 1
+        if len(taken) < BATCH or reconciler.state.stopping.is_set():
+            break
+    conn.succeeded()
+    return asked
+
+
+def run_reconciler(reconciler: Reconciler, conn: Connection, *, once: bool) -> None:
+    """The reconciler's loop on its own thread: a pass every ``reconcile_interval``
+    (the first at once) until the dispatcher stops; ``once``: one pass."""
+    state: SharedState[threading.Event] = reconciler.state
+    interval = reconciler.settings.reconcile_interval
+    try:
+        while True:
+            wait = interval
+            try:
+                reconcile_pass(reconciler, conn)
+            except CONNECTION_ERRORS as exc:
+                if conn.lost:
+                    conn.discard()
+                log.warning("reconciler: database unreachable (%s); retrying",
+                            type(exc).__name__)
+                wait = min(interval, conn.backoff())
+            except ConfigurationError:
+                raise
+            if once or state.stopping.wait(wait):
+                return
+    finally:
+        conn.discard()
+
+
+def resolve_on(reconciler: Reconciler, conn: Connection, answer: Answer) -> None:
+    """Write ``answer`` in a transaction of its own on a blocking connection."""
+    pg = conn.get()
+    with pg.transaction():
+        drive(reconciler.resolve(answer), pg, reconciler.settings.schema)
+
+
+async def reconcile_pass_async(reconciler: Reconciler, conn: AsyncConnection,
+                               blocking: Connection) -> int:
+    """``reconcile_pass`` on an asyncio connection (``blocking`` for plain hooks)."""
+    asked = 0
+    schema = reconciler.settings.schema
+    for _ in range(MAX_BATCHES):
+        taken = await drive_async(reconciler.take(), await conn.get(), schema)
+        for job, checks in taken:
+            answer = await reconciler.ask_async(job, checks)
+            if reconciler.sync_hook(answer):
+                await asyncio.to_thread(resolve_on, reconciler, blocking, answer)
+            else:
+                pg = await conn.get()
+                async with pg.transaction():
+                    await drive_async(reconciler.resolve(answer), pg, schema)
+            asked += 1
+        if len(taken) < BATCH or reconciler.state.stopping.is_set():
+            break
+    conn.succeeded()
+    return asked
+
+
+async def run_reconciler_async(reconciler: Reconciler, conn: AsyncConnection, *,
+                               once: bool) -> None:
+    """``run_reconciler`` as a task of ``AsyncDispatcher``."""
+    state = reconciler.state
+    settings = reconciler.settings
+    interval = settings.reconcile_interval
+    blocking = Connection(lambda role: connect(settings, role), "reconciler")
+    try:
+        while True:
+            wait = interval
+            try:
+                await reconcile_pass_async(reconciler, conn, blocking)
+            except CONNECTION_ERRORS as exc:
+                if conn.lost:
+                    await conn.discard()
+                log.warning("reconciler: database unreachable (%s); retrying",
+                            type(exc).__name__)
+                wait = min(interval, conn.backoff())
+            except ConfigurationError:
+                raise
+            if once or await state.stopping.wait(wait):
+                return
+    finally:
+        blocking.discard()
+        await conn.discard()
+

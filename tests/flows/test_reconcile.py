@@ -1,0 +1,290 @@
+"""Automatic reconciliation on real PostgreSQL, with Dispatcher and AsyncDispatcher.
+
+``flow.lossy`` acts at its "provider" (a dict) and then loses the answer
+(``UnknownOutcome``); with ``unknown_outcome_window=0`` every such job lands in
+``reconcile`` at once, where ``reconcile`` looks the key up and answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import outbox
+from outbox import NewJob
+from outbox._dispatch.hooks import drive
+from outbox._dispatch.reconciler import MAX_UNKNOWN_PASSES, Reconciler, next_ask
+from outbox._dispatch.settings import Settings
+from outbox._dispatch.state import SharedState
+from outbox.dispatcher import DispatchStats
+from outbox.testing import jobs, ledger
+
+LOSSY = "flow.lossy"
+
+
+class Provider:
+    """What the provider did, per key, and how ``reconcile`` answers."""
+
+    def __init__(self) -> None:
+        self.acted: Counter[str] = Counter()
+        self.asked: Counter[str] = Counter()
+        self.answers: dict[str, str] = {}  # key -> "performed" (default), "none", "down", ...
+        self.lock = threading.Lock()
+
+    def reconcile(self, job: outbox.Job) -> outbox.Performed | outbox.NotPerformed | None:
+        with self.lock:
+            self.asked[job.key] += 1
+            answer = self.answers.get(job.key, "lookup")
+            acted = self.acted[job.key]
+        if answer == "down":
+            raise ConnectionError("provider unreachable")
+        if answer == "none":
+            return None
+        if answer == "declined":
+            raise outbox.Permanent("card declined (found by the reconciler)")
+        if answer == "wrong":
+            return "yes"  # type: ignore[return-value]
+        if acted:
+            return outbox.Performed({"id": f"pi_{job.key}", "found_by": "reconcile"})
+        return outbox.NotPerformed()
+
+
+class Lossy(outbox.Effect):
+    name = LOSSY
+
+    def __init__(self, provider: Provider, schema: str) -> None:
+        self.provider = provider
+        self.schema = schema
+        self.done: list[tuple[str, Any]] = []
+
+    def perform(self, job: outbox.Job) -> dict[str, Any]:
+        provider, key = self.provider, job.key
+        with provider.lock:
+            if job.payload.get("never_act") and not provider.asked[key]:
+                raise outbox.UnknownOutcome("timed out before the provider acted")
+            provider.acted[key] += 1
+            lost = job.payload.get("lose") and provider.acted[key] == 1
+        if lost:
+            raise outbox.UnknownOutcome("response lost after the provider acted")
+        return {"id": f"pi_{key}"}
+
+    def reconcile(self, job: outbox.Job) -> Any:
+        return self.provider.reconcile(job)
+
+    def on_done(self, tx: outbox.HookTransaction, job: outbox.Job, result: Any) -> None:
+        self.done.append((job.key, result))
+        tx.enqueue("flow.note", key=f"note-{job.key}", payload={"intent": result["id"]})
+
+
+class AsyncLossy(Lossy):
+    async def reconcile(self, job: outbox.Job) -> Any:
+        await asyncio.sleep(0)
+        return self.provider.reconcile(job)
+
+    async def on_done(self, tx: outbox.AsyncHookTransaction, job: outbox.Job,  # type: ignore[override]
+                      result: Any) -> None:
+        self.done.append((job.key, result))
+        await tx.enqueue("flow.note", key=f"note-{job.key}", payload={"intent": result["id"]})
+
+
+class Note(outbox.Effect):
+    name = "flow.note"
+
+    def perform(self, job: outbox.Job) -> None:
+        return None
+
+
+def _enqueue(dsn: str, schema: str, *items: NewJob) -> None:
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        tx.enqueue_many(items)
+
+
+def _run(flavour: str, dsn: str, schema: str, effect: Lossy, **options: Any) -> DispatchStats:
+    options = {"schema": schema, "unknown_outcome_window": 0, "reconcile_interval": 0.05,
+               "backoff": outbox.Backoff(base=0.001, cap=0.002), **options}
+    effects = [effect, Note()]
+    if flavour == "sync":
+        return outbox.Dispatcher(dsn, effects, **options).run_until_idle(timeout=30)
+    return asyncio.run(outbox.AsyncDispatcher(dsn, effects, **options).run_until_idle(timeout=30))
+
+
+def _jobs(dsn: str, schema: str) -> dict[str, dict[str, Any]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return jobs(conn, schema)
+
+
+def _ledger(dsn: str, schema: str) -> dict[str, dict[str, Any]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return ledger(conn, schema)
+
+
+def _audit(dsn: str, schema: str) -> list[tuple[str, str, int, str, int]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(sql.SQL(
+            "SELECT a.actor, a.action, a.job_id, a.detail->>'decision', a.affected"
+            " FROM {}.dashboard_audit a ORDER BY a.id").format(sql.Identifier(schema))).fetchall()
+    return [(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+
+
+def _wait_due(dsn: str, schema: str) -> None:
+    """Make every job in reconcile due to be asked now (the backoff between asks is
+    what ``next_ask`` is tested for; here the passes are what is under test)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("UPDATE {}.jobs SET reconcile_at = now() WHERE status = 'reconcile'"
+                             " AND reconcile_at IS NOT NULL").format(sql.Identifier(schema)))
+
+
+@pytest.fixture(params=["sync", "async"])
+def flavour(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _effect(flavour: str, provider: Provider, schema: str) -> Lossy:
+    return (AsyncLossy if flavour == "async" else Lossy)(provider, schema)
+
+
+def test_performed_settles_done_with_ledger_hook_and_audit(
+    dsn: str, schema: str, flavour: str,
+) -> None:
+    provider = Provider()
+    effect = _effect(flavour, provider, schema)
+    _enqueue(dsn, schema, NewJob(LOSSY, "order-1", {"lose": True}))
+    _run(flavour, dsn, schema, effect)  # the lost answer: reconcile
+    assert _jobs(dsn, schema)["order-1"]["status"] == "reconcile"
+    _run(flavour, dsn, schema, effect)  # the reconciler's pass, then its follow-up
+    found = _jobs(dsn, schema)
+    assert found["order-1"]["status"] == "done"
+    assert found["note-order-1"]["status"] == "done"
+    assert found["note-order-1"]["parent_key"] == "order-1"
+    assert _ledger(dsn, schema)["order-1"]["result"] == {"id": "pi_order-1",
+                                                         "found_by": "reconcile"}
+    assert provider.acted["order-1"] == 1 and provider.asked["order-1"] == 1
+    assert effect.done == [("order-1", {"id": "pi_order-1", "found_by": "reconcile"})]
+    job_id = found["order-1"]["id"]
+    assert _audit(dsn, schema) == [("reconciler", "reconcile", job_id, "performed", 1)]
+
+
+def test_not_performed_goes_back_to_pending_under_the_same_key(
+    dsn: str, schema: str, flavour: str,
+) -> None:
+    provider = Provider()
+    effect = _effect(flavour, provider, schema)
+    _enqueue(dsn, schema, NewJob(LOSSY, "order-2", {"never_act": True}))
+    _run(flavour, dsn, schema, effect)
+    assert _jobs(dsn, schema)["order-2"]["status"] == "reconcile"
+    _run(flavour, dsn, schema, effect)  # not performed: pending, then performed here
+    job = _jobs(dsn, schema)["order-2"]
+    assert (job["status"], job["attempts"]) == ("done", 1)
+    assert provider.acted["order-2"] == 1
+    assert [d for _, _, _, d, _ in _audit(dsn, schema)] == ["not_performed"]
+
+
+def test_unknown_answers_back_off_and_give_up_and_unreachable_passes_do_not_count(
+    dsn: str, schema: str, flavour: str,
+) -> None:
+    provider = Provider()
+    effect = _effect(flavour, provider, schema)
+    provider.answers["order-3"] = "down"
+    _enqueue(dsn, schema, NewJob(LOSSY, "order-3", {"lose": True}))
+    _run(flavour, dsn, schema, effect)
+    for _ in range(3):  # the provider is down: nothing counted, nothing audited
+        _wait_due(dsn, schema)
+        _run(flavour, dsn, schema, effect)
+    job = _jobs(dsn, schema)["order-3"]
+    assert (job["status"], job["reconcile_checks"]) == ("reconcile", 0)
+    assert provider.asked["order-3"] == 3 and _audit(dsn, schema) == []
+
+    provider.answers["order-3"] = "none"
+    for n in range(1, MAX_UNKNOWN_PASSES + 1):
+        _wait_due(dsn, schema)
+        _run(flavour, dsn, schema, effect)
+        assert _jobs(dsn, schema)["order-3"]["reconcile_checks"] == n
+    job = _jobs(dsn, schema)["order-3"]
+    assert job["status"] == "reconcile" and job["reconcile_at"] is None  # never again
+    assert job["last_error"].startswith("reconciler gave up")
+    decisions = [d for _, _, _, d, _ in _audit(dsn, schema)]
+    assert decisions == ["unknown"] * (MAX_UNKNOWN_PASSES - 1) + ["gave_up"]
+    _wait_due(dsn, schema)
+    _run(flavour, dsn, schema, effect)
+    assert provider.asked["order-3"] == 3 + MAX_UNKNOWN_PASSES  # a person decides now
+
+
+def test_permanent_from_reconcile_fails_the_job(dsn: str, schema: str, flavour: str) -> None:
+    provider = Provider()
+    effect = _effect(flavour, provider, schema)
+    provider.answers["order-4"] = "declined"
+    provider.answers["order-5"] = "wrong"
+    _enqueue(dsn, schema, NewJob(LOSSY, "order-4", {"lose": True}),
+             NewJob(LOSSY, "order-5", {"lose": True}))
+    _run(flavour, dsn, schema, effect)
+    _run(flavour, dsn, schema, effect)
+    found = _jobs(dsn, schema)
+    assert found["order-4"]["status"] == "failed"
+    assert "card declined (found by the reconciler)" in found["order-4"]["last_error"]
+    # A reconcile that answers something else is a bug of the effect: not counted.
+    assert (found["order-5"]["status"], found["order-5"]["reconcile_checks"]) == ("reconcile", 0)
+
+
+def test_next_ask_doubles_from_the_interval_and_stops() -> None:
+    import random
+
+    rng = random.Random(1)
+    delays = [next_ask(60.0, n, rng) for n in range(MAX_UNKNOWN_PASSES + 1)]
+    assert delays[-1] is None
+    for n, delay in enumerate(delays[:-1]):
+        assert delay is not None and 0.75 * min(21600, 60 * 2**n) <= delay <= min(21600, 60 * 2**n)
+
+
+def test_two_dispatchers_never_take_the_same_job(dsn: str, schema: str) -> None:
+    provider = Provider()
+    _enqueue(dsn, schema, *(NewJob(LOSSY, f"k{n}", {"lose": True}) for n in range(150)))
+    _run("sync", dsn, schema, Lossy(provider, schema))
+    settings = Settings.build(dsn, [Lossy(provider, schema)], schema=schema)
+    taken: list[list[int]] = []
+    barrier = threading.Barrier(2)
+
+    def take() -> None:
+        reconciler = Reconciler(settings, SharedState(DispatchStats(), settings.observer, 1,
+                                                      threading.Event))
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            barrier.wait()
+            found: list[int] = []
+            while batch := drive(reconciler.take(), conn, schema):
+                found += [job.id for job, _ in batch]
+            taken.append(found)
+
+    threads = [threading.Thread(target=take) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(taken[0]) + len(taken[1]) == 150
+    assert not set(taken[0]) & set(taken[1])
+
+
+def test_run_asks_within_the_interval(dsn: str, schema: str) -> None:
+    provider = Provider()
+    effect = Lossy(provider, schema)
+    _enqueue(dsn, schema, NewJob(LOSSY, "order-6", {"lose": True}))
+    dispatcher = outbox.Dispatcher(dsn, [effect, Note()], schema=schema,
+                                   unknown_outcome_window=0, reconcile_interval=0.2)
+    runner = threading.Thread(target=dispatcher.run)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 20
+        while _jobs(dsn, schema).get("note-order-6", {}).get("status") != "done":
+            assert time.monotonic() < deadline, _jobs(dsn, schema)
+            time.sleep(0.05)
+    finally:
+        dispatcher.stop()
+        runner.join()
+    assert _jobs(dsn, schema)["order-6"]["status"] == "done"
+    assert json.loads(json.dumps(_ledger(dsn, schema)["order-6"]["result"]))["found_by"]
