@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
 import httpx
@@ -52,7 +53,7 @@ import stripe
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from stripe.params import PaymentIntentCreateParams, RefundCreateParams
 
-from outbox import EffectOutcome, Job, Permanent, Retry, UnknownOutcome
+from outbox import EffectOutcome, Job, NotPerformed, Performed, Permanent, Retry, UnknownOutcome
 
 from ._http import USER_AGENT, PooledAdapter, never_reached_provider, redact, retry_after
 from ._payload import validated_payload
@@ -67,6 +68,12 @@ ResultT = TypeVar("ResultT")
 _METADATA_MAX_KEYS = 50
 _METADATA_MAX_KEY_LENGTH = 40
 _METADATA_MAX_VALUE_LENGTH = 500
+
+# The metadata key every PaymentIntent of ChargeCard carries: the job's key.
+KEY_METADATA = "outbox_key"
+CLOCK_SKEW = 300.0  # seconds a listing reaches back before the first attempt
+LIST_PAGES = 10  # pages of 100 listed before falling back to search
+SEARCH_LAG = 3600.0  # seconds after which search's "not found" is trusted
 
 _SETTLED_INTENT_STATUSES = frozenset({"succeeded", "processing", "requires_capture"})
 _FAILED_REFUND_STATUSES = frozenset({"failed", "canceled"})
@@ -251,17 +258,79 @@ class ChargeCard(_StripeEffect):
     def perform(self, job: Job) -> dict[str, Any]:
         """Create and confirm the PaymentIntent; return its id, status, amount, currency.
 
-        Raises ``Retry``, ``Permanent`` or ``UnknownOutcome`` as drawn in the module
-        docstring.
+        The intent carries the job's key in its metadata (``outbox_key``), which is how
+        ``reconcile`` finds it. Raises ``Retry``, ``Permanent`` or ``UnknownOutcome`` as
+        drawn in the module docstring.
         """
         charge = validated_payload(ChargePayload, job)
+        params = charge.to_stripe()
+        params["metadata"] = {**(charge.metadata or {}), KEY_METADATA: job.key}
         intent = self._call(
             job,
             lambda options: self._stripe.v1.payment_intents.create(
-                params=charge.to_stripe(), options=options
+                params=params, options=options
             ),
         )
         return _settled_intent(intent, job.key)
+
+    def reconcile(self, job: Job) -> Performed | NotPerformed | None:
+        """What became of a charge whose outcome is unknown, from Stripe's own records.
+
+        Lists the customer's PaymentIntents created since the job's first attempt (less
+        ``CLOCK_SKEW``), newest first, and looks for the one whose ``outbox_key``
+        metadata is the job's key. Stripe's lists are read-after-write consistent, so a
+        complete listing without it proves that Stripe never created the intent:
+        ``NotPerformed`` (sending the key again cannot charge twice). Found and settled:
+        ``Performed`` with the same result ``perform`` returns; found but declined or
+        otherwise unsettled: ``Permanent``. Past ``LIST_PAGES`` pages of 100 (a very
+        busy customer) the search API is asked instead; it lags (up to an hour during
+        an incident), so "not found" there counts only for charges first attempted more
+        than ``SEARCH_LAG`` ago, else the answer is None (asked again later). A Stripe
+        error propagates: the reconciler counts the pass as unreachable.
+        """
+        charge = validated_payload(ChargePayload, job)
+        since = job.first_attempted_at
+        params: dict[str, Any] = {"limit": 100, "customer": charge.customer}
+        if since is not None:
+            params["created"] = {"gte": int(since.timestamp() - CLOCK_SKEW)}
+        intent, complete = self._listed(job.key, params)
+        if intent is None and not complete:
+            intent, trusted = self._searched(job)
+            if intent is None and not trusted:
+                return None
+        if intent is None:
+            log.info("payment.charge job %s: no PaymentIntent carries its key: not performed",
+                     job.key)
+            return NotPerformed()
+        log.info("payment.charge job %s: found PaymentIntent %s (%s)", job.key, intent.id,
+                 intent.status)
+        return Performed(_settled_intent(intent, job.key))
+
+    def _listed(self, key: str, params: dict[str, Any]) -> tuple[stripe.PaymentIntent | None, bool]:
+        """The intent tagged with ``key`` among those listed, and whether the listing
+        was complete (every page read)."""
+        for _ in range(LIST_PAGES):
+            page = self._stripe.v1.payment_intents.list(params=params)  # type: ignore[arg-type]
+            for intent in page.data:
+                if _tag(intent) == key:
+                    return intent, True
+            if not page.has_more or not page.data:
+                return None, True
+            params = {**params, "starting_after": page.data[-1].id}
+        return None, False
+
+    def _searched(self, job: Job) -> tuple[stripe.PaymentIntent | None, bool]:
+        """The intent tagged with the job's key, by search; and whether a miss can be
+        trusted (the charge is older than search's lag)."""
+        quoted = job.key.replace("\\", "\\\\").replace("'", "\\'")
+        found = self._stripe.v1.payment_intents.search(
+            params={"query": f"metadata['{KEY_METADATA}']:'{quoted}'", "limit": 1})
+        if found.data:
+            return found.data[0], True
+        since = job.first_attempted_at
+        old_enough = since is not None and (
+            datetime.now(UTC) - since).total_seconds() > SEARCH_LAG
+        return None, old_enough
 
 
 class RefundPayment(_StripeEffect):
@@ -289,6 +358,13 @@ class RefundPayment(_StripeEffect):
             ),
         )
         return _settled_refund(refund, job.key)
+
+
+def _tag(intent: stripe.PaymentIntent) -> str | None:
+    """The job key an intent was tagged with (``KEY_METADATA``), if any."""
+    metadata: Any = getattr(intent, "metadata", None) or {}
+    tag = metadata.get(KEY_METADATA)
+    return tag if isinstance(tag, str) else None
 
 
 def _settled_intent(intent: stripe.PaymentIntent, key: str) -> dict[str, Any]:

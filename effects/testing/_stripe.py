@@ -6,6 +6,7 @@ import hashlib
 import hmac
 import json
 import queue
+import random
 import re
 import secrets
 import threading
@@ -65,6 +66,17 @@ class FakeStripe(FakeProvider):
       ``amount``; 400 ``resource_missing``, ``charge_already_refunded`` or
       ``amount_too_large`` as Stripe answers.
     - ``GET /v1/payment_intents/<id>`` and ``GET /v1/refunds/<id>``.
+    - ``GET /v1/payment_intents`` (list): newest first, ``created`` (a timestamp or
+      ``created[gt|gte|lt|lte]``), ``customer``, ``limit`` (1 to 100, default 10) and
+      ``starting_after`` pagination with ``has_more``, read-after-write consistent as
+      Stripe's lists are.
+    - ``GET /v1/payment_intents/search``: ``query`` clauses joined by ``AND``
+      (``metadata['k']:'v'``, ``customer:'cus_x'``, ``status:'succeeded'``), ``limit``
+      and ``page``; like Stripe's search it lags: intents younger than
+      ``set_search_lag(seconds)`` (0 by default) are not found yet.
+    - ``lose_responses(fraction)``: that share of the POSTs that execute are performed
+      and their answer lost (the connection closed unanswered): the unknown outcome.
+      ``lost_responses`` lists their idempotency keys.
     - ``Authorization: Bearer <key>`` required (401); when ``api_key`` is given, others
       are refused with 401 too (the message never echoes the key).
 
@@ -106,6 +118,10 @@ class FakeStripe(FakeProvider):
         self._declines = {**DEFAULT_DECLINED_CARDS, **(declined_cards or {})}
         self._intents: dict[str, dict[str, Any]] = {}
         self._refunds: dict[str, dict[str, Any]] = {}
+        self._lose_fraction = 0.0
+        self._lose_rng = random.Random()
+        self._lost: list[str | None] = []
+        self._search_lag = 0.0
         super().__init__(retention=retention, latency=latency, max_stall=max_stall)
 
     def decline_card(self, payment_method: str, decline_code: str = "generic_decline") -> None:
@@ -224,11 +240,18 @@ class FakeStripe(FakeProvider):
             return self._post(request, self._create_intent, self._intent_problem)
         if target == ("POST", "/v1/refunds"):
             return self._post(request, self._create_refund, self._refund_problem)
-        if request.method == "GET":
-            found = self._lookup(request.path.rstrip("/"))
-            if found is not None:
-                return self._ok(found)
+        if request.method == "GET" and (answer := self._get(request)) is not None:
+            return answer
         return self._invalid(404, None, f"Unrecognized request URL ({target[0]}: {target[1]}).")
+
+    def _get(self, request: Request) -> Reply | None:
+        path = request.path.rstrip("/")
+        if path == "/v1/payment_intents":
+            return self._list_intents(request)
+        if path == "/v1/payment_intents/search":
+            return self._search_intents(request)
+        found = self._lookup(path)
+        return None if found is None else self._ok(found)
 
     def _refusal(self, request: Request) -> Reply | None:
         authorization = request.header("Authorization") or ""
@@ -405,6 +428,85 @@ class FakeStripe(FakeProvider):
             "created": int(self.now()),
         }
 
+    # -- lost answers, lists and search (what reconciliation reads) ---------------
+
+    def lose_responses(self, fraction: float, *, seed: int | None = None) -> None:
+        """Perform ``fraction`` (0 to 1) of the POSTs that execute, then close their
+        connection unanswered. The answer is still saved under the idempotency key, as
+        Stripe saves it, so a retry with the key gets it back."""
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be between 0 and 1, got {fraction!r}")
+        with self._records_lock:
+            self._lose_fraction = fraction
+            if seed is not None:
+                self._lose_rng.seed(seed)
+
+    @property
+    def lost_responses(self) -> list[str | None]:
+        """Idempotency keys of the requests performed whose answer was lost."""
+        with self._records_lock:
+            return list(self._lost)
+
+    def set_search_lag(self, seconds: float) -> None:
+        """How long a new PaymentIntent stays invisible to search (Stripe: about a
+        minute, up to an hour during an incident); lists are never behind."""
+        self._search_lag = seconds
+
+    def _executed(self, key: str | None, performed: Performed) -> Reply | None:
+        reply = super()._executed(key, performed)
+        if reply is None or not performed[1]:
+            return reply
+        with self._records_lock:
+            lose = self._lose_fraction > 0 and self._lose_rng.random() < self._lose_fraction
+            if lose:
+                self._lost.append(key)
+        return None if lose else reply
+
+    def _list_intents(self, request: Request) -> Reply:
+        params = _nest(parse_qsl(request.query, keep_blank_values=True))
+        limit = _limit(params.get("limit"))
+        if limit is None:
+            return self._invalid(400, "parameter_invalid_integer",
+                                 "Invalid integer: limit must be between 1 and 100.", "limit")
+        created = params.get("created")
+        bounds = created if isinstance(created, dict) else (
+            {} if created is None else {"gte": created, "lte": created})
+        customer = params.get("customer")
+        with self._records_lock:
+            intents = [dict(i) for i in reversed(self._intents.values())
+                       if _created_within(i["created"], bounds)
+                       and (customer is None or i["customer"] == customer)]
+        after = params.get("starting_after")
+        if after is not None:
+            ids = [i["id"] for i in intents]
+            if after not in ids:
+                return self._invalid(400, "resource_missing",
+                                     f"No such payment_intent: '{after}'", "starting_after")
+            intents = intents[ids.index(after) + 1:]
+        return self._ok({"object": "list", "url": "/v1/payment_intents",
+                         "has_more": len(intents) > limit, "data": intents[:limit]})
+
+    def _search_intents(self, request: Request) -> Reply:
+        params = _nest(parse_qsl(request.query, keep_blank_values=True))
+        clauses = _search_clauses(str(params.get("query") or ""))
+        if clauses is None:
+            return self._invalid(400, "parameter_invalid", "Invalid search query.", "query")
+        limit = _limit(params.get("limit"))
+        if limit is None:
+            return self._invalid(400, "parameter_invalid_integer",
+                                 "Invalid integer: limit must be between 1 and 100.", "limit")
+        visible_before = self.now() - self._search_lag
+        with self._records_lock:
+            found = [dict(i) for i in reversed(self._intents.values())
+                     if i["created"] <= visible_before
+                     and all(_field(i, name) == value for name, value in clauses)]
+        start = int(params.get("page") or 0)
+        page = found[start:start + limit]
+        more = start + limit < len(found)
+        return self._ok({"object": "search_result", "url": "/v1/payment_intents/search",
+                         "has_more": more, "next_page": str(start + limit) if more else None,
+                         "data": page})
+
     # -- answers ------------------------------------------------------------------
 
     def _ok(self, document: dict[str, Any]) -> Reply:
@@ -499,6 +601,42 @@ def _nest(pairs: list[tuple[str, str]]) -> Params:
         else:
             target[path[-1]] = value
     return params
+
+
+def _limit(value: object) -> int | None:
+    if value is None:
+        return 10
+    limit = _positive_int(value)
+    return limit if limit is not None and limit <= 100 else None
+
+
+def _created_within(created: int, bounds: Mapping[str, Any]) -> bool:
+    checks = {"gt": created.__gt__, "gte": created.__ge__, "lt": created.__lt__,
+              "lte": created.__le__}
+    return all(checks[op](int(value)) for op, value in bounds.items() if op in checks)
+
+
+_CLAUSE = re.compile(r"""^(metadata\[(['"])(.+?)\2\]|\w+):(['"])(.*)\4$""")
+
+
+def _search_clauses(query: str) -> list[tuple[tuple[str, ...], str]] | None:
+    """``metadata['k']:'v' AND customer:'c'`` as [(("metadata", "k"), "v"), (("customer",), "c")];
+    None for a query this fake cannot read."""
+    clauses: list[tuple[tuple[str, ...], str]] = []
+    for part in filter(None, (p.strip() for p in query.split(" AND "))):
+        match = _CLAUSE.match(part)
+        if match is None:
+            return None
+        name = ("metadata", match[3]) if match[3] is not None else (match[1],)
+        clauses.append((name, match[5]))
+    return clauses or None
+
+
+def _field(intent: Mapping[str, Any], name: tuple[str, ...]) -> Any:
+    value: Any = intent
+    for part in name:
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
 
 
 def _positive_int(value: object) -> int | None:

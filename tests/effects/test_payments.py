@@ -37,7 +37,7 @@ def test_charges_once_and_returns_the_payment_intent(
     [charge] = stripe_fake.charges
     assert result == {"id": charge["id"], "status": "succeeded", "amount": 2000, "currency": "eur"}
     assert charge["customer"] == "cus_Ada"
-    assert charge["metadata"] == {"order": "102"}
+    assert charge["metadata"] == {"order": "102", "outbox_key": KEY}
     assert stripe_fake.requests(KEY) == 1  # the job key, unchanged, is the Idempotency-Key
     assert json.loads(json.dumps(result)) == result
 
