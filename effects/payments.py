@@ -363,7 +363,7 @@ class RefundPayment(_StripeEffect):
 def _tag(intent: stripe.PaymentIntent) -> str | None:
     """The job key an intent was tagged with (``KEY_METADATA``), if any."""
     metadata: Any = getattr(intent, "metadata", None) or {}
-    tag = metadata.get(KEY_METADATA)
+    tag = getattr(metadata, KEY_METADATA, None)  # a StripeObject: fields are attributes
     return tag if isinstance(tag, str) else None
 
 

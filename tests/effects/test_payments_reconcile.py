@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 import stripe
@@ -122,7 +123,7 @@ def test_fake_lists_newest_first_with_filters_and_pagination(stripe_fake: FakeSt
 def test_fake_lost_response_keeps_the_answer_for_the_key(stripe_fake: FakeStripe) -> None:
     client = _client(stripe_fake)
     stripe_fake.lose_responses(1.0)
-    params = {"amount": 100, "currency": "eur"}
+    params: Any = {"amount": 100, "currency": "eur"}
     with pytest.raises(stripe.APIConnectionError):
         client.v1.payment_intents.create(params=params, options={"idempotency_key": "k1"})
     stripe_fake.lose_responses(0.0)
