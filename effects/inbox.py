@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import stripe
 
 from ._signing import DEFAULT_TOLERANCE, WebhookSecret, verify_headers
+from .payments import KEY_METADATA
 
 __all__ = [
     "Received",
@@ -66,14 +67,23 @@ class Received:
     message_id: str
     new: bool
     event: Any
+    # A Stripe event about a PaymentIntent tagged with a job key (``ChargeCard``): the
+    # id of the job it resolved as performed, if one was waiting for that answer.
+    resolved_job: int | None = None
 
 
 class _Receives(Protocol):
     def receive(self, consumer: str, message_id: str) -> bool: ...
 
+    def resolve_performed(self, key: str, result: Mapping[str, Any] | None, *,
+                          source: str) -> int | None: ...
+
 
 class _ReceivesAsync(Protocol):
     def receive(self, consumer: str, message_id: str) -> Awaitable[bool]: ...
+
+    def resolve_performed(self, key: str, result: Mapping[str, Any] | None, *,
+                          source: str) -> Awaitable[int | None]: ...
 
 
 def verify_webhook(
@@ -158,9 +168,19 @@ def receive_stripe_event(
     secret: str,
     tolerance: int = 300,
 ) -> Received:
-    """Verify a Stripe webhook (``Stripe-Signature``) and record the event id in ``tx``."""
+    """Verify a Stripe webhook (``Stripe-Signature``) and record the event id in ``tx``.
+
+    A new event about a settled PaymentIntent whose metadata names a job key
+    (``outbox_key``, as ``ChargeCard`` tags every intent) resolves that job as performed
+    in the same transaction (``tx.resolve_performed``): a charge whose answer was lost
+    is recorded from Stripe's own word, without asking Stripe again.
+    """
     event = verify_stripe_event(secret, body, _header(headers, "stripe-signature"), tolerance)
-    return Received(event.id, tx.receive(consumer, event.id), event)
+    new = tx.receive(consumer, event.id)
+    resolved = None
+    if new and (performed := _performed_charge(event)) is not None:
+        resolved = tx.resolve_performed(*performed, source=f"stripe event {event.id}")
+    return Received(event.id, new, event, resolved)
 
 
 async def areceive_stripe_event(
@@ -174,7 +194,30 @@ async def areceive_stripe_event(
 ) -> Received:
     """``receive_stripe_event`` for an ``outbox.AsyncTransaction``."""
     event = verify_stripe_event(secret, body, _header(headers, "stripe-signature"), tolerance)
-    return Received(event.id, await tx.receive(consumer, event.id), event)
+    new = await tx.receive(consumer, event.id)
+    resolved = None
+    if new and (performed := _performed_charge(event)) is not None:
+        resolved = await tx.resolve_performed(*performed, source=f"stripe event {event.id}")
+    return Received(event.id, new, event, resolved)
+
+
+# PaymentIntent events that mean the charge was made (the statuses ChargeCard records).
+_PERFORMED_EVENTS = frozenset({"payment_intent.succeeded", "payment_intent.processing",
+                               "payment_intent.amount_capturable_updated"})
+
+
+def _performed_charge(event: Any) -> tuple[str, dict[str, Any]] | None:
+    """(job key, ledger result) for an event saying a tagged charge was made, else None;
+    the result has the shape ``ChargeCard.perform`` returns."""
+    if getattr(event, "type", None) not in _PERFORMED_EVENTS:
+        return None
+    intent = event.data.object
+    metadata = getattr(intent, "metadata", None)
+    key = getattr(metadata, KEY_METADATA, None) if metadata is not None else None
+    if not isinstance(key, str) or not key:
+        return None
+    return key, {"id": intent.id, "status": intent.status, "amount": intent.amount,
+                 "currency": intent.currency}
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

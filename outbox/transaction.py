@@ -8,7 +8,7 @@ and Django in ``outbox.contrib``), so they all validate, write and answer alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -76,6 +76,21 @@ class Operations:
         """
         return _enqueue.run_steps(_enqueue.receive_steps(consumer, message_id), self._execute)
 
+    def resolve_performed(self, key: str, result: Mapping[str, Any] | None, *,
+                          source: str) -> int | None:
+        """The provider says the job ``key`` was performed (its own event, e.g. a Stripe
+        webhook naming the key): the id of the job resolved, or None.
+
+        A job in ``reconcile``, or ``pending`` between attempts, goes back to
+        ``pending`` with ``result`` kept: the next claim records it without calling the
+        provider, runs ``on_done`` and writes the ledger row in the fenced done
+        transaction. A running, done or failed job is left alone. Written in the block's
+        transaction and audited as the reconciler's decision (``source`` says whence).
+        """
+        params = _resolve_params(key, result, source, self.schema)
+        rows = self._execute("resolve_by_event", params)
+        return int(rows[0][0]) if rows else None
+
 
 class AsyncOperations:
     """The asynchronous mirror of ``Operations``: same methods, awaited."""
@@ -105,6 +120,22 @@ class AsyncOperations:
         """As ``Operations.receive``."""
         steps = _enqueue.receive_steps(consumer, message_id)
         return await _enqueue.run_steps_async(steps, self._execute)
+
+    async def resolve_performed(self, key: str, result: Mapping[str, Any] | None, *,
+                                source: str) -> int | None:
+        """As ``Operations.resolve_performed``."""
+        params = _resolve_params(key, result, source, self.schema)
+        rows = await self._execute("resolve_by_event", params)
+        return int(rows[0][0]) if rows else None
+
+
+def _resolve_params(key: str, result: Mapping[str, Any] | None, source: str,
+                    schema: str) -> dict[str, Any]:
+    _enqueue.validate_key(key)
+    text = "null" if result is None else _enqueue.canonical_json(result)
+    return {"key": key, "result": text,
+            "note": f"resolved as performed by the provider ({source[:200]})",
+            "source": source[:200], "channel": _enqueue.notify_channel(schema)}
 
 
 class Transaction(Operations):

@@ -341,3 +341,27 @@ WHERE i.consumer = d.consumer AND i.message_id = d.message_id;
 SELECT id, effect, key, CAST(payload AS text) AS payload, status
 FROM {schema}.jobs
 ORDER BY id;
+
+-- Flows: the provider's own word that a job was performed (outbox.flows).
+
+-- name: resolve_by_event
+-- An event from the provider says the job with this key was performed (a Stripe webhook
+-- whose metadata carries the key). A job in reconcile, or pending between attempts, goes
+-- (back) to pending with the provider's answer kept: the next claim records it without
+-- performing, runs on_done and writes the ledger row, fenced like any completion. A
+-- running job is left to its claim. Audited as the reconciler's decision.
+WITH resolved AS (
+    UPDATE {schema}.jobs j
+    SET status = 'pending', performed_result = CAST(%(result)s AS jsonb), attempts = 0,
+        available_at = now(), reconcile_at = NULL, reconcile_checks = 0,
+        last_error = CAST(%(note)s AS text), updated_at = now()
+    WHERE j.key = CAST(%(key)s AS text) AND j.status IN ('reconcile', 'pending')
+      AND j.performed_result IS NULL
+    RETURNING j.id
+), audited AS (
+    INSERT INTO {schema}.dashboard_audit (actor, action, job_id, detail, affected)
+    SELECT 'reconciler', 'reconcile', r.id,
+           jsonb_build_object('decision', 'performed', 'source', CAST(%(source)s AS text)), 1
+    FROM resolved r
+)
+SELECT r.id FROM resolved r, pg_notify(CAST(%(channel)s AS text), '');
