@@ -22,12 +22,13 @@ this adapter does not pretend otherwise and supports Resend-compatible APIs only
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from outbox import Job, Permanent, Retry
+from outbox import Job, Performed, Permanent, Retry
 
 from ._http import USER_AGENT, PooledAdapter, redact, retry_after, send
 from ._payload import validated_payload
@@ -40,6 +41,8 @@ MAX_RECIPIENTS = 50
 # Statuses that say "not now" rather than "never"; 5xx are added by range.
 _RETRY_STATUSES = frozenset({408, 425, 429})
 _IN_FLIGHT = "concurrent_idempotent_requests"
+LIST_PAGES = 10  # pages of 100 recent sends looked through by reconcile
+CLOCK_SKEW = 300.0  # seconds before the first attempt that a send may be dated
 
 Recipients = str | list[str]
 
@@ -144,6 +147,49 @@ class SendEmail(PooledAdapter):
         response = send(self._client, request, what=f"email job {job.key}")
         return self._outcome(response, job.key)
 
+    def reconcile(self, job: Job) -> Performed | None:
+        """What became of an email whose outcome is unknown, where Resend can prove it.
+
+        Resend's ``GET /emails`` lists recent sends (newest first) without idempotency
+        keys, and ``GET /emails/{id}`` needs the id a lost answer never returned. So the
+        adapter looks through the sends since the job's first attempt (up to
+        ``LIST_PAGES`` pages of 100) for one with the job's exact ``from``, ``to`` and
+        ``subject``, and reads each such candidate to compare its ``text`` and ``html``:
+        an identical email to the same recipients since the first attempt is
+        ``Performed`` (``{"id": ...}``, as ``perform`` returns). Otherwise the answer is
+        None, never ``NotPerformed``: the list holds only recent sends, so a missing
+        email proves nothing, and re-sending past Resend's 24-hour key memory could send
+        twice. Such jobs wait in ``reconcile`` for a person (the reconciler asks again
+        with backoff, then gives up). An HTTP failure raises: the pass counts as
+        unreachable.
+        """
+        email = validated_payload(EmailPayload, job)
+        wanted = email.to_resend()
+        since = job.first_attempted_at
+        after: str | None = None
+        for _ in range(LIST_PAGES):
+            page = self._get("/emails", {"limit": 100, **({"after": after} if after else {})})
+            sends = page.get("data") or []
+            for sent in sends:
+                if since is not None and _created(sent) < since.timestamp() - CLOCK_SKEW:
+                    return None  # older than the job: nothing further down can be it
+                if _same_envelope(sent, wanted) and self._same_body(sent["id"], wanted):
+                    log.info("email job %s: found sent as %s", job.key, sent["id"])
+                    return Performed({"id": sent["id"]})
+            if not page.get("has_more") or not sends:
+                return None
+            after = sends[-1]["id"]
+        return None
+
+    def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        response = self._client.get(path, params=params)
+        response.raise_for_status()
+        return _json_object(response)
+
+    def _same_body(self, email_id: str, wanted: dict[str, Any]) -> bool:
+        sent = self._get(f"/emails/{email_id}")
+        return all(sent.get(part) == wanted.get(part) for part in ("text", "html"))
+
     def close(self) -> None:
         """Close the HTTP connection pool. The adapter cannot send afterwards."""
         self._client.close()
@@ -166,6 +212,24 @@ class SendEmail(PooledAdapter):
             raise Retry(reason, after=retry_after(response.headers))
         log.warning("%s; giving up", reason)
         raise Permanent(reason)
+
+
+def _as_list(value: object) -> list[Any]:
+    return [] if value is None else value if isinstance(value, list) else [value]
+
+
+def _same_envelope(sent: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    return (sent.get("from") == wanted.get("from")
+            and sent.get("subject") == wanted.get("subject")
+            and sorted(_as_list(sent.get("to"))) == sorted(_as_list(wanted.get("to"))))
+
+
+def _created(sent: dict[str, Any]) -> float:
+    try:
+        stamp = datetime.fromisoformat(str(sent.get("created_at")).replace(" ", "T"))
+    except ValueError:
+        return float("inf")  # unreadable: look at it rather than stop the search
+    return (stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)).timestamp()
 
 
 def _is_transient(status: int, name: str) -> bool:

@@ -1,12 +1,15 @@
-"""``FakeEmailProvider``: Resend's ``POST /emails`` on a local port."""
+"""``FakeEmailProvider``: Resend's email API (send, batch, get, list, cancel) on a local port."""
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import uuid
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import parse_qsl
 
 from ._base import DAY, FakeProvider, Performed
 from ._http import Reply, Request
@@ -15,6 +18,8 @@ __all__ = ["FakeEmailProvider", "SentEmail"]
 
 MAX_KEY_LENGTH = 256
 MAX_RECIPIENTS = 50
+MAX_BATCH = 100
+_EMAIL_PATH = re.compile(r"^/emails/([0-9a-f-]{36})(/cancel)?$")
 
 # The error name Resend gives each status, when a fault does not name one.
 _DEFAULT_ERRORS = {
@@ -55,6 +60,22 @@ class FakeEmailProvider(FakeProvider):
 
     Errors have Resend's shape: ``{"statusCode": 422, "name": "...", "message": "..."}``.
     Faults and counters: see ``FakeProvider``. ``sent_emails`` lists what was sent.
+
+    Also, as the official ``resend`` SDK calls them (``resend.api_url = fake.url``):
+
+    - ``POST /emails/batch``: a JSON array of up to 100 emails, all checked before any
+      is sent, one ``Idempotency-Key`` for the batch; answers ``{"data": [{"id"}...]}``.
+    - ``GET /emails/{id}``: the email object (``object``, ``id``, ``from``, ``to``,
+      ``subject``, ``html``, ``text``, ``cc``, ``bcc``, ``reply_to``, ``created_at``,
+      ``scheduled_at``, ``last_event``, ``tags``); 404 ``not_found`` for another id.
+    - ``GET /emails``: the sends, newest first, ``limit`` (1 to 100, default 20) and
+      the ``after`` / ``before`` cursors (an email id), with ``has_more``; like
+      Resend's, it has no idempotency keys and no bodies.
+    - ``POST /emails/{id}/cancel``: a send with ``scheduled_at`` not yet due becomes
+      ``canceled``; any other gets 422 ``validation_error``.
+    - Template sends: ``template: {"id", "variables"}`` in place of ``html``/``text``,
+      for templates registered with ``add_template`` (422 ``validation_error`` for an
+      unknown one); ``{{{NAME}}}`` placeholders are filled from the variables.
     """
 
     def __init__(
@@ -68,6 +89,8 @@ class FakeEmailProvider(FakeProvider):
         self._api_key = api_key
         self._sent: list[SentEmail] = []
         self._sent_lock = threading.Lock()
+        self._records: dict[str, dict[str, Any]] = {}  # by id, in send order
+        self._templates: dict[str, dict[str, str]] = {}
         super().__init__(retention=retention, latency=latency, max_stall=max_stall)
 
     @property
@@ -76,23 +99,157 @@ class FakeEmailProvider(FakeProvider):
         with self._sent_lock:
             return list(self._sent)
 
+    def add_template(self, template_id: str, *, subject: str | None = None,
+                     html: str | None = None, text: str | None = None) -> None:
+        """Register a published template for ``template: {"id": template_id}`` sends."""
+        parts = {"subject": subject, "html": html, "text": text}
+        with self._sent_lock:
+            self._templates[template_id] = {k: v for k, v in parts.items() if v is not None}
+
     def _route(self, request: Request) -> Reply | None:
-        if request.path.rstrip("/") != "/emails":
+        path = request.path.rstrip("/")
+        if path == "/emails" and request.method == "POST":
+            return self._send_one(request)
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        if (request.method, path) in (("POST", "/emails/batch"), ("GET", "/emails")):
+            return self._send_batch(request) if request.method == "POST" else self._list(request)
+        return self._on_email(request.method, path)
+
+    def _on_email(self, method: str, path: str) -> Reply:
+        """``GET /emails/{id}``, ``POST /emails/{id}/cancel``, or the refusal."""
+        found = _EMAIL_PATH.match(path)
+        if found is None and path not in ("/emails", "/emails/batch"):
             return self._error(404, "not_found", "The requested endpoint does not exist.")
-        if request.method != "POST":
+        actions = {("GET", None): self._get, ("POST", "/cancel"): self._cancel}
+        action = None if found is None else actions.get((method, found[2]))
+        if found is None or action is None:
             return self._error(405, "method_not_allowed", "Method is not allowed.")
+        return action(found[1])
+
+    def _send_one(self, request: Request) -> Reply | None:
         refusal = self._refusal(request)
         if refusal is not None:
             return refusal
         message = _json_object(request.body)
         if message is None:
             return self._error(400, "validation_error", "The body must be a JSON object.")
-        problem = _problem_with(message)
+        problem = self._problem(message)
         if problem is not None:
             return self._error(422, *problem)
         key = request.header("Idempotency-Key")
         fingerprint = json.dumps(message, sort_keys=True)
         return self._perform_once(key, fingerprint, lambda: self._send(key, message))
+
+    def _send_batch(self, request: Request) -> Reply | None:
+        try:
+            messages = json.loads(request.body)
+        except ValueError:
+            messages = None
+        if (not isinstance(messages, list) or not 1 <= len(messages) <= MAX_BATCH
+                or not all(isinstance(m, dict) for m in messages)):
+            return self._error(422, "validation_error",
+                               f"The body must be an array of 1 to {MAX_BATCH} emails.")
+        for index, message in enumerate(messages):
+            problem = self._problem(message)
+            if problem is not None:
+                return self._error(422, problem[0], f"emails[{index}]: {problem[1]}")
+        key = request.header("Idempotency-Key")
+        fingerprint = json.dumps(["batch", messages], sort_keys=True)
+
+        def send_all() -> Performed:
+            ids = [self._record(key, message) for message in messages]
+            return Reply.json(200, {"data": [{"id": i} for i in ids]}), True
+
+        return self._perform_once(key, fingerprint, send_all)
+
+    def _problem(self, message: dict[str, Any]) -> tuple[str, str] | None:
+        template = message.get("template")
+        if template is None:
+            return _problem_with(message)
+        if not isinstance(template, dict) or not isinstance(template.get("id"), str):
+            return "validation_error", "Invalid `template` field."
+        with self._sent_lock:
+            known = self._templates.get(template["id"])
+        if known is None:
+            return "validation_error", f"Template {template['id']!r} not found."
+        if "subject" not in message and "subject" not in known:
+            return "missing_required_field", "Missing `subject` field."
+        return _problem_with({**_rendered(known, template.get("variables")), **message})
+
+    def _get(self, email_id: str) -> Reply:
+        with self._sent_lock:
+            record = self._records.get(email_id)
+            found = None if record is None else {**record, "last_event": self._event(record)}
+        if found is None:
+            return self._error(404, "not_found", "Email not found")
+        return Reply.json(200, found)
+
+    def _list(self, request: Request) -> Reply:
+        params = dict(parse_qsl(request.query))
+        try:
+            limit = int(params.get("limit", 20))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            return self._error(422, "validation_error", "The `limit` must be 1 to 100.")
+        with self._sent_lock:
+            newest = [{**_listed(r), "last_event": self._event(r)}
+                      for r in reversed(self._records.values())]
+        ids = [r["id"] for r in newest]
+        cursor = "after" if "after" in params else "before" if "before" in params else None
+        if cursor is not None:
+            if params[cursor] not in ids:
+                return self._error(422, "validation_error", f"Invalid `{cursor}` cursor.")
+            at = ids.index(params[cursor])
+            newest = newest[at + 1:] if cursor == "after" else newest[max(0, at - limit):at]
+        return Reply.json(200, {"object": "list", "has_more": len(newest) > limit,
+                                "data": newest[:limit]})
+
+    def _cancel(self, email_id: str) -> Reply:
+        with self._sent_lock:
+            record = self._records.get(email_id)
+            cancellable = record is not None and self._event(record) == "scheduled"
+            if cancellable:
+                assert record is not None
+                record["last_event"] = "canceled"
+        if record is None:
+            return self._error(404, "not_found", "Email not found")
+        if not cancellable:
+            return self._error(422, "validation_error",
+                               "Only a scheduled email that has not been sent can be canceled.")
+        return Reply.json(200, {"object": "email", "id": email_id})
+
+    def _event(self, record: dict[str, Any]) -> str:
+        """The email's last event now: scheduled until due, then delivered."""
+        event = str(record["last_event"])
+        if event == "scheduled" and record["_due"] <= self.now():
+            return "delivered"
+        return event
+
+    def _record(self, key: str | None, message: dict[str, Any]) -> str:
+        template = message.get("template")
+        content = message if not isinstance(template, dict) else {
+            **_rendered(self._templates.get(template["id"], {}), template.get("variables")),
+            **{k: v for k, v in message.items() if k != "template"}}
+        email = SentEmail(key, str(uuid.uuid4()), message, self.now())
+        due = _due(message.get("scheduled_at"), self.now())
+        record = {
+            "object": "email", "id": email.id, "from": content.get("from"),
+            "to": _as_list(content.get("to")), "subject": content.get("subject"),
+            "html": content.get("html"), "text": content.get("text"),
+            "cc": _as_list(content.get("cc")), "bcc": _as_list(content.get("bcc")),
+            "reply_to": _as_list(content.get("reply_to")),
+            "created_at": datetime.fromtimestamp(self.now(), UTC).isoformat(),
+            "scheduled_at": message.get("scheduled_at"),
+            "last_event": "scheduled" if due > self.now() else "delivered",
+            "tags": content.get("tags") or [], "_due": due,
+        }
+        with self._sent_lock:
+            self._sent.append(email)
+            self._records[email.id] = record
+        return email.id
 
     def _refusal(self, request: Request) -> Reply | None:
         """The answer to a request refused before anything else is looked at."""
@@ -109,10 +266,7 @@ class FakeEmailProvider(FakeProvider):
         return None
 
     def _send(self, key: str | None, message: dict[str, Any]) -> Performed:
-        email = SentEmail(key, str(uuid.uuid4()), message, self.now())
-        with self._sent_lock:
-            self._sent.append(email)
-        return Reply.json(200, {"id": email.id}), True
+        return Reply.json(200, {"id": self._record(key, message)}), True
 
     def _error(
         self, status: int, code: str | None, message: str, retry_after: float | None = None
@@ -132,6 +286,7 @@ class FakeEmailProvider(FakeProvider):
     def _forget_records(self) -> None:
         with self._sent_lock:
             self._sent.clear()
+            self._records.clear()
 
 
 def _problem_with(message: dict[str, Any]) -> tuple[str, str] | None:
@@ -149,6 +304,37 @@ def _problem_with(message: dict[str, Any]) -> tuple[str, str] | None:
     if not isinstance(message.get("text"), str) and not isinstance(message.get("html"), str):
         return "validation_error", "Give `text` or `html`."
     return None
+
+
+def _rendered(template: dict[str, str], variables: object) -> dict[str, str]:
+    """A template's subject/html/text with ``{{{NAME}}}`` filled from ``variables``."""
+    values = variables if isinstance(variables, dict) else {}
+
+    def fill(text: str) -> str:
+        return re.sub(r"\{\{\{(\w+)\}\}\}", lambda m: str(values.get(m[1], "")), text)
+
+    return {part: fill(text) for part, text in template.items()}
+
+
+def _listed(record: dict[str, Any]) -> dict[str, Any]:
+    """An email as ``GET /emails`` shows it: no body, no tags."""
+    hidden = {"html", "text", "tags", "_due"}
+    return {k: v for k, v in record.items() if k not in hidden}
+
+
+def _as_list(value: object) -> list[Any] | None:
+    if value is None:
+        return None
+    return value if isinstance(value, list) else [value]
+
+
+def _due(scheduled_at: object, now: float) -> float:
+    if not isinstance(scheduled_at, str):
+        return now
+    try:
+        return datetime.fromisoformat(scheduled_at.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return now
 
 
 def _recipients_ok(value: object) -> bool:

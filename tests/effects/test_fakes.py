@@ -157,7 +157,7 @@ def test_email_validation(
 
 def test_email_unknown_path_and_method(resend: FakeEmailProvider, http: httpx.Client) -> None:
     assert http.post(f"{resend.url}/nope", headers=EMAIL_HEADERS).status_code == 404
-    assert http.get(f"{resend.url}/emails", headers=EMAIL_HEADERS).status_code == 405
+    assert http.delete(f"{resend.url}/emails", headers=EMAIL_HEADERS).status_code == 405
 
 
 # -- faults --------------------------------------------------------------------------
