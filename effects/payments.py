@@ -304,6 +304,12 @@ class ChargeCard(_StripeEffect):
             return NotPerformed()
         log.info("payment.charge job %s: found PaymentIntent %s (%s)", job.key, intent.id,
                  intent.status)
+        declined = _declined(intent)
+        if declined is not None:  # the lost answer was a decline: as perform would say
+            reason = (f"payment.charge job {job.key}: card declined (found by reconcile: "
+                      f"PaymentIntent {intent.id}, {declined})")
+            log.warning("%s; giving up", reason)
+            raise Permanent(reason)
         return Performed(_settled_intent(intent, job.key))
 
     def _listed(self, key: str, params: dict[str, Any]) -> tuple[stripe.PaymentIntent | None, bool]:
@@ -358,6 +364,15 @@ class RefundPayment(_StripeEffect):
             ),
         )
         return _settled_refund(refund, job.key)
+
+
+def _declined(intent: stripe.PaymentIntent) -> str | None:
+    """``code=... decline_code=...`` of an intent whose confirmation was declined."""
+    error: Any = getattr(intent, "last_payment_error", None)
+    if intent.status != "requires_payment_method" or not error:
+        return None
+    fields = {name: getattr(error, name, None) for name in ("type", "code", "decline_code")}
+    return " ".join(f"{name}={value}" for name, value in fields.items() if value)
 
 
 def _tag(intent: stripe.PaymentIntent) -> str | None:

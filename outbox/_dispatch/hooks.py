@@ -1,7 +1,11 @@
 """Completion hooks: the recorder's per-job path for outcomes whose effect has a hook.
 
 Outcomes without hooks keep the recorder's batched statements. Outcomes with one are
-written here, all of a batch in one transaction, each inside a savepoint of its own::
+written here, all of a batch in one transaction. First optimistically (``fast``): the
+batch's fenced status changes in one statement each (done + ledger rows; failed), then
+each hook whose job's fence held, then COMMIT. Should any hook raise, that transaction
+is rolled back whole and the batch is written again carefully (``careful``), each job
+inside a savepoint of its own::
 
     SAVEPOINT
       the fenced status change (done + ledger row, or failed)   0 rows: claim lost, no hook
@@ -11,8 +15,12 @@ written here, all of a batch in one transaction, each inside a savepoint of its 
 COMMIT
 
 so a hook that raises leaves nothing half-written and does not disturb the other jobs of
-the batch. The decisions are written once, as a step that yields ``Statement``s (run in
-the transaction) and ``CallHook``s (the driver calls the hook with a transaction object
+the batch, and hooks that do not raise cost their own statements only. A hook may thus
+be called twice for one outcome (the first call's writes rolled back): only what it
+writes through ``tx`` is once.
+
+The decisions are written once, as steps that yield ``Statement``s (run in the
+transaction) and ``CallHook``s (the driver calls the hook with a transaction object
 of its flavour): ``record_hooked`` drives it on a blocking connection, and
 ``record_hooked_async`` on ``AsyncDispatcher``'s asyncio connection (sync hooks there go
 to ``record_hooked`` on a thread, with a blocking connection of their own).
@@ -78,6 +86,11 @@ class HookRaised(Exception):
         self.error = error
 
 
+# What makes the optimistic write of a batch go careful: a hook raised, or left the
+# transaction aborted (a statement error it swallowed shows on the next statement).
+_HOOK_TROUBLE = (HookRaised, psycopg.Error)
+
+
 class HookLeftAborted(Exception):
     """The hook returned normally, but one of its statements had failed."""
 
@@ -139,9 +152,50 @@ class HookedOutcomes:
             rest.append((held, outcome))
         pending[:] = rest
 
-    # -- the step ------------------------------------------------------------------------
+    # -- the steps -----------------------------------------------------------------------
 
-    def step(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
+    def fast(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
+        """Write ``items`` with one statement per kind and no savepoints; anything a
+        hook raises propagates (the caller rolls back and goes ``careful``)."""
+        outcomes: dict[int, AttemptOutcome] = {}
+        done = [i for i in items if isinstance(i.outcome, Success)]
+        failed = [i for i in items if not isinstance(i.outcome, Success)]
+        if done:
+            claims = ",".join(
+                f'{{"id":{i.held.job.id},"version":{i.held.job.claim_version},'
+                f'"result":{i.outcome.result_json}}}' for i in done)  # type: ignore[union-attr]
+            rows = yield Statement(self.recorder.complete, {"claims": f"[{claims}]"})
+            written = {r[0] for r in rows}
+            landed: set[int] = set()
+            if self.recorder.retrying and len(written) < len(done):
+                landed = yield from self.recorder.landed_before(
+                    [i.held for i in done if i.held.job.id not in written])
+            for item in done:
+                job = item.held.job
+                if job.id in written:
+                    value = json.loads(item.outcome.result_json)  # type: ignore[union-attr]
+                    yield from self._fast_hook(item, value)
+                outcomes[id(item)] = "done" if job.id in written | landed else "lost"
+        if failed:
+            rows = yield Statement(self.recorder.queries.settle, {"claims": json.dumps([
+                {"id": i.held.job.id, "version": i.held.job.claim_version, "status": "failed",
+                 "delay": 0.0, "error": i.decision.error if i.decision else None,
+                 "refund": False} for i in failed])})
+            written = {r[0] for r in rows}
+            for item in failed:
+                if item.held.job.id in written:
+                    yield from self._fast_hook(item, item.outcome)
+                outcomes[id(item)] = "failed" if item.held.job.id in written else "lost"
+        yield Statement("SELECT 1", {})  # fails if a hook left the transaction aborted
+        return [outcomes[id(item)] for item in items]
+
+    def _fast_hook(self, item: Hooked, value: Any) -> HookStep[None]:
+        created = yield CallHook(item.hook, item.held.job, value)
+        if created:
+            yield Statement(self.queries.adopt_followups,
+                            {"parent": item.held.job.key, "ids": created})
+
+    def careful(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
         """Write ``items``, each in its savepoint; what each became, in order."""
         written: list[AttemptOutcome] = []
         for item in items:
@@ -284,11 +338,19 @@ def drive(step: HookStep[T], conn: psycopg.Connection[Any], schema: str) -> T:
 
 def record_hooked(hooks: HookedOutcomes, conn: Connection, items: list[Hooked]) -> None:
     """Write ``items`` in one transaction on a blocking connection (the recorder's thread,
-    or a thread of ``AsyncDispatcher``'s for its sync hooks)."""
+    or a thread of ``AsyncDispatcher``'s for its sync hooks): ``fast``, and if a hook
+    raised, ``careful`` in a new transaction."""
     pg = conn.get()
+    schema = hooks.settings.schema
     try:
-        with pg.transaction():
-            written = drive(hooks.step(items), pg, hooks.settings.schema)
+        try:
+            with pg.transaction():
+                written = drive(hooks.fast(items), pg, schema)
+        except _HOOK_TROUBLE as exc:
+            if isinstance(exc, CONNECTION_ERRORS) or pg.closed:
+                raise
+            with pg.transaction():
+                written = drive(hooks.careful(items), pg, schema)
     except CONNECTION_ERRORS:
         if conn.lost:
             conn.discard()
@@ -332,9 +394,16 @@ async def record_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> N
     sync_items = [i for i in hooks.items if not i.is_async]
     if async_items:
         pg = await conn.get()
+        schema = hooks.settings.schema
         try:
-            async with pg.transaction():
-                written = await drive_async(hooks.step(async_items), pg, hooks.settings.schema)
+            try:
+                async with pg.transaction():
+                    written = await drive_async(hooks.fast(async_items), pg, schema)
+            except _HOOK_TROUBLE as exc:
+                if isinstance(exc, CONNECTION_ERRORS) or pg.closed:
+                    raise
+                async with pg.transaction():
+                    written = await drive_async(hooks.careful(async_items), pg, schema)
         except CONNECTION_ERRORS:
             if conn.lost:
                 await conn.discard()

@@ -61,7 +61,7 @@ def test_a_declined_intent_found_is_permanent(
     with pytest.raises(outbox.UnknownOutcome):
         charge_card.perform(_job("order-4", payment_method="pm_card_visa_chargeDeclined"))
     # A declined charge's answer is a 402 that was lost too; its intent is listed.
-    with pytest.raises(outbox.Permanent, match="requires_payment_method"):
+    with pytest.raises(outbox.Permanent, match="card declined .*code=card_declined"):
         charge_card.reconcile(_job("order-4", payment_method="pm_card_visa_chargeDeclined"))
 
 

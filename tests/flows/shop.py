@@ -56,6 +56,7 @@ class Charge(outbox.Effect):
         self.schema = schema
         self.performed: Counter[str] = Counter()
         self.hook_calls: Counter[str] = Counter()
+        self.hook_attempts: dict[str, set[int]] = {}  # the attempts a hook ran at
         self.lock = threading.Lock()
 
     def charge(self, job: outbox.Job) -> dict[str, Any]:
@@ -79,6 +80,7 @@ class Charge(outbox.Effect):
     def steer(self, job: outbox.Job) -> str | None:
         with self.lock:
             self.hook_calls[job.key] += 1
+            self.hook_attempts.setdefault(job.key, set()).add(job.attempt)
         hook = job.payload.get("hook")
         if hook == "raise_always" or (hook == "raise_once" and job.attempt == 1):
             raise HookFailed(f"hook broke on attempt {job.attempt}")
