@@ -3,6 +3,13 @@ enqueues its confirmation email and its charge in one transaction, keyed
 ``email-order-<id>`` and ``payment-order-<id>``. Stripe's ``payment_intent.succeeded``
 webhook marks the order paid (``mark_paid``), once per Stripe event.
 
+The charge is a flow: its completion hooks run in the transaction that records it.
+``charged`` stores the PaymentIntent on the order (status ``charged``) and enqueues the
+receipt naming it (``email-receipt-<id>``); ``charge_failed`` marks the order
+``payment_failed`` and enqueues the card-declined email (``email-declined-<id>``). A
+charge whose answer was lost is settled by the dispatcher's reconciler from Stripe's
+own records (``ChargeCard.reconcile``), and its hooks then run the same way.
+
 It talks to the fake providers of ``effects.testing`` by default (their URLs in
 ``SHOP_EMAIL_URL`` / ``SHOP_STRIPE_URL``), and to the real Resend and Stripe when
 ``RESEND_API_KEY`` / ``STRIPE_API_KEY`` are set. The web application is in
@@ -65,6 +72,9 @@ class Order(Base):
     paid_at: Mapped[datetime | None] = mapped_column(default=None)
     payment_intent: Mapped[str | None] = mapped_column(String, default=None)
     payment_event: Mapped[str | None] = mapped_column(String, default=None)
+    # Written by the charge's completion hooks, with the charge's own outcome:
+    # placed -> charged (on_done) or payment_failed (on_failed).
+    status: Mapped[str] = mapped_column(String, default="placed", server_default="placed")
 
 
 def engine_for(dsn: str) -> Engine:
@@ -137,6 +147,56 @@ def mark_paid(session: Session, event: Mapping[str, Any]) -> int | None:
         .returning(Order.id)).scalar_one_or_none()
 
 
+def _order_of(job: outbox.Job) -> int:
+    """The order a charge job is for (``place_order`` put it in the metadata)."""
+    return int(job.payload["metadata"]["order_id"])
+
+
+def charged(tx: outbox.HookTransaction, job: outbox.Job, result: Any) -> None:
+    """The charge's ``on_done``: in the transaction that records the charge, store its
+    PaymentIntent on the order and enqueue the receipt naming it."""
+    order = _order_of(job)
+    row = tx.execute("UPDATE shop_orders SET status = 'charged', payment_intent = %s "
+                     "WHERE id = %s RETURNING customer, email, amount, currency",
+                     (result["id"], order)).fetchone()
+    if row is None:
+        return  # the order is gone; there is nobody to send a receipt to
+    customer, email, amount, currency = row
+    tx.enqueue("email.send", key=f"email-receipt-{order}", payload={
+        "from": SHOP_EMAIL_FROM,
+        "to": email,
+        "subject": f"Receipt for order {order}",
+        "text": (f"Thank you, {customer}. We charged {amount / 100:.2f} "
+                 f"{currency.upper()} for order {order} (payment {result['id']})."),
+        "tags": [{"name": "order", "value": str(order)}],
+    })
+
+
+def charge_failed(tx: outbox.HookTransaction, job: outbox.Job, error: BaseException) -> None:
+    """The charge's ``on_failed``: mark the order ``payment_failed`` and enqueue the
+    card-declined email, in the transaction that fails the charge."""
+    order = _order_of(job)
+    row = tx.execute("UPDATE shop_orders SET status = 'payment_failed' WHERE id = %s "
+                     "RETURNING customer, email", (order,)).fetchone()
+    if row is None:
+        return
+    customer, email = row
+    tx.enqueue("email.send", key=f"email-declined-{order}", payload={
+        "from": SHOP_EMAIL_FROM,
+        "to": email,
+        "subject": f"Order {order}: your card was declined",
+        "text": f"Sorry, {customer}: the payment for order {order} did not go through.",
+        "tags": [{"name": "order", "value": str(order)}],
+    })
+
+
+def effect_keys(order_id: int) -> list[str]:
+    """The keys of every effect an order may have: its email, its charge, and the
+    receipt or the declined email the charge's hooks enqueue."""
+    return [f"email-order-{order_id}", f"payment-order-{order_id}",
+            f"email-receipt-{order_id}", f"email-declined-{order_id}"]
+
+
 def effect_states(session: Session, order_id: int) -> list[dict[str, Any]]:
     """Where the order's effects stand: one row per job (or ledger entry), by key."""
     rows = session.execute(text(
@@ -146,7 +206,7 @@ def effect_states(session: Session, order_id: int) -> list[dict[str, Any]]:
         f"FROM unnest(CAST(:keys AS text[])) AS k(key) "
         f"LEFT JOIN {OUTBOX_SCHEMA}.jobs j ON j.key = k.key "
         f"LEFT JOIN {OUTBOX_SCHEMA}.effect_results r ON r.key = k.key "
-        f"ORDER BY k.key"), {"keys": [f"email-order-{order_id}", f"payment-order-{order_id}"]})
+        f"ORDER BY k.key"), {"keys": effect_keys(order_id)})
     return [
         {"key": key, "effect": effect, "status": status, "attempts": attempts,
          "last_error": error, "result": result}
@@ -161,9 +221,23 @@ def build_effects(env: Mapping[str, str] = os.environ) -> list[outbox.Effect]:
     timeout = float(env.get("SHOP_PROVIDER_TIMEOUT", "10"))
     email = (SendEmail(api_key=resend_key, timeout=timeout) if resend_key else
              SendEmail(api_key=FAKE_API_KEY, base_url=env["SHOP_EMAIL_URL"], timeout=timeout))
-    charge = (ChargeCard(api_key=stripe_key, timeout=timeout) if stripe_key else
-              ChargeCard(api_key=FAKE_API_KEY, base_url=env["SHOP_STRIPE_URL"], timeout=timeout))
+    window = env.get("SHOP_CHARGE_UNKNOWN_WINDOW")
+    charge_class = ChargeCard if window is None else _charge_with_window(float(window))
+    charge = (charge_class(api_key=stripe_key, timeout=timeout) if stripe_key else
+              charge_class(api_key=FAKE_API_KEY, base_url=env["SHOP_STRIPE_URL"],
+                           timeout=timeout))
     return [email, charge]
+
+
+def _charge_with_window(seconds: float) -> type[ChargeCard]:
+    """``ChargeCard`` whose unknown outcomes are retried for ``seconds`` (instead of
+    Stripe's 24 hours) before the reconciler asks Stripe: the demo uses 0, so that every
+    lost answer is settled by the reconciler."""
+
+    class WindowedChargeCard(ChargeCard):
+        unknown_outcome_window = seconds
+
+    return WindowedChargeCard
 
 
 def dispatcher_options(env: Mapping[str, str] = os.environ) -> dict[str, Any]:
@@ -174,6 +248,10 @@ def dispatcher_options(env: Mapping[str, str] = os.environ) -> dict[str, Any]:
         "lease": float(env.get("SHOP_LEASE", "30")),
         "backoff": outbox.Backoff(base=float(env.get("SHOP_BACKOFF_BASE", "1")),
                                   cap=float(env.get("SHOP_BACKOFF_CAP", "300"))),
+        "on_done": {"payment.charge": charged},
+        "on_failed": {"payment.charge": charge_failed},
+        "reconcile_interval": float(env.get("SHOP_RECONCILE_INTERVAL", "60")),
+        "unknown_outcome_window": float(env.get("SHOP_UNKNOWN_WINDOW", str(24 * 3600))),
     }
 
 

@@ -4,14 +4,20 @@
    the shop's web application (uvicorn, ``examples.shop.web``).
 2. Start two dispatcher processes; place orders over HTTP from several threads meanwhile.
 3. Inject provider faults (5xx bursts, 429 with Retry-After, success followed by a
-   timeout or a dropped connection, declined cards); kill -9 one dispatcher in the
-   middle and start another; freeze one past its lease, then let it go.
+   timeout or a dropped connection, declined cards, and a share of Stripe's charge
+   answers lost after the charge was made); kill -9 one dispatcher in the middle and
+   start another; freeze one past its lease, then let it go. Each charge is a flow:
+   its on_done stores the PaymentIntent on the order and enqueues the receipt, its
+   on_failed marks the order payment_failed and enqueues the declined email; a charge
+   whose answer was lost goes to reconcile at once and the reconciler settles it from
+   Stripe's records (or Stripe's webhook does, through the inbox).
 4. Wait for every job to finish and for the fake Stripe's ``payment_intent.succeeded``
    webhooks to reach the shop (``POST /webhooks/stripe``), then send every event once
    more with its id, as Stripe redelivers. Check the invariants: every business effect
-   performed exactly once at its provider, none lost, each charged order paid once by
-   its own PaymentIntent, a redelivered event changing nothing. Exit 1 if any was
-   violated.
+   performed exactly once at its provider, none lost, none left in reconcile, each
+   order's chain complete (charged with a receipt naming its PaymentIntent, or
+   payment_failed with the declined email), each charged order paid once by its own
+   PaymentIntent, a redelivered event changing nothing. Exit 1 if any was violated.
 5. With ``--serve``, keep the shop, fresh dispatchers and the fakes running to browse.
 """
 
@@ -51,6 +57,8 @@ from outbox.testing import start_server
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DECLINED_CARD = "pm_card_chargeDeclined"
 LEASE = 2.0
+LOST_ANSWERS = 0.1  # the share of Stripe's charge answers lost after the charge was made
+JOBS_PER_ORDER = 3  # confirmation, charge, and the receipt or the declined email
 WEBHOOK_SECRET = "whsec_demo_shop_endpoint"  # the fake Stripe's and the shop's, for the demo
 
 
@@ -205,7 +213,7 @@ def _place_orders(url: str, count: int, threads: int, rng: random.Random,
         thread.join()
 
 
-def _inject_faults(email: FakeEmailProvider, stripe: FakeStripe) -> dict[str, int]:
+def _inject_faults(email: FakeEmailProvider, stripe: FakeStripe, seed: int) -> dict[str, int]:
     """Arm one burst of every fault kind at both fakes; return what was armed."""
     for fake in (email, stripe):
         fake.fail_next(4, 503)
@@ -213,6 +221,7 @@ def _inject_faults(email: FakeEmailProvider, stripe: FakeStripe) -> dict[str, in
         fake.succeed_then_timeout(2)
         fake.succeed_then_drop(2)
         fake.drop_connection(2)
+    stripe.lose_responses(LOST_ANSWERS, seed=seed)
     return {"5xx": 8, "429 + Retry-After": 6, "success then timeout": 4,
             "success then dropped": 4, "dropped before": 4}
 
@@ -227,7 +236,7 @@ def _job_counts(dsn: str) -> Counter[str]:
 def _drive(dsn: str, url: str, orders: int, workers: Workers, console: Console,
            seed: int) -> None:
     """Place the orders and run the chaos while showing progress, until all finished."""
-    total = 2 * orders
+    total = JOBS_PER_ORDER * orders
     killed_at = int(total * 0.35)
     frozen_at = int(total * 0.6)
     placing = Orders()
@@ -246,7 +255,7 @@ def _drive(dsn: str, url: str, orders: int, workers: Workers, console: Console,
                 raise click.ClickException(placing.failure)
             progress.update(placed, completed=len(placing.placed))
             counts = _job_counts(dsn)
-            finished = counts["done"] + counts["failed"] + counts["reconcile"]
+            finished = counts["done"] + counts["failed"]
             if workers.killed == 0 and finished >= killed_at:
                 workers.kill_one(dsn, progress.console)
             if not workers.freezing and finished >= frozen_at:
@@ -254,7 +263,8 @@ def _drive(dsn: str, url: str, orders: int, workers: Workers, console: Console,
                 threading.Thread(target=workers.freeze_one, daemon=True,
                                  args=(dsn, LEASE + 1.5, progress.console)).start()
             progress.update(task, completed=finished, detail=(
-                f"running {counts['running']:>3}  pending {counts['pending']:>3}"))
+                f"running {counts['running']:>3}  pending {counts['pending']:>3}  "
+                f"reconcile {counts['reconcile']:>3}"))
             if not placer.is_alive() and finished == total and workers.frozen:
                 return
             time.sleep(0.1)  # a progress display refresh, not a synchronisation
@@ -275,15 +285,76 @@ def _check(dsn: str, email: FakeEmailProvider, stripe: FakeStripe) -> tuple[list
         performed = fakes[effect].performed(key)
         if status == "done" and (performed != 1 or not in_ledger):
             violations.append(f"{key}: done, performed {performed}x, ledger row {in_ledger}")
-        elif status in ("pending", "running"):
-            violations.append(f"{key}: lost, still {status}")
+        elif status in ("pending", "running", "reconcile"):
+            violations.append(f"{key}: not settled, still {status}")
         elif status == "failed" and not (effect == "payment.charge" and "card_declined" in error):
             violations.append(f"{key}: failed unexpectedly: {error}")
         if performed > 1:
             violations.append(f"{key}: performed {performed} times at the provider")
-    if len(jobs) != 2 * orders:
+    if len(jobs) != JOBS_PER_ORDER * orders:
         violations.append(f"{orders} orders but {len(jobs)} jobs")
-    return violations, {"orders": orders, "jobs": jobs}
+    chains = _chains(dsn)
+    violations += _chain_violations(chains)
+    return violations, {"orders": orders, "jobs": jobs, "chains": chains,
+                        "reconciled": _reconciled(dsn)}
+
+
+@dataclass
+class Chain:
+    """One order's flow: its status and PaymentIntent, and its jobs in order."""
+
+    order: int
+    status: str
+    intent: str | None
+    steps: list[tuple[str, str, str | None]]  # (key, status, parent key)
+
+
+def _chains(dsn: str) -> list[Chain]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        orders = conn.execute("SELECT id, status, payment_intent FROM shop_orders "
+                              "ORDER BY id").fetchall()
+        rows = conn.execute(
+            f"SELECT key, status, parent_key, payload FROM {app.OUTBOX_SCHEMA}.jobs "
+            f"ORDER BY id").fetchall()
+    by_key = {key: (status, parent, payload) for key, status, parent, payload in rows}
+    chains = []
+    for order, status, intent in orders:
+        keys = [k for k in app.effect_keys(int(order)) if k in by_key]
+        chains.append(Chain(int(order), str(status), intent,
+                            [(k, by_key[k][0], by_key[k][1]) for k in keys]))
+    return chains
+
+
+def _chain_violations(chains: list[Chain]) -> list[str]:
+    """Each order charged with its receipt naming the intent, or declined with its email."""
+    violations = []
+    for chain in chains:
+        keys = {key: (status, parent) for key, status, parent in chain.steps}
+        charge = f"payment-order-{chain.order}"
+        follow = (f"email-receipt-{chain.order}" if chain.status == "charged"
+                  else f"email-declined-{chain.order}")
+        if chain.status not in ("charged", "payment_failed"):
+            violations.append(f"order {chain.order}: still {chain.status}")
+        elif keys.get(follow) != ("done", charge):
+            violations.append(f"order {chain.order}: {chain.status} but {follow} is "
+                              f"{keys.get(follow)}")
+        elif chain.status == "charged" and not chain.intent:
+            violations.append(f"order {chain.order}: charged with no PaymentIntent stored")
+    return violations
+
+
+def _reconciled(dsn: str) -> Counter[str]:
+    """The reconciler's decisions (its own passes and Stripe's webhooks), by kind."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            f"SELECT coalesce(detail->>'source', 'reconciler pass'), detail->>'decision', "
+            f"count(*) FROM {app.OUTBOX_SCHEMA}.dashboard_audit "
+            f"WHERE actor = 'reconciler' AND affected = 1 GROUP BY 1, 2").fetchall()
+    found: Counter[str] = Counter()
+    for source, decision, n in rows:
+        via = "Stripe's webhook" if str(source).startswith("stripe event") else "its pass"
+        found[f"{decision} ({via})"] += int(n)
+    return found
 
 
 @dataclass
@@ -375,6 +446,14 @@ def _summary(console: Console, figures: dict[str, Any], workers: Workers,
         ("jobs done", sum(n for (_, s), n in status.items() if s == "done")),
         ("jobs failed (declined cards)", sum(n for (_, s), n in status.items() if s == "failed")),
         ("jobs in reconcile", sum(n for (_, s), n in status.items() if s == "reconcile")),
+        ("charge answers lost by the fake Stripe (charge made, answer dropped)",
+         len(stripe.lost_responses)),
+        *((f"settled by the reconciler: {what}", n)
+          for what, n in sorted(figures["reconciled"].items())),
+        ("receipts sent by the charge's on_done",
+         sum(1 for c in figures["chains"] if c.status == "charged")),
+        ("declined emails sent by the charge's on_failed",
+         sum(1 for c in figures["chains"] if c.status == "payment_failed")),
         ("retries", workers.total("retried")),
         ("dispatchers killed -9 / frozen past lease", f"{workers.killed} / {workers.frozen}"),
         ("lease rescues", workers.total("rescued")),
@@ -390,6 +469,26 @@ def _summary(console: Console, figures: dict[str, Any], workers: Workers,
                       for key, _, s, _, error, _ in jobs if s == "failed")
     for reason, n in reasons.most_common():
         console.print(f"  failed x{n}: {reason}")
+    _show_chains(console, figures["chains"], {k for k in stripe.lost_responses if k})
+
+
+def _show_chains(console: Console, chains: list[Chain], lost: set[str]) -> None:
+    """A few orders' flows: a plain one, a declined one, and ones whose answer was lost."""
+    plain = [c for c in chains if c.status == "charged"
+             and f"payment-order-{c.order}" not in lost][:2]
+    declined = [c for c in chains if c.status == "payment_failed"][:1]
+    settled = [c for c in chains if f"payment-order-{c.order}" in lost][:3]
+    table = Table(title="each order's chain (a few of them)")
+    table.add_column("order", justify="right")
+    table.add_column("flow")
+    table.add_column("order status")
+    for chain in [*plain, *declined, *settled]:
+        steps = "  ->  ".join(
+            f"{key} {status}" + (" (answer lost; reconciled)" if key in lost else "")
+            for key, status, _ in chain.steps if not key.startswith("email-order-"))
+        table.add_row(str(chain.order), steps,
+                      chain.status + (f" {chain.intent}" if chain.intent else ""))
+    console.print(table)
 
 
 def _browse_hint(console: Console, url: str, serving: bool) -> None:
@@ -438,6 +537,9 @@ def run_demo(dsn: str | None, orders: int, seed: int | None, serve: bool = False
                "SHOP_CONCURRENCY": "4",
                "SHOP_LEASE": str(LEASE), "SHOP_BACKOFF_BASE": "0.2", "SHOP_BACKOFF_CAP": "1",
                "SHOP_PROVIDER_TIMEOUT": "1.5",
+               # A lost charge answer goes to reconcile at once; the reconciler asks
+               # Stripe every half second.
+               "SHOP_CHARGE_UNKNOWN_WINDOW": "0", "SHOP_RECONCILE_INTERVAL": "0.5",
                "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
         for key in ("RESEND_API_KEY", "STRIPE_API_KEY"):  # the demo always uses the fakes
             env.pop(key, None)
@@ -445,7 +547,7 @@ def run_demo(dsn: str | None, orders: int, seed: int | None, serve: bool = False
         stripe.webhook_url = f"{url}/webhooks/stripe"  # each charge is announced to the shop
         try:
             workers = Workers(env, log_dir)
-            faults = _inject_faults(email, stripe)
+            faults = _inject_faults(email, stripe, seed)
             workers.start()
             workers.start()
             try:
@@ -466,8 +568,9 @@ def run_demo(dsn: str | None, orders: int, seed: int | None, serve: bool = False
                     console.print(f"  {line}")
                 console.print(f"worker logs: {log_dir}")
                 return 1
-            console.print("[bold green]every business effect performed exactly once, none lost; "
-                          "each charged order paid once[/]")
+            console.print("[bold green]every business effect performed exactly once, none lost, "
+                          "none left in reconcile; each order's chain complete; each charged "
+                          "order paid once[/]")
             if serve:
                 _serve(console, url, workers)
             else:
