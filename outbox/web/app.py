@@ -292,13 +292,28 @@ async def job_detail(request: Request) -> Response:
         job = _job_dict(found[0], settings)
         ledger = await rows(conn, q.job_ledger, {"key": job["key"]})
         audit = await rows(conn, q.job_audit, {"id": job_id})
+        flow = await job_flow(conn, q, job_id, job["key"])
         can_act = access == "operate" and await writable(settings, conn)
     outcome = OUTCOMES.get(request.query_params.get("outcome", ""))
     return render(request, "job.html", {
+        **flow,
         "job": job, "ledger": ledger[0] if ledger else None, "audit": audit,
         "can_act": can_act, "message": outcome,
         "moved": request.query_params.get("outcome") == "moved",
     })
+
+
+async def job_flow(conn: psycopg.AsyncConnection[Any], q: Any, job_id: int,
+                   key: str) -> dict[str, Any]:
+    """The job's place in its flow (parent, follow-ups) and its reconciliation."""
+    flow = await rows(conn, q.job_flow, {"id": job_id})
+    return {
+        "flow": dict(zip(("parent_key", "parent_id", "parent_status", "kept_result",
+                          "reconcile_at", "reconcile_checks"), flow[0], strict=True))
+        if flow else None,
+        "followups": await rows(conn, q.job_followups, {"key": key}),
+        "reconciliation": await rows(conn, q.job_reconciliation, {"id": job_id}),
+    }
 
 
 _DETAIL_COLUMNS = ("id", "effect", "key", "status", "attempts", "max_attempts",

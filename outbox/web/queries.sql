@@ -234,3 +234,30 @@ WITH picked AS (
             (SELECT count(*) FROM changed))
 )
 SELECT count(*) FROM changed c, pg_notify(%(channel)s::text, '');
+
+-- Flows: where a job stands in its chain, and what the reconciler decided about it.
+
+-- name: job_flow
+-- The job's parent (the job whose completion hook enqueued it), whether it carries a
+-- provider answer kept after a hook failed, and the reconciler's schedule.
+SELECT j.parent_key, p.id AS parent_id, p.status AS parent_status,
+       j.performed_result IS NOT NULL AS kept_result, j.reconcile_at, j.reconcile_checks
+FROM {schema}.jobs j
+LEFT JOIN {schema}.jobs p ON p.key = j.parent_key
+WHERE j.id = %(id)s::bigint;
+
+-- name: job_followups
+-- The jobs this job's completion hooks enqueued, in enqueue order.
+SELECT f.id, f.effect, f.key, f.status, f.updated_at
+FROM {schema}.jobs f
+WHERE f.parent_key = %(key)s::text
+ORDER BY f.id
+LIMIT 100;
+
+-- name: job_reconciliation
+-- The reconciler's decisions about the job, newest first.
+SELECT a.at, a.detail->>'decision' AS decision, a.detail->>'source' AS source, a.affected
+FROM {schema}.dashboard_audit a
+WHERE a.job_id = %(id)s::bigint AND a.actor = 'reconciler'
+ORDER BY a.at DESC, a.id DESC
+LIMIT 50;
