@@ -220,3 +220,25 @@ def test_hook_options_are_checked(dsn: str) -> None:
     with pytest.raises(outbox.ConfigurationError, match="must be a function"):
         outbox.AsyncDispatcher(dsn, [Follow("a")], on_done={"a": 3})  # type: ignore[dict-item]
     assert outbox.AsyncDispatcher(dsn, [Follow("a")], on_done={"a": async_hook})
+
+
+def test_on_failed_that_raises_is_retried_and_writes_once(shop: Shop) -> None:
+    shop.enqueue(NewJob(CHARGE, "order-9", {"decline": True, "hook": "raise_once"}))
+    shop.dispatch()
+    assert shop.table("declined") == [("order-9", "card declined")]
+    assert shop.declined.performed == ["declined-order-9"]
+    # The provider is asked again with the same key (it replays its decline).
+    assert shop.charge.performed["order-9"] == 2
+    assert shop.charge.hook_attempts["order-9"] == {1, 2}
+    job = shop.jobs()["order-9"]
+    assert job["status"] == "failed" and job["last_error"].startswith("Permanent: card declined")
+
+
+def test_on_failed_that_always_raises_fails_without_its_writes(shop: Shop) -> None:
+    shop.enqueue(NewJob(CHARGE, "order-10", {"decline": True, "hook": "raise_always"},
+                        max_attempts=2))
+    shop.dispatch()
+    assert shop.table("declined") == [] and shop.declined.performed == []
+    job = shop.jobs()["order-10"]
+    assert job["status"] == "failed"
+    assert "card declined" in job["last_error"] and "on_failed raised HookFailed" in job["last_error"]

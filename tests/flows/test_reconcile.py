@@ -288,3 +288,35 @@ def test_run_asks_within_the_interval(dsn: str, schema: str) -> None:
         runner.join()
     assert _jobs(dsn, schema)["order-6"]["status"] == "done"
     assert json.loads(json.dumps(_ledger(dsn, schema)["order-6"]["result"]))["found_by"]
+
+
+def test_on_done_raising_after_reconciliation_keeps_the_answer(
+    dsn: str, schema: str, flavour: str,
+) -> None:
+    provider = Provider()
+    effect = _effect(flavour, provider, schema)
+    original = effect.on_done
+    failures = [ValueError("the order table is locked")]
+
+    def on_done(tx: Any, job: outbox.Job, result: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return original(tx, job, result)
+
+    effect.on_done = on_done  # type: ignore[method-assign]
+    if flavour == "async":
+        async def async_on_done(tx: Any, job: outbox.Job, result: Any) -> None:
+            if failures:
+                raise failures.pop()
+            await original(tx, job, result)
+
+        effect.on_done = async_on_done  # type: ignore[method-assign]
+    _enqueue(dsn, schema, NewJob(LOSSY, "order-7", {"lose": True}))
+    _run(flavour, dsn, schema, effect)
+    _run(flavour, dsn, schema, effect)  # performed, but on_done raised: kept, pending
+    _run(flavour, dsn, schema, effect)  # recorded from the kept answer
+    found = _jobs(dsn, schema)
+    assert found["order-7"]["status"] == "done"
+    assert found["note-order-7"]["status"] == "done"
+    assert provider.acted["order-7"] == 1  # never performed again
+    assert _ledger(dsn, schema)["order-7"]["result"]["found_by"] == "reconcile"
