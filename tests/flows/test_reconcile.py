@@ -295,7 +295,7 @@ def test_on_done_raising_after_reconciliation_keeps_the_answer(
 ) -> None:
     provider = Provider()
     effect = _effect(flavour, provider, schema)
-    original = effect.on_done
+    original: Any = effect.on_done
     failures = [ValueError("the order table is locked")]
 
     def on_done(tx: Any, job: outbox.Job, result: Any) -> Any:
@@ -310,7 +310,7 @@ def test_on_done_raising_after_reconciliation_keeps_the_answer(
                 raise failures.pop()
             await original(tx, job, result)
 
-        effect.on_done = async_on_done  # type: ignore[method-assign]
+        effect.on_done = async_on_done  # type: ignore[method-assign,assignment]
     _enqueue(dsn, schema, NewJob(LOSSY, "order-7", {"lose": True}))
     _run(flavour, dsn, schema, effect)
     _run(flavour, dsn, schema, effect)  # performed, but on_done raised: kept, pending
