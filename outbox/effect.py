@@ -121,7 +121,9 @@ class Effect:
         back to ``pending`` under the same key), or None when the answer is still unknown
         (asked again later, with backoff). Raise when the provider cannot be reached: such
         passes do not count toward giving up. Called by a dispatcher's maintenance, outside
-        any transaction, for jobs in ``reconcile``; may be ``async def``.
+        any transaction, for jobs in ``reconcile``; may be ``async def``. An effect that
+        defines it also has an ``UnknownOutcome`` whose next retry would come after its
+        window closes sent to ``reconcile`` at once, to be asked while the key is known.
         """
         return None
 

@@ -33,11 +33,13 @@ import logging
 import random
 import threading
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from .. import _state
+from .._state import Decision
 from ..effect import Effect, Job
-from ..errors import ConfigurationError, Permanent
+from ..errors import ConfigurationError, Permanent, UnknownOutcome
 from ..flows import NotPerformed, Performed
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .flowsql import flow_queries
@@ -96,6 +98,21 @@ def decide(job: Job, checks: int, reply: object, error: BaseException | None) ->
     problem = TypeError(f"reconcile() of {job.effect!r} returned {type(reply).__name__}: "
                         "expected outbox.Performed, outbox.NotPerformed or None")
     return Answer(job, checks, "unreachable", error=problem)
+
+
+def ask_before_window_closes(decision: Decision, error: BaseException, job: Job,
+                             window: float, now: datetime) -> Decision:
+    """For an effect that reconciles: an unknown outcome whose next retry would come
+    after the provider forgets the key (the window counted from the first attempt)
+    goes to ``reconcile`` now, so the provider is asked while re-sending the key is
+    still safe, instead of being sent the request again past its memory."""
+    if decision.status != "pending" or not isinstance(error, UnknownOutcome):
+        return decision
+    closes = (job.first_attempted_at or now) + timedelta(seconds=window)
+    if now + timedelta(seconds=decision.delay) < closes:
+        return decision
+    return Decision("reconcile", error=f"{decision.error} (the window closes before the "
+                                       "next attempt: the provider is asked instead)")
 
 
 def reconcilers(settings: Settings) -> dict[str, Effect]:

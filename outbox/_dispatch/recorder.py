@@ -25,6 +25,7 @@ from ..errors import ConfigurationError
 from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, Connection
 from .hooks import HookedOutcomes, close_quietly, flush_hooked
+from .reconciler import ask_before_window_closes, reconcilers
 from .settings import Settings
 from .state import Held, Outcome, Release, SharedState, Success, Timer, guarded
 from .steps import Statement, Step, run
@@ -59,6 +60,8 @@ class Recorder:
                       else None)
         # Settlements already decided while sorting out hooked outcomes, by job id.
         self.decided: dict[int, Decision] = {}
+        # Effects whose unknown outcomes the reconciler can settle (Effect.reconcile).
+        self.reconciling = frozenset(reconcilers(settings))
 
     # -- outcomes ---------------------------------------------------------------------
 
@@ -165,12 +168,15 @@ class Recorder:
         if self.decided and (decided := self.decided.pop(held.job.id, None)) is not None:
             return decided
         assert isinstance(outcome, BaseException)
+        now, window = datetime.now(UTC), self.settings.window_for(held.effect)
         decision = _state.decide(
             outcome, attempt=held.job.attempt, max_attempts=held.job.max_attempts,
-            first_attempted_at=held.job.first_attempted_at, now=datetime.now(UTC),
-            unknown_outcome_window=self.settings.window_for(held.effect),
+            first_attempted_at=held.job.first_attempted_at, now=now,
+            unknown_outcome_window=window,
             backoff=self.settings.backoff, rng=self.rng,
         )
+        if held.job.effect in self.reconciling:
+            decision = ask_before_window_closes(decision, outcome, held.job, window, now)
         log.log(
             logging.WARNING if decision.status != "pending" else logging.INFO,
             "job %s (key %s) attempt %s: %s -> %s",

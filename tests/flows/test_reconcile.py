@@ -73,7 +73,8 @@ class Lossy(outbox.Effect):
             provider.acted[key] += 1
             lost = job.payload.get("lose") and provider.acted[key] == 1
         if lost:
-            raise outbox.UnknownOutcome("response lost after the provider acted")
+            raise outbox.UnknownOutcome("response lost after the provider acted",
+                                        after=job.payload.get("after"))
         return {"id": f"pi_{key}"}
 
     def reconcile(self, job: outbox.Job) -> Any:
@@ -320,3 +321,35 @@ def test_on_done_raising_after_reconciliation_keeps_the_answer(
     assert found["note-order-7"]["status"] == "done"
     assert provider.acted["order-7"] == 1  # never performed again
     assert _ledger(dsn, schema)["order-7"]["result"]["found_by"] == "reconcile"
+
+
+def test_an_unknown_outcome_whose_retry_would_outlive_the_window_is_asked_first(
+    dsn: str, schema: str, flavour: str,
+) -> None:
+    provider = Provider()
+    effect = _effect(flavour, provider, schema)
+    # The provider remembers keys for 60 s; the lost answer asks to come back in an hour.
+    _enqueue(dsn, schema, NewJob(LOSSY, "order-8", {"lose": True, "after": 3600}))
+    _run(flavour, dsn, schema, effect, unknown_outcome_window=60)
+    job = _jobs(dsn, schema)["order-8"]
+    assert job["status"] == "reconcile" and "the provider is asked instead" in job["last_error"]
+    _run(flavour, dsn, schema, effect, unknown_outcome_window=60)
+    assert _jobs(dsn, schema)["order-8"]["status"] == "done"
+    assert provider.acted["order-8"] == 1
+
+
+def test_ask_before_window_closes_only_when_the_retry_would_come_too_late() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from outbox._dispatch.reconciler import ask_before_window_closes
+    from outbox._state import Decision
+
+    now = datetime.now(UTC)
+    job = outbox.Job(id=1, effect=LOSSY, key="k", payload={}, attempt=2, claim_version=2,
+                     first_attempted_at=now - timedelta(seconds=50))
+    unknown = outbox.UnknownOutcome("timeout")
+    soon = Decision("pending", delay=5.0, error="timeout")
+    late = Decision("pending", delay=15.0, error="timeout")
+    assert ask_before_window_closes(soon, unknown, job, 60.0, now) == soon
+    assert ask_before_window_closes(late, unknown, job, 60.0, now).status == "reconcile"
+    assert ask_before_window_closes(late, RuntimeError("5xx"), job, 60.0, now) == late
