@@ -352,7 +352,7 @@ def _reconciled(dsn: str) -> Counter[str]:
             f"WHERE actor = 'reconciler' AND affected = 1 GROUP BY 1, 2").fetchall()
     found: Counter[str] = Counter()
     for source, decision, n in rows:
-        via = "Stripe's webhook" if str(source).startswith("stripe event") else "asked Stripe"
+        via = "Stripe's webhook" if str(source).startswith("stripe event") else "asked the provider"
         found[f"{decision} ({via})"] += int(n)
     return found
 
