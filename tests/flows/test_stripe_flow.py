@@ -36,8 +36,9 @@ def test_orders_with_a_fifth_of_stripe_answers_lost_are_each_charged_once(
         fake.lose_responses(0.2, seed=18)
         _charges(dsn, schema, orders)
         options: dict[str, Any] = {"schema": schema, "unknown_outcome_window": 0,
-                                   "reconcile_interval": 1.0, "concurrency": 16}
-        for _ in range(5):  # a pass of claims, then the reconciler's pass, and so on
+                                   "reconcile_interval": 1.0, "concurrency": 16,
+                                   "backoff": outbox.Backoff(base=0.01, cap=0.05)}
+        for _ in range(20):  # a pass of claims, then the reconciler's pass, and so on
             if flavour == "sync":
                 outbox.Dispatcher(dsn, [card], **options).run_until_idle(timeout=120)
             else:
@@ -65,9 +66,10 @@ def test_orders_with_a_fifth_of_stripe_answers_lost_are_each_charged_once(
                     sql.Identifier(schema), sql.Identifier(schema))).fetchall()
         assert {key: recorded[key]["result"]["id"] for key in keys} == {
             key: intents[key][0] for key in keys}
-        # Every lost answer was found performed by the reconciler. A request that failed
-        # before Stripe executed it (a reset under load) is rightly found not performed,
-        # and then performed once under its key.
-        assert {key for decision, key in decisions if decision == "performed"} == set(lost)
+        # Every lost answer was found performed by the reconciler (so was any answer that
+        # came too late for the client under load). A request that failed before Stripe
+        # executed it (a reset under load) is rightly found not performed, and then
+        # performed once under its key.
+        assert set(lost) <= {key for decision, key in decisions if decision == "performed"}
         assert {decision for decision, _ in decisions} <= {"performed", "not_performed"}
         assert len(decisions) == len({key for _, key in decisions})
