@@ -25,6 +25,7 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/unit/test_steps.py": {"outbox._enqueue"},
     "tests/property/test_decisions.py": {"outbox._state"},
     "tests/property/test_lifecycle.py": {"outbox._state"},
+    "tests/web/test_counts.py": {"outbox._queue"},
 }
 
 
