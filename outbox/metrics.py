@@ -124,6 +124,17 @@ class PrometheusObserver(DispatchObserver, Collector):
 
     # -- events (dispatcher threads) ---------------------------------------------------
 
+    def effects_registered(self, effects: Sequence[str]) -> None:
+        """Start every labelled series of these effects at 0: attempts and durations per
+        outcome, queue waits, fence rejections, jobs in flight."""
+        with self._lock:
+            for effect in effects:
+                for outcome in OUTCOMES:
+                    self._durations.setdefault((effect, outcome), _Histogram(_ATTEMPT_BUCKETS))
+                self._waits.setdefault(effect, _Histogram(_QUEUE_WAIT_BUCKETS))
+                self._fences.setdefault(effect, 0)
+                self._started.setdefault(effect, 0)
+
     def claimed(self, duration: float, waits: Sequence[tuple[str, float]]) -> None:
         """Claim latency, each claimed job's queue wait, and the last claim time."""
         now = time.time() if waits else None
