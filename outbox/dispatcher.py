@@ -190,13 +190,6 @@ class _Options:
         self._setup()  # the shared state takes its observer from the settings
         guarded(observer.effects_registered, sorted(self.settings.effects))
 
-    def _enable_metrics(self) -> None:
-        """Add the process's PrometheusObserver (default registry): what ``outbox run
-        --metrics-port`` does (kept for callers of this older private name)."""
-        from .metrics import PrometheusObserver  # prometheus-client is an optional extra
-
-        self.add_observer(PrometheusObserver.default())
-
     def _failed(self, failure: BaseException) -> DispatcherFailed:
         return DispatcherFailed(
             f"the dispatcher stopped: a part of it died of {type(failure).__name__} "

@@ -27,6 +27,7 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/property/test_lifecycle.py": {"outbox._state"},
     "tests/web/test_counts.py": {"outbox._queue"},
     "tests/web/test_queue_reporting.py": {"outbox._queue"},
+    "tests/integration/test_recorder_failures.py": {"outbox._dispatch"},
 }
 
 

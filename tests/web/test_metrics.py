@@ -196,7 +196,7 @@ def test_metrics_true_adds_the_default_observer_once(dsn: str, schema: str) -> N
 
 def test_enabling_metrics_later_reaches_the_dispatchers_state(dsn: str, schema: str) -> None:
     dispatcher = outbox.Dispatcher(dsn, [_Outcomes()], schema=schema)
-    dispatcher._enable_metrics()  # what outbox run --metrics-port does
+    dispatcher.add_observer(PrometheusObserver.default())  # outbox run --metrics-port
     assert dispatcher.settings.observer is PrometheusObserver.default()
     assert dispatcher._state.observer is PrometheusObserver.default()
     assert dispatcher._state.observing
