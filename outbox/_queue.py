@@ -5,9 +5,9 @@ Prometheus database collector), so they count alike and say "due" alike:
 
 - counts are exact on a small table; on a large one the unfinished states are counted
   exactly and done jobs (history) estimated from a block sample;
-- "due" applies the claim's own rules (``sql/queue.sql``, block ``claimable``): a job
-  held back by its ordering key waits for its key-mate, not for a dispatcher, so it is
-  neither due nor part of the oldest due age.
+- "due" applies the claim's own rules (``sql/queue.sql``, block ``effect_health``): a
+  job held back by its ordering key waits for its key-mate, not for a dispatcher, so it
+  is neither due nor part of the oldest due age.
 
 The reading is a step (``outbox._dispatch.steps``): the same statements and the same
 interpretation of their rows, driven on a blocking connection (``read``) or an asyncio
@@ -23,10 +23,9 @@ from importlib import resources
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from ._dispatch.steps import Rows, Statement, Step, run, run_async
-from ._sql import BoundQueries, check_schema_name, parse_blocks
+from ._sql import BoundQueries, bind_schema, check_schema_name, parse_blocks
 
 __all__ = [
     "EXACT_COUNT_LIMIT",
@@ -52,7 +51,6 @@ SAMPLE_ROWS = 20_000
 """Rows a block sample should see when done jobs are estimated."""
 
 CountMap = dict[tuple[str, str], int]
-_FRAGMENTS = ("claimable",)
 
 
 def exact(estimate: int) -> bool:
@@ -97,13 +95,13 @@ class Counts:
 
 @dataclass(frozen=True, slots=True)
 class EffectHealth:
-    """One effect's health. Ages in seconds, None when there is no such job."""
+    """One effect's health. Ages in seconds, None when there is no such job; a job held
+    back by its ordering key is not due (the claim would not take it)."""
 
     effect: str
     oldest_due_age: float | None
     expired_leases: int
     oldest_reconcile_age: float | None
-    due: int
 
 
 @dataclass(frozen=True)
@@ -123,13 +121,8 @@ class QueueQueries(BoundQueries):
 
     def __init__(self, schema: str) -> None:
         self.schema = check_schema_name(schema)
-        identifier = sql.Identifier(schema)
-        raw = _raw()
-        claimable = sql.SQL(raw["claimable"]).format(schema=identifier)
-        super().__init__({
-            name: sql.SQL(body).format(schema=identifier, claimable=claimable).as_string(None)
-            for name, body in raw.items() if name not in _FRAGMENTS
-        }, "sql/queue.sql")
+        super().__init__({name: bind_schema(body, schema) for name, body in _raw().items()},
+                         "sql/queue.sql")
 
 
 @cache
@@ -158,8 +151,8 @@ def snapshot(schema: str) -> Step[Snapshot]:
         sample = yield Statement(q.done_sample, {"percent": sample_percent(estimate)})
         counts = Counts(with_done_estimated(unfinished, sample, estimate), True, dead)
     health = yield Statement(q.effect_health, {})
-    return Snapshot(counts, {row[0]: EffectHealth(row[0], row[1], int(row[2]), row[3],
-                                                  int(row[4])) for row in health})
+    return Snapshot(counts, {row[0]: EffectHealth(row[0], row[1], int(row[2]), row[3])
+                             for row in health})
 
 
 def read(conn: psycopg.Connection[Any], schema: str) -> Snapshot:

@@ -1,19 +1,6 @@
 -- The queue as operators see it: counts and health per effect, read by the dashboard
 -- and the Prometheus database collector alike. {schema} is the quoted schema
--- identifier; {claimable} is the `claimable` block below.
-
--- name: claimable
--- A job the claim would take now (the claim's own rules, for any effect): pending, due,
--- and not held back by its ordering key (no earlier job of the key unfinished, none
--- running). Kept in step with the `claim` and `has_due_work` blocks of queries.sql; a
--- test compares what this counts as due with what a claim takes.
-j.status = 'pending'
-AND j.available_at <= now()
-AND (j.ordering_key IS NULL OR NOT EXISTS (
-      SELECT 1 FROM {schema}.jobs o
-      WHERE o.ordering_key = j.ordering_key
-        AND o.id <> j.id
-        AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id))))
+-- identifier.
 
 -- name: table_size
 -- The planner's row estimate and the dead tuples of the jobs table (statistics, no scan).
@@ -45,20 +32,35 @@ WHERE j.status = 'done'
 GROUP BY j.effect;
 
 -- name: effect_health
--- Per effect: how long the oldest due job has waited, leases past their deadline, how
--- long the oldest reconcile job has waited for a person, and how many jobs are due.
--- "Due" is what a claim would take now: a job held back by its ordering key (behind a
--- running job, or a pending one retrying later) is waiting for its key-mate, not for a
--- dispatcher, so it is not due.
-SELECT j.effect,
-       extract(epoch FROM now() - min(j.available_at) FILTER (WHERE d.due))::float8
-           AS oldest_due_age,
-       count(*) FILTER (WHERE j.status = 'running' AND j.lease_until < now()) AS expired_leases,
-       extract(epoch FROM now() - min(j.updated_at)
-               FILTER (WHERE j.status = 'reconcile'))::float8 AS oldest_reconcile_age,
-       count(*) FILTER (WHERE d.due) AS due
-FROM {schema}.jobs j
-CROSS JOIN LATERAL (SELECT CASE WHEN j.status = 'pending' AND j.available_at <= now()
-                                THEN {claimable} ELSE false END AS due) d
-WHERE j.status IN ('pending', 'running', 'reconcile')
-GROUP BY j.effect;
+-- Per effect with unfinished jobs: how long the oldest due job has waited, leases past
+-- their deadline, and how long the oldest reconcile job has waited for a person.
+-- "Due" is what a claim would take now: the predicate below is the `claim` block's of
+-- queries.sql, for any effect. A job held back by its ordering key (behind a running
+-- job, or behind a pending one retrying later) waits for its key-mate, not for a
+-- dispatcher, so it is not due. The oldest due job is found the way a claim finds
+-- work, walking the claim index in order and stopping at the first claimable job: as
+-- cheap as counting was when nothing is held back, and no costlier than a claim when a
+-- long line waits behind one key. A test compares the result with what a claim takes.
+WITH unfinished AS (
+    SELECT j.effect,
+           count(*) FILTER (WHERE j.status = 'running' AND j.lease_until < now()) AS leases,
+           min(j.updated_at) FILTER (WHERE j.status = 'reconcile') AS reconcile
+    FROM {schema}.jobs j
+    WHERE j.status IN ('pending', 'running', 'reconcile')
+    GROUP BY j.effect
+)
+SELECT u.effect,
+       extract(epoch FROM now() - (
+           SELECT j.available_at
+           FROM {schema}.jobs j
+           WHERE j.status = 'pending' AND j.available_at <= now() AND j.effect = u.effect
+             AND (j.ordering_key IS NULL OR NOT EXISTS (
+                   SELECT 1 FROM {schema}.jobs o
+                   WHERE o.ordering_key = j.ordering_key
+                     AND o.id <> j.id
+                     AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id))))
+           ORDER BY j.available_at, j.id
+           LIMIT 1))::float8 AS oldest_due_age,
+       u.leases AS expired_leases,
+       extract(epoch FROM now() - u.reconcile)::float8 AS oldest_reconcile_age
+FROM unfinished u;

@@ -198,8 +198,8 @@ async def overview(request: Request) -> Response:
         dispatchers = await rows(conn, q.dispatchers)
         audit = await rows(conn, q.recent_audit, {"limit": 10})
         can_act = access == "operate" and await writable(settings, conn)
-    health = {effect: (h.effect, h.oldest_due_age, h.expired_leases, h.oldest_reconcile_age,
-                       h.due) for effect, h in snapshot.health.items()}
+    health = {effect: (h.effect, h.oldest_due_age, h.expired_leases, h.oldest_reconcile_age)
+              for effect, h in snapshot.health.items()}
     return render(request, "overview.html", {
         "counts": snapshot.counts, "effects": sorted(snapshot.effects()), "health": health,
         "chart": minute_chart([(m, d, f) for m, d, f in settled], since),
