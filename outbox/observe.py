@@ -51,7 +51,8 @@ class DispatchObserver:
         """The dispatcher this observer was given to (built with it, or through
         ``add_observer``) runs these effect names: every later ``effect`` argument is one
         of them. Lets a counter start at 0 for each effect and outcome, before its first
-        event (so a rate over the first failures is not missed)."""
+        event (so a rate over the first failures is not missed). Called on the thread
+        that builds the dispatcher or adds the observer, before its runs' events."""
 
     def claimed(self, duration: float, waits: Sequence[tuple[str, float]]) -> None:
         """A claim statement finished after ``duration`` seconds.
