@@ -427,7 +427,7 @@ def close_quietly(hooks: HookedOutcomes | None) -> None:
 def _refused_singly(hooks: HookedOutcomes, item: Hooked, exc: Exception) -> None:
     """An item that cannot be written even alone: left to its lease (the rescuer retries
     it, counting the attempt), as the batched path does."""
-    hooks.recorder.state.drop(item.held)
+    hooks.recorder.state.drop(item.held, exc)
     hooks.items.remove(item)
     log.error("job %s (key %s): outcome could not be recorded (%s); the lease will expire "
               "and the job be retried", item.held.job.id, item.held.job.key,
