@@ -100,7 +100,9 @@ SET status = 'running',
     first_attempted_at = coalesce(j.first_attempted_at, now()),
     updated_at = now()
 WHERE j.id = ANY (ARRAY(SELECT id FROM candidates)) AND j.status = 'pending'
-RETURNING j.id, j.effect, j.key, j.payload, j.attempts, j.claim_version, j.ordering_key,
+-- The payload as text: json.loads on a str costs a fraction of psycopg's jsonb loader,
+-- and a claim decodes thousands of them.
+RETURNING j.id, j.effect, j.key, j.payload::text, j.attempts, j.claim_version, j.ordering_key,
           j.max_attempts, j.first_attempted_at,
           -- how long the job had been due: the queue wait reported to observers
           -- (date_part gives float8 directly; extract() would compute a numeric)
