@@ -8,7 +8,7 @@ and Django in ``outbox.contrib``), so they all validate, write and answer alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -76,6 +76,13 @@ class Operations:
         """
         return _enqueue.run_steps(_enqueue.receive_steps(consumer, message_id), self._execute)
 
+    def receive_many(self, consumer: str, message_ids: Sequence[str]) -> list[bool]:
+        """``receive`` for many messages in one round trip: for each id, in order, True
+        the first time (an id repeated in ``message_ids`` is True once), False for a
+        repeat. Same transaction, waiting and validation rules as ``receive``."""
+        steps = _enqueue.receive_many_steps(consumer, message_ids)
+        return _enqueue.run_steps(steps, self._execute)
+
 
 class AsyncOperations:
     """The asynchronous mirror of ``Operations``: same methods, awaited."""
@@ -104,6 +111,11 @@ class AsyncOperations:
     async def receive(self, consumer: str, message_id: str) -> bool:
         """As ``Operations.receive``."""
         steps = _enqueue.receive_steps(consumer, message_id)
+        return await _enqueue.run_steps_async(steps, self._execute)
+
+    async def receive_many(self, consumer: str, message_ids: Sequence[str]) -> list[bool]:
+        """As ``Operations.receive_many``."""
+        steps = _enqueue.receive_many_steps(consumer, message_ids)
         return await _enqueue.run_steps_async(steps, self._execute)
 
 

@@ -321,6 +321,16 @@ VALUES (CAST(%(consumer)s AS text), CAST(%(message_id)s AS text))
 ON CONFLICT (consumer, message_id) DO NOTHING
 RETURNING true AS first;
 
+-- name: receive_many
+-- receive for many messages in one statement; the ids that come back were recorded now
+-- (first time), the others had been received before. Waits on concurrent receives as
+-- receive does.
+INSERT INTO {schema}.inbox (consumer, message_id)
+SELECT CAST(%(consumer)s AS text), m
+FROM unnest(CAST(%(message_ids)s AS text[])) AS m
+ON CONFLICT (consumer, message_id) DO NOTHING
+RETURNING message_id;
+
 -- name: purge_inbox
 -- Retention of the inbox: delete rows received more than %(age)s seconds ago, at most
 -- %(limit)s per call (repeat while it deletes %(limit)s). A repeat arriving after its row
