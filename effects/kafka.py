@@ -1,4 +1,6 @@
-"""``kafka.produce``: produce an event to a Kafka topic, at least once per job.
+"""``kafka.produce``: produce an event to a Kafka topic, at least once per job; and
+``InboxConsumer``, which handles each message exactly once into PostgreSQL (see
+``effects._kafka_consumer``).
 
 The payload is ``{"topic": ..., "key": ..., "value": <any JSON>, "headers": {...}}``
 (``key`` and ``headers`` optional). The message value is the canonical JSON of
@@ -46,10 +48,12 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
 from outbox import Effect, EffectOutcome, Job, Permanent, Retry, UnknownOutcome
 
+from ._kafka_consumer import InboxConsumer, KafkaConsumerStats, KafkaEvent
 from ._payload import validated_payload
 from .nats import canonical_json
 
-__all__ = ["KEY_HEADER", "Produce", "ProducePayload"]
+__all__ = ["KEY_HEADER", "InboxConsumer", "KafkaConsumerStats", "KafkaEvent", "Produce",
+           "ProducePayload"]
 
 log = logging.getLogger("effects.kafka")
 

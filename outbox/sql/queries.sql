@@ -351,3 +351,19 @@ WHERE i.consumer = d.consumer AND i.message_id = d.message_id;
 SELECT id, effect, key, CAST(payload AS text) AS payload, status
 FROM {schema}.jobs
 ORDER BY id;
+
+-- Kafka consumer offsets (effects.kafka.InboxConsumer).
+
+-- name: kafka_offsets
+-- The next offset to read of each partition of %(topics)s stored for a consumer group.
+SELECT topic, partition, next_offset
+FROM {schema}.kafka_offsets
+WHERE consumer = %(consumer)s::text AND topic = ANY(%(topics)s::text[]);
+
+-- name: store_kafka_offsets
+-- In the caller's transaction: the next offsets to read, per topic and partition.
+INSERT INTO {schema}.kafka_offsets (consumer, topic, partition, next_offset)
+SELECT %(consumer)s::text, o.topic, o.partition, o.next_offset
+FROM jsonb_to_recordset(%(offsets)s::jsonb) AS o(topic text, partition int, next_offset bigint)
+ON CONFLICT (consumer, topic, partition)
+DO UPDATE SET next_offset = EXCLUDED.next_offset, updated_at = now();

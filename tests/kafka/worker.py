@@ -6,6 +6,10 @@ Modes (``OUTBOX_DATABASE_URL`` names the database)::
                         acknowledged, prints ``{"produced": key, "result": ...}`` and
                         hangs before returning: ``done`` is never recorded.
 ``drain``               ``run_until_idle``; prints the dispatcher's stats.
+``consume-hang-before-offset-commit``  a Kafka ``InboxConsumer`` (group ``billing``)
+                        recording each message in ``<schema>.handled``; after its first
+                        batch commits in PostgreSQL, before the offsets reach Kafka, it
+                        prints ``{"committed": [message ids]}`` and hangs.
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ import asyncio
 import json
 import os
 import sys
+import threading
 from typing import Any
 
+from psycopg import sql
+
 import outbox
-from effects.kafka import Produce
+from effects.kafka import InboxConsumer, KafkaEvent, Produce
 
 
 class ProduceThenHang(Produce):
@@ -32,13 +39,42 @@ class ProduceThenHang(Produce):
         return result
 
 
+def record(tx: outbox.Transaction, event: KafkaEvent) -> None:
+    """The business work of the consumer tests: one row per handling."""
+    tx.connection.execute(
+        sql.SQL("INSERT INTO {}.handled (message_id, part, off) VALUES (%s, %s, %s)")
+        .format(sql.Identifier(tx.schema)), (event.message_id, event.partition, event.offset))
+
+
+class CommitThenHang(InboxConsumer):
+    """Commits its first batch in PostgreSQL, reports it, and never commits to Kafka."""
+
+    def _handle(self, events: list[KafkaEvent]) -> Any:
+        results = super()._handle(events)
+        sys.stdout.write(json.dumps({"committed": [e.message_id for e in events]}) + "\n")
+        sys.stdout.flush()
+        threading.Event().wait()  # until killed
+        return results
+
+
+def consume(args: argparse.Namespace) -> None:
+    CommitThenHang(os.environ["OUTBOX_DATABASE_URL"], record, bootstrap_servers=args.bootstrap,
+                   topics=[args.topic], group="billing", schema=args.schema, batch=7,
+                   config={"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}).run()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["hang-after-produce", "drain"])
+    parser.add_argument("mode", choices=["hang-after-produce", "drain",
+                                         "consume-hang-before-offset-commit"])
     parser.add_argument("--schema", required=True)
     parser.add_argument("--bootstrap", required=True)
     parser.add_argument("--lease", type=float, default=1.0)
+    parser.add_argument("--topic")
     args = parser.parse_args()
+    if args.mode == "consume-hang-before-offset-commit":
+        consume(args)
+        return
     kind = ProduceThenHang if args.mode == "hang-after-produce" else Produce
     effect = kind(args.bootstrap)
     dispatcher = outbox.Dispatcher(
