@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
 from outbox import Effect, EffectOutcome, Job, Permanent, Retry, UnknownOutcome
 
+from ._cloudevents import Envelope, attributes, check_envelope
 from ._kafka_consumer import InboxConsumer, KafkaConsumerStats, KafkaEvent
 from ._payload import validated_payload
 from .nats import canonical_json
@@ -59,7 +60,7 @@ log = logging.getLogger("effects.kafka")
 
 KEY_HEADER = "outbox-key"
 EVENT_TIME_HEADER = "outbox-event-time"
-_RESERVED_PREFIX = "outbox-"
+_RESERVED_PREFIXES = ("outbox-", "ce_")
 _MAX_TOPIC = 249  # Kafka's own limit
 _TOPIC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 _PERMANENT = {
@@ -81,6 +82,8 @@ class ProducePayload(BaseModel):
     key: str | None = None
     value: JsonValue
     headers: dict[str, str] = Field(default_factory=dict, max_length=64)
+    # The CloudEvents type with envelope="cloudevents" (default: the topic).
+    type: str | None = Field(default=None, min_length=1, max_length=255)
 
     @field_validator("topic")
     @classmethod
@@ -93,8 +96,9 @@ class ProducePayload(BaseModel):
     @classmethod
     def _valid_headers(cls, headers: dict[str, str]) -> dict[str, str]:
         for name in headers:
-            if not name or name.lower().startswith(_RESERVED_PREFIX):
-                raise ValueError(f"header {name!r} is empty or reserved (outbox-* is set here)")
+            if not name or name.lower().startswith(_RESERVED_PREFIXES):
+                raise ValueError(f"header {name!r} is empty or reserved (outbox-* and ce_* "
+                                 "are set here)")
         return headers
 
 
@@ -111,7 +115,10 @@ class Produce(Effect):
     ``perform`` awaits the delivery report of its own message; messages from concurrent
     jobs are in flight together on the one producer, whose reports are served by a
     thread of its own. ``close()`` flushes and stops it. Reasons and logs carry the job
-    key and the topic, never the value.
+    key and the topic, never the value. With ``envelope="cloudevents"`` each message is
+    also a CloudEvent in Kafka's binary mode (``ce_id`` = the job key, ``ce_source`` =
+    ``source``, ``ce_type`` = the payload's ``type`` or the topic, ``ce_time`` = the
+    first attempt, ``content-type``; see ``effects._cloudevents``).
     """
 
     name = "kafka.produce"
@@ -124,9 +131,13 @@ class Produce(Effect):
         config: Mapping[str, Any] | None = None,
         delivery_timeout: float = 30.0,
         connect_timeout: float = 5.0,
+        envelope: Envelope = None,
+        source: str = "/outbox",
     ) -> None:
         if not delivery_timeout > 0 or not connect_timeout > 0:
             raise ValueError("delivery_timeout and connect_timeout must be positive")
+        check_envelope(envelope, source)
+        self.envelope, self.source = envelope, source
         settings: dict[str, Any] = {"bootstrap.servers": bootstrap_servers, **(config or {})}
         settings.update({
             "enable.idempotence": True, "acks": "all",
@@ -240,6 +251,10 @@ class Produce(Effect):
         if job.first_attempted_at is not None:
             stamp = job.first_attempted_at.astimezone(UTC).isoformat(timespec="microseconds")
             headers.append((EVENT_TIME_HEADER, stamp.encode()))
+        if self.envelope == "cloudevents":
+            headers.append(("content-type", b"application/json"))
+            headers.extend((name, value.encode()) for name, value in attributes(
+                job, source=self.source, type_=event.type or event.topic, prefix="ce_").items())
         return headers
 
 

@@ -92,6 +92,7 @@ from outbox import (
     UnknownOutcome,
 )
 
+from ._cloudevents import Envelope, attributes, check_envelope
 from ._loop import LoopThread
 from ._nats_consumer import ConsumerStats, InboxConsumer, InboxEvent
 from ._payload import validated_payload
@@ -112,7 +113,7 @@ log = logging.getLogger("effects.nats")
 MESSAGE_ID_HEADER = "Outbox-Message-Id"
 EVENT_TIME_HEADER = "Outbox-Event-Time"
 ORDERING_KEY_HEADER = "Outbox-Ordering-Key"
-_RESERVED_PREFIXES = ("nats-", "outbox-")
+_RESERVED_PREFIXES = ("nats-", "outbox-", "ce-")
 _MAX_HEADERS = 64
 _MAX_SUBJECT = 1024
 _STRICT_DUPLICATE = 10077  # "maximum messages per subject exceeded" (discard new)
@@ -141,7 +142,8 @@ def _check_header(name: str, value: str) -> None:
     if not name or not name.isascii() or not name.isprintable() or ":" in name or " " in name:
         raise ValueError(f"header name {name!r} must be printable ASCII without ':' or spaces")
     if name.lower().startswith(_RESERVED_PREFIXES):
-        raise ValueError(f"header {name!r} is reserved (Nats-* and Outbox-* are set here)")
+        raise ValueError(f"header {name!r} is reserved (Nats-*, Outbox-* and ce-* are set "
+                         "here)")
     if "\r" in value or "\n" in value:
         raise ValueError(f"header {name!r}: value must not contain line breaks")
 
@@ -154,6 +156,8 @@ class EventPayload(BaseModel):
     subject: str = Field(min_length=1, max_length=_MAX_SUBJECT)
     data: JsonValue
     headers: dict[str, str] = Field(default_factory=dict, max_length=_MAX_HEADERS)
+    # The CloudEvents type with envelope="cloudevents" (default: the subject).
+    type: str | None = Field(default=None, min_length=1, max_length=255)
 
     @field_validator("subject")
     @classmethod
@@ -327,8 +331,12 @@ class PublishEvent(Effect):
     data or credentials in server URLs.
 
     ``trace_headers(job)``, when given, returns extra headers for each attempt (the
-    tracing integration passes one that injects ``traceparent``). ``connect_options``
-    are passed to ``nats.connect`` (credentials, TLS, ``connect_timeout`` ...).
+    tracing integration passes one that injects ``traceparent``). With
+    ``envelope="cloudevents"`` each message is also a CloudEvent in binary mode
+    (``ce-id`` = the job key, ``ce-source`` = ``source``, ``ce-type`` = the payload's
+    ``type`` or the subject, ``ce-time`` = the first attempt; see
+    ``effects._cloudevents``). ``connect_options`` are passed to ``nats.connect``
+    (credentials, TLS, ``connect_timeout`` ...).
     """
 
     name = "nats.publish"
@@ -345,11 +353,15 @@ class PublishEvent(Effect):
         strict: bool = False,
         trace_headers: TraceHeaders | None = None,
         connect_options: Mapping[str, Any] | None = None,
+        envelope: Envelope = None,
+        source: str = "/outbox",
     ) -> None:
         if not stream or any(c in stream for c in " .*>\t"):
             raise ValueError(f"stream must be a JetStream stream name, got {stream!r}")
         if not timeout > 0 or not lease > 0 or not rescue_interval >= 0:
             raise ValueError("timeout and lease must be positive, rescue_interval not negative")
+        check_envelope(envelope, source)
+        self.envelope, self.source = envelope, source
         self._servers = _server_list(servers)
         self.stream = stream
         self.timeout = timeout
@@ -571,6 +583,9 @@ class PublishEvent(Effect):
             headers[EVENT_TIME_HEADER] = stamp.isoformat(timespec="microseconds")
         if job.ordering_key is not None:
             headers[ORDERING_KEY_HEADER] = job.ordering_key
+        if self.envelope == "cloudevents":
+            headers.update(attributes(job, source=self.source,
+                                      type_=event.type or event.subject, prefix="ce-"))
         return headers
 
 
