@@ -14,6 +14,12 @@ message), against a raw nats-py pull consumer doing the same work the plain way:
 flush. Each gets a durable consumer of its own and a fresh database; afterwards each
 message must have exactly one row.
 
+``kafka.produce``: 20,000 ``kafka.produce`` jobs drained by one ``AsyncDispatcher`` at
+concurrency 256 with ``Produce``, against confluent-kafka producing the same number of
+messages with the same producer settings (idempotent, acks=all) and waiting for every
+delivery report, both to librdkafka's mock cluster (3 brokers, in a process of its own);
+afterwards each topic must hold exactly one message per event.
+
 Everything runs in this process, one measurement after the other, interleaved per run.
 """
 
@@ -233,19 +239,101 @@ def _inbox_run(server: Server, url: str, config: EventsConfig) -> dict[str, floa
     return result
 
 
+# -- kafka.produce -----------------------------------------------------------------------
+
+
+def _raw_produce(bootstrap: str, topic: str, events: int) -> float:
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
+                         "acks": "all", "log_level": 0})
+    failed: list[object] = []
+
+    def report(error: object, _message: object) -> None:
+        if error is not None:
+            failed.append(error)
+
+    started = time.perf_counter()
+    for n in range(events):
+        while True:
+            try:
+                producer.produce(topic, b'{"order":%d}' % n, headers=[("outbox-key", b"e%d" % n)],
+                                 on_delivery=report)
+                break
+            except BufferError:
+                producer.poll(0.01)
+        producer.poll(0)
+    if producer.flush(60) != 0 or failed:
+        raise AssertionError(f"confluent-kafka: {len(failed)} deliveries failed")
+    return events / (time.perf_counter() - started)
+
+
+def _ours_produce(server: Server, bootstrap: str, topic: str, events: int,
+                  concurrency: int) -> float:
+    from effects.kafka import Produce
+
+    with fresh_database(server, "produce") as dsn:
+        migrated(dsn)
+        with psycopg.connect(dsn) as conn:
+            for first in range(0, events, CHUNK):
+                with outbox.transaction(conn) as tx:
+                    tx.enqueue_many([outbox.NewJob("kafka.produce", key=f"evt-{n}", payload={
+                        "topic": topic, "value": {"order": n}})
+                        for n in range(first, min(events, first + CHUNK))])
+        settle(dsn)
+        with Produce(bootstrap) as produce:
+            dispatcher = outbox.AsyncDispatcher(dsn, [produce], concurrency=concurrency)
+            started = time.perf_counter()
+            stats = asyncio.run(dispatcher.run_until_idle(timeout=600))
+            rate = events / (time.perf_counter() - started)
+    if stats.done != events:
+        raise AssertionError(f"kafka.produce: {stats.done} of {events} jobs done")
+    return rate
+
+
+def _topic_size(bootstrap: str, topic: str) -> int:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": uuid.uuid4().hex,
+                         "log_level": 0})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        total = 0
+        for p in partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            total += high - low
+        return total
+    finally:
+        consumer.close()
+
+
+def _produce_run(server: Server, bootstrap: str, config: EventsConfig) -> dict[str, float]:
+    n = config.publish_events
+    raw_topic, our_topic = f"raw-{uuid.uuid4().hex[:8]}", f"ours-{uuid.uuid4().hex[:8]}"
+    result = {"raw": _raw_produce(bootstrap, raw_topic, n),
+              "ours": _ours_produce(server, bootstrap, our_topic, n,
+                                    config.publish_concurrency)}
+    for topic in (raw_topic, our_topic):
+        if (size := _topic_size(bootstrap, topic)) != n:
+            raise AssertionError(f"topic {topic} holds {size} messages, not {n}")
+    return result
+
+
 # -- the section ---------------------------------------------------------------------------
 
 
 def run(server: Server, config: EventsConfig) -> Section:
     """Each measurement ``config.runs`` times, interleaved, on one nats-server."""
-    from effects.testing import NatsServer
+    from effects.testing import KafkaMockCluster, NatsServer
 
     publish: list[dict[str, float]] = []
     inbox: list[dict[str, float]] = []
-    with NatsServer() as nats_server:
+    produce: list[dict[str, float]] = []
+    with NatsServer() as nats_server, KafkaMockCluster() as kafka:
         for _ in range(config.runs):
             publish.append(_publish_run(server, nats_server.url, config))
             inbox.append(_inbox_run(server, nats_server.url, config))
+            produce.append(_produce_run(server, kafka.bootstrap_servers, config))
     rows = [
         _row(f"nats.publish, {config.publish_events:,} events, AsyncDispatcher "
              f"concurrency {config.publish_concurrency}", "events/s", publish,
@@ -255,16 +343,21 @@ def run(server: Server, config: EventsConfig) -> Section:
              Target(">=", 0.5)),
         Row("events", "InboxConsumer msgs/s", "msgs/s", Figure.of([r["ours"] for r in inbox]),
             target=Target(">=", 5000, on="value")),
+        _row(f"kafka.produce, {config.publish_events:,} events, AsyncDispatcher concurrency "
+             f"{config.publish_concurrency}, mock cluster", "events/s", produce,
+             "confluent-kafka produce, every report awaited", None),
     ]
     settings = {"nats.publish": f"AsyncDispatcher(concurrency={config.publish_concurrency}), "
                 "other options default; PublishEvent defaults",
-                "inbox": f"InboxConsumer(batch={config.fetch}), async handler"}
+                "inbox": f"InboxConsumer(batch={config.fetch}), async handler",
+                "kafka.produce": "Produce defaults (idempotent, acks=all) on librdkafka's mock "
+                "cluster, 3 brokers"}
     return Section("events", rows, raw={"config": vars(config), "publish": publish,
-                                        "inbox": inbox}, settings=settings)
+                                        "inbox": inbox, "produce": produce}, settings=settings)
 
 
 def _row(name: str, unit: str, runs: list[dict[str, float]], baseline: str,
-         target: Target) -> Row:
+         target: Target | None) -> Row:
     ours, raw = [r["ours"] for r in runs], [r["raw"] for r in runs]
     return Row("events", name, unit, Figure.of(ours), baseline, Figure.of(raw),
                ratios(ours, raw), target)
