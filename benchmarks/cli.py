@@ -54,7 +54,7 @@ class Sizes:
     bloat_jobs: int
     claim_samples: int
     memory_jobs: int
-    async_sizes: tuple[int, ...] = (1000, 10_000)
+    async_sizes: tuple[int, ...] = (1000, 10_000, 60_000)
     events_messages: int = 20_000
     memory_runs: int | None = None  # None: --runs
 
