@@ -151,6 +151,7 @@ class Produce(Effect):
         self._poller: threading.Thread | None = None
         self._closing = threading.Event()
         self._reachable = False  # a broker answered since the last transport failure
+        self._checking = threading.Lock()
 
     # -- the effect -----------------------------------------------------------------
 
@@ -237,12 +238,15 @@ class Produce(Effect):
     def _check_reachable(self, producer: Producer, what: str) -> None:
         """Before producing after a start or a transport failure: a broker must answer,
         else the job is retried with nothing sent."""
-        try:
-            producer.list_topics(timeout=self.connect_timeout)
-        except KafkaException as exc:
-            raise Retry(f"{what}: no Kafka broker reachable ({exc.args[0].name()}); "
-                        "nothing sent") from exc
-        self._reachable = True
+        with self._checking:  # one check at a time; the others take its answer
+            if self._reachable:
+                return
+            try:
+                producer.list_topics(timeout=self.connect_timeout)
+            except KafkaException as exc:
+                raise Retry(f"{what}: no Kafka broker reachable ({exc.args[0].name()}); "
+                            "nothing sent") from exc
+            self._reachable = True
 
     def _headers(self, job: Job, event: ProducePayload) -> list[tuple[str, str | bytes | None]]:
         headers: list[tuple[str, str | bytes | None]] = [

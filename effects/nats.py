@@ -466,6 +466,9 @@ class PublishEvent(Effect):
         connection = self._by_loop.get(loop)
         if connection is None:
             with self._loop_lock:
+                # A connection holds its loop: forget those of loops that have closed.
+                for gone in [old for old in self._by_loop if old.is_closed()]:
+                    del self._by_loop[gone]
                 connection = self._by_loop.setdefault(loop, _Connection(
                     self._servers, self._options, self._what, closes_with_loop=True))
         return connection
