@@ -223,9 +223,9 @@ def run_command(target: str, metrics_port: int | None, metrics_host: str) -> Non
     """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work."""
     dispatcher = load_dispatcher(target)
     if metrics_port is not None:
-        from .metrics import serve_metrics  # outbox[prometheus]
+        from .metrics import PrometheusObserver, serve_metrics  # outbox[prometheus]
 
-        dispatcher._enable_metrics()
+        dispatcher.add_observer(PrometheusObserver.default())
         serve_metrics(metrics_port, metrics_host)
     if isinstance(dispatcher, AsyncDispatcher):
         stats = asyncio.run(_run_async(dispatcher))
