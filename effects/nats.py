@@ -63,13 +63,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import threading
 import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
@@ -124,6 +125,7 @@ TraceHeaders = Callable[[Job], Mapping[str, str]]
 """Returns extra headers for an attempt (e.g. ``traceparent``); called once per attempt."""
 
 
+@functools.lru_cache(maxsize=4096)  # events reuse few subjects; a refused one is not kept
 def _check_subject(subject: str) -> str:
     """A publishable NATS subject: dot-separated tokens, no wildcards, no system prefix."""
     if not subject.isascii() or not subject.isprintable() or " " in subject:
@@ -209,6 +211,16 @@ class StreamFacts:
     window: float
     strict: bool
     checked_at: float
+    _captured: dict[str, bool] = field(default_factory=dict, repr=False, compare=False)
+
+    def captures(self, subject: str) -> bool:
+        """Whether one of the stream's subjects captures ``subject`` (remembered)."""
+        found = self._captured.get(subject)
+        if found is None:
+            found = any(subject_matches(p, subject) for p in self.subjects)
+            if len(self._captured) < 4096:
+                self._captured[subject] = found
+        return found
 
 
 class _Connection:
@@ -486,7 +498,7 @@ class PublishEvent(Effect):
         what = f"nats.publish job {job.key} to stream {self.stream}"
         client, js = await connection.jetstream()
         facts = await self._current_facts(connection, client, what)
-        if not any(subject_matches(p, subject) for p in facts.subjects):
+        if not facts.captures(subject):
             raise Permanent(f"{what}: subject is not one of the stream's subjects "
                             f"({', '.join(facts.subjects)}); nothing published")
         self._refuse_past_window(job, facts, what)
