@@ -238,37 +238,31 @@ class TaskWorkers:
         task.add_done_callback(self._done)
 
     async def _run(self, held: Held) -> None:
-        """Holding a slot: perform ``held``; then, while the slot passes to another job
-        of ours, perform that one too."""
-        slots = self.state.slots
+        """Holding a slot: perform ``held`` (or hand it back); then, while the slot passes
+        to another job of ours, perform that one too. A cancelled perform ends the task.
+        One coroutine for the whole stream: this is the hot path of async effects."""
+        state, slots, performer = self.state, self.state.slots, self.performer
         while True:
             try:
-                going_on = await self._perform(held)
+                if state.begin(held):
+                    if held.is_async:
+                        outcome = await performer.call_async(held)
+                    else:  # on the pool; the outcome comes back to the loop
+                        outcome = await self._loop.run_in_executor(
+                            self.pool, performer.call_sync, held)
+                    state.finish(held, outcome)
+                    if isinstance(outcome, asyncio.CancelledError):
+                        slots.release()
+                        return
             except BaseException:
                 slots.release()
                 raise
-            if not going_on:
-                slots.release()
-                return
             waiter = slots.pass_on()
             if type(waiter) is not _Start or waiter.workers is not self:
                 if waiter is not None:
                     waiter()
                 return
             held = waiter.held
-
-    async def _perform(self, held: Held) -> bool:
-        """Perform ``held`` (or hand it back); whether this task may take another job:
-        not once it has been cancelled."""
-        state = self.state
-        if not state.begin(held):
-            return True
-        if held.is_async:
-            outcome = await self.performer.call_async(held)
-        else:  # on the pool; the outcome comes back to the loop
-            outcome = await self._loop.run_in_executor(self.pool, self.performer.call_sync, held)
-        state.finish(held, outcome)
-        return not isinstance(outcome, asyncio.CancelledError)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
