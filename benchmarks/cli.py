@@ -17,14 +17,15 @@ from typing import Any
 
 from rich.console import Console
 
-from . import asyncdispatch, bloat, drain, enqueue, flows, latency, memory, wake
+from . import asyncdispatch, bloat, drain, enqueue, events, flows, latency, memory, wake
 from ._db import Server, server
 from ._drain_workers import OutboxSettings
 from ._results import Section, environment, render, write_json
 
 log = logging.getLogger("benchmarks")
 
-SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory", "flows")
+SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory", "flows",
+            "events")
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVER_SETTINGS = ("shared_buffers", "max_connections", "fsync", "synchronous_commit",
                    "wal_level", "max_wal_size", "autovacuum")
@@ -54,7 +55,8 @@ class Sizes:
     bloat_jobs: int
     claim_samples: int
     memory_jobs: int
-    async_sizes: tuple[int, ...] = (1000, 10_000)
+    async_sizes: tuple[int, ...] = (1000, 10_000, 60_000)
+    events_messages: int = 20_000
     memory_runs: int | None = None  # None: --runs
     flows_jobs: int = 20_000
 
@@ -69,7 +71,7 @@ QUICK = Sizes(drain_sizes=(5_000,), drain_procs=(1, 2), procrastinate_jobs=300,
               latency_seconds_of_work=0.1, latency_concurrencies=(64,),
               latency_async_concurrencies=(64,), bloat_history=50_000, bloat_jobs=2_000,
               claim_samples=20, memory_jobs=100_000, async_sizes=(1000,), memory_runs=1,
-              flows_jobs=2_000)
+              flows_jobs=2_000, events_messages=2000)
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
@@ -159,6 +161,8 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
         "memory": lambda srv: memory.run(srv, memory.MemoryConfig(
             sizes.memory_runs or runs, sizes.memory_jobs, outbox=best)),
         "flows": lambda srv: flows.run(srv, flows.FlowsConfig(runs, sizes.flows_jobs)),
+        "events": lambda srv: events.run(srv, events.EventsConfig(
+            runs, publish_events=sizes.events_messages, inbox_messages=sizes.events_messages)),
     }
 
 

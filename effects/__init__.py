@@ -9,8 +9,12 @@ the at-least-once delivery of the dispatcher becomes one effect at the provider:
     PostWebhook     "webhook.post"    JSON POST to any endpoint, signed per Standard Webhooks
 
 With the ``outbox[nats]`` extra, ``effects.nats`` adds ``PublishEvent`` ("nats.publish",
-JetStream deduplicated by the key) and the ``InboxConsumer``; ``effects.inbox`` verifies
-incoming Standard Webhooks and Stripe webhooks and records them through ``tx.receive``.
+JetStream deduplicated by the key) and the ``InboxConsumer``. With ``outbox[kafka]``,
+``effects.kafka`` adds ``Produce`` ("kafka.produce", an idempotent producer; Kafka does
+not deduplicate by our key, consumers do) and an ``InboxConsumer`` that keeps partition
+offsets in PostgreSQL. ``envelope="cloudevents"`` makes NATS, Kafka and webhook messages
+CloudEvents in binary mode. ``effects.inbox`` verifies incoming Standard Webhooks and
+Stripe webhooks and records them through ``tx.receive``.
 
 Each maps its provider's answers to ``outbox.Retry``, ``outbox.Permanent`` or
 ``outbox.UnknownOutcome`` (tables in each module's docstring). ``effects.testing`` has

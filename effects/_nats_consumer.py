@@ -1,22 +1,28 @@
 """``InboxConsumer``: a JetStream pull consumer whose handler runs once per message.
 
-For each message, in order::
+Messages come in batches (up to ``batch`` per fetch), handled in delivery order::
 
-    open a database transaction
-      tx.receive(name, message_id)      False: handled before, skip the handler
-      handler(tx, event)                the user's work, in the same transaction
+    open one database transaction
+      tx.receive_many(name, ids)        which messages are new (one statement)
+      handler(tx, event)                for each new one, in the same transaction
     commit
-    ack                                 (waits for the server to confirm it)
+    ack the batch                       (then one round trip to the server)
 
-A crash between commit and ack redelivers the message; ``receive`` then says False and
-the message is acked without handling it again. A handler that raises rolls the
-transaction back (no inbox row, no business rows) and the message is nak'ed with a
-growing delay; on its ``max_deliver``-th failed delivery it is parked on the dead-letter
-subject and terminated, so a poison message never loops. If parking fails (no stream
-captures the dead-letter subject), the message is kept and retried later: nothing is
-dropped. A database that cannot be reached naks the message too, and never parks it
-(the message is not at fault). A broker that goes away is waited for: the client
-reconnects, and unacknowledged messages are redelivered after ``ack_wait``.
+A crash between commit and ack redelivers the messages; ``receive`` then says False and
+they are acked without handling them again. A handler that raises rolls the batch's
+transaction back; the batch is then handled again with a savepoint around each message
+(its inbox row and its handler's writes), so the failing message alone rolls back: the
+others commit once (the handlers before it in the batch are called twice; a handler is
+called at least once and committed at most once, as with any redelivery). Where messages
+name an ordering key (``ordering_key``, by default the ``Outbox-Ordering-Key`` header),
+the messages after a failed one with the same key in that batch are not handled: they
+are nak'ed to come back after it. The failed message is nak'ed with a growing delay; on
+its ``max_deliver``-th failed delivery it is parked on the dead-letter subject and
+terminated, so a poison message never loops. If parking fails (no stream captures the
+dead-letter subject), the message is kept and retried later: nothing is dropped. A
+database that cannot be reached naks the message too, and never parks it (the message is
+not at fault). A broker that goes away is waited for: the client reconnects, and
+unacknowledged messages are redelivered after ``ack_wait``.
 
 The message id is the ``Outbox-Message-Id`` header (the publishing job's key), else
 ``Nats-Msg-Id``, else ``<stream>:<stream sequence>`` (which only recognises redeliveries).
@@ -47,10 +53,16 @@ __all__ = ["ConsumerStats", "InboxConsumer", "InboxEvent"]
 log = logging.getLogger("effects.nats.consumer")
 
 MESSAGE_ID_HEADER = "Outbox-Message-Id"
+ORDERING_KEY_HEADER = "Outbox-Ordering-Key"
 _RECONNECT_PAUSE = 0.2
 SyncHandler = Callable[["outbox.Transaction", "InboxEvent"], object]
 AsyncHandler = Callable[["outbox.AsyncTransaction", "InboxEvent"], Awaitable[object]]
 Handler = SyncHandler | AsyncHandler
+OrderingKey = Callable[["InboxEvent"], str | None]
+# What happened to one message of a batch: handled (True), a repeat (False), the
+# handler's error, or HELD back behind a failed message of the same ordering key.
+HELD = "held"
+Result = bool | Exception | str
 
 
 @dataclass(frozen=True)
@@ -91,8 +103,11 @@ class InboxConsumer:
     name (the inbox row and the handler's writes commit together), and every message is
     eventually handled, or parked on ``dead_letter_subject`` after ``max_deliver`` failed
     deliveries. ``name`` is both the JetStream durable consumer and the inbox's consumer
-    name. Messages are handled one at a time in delivery order; ``backoff`` gives the
-    nak delay after the n-th failure (the last value repeats).
+    name. Messages are fetched ``batch`` at a time and handled in delivery order in one
+    transaction per batch (see the module docstring for failures and ordering keys);
+    ``backoff`` gives the nak delay after the n-th failure (the last value repeats).
+    ``ordering_key(event)`` names a message's key (default: its ``Outbox-Ordering-Key``
+    header; e.g. ``lambda e: e.subject.split(".")[2]`` where the subject names it).
 
     ``handler`` is a plain function called in a worker thread with an
     ``outbox.Transaction`` on this consumer's own connection (``tx.connection``), so it
@@ -114,8 +129,9 @@ class InboxConsumer:
         max_deliver: int = 5,
         backoff: Sequence[float] = (1.0, 5.0, 30.0),
         ack_wait: float = 30.0,
-        batch: int = 16,
+        batch: int = 256,
         dead_letter_subject: str | None = None,
+        ordering_key: OrderingKey | None = None,
         connect_options: Mapping[str, Any] | None = None,
     ) -> None:
         if max_deliver < 1 or not backoff or any(not b >= 0 for b in backoff):
@@ -130,7 +146,10 @@ class InboxConsumer:
         self.max_deliver = max_deliver
         self.backoff = tuple(backoff)
         self.ack_wait = ack_wait
+        if batch < 1:
+            raise ValueError("batch must be >= 1")
         self.batch = batch
+        self.ordering_key: OrderingKey = ordering_key or _ordering_key_header
         self.dead_letter_subject = dead_letter_subject or f"DLQ.{stream}.{name}"
         self._options = {"connect_timeout": 2, "reconnect_time_wait": 0.5, "name": name}
         self._options.update(connect_options or {})
@@ -191,12 +210,11 @@ class InboxConsumer:
                     log.info("%s: fetch failed (%s); retrying", self.name, type(exc).__name__)
                     await asyncio.sleep(_RECONNECT_PAUSE)
                     continue
-                for message in messages:
-                    try:
-                        await self._process(js, message)
-                    except nats.errors.Error as exc:
-                        log.info("%s: lost the broker mid-message (%s); it will be "
-                                 "redelivered", self.name, type(exc).__name__)
+                try:
+                    await self._process(js, messages)
+                except nats.errors.Error as exc:
+                    log.info("%s: lost the broker mid-batch (%s); what was not acked will "
+                             "be redelivered", self.name, type(exc).__name__)
         finally:
             await client.close()
             await asyncio.to_thread(self._close_db)
@@ -241,53 +259,147 @@ class InboxConsumer:
             return False  # the broker is away: not idle as far as we know
         return bool(info.num_pending == 0 and info.num_ack_pending == 0)
 
-    # -- one message -----------------------------------------------------------------
+    # -- one batch ------------------------------------------------------------------
 
-    async def _process(self, js: JetStreamContext, message: Msg) -> None:
-        event = _event(message, self.stream)
+    async def _process(self, js: JetStreamContext, messages: list[Msg]) -> None:
+        events = [_event(message, self.stream) for message in messages]
         try:
             if inspect.iscoroutinefunction(self._handler):
-                handled = await self._handle_async(event)
+                results = await self._handle_async(events)
             else:
-                handled = await asyncio.to_thread(self._handle, event)
-        except Exception as exc:
-            await self._failed(js, message, event, exc)
-            return
-        if handled:
-            self.stats.handled += 1
-        else:
-            self.stats.duplicates += 1
-            log.info("%s: message %s already handled; acknowledging", self.name,
-                     event.message_id)
-        await self._acknowledge(message)
+                results = await asyncio.to_thread(self._handle, events)
+        except psycopg.OperationalError as exc:  # the database, not the messages
+            results = [exc] * len(events)
+        done = []
+        for message, event, result in zip(messages, events, results, strict=True):
+            if result is True:
+                self.stats.handled += 1
+            elif result is False:
+                self.stats.duplicates += 1
+                log.info("%s: message %s already handled; acknowledging", self.name,
+                         event.message_id)
+            else:
+                continue
+            done.append(message)
+        await self._acknowledge(done)
+        delays: dict[str, float] = {}  # per ordering key: when its failed message returns
+        for message, event, result in zip(messages, events, results, strict=True):
+            if isinstance(result, Exception):
+                delay = await self._failed(js, message, event, result)
+                if (key := self.ordering_key(event)) is not None:
+                    delays.setdefault(key, delay)
+            elif result == HELD:
+                await message.nak(delay=delays.get(self.ordering_key(event) or "", 0.0))
 
-    def _handle(self, event: InboxEvent) -> bool:
-        """In a worker thread: receive and handle in one transaction; False for a repeat."""
+    def _handle(self, events: list[InboxEvent]) -> list[Result]:
+        """In a worker thread: the batch in one transaction; on a handler's error, again
+        with a savepoint per message."""
         handler: SyncHandler = self._handler  # type: ignore[assignment]
         db = self._connection()
+        failed: dict[int, Exception] = {}  # the handler that failed is not called again
         try:
-            with outbox.transaction(db, schema=self.schema) as tx:
+            try:
+                with db.transaction():
+                    tx = outbox.Transaction(db, schema=self.schema)  # joins it
+                    first = tx.receive_many(self.name, [e.message_id for e in events])
+                    for index, (event, new) in enumerate(zip(events, first, strict=True)):
+                        if new:
+                            try:
+                                handler(tx, event)
+                            except Exception as exc:
+                                failed[index] = exc
+                                raise
+                return list(first)
+            except psycopg.OperationalError:
+                raise
+            except Exception as exc:
+                log.info("%s: a handler failed in a batch of %d (%s); handling each message "
+                         "under a savepoint", self.name, len(events), type(exc).__name__)
+            results: list[Result] = []
+            with db.transaction():
+                for index, event in enumerate(events):
+                    results.append(failed.get(index)
+                                   or self._handle_one(db, handler, event, results, events))
+            return results
+        except psycopg.OperationalError:
+            self._close_db()  # a fresh connection next time
+            raise
+
+    def _handle_one(self, db: psycopg.Connection[Any], handler: SyncHandler,
+                    event: InboxEvent, results: list[Result],
+                    events: list[InboxEvent]) -> Result:
+        if self._held(event, results, events):
+            return HELD
+        try:
+            with outbox.transaction(db, schema=self.schema) as tx:  # a savepoint
                 if not tx.receive(self.name, event.message_id):
                     return False
                 handler(tx, event)
             return True
         except psycopg.OperationalError:
-            self._close_db()  # a fresh connection next time
             raise
+        except Exception as exc:
+            return exc
 
-    async def _handle_async(self, event: InboxEvent) -> bool:
-        """On the loop: receive and await the handler in one transaction."""
+    async def _handle_async(self, events: list[InboxEvent]) -> list[Result]:
+        """On the loop: as ``_handle``, with an ``AsyncTransaction``."""
         handler: AsyncHandler = self._handler  # type: ignore[assignment]
         db = await self._aconnection()
+        failed: dict[int, Exception] = {}
         try:
-            async with outbox.transaction(db, schema=self.schema) as tx:
+            try:
+                async with db.transaction():
+                    tx = outbox.AsyncTransaction(db, schema=self.schema)
+                    first = await tx.receive_many(self.name, [e.message_id for e in events])
+                    for index, (event, new) in enumerate(zip(events, first, strict=True)):
+                        if new:
+                            try:
+                                await handler(tx, event)
+                            except Exception as exc:
+                                failed[index] = exc
+                                raise
+                return list(first)
+            except psycopg.OperationalError:
+                raise
+            except Exception as exc:
+                log.info("%s: a handler failed in a batch of %d (%s); handling each message "
+                         "under a savepoint", self.name, len(events), type(exc).__name__)
+            results: list[Result] = []
+            async with db.transaction():
+                for index, event in enumerate(events):
+                    results.append(failed.get(index) or await self._handle_one_async(
+                        db, handler, event, results, events))
+            return results
+        except psycopg.OperationalError:
+            await self._aclose_db()
+            raise
+
+    async def _handle_one_async(self, db: psycopg.AsyncConnection[Any],
+                                handler: AsyncHandler, event: InboxEvent,
+                                results: list[Result], events: list[InboxEvent]) -> Result:
+        if self._held(event, results, events):
+            return HELD
+        try:
+            async with outbox.transaction(db, schema=self.schema) as tx:  # a savepoint
                 if not await tx.receive(self.name, event.message_id):
                     return False
                 await handler(tx, event)
             return True
         except psycopg.OperationalError:
-            await self._aclose_db()
             raise
+        except Exception as exc:
+            return exc
+
+    def _held(self, event: InboxEvent, results: list[Result],
+              events: list[InboxEvent]) -> bool:
+        """Whether an earlier message of ``event``'s ordering key failed (or was held)
+        in this batch: then ``event`` waits for it."""
+        key = self.ordering_key(event)
+        if key is None:
+            return False
+        return any(isinstance(result, Exception) or result == HELD
+                   for earlier, result in zip(events, results, strict=False)
+                   if self.ordering_key(earlier) == key)
 
     async def _aconnection(self) -> psycopg.AsyncConnection[Any]:
         if self._adb is None or self._adb.closed:
@@ -300,16 +412,22 @@ class InboxConsumer:
         if adb is not None:
             await adb.close()
 
-    async def _acknowledge(self, message: Msg) -> None:
-        """Ack and wait for the server: a lost ack only means one harmless redelivery."""
+    async def _acknowledge(self, messages: list[Msg]) -> None:
+        """Ack every message, then one round trip to the server (a flush): a lost ack
+        only means a harmless redelivery, skipped by the inbox."""
+        if not messages:
+            return
         try:
-            await message.ack_sync(timeout=5.0)
+            for message in messages:
+                await message.ack()
+            await messages[0]._client.flush(timeout=5)
         except (nats.errors.Error, TimeoutError) as exc:
-            log.warning("%s: ack not confirmed (%s); the message will be redelivered and "
-                        "skipped", self.name, type(exc).__name__)
+            log.warning("%s: acks not confirmed (%s); those messages will be redelivered "
+                        "and skipped", self.name, type(exc).__name__)
 
     async def _failed(self, js: JetStreamContext, message: Msg, event: InboxEvent,
-                      exc: Exception) -> None:
+                      exc: Exception) -> float:
+        """Nak ``message`` with its backoff, or park it; the delay given (0 if parked)."""
         self.stats.failed += 1
         self.stats.errors.append(type(exc).__name__)
         log.warning("%s: message %s failed on delivery %d (%s)", self.name, event.message_id,
@@ -319,9 +437,10 @@ class InboxConsumer:
         if poison and event.deliveries >= self.max_deliver and await self._park(js, event, exc):
             self.stats.dead_lettered += 1
             await message.term()
-            return
+            return 0.0
         delay = self.backoff[min(event.deliveries, len(self.backoff)) - 1]
         await message.nak(delay=delay)
+        return delay
 
     async def _park(self, js: JetStreamContext, event: InboxEvent, exc: Exception) -> bool:
         """Publish the message to the dead-letter subject; False if that failed."""
@@ -370,3 +489,8 @@ def _event(message: Msg, stream: str) -> InboxEvent:
     return InboxEvent(message_id, message.subject, message.data, headers, seq,
                       metadata.num_delivered or 1)
 
+
+
+def _ordering_key_header(event: InboxEvent) -> str | None:
+    """The ordering key the outbox's ``nats.publish`` puts on a message."""
+    return event.headers.get(ORDERING_KEY_HEADER)

@@ -62,12 +62,15 @@ or one subject partition per worker, and uses ``Outbox-Ordering-Key`` to route.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+import weakref
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
@@ -76,6 +79,7 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, PubAck, RetentionPolicy
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
@@ -89,6 +93,7 @@ from outbox import (
     UnknownOutcome,
 )
 
+from ._cloudevents import Envelope, attributes, check_envelope
 from ._loop import LoopThread
 from ._nats_consumer import ConsumerStats, InboxConsumer, InboxEvent
 from ._payload import validated_payload
@@ -109,7 +114,7 @@ log = logging.getLogger("effects.nats")
 MESSAGE_ID_HEADER = "Outbox-Message-Id"
 EVENT_TIME_HEADER = "Outbox-Event-Time"
 ORDERING_KEY_HEADER = "Outbox-Ordering-Key"
-_RESERVED_PREFIXES = ("nats-", "outbox-")
+_RESERVED_PREFIXES = ("nats-", "outbox-", "ce-")
 _MAX_HEADERS = 64
 _MAX_SUBJECT = 1024
 _STRICT_DUPLICATE = 10077  # "maximum messages per subject exceeded" (discard new)
@@ -120,6 +125,7 @@ TraceHeaders = Callable[[Job], Mapping[str, str]]
 """Returns extra headers for an attempt (e.g. ``traceparent``); called once per attempt."""
 
 
+@functools.lru_cache(maxsize=4096)  # events reuse few subjects; a refused one is not kept
 def _check_subject(subject: str) -> str:
     """A publishable NATS subject: dot-separated tokens, no wildcards, no system prefix."""
     if not subject.isascii() or not subject.isprintable() or " " in subject:
@@ -138,7 +144,8 @@ def _check_header(name: str, value: str) -> None:
     if not name or not name.isascii() or not name.isprintable() or ":" in name or " " in name:
         raise ValueError(f"header name {name!r} must be printable ASCII without ':' or spaces")
     if name.lower().startswith(_RESERVED_PREFIXES):
-        raise ValueError(f"header {name!r} is reserved (Nats-* and Outbox-* are set here)")
+        raise ValueError(f"header {name!r} is reserved (Nats-*, Outbox-* and ce-* are set "
+                         "here)")
     if "\r" in value or "\n" in value:
         raise ValueError(f"header {name!r}: value must not contain line breaks")
 
@@ -151,6 +158,8 @@ class EventPayload(BaseModel):
     subject: str = Field(min_length=1, max_length=_MAX_SUBJECT)
     data: JsonValue
     headers: dict[str, str] = Field(default_factory=dict, max_length=_MAX_HEADERS)
+    # The CloudEvents type with envelope="cloudevents" (default: the subject).
+    type: str | None = Field(default=None, min_length=1, max_length=255)
 
     @field_validator("subject")
     @classmethod
@@ -202,17 +211,36 @@ class StreamFacts:
     window: float
     strict: bool
     checked_at: float
+    _captured: dict[str, bool] = field(default_factory=dict, repr=False, compare=False)
+
+    def captures(self, subject: str) -> bool:
+        """Whether one of the stream's subjects captures ``subject`` (remembered)."""
+        found = self._captured.get(subject)
+        if found is None:
+            found = any(subject_matches(p, subject) for p in self.subjects)
+            if len(self._captured) < 4096:
+                self._captured[subject] = found
+        return found
 
 
 class _Connection:
-    """One reconnecting NATS connection, made on first use; owned by ``LoopThread``."""
+    """One reconnecting NATS connection, made on first use, bound to one event loop
+    (nats-py's clients are). With ``closes_with_loop`` it closes itself when that loop
+    shuts down its async generators (``asyncio.run`` does, before closing the loop)."""
 
-    def __init__(self, servers: list[str], options: Mapping[str, Any], what: str) -> None:
+    def __init__(self, servers: list[str], options: Mapping[str, Any], what: str,
+                 *, closes_with_loop: bool = False) -> None:
         self._servers = servers
         self._options = dict(options)
         self._what = what
+        self._closes_with_loop = closes_with_loop
         self._client: NatsClient | None = None
+        self._js: JetStreamContext | None = None
         self._lock: asyncio.Lock | None = None
+        self._closer: AsyncGenerator[None, None] | None = None
+        # One stream check at a time: hundreds of publishes in flight must not each
+        # ask for the stream's info when the facts go stale.
+        self.checking: asyncio.Lock | None = None
 
     @property
     def client(self) -> NatsClient | None:
@@ -227,7 +255,24 @@ class _Connection:
         async with self._lock:
             if self._client is None or self._client.is_closed:
                 self._client = await self._connect()
+                self._js = self._client.jetstream()
+                if self._closes_with_loop and self._closer is None:
+                    self._closer = self._close_at_shutdown()
+                    await anext(self._closer)
         return self._client
+
+    async def jetstream(self) -> tuple[NatsClient, JetStreamContext]:
+        """The connected client and its JetStream context (made once per client)."""
+        client = await self.get()
+        assert self._js is not None
+        return client, self._js
+
+    async def _close_at_shutdown(self) -> AsyncGenerator[None, None]:
+        """Suspended for as long as the loop runs; finalised at its shutdown."""
+        try:
+            yield
+        finally:
+            await self.close()
 
     async def _connect(self) -> NatsClient:
         try:
@@ -252,7 +297,7 @@ class _Connection:
         return client
 
     async def close(self) -> None:
-        client, self._client = self._client, None
+        client, self._client, self._js = self._client, None, None
         if client is not None and not client.is_closed:
             await client.close()
 
@@ -286,14 +331,24 @@ class PublishEvent(Effect):
     duplicate window; past it, the effect refuses to publish again (see the module
     docstring). ``check()`` (also run on first use and every minute) refuses a stream
     whose window cannot cover a re-claim after ``lease`` + ``rescue_interval`` (give the
-    dispatcher's values) or whose retention forgets ids early. One reconnecting
-    connection per instance, on a private event loop; ``close()`` ends it. Reasons and
-    logs carry the job key, the subject's stream and the server's hosts, never the data
-    or credentials in server URLs.
+    dispatcher's values) or whose retention forgets ids early.
+
+    ``perform`` publishes on the event loop that awaits it (an ``AsyncDispatcher``'s, or
+    ``Dispatcher``'s loop for async effects), over one reconnecting connection per loop:
+    publishes from concurrent jobs are in flight together on it, each awaiting its own
+    acknowledgement. That connection closes when its loop shuts down (``asyncio.run``
+    and both dispatchers finalise a loop's async generators) or on ``close()``.
+    ``check()``, called from synchronous code, uses a private loop of its own. Reasons
+    and logs carry the job key, the subject's stream and the server's hosts, never the
+    data or credentials in server URLs.
 
     ``trace_headers(job)``, when given, returns extra headers for each attempt (the
-    tracing integration passes one that injects ``traceparent``). ``connect_options``
-    are passed to ``nats.connect`` (credentials, TLS, ``connect_timeout`` ...).
+    tracing integration passes one that injects ``traceparent``). With
+    ``envelope="cloudevents"`` each message is also a CloudEvent in binary mode
+    (``ce-id`` = the job key, ``ce-source`` = ``source``, ``ce-type`` = the payload's
+    ``type`` or the subject, ``ce-time`` = the first attempt; see
+    ``effects._cloudevents``). ``connect_options`` are passed to ``nats.connect``
+    (credentials, TLS, ``connect_timeout`` ...).
     """
 
     name = "nats.publish"
@@ -310,11 +365,15 @@ class PublishEvent(Effect):
         strict: bool = False,
         trace_headers: TraceHeaders | None = None,
         connect_options: Mapping[str, Any] | None = None,
+        envelope: Envelope = None,
+        source: str = "/outbox",
     ) -> None:
         if not stream or any(c in stream for c in " .*>\t"):
             raise ValueError(f"stream must be a JetStream stream name, got {stream!r}")
         if not timeout > 0 or not lease > 0 or not rescue_interval >= 0:
             raise ValueError("timeout and lease must be positive, rescue_interval not negative")
+        check_envelope(envelope, source)
+        self.envelope, self.source = envelope, source
         self._servers = _server_list(servers)
         self.stream = stream
         self.timeout = timeout
@@ -323,9 +382,13 @@ class PublishEvent(Effect):
         self.strict = strict
         self._trace_headers = trace_headers
         self._what = f"nats.publish to stream {stream} at {_hosts(self._servers)}"
-        options = {"connect_timeout": 2, "reconnect_time_wait": 0.5, "name": "outbox"}
+        options: dict[str, Any] = {"connect_timeout": 2, "reconnect_time_wait": 0.5,
+                                   "name": "outbox"}
         options.update(connect_options or {})
-        self._connection = _Connection(self._servers, options, self._what)
+        self._options = options
+        self._connection = _Connection(self._servers, options, self._what)  # check()'s
+        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Connection] = (
+            weakref.WeakKeyDictionary())
         self._facts: StreamFacts | None = None
         self._loop: LoopThread | None = None
         self._loop_lock = threading.Lock()
@@ -345,7 +408,7 @@ class PublishEvent(Effect):
             raise Permanent(f"invalid nats.publish payload for job {job.key}: "
                             "data: not JSON (NaN or infinity)") from exc
         headers = self._headers(job, event)
-        return await self._on_loop().run(self._publish(job, event.subject, body, headers))
+        return await self._publish(self._here(), job, event.subject, body, headers)
 
     @property
     def unknown_outcome_window(self) -> float | None:
@@ -369,8 +432,8 @@ class PublishEvent(Effect):
 
         For health checks; ``perform`` does not need it (it answers ``Retry`` instead).
         """
-        client = self._connection.client
-        return client is not None and client.is_connected
+        connections = [self._connection, *list(self._by_loop.values())]
+        return any(c.client is not None and c.client.is_connected for c in connections)
 
     def check(self) -> StreamFacts:
         """Connect and check the stream now; raise ``ConfigurationError`` if it is unfit.
@@ -390,6 +453,10 @@ class PublishEvent(Effect):
         """Close the connection and its event loop; the effect cannot publish afterwards."""
         with self._loop_lock:
             loop, self._loop = self._loop, None
+            by_loop = list(self._by_loop.items())
+            self._by_loop.clear()
+        for other, connection in by_loop:
+            _close_on(other, connection)
         if loop is not None:
             loop.call(self._connection.close(), timeout=10.0)
             loop.stop()
@@ -403,7 +470,20 @@ class PublishEvent(Effect):
     def __repr__(self) -> str:
         return f"PublishEvent(servers={_hosts(self._servers)!r}, stream={self.stream!r})"
 
-    # -- on the private loop --------------------------------------------------------
+    # -- connections ----------------------------------------------------------------
+
+    def _here(self) -> _Connection:
+        """The connection of the running loop, made on its first publish."""
+        loop = asyncio.get_running_loop()
+        connection = self._by_loop.get(loop)
+        if connection is None:
+            with self._loop_lock:
+                # A connection holds its loop: forget those of loops that have closed.
+                for gone in [old for old in self._by_loop if old.is_closed()]:
+                    del self._by_loop[gone]
+                connection = self._by_loop.setdefault(loop, _Connection(
+                    self._servers, self._options, self._what, closes_with_loop=True))
+        return connection
 
     def _on_loop(self) -> LoopThread:
         with self._loop_lock:
@@ -412,12 +492,13 @@ class PublishEvent(Effect):
             return self._loop
 
     async def _publish(
-        self, job: Job, subject: str, body: bytes, headers: dict[str, str]
+        self, connection: _Connection, job: Job, subject: str, body: bytes,
+        headers: dict[str, str],
     ) -> dict[str, Any]:
         what = f"nats.publish job {job.key} to stream {self.stream}"
-        client = await self._connection.get()
-        facts = await self._current_facts(client, what)
-        if not any(subject_matches(p, subject) for p in facts.subjects):
+        client, js = await connection.jetstream()
+        facts = await self._current_facts(connection, client, what)
+        if not facts.captures(subject):
             raise Permanent(f"{what}: subject is not one of the stream's subjects "
                             f"({', '.join(facts.subjects)}); nothing published")
         self._refuse_past_window(job, facts, what)
@@ -427,7 +508,7 @@ class PublishEvent(Effect):
         if not client.is_connected:
             raise Retry(f"{what}: not connected to NATS; nothing sent")
         try:
-            ack = await client.jetstream().publish(
+            ack = await js.publish(
                 subject, body, timeout=self.timeout, stream=self.stream, headers=headers
             )
         except nats.js.errors.APIError as exc:
@@ -470,15 +551,23 @@ class PublishEvent(Effect):
                 "may have been stored, so publishing again could duplicate it: not published"
             )
 
-    async def _current_facts(self, client: NatsClient, what: str) -> StreamFacts:
+    async def _current_facts(
+        self, connection: _Connection, client: NatsClient, what: str
+    ) -> StreamFacts:
         facts = self._facts
         if facts is not None and time.monotonic() - facts.checked_at < _RECHECK_SECONDS:
             return facts
-        try:
-            return await self._check(client)
-        except ConfigurationError as exc:
-            log.error("%s", exc)
-            raise Retry(f"{what}: stream unfit: {exc}") from exc
+        if connection.checking is None:
+            connection.checking = asyncio.Lock()
+        async with connection.checking:
+            facts = self._facts  # checked meanwhile by another publish on this loop?
+            if facts is not None and time.monotonic() - facts.checked_at < _RECHECK_SECONDS:
+                return facts
+            try:
+                return await self._check(client)
+            except ConfigurationError as exc:
+                log.error("%s", exc)
+                raise Retry(f"{what}: stream unfit: {exc}") from exc
 
     async def _check(self, client: NatsClient | None = None) -> StreamFacts:
         client = client or await self._connection.get()
@@ -509,7 +598,26 @@ class PublishEvent(Effect):
             headers[EVENT_TIME_HEADER] = stamp.isoformat(timespec="microseconds")
         if job.ordering_key is not None:
             headers[ORDERING_KEY_HEADER] = job.ordering_key
+        if self.envelope == "cloudevents":
+            headers.update(attributes(job, source=self.source,
+                                      type_=event.type or event.subject, prefix="ce-"))
         return headers
+
+
+def _close_on(loop: asyncio.AbstractEventLoop, connection: _Connection) -> None:
+    """Close ``connection`` on its own loop, from any thread. A loop that is not running
+    (or is this thread's own, which cannot be waited for here) closes it at its shutdown."""
+    if loop.is_closed() or not loop.is_running():
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        loop.create_task(connection.close())
+        return
+    with contextlib.suppress(Exception):  # the loop may stop meanwhile: it closes it then
+        asyncio.run_coroutine_threadsafe(connection.close(), loop).result(10.0)
 
 
 def _judge(config: Any, stream: str, needed: float, strict: bool) -> StreamFacts:

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from outbox import ConfigurationError, Job, Permanent, Retry
 
+from ._cloudevents import Envelope, attributes, check_envelope
 from ._http import USER_AGENT, PooledAdapter, retry_after, send
 from ._payload import validated_payload
 from ._signing import (
@@ -83,7 +84,11 @@ class PostWebhook(PooledAdapter):
     ``whsec_<base64>`` secret or a list of them: during a rotation every request carries
     one signature per secret, so receivers holding the old or the new one accept it.
     Redirects are never followed. One ``httpx.Client`` per instance, shared by all
-    worker threads. The secret never leaves the process; reasons and logs carry the job
+    worker threads. With ``envelope="cloudevents"`` the request is also a CloudEvent in
+    HTTP binary mode: the body is the canonical JSON of ``data`` alone (what is signed),
+    with ``ce-id`` = the job key, ``ce-source`` = ``source``, ``ce-type`` = the event
+    name, ``ce-time`` = the first attempt (see ``effects._cloudevents``). The secret
+    never leaves the process; reasons and logs carry the job
     key, the receiver's host and the status, never the payload or the full URL (URLs may hold
     tokens). A missing, empty or malformed ``secret`` raises ``outbox.ConfigurationError``
     at construction, without repeating it.
@@ -97,7 +102,12 @@ class PostWebhook(PooledAdapter):
         url: str,
         secret: WebhookSecret | Sequence[WebhookSecret],
         timeout: float = 10.0,
+        *,
+        envelope: Envelope = None,
+        source: str = "/outbox",
     ) -> None:
+        check_envelope(envelope, source)
+        self.envelope, self.source = envelope, source
         if not secret:
             raise ConfigurationError("PostWebhook needs a signing secret: secret is missing "
                                      "or empty")
@@ -117,9 +127,14 @@ class PostWebhook(PooledAdapter):
         docstring.
         """
         hook = validated_payload(WebhookPayload, job)
-        body = _encode_body(job.key, hook)
+        headers: dict[str, str] = {}
+        if self.envelope == "cloudevents":
+            body = _encode_data(job.key, hook)
+            headers = attributes(job, source=self.source, type_=hook.event, prefix="ce-")
+        else:
+            body = _encode_body(job.key, hook)
         request = self._client.build_request(
-            "POST", self._url, content=body, headers=self._headers(job.key, body)
+            "POST", self._url, content=body, headers={**headers, **self._headers(job.key, body)}
         )
         what = f"webhook job {job.key} to {self._url.host}"
         response = send(self._client, request, what=what)
@@ -150,6 +165,16 @@ def _encode_body(key: str, hook: WebhookPayload) -> bytes:
             document, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
         )
     except ValueError as exc:  # NaN or infinity: not JSON, and never will be
+        raise Permanent(f"invalid webhook.post payload for job {key}: data: not JSON") from exc
+    return text.encode()
+
+
+def _encode_data(key: str, hook: WebhookPayload) -> bytes:
+    """A CloudEvent's body: the data alone, canonical JSON (the same on every attempt)."""
+    try:
+        text = json.dumps(hook.data, sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=False, allow_nan=False)
+    except ValueError as exc:
         raise Permanent(f"invalid webhook.post payload for job {key}: data: not JSON") from exc
     return text.encode()
 

@@ -372,6 +372,23 @@ def receive_steps(consumer: str, message_id: str) -> Steps[bool]:
     return bool(rows)
 
 
+def receive_many_steps(consumer: str, message_ids: Sequence[str]) -> Steps[list[bool]]:
+    """``receive_steps`` for many messages in one statement: for each id in order, True
+    if it is recorded now (a repeated id within ``message_ids``: True only the first time)."""
+    validate_key(consumer, what="consumer")
+    for message_id in message_ids:
+        validate_key(message_id, what="message_id")
+    if not message_ids:
+        return []
+    rows = yield ("receive_many", {"consumer": consumer, "message_ids": list(message_ids)})
+    new = {row[0] for row in rows}
+    first = []
+    for message_id in message_ids:
+        first.append(message_id in new)
+        new.discard(message_id)
+    return first
+
+
 def run_steps(steps: Steps[T], execute: Callable[[str, dict[str, Any]], list[Row]]) -> T:
     """Drive ``steps`` to its result with a synchronous ``execute(name, params) -> rows``."""
     try:

@@ -8,7 +8,7 @@ and Django in ``outbox.contrib``), so they all validate, write and answer alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -90,6 +90,12 @@ class Operations:
         params = _resolve_params(key, result, source, self.schema)
         rows = self._execute("resolve_by_event", params)
         return int(rows[0][0]) if rows else None
+    def receive_many(self, consumer: str, message_ids: Sequence[str]) -> list[bool]:
+        """``receive`` for many messages in one round trip: for each id, in order, True
+        the first time (an id repeated in ``message_ids`` is True once), False for a
+        repeat. Same transaction, waiting and validation rules as ``receive``."""
+        steps = _enqueue.receive_many_steps(consumer, message_ids)
+        return _enqueue.run_steps(steps, self._execute)
 
 
 class AsyncOperations:
@@ -128,6 +134,11 @@ class AsyncOperations:
         rows = await self._execute("resolve_by_event", params)
         return int(rows[0][0]) if rows else None
 
+    async def receive_many(self, consumer: str, message_ids: Sequence[str]) -> list[bool]:
+        """As ``Operations.receive_many``."""
+        steps = _enqueue.receive_many_steps(consumer, message_ids)
+        return await _enqueue.run_steps_async(steps, self._execute)
+
 
 def _resolve_params(key: str, result: Mapping[str, Any] | None, source: str,
                     schema: str) -> dict[str, Any]:
@@ -136,6 +147,7 @@ def _resolve_params(key: str, result: Mapping[str, Any] | None, source: str,
     return {"key": key, "result": text,
             "note": f"resolved as performed by the provider ({source[:200]})",
             "source": source[:200], "channel": _enqueue.notify_channel(schema)}
+
 
 
 class Transaction(Operations):

@@ -21,12 +21,15 @@ what the outbox's guarantees rest on.
 
 NATS is not faked: ``NatsServer`` / ``nats_server()`` run the real ``nats-server``
 binary with JetStream on 127.0.0.1 (fixture ``nats_server``), with ``stop``, ``kill``
-and ``restart`` for broker faults.
+and ``restart`` for broker faults. Kafka is librdkafka's own mock cluster
+(``KafkaMockCluster``), held by a child process so a client process can be killed while
+the cluster survives.
 """
 
 from ._base import FakeProvider
 from ._email import FakeEmailProvider, SentEmail
 from ._faults import Hold
+from ._kafka import KafkaMockCluster
 from ._nats import NatsServer, find_nats_server, nats_server
 from ._stripe import DEFAULT_DECLINED_CARDS, FakeStripe, stripe_signature
 from ._webhook import FakeWebhookReceiver, ReceivedWebhook
@@ -38,6 +41,7 @@ __all__ = [
     "FakeStripe",
     "FakeWebhookReceiver",
     "Hold",
+    "KafkaMockCluster",
     "NatsServer",
     "ReceivedWebhook",
     "SentEmail",

@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Awaitable
 from concurrent.futures import Executor
-from functools import partial
 
 import psycopg
 
@@ -214,8 +213,12 @@ async def listen_async(settings: Settings, state: AsyncState) -> None:
 
 
 class TaskWorkers:
-    """``AsyncDispatcher``'s workers: a task per claimed job; a sync effect's ``perform``
-    goes to ``pool`` once the task holds a slot."""
+    """``AsyncDispatcher``'s workers: tasks on the loop, each holding a slot; a sync
+    effect's ``perform`` goes to ``pool`` from the task that holds its slot.
+
+    A task that finishes a job passes its slot on (``Slots.pass_on``); when the longest
+    waiter is another job of ours it performs that job itself, so a steady stream of
+    jobs costs no task per job, only the ``perform`` itself."""
 
     def __init__(self, state: AsyncState, pool: Executor | None) -> None:
         self.state = state
@@ -230,26 +233,40 @@ class TaskWorkers:
             if (state.releasing or held.lost) and not state.begin(held):
                 continue  # handed back or dropped without waiting for a slot
             # Slots are released on the loop only (sync effects' threads return their
-            # outcome to the loop first), so ``start`` runs on the loop.
-            state.slots.when_free(partial(self._start, held))
+            # outcome to the loop first), so a start always runs on the loop.
+            state.slots.when_free(_Start(self, held))
 
     def _start(self, held: Held) -> None:
-        coro = (self.performer.perform_holding_slot(held) if held.is_async
-                else self._perform_on_pool(held))
-        task = self._loop.create_task(coro)
+        task = self._loop.create_task(self._run(held))
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
-    async def _perform_on_pool(self, held: Held) -> None:
-        """Holding a slot: ``perform`` on the pool; the outcome comes back to the loop."""
-        state = self.state
-        try:
-            if state.begin(held):
-                outcome = await self._loop.run_in_executor(
-                    self.pool, self.performer.call_sync, held)
-                state.finish(held, outcome)
-        finally:
-            state.slots.release()
+    async def _run(self, held: Held) -> None:
+        """Holding a slot: perform ``held`` (or hand it back); then, while the slot passes
+        to another job of ours, perform that one too. A cancelled perform ends the task.
+        One coroutine for the whole stream: this is the hot path of async effects."""
+        state, slots, performer = self.state, self.state.slots, self.performer
+        while True:
+            try:
+                if state.begin(held):
+                    if held.is_async:
+                        outcome = await performer.call_async(held)
+                    else:  # on the pool; the outcome comes back to the loop
+                        outcome = await self._loop.run_in_executor(
+                            self.pool, performer.call_sync, held)
+                    state.finish(held, outcome)
+                    if isinstance(outcome, asyncio.CancelledError):
+                        slots.release()
+                        return
+            except BaseException:
+                slots.release()
+                raise
+            waiter = slots.pass_on()
+            if type(waiter) is not _Start or waiter.workers is not self:
+                if waiter is not None:
+                    waiter()
+                return
+            held = waiter.held
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -269,3 +286,17 @@ class TaskWorkers:
         return tasks
 
 
+
+
+class _Start:
+    """A claimed job waiting for a slot: called by the slot's giver, it starts a task
+    for the job; a task of the same workers passing its slot on runs the job itself."""
+
+    __slots__ = ("held", "workers")
+
+    def __init__(self, workers: TaskWorkers, held: Held) -> None:
+        self.workers = workers
+        self.held = held
+
+    def __call__(self) -> None:
+        self.workers._start(self.held)

@@ -8,6 +8,7 @@ caller's thread, ``AsyncDispatcher`` on an asyncio connection.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -140,9 +141,9 @@ class Claimer:
         return batch
 
     def _held(self, row: tuple[Any, ...], traced: bool) -> Held:
-        job = Job(id=row[0], effect=row[1], key=row[2], payload=row[3], attempt=row[4],
-                  claim_version=row[5], ordering_key=row[6], max_attempts=row[7],
-                  first_attempted_at=row[8])
+        job = Job(id=row[0], effect=row[1], key=row[2], payload=json.loads(row[3]),
+                  attempt=row[4], claim_version=row[5], ordering_key=row[6],
+                  max_attempts=row[7], first_attempted_at=row[8])
         return Held(job, self.settings.effects[job.effect], job.effect in self.settings.async_names,
                     traced=traced, trace_context=row[10] if traced else None,
                     kept_result=row[11])

@@ -155,12 +155,19 @@ class Slots:
 
     def release(self) -> None:
         """Give a slot back: to the longest waiter, else to the pool."""
+        waiter = self.pass_on()
+        if waiter is not None:
+            waiter()
+
+    def pass_on(self) -> Callable[[], None] | None:
+        """Give a slot back as ``release`` does, except that the longest waiter is
+        returned instead of called: the caller hands it the slot it holds (by calling it,
+        or by running that waiter's job itself)."""
         with self._lock:
             if not self._waiters:
                 self._free += 1
-                return
-            waiter = self._waiters.popleft()
-        waiter()
+                return None
+            return self._waiters.popleft()
 
 
 class SharedState(Generic[E]):

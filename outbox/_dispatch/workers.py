@@ -231,6 +231,9 @@ class LoopRunner:
         async def finish() -> None:
             while self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            # As asyncio.run does: what effects hold open for the loop's lifetime (their
+            # connections) is closed on the loop, before it closes.
+            await self._loop.shutdown_asyncgens()
             self._loop.stop()
 
         asyncio.run_coroutine_threadsafe(finish(), self._loop)

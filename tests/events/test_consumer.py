@@ -123,6 +123,65 @@ def test_a_handler_that_raises_rolls_back_and_the_redelivery_is_handled(
     assert handled(db, schema) == [("evt-1", 2)]
 
 
+def test_a_handler_failing_in_a_batch_rolls_back_only_its_own_message(
+    dsn: str, schema: str, db: Conn, nats_server: NatsServer, streams: tuple[str, str]
+) -> None:
+    events, _ = streams
+    for n in range(6):
+        publish(nats_server.url, f"{events}.orders.paid", b"{}", f"evt-{n}")
+    calls: list[tuple[str, int]] = []
+
+    def flaky(tx: outbox.Transaction, event: InboxEvent) -> None:
+        calls.append((event.message_id, event.deliveries))
+        record(tx, event)  # written, then rolled back with its inbox row
+        if event.message_id == "evt-3" and event.deliveries == 1:
+            raise RuntimeError("this message only")
+
+    stats = run(consumer(dsn, schema, nats_server.url, events, flaky).run_until_idle())
+
+    assert (stats.handled, stats.failed, stats.duplicates) == (6, 1, 0)
+    # Every message committed once; evt-3 on its second delivery, the others on the first.
+    assert handled(db, schema) == [(f"evt-{n}", 2 if n == 3 else 1) for n in range(6)]
+    assert len(inbox(db, schema)) == 6
+    # The failing handler ran once per delivery; those before it in the batch ran again
+    # under their savepoints (called at least once, committed once).
+    assert calls.count(("evt-3", 1)) == calls.count(("evt-3", 2)) == 1
+    assert all(calls.count((f"evt-{n}", 1)) == 1 for n in (4, 5))
+
+
+def test_messages_after_a_failed_one_with_its_ordering_key_wait_for_it(
+    dsn: str, schema: str, db: Conn, nats_server: NatsServer, streams: tuple[str, str]
+) -> None:
+    events, _ = streams
+    sent = [("a-1", "A"), ("b-1", "B"), ("a-2", "A"), ("a-3", "A"), ("b-2", "B")]
+
+    async def send() -> None:
+        client = await nats.connect(nats_server.url)
+        try:
+            for message_id, key in sent:
+                await client.jetstream().publish(f"{events}.orders.paid", b"{}", headers={
+                    "Outbox-Message-Id": message_id, "Outbox-Ordering-Key": key})
+        finally:
+            await client.close()
+
+    run(send())
+    order: list[str] = []
+
+    def flaky(tx: outbox.Transaction, event: InboxEvent) -> None:
+        if event.message_id == "a-1" and event.deliveries == 1:
+            raise RuntimeError("first of its key fails once")
+        record(tx, event)
+        order.append(event.message_id)  # reached only by handlers that commit
+
+    stats = run(consumer(dsn, schema, nats_server.url, events, flaky).run_until_idle())
+
+    assert stats.handled == 5
+    assert [m for m in order if m.startswith("a")] == ["a-1", "a-2", "a-3"]
+    # Key B did not wait for key A: handled in the first batch, before a-1.
+    assert order.index("b-2") < order.index("a-1")
+    assert sorted(m for m, _ in handled(db, schema)) == sorted(m for m, _ in sent)
+
+
 def test_a_poison_message_is_parked_after_max_deliver_and_not_looped(
     dsn: str, schema: str, db: Conn, nats_server: NatsServer, streams: tuple[str, str]
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from effects.testing import NatsServer
 from outbox.testing import jobs
 from tests.crash.support import REPO, Worker, lease_expired, wait_until
 
-from .support import add_stream, per_key, stored_count
+from .support import add_stream, make_job, per_key, stored_count
 
 
 @pytest.fixture
@@ -143,28 +144,36 @@ def test_an_unknown_outcome_past_the_window_goes_to_reconcile_without_publishing
         with PublishEvent(server.url, stream, timeout=0.5, lease=2.0,
                           rescue_interval=0.1) as publisher:
             publisher.check()
-            dispatcher = outbox.Dispatcher(
+            dispatcher = outbox.AsyncDispatcher(
                 dsn, [publisher], schema=schema, lease=2.0, rescue_interval=0.1,
                 poll_interval=0.05, backoff=outbox.Backoff(base=0.05, cap=0.1),
                 unknown_outcome_window=publisher.unknown_outcome_window or 0.0,
             )
-            assert server.pid is not None
-            os.kill(server.pid, signal.SIGSTOP)  # the publish is written, never answered
-            try:
-                first = dispatcher.run_until_idle(timeout=60)
-            finally:
-                os.kill(server.pid, signal.SIGCONT)
-            # UnknownOutcome inside the window: retried (each retry written, unanswered).
-            assert first.retried >= 1
-            assert first.done == first.reconcile == 0
-            # The first attempt was stored after all; pretend the window has passed.
-            db.execute(f'UPDATE "{schema}".jobs SET first_attempted_at = now() - '
-                       "interval '10 minutes', available_at = now()")
-            dispatcher.run_until_idle(timeout=60)
+
+            async def scenario() -> outbox.DispatchStats:
+                # The dispatcher's loop has its connection up before the broker freezes.
+                await publisher.perform(make_job("evt-warm", {
+                    "subject": f"{stream}.orders.warm", "data": {}}))
+                assert server.pid is not None
+                os.kill(server.pid, signal.SIGSTOP)  # the publish is written, never answered
+                try:
+                    first = await dispatcher.run_until_idle(timeout=60)
+                finally:
+                    os.kill(server.pid, signal.SIGCONT)
+                # The first attempt was stored after all; pretend the window has passed.
+                db.execute(f'UPDATE "{schema}".jobs SET first_attempted_at = now() - '
+                           "interval '10 minutes', available_at = now()")
+                await dispatcher.run_until_idle(timeout=60)
+                return first
+
+            first = asyncio.run(scenario())
 
         job = jobs(db, schema)["evt-frozen"]
         counts = per_key(server.url, stream)
 
+    # UnknownOutcome inside the window: retried (each retry written, unanswered).
+    assert first.retried >= 1
+    assert first.done == first.reconcile == 0
     assert job["status"] == "reconcile"
     assert "past the stream's duplicate window" in job["last_error"]
-    assert counts == {"evt-frozen": 1}
+    assert counts == {"evt-warm": 1, "evt-frozen": 1}

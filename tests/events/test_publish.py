@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -81,6 +82,22 @@ def test_perform_can_be_awaited_from_different_event_loops(
         run(publisher.perform(make_job(f"evt-{n}", event(stream))))
 
     assert per_key(nats_server.url, stream) == {"evt-0": 1, "evt-1": 1, "evt-2": 1}
+
+
+def test_concurrent_publishes_share_the_running_loops_connection(
+    nats_server: NatsServer, stream: str, publisher: PublishEvent
+) -> None:
+    async def scenario() -> tuple[list[dict[str, Any]], int]:
+        results = await asyncio.gather(*(
+            publisher.perform(make_job(f"evt-{n}", event(stream))) for n in range(50)))
+        return results, len(publisher._by_loop)
+
+    results, connections = run(scenario())
+
+    assert connections == 1  # every publish in flight on the one connection of the loop
+    assert sorted(r["seq"] for r in results) == list(range(1, 51))
+    assert per_key(nats_server.url, stream) == {f"evt-{n}": 1 for n in range(50)}
+    assert not publisher.connected  # closed when its loop shut down
 
 
 def test_trace_headers_are_added_to_each_attempt(nats_server: NatsServer, stream: str) -> None:
@@ -186,16 +203,22 @@ def test_a_stopped_broker_is_retried_and_a_restarted_one_takes_the_event() -> No
     with NatsServer() as server:
         name = add_stream(server.url, duplicate_window=120.0)
         with PublishEvent(server.url, name, timeout=2.0) as publisher:
-            run(publisher.perform(make_job("evt-1", event(name))))
-            server.stop()
-            # Until the client has seen the connection close, a publish would be written
-            # into it and time out (UnknownOutcome): wait for the client to know.
-            wait_until(lambda: not publisher.connected, "the publisher to see the broker go")
-            with pytest.raises(outbox.Retry, match="not connected|could not connect"):
-                run(publisher.perform(make_job("evt-2", event(name))))
-            server.start()
-            wait_until(lambda: publisher.connected, "the publisher to reconnect")
-            run(publisher.perform(make_job("evt-2", event(name), attempt=2)))
+
+            async def scenario() -> None:  # one loop, as a dispatcher's: one connection
+                await publisher.perform(make_job("evt-1", event(name)))
+                await asyncio.to_thread(server.stop)
+                # Until the client has seen the connection close, a publish would be
+                # written into it and time out (UnknownOutcome): wait for it to know.
+                await asyncio.to_thread(wait_until, lambda: not publisher.connected,
+                                        "the publisher to see the broker go")
+                with pytest.raises(outbox.Retry, match="not connected|could not connect"):
+                    await publisher.perform(make_job("evt-2", event(name)))
+                await asyncio.to_thread(server.start)
+                await asyncio.to_thread(wait_until, lambda: publisher.connected,
+                                        "the publisher to reconnect")
+                await publisher.perform(make_job("evt-2", event(name), attempt=2))
+
+            run(scenario())
 
         assert per_key(server.url, name) == {"evt-1": 1, "evt-2": 1}
 
@@ -204,15 +227,20 @@ def test_a_timeout_after_the_request_was_written_is_unknown_and_the_retry_dedups
     with NatsServer() as server:
         name = add_stream(server.url, duplicate_window=120.0)
         with PublishEvent(server.url, name, timeout=0.5) as publisher:
-            run(publisher.perform(make_job("evt-0", event(name))))  # connected and checked
-            assert server.pid is not None
-            os.kill(server.pid, signal.SIGSTOP)  # the request is written; no answer comes
-            try:
-                with pytest.raises(outbox.UnknownOutcome, match="TimeoutError"):
-                    run(publisher.perform(make_job("evt-1", event(name))))
-            finally:
-                os.kill(server.pid, signal.SIGCONT)
-            again = run(publisher.perform(make_job("evt-1", event(name), attempt=2)))
+
+            async def scenario() -> dict[str, Any]:
+                # Connected and checked on this loop before the broker freezes.
+                await publisher.perform(make_job("evt-0", event(name)))
+                assert server.pid is not None
+                os.kill(server.pid, signal.SIGSTOP)  # the request is written; no answer
+                try:
+                    with pytest.raises(outbox.UnknownOutcome, match="TimeoutError"):
+                        await publisher.perform(make_job("evt-1", event(name)))
+                finally:
+                    os.kill(server.pid, signal.SIGCONT)
+                return await publisher.perform(make_job("evt-1", event(name), attempt=2))
+
+            again = run(scenario())
 
         # The frozen server stored the first request once it woke: the retry was a repeat.
         assert again["duplicate"] is True

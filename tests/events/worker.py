@@ -49,8 +49,8 @@ def record(tx: outbox.Transaction, event: InboxEvent) -> None:
 class CommitThenHang(InboxConsumer):
     """Commits the handling, reports it, and never acks: the window before the ack."""
 
-    async def _acknowledge(self, message: Msg) -> None:
-        sys.stdout.write(json.dumps({"committed": message.header}) + "\n")
+    async def _acknowledge(self, messages: list[Msg]) -> None:
+        sys.stdout.write(json.dumps({"committed": [m.header for m in messages]}) + "\n")
         sys.stdout.flush()
         await asyncio.Event().wait()  # until killed
 

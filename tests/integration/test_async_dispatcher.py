@@ -365,6 +365,50 @@ def test_one_limit_across_sync_and_async_effects(dsn: str, schema: str) -> None:
     assert state["peak"] == limit
 
 
+def test_async_effects_run_on_the_dispatchers_loop_in_at_most_concurrency_tasks(
+    dsn: str, schema: str
+) -> None:
+    jobs_count, concurrency = 120, 4
+
+    class Where(Effect):
+        name = "test.where"
+
+        def __init__(self) -> None:
+            self.loops: set[int] = set()
+            self.threads: set[int] = set()
+            self.tasks: set[asyncio.Task[Any] | None] = set()
+            self.calls: Counter[str] = Counter()
+            self.in_flight = self.peak = 0
+
+        async def perform(self, job: Job) -> None:
+            self.loops.add(id(asyncio.get_running_loop()))
+            self.threads.add(threading.get_ident())
+            self.tasks.add(asyncio.current_task())
+            self.calls[job.key] += 1
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+            await asyncio.sleep(0.001)
+            self.in_flight -= 1
+
+    enqueue(dsn, schema, *[NewJob("test.where", f"k{i}", {}) for i in range(jobs_count)])
+    effect = Where()
+
+    async def scenario() -> tuple[outbox.DispatchStats, int, int]:
+        # One claim takes every job: all of them wait for a slot from the start.
+        dispatcher = AsyncDispatcher(dsn, [effect], schema=schema, concurrency=concurrency,
+                                     prefetch=jobs_count, batch_size=jobs_count)
+        stats = await dispatcher.run_until_idle(60)
+        return stats, id(asyncio.get_running_loop()), threading.get_ident()
+
+    stats, loop, thread = run(scenario())
+    assert stats.done == jobs_count
+    assert effect.calls == {f"k{i}": 1 for i in range(jobs_count)}
+    assert (effect.loops, effect.threads) == ({loop}, {thread})  # no hop to another loop
+    assert effect.peak == concurrency
+    # A task that finishes a job takes the next waiting one: no task per job.
+    assert len(effect.tasks) == concurrency
+
+
 def test_refuses_an_unmigrated_schema(dsn: str) -> None:
     with pytest.raises(outbox.SchemaError, match="run `outbox migrate`"):
         run(AsyncDispatcher(dsn, [AsyncRecord()], schema="never_migrated").run_until_idle(5))

@@ -126,6 +126,31 @@ def test_async_receive(dsn: str, schema: str) -> None:
     assert asyncio.run(main()) == [True, False]
 
 
+def test_receive_many_says_which_messages_are_new_in_one_statement(
+    dsn: str, schema: str
+) -> None:
+    with psycopg.connect(dsn) as conn:
+        with outbox.transaction(conn, schema=schema) as tx:
+            assert tx.receive("billing", "msg-1")
+        with outbox.transaction(conn, schema=schema) as tx:
+            assert tx.receive_many("billing", ["msg-1", "msg-2", "msg-3", "msg-2"]) == [
+                False, True, True, False]  # an id repeated in the list is new once
+            assert tx.receive_many("billing", []) == []
+        with pytest.raises(RuntimeError), outbox.transaction(conn, schema=schema) as tx:
+            assert tx.receive_many("billing", ["msg-4"]) == [True]
+            raise RuntimeError("handling failed")  # rolled back: not received
+        with pytest.raises(InvalidKey), outbox.transaction(conn, schema=schema) as tx:
+            tx.receive_many("billing", ["msg-5", "bad\nid"])
+
+    async def received_async() -> list[bool]:
+        async with (await psycopg.AsyncConnection.connect(dsn) as aconn,
+                    outbox.transaction(aconn, schema=schema) as atx):
+            return await atx.receive_many("billing", ["msg-3", "msg-4"])
+
+    assert asyncio.run(received_async()) == [False, True]
+    assert _inbox(dsn, schema) == [("billing", f"msg-{n}") for n in (1, 2, 3, 4)]
+
+
 def test_purge_inbox_deletes_old_rows_a_batch_at_a_time(dsn: str, schema: str) -> None:
     inbox = table(schema, "inbox")
     with psycopg.connect(dsn, autocommit=True) as conn:

@@ -211,7 +211,8 @@ class Lifecycle(RuleBasedStateMachine):
                 first_attempted_at, _waited, _trace_context, _kept in rows:
             job = self.model[job_id]
             assert job_id in claimable
-            assert (effect, key, payload, ordering_key, max_attempts) == (
+            # The claim returns the payload as text (the dispatcher decodes it).
+            assert (effect, key, json.loads(payload), ordering_key, max_attempts) == (
                 job.effect, job.key, {"key": job.key}, job.ordering_key, job.max_attempts)
             assert (attempt, version) == (job.attempts + 1, job.version + 1)
             job.status, job.attempts, job.version, job.owner = "running", attempt, version, worker
