@@ -258,6 +258,8 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
         health = conn.execute(queries.queue_health, {"schema_name": schema}).fetchone()
         recent = conn.execute(queries.recent_failures, {"limit": failures}).fetchall()
         version = current_version(conn, schema)
+        by_effect = conn.execute(queries.due_by_effect).fetchall()
+        live = conn.execute(queries.live_dispatchers).fetchall()
     assert health is not None
     report = {
         "schema": schema,
@@ -272,11 +274,28 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
             {"id": r[0], "effect": r[1], "key": r[2], "status": r[3], "attempts": r[4],
              "last_error": r[5], "at": r[6].isoformat()} for r in recent
         ],
+        **_served(by_effect, live),
     }
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
     _print_status(report)
+
+
+def _served(by_effect: list[tuple[Any, ...]], live: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """The backlog per effect, the running dispatchers, and the effects with due jobs
+    that no running dispatcher handles (they would wait forever)."""
+    return {
+        "backlog_by_effect": {
+            effect: {"pending": pending, "due": due, "oldest_due_age_seconds": age,
+                     "dispatchers": dispatchers}
+            for effect, pending, due, age, dispatchers in by_effect},
+        "unhandled_effects": [effect for effect, _, due, _, dispatchers in by_effect
+                              if due and not dispatchers],
+        "dispatchers": [{"worker_id": w, "effects": list(effects),
+                         "started_at": started.isoformat(), "heartbeat_age_seconds": age}
+                        for w, effects, started, age in live],
+    }
 
 
 def _print_status(report: dict[str, Any]) -> None:
@@ -287,6 +306,15 @@ def _print_status(report: dict[str, Any]) -> None:
     click.echo(f"  oldest due pending: {'-' if age is None else f'{age:.1f}s'}, "
                f"due backlog: {report['due_backlog']}, expired leases: "
                f"{report['expired_leases']}, dead tuples: {report['dead_tuples']}")
+    if report["backlog_by_effect"]:
+        click.echo(f"pending by effect ({len(report['dispatchers'])} dispatcher(s) running):")
+    for effect, row in report["backlog_by_effect"].items():
+        age = row["oldest_due_age_seconds"]
+        flag = ("  <- no running dispatcher handles this effect"
+                if effect in report["unhandled_effects"] else "")
+        click.echo(f"  {effect:<24} pending {row['pending']:>8}, due {row['due']:>8}, "
+                   f"oldest due {'-' if age is None else f'{age:.1f}s'}, "
+                   f"dispatchers {row['dispatchers']}{flag}")
     if report["recent_failures"]:
         click.echo("recent failures:")
         for f in report["recent_failures"]:

@@ -7,7 +7,7 @@ Two sources, never mixed:
   (the dashboard's ``GET /metrics``), not by every worker: ``outbox_jobs{status,effect}``
   (done jobs estimated from a sample on large tables), ``outbox_oldest_due_job_age_seconds
   {effect}``, ``outbox_expired_leases{effect}``, ``outbox_oldest_reconcile_job_age_seconds
-  {effect}``, ``outbox_jobs_dead_tuples``.
+  {effect}``, ``outbox_jobs_dead_tuples``, ``outbox_unhandled_due_jobs{effect}``.
 - ``PrometheusObserver``: a ``DispatchObserver`` counting one dispatcher process's
   attempts, durations, queue waits, claims, fence rejections and rescues.
 
@@ -76,7 +76,9 @@ class DatabaseCollector(Collector):
                 estimate, dead = (int(size[0]), int(size[1])) if size else (0, 0)
                 counts = self._counts(conn, estimate)
                 health = conn.execute(q.effect_health).fetchall()
+                unhandled = _unhandled_due(conn, self.schema)
         yield from self._families(counts, health, dead)
+        yield unhandled
 
     def _counts(self, conn: psycopg.Connection[Any], estimate: int) -> dict[tuple[str, str], int]:
         from .web import _counts  # the dashboard's, so both count alike (outbox[web])
@@ -125,6 +127,27 @@ class DatabaseCollector(Collector):
             "outbox_jobs_dead_tuples", "Dead tuples in the jobs table (vacuum debt).",
             value=dead)
         return (jobs, oldest, expired, reconcile, dead_tuples)
+
+
+def _unhandled_due(conn: psycopg.Connection[Any], schema: str) -> Metric:
+    """``outbox_unhandled_due_jobs{effect}``: due jobs of effects that no running
+    dispatcher handles (``<schema>.dispatchers``), which wait until one does. Counted
+    among the oldest ``SCAN_LIMIT`` due jobs, as the dispatchers' own warning does."""
+    from ._dispatch.presence import SCAN_LIMIT
+    from ._sql import queries
+
+    rows = conn.execute(queries(schema).unhandled_due, {"limit": SCAN_LIMIT}).fetchall()
+    bounded = _bounded_effects({row[0] for row in rows})
+    family = GaugeMetricFamily(
+        "outbox_unhandled_due_jobs",
+        "Due pending jobs of an effect no running dispatcher handles (a typo in the "
+        "effect name, or its dispatcher not running).", labels=["effect"])
+    folded: dict[str, int] = {}
+    for effect, due, _oldest in rows:
+        folded[bounded(effect)] = folded.get(bounded(effect), 0) + int(due)
+    for effect, due in sorted(folded.items()):
+        family.add_metric([effect], due)
+    return family
 
 
 def _bounded_effects(effects: set[str]) -> Any:

@@ -8,6 +8,7 @@ caller's thread, ``AsyncDispatcher`` on an asyncio connection.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -26,6 +27,7 @@ from ..migrate import require_current
 from ..observe import PurgedTable
 from .connection import CONNECTION_ERRORS, Connection
 from .counting import Waits
+from .presence import Presence
 from .settings import Settings
 from .state import Held, SharedState, Timer, guarded
 from .steps import Statement, Step, run
@@ -63,6 +65,7 @@ class Claimer:
         self.rng = random.Random()
         self.rescue_timer = Timer(settings.rescue_interval)
         self.retention_timer = Timer(RETENTION_INTERVAL)
+        self.presence = Presence(settings)
 
     def round(self) -> Step[Round]:
         """One round: rescue and retention when due, a claim, and what to do next."""
@@ -72,6 +75,8 @@ class Claimer:
         # Retention under run_until_idle too: cron deployments never call run().
         if self.retention_timer.due(now):
             yield from self.purge()
+        if self.presence.due(now):  # the heartbeat, and warnings for unserved effects
+            yield from self.presence.beat()
         batch = yield from self.claim()
         if batch:
             return Round(batch)
@@ -225,19 +230,24 @@ def run_claimer(
 ) -> None:
     """The claimer's loop on the caller's thread, until stopped, idle or ``deadline``."""
     state: SharedState[threading.Event] = claimer.state
-    while not state.stopping.is_set():
-        if deadline is not None and time.monotonic() >= deadline:
-            return
-        try:
-            result = run(claimer.round(), conn.execute)
-        except psycopg.Error as exc:
-            claimer.failed(exc, lost=conn.lost)
-            wait = conn.backoff()
-        else:
-            submit(result.batch)
-            if result.idle:
+    try:
+        while not state.stopping.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
                 return
-            wait = result.wait
-        if wait:
-            state.wake.wait(wait)
-            state.wake.clear()
+            try:
+                result = run(claimer.round(), conn.execute)
+            except psycopg.Error as exc:
+                claimer.failed(exc, lost=conn.lost)
+                wait = conn.backoff()
+            else:
+                submit(result.batch)
+                if result.idle:
+                    return
+                wait = result.wait
+            if wait:
+                state.wake.wait(wait)
+                state.wake.clear()
+    finally:
+        if not conn.lost:  # stopping: say so at once, if the database is there
+            with contextlib.suppress(psycopg.Error):
+                run(claimer.presence.leave(), conn.execute)
