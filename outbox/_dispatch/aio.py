@@ -21,7 +21,7 @@ from functools import partial
 import psycopg
 
 from .. import _state
-from .._pg import is_pooled
+from .._pg import is_pooled, unreachable
 from ..errors import ConfigurationError
 from ..migrate import require_current
 from .claimer import Claimer
@@ -112,7 +112,8 @@ async def wait_for_schema_async(
         except CONNECTION_ERRORS as exc:
             if deadline is not None and time.monotonic() >= deadline:
                 raise
-            log.warning("cannot reach the database (%s); retrying", type(exc).__name__)
+            log.warning("cannot reach the database at %s; retrying",
+                        unreachable(exc, settings.conninfo))
             if await state.stopping.wait(failures.backoff()):
                 return
 

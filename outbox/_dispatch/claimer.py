@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 
 from .. import tracing
-from .._pg import configuration_error
+from .._pg import configuration_error, unreachable
 from ..effect import Job
 from ..errors import ConfigurationError
 from ..migrate import require_current
@@ -97,7 +97,8 @@ class Claimer:
             raise fatal from exc
         if lost:  # only a broken connection is replaced and counted
             guarded(self.state.events.reconnected, "claimer")
-            log.warning("claimer lost its connection (%s); reconnecting", type(exc).__name__)
+            log.warning("claimer lost its connection (%s: %s); reconnecting",
+                        type(exc).__name__, unreachable(exc, self.settings.conninfo))
         else:  # a failed statement, transient (40001, 40P01, 55P03, 57014) or not
             log.error("claimer query failed: %s", exc.sqlstate or type(exc).__name__)
 
@@ -219,7 +220,8 @@ def wait_for_schema(
             conn.discard()
             if deadline is not None and time.monotonic() >= deadline:
                 raise
-            log.warning("cannot reach the database (%s); retrying", type(exc).__name__)
+            log.warning("cannot reach the database at %s; retrying",
+                        unreachable(exc, settings.conninfo))
             if state.stopping.wait(conn.backoff()):
                 return
 

@@ -348,6 +348,18 @@ def test_migrate_upgrades_the_schema_and_flush_empties_it(
         fetch(dsn, "DELETE FROM django_migrations WHERE app = 'outbox' RETURNING id")
 
 
+def test_enqueue_into_an_unmigrated_schema_says_to_migrate(dsn: str, project: str) -> None:
+    from django.test import override_settings
+
+    from outbox.contrib.django import transaction as outbox_atomic
+
+    with override_settings(OUTBOX_SCHEMA="never_migrated"), \
+            pytest.raises(outbox.SchemaError, match=r"schema 'never_migrated' has no outbox "
+                                                    r"tables .*`manage.py migrate`"), \
+            outbox_atomic() as tx:
+        tx.enqueue("email.send", key="k", payload={})
+
+
 def _drop(dsn: str, schema: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
@@ -369,4 +381,4 @@ def test_the_suite_passes_on_psycopg2(dsn: str) -> None:
         [sys.executable, "-m", "pytest", here, "-q", "-p", "no:cacheprovider", *deselect],
         cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
-    assert "11 passed, 2 deselected" in child.stdout, child.stdout[-3000:]
+    assert "12 passed, 2 deselected" in child.stdout, child.stdout[-3000:]

@@ -41,7 +41,13 @@ from types import TracebackType
 from typing import Any
 
 import psycopg
-from django.conf import settings
+
+try:  # outbox[django]
+    from django.conf import settings
+except ModuleNotFoundError as exc:
+    from ..._extras import missing_extra
+
+    raise missing_extra(exc, "outbox.contrib.django", "django") from exc
 from django.db import connections
 from django.db import transaction as django_transaction
 from psycopg.conninfo import make_conninfo
