@@ -27,6 +27,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from . import _sql
+from ._devserver import dev_server
 from ._pg import configuration_error
 from .dispatcher import AsyncDispatcher, Dispatcher
 from .errors import OutboxError
@@ -390,6 +391,9 @@ def web_command(dsn: str, schema: str, host: str, port: int, read_only: bool,
 
     serve(dsn, schema=schema, host=host, port=port, read_only=read_only,
           password_file=password_file)
+
+
+main.add_command(dev_server)
 
 
 if __name__ == "__main__":

@@ -59,14 +59,19 @@ def split_arguments(arguments: Sequence[str]) -> tuple[list[str], str | None]:
     return kept, database
 
 
+# Built-in commands that have nothing to do with DATABASES.
+_NOT_UNDER_DJANGO = {"dev-server"}
+
+
 def django_group() -> click.Group:
     """The outbox command line as ``manage.py outbox`` offers it: the built-in commands
-    only. Plug-ins (``demo``, ``chaos``) start servers and processes of their own and
-    ignore ``DATABASES``; they stay on the ``outbox`` command."""
+    that work on ``DATABASES``. Plug-ins (``demo``, ``chaos``) and ``dev-server`` start
+    servers and processes of their own and ignore it; they stay on ``outbox``."""
     from outbox.cli import main
 
+    commands = {name: c for name, c in main.commands.items() if name not in _NOT_UNDER_DJANGO}
     return click.Group(
-        name="manage.py outbox", commands=dict(main.commands), params=list(main.params),
+        name="manage.py outbox", commands=commands, params=list(main.params),
         callback=main.callback, help=main.help,
         epilog="Django's options go before or after the command: --database ALIAS "
                "(default 'default'), --settings, --pythonpath. The schema is "
