@@ -31,9 +31,11 @@ from .errors import (
     Permanent,
     Retry,
     SchemaError,
+    UnknownEffect,
     UnknownOutcome,
 )
 from .migrate import migrate
+from .registry import register_effects
 from .transaction import AsyncTransaction, Transaction, transaction
 
 __all__ = [
@@ -59,7 +61,9 @@ __all__ = [
     "Retry",
     "SchemaError",
     "Transaction",
+    "UnknownEffect",
     "UnknownOutcome",
     "migrate",
+    "register_effects",
     "transaction",
 ]

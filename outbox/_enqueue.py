@@ -21,8 +21,14 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from . import tracing
-from .errors import IdempotencyKeyConflict, InvalidArgument, InvalidKey, InvalidPayload
+from . import registry, tracing
+from .errors import (
+    IdempotencyKeyConflict,
+    InvalidArgument,
+    InvalidKey,
+    InvalidPayload,
+    UnknownEffect,
+)
 
 _json_string = json.encoder.encode_basestring_ascii  # str -> JSON string literal (C)
 
@@ -212,6 +218,7 @@ def prepare(
     """Validate one enqueue request; raise an EnqueueError naming what is wrong."""
     if not isinstance(effect, str) or not effect.strip():
         raise InvalidArgument(_effect_problem(effect))
+    registry.check(effect, payload)
     validate_key(key)
     if ordering_key is not None:
         validate_key(ordering_key, what="ordering_key")
@@ -305,7 +312,7 @@ def prepare_many(jobs: Iterable[NewJob]) -> list[PreparedJob]:
                 prepare(job.effect, job.key, job.payload, job.run_at, job.ordering_key,
                         job.max_attempts)
             )
-        except (InvalidKey, InvalidPayload) as exc:
+        except (InvalidKey, InvalidPayload, UnknownEffect) as exc:
             raise type(exc)(f"job #{index} ({job.key!r}): {exc}") from None
     return prepared
 

@@ -7,6 +7,7 @@ The tree is split by what the caller can do about it::
     │   ├── InvalidKey               empty, too long or non-printable idempotency key
     │   ├── InvalidPayload           payload not JSON-serialisable (NaN, cycles, ...)
     │   │   └── InvalidArgument      effect, run_at or max_attempts wrong (also a TypeError)
+    │   ├── UnknownEffect            effect name not among those registered (a typo?)
     │   └── IdempotencyKeyConflict   key already used for another effect or payload
     ├── SchemaError                  database schema missing, or newer than this code
     ├── ConfigurationError           a Dispatcher or CLI argument is invalid
@@ -41,6 +42,7 @@ __all__ = [
     "Permanent",
     "Retry",
     "SchemaError",
+    "UnknownEffect",
     "UnknownOutcome",
 ]
 
@@ -66,6 +68,11 @@ class InvalidArgument(InvalidPayload, TypeError):
     or ``max_attempts``. Its message names the argument; a ``ValueError`` and a
     ``TypeError`` (it may be either mistake), and an ``InvalidPayload`` for code written
     when these were reported as one."""
+
+
+class UnknownEffect(EnqueueError):
+    """The effect name is not among those ``outbox.register_effects`` registered: most
+    likely a typo. Nothing was written."""
 
 
 class IdempotencyKeyConflict(EnqueueError):
