@@ -235,6 +235,7 @@ def run_command(target: str, dsn: str | None, metrics_port: int | None,
     if dsn is not None:
         os.environ["OUTBOX_DATABASE_URL"] = dsn
     dispatcher = load_dispatcher(target)
+    _preflight(dispatcher)
     click.echo(start_line(dispatcher), err=True)
     if metrics_port is not None:
         from .metrics import serve_metrics  # outbox[prometheus]
@@ -246,6 +247,20 @@ def run_command(target: str, dsn: str | None, metrics_port: int | None,
     else:
         stats = dispatcher.run()
     click.echo(json.dumps(stats.as_dict()), err=True)
+
+
+def _preflight(dispatcher: AnyDispatcher) -> None:
+    """Refuse, before the start line, what the dispatcher would refuse at once (a wrong
+    password, no such database, an unmigrated schema), so that such a start is one line;
+    a server that cannot be reached yet is left to the dispatcher, which waits for it."""
+    settings = dispatcher.settings
+    try:
+        with psycopg.connect(settings.conninfo, autocommit=True, connect_timeout=10) as conn:
+            require_current(conn, settings.schema)
+    except psycopg.Error as exc:
+        fatal = configuration_error(exc, settings.conninfo, "connect")
+        if fatal is not None:
+            raise fatal from None
 
 
 def start_line(dispatcher: AnyDispatcher) -> str:
