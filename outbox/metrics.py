@@ -138,7 +138,8 @@ class DatabaseCollector(Collector):
 def _unhandled_due(conn: psycopg.Connection[Any], schema: str) -> Metric:
     """``outbox_unhandled_due_jobs{effect}``: due jobs of effects that no running
     dispatcher handles (``<schema>.dispatchers``), which wait until one does. Counted
-    among the oldest ``SCAN_LIMIT`` due jobs, as the dispatchers' own warning does."""
+    among the oldest and the newest ``SCAN_LIMIT`` due jobs, as the dispatchers' own
+    warning does, so a scrape stays cheap behind any backlog."""
     from ._dispatch.presence import SCAN_LIMIT
     from ._sql import queries
 

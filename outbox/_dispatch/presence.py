@@ -35,7 +35,8 @@ TTL = 4 * BEAT_INTERVAL
 REPEAT_INTERVAL = 600.0
 """Seconds between repeated warnings about one unserved effect."""
 SCAN_LIMIT = 10_000
-"""The oldest due jobs the check looks at (see the ``unhandled_due`` query)."""
+"""The oldest and the newest due jobs the check looks at, this many of each (see the
+``unhandled_due`` query)."""
 
 
 @dataclass

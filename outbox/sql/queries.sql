@@ -358,14 +358,20 @@ DELETE FROM {schema}.dispatchers WHERE worker_id = %(worker)s;
 
 -- name: unhandled_due
 -- Due pending jobs of effects no live dispatcher serves, per effect: how many, and how
--- long the oldest has waited. Looks at the %(limit)s oldest due jobs only (the claimable
--- index, in its order): jobs nobody claims grow oldest, so they are among those, and the
--- check stays cheap behind a large backlog of served effects.
+-- long the oldest has waited. Looks only at the %(limit)s oldest and the %(limit)s newest
+-- due jobs (the claimable index, read from both ends), so the check stays cheap behind a
+-- large backlog of served effects: jobs nobody claims grow oldest, and a fresh typo is
+-- among the newest. The counts are exact up to 2 x %(limit)s due jobs.
 WITH due AS (
-    SELECT effect, available_at FROM {schema}.jobs
-    WHERE status = 'pending' AND available_at <= now()
-    ORDER BY available_at, id
-    LIMIT %(limit)s
+    (SELECT id, effect, available_at FROM {schema}.jobs
+     WHERE status = 'pending' AND available_at <= now()
+     ORDER BY available_at, id
+     LIMIT %(limit)s)
+    UNION
+    (SELECT id, effect, available_at FROM {schema}.jobs
+     WHERE status = 'pending' AND available_at <= now()
+     ORDER BY available_at DESC, id DESC
+     LIMIT %(limit)s)
 )
 SELECT effect, count(*) AS due,
        extract(epoch FROM now() - min(available_at))::float8 AS oldest_age

@@ -163,3 +163,24 @@ def test_the_metrics_count_due_jobs_no_dispatcher_handles(dsn: str, schema: str)
     registry.register(DatabaseCollector(dsn, schema))
     text = generate_latest(registry).decode()
     assert 'outbox_unhandled_due_jobs{effect="email.sned"} 2.0' in text
+
+
+def test_a_fresh_typo_behind_a_large_older_backlog_is_found(dsn: str, schema: str) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from outbox.metrics import DatabaseCollector
+
+    jobs_table, rows = table(schema, "jobs"), table(schema, "dispatchers")
+    # More older due jobs of a served effect than the check reads from the oldest end.
+    fetch(dsn, sql.SQL("INSERT INTO {} (effect, key, payload, fingerprint, available_at) "
+                       "SELECT 'email.send', 'k' || g, '{{}}', 'f', now() - interval '1 hour' "
+                       "FROM generate_series(1, 10050) g RETURNING 1").format(jobs_table))
+    fetch(dsn, sql.SQL("INSERT INTO {} (worker_id, effects, expires_at) VALUES "
+                       "('elsewhere', '{{email.send}}', now() + interval '1 minute') "
+                       "RETURNING 1").format(rows))
+    enqueue(dsn, schema, NewJob("email.sned", "typo-1", {}))
+    registry = CollectorRegistry()
+    registry.register(DatabaseCollector(dsn, schema))
+    text = generate_latest(registry).decode()
+    assert 'outbox_unhandled_due_jobs{effect="email.sned"} 1.0' in text
+    assert 'outbox_unhandled_due_jobs{effect="email.send"}' not in text
