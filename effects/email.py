@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from outbox import Job, Permanent, Retry
+from outbox import ConfigurationError, Job, Permanent, Retry
 
 from ._http import USER_AGENT, PooledAdapter, redact, retry_after, send
 from ._payload import validated_payload
@@ -110,7 +110,8 @@ class SendEmail(PooledAdapter):
     ``base_url`` may point at any Resend-compatible API, such as
     ``effects.testing.FakeEmailProvider``. ``timeout`` (seconds) bounds connect, write
     and read; a read timeout after the request was sent is an ``UnknownOutcome``. Call
-    ``close()`` (or use ``with``) to release the connection pool.
+    ``close()`` (or use ``with``) to release the connection pool. A missing or empty
+    ``api_key`` raises ``outbox.ConfigurationError`` at construction.
     """
 
     name = "email.send"
@@ -122,8 +123,9 @@ class SendEmail(PooledAdapter):
         base_url: str = "https://api.resend.com",
         timeout: float = 10.0,
     ) -> None:
-        if not api_key:
-            raise ValueError("SendEmail needs a Resend API key")
+        if not isinstance(api_key, str) or not api_key.strip():
+            raise ConfigurationError(
+                "SendEmail needs a Resend API key: api_key is missing or empty")
         self._api_key = api_key
         self._client = httpx.Client(
             base_url=base_url,

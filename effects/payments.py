@@ -52,7 +52,7 @@ import stripe
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from stripe.params import PaymentIntentCreateParams, RefundCreateParams
 
-from outbox import EffectOutcome, Job, Permanent, Retry, UnknownOutcome
+from outbox import ConfigurationError, EffectOutcome, Job, Permanent, Retry, UnknownOutcome
 
 from ._http import USER_AGENT, PooledAdapter, never_reached_provider, redact, retry_after
 from ._payload import validated_payload
@@ -201,8 +201,9 @@ class _StripeEffect(PooledAdapter):
     """What charges and refunds share: the client, and the one error boundary."""
 
     def __init__(self, api_key: str, base_url: str | None = None, timeout: float = 30.0) -> None:
-        if not api_key:
-            raise ValueError(f"{type(self).__name__} needs a Stripe API key")
+        if not isinstance(api_key, str) or not api_key.strip():
+            raise ConfigurationError(
+                f"{type(self).__name__} needs a Stripe API key: api_key is missing or empty")
         self._api_key = api_key
         self._base_url = base_url
         self._transport = _HttpxTransport(timeout)
@@ -242,7 +243,8 @@ class ChargeCard(_StripeEffect):
 
     ``base_url`` overrides Stripe's API base (e.g. ``effects.testing.FakeStripe``);
     ``timeout`` bounds each HTTP call in seconds. Call ``close()`` (or use ``with``) to
-    release the connection pool.
+    release the connection pool. A missing or empty ``api_key`` raises
+    ``outbox.ConfigurationError`` at construction.
     """
 
     name = "payment.charge"

@@ -18,7 +18,7 @@ from typing import Any, NoReturn, TypeVar, overload
 import psycopg
 from psycopg.rows import tuple_row
 
-from . import _enqueue
+from . import _enqueue, tracing
 from ._enqueue import EnqueueResult, NewJob, Payload, Row
 from ._pg import unmigrated
 from ._sql import queries
@@ -212,6 +212,7 @@ class Transaction(Operations):
         self.schema = schema
         self._queries = queries(schema)
         self._tx: AbstractContextManager[psycopg.Transaction] | None = None
+        self._trace: Any = None  # the block's producer spans (outbox.tracing)
 
     def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
         # Our own row factory: the caller's connection may use dict rows or others.
@@ -223,6 +224,7 @@ class Transaction(Operations):
         tx = self.connection.transaction()
         tx.__enter__()
         self._tx = tx
+        self._trace = tracing.open_block()
         return self
 
     def __exit__(
@@ -230,8 +232,14 @@ class Transaction(Operations):
         tb: TracebackType | None,
     ) -> None:
         assert self._tx is not None, "Transaction used without 'with'"
-        self._tx.__exit__(exc_type, exc, tb)
-        self._tx = None
+        try:
+            self._tx.__exit__(exc_type, exc, tb)
+        except BaseException as failed:  # the commit itself failed: nothing was sent
+            tracing.close_block(self._trace, failed)
+            raise
+        finally:
+            self._tx = None
+        tracing.close_block(self._trace, exc)
 
 
 class AsyncTransaction(AsyncOperations):
@@ -242,6 +250,7 @@ class AsyncTransaction(AsyncOperations):
         self.schema = schema
         self._queries = queries(schema)
         self._tx: AbstractAsyncContextManager[psycopg.AsyncTransaction] | None = None
+        self._trace: Any = None  # the block's producer spans (outbox.tracing)
 
     async def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
         cur = self.connection.cursor(row_factory=tuple_row)
@@ -252,6 +261,7 @@ class AsyncTransaction(AsyncOperations):
         tx = self.connection.transaction()
         await tx.__aenter__()
         self._tx = tx
+        self._trace = tracing.open_block()
         return self
 
     async def __aexit__(
@@ -260,12 +270,20 @@ class AsyncTransaction(AsyncOperations):
     ) -> None:
         assert self._tx is not None, "AsyncTransaction used without 'async with'"
         failure = self._check_awaited(exc)
-        if failure is not None and failure is not exc:
-            await self._tx.__aexit__(type(failure), failure, None)
+        forgotten = failure is not None and failure is not exc
+        if failure is not None and forgotten:  # never awaited: roll back, and say why
+            exc_type, exc, tb = type(failure), failure, None
+        try:
+            await self._tx.__aexit__(exc_type, exc, tb)
+        except BaseException as failed:  # the commit itself failed: nothing was sent
+            tracing.close_block(self._trace, failed)
+            raise
+        finally:
             self._tx = None
+        tracing.close_block(self._trace, exc)
+        if forgotten:
+            assert failure is not None
             raise failure
-        await self._tx.__aexit__(exc_type, exc, tb)
-        self._tx = None
 
 
 @overload
