@@ -75,7 +75,12 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
-import nats
+try:  # outbox[nats]
+    import nats
+except ModuleNotFoundError as exc:
+    raise ModuleNotFoundError(
+        f"effects.nats needs {exc.name}, which is not installed: pip install 'outbox[nats]'",
+        name=exc.name) from exc
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient

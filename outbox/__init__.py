@@ -24,16 +24,19 @@ from .errors import (
     EffectOutcome,
     EnqueueError,
     IdempotencyKeyConflict,
+    InvalidArgument,
     InvalidKey,
     InvalidPayload,
     OutboxError,
     Permanent,
     Retry,
     SchemaError,
+    UnknownEffect,
     UnknownOutcome,
 )
 from .flows import AsyncHookTransaction, HookTransaction, NotPerformed, Performed
 from .migrate import migrate
+from .registry import register_effects
 from .transaction import AsyncTransaction, Transaction, transaction
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "EnqueueResult",
     "HookTransaction",
     "IdempotencyKeyConflict",
+    "InvalidArgument",
     "InvalidKey",
     "InvalidPayload",
     "Job",
@@ -62,7 +66,9 @@ __all__ = [
     "Retry",
     "SchemaError",
     "Transaction",
+    "UnknownEffect",
     "UnknownOutcome",
     "migrate",
+    "register_effects",
     "transaction",
 ]

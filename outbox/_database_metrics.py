@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from functools import cache
+from typing import Any
 
 import psycopg
 from prometheus_client import CollectorRegistry
@@ -23,7 +24,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from . import _queue
-from ._sql import check_schema_name
+from ._dispatch.presence import SCAN_LIMIT
+from ._sql import check_schema_name, queries
 
 __all__ = ["MAX_EFFECTS", "SCRAPE_TIMEOUT", "DatabaseCollector", "render_database_metrics"]
 
@@ -39,7 +41,8 @@ class DatabaseCollector(Collector):
     (done jobs estimated on large tables), ``outbox_oldest_due_job_age_seconds{effect}``
     (due as the claim decides it: ordering keys respected),
     ``outbox_expired_leases{effect}``, ``outbox_oldest_reconcile_job_age_seconds
-    {effect}``, ``outbox_jobs_dead_tuples`` and ``outbox_database_up``.
+    {effect}``, ``outbox_jobs_dead_tuples``, ``outbox_unhandled_due_jobs{effect}`` (due
+    jobs of an effect no running dispatcher handles) and ``outbox_database_up``.
 
     A database error never fails the scrape: it is logged (by type only) and reported as
     ``outbox_database_up 0``. Effects past ``MAX_EFFECTS`` fold into ``other``."""
@@ -56,7 +59,7 @@ class DatabaseCollector(Collector):
         up = GaugeMetricFamily("outbox_database_up",
                                "1 when the last scrape read the outbox tables, else 0.")
         try:
-            snapshot = self._read()
+            snapshot, unhandled = self._read()
         except psycopg.Error as exc:
             log.error("database metrics: cannot read the outbox tables (%s)",
                       getattr(exc, "sqlstate", None) or type(exc).__name__)
@@ -69,14 +72,34 @@ class DatabaseCollector(Collector):
             self._seen |= snapshot.effects()
             effects = set(self._seen)
         yield from _families(snapshot, effects)
+        yield _unhandled_family(unhandled, effects)
 
-    def _read(self) -> _queue.Snapshot:
+    def _read(self) -> tuple[_queue.Snapshot, list[tuple[Any, ...]]]:
         with psycopg.connect(self.conninfo, connect_timeout=10) as conn:
             conn.read_only = True
             with conn.transaction():
                 conn.execute("SELECT set_config('statement_timeout', %s, true)",
                              (SCRAPE_TIMEOUT,))
-                return _queue.read(conn, self.schema)
+                return _queue.read(conn, self.schema), conn.execute(
+                    queries(self.schema).unhandled_due, {"limit": SCAN_LIMIT}).fetchall()
+
+
+def _unhandled_family(rows: list[tuple[Any, ...]], known: set[str]) -> Metric:
+    """``outbox_unhandled_due_jobs{effect}``: due jobs of effects that no running
+    dispatcher handles (``<schema>.dispatchers``), which wait until one does. Counted
+    among the oldest and the newest ``SCAN_LIMIT`` due jobs, as the dispatchers' own
+    warning does, so a scrape stays cheap behind any backlog."""
+    bounded = _bounded_effects(known | {row[0] for row in rows})
+    family = GaugeMetricFamily(
+        "outbox_unhandled_due_jobs",
+        "Due pending jobs of an effect no running dispatcher handles (a typo in the "
+        "effect name, or its dispatcher not running).", labels=["effect"])
+    folded = {bounded(effect): 0 for effect in known}
+    for effect, due, _oldest in rows:
+        folded[bounded(effect)] = folded.get(bounded(effect), 0) + int(due)
+    for effect, due in sorted(folded.items()):
+        family.add_metric([effect], due)
+    return family
 
 
 def _families(snapshot: _queue.Snapshot, known: set[str]) -> Iterable[Metric]:

@@ -23,5 +23,9 @@ def command(ctx: click.Context) -> None:
     except ModuleNotFoundError as exc:
         if exc.name not in ("examples", "examples.shop", "examples.shop.demo"):
             raise
+        if {"--help", "-h"} & set(ctx.args):  # asking is not a failure
+            click.echo(f"Usage: {ctx.command_path} [OPTIONS]\n\n  {command.help}\n\n  "
+                       f"{SOURCE_ONLY}.")
+            return
         raise click.ClickException(SOURCE_ONLY) from None
     demo.main(ctx.args, prog_name=ctx.command_path)

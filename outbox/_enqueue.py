@@ -21,8 +21,14 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from . import tracing
-from .errors import IdempotencyKeyConflict, InvalidKey, InvalidPayload
+from . import registry, tracing
+from .errors import (
+    IdempotencyKeyConflict,
+    InvalidArgument,
+    InvalidKey,
+    InvalidPayload,
+    UnknownEffect,
+)
 
 _json_string = json.encoder.encode_basestring_ascii  # str -> JSON string literal (C)
 
@@ -180,9 +186,25 @@ def _resolve_run_at(run_at: datetime | timedelta | None) -> datetime | None:
         return datetime.now(UTC) + run_at
     if isinstance(run_at, datetime):
         if run_at.tzinfo is None or run_at.utcoffset() is None:
-            raise InvalidPayload("run_at must be timezone-aware (a naive datetime is ambiguous)")
+            raise InvalidArgument(
+                "run_at must be timezone-aware (a naive datetime is ambiguous): "
+                "e.g. datetime.now(UTC) + timedelta(hours=1), or just timedelta(hours=1)")
         return run_at
-    raise InvalidPayload(f"run_at must be a datetime or timedelta, got {type(run_at).__name__}")
+    raise InvalidArgument(
+        f"run_at must be a datetime or timedelta, got {type(run_at).__name__} "
+        f"{str(run_at)[:60]!r}: an aware datetime, or a delay such as timedelta(minutes=5)")
+
+
+def _effect_problem(effect: object) -> str:
+    """What is wrong with an ``effect`` argument that is not a non-empty string."""
+    name = getattr(effect, "name", None)
+    if isinstance(name, str) and name and hasattr(effect, "perform"):
+        given = f"the class {effect.__name__}" if isinstance(effect, type) else (
+            f"a {type(effect).__name__} object")
+        return (f"effect must be the effect's name, a string such as {name!r}, "
+                f"got {given}: enqueue({name!r}, ...)")
+    return f"effect must be a non-empty string (an effect's name, e.g. 'email.send'), " \
+           f"got {effect!r}"[:200]
 
 
 def prepare(
@@ -195,14 +217,16 @@ def prepare(
 ) -> PreparedJob:
     """Validate one enqueue request; raise an EnqueueError naming what is wrong."""
     if not isinstance(effect, str) or not effect.strip():
-        raise InvalidPayload(f"effect must be a non-empty string, got {effect!r}")
+        raise InvalidArgument(_effect_problem(effect))
+    registry.check(effect, payload)
     validate_key(key)
     if ordering_key is not None:
         validate_key(ordering_key, what="ordering_key")
     if max_attempts is None:
         max_attempts = DEFAULT_MAX_ATTEMPTS
     elif isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise InvalidPayload(f"max_attempts must be a positive integer, got {max_attempts!r}")
+        raise InvalidArgument(
+            f"max_attempts must be a positive integer, got {max_attempts!r}"[:200])
     payload_json = canonical_json(payload)
     return PreparedJob(
         effect=effect,
@@ -288,7 +312,7 @@ def prepare_many(jobs: Iterable[NewJob]) -> list[PreparedJob]:
                 prepare(job.effect, job.key, job.payload, job.run_at, job.ordering_key,
                         job.max_attempts)
             )
-        except (InvalidKey, InvalidPayload) as exc:
+        except (InvalidKey, InvalidPayload, UnknownEffect) as exc:
             raise type(exc)(f"job #{index} ({job.key!r}): {exc}") from None
     return prepared
 

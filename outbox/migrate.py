@@ -9,6 +9,7 @@ not know is refused rather than touched.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -156,34 +157,48 @@ def _joined(conn: psycopg.Connection[Any], schema: str) -> list[int]:
 
 
 def _apply(conn: psycopg.Connection[Any], schema: str) -> list[int]:
-    applied: list[int] = []
+    def execute(statement: str, params: tuple[Any, ...] | None) -> list[tuple[Any, ...]]:
+        cursor = conn.execute(statement.encode() if params is None else statement, params)
+        return cursor.fetchall() if cursor.description else []
+
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                     (_LOCK_NAMESPACE + schema,))
-        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} ("
-                " version integer PRIMARY KEY,"
-                " name text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
-            ).format(_versions_table(schema))
+        return apply_through(execute, schema)
+
+
+Execute = Callable[[str, "tuple[Any, ...] | None"], list[tuple[Any, ...]]]
+
+
+def apply_through(execute: Execute, schema: str) -> list[int]:
+    """Apply the pending migrations of ``schema`` with ``execute(statement, params)``, in
+    the caller's transaction; return the versions applied.
+
+    The one sequence every route runs (``migrate`` on a psycopg connection, Django's
+    migrations on a Django cursor, on psycopg 3 or psycopg2): the advisory lock, the
+    schema and its ``schema_migrations``, then each pending file recorded as it applies.
+    Statements are plain strings with ``%s`` placeholders, so any DB-API cursor runs them.
+    """
+    check_schema_name(schema)
+    execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+            (_LOCK_NAMESPACE + schema,))
+    execute(bind_schema("CREATE SCHEMA IF NOT EXISTS {schema}", schema), None)
+    execute(bind_schema("CREATE TABLE IF NOT EXISTS {schema}.schema_migrations ("
+                        " version integer PRIMARY KEY,"
+                        " name text NOT NULL,"
+                        " applied_at timestamptz NOT NULL DEFAULT now())", schema), None)
+    row = execute(bind_schema(
+        "SELECT coalesce(max(version), 0) FROM {schema}.schema_migrations", schema), None)
+    version = int(row[0][0])
+    if version > latest_version():
+        raise SchemaError(
+            f"schema {schema!r} is at version {version}, newer than this code knows "
+            f"({latest_version()}): refusing to migrate"
         )
-        version = current_version(conn, schema) or 0
-        if version > latest_version():
-            raise SchemaError(
-                f"schema {schema!r} is at version {version}, newer than this code knows "
-                f"({latest_version()}): refusing to migrate"
-            )
-        for migration in migrations():
-            if migration.version <= version:
-                continue
-            conn.execute(bind_schema(migration.sql, schema).encode())
-            conn.execute(
-                sql.SQL("INSERT INTO {} (version, name) VALUES (%s, %s)").format(
-                    _versions_table(schema)
-                ),
-                (migration.version, migration.name),
-            )
-            applied.append(migration.version)
+    applied: list[int] = []
+    for migration in migrations():
+        if migration.version <= version:
+            continue
+        execute(bind_schema(migration.sql, schema), None)
+        execute(bind_schema("INSERT INTO {schema}.schema_migrations (version, name) "
+                            "VALUES (%s, %s)", schema), (migration.version, migration.name))
+        applied.append(migration.version)
     return applied

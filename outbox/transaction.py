@@ -8,18 +8,22 @@ and Django in ``outbox.contrib``), so they all validate, write and answer alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import inspect
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, overload
+from typing import Any, NoReturn, TypeVar, overload
 
 import psycopg
 from psycopg.rows import tuple_row
 
 from . import _enqueue, tracing
 from ._enqueue import EnqueueResult, NewJob, Payload, Row
+from ._pg import unmigrated
 from ._sql import queries
+
+T = TypeVar("T")
 
 __all__ = ["AsyncOperations", "AsyncTransaction", "Operations", "Transaction", "transaction"]
 
@@ -34,6 +38,14 @@ class Operations:
 
     def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
         raise NotImplementedError
+
+    async def __aenter__(self) -> NoReturn:
+        raise TypeError(
+            f"{type(self).__name__} is synchronous (a blocking connection): open it with "
+            "`with`, not `async with`; for asyncio, give it an asynchronous connection")
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Never reached: ``__aenter__`` refuses."""
 
     def enqueue(
         self, effect: str, *, key: str, payload: Payload,
@@ -51,7 +63,16 @@ class Operations:
         """
         job = _enqueue.prepare(effect, key, payload, run_at, ordering_key, max_attempts)
         steps = _enqueue.enqueue_steps(job, _enqueue.notify_channel(self.schema))
-        return _enqueue.run_steps(steps, self._execute)
+        return self._run(steps)
+
+    def _run(self, steps: _enqueue.Steps[T]) -> T:
+        try:
+            return _enqueue.run_steps(steps, self._execute)
+        except Exception as exc:
+            missing = unmigrated(exc, self.schema)
+            if missing is None:
+                raise
+            raise missing from exc
 
     def enqueue_many(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
         """Enqueue many jobs in one round trip (two if some keys already exist).
@@ -62,7 +83,7 @@ class Operations:
         """
         prepared = _enqueue.prepare_many(jobs)
         steps = _enqueue.enqueue_many_steps(prepared, _enqueue.notify_channel(self.schema))
-        return _enqueue.run_steps(steps, self._execute)
+        return self._run(steps)
 
     def receive(self, consumer: str, message_id: str) -> bool:
         """Record that ``consumer`` received ``message_id``: the inbox of an idempotent consumer.
@@ -74,7 +95,7 @@ class Operations:
         of two, exactly one gets True. Both names follow the key rules (1..255 printable
         ASCII characters), else ``InvalidKey``. Rows are purged after the retention.
         """
-        return _enqueue.run_steps(_enqueue.receive_steps(consumer, message_id), self._execute)
+        return self._run(_enqueue.receive_steps(consumer, message_id))
 
     def resolve_performed(self, key: str, result: Mapping[str, Any] | None, *,
                           source: str) -> int | None:
@@ -90,55 +111,130 @@ class Operations:
         params = _resolve_params(key, result, source, self.schema)
         rows = self._execute("resolve_by_event", params)
         return int(rows[0][0]) if rows else None
+
     def receive_many(self, consumer: str, message_ids: Sequence[str]) -> list[bool]:
         """``receive`` for many messages in one round trip: for each id, in order, True
         the first time (an id repeated in ``message_ids`` is True once), False for a
         repeat. Same transaction, waiting and validation rules as ``receive``."""
-        steps = _enqueue.receive_many_steps(consumer, message_ids)
-        return _enqueue.run_steps(steps, self._execute)
+        return self._run(_enqueue.receive_many_steps(consumer, message_ids))
 
 
 class AsyncOperations:
-    """The asynchronous mirror of ``Operations``: same methods, awaited."""
+    """The asynchronous mirror of ``Operations``: same methods, awaited.
+
+    A call that is never awaited (``tx.enqueue(...)`` without ``await``) writes
+    nothing; the block finds it when it exits and raises ``RuntimeError`` naming the
+    call, so the block rolls back instead of committing without the job.
+    """
 
     schema: str
 
     async def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
         raise NotImplementedError
 
-    async def enqueue(
+    def __enter__(self) -> NoReturn:
+        raise TypeError(
+            f"{type(self).__name__} is asynchronous (an asyncio connection): open it with "
+            "`async with`, not `with`, and `await tx.enqueue(...)`")
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Never reached: ``__enter__`` refuses."""
+
+    def enqueue(
         self, effect: str, *, key: str, payload: Payload,
         run_at: datetime | timedelta | None = None, ordering_key: str | None = None,
         max_attempts: int | None = None,
+    ) -> Coroutine[Any, Any, EnqueueResult]:
+        """As ``Operations.enqueue``; await it."""
+        call = self._enqueue_one(effect, key, payload, run_at, ordering_key, max_attempts)
+        return self._issued(call, f"tx.enqueue({effect!r}, key={key!r}, ...)")
+
+    async def _enqueue_one(
+        self, effect: str, key: str, payload: Payload, run_at: datetime | timedelta | None,
+        ordering_key: str | None, max_attempts: int | None,
     ) -> EnqueueResult:
-        """As ``Operations.enqueue``."""
         job = _enqueue.prepare(effect, key, payload, run_at, ordering_key, max_attempts)
         steps = _enqueue.enqueue_steps(job, _enqueue.notify_channel(self.schema))
-        return await _enqueue.run_steps_async(steps, self._execute)
+        return await self._run(steps)
 
-    async def enqueue_many(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
-        """As ``Operations.enqueue_many``."""
+    async def _run(self, steps: _enqueue.Steps[T]) -> T:
+        try:
+            return await _enqueue.run_steps_async(steps, self._execute)
+        except Exception as exc:
+            missing = unmigrated(exc, self.schema)
+            if missing is None:
+                raise
+            raise missing from exc
+
+    def enqueue_many(self, jobs: Iterable[NewJob]) -> Coroutine[Any, Any, list[EnqueueResult]]:
+        """As ``Operations.enqueue_many``; await it."""
+        return self._issued(self._enqueue_batch(jobs), "tx.enqueue_many(...)")
+
+    async def _enqueue_batch(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
         prepared = _enqueue.prepare_many(jobs)
         steps = _enqueue.enqueue_many_steps(prepared, _enqueue.notify_channel(self.schema))
-        return await _enqueue.run_steps_async(steps, self._execute)
+        return await self._run(steps)
 
-    async def receive(self, consumer: str, message_id: str) -> bool:
-        """As ``Operations.receive``."""
+    def receive(self, consumer: str, message_id: str) -> Coroutine[Any, Any, bool]:
+        """As ``Operations.receive``; await it."""
+        return self._issued(self._receive_one(consumer, message_id),
+                            f"tx.receive({consumer!r}, {message_id!r})")
+
+    async def _receive_one(self, consumer: str, message_id: str) -> bool:
         steps = _enqueue.receive_steps(consumer, message_id)
-        return await _enqueue.run_steps_async(steps, self._execute)
+        return await self._run(steps)
 
-    async def resolve_performed(self, key: str, result: Mapping[str, Any] | None, *,
-                                source: str) -> int | None:
-        """As ``Operations.resolve_performed``."""
+    def resolve_performed(self, key: str, result: Mapping[str, Any] | None, *,
+                          source: str) -> Coroutine[Any, Any, int | None]:
+        """As ``Operations.resolve_performed``; await it."""
+        return self._issued(self._resolve_one(key, result, source),
+                            f"tx.resolve_performed({key!r}, ...)")
+
+    async def _resolve_one(self, key: str, result: Mapping[str, Any] | None,
+                           source: str) -> int | None:
         params = _resolve_params(key, result, source, self.schema)
         rows = await self._execute("resolve_by_event", params)
         return int(rows[0][0]) if rows else None
 
-    async def receive_many(self, consumer: str, message_ids: Sequence[str]) -> list[bool]:
-        """As ``Operations.receive_many``."""
-        steps = _enqueue.receive_many_steps(consumer, message_ids)
-        return await _enqueue.run_steps_async(steps, self._execute)
+    def receive_many(self, consumer: str,
+                     message_ids: Sequence[str]) -> Coroutine[Any, Any, list[bool]]:
+        """As ``Operations.receive_many``; await it."""
+        return self._issued(self._run(_enqueue.receive_many_steps(consumer, message_ids)),
+                            f"tx.receive_many({consumer!r}, ...)")
 
+    def _issued(self, call: Coroutine[Any, Any, T], what: str) -> Coroutine[Any, Any, T]:
+        issued: list[tuple[Coroutine[Any, Any, Any], str]] | None = getattr(
+            self, "_issued_calls", None)
+        if issued is None:
+            issued = []
+            self._issued_calls = issued
+        elif len(issued) >= _PRUNE_AT:  # a long block: forget the calls already awaited
+            issued[:] = [(c, w) for c, w in issued if _never_started(c)]
+        issued.append((call, what))
+        return call
+
+    def _check_awaited(self, exc: BaseException | None) -> BaseException | None:
+        """At the block's exit: the error to exit with if a call was never awaited (the
+        block then rolls back), else ``exc``. Closes such calls (no later warning)."""
+        issued: list[tuple[Coroutine[Any, Any, Any], str]] = getattr(self, "_issued_calls", [])
+        self._issued_calls = []
+        forgotten = [what for call, what in issued if _never_started(call)]
+        for call, _ in issued:
+            if _never_started(call):
+                call.close()
+        if not forgotten or exc is not None:
+            return exc
+        return RuntimeError(
+            f"{forgotten[0]} was never awaited, so it wrote nothing"
+            f"{f' (nor {len(forgotten) - 1} more call(s))' if len(forgotten) > 1 else ''}: "
+            "write `await tx.enqueue(...)`; the block rolled back")
+
+
+_PRUNE_AT = 256
+
+
+def _never_started(call: Coroutine[Any, Any, Any]) -> bool:
+    return inspect.getcoroutinestate(call) == inspect.CORO_CREATED
 
 def _resolve_params(key: str, result: Mapping[str, Any] | None, source: str,
                     schema: str) -> dict[str, Any]:
@@ -147,7 +243,6 @@ def _resolve_params(key: str, result: Mapping[str, Any] | None, source: str,
     return {"key": key, "result": text,
             "note": f"resolved as performed by the provider ({source[:200]})",
             "source": source[:200], "channel": _enqueue.notify_channel(schema)}
-
 
 
 class Transaction(Operations):
@@ -221,6 +316,10 @@ class AsyncTransaction(AsyncOperations):
         tb: TracebackType | None,
     ) -> None:
         assert self._tx is not None, "AsyncTransaction used without 'async with'"
+        failure = self._check_awaited(exc)
+        forgotten = failure is not None and failure is not exc
+        if failure is not None and forgotten:  # never awaited: roll back, and say why
+            exc_type, exc, tb = type(failure), failure, None
         try:
             await self._tx.__aexit__(exc_type, exc, tb)
         except BaseException as failed:  # the commit itself failed: nothing was sent
@@ -229,6 +328,9 @@ class AsyncTransaction(AsyncOperations):
         finally:
             self._tx = None
         tracing.close_block(self._trace, exc)
+        if forgotten:
+            assert failure is not None
+            raise failure
 
 
 @overload

@@ -20,9 +20,23 @@ are described in ``effects.chaos.report``); ``command`` is the click command tha
 ``outbox chaos`` and ``python -m effects.chaos`` run.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .cli import command
 from .config import ChaosConfig, parse_faults
 from .report import ChaosReport
-from .runner import run_chaos
+
+if TYPE_CHECKING:
+    from .runner import run_chaos
+
+
+def __getattr__(name: str) -> Any:
+    # The runner needs nats-py (outbox[nats]); loaded on first use, so that `outbox
+    # --help` lists `outbox chaos` wherever the extra is missing.
+    if name == "run_chaos":
+        from .runner import run_chaos
+
+        return run_chaos
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["ChaosConfig", "ChaosReport", "command", "parse_faults", "run_chaos"]

@@ -9,7 +9,6 @@ import click
 from rich.console import Console
 
 from .config import FAULT_KINDS, ChaosConfig, parse_faults
-from .runner import run_chaos
 
 __all__ = ["command"]
 
@@ -50,6 +49,12 @@ def command(workers: int, jobs: int, duration: float, deadline: float | None,
     Exits 1 on any violation. The seed is printed; --seed replays the same jobs and
     fault schedule (not the same timing).
     """
+    try:  # the runner drives a NATS broker too: outbox[nats]
+        from .runner import run_chaos
+    except ModuleNotFoundError as exc:
+        raise click.ClickException(
+            f"outbox chaos needs {(exc.name or 'nats').partition('.')[0]}, which is not "
+            "installed: pip install 'outbox[nats]'") from None
     seed = seed if seed is not None else random.SystemRandom().randrange(1 << 31)
     try:
         config = ChaosConfig(workers=workers, jobs=jobs, duration=duration,

@@ -437,7 +437,9 @@ def _summary(console: Console, figures: dict[str, Any], workers: Workers,
         ("orders placed", figures["orders"]),
         ("emails sent (once per key at the fake)", email.total_performed),
         ("email requests received (retries replayed)", email.total_requests),
-        ("charges made (once per key at the fake)", stripe.total_performed),
+        ("cards charged (once per key at the fake)", len(stripe.charges)),
+        ("cards declined (once per key; the job fails, no money taken)",
+         len(stripe.payment_intents) - len(stripe.charges)),
         ("charge requests received (retries replayed)", stripe.total_requests),
         ("orders paid by Stripe's webhook (once each)", payments.paid),
         ("webhook deliveries to the shop (Stripe's retries included)", payments.deliveries),
@@ -456,7 +458,8 @@ def _summary(console: Console, figures: dict[str, Any], workers: Workers,
          sum(1 for c in figures["chains"] if c.status == "payment_failed")),
         ("retries", workers.total("retried")),
         ("dispatchers killed -9 / frozen past lease", f"{workers.killed} / {workers.frozen}"),
-        ("lease rescues", workers.total("rescued")),
+        ("lease rescues (jobs of a killed or frozen dispatcher, taken back once its "
+         "lease expired and performed again with the same key)", workers.total("rescued")),
         ("fenced stale completions", workers.total("stale_completions")),
         ("lost claims seen by heartbeat", workers.total("lost_claims")),
         ("provider faults armed", sum(faults.values())),
@@ -496,11 +499,13 @@ def _browse_hint(console: Console, url: str, serving: bool) -> None:
         console.print("To browse the shop, keep it running: [bold]make demo ARGS=--serve[/]"
                       " (or outbox demo --serve)")
         return
-    console.print(f"""[bold]The shop is running[/] at {url} with two dispatchers (Ctrl-C stops it):
-  curl -s -X POST {url}/orders -H 'content-type: application/json' \\
-       -d '{{"customer": "ada", "email": "ada@example.com", "amount": 1250}}'
-  curl -s {url}/orders/1          the order, its email, its charge, when it was paid
-  {url}/docs                       the API, to try in a browser""")
+    console.print(f"[bold]The shop is running[/] at {url} with two dispatchers (Ctrl-C "
+                  "stops it). Place an order, see it, try the API in a browser:")
+    # One command per line, unwrapped and unstyled, so that each pastes as it is.
+    for line in (f"curl -s -X POST {url}/orders -H 'content-type: application/json' -d "
+                 """'{"customer": "ada", "email": "ada@example.com", "amount": 1250}'""",
+                 f"curl -s {url}/orders/1", f"{url}/docs"):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _serve(console: Console, url: str, workers: Workers) -> None:

@@ -20,7 +20,7 @@ from concurrent.futures import Executor
 import psycopg
 
 from .. import _state
-from .._pg import is_pooled
+from .._pg import is_pooled, unreachable
 from ..errors import ConfigurationError
 from ..migrate import require_current
 from .claimer import Claimer
@@ -112,7 +112,8 @@ async def wait_for_schema_async(
         except CONNECTION_ERRORS as exc:
             if deadline is not None and time.monotonic() >= deadline:
                 raise
-            log.warning("cannot reach the database (%s); retrying", type(exc).__name__)
+            log.warning("cannot reach the database at %s; retrying",
+                        unreachable(exc, settings.conninfo))
             if await state.stopping.wait(failures.backoff()):
                 return
 
@@ -122,30 +123,35 @@ async def run_claimer_async(
 ) -> None:
     """The claimer's loop as a task, until stopped, idle or ``deadline``."""
     state: AsyncState = claimer.state
-    while not state.stopping.is_set():
-        if deadline is not None and time.monotonic() >= deadline:
-            return
-        # A task of its own, shielded: a cancellation must not cut a claim off between
-        # its commit and its reply, leaving claimed jobs that nobody holds.
-        step = asyncio.ensure_future(run_async(claimer.round(), conn.execute))
-        try:
-            result = await asyncio.shield(step)
-        except asyncio.CancelledError:
-            state.request_stop()  # nothing new starts: what this round claims goes back
-            with contextlib.suppress(psycopg.Error):
-                workers.submit((await step).batch)
-            raise
-        except psycopg.Error as exc:
-            claimer.failed(exc, lost=conn.lost)
-            wait = conn.backoff()
-        else:
-            workers.submit(result.batch)
-            if result.idle:
+    try:
+        while not state.stopping.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
                 return
-            wait = result.wait
-        if wait:
-            await state.wake.wait(wait)
-            state.wake.clear()
+            # A task of its own, shielded: a cancellation must not cut a claim off between
+            # its commit and its reply, leaving claimed jobs that nobody holds.
+            step = asyncio.ensure_future(run_async(claimer.round(), conn.execute))
+            try:
+                result = await asyncio.shield(step)
+            except asyncio.CancelledError:
+                state.request_stop()  # nothing new starts: what this round claims goes back
+                with contextlib.suppress(psycopg.Error):
+                    workers.submit((await step).batch)
+                raise
+            except psycopg.Error as exc:
+                claimer.failed(exc, lost=conn.lost)
+                wait = conn.backoff()
+            else:
+                workers.submit(result.batch)
+                if result.idle:
+                    return
+                wait = result.wait
+            if wait:
+                await state.wake.wait(wait)
+                state.wake.clear()
+    finally:
+        if not conn.lost:  # stopping: say so at once, if the database is there
+            with contextlib.suppress(psycopg.Error):
+                await run_async(claimer.presence.leave(), conn.execute)
 
 
 async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:

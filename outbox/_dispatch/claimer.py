@@ -8,6 +8,7 @@ caller's thread, ``AsyncDispatcher`` on an asyncio connection.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -20,13 +21,14 @@ from typing import Any
 import psycopg
 
 from .. import tracing
-from .._pg import configuration_error
+from .._pg import configuration_error, unreachable
 from ..effect import Job
 from ..errors import ConfigurationError
 from ..migrate import require_current
 from ..observe import PurgedTable
 from .connection import CONNECTION_ERRORS, Connection
 from .counting import Waits
+from .presence import Presence
 from .settings import Settings
 from .state import Held, SharedState, Timer, guarded
 from .steps import Statement, Step, run
@@ -64,6 +66,7 @@ class Claimer:
         self.rng = random.Random()
         self.rescue_timer = Timer(settings.rescue_interval)
         self.retention_timer = Timer(RETENTION_INTERVAL)
+        self.presence = Presence(settings)
 
     def round(self) -> Step[Round]:
         """One round: rescue and retention when due, a claim, and what to do next."""
@@ -73,6 +76,8 @@ class Claimer:
         # Retention under run_until_idle too: cron deployments never call run().
         if self.retention_timer.due(now):
             yield from self.purge()
+        if self.presence.due(now):  # the heartbeat, and warnings for unserved effects
+            yield from self.presence.beat()
         batch = yield from self.claim()
         if batch:
             return Round(batch)
@@ -93,7 +98,8 @@ class Claimer:
             raise fatal from exc
         if lost:  # only a broken connection is replaced and counted
             guarded(self.state.events.reconnected, "claimer")
-            log.warning("claimer lost its connection (%s); reconnecting", type(exc).__name__)
+            log.warning("claimer lost its connection (%s: %s); reconnecting",
+                        type(exc).__name__, unreachable(exc, self.settings.conninfo))
         else:  # a failed statement, transient (40001, 40P01, 55P03, 57014) or not
             log.error("claimer query failed: %s", exc.sqlstate or type(exc).__name__)
 
@@ -216,7 +222,8 @@ def wait_for_schema(
             conn.discard()
             if deadline is not None and time.monotonic() >= deadline:
                 raise
-            log.warning("cannot reach the database (%s); retrying", type(exc).__name__)
+            log.warning("cannot reach the database at %s; retrying",
+                        unreachable(exc, settings.conninfo))
             if state.stopping.wait(conn.backoff()):
                 return
 
@@ -227,19 +234,24 @@ def run_claimer(
 ) -> None:
     """The claimer's loop on the caller's thread, until stopped, idle or ``deadline``."""
     state: SharedState[threading.Event] = claimer.state
-    while not state.stopping.is_set():
-        if deadline is not None and time.monotonic() >= deadline:
-            return
-        try:
-            result = run(claimer.round(), conn.execute)
-        except psycopg.Error as exc:
-            claimer.failed(exc, lost=conn.lost)
-            wait = conn.backoff()
-        else:
-            submit(result.batch)
-            if result.idle:
+    try:
+        while not state.stopping.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
                 return
-            wait = result.wait
-        if wait:
-            state.wake.wait(wait)
-            state.wake.clear()
+            try:
+                result = run(claimer.round(), conn.execute)
+            except psycopg.Error as exc:
+                claimer.failed(exc, lost=conn.lost)
+                wait = conn.backoff()
+            else:
+                submit(result.batch)
+                if result.idle:
+                    return
+                wait = result.wait
+            if wait:
+                state.wake.wait(wait)
+                state.wake.clear()
+    finally:
+        if not conn.lost:  # stopping: say so at once, if the database is there
+            with contextlib.suppress(psycopg.Error):
+                run(claimer.presence.leave(), conn.execute)

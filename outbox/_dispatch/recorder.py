@@ -195,8 +195,10 @@ class Recorder:
             decision = ask_before_window_closes(decision, outcome, held.job, window, now)
         log.log(
             logging.WARNING if decision.status != "pending" else logging.INFO,
-            "job %s (key %s) attempt %s: %s -> %s",
-            held.job.id, held.job.key, held.job.attempt, type(outcome).__name__, decision.status,
+            "job %s (key %s) attempt %s -> %s: %s",
+            held.job.id, held.job.key, held.job.attempt, decision.status,
+            # The reason as last_error stores it ("Permanent: card declined"), shortened.
+            decision.error[:300] if decision.error else type(outcome).__name__,
         )
         return decision
 

@@ -203,6 +203,7 @@ def _index_effects(effects: Sequence[Effect]) -> dict[str, Effect]:
         )
     indexed: dict[str, Effect] = {}
     for effect in effects:
+        _require_instance(effect)
         name = getattr(effect, "name", None)
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"{type(effect).__name__} has no effect name")
@@ -218,6 +219,15 @@ def _index_effects(effects: Sequence[Effect]) -> dict[str, Effect]:
     if not indexed:
         raise ConfigurationError("a Dispatcher needs at least one effect")
     return indexed
+
+
+def _require_instance(effect: object) -> None:
+    """Refuse an Effect class (``SendEmail`` for ``SendEmail(...)``) in words that say so,
+    before its class attributes (a property object for a window) make a stranger error."""
+    if isinstance(effect, type):
+        raise TypeError(
+            f"effects holds the class {effect.__name__}, not an instance of it: "
+            f"pass {effect.__name__}(...)")
 
 
 def text_array(values: list[str]) -> str:

@@ -25,7 +25,12 @@ from functools import cache
 from types import TracebackType
 from typing import Any, overload
 
-from sqlalchemy import Connection, TextClause, text
+try:  # outbox[sqlalchemy]
+    from sqlalchemy import Connection, TextClause, text
+except ModuleNotFoundError as exc:
+    from .._extras import missing_extra
+
+    raise missing_extra(exc, "outbox.contrib.sqlalchemy", "sqlalchemy") from exc
 from sqlalchemy.engine import NestedTransaction
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
 from sqlalchemy.ext.asyncio import AsyncTransaction as _SAAsyncTransaction
@@ -130,12 +135,15 @@ class AsyncTransaction(AsyncOperations):
     ) -> None:
         savepoint, self._savepoint = self._savepoint, None
         assert savepoint is not None, "AsyncTransaction used without 'async with'"
+        failure = self._check_awaited(exc)  # a call never awaited: roll back, say so
         if not savepoint.is_active:
-            return
-        if exc_type is None:
+            pass
+        elif failure is None:
             await savepoint.commit()
         else:
             await savepoint.rollback()
+        if failure is not None and failure is not exc:
+            raise failure
 
 
 @overload

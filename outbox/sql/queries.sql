@@ -377,6 +377,7 @@ WITH resolved AS (
     FROM resolved r
 )
 SELECT r.id FROM resolved r, pg_notify(CAST(%(channel)s AS text), '');
+
 -- Kafka consumer offsets (effects.kafka.InboxConsumer).
 
 -- name: kafka_offsets
@@ -392,3 +393,67 @@ SELECT %(consumer)s::text, o.topic, o.partition, o.next_offset
 FROM jsonb_to_recordset(%(offsets)s::jsonb) AS o(topic text, partition int, next_offset bigint)
 ON CONFLICT (consumer, topic, partition)
 DO UPDATE SET next_offset = EXCLUDED.next_offset, updated_at = now();
+
+-- name: dispatcher_beat
+-- A dispatcher's heartbeat: record (or refresh) which effects it serves, valid for
+-- %(ttl)s seconds; forget dispatchers whose heartbeat stopped long ago.
+WITH gone AS (
+    DELETE FROM {schema}.dispatchers
+    WHERE expires_at < now() - interval '1 hour' AND worker_id <> %(worker)s
+)
+INSERT INTO {schema}.dispatchers AS d (worker_id, effects, expires_at)
+VALUES (%(worker)s, %(effects)s::text[], now() + CAST(%(ttl)s AS float8) * interval '1 second')
+ON CONFLICT (worker_id) DO UPDATE
+SET effects = EXCLUDED.effects, heartbeat_at = now(), expires_at = EXCLUDED.expires_at;
+
+-- name: dispatcher_leave
+-- A dispatcher that stops takes its row away at once.
+DELETE FROM {schema}.dispatchers WHERE worker_id = %(worker)s;
+
+-- name: unhandled_due
+-- Due pending jobs of effects no live dispatcher serves, per effect: how many, and how
+-- long the oldest has waited. Looks only at the %(limit)s oldest and the %(limit)s newest
+-- due jobs (the claimable index, read from both ends), so the check stays cheap behind a
+-- large backlog of served effects: jobs nobody claims grow oldest, and a fresh typo is
+-- among the newest. The counts are exact up to 2 x %(limit)s due jobs.
+WITH due AS (
+    (SELECT id, effect, available_at FROM {schema}.jobs
+     WHERE status = 'pending' AND available_at <= now()
+     ORDER BY available_at, id
+     LIMIT %(limit)s)
+    UNION
+    (SELECT id, effect, available_at FROM {schema}.jobs
+     WHERE status = 'pending' AND available_at <= now()
+     ORDER BY available_at DESC, id DESC
+     LIMIT %(limit)s)
+)
+SELECT effect, count(*) AS due,
+       extract(epoch FROM now() - min(available_at))::float8 AS oldest_age
+FROM due
+WHERE NOT EXISTS (SELECT 1 FROM {schema}.dispatchers d
+                  WHERE d.expires_at > now() AND due.effect = ANY(d.effects))
+GROUP BY effect
+ORDER BY effect;
+
+-- name: due_by_effect
+-- The backlog per effect (outbox status): pending jobs, those due now, the oldest due
+-- job's age, and how many live dispatchers serve the effect.
+SELECT j.effect,
+       count(*) AS pending,
+       count(*) FILTER (WHERE j.available_at <= now()) AS due,
+       extract(epoch FROM now() - min(j.available_at)
+               FILTER (WHERE j.available_at <= now()))::float8 AS oldest_due_age,
+       (SELECT count(*) FROM {schema}.dispatchers d
+        WHERE d.expires_at > now() AND j.effect = ANY(d.effects)) AS dispatchers
+FROM {schema}.jobs j
+WHERE j.status = 'pending'
+GROUP BY j.effect
+ORDER BY j.effect;
+
+-- name: live_dispatchers
+-- The dispatchers whose heartbeat is current, with the effects each serves.
+SELECT worker_id, effects, started_at,
+       extract(epoch FROM now() - heartbeat_at)::float8 AS heartbeat_age
+FROM {schema}.dispatchers
+WHERE expires_at > now()
+ORDER BY worker_id;

@@ -5,6 +5,14 @@ Starlette application: run it with ``outbox web`` (uvicorn, loopback by default)
 mount it in your own application. See ``create_app`` for its guarantees.
 """
 
+try:  # outbox[web]
+    import jinja2  # noqa: F401
+    import starlette  # noqa: F401
+except ModuleNotFoundError as exc:
+    from .._extras import missing_extra
+
+    raise missing_extra(exc, "outbox.web", "web") from exc
+
 from ._security import Access, Authorizer, BasicAuth, check_bind, is_loopback, password_from
 from ._views import Redactor, truncate_payload
 from .app import create_app

@@ -294,14 +294,70 @@ def test_manage_py_outbox_runs_the_cli_on_databases(
             with pytest.raises(CommandError) as failed:
                 call_command("outbox", "retry", "999999")
             assert failed.value.returncode == 1
-            assert f"no job 999999 in schema {other!r}" in capsys.readouterr().err
+            assert str(failed.value) == f"no job 999999 in schema {other!r}"
             call_command("outbox", "--database", "default", "run", "--help")
             assert "MODULE:DISPATCHER" in capsys.readouterr().out
-            call_command("outbox", "demo", "--help")  # plug-in commands are delegated too
-            assert "--serve" in capsys.readouterr().out
+            call_command("outbox", "run", "--help", "--database", "server_binding")
+            assert "MODULE:DISPATCHER" in capsys.readouterr().out
+            # Plug-ins start servers of their own and ignore DATABASES: not offered here.
+            with pytest.raises(CommandError, match="No such command 'demo'"):
+                call_command("outbox", "demo", "--help")
     finally:
         _drop(dsn, other)
     assert os.environ.get("OUTBOX_DATABASE_URL") == before
+
+
+def test_migrate_upgrades_the_schema_and_flush_empties_it(
+    dsn: str, project: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``manage.py migrate`` applies the SQL files through Django (recorded by both),
+    a later ``migrate`` applies the SQL files an upgraded outbox brings, and ``flush``
+    empties the outbox tables but keeps the schema's version."""
+    from django.core.management import call_command
+    from django.test import override_settings
+
+    from outbox.contrib.django import transaction as outbox_atomic
+
+    migrate_module = sys.modules["outbox.migrate"]  # the package exports the function
+    other = f"t_{uuid.uuid4().hex[:12]}"
+    every = migrate_module.migrations()
+    versions = sql.SQL("SELECT version FROM {} ORDER BY 1").format(
+        table(other, "schema_migrations"))
+    try:
+        with override_settings(OUTBOX_SCHEMA=other):
+            # An older outbox, which knew only the first SQL file.
+            monkeypatch.setattr(migrate_module, "migrations", lambda: every[:1])
+            call_command("migrate", "outbox", verbosity=0)
+            assert fetch(dsn, versions) == [(1,)]
+            assert fetch(dsn, "SELECT name FROM django_migrations WHERE app = 'outbox'") == [
+                ("0001_initial",)]
+            monkeypatch.setattr(migrate_module, "migrations", lambda: every)
+            call_command("migrate", "outbox", verbosity=0)  # nothing new for Django
+            assert fetch(dsn, versions) == [(m.version,) for m in every]
+
+            with outbox_atomic() as tx:
+                tx.enqueue("email.send", key="k", payload={})
+                assert tx.receive("billing", "m1")
+            call_command("flush", interactive=False, verbosity=0)
+            for name in ("jobs", "inbox"):
+                assert fetch(dsn, sql.SQL("SELECT count(*) FROM {}").format(
+                    table(other, name))) == [(0,)]
+            assert fetch(dsn, versions) == [(m.version,) for m in every]
+    finally:
+        _drop(dsn, other)
+        fetch(dsn, "DELETE FROM django_migrations WHERE app = 'outbox' RETURNING id")
+
+
+def test_enqueue_into_an_unmigrated_schema_says_to_migrate(dsn: str, project: str) -> None:
+    from django.test import override_settings
+
+    from outbox.contrib.django import transaction as outbox_atomic
+
+    with override_settings(OUTBOX_SCHEMA="never_migrated"), \
+            pytest.raises(outbox.SchemaError, match=r"schema 'never_migrated' has no outbox "
+                                                    r"tables .*`manage.py migrate`"), \
+            outbox_atomic() as tx:
+        tx.enqueue("email.send", key="k", payload={})
 
 
 def _drop(dsn: str, schema: str) -> None:
@@ -325,4 +381,4 @@ def test_the_suite_passes_on_psycopg2(dsn: str) -> None:
         [sys.executable, "-m", "pytest", here, "-q", "-p", "no:cacheprovider", *deselect],
         cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
-    assert "10 passed, 2 deselected" in child.stdout, child.stdout[-3000:]
+    assert "12 passed, 2 deselected" in child.stdout, child.stdout[-3000:]

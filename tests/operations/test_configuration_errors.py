@@ -173,3 +173,27 @@ def test_a_malformed_connection_string_is_not_repeated() -> None:
     bad = f"postgresql://{ROLE}:{PASSWORD}@[db/shop"
     message = _raises_configuration_error(bad)
     assert "connection string is not valid" in message and PASSWORD not in message
+
+
+def test_a_role_that_may_not_record_its_heartbeat_runs_and_says_how_to_fix_it(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    schema = create_schema(server.dsn)
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        ident = {"s": sql.Identifier(schema), "r": sql.Identifier(ROLE)}
+        for grant in ("GRANT USAGE ON SCHEMA {s} TO {r}",
+                      "GRANT SELECT, UPDATE, DELETE ON {s}.jobs TO {r}",
+                      "GRANT SELECT ON {s}.schema_migrations TO {r}",
+                      "GRANT ALL ON {s}.effect_results TO {r}",
+                      "GRANT ALL ON {s}.inbox TO {r}"):  # nothing on the dispatchers
+            conn.execute(sql.SQL(grant).format(**ident))
+        with outbox.transaction(conn, schema=schema) as tx:
+            tx.enqueue(Noop.name, key="k1", payload={})
+    with caplog.at_level(logging.WARNING, logger="outbox.dispatcher"):
+        stats = outbox.Dispatcher(_as_role(server), [Noop()], schema=schema).run_until_idle()
+    assert stats.done == 1
+    [told] = [r.getMessage() for r in caplog.records if "dispatchers" in r.getMessage()]
+    assert f"cannot record this dispatcher in {schema}.dispatchers" in told
+    assert "grant its role INSERT, UPDATE and DELETE there" in told

@@ -7,6 +7,7 @@ a plain path (so that the editable checkout installed there is not)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -82,8 +83,9 @@ def test_help_lists_every_command(installed: Installed) -> None:
     result = installed.run("outbox", "--help")
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
-    for command in ("migrate", "run", "status", "retry", "demo", "chaos"):
+    for command in ("migrate", "run", "status", "retry", "demo", "chaos", "dev-server"):
         assert f"  {command} " in result.stdout, result.stdout
+    assert "unavailable" not in result.stdout
 
 
 def test_demo_from_a_wheel_says_in_one_line_where_it_runs(installed: Installed) -> None:
@@ -92,6 +94,33 @@ def test_demo_from_a_wheel_says_in_one_line_where_it_runs(installed: Installed) 
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert len(lines) == 1, lines
     assert "source checkout" in lines[0] and "make demo" in lines[0]
+
+
+def test_demo_help_from_a_wheel_is_help_not_an_error(installed: Installed) -> None:
+    result = installed.run("outbox", "demo", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "source checkout" in result.stdout and "make demo" in result.stdout
+
+
+def test_without_the_nats_extra_chaos_is_listed_and_names_the_extra(
+    installed: Installed,
+) -> None:
+    # As if nats-py were not installed: a package in the venv that shadows it.
+    stub = installed.site / "nats"
+    stub.mkdir(exist_ok=True)
+    (stub / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'nats'\", name='nats')\n")
+    try:
+        listed = installed.run("outbox", "--help")
+        assert listed.returncode == 0, listed.stderr
+        assert "  chaos " in listed.stdout and "unavailable" not in listed.stdout
+        refused = installed.run("outbox", "chaos", "--jobs", "10")
+        assert refused.returncode == 1
+        assert refused.stderr.strip() == (
+            "Error: outbox chaos needs nats, which is not installed: pip install "
+            "'outbox[nats]'"), refused.stderr
+    finally:
+        shutil.rmtree(stub)
 
 
 def test_migrate_from_the_wheel_finds_the_shipped_migrations(

@@ -147,6 +147,8 @@ def test_the_first_round_rescues_purges_and_claims(clock: Clock) -> None:
               .then("purge_done", [(3,)])
               .then("purge_ledger", [(0,)])
               .then("purge_inbox", [(2,)])
+              .then("dispatcher_beat", [(1,)])  # the heartbeat: effects served
+              .then("unhandled_due", [])  # and due jobs nobody serves
               .then("claim", claimed_rows(10, 11)))
     result = script.drive(claimer.round())
     assert [h.job.id for h in result.batch] == [10, 11] and result.wait == 0
@@ -160,19 +162,22 @@ def test_rescue_and_retention_wait_for_their_timers(clock: Clock) -> None:
                       state(), until_idle=False)
     queries = claimer.queries
     (Script(queries).then("rescue", []).then("purge_done", [(0,)])
-     .then("purge_ledger", [(0,)]).then("claim", [])).drive(claimer.round())
+     .then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
+     .then("unhandled_due", []).then("claim", [])).drive(claimer.round())
     clock.now += 4.9  # neither timer due: only the claim
     Script(queries).then("claim", []).drive(claimer.round())
     clock.now += 0.2  # the rescue timer (5 s) is due, retention (60 s) is not
     Script(queries).then("rescue", []).then("claim", []).drive(claimer.round())
-    clock.now += RETENTION_INTERVAL
+    clock.now += RETENTION_INTERVAL  # the heartbeat (every 15 s) is due again too
     (Script(queries).then("rescue", []).then("purge_done", [(0,)])
-     .then("purge_ledger", [(0,)]).then("claim", [])).drive(claimer.round())
+     .then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
+     .then("unhandled_due", []).then("claim", [])).drive(claimer.round())
 
 
 def first_round_done(claimer: Claimer) -> None:
     """Past the first round's rescue and retention, so later rounds only claim."""
     claimer.rescue_timer.next_at = claimer.retention_timer.next_at = float("inf")
+    claimer.presence.timer.next_at = float("inf")
 
 
 @pytest.mark.parametrize(("held_now", "limit"), [(0, 6), (3, 3), (5, 1), (6, None)])

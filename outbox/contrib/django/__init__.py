@@ -6,7 +6,9 @@
 
     with outbox_atomic() as tx:                 # django.db.transaction.atomic(using=...)
         Order.objects.create(id=102)
-        tx.enqueue("email.send", key="email-order-102", payload={"order": 102})
+        tx.enqueue("email.send", key="email-order-102", payload={
+            "from": "shop@example.com", "to": "ada@example.com",
+            "subject": "Order 102", "text": "Thank you!"})
 
 The block *is* an ``atomic()`` block: outermost it begins and commits a transaction, nested
 (inside another ``atomic()``, an ``ATOMIC_REQUESTS`` view, a ``TestCase``) it is a
@@ -14,10 +16,15 @@ savepoint and the jobs commit when the outermost block commits. Statements run t
 Django's cursor, so its savepoints, error wrapping and query logging apply. Works with the
 PostgreSQL backend on psycopg 3 and psycopg2.
 
-Also a Django app: add ``"outbox.contrib.django"`` to ``INSTALLED_APPS`` for
-``manage.py outbox <migrate|run|status|retry|web> ...``, the ``outbox`` command with the
-connection string taken from ``DATABASES`` (``--database`` picks the alias). The schema is
-``settings.OUTBOX_SCHEMA`` (default ``"outbox"``).
+Also a Django app: with ``"outbox.contrib.django"`` in ``INSTALLED_APPS``,
+``manage.py migrate`` creates the outbox tables (also in the test runner's database) with
+outbox's own SQL files, recorded by Django and in ``<schema>.schema_migrations`` alike, so
+``manage.py outbox migrate`` agrees with it in either order; every later ``migrate``
+applies the SQL files a newer outbox brings. ``manage.py flush``, which
+``TransactionTestCase`` runs after each test, empties the outbox tables too.
+``manage.py outbox <migrate|run|status|retry|web> ...`` is the ``outbox`` command with
+the connection string taken from ``DATABASES`` (``--database`` picks the alias). The
+schema is ``settings.OUTBOX_SCHEMA`` (default ``"outbox"``).
 
 Tests: Django's ``TestCase`` runs each test inside a transaction that it rolls back, and
 no other connection sees uncommitted rows. A ``Dispatcher`` works on connections of its
@@ -25,8 +32,7 @@ own, so inside a ``TestCase`` it finds none of the test's jobs (it is not a bug:
 would commit only with the test's transaction, which never commits). There, assert on the
 enqueued jobs through the test's own connection (``jobs()`` below). To run the effects,
 use ``TransactionTestCase``, whose writes really commit, and drain with
-``Dispatcher(conninfo(), effects=[...]).run_until_idle()``.
-"""
+``Dispatcher(conninfo(), effects=[...]).run_until_idle()``."""
 
 from __future__ import annotations
 
@@ -35,7 +41,13 @@ from types import TracebackType
 from typing import Any
 
 import psycopg
-from django.conf import settings
+
+try:  # outbox[django]
+    from django.conf import settings
+except ModuleNotFoundError as exc:
+    from ..._extras import missing_extra
+
+    raise missing_extra(exc, "outbox.contrib.django", "django") from exc
 from django.db import connections
 from django.db import transaction as django_transaction
 from psycopg.conninfo import make_conninfo
@@ -43,8 +55,9 @@ from psycopg.conninfo import make_conninfo
 from ..._enqueue import Row
 from ..._sql import queries
 from ...transaction import Operations
+from ._schema import flush
 
-__all__ = ["Transaction", "conninfo", "default_schema", "jobs", "transaction"]
+__all__ = ["Transaction", "conninfo", "default_schema", "flush", "jobs", "transaction"]
 
 
 def default_schema() -> str:
