@@ -8,7 +8,11 @@ Outcome of a call, by what came back::
 
     2xx                                         done, ledger {"id": <Resend email id>}
     409 concurrent_idempotent_requests          Retry: the first request is in flight
-    408, 425, 429                               Retry(after=Retry-After)
+    429, or 503 with Retry-After                Throttled(after=Retry-After, rate from
+                                                ratelimit-limit): nothing was sent; the
+                                                effect pauses for every dispatcher and the
+                                                attempt is not counted
+    408, 425                                    Retry(after=Retry-After)
     5xx                                         Retry(after=Retry-After)
     409 invalid_idempotent_request              Permanent: key reused for other content
     any other 4xx, or 1xx/3xx                   Permanent: status, Resend's name, message
@@ -17,6 +21,14 @@ Outcome of a call, by what came back::
 
 Providers without idempotency keys (Postmark, SES) could only be sent at least once;
 this adapter does not pretend otherwise and supports Resend-compatible APIs only.
+
+Resend's published limit: 2 requests per second per team by default (raised on
+request), answered past it with 429 ``rate_limit_exceeded`` and the headers
+``retry-after``, ``ratelimit-limit``, ``ratelimit-remaining`` and ``ratelimit-reset``.
+The limit is the team's, shared by every process sending with its keys: declare it with
+``SendEmail(..., limit=outbox.Limit(rate=2.0))`` (or the dispatcher's ``limits``) so
+every dispatcher claims within it; without a declared limit the dispatcher learns the
+rate from the 429s' ``ratelimit-limit``.
 """
 
 from __future__ import annotations
@@ -27,9 +39,9 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from outbox import Job, Permanent, Retry
+from outbox import Job, Limit, Permanent, Retry
 
-from ._http import USER_AGENT, PooledAdapter, redact, retry_after, send
+from ._http import USER_AGENT, PooledAdapter, redact, retry_after, send, throttled
 from ._payload import validated_payload
 
 __all__ = ["EmailPayload", "EmailTag", "SendEmail"]
@@ -38,7 +50,7 @@ log = logging.getLogger("effects.email")
 
 MAX_RECIPIENTS = 50
 # Statuses that say "not now" rather than "never"; 5xx are added by range.
-_RETRY_STATUSES = frozenset({408, 425, 429})
+_RETRY_STATUSES = frozenset({408, 425, 429})  # 429 becomes Throttled before
 _IN_FLIGHT = "concurrent_idempotent_requests"
 
 Recipients = str | list[str]
@@ -110,7 +122,9 @@ class SendEmail(PooledAdapter):
     ``base_url`` may point at any Resend-compatible API, such as
     ``effects.testing.FakeEmailProvider``. ``timeout`` (seconds) bounds connect, write
     and read; a read timeout after the request was sent is an ``UnknownOutcome``. Call
-    ``close()`` (or use ``with``) to release the connection pool.
+    ``close()`` (or use ``with``) to release the connection pool. ``limit`` declares the
+    team's rate limit (``outbox.Limit(rate=2.0)`` is Resend's default) for every
+    dispatcher running this effect.
     """
 
     name = "email.send"
@@ -121,9 +135,13 @@ class SendEmail(PooledAdapter):
         api_key: str,
         base_url: str = "https://api.resend.com",
         timeout: float = 10.0,
+        limit: Limit | None = None,
     ) -> None:
         if not api_key:
             raise ValueError("SendEmail needs a Resend API key")
+        if limit is not None and not isinstance(limit, Limit):
+            raise ValueError(f"limit must be an outbox.Limit, got {limit!r}")
+        self.limit = limit
         self._api_key = api_key
         self._client = httpx.Client(
             base_url=base_url,
@@ -161,6 +179,10 @@ class SendEmail(PooledAdapter):
         reason = f"email job {key}: Resend answered HTTP {status} {name}"
         if message:
             reason += f": {redact(message, self._api_key)}"
+        pushed_back = throttled(status, response.headers, reason)
+        if pushed_back is not None:
+            log.info("%s; throttled, nothing sent", reason)
+            raise pushed_back
         if _is_transient(status, name):
             log.info("%s; will retry", reason)
             raise Retry(reason, after=retry_after(response.headers))

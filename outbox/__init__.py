@@ -30,8 +30,10 @@ from .errors import (
     Permanent,
     Retry,
     SchemaError,
+    Throttled,
     UnknownOutcome,
 )
+from .limits import Limit
 from .migrate import migrate
 from .transaction import AsyncTransaction, Transaction, transaction
 
@@ -51,11 +53,13 @@ __all__ = [
     "InvalidKey",
     "InvalidPayload",
     "Job",
+    "Limit",
     "NewJob",
     "OutboxError",
     "Permanent",
     "Retry",
     "SchemaError",
+    "Throttled",
     "Transaction",
     "UnknownOutcome",
     "migrate",

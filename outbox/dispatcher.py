@@ -24,7 +24,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from datetime import timedelta
@@ -52,6 +52,7 @@ from ._dispatch.workers import ThreadWorkers
 from ._state import Backoff
 from .effect import Effect
 from .errors import ConfigurationError, DispatcherFailed
+from .limits import Limit
 from .observe import DispatchObserver
 
 __all__ = ["AsyncDispatcher", "DispatchStats", "Dispatcher"]
@@ -146,6 +147,7 @@ class _Options:
         listen_conninfo: str | None = None,
         observer: DispatchObserver | None = None,
         metrics: bool = False,
+        limits: Mapping[str, Limit] | None = None,
     ) -> None:
         if metrics:
             from .metrics import with_metrics  # prometheus-client is an optional extra
@@ -158,7 +160,7 @@ class _Options:
             unknown_outcome_window=unknown_outcome_window, retention=retention,
             ledger_retention=ledger_retention, inbox_retention=inbox_retention,
             worker_id=worker_id,
-            listen_conninfo=listen_conninfo, observer=observer,
+            listen_conninfo=listen_conninfo, observer=observer, limits=limits,
         )
         for name in PUBLIC_OPTIONS:
             setattr(self, name, getattr(self.settings, name))

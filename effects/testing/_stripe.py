@@ -82,6 +82,11 @@ class FakeStripe(FakeProvider):
     in flight gets 409 ``idempotency_key_in_use``. Requests refused by parameter
     checks are not saved. Faults and counters: see ``FakeProvider``; a declined charge
     counts as performed (Stripe did attempt it).
+
+    With ``rate_limit`` (requests per second), requests past it get Stripe's 429:
+    ``{"error": {"type": "invalid_request_error", "code": "rate_limit", ...}}`` with
+    ``Stripe-Should-Retry: true`` and no ``Retry-After``; ``set_outage()`` answers every
+    request 503 (``api_error``).
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class FakeStripe(FakeProvider):
         max_stall: float = 60.0,
         webhook_url: str | None = None,
         webhook_secret: str = "whsec_fake_stripe",  # noqa: S107  (a test double's default)
+        rate_limit: float | None = None,
     ) -> None:
         self._api_key = api_key
         self.webhook_url = webhook_url
@@ -106,7 +112,8 @@ class FakeStripe(FakeProvider):
         self._declines = {**DEFAULT_DECLINED_CARDS, **(declined_cards or {})}
         self._intents: dict[str, dict[str, Any]] = {}
         self._refunds: dict[str, dict[str, Any]] = {}
-        super().__init__(retention=retention, latency=latency, max_stall=max_stall)
+        super().__init__(retention=retention, latency=latency, max_stall=max_stall,
+                         rate_limit=rate_limit)
 
     def decline_card(self, payment_method: str, decline_code: str = "generic_decline") -> None:
         """Decline every later charge to ``payment_method`` with ``decline_code``."""
@@ -446,6 +453,14 @@ class FakeStripe(FakeProvider):
 
     def _replayed(self, reply: Reply) -> Reply:
         return reply.with_header("Idempotent-Replayed", "true")
+
+    def _rate_limited(self, limit: float, remaining: int, retry_after: int, reset: int) -> Reply:
+        # Stripe's answer past its per-account rate: 429, code rate_limit, no Retry-After,
+        # and Stripe-Should-Retry saying a later retry may succeed.
+        error = {"type": "invalid_request_error", "code": "rate_limit",
+                 "message": "Too many requests hit the API too quickly. We recommend an "
+                            "exponential backoff of your requests."}
+        return self._reply_error(429, error).with_header("Stripe-Should-Retry", "true")
 
     def _key_mismatch(self, key: str) -> Reply:
         message = (

@@ -26,6 +26,7 @@ from ..migrate import require_current
 from ..observe import PurgedTable
 from .connection import CONNECTION_ERRORS, Connection
 from .counting import Waits
+from .limits import LimitedClaims
 from .settings import Settings
 from .state import Held, SharedState, Timer, guarded
 from .steps import Statement, Step, run
@@ -63,6 +64,7 @@ class Claimer:
         self.rng = random.Random()
         self.rescue_timer = Timer(settings.rescue_interval)
         self.retention_timer = Timer(RETENTION_INTERVAL)
+        self.limited = LimitedClaims(settings, state.limits)
 
     def round(self) -> Step[Round]:
         """One round: rescue and retention when due, a claim, and what to do next."""
@@ -72,17 +74,24 @@ class Claimer:
         # Retention under run_until_idle too: cron deployments never call run().
         if self.retention_timer.due(now):
             yield from self.purge()
-        batch = yield from self.claim()
+        # Limited, throttled and paused effects first, each within its budget; then the
+        # rest in one claim, which never waits for theirs.
+        yield from self.limited.refresh()
+        batch = yield from self.claim_limited()
+        batch += yield from self.claim()
         if batch:
             return Round(batch)
+        # A budget that will allow more soon: ask again then, not at the next poll.
+        soon = self.limited.wake_in
         if self.state.held:
-            return Round(batch, wait=self.settings.poll_interval)
+            return Round(batch, wait=_sooner(self.settings.poll_interval, soon))
         if self.until_idle:
             if not (yield from self.has_due_work()):
                 return Round(batch, idle=True)
             yield from self.rescue()
-            return Round(batch, wait=IDLE_RECHECK)
-        return Round(batch, wait=self.settings.poll_interval * self.rng.uniform(0.5, 1.0))
+            return Round(batch, wait=_sooner(IDLE_RECHECK, soon))
+        return Round(batch, wait=_sooner(
+            self.settings.poll_interval * self.rng.uniform(0.5, 1.0), soon))
 
     def failed(self, exc: psycopg.Error, *, lost: bool) -> None:
         """A round failed: count a lost connection as a reconnect, log either way; raise
@@ -124,12 +133,12 @@ class Claimer:
 
     def claim(self) -> Step[list[Held]]:
         limit = self.room()
-        if limit <= 0:
+        if limit <= 0 or not self.limited.any_free:
             return []
         settings = self.settings
         started = time.monotonic()
         rows = yield Statement(self.queries.claim, {
-            "effects": settings.effect_names, "limit": limit, "lease": settings.lease,
+            "effects": self.limited.free_names, "limit": limit, "lease": settings.lease,
             "worker": settings.worker_id,
         })
         elapsed = time.monotonic() - started
@@ -137,6 +146,22 @@ class Claimer:
         batch = [self._held(row, traced) for row in rows]
         self.state.hold(batch)
         guarded(self.state.events.claimed, elapsed, Waits(rows))
+        return batch
+
+    def claim_limited(self) -> Step[list[Held]]:
+        """The gated effects' jobs, each claimed within its shared budget."""
+        if not self.limited.gated:
+            return []
+        started = time.monotonic()
+        # Not held back for a batch to fill (as room() is): a budget allows few at a time.
+        rows = yield from self.limited.claim(
+            lambda: min(self.capacity() - len(self.state.held), self.settings.batch_size))
+        if not rows:
+            return []
+        traced = tracing.enabled()
+        batch = [self._held(row, traced) for row in rows]
+        self.state.hold(batch)
+        guarded(self.state.events.claimed, time.monotonic() - started, Waits(rows))
         return batch
 
     def _held(self, row: tuple[Any, ...], traced: bool) -> Held:
@@ -147,7 +172,8 @@ class Claimer:
                     traced=traced, trace_context=row[10] if traced else None)
 
     def has_due_work(self) -> Step[bool]:
-        rows = yield Statement(self.queries.has_due_work, {"effects": self.settings.effect_names})
+        # Effects an operator paused are not waited for: they resume when told to.
+        rows = yield Statement(self.queries.has_due_work, {"effects": self.limited.due_names})
         return bool(rows[0][0])
 
     def rescue(self) -> Step[None]:
@@ -184,6 +210,10 @@ class Claimer:
                     guarded(self.state.events.purged, table, deleted)
                 if deleted < RETENTION_BATCH:
                     break
+
+
+def _sooner(wait: float, soon: float | None) -> float:
+    return wait if soon is None else max(0.001, min(wait, soon))
 
 
 _RETENTION_OPTION = {"done jobs": "retention", "the ledger": "ledger_retention",

@@ -21,9 +21,10 @@ from typing import Any
 from .. import _state
 from .._pg import configuration_error
 from .._state import Decision
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, Throttled
 from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, Connection
+from .limits import report
 from .settings import Settings
 from .state import Held, Outcome, Release, SharedState, Success, Timer, guarded
 from .steps import Statement, Step, run
@@ -61,6 +62,8 @@ class Recorder:
         What was written is removed from ``pending``, so after a connection error the
         caller retries only the rest (with ``retrying`` set).
         """
+        if not self.retrying:  # what the batch says about its providers, once
+            yield from report(self.settings, self.state.limits, pending)
         try:
             yield from self.record(pending)
         except CONNECTION_ERRORS:
@@ -73,7 +76,8 @@ class Recorder:
             yield from self.record_singly(pending)
 
     def record(self, batch: list[tuple[Held, Outcome]]) -> Step[None]:
-        """Write one batch of outcomes: at most two statements, each fenced."""
+        """Write one batch of outcomes: at most two statements, each fenced (and, when
+        the batch says a provider throttles or fails, its shared limit state first)."""
         successes = [(h, o) for h, o in batch if isinstance(o, Success)]
         if successes:
             claims = ",".join(
@@ -100,7 +104,9 @@ class Recorder:
             batch[:] = [(h, o) for h, o in batch if not isinstance(o, Success)]
         if not batch:
             return
-        settles = [(h, isinstance(o, Release), self.settlement(h, o)) for h, o in batch]
+        # Released and throttled jobs go back with their attempt refunded.
+        settles = [(h, isinstance(o, Release | Throttled), self.settlement(h, o))
+                   for h, o in batch]
         rows = yield Statement(self.queries.settle, {"claims": json.dumps([
             {"id": h.job.id, "version": h.job.claim_version, "status": d.status,
              "delay": d.delay, "error": d.error, "refund": released}
@@ -152,6 +158,10 @@ class Recorder:
         """Where a failed (or released) attempt sends the job: the pure decision."""
         if isinstance(outcome, Release):
             return Decision("pending", delay=0.0, error=None)
+        if isinstance(outcome, Throttled):
+            # Due again at once: the effect's pause, shared by every dispatcher, keeps it
+            # from being claimed until the provider is ready.
+            return Decision("pending", delay=0.0, error=_state.describe(outcome))
         assert isinstance(outcome, BaseException)
         decision = _state.decide(
             outcome, attempt=held.job.attempt, max_attempts=held.job.max_attempts,

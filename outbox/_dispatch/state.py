@@ -30,8 +30,10 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .. import tracing
 from ..effect import Effect, Job
+from ..errors import Throttled
 from ..observe import AttemptOutcome, DispatchObserver, MultiObserver
 from .counting import StatsObserver
+from .limits import LimitView
 
 if TYPE_CHECKING:
     from ..dispatcher import DispatchStats
@@ -205,6 +207,9 @@ class SharedState(Generic[E]):
         self.counter = StatsObserver(stats)
         self.events: DispatchObserver = (MultiObserver([self.counter, observer])
                                          if self.observing else self.counter)
+        # What this process knows of the shared limit state (see ``limits``): read by
+        # workers in begin, written by the claimer, the recorder and finish.
+        self.limits = LimitView()
 
     @property
     def stats(self) -> DispatchStats:
@@ -237,7 +242,11 @@ class SharedState(Generic[E]):
             guarded(self.observer.attempt_finished, held.job.effect, "lost", 0.0)
             self.wake.set()
             return False
-        if self.releasing:
+        limits = self.limits
+        if self.releasing or ((limits.paused_until or limits.local_until)
+                              and limits.paused(held.job.effect)):
+            # Stopping, or the effect is paused (throttled, its breaker open, an
+            # operator): hand the job back unstarted, its attempt refunded.
             self.finish(held, Release())
             return False
         held.started = True
@@ -251,6 +260,8 @@ class SharedState(Generic[E]):
     def finish(self, held: Held, outcome: Outcome, *, signal: bool = True) -> None:
         """A worker is done with ``held``; the recorder will write ``outcome``. Threads
         running a run of fast jobs signal once per run (``signal=False`` before)."""
+        if isinstance(outcome, Throttled):  # stop starting its effect's jobs here at once
+            self.limits.throttled_here(held.job.effect, outcome)
         self.outcomes.append((held, outcome))
         if signal:
             self.outcome_ready.set()
