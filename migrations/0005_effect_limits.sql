@@ -82,30 +82,34 @@ DECLARE
     v_claimed  integer := 0;
     v_probe    boolean := false;
     v_wait     float8;
+    v_now      timestamptz;
 BEGIN
     INSERT INTO {schema}.effect_limits AS l (effect, tokens) VALUES (p_effect, 1e9)
     ON CONFLICT ON CONSTRAINT effect_limits_pkey DO NOTHING;
     SELECT * INTO lim FROM {schema}.effect_limits l WHERE l.effect = p_effect FOR UPDATE;
+    -- The clock after the lock, not the transaction's start: a claim that waited for the
+    -- one before it must not count the tokens of the time it waited twice.
+    v_now := clock_timestamp();
     IF v_declares THEN
         v_rate := p_rate; v_burst := p_burst; v_conc := p_concurrency;
-    ELSIF lim.declared_at > now() - interval '60 seconds' THEN
+    ELSIF lim.declared_at > v_now - interval '60 seconds' THEN
         v_rate := lim.rate; v_burst := lim.burst; v_conc := lim.concurrency;
     END IF;
     -- The adaptive factor grows back by a tenth per second since the last throttle (to
     -- the declared rate at most; a learned rate may grow past what was learned), and a
     -- learned rate is forgotten after a minute without throttling.
     v_factor := lim.factor + 0.1 * coalesce(
-        extract(epoch FROM now() - greatest(lim.throttled_at, lim.paused_until))::float8, 1e9);
+        extract(epoch FROM v_now - greatest(lim.throttled_at, lim.paused_until))::float8, 1e9);
     IF v_rate IS NOT NULL THEN
         v_factor := least(1.0, v_factor);
-    ELSIF lim.learned_rate IS NOT NULL AND lim.throttled_at > now() - interval '60 seconds' THEN
+    ELSIF lim.learned_rate IS NOT NULL AND lim.throttled_at > v_now - interval '60 seconds' THEN
         v_rate := lim.learned_rate;
     END IF;
     IF v_rate IS NOT NULL THEN
         v_eff := v_rate * v_factor;
         v_burst := greatest(1.0, coalesce(v_burst, v_rate / 2.0) * least(1.0, v_factor));
         v_tokens := least(v_burst, lim.tokens + v_eff * greatest(0.0, extract(epoch FROM
-            now() - greatest(lim.refilled_at, lim.paused_until))::float8));
+            v_now - greatest(lim.refilled_at, lim.paused_until))::float8));
         v_allowed := least(v_allowed, floor(v_tokens)::integer);
         IF v_allowed < 1 THEN
             v_wait := (1.0 - v_tokens) / v_eff;
@@ -121,16 +125,16 @@ BEGIN
     END IF;
     -- An open breaker whose pause ended lets one probe at a time test recovery.
     IF lim.opened > 0 THEN
-        IF lim.probe_until > now() THEN
+        IF lim.probe_until > v_now THEN
             v_allowed := 0;
-            v_wait := greatest(v_wait, extract(epoch FROM lim.probe_until - now())::float8);
+            v_wait := greatest(v_wait, extract(epoch FROM lim.probe_until - v_now)::float8);
         END IF;
         v_probe := true;
         v_allowed := least(v_allowed, 1);
     END IF;
-    IF lim.paused_until > now() THEN
+    IF lim.paused_until > v_now THEN
         v_allowed := 0;
-        v_wait := extract(epoch FROM lim.paused_until - now())::float8;
+        v_wait := extract(epoch FROM lim.paused_until - v_now)::float8;
     END IF;
     IF v_allowed > 0 THEN
         RETURN QUERY
@@ -138,7 +142,7 @@ BEGIN
             SELECT c.id
             FROM {schema}.jobs c
             WHERE c.status = 'pending'
-              AND c.available_at <= now()
+              AND c.available_at <= v_now
               AND c.effect = p_effect
               AND (c.ordering_key IS NULL OR NOT EXISTS (
                     SELECT 1 FROM {schema}.jobs o
@@ -153,14 +157,14 @@ BEGIN
         SET status = 'running',
             attempts = j.attempts + 1,
             claim_version = j.claim_version + 1,
-            lease_until = now() + p_lease * interval '1 second',
+            lease_until = v_now + p_lease * interval '1 second',
             claimed_by = p_worker,
-            first_attempted_at = coalesce(j.first_attempted_at, now()),
-            updated_at = now()
+            first_attempted_at = coalesce(j.first_attempted_at, v_now),
+            updated_at = v_now
         WHERE j.id = ANY (ARRAY(SELECT c.id FROM candidates c)) AND j.status = 'pending'
         RETURNING j.id, j.effect, j.key, j.payload, j.attempts, j.claim_version,
                   j.ordering_key, j.max_attempts, j.first_attempted_at,
-                  greatest(date_part('epoch', now() - j.available_at), 0)::float8,
+                  greatest(date_part('epoch', v_now - j.available_at), 0)::float8,
                   j.trace_context;
         GET DIAGNOSTICS v_claimed = ROW_COUNT;
         IF v_claimed = v_allowed AND v_allowed < p_limit AND v_wait IS NULL THEN
@@ -174,19 +178,19 @@ BEGIN
     SET rate = CASE WHEN v_declares THEN p_rate ELSE l.rate END,
         burst = CASE WHEN v_declares THEN p_burst ELSE l.burst END,
         concurrency = CASE WHEN v_declares THEN p_concurrency ELSE l.concurrency END,
-        declared_at = CASE WHEN v_declares THEN now() ELSE l.declared_at END,
-        tokens = CASE WHEN v_rate IS NULL OR lim.paused_until > now()
+        declared_at = CASE WHEN v_declares THEN v_now ELSE l.declared_at END,
+        tokens = CASE WHEN v_rate IS NULL OR lim.paused_until > v_now
                       THEN l.tokens ELSE v_tokens - v_claimed END,
-        refilled_at = CASE WHEN v_rate IS NULL OR lim.paused_until > now()
-                           THEN l.refilled_at ELSE now() END,
+        refilled_at = CASE WHEN v_rate IS NULL OR lim.paused_until > v_now
+                           THEN l.refilled_at ELSE v_now END,
         probe_until = CASE WHEN v_probe AND v_claimed > 0
-                           THEN now() + p_lease * interval '1 second' ELSE l.probe_until END,
-        updated_at = now()
+                           THEN v_now + p_lease * interval '1 second' ELSE l.probe_until END,
+        updated_at = v_now
     WHERE l.effect = p_effect;
     -- Say when to ask again only when jobs are waiting for the budget.
     IF v_wait IS NOT NULL AND v_claimed < p_limit AND EXISTS (
             SELECT 1 FROM {schema}.jobs w
-            WHERE w.status = 'pending' AND w.available_at <= now() AND w.effect = p_effect) THEN
+            WHERE w.status = 'pending' AND w.available_at <= v_now AND w.effect = p_effect) THEN
         RETURN QUERY SELECT NULL::bigint, p_effect, NULL::text, NULL::jsonb, NULL::integer,
             NULL::bigint, NULL::text, NULL::integer, NULL::timestamptz,
             greatest(0.005, v_wait), NULL::jsonb;
