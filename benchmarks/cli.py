@@ -17,14 +17,14 @@ from typing import Any
 
 from rich.console import Console
 
-from . import asyncdispatch, bloat, drain, enqueue, latency, memory, wake
+from . import asyncdispatch, bloat, drain, enqueue, latency, limits, memory, wake
 from ._db import Server, server
 from ._drain_workers import OutboxSettings
 from ._results import Section, environment, render, write_json
 
 log = logging.getLogger("benchmarks")
 
-SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory")
+SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory", "limits")
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVER_SETTINGS = ("shared_buffers", "max_connections", "fsync", "synchronous_commit",
                    "wal_level", "max_wal_size", "autovacuum")
@@ -56,6 +56,8 @@ class Sizes:
     memory_jobs: int
     async_sizes: tuple[int, ...] = (1000, 10_000)
     memory_runs: int | None = None  # None: --runs
+    limits_jobs: int = 200
+    limits_outage: float = 30.0
 
 
 FULL = Sizes(drain_sizes=(20_000, 100_000), drain_procs=(1, 2), procrastinate_jobs=20_000,
@@ -67,7 +69,8 @@ QUICK = Sizes(drain_sizes=(5_000,), drain_procs=(1, 2), procrastinate_jobs=300,
               single_transactions=100, bulk_transactions=3, wake_samples=15,
               latency_seconds_of_work=0.1, latency_concurrencies=(64,),
               latency_async_concurrencies=(64,), bloat_history=50_000, bloat_jobs=2_000,
-              claim_samples=20, memory_jobs=100_000, async_sizes=(1000,), memory_runs=1)
+              claim_samples=20, memory_jobs=100_000, async_sizes=(1000,), memory_runs=1,
+              limits_jobs=40, limits_outage=5.0)
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
@@ -156,6 +159,8 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
             outbox=best.retained())),
         "memory": lambda srv: memory.run(srv, memory.MemoryConfig(
             sizes.memory_runs or runs, sizes.memory_jobs, outbox=best)),
+        "limits": lambda srv: limits.run(srv, limits.LimitsConfig(
+            runs, jobs=sizes.limits_jobs, outage=sizes.limits_outage)),
     }
 
 

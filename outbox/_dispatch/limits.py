@@ -62,8 +62,11 @@ class LimitView:
     # effect -> monotonic time its pause ends, and why: as the database says ...
     paused_until: dict[str, float] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
-    # ... and as this process's own workers saw (a throttle not yet written for all)
+    # ... and as this process's own workers saw (a throttle, or failures in a row, not
+    # yet written for all)
     local_until: dict[str, float] = field(default_factory=dict)
+    local_failures: dict[str, int] = field(default_factory=dict)
+    threshold: int | None = BREAKER_THRESHOLD
     # effects with transient failures counted or a breaker open: a success is reported
     troubled: set[str] = field(default_factory=set)
 
@@ -89,6 +92,18 @@ class LimitView:
         self.paused_until.pop(effect, None)
         self.reasons.pop(effect, None)
 
+    def failed_here(self, effect: str) -> None:
+        """A worker saw a transient failure: at the breaker's threshold in a row, stop
+        starting the effect's jobs here before the recorder has opened it for all."""
+        if self.threshold is None:
+            return
+        failures = self.local_failures[effect] = self.local_failures.get(effect, 0) + 1
+        if failures >= self.threshold:
+            self.local_failures[effect] = 0
+            until = time.monotonic() + BREAKER_PAUSE
+            if until > self.local_until.get(effect, 0.0):
+                self.local_until[effect] = until
+
     def throttled_here(self, effect: str, error: Throttled) -> None:
         """A worker saw ``error``: stop starting the effect's jobs at once, before the
         recorder has written the pause for everyone."""
@@ -105,6 +120,7 @@ class LimitedClaims:
     def __init__(self, settings: Settings, view: LimitView) -> None:
         self.settings = settings
         self.view = view
+        view.threshold = settings.breaker_threshold
         self.queries = settings.queries
         self.names = sorted(settings.effects)
         self.all_names = settings.effect_names
@@ -248,16 +264,17 @@ def report(settings: Settings, view: LimitView,
             _learn(view, rows)
             log.info("effect %s throttled by its provider (%d refusals); paused for every "
                      "dispatcher", effect, t.throttles)
-        if t.failures:
+        if t.failures and settings.breaker_threshold is not None:
             yield from _guarded(Statement(q.limit_ensure, {"effect": effect}, count=True))
             rows = yield from _guarded(Statement(q.limit_failed, {
-                "effect": effect, "count": t.failures, "threshold": BREAKER_THRESHOLD,
+                "effect": effect, "count": t.failures, "threshold": settings.breaker_threshold,
                 "pause": BREAKER_PAUSE, "max_pause": BREAKER_MAX_PAUSE}))
             view.troubled.add(effect)
             opened = _learn(view, rows)
             if opened == "outage":
                 log.warning("effect %s: %d transient failures in a row; its breaker is open "
-                            "and it is paused for every dispatcher", effect, BREAKER_THRESHOLD)
+                            "and it is paused for every dispatcher", effect,
+                            settings.breaker_threshold)
 
 
 def _learn(view: LimitView, rows: Rows) -> str | None:

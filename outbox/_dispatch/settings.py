@@ -55,6 +55,8 @@ class Settings:
     observer: DispatchObserver = field(default_factory=DispatchObserver)
     # Declared limits by effect: the dispatcher's own, else the effect's default.
     limits: Mapping[str, Limit] = field(default_factory=dict)
+    # Transient failures of an effect in a row that open its breaker (None: no breaker).
+    breaker_threshold: int | None = 5
     # Derived once: the effect names as a text[] literal, and which effects are async.
     effect_names: str = ""
     async_names: frozenset[str] = frozenset()
@@ -82,6 +84,7 @@ class Settings:
         listen_conninfo: str | None = None,
         observer: DispatchObserver | None = None,
         limits: Mapping[str, Limit] | None = None,
+        breaker_threshold: int | None = 5,
     ) -> Settings:
         """Check every option; raise ``ConfigurationError`` naming the first bad one."""
         indexed = _index_effects(effects)
@@ -131,6 +134,8 @@ class Settings:
             worker_id=worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}",
             observer=observer or DispatchObserver(),
             limits=_limits(limits, indexed),
+            breaker_threshold=(None if breaker_threshold is None
+                               else _positive(breaker_threshold, "breaker_threshold")),
             effect_names=text_array(sorted(indexed)),
             async_names=frozenset(n for n, e in indexed.items() if is_async_effect(e)),
         )

@@ -33,7 +33,7 @@ from ..effect import Effect, Job
 from ..errors import Throttled
 from ..observe import AttemptOutcome, DispatchObserver, MultiObserver
 from .counting import StatsObserver
-from .limits import LimitView
+from .limits import LimitView, is_transient
 
 if TYPE_CHECKING:
     from ..dispatcher import DispatchStats
@@ -260,11 +260,21 @@ class SharedState(Generic[E]):
     def finish(self, held: Held, outcome: Outcome, *, signal: bool = True) -> None:
         """A worker is done with ``held``; the recorder will write ``outcome``. Threads
         running a run of fast jobs signal once per run (``signal=False`` before)."""
-        if isinstance(outcome, Throttled):  # stop starting its effect's jobs here at once
-            self.limits.throttled_here(held.job.effect, outcome)
+        if type(outcome) is not Success:
+            self._pushed_back(held.job.effect, outcome)
+        elif self.limits.local_failures:
+            self.limits.local_failures.pop(held.job.effect, None)
         self.outcomes.append((held, outcome))
         if signal:
             self.outcome_ready.set()
+
+    def _pushed_back(self, effect: str, outcome: Outcome) -> None:
+        """Stop starting ``effect``'s jobs here at once on a throttle, or on failures in a
+        row past the breaker's threshold (the recorder then writes it for everyone)."""
+        if isinstance(outcome, Throttled):
+            self.limits.throttled_here(effect, outcome)
+        elif is_transient(outcome):
+            self.limits.failed_here(effect)
 
     # -- recorder --------------------------------------------------------------------
 

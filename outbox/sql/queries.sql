@@ -526,3 +526,80 @@ SELECT l.effect, l.rate, l.burst, l.concurrency,
        l.failures, l.opened, l.throttled_total, l.throttled_at
 FROM {schema}.effect_limits l
 ORDER BY l.effect;
+
+-- ---------------------------------------------------------------------------------------
+-- Operators on the command line: retries audited (in dashboard_audit, as the dashboard's
+-- are) and announced, so a listening dispatcher picks the job up at once.
+-- ---------------------------------------------------------------------------------------
+
+-- name: retry_job_audited
+-- Operator retry of one job: failed or reconcile -> pending with a fresh attempt budget
+-- and idempotency window, audited in the same statement, and a notification.
+WITH changed AS (
+    UPDATE {schema}.jobs
+    SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
+        updated_at = now()
+    WHERE id = %(id)s::bigint AND status IN ('failed', 'reconcile')
+    RETURNING id, key, effect
+), audited AS (
+    INSERT INTO {schema}.dashboard_audit (actor, action, job_id, detail, affected)
+    VALUES (%(actor)s::text, 'retry', %(id)s::bigint,
+            jsonb_build_object('via', 'command line'), (SELECT count(*) FROM changed))
+)
+SELECT c.id, c.key, c.effect FROM changed c, pg_notify(%(channel)s::text, '');
+
+-- name: retry_matching
+-- Operator bulk retry: failed jobs of %(effect)s whose last error contains %(error)s
+-- (case-insensitive) back to pending, newest first, at most %(cap)s; rows another
+-- session holds are skipped, and the status is checked again on the update (fenced).
+-- Audited as one bulk_retry row with the filter, and announced.
+WITH picked AS (
+    SELECT j.id FROM {schema}.jobs j
+    WHERE j.status = 'failed' AND j.effect = %(effect)s::text
+      AND strpos(lower(j.last_error), lower(%(error)s::text)) > 0
+    ORDER BY j.id DESC
+    LIMIT %(cap)s
+    FOR UPDATE SKIP LOCKED
+), changed AS (
+    UPDATE {schema}.jobs j
+    SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
+        updated_at = now()
+    FROM picked p
+    WHERE j.id = p.id AND j.status = 'failed'
+    RETURNING j.id
+), audited AS (
+    INSERT INTO {schema}.dashboard_audit (actor, action, job_id, detail, affected)
+    VALUES (%(actor)s::text, 'bulk_retry', NULL,
+            jsonb_build_object('filter', jsonb_build_object(
+                'status', 'failed', 'effect', %(effect)s::text, 'error', %(error)s::text),
+                'cap', %(cap)s::integer, 'via', 'command line'),
+            (SELECT count(*) FROM changed))
+)
+SELECT count(*) FROM changed c, pg_notify(%(channel)s::text, '');
+
+-- name: failed_groups
+-- Failed jobs grouped by effect and error fingerprint: the error's class and message
+-- with ids (long hex or prefixed tokens like req_abc123) and numbers replaced, so one
+-- cause counts once however many jobs it failed. Largest groups first.
+SELECT g.effect, g.fingerprint, count(*) AS jobs, max(g.updated_at) AS latest,
+       min(g.sample) AS sample
+FROM (
+    SELECT j.effect, j.updated_at, left(j.last_error, 300) AS sample,
+           regexp_replace(regexp_replace(left(coalesce(j.last_error, ''), 300),
+               '[A-Za-z]+_[A-Za-z0-9]{{6,}}|[0-9a-fA-F-]{{16,}}', '<id>', 'g'),
+               '[0-9]+(\.[0-9]+)?', 'N', 'g') AS fingerprint
+    FROM {schema}.jobs j
+    WHERE j.status = 'failed'
+) g
+GROUP BY g.effect, g.fingerprint
+ORDER BY count(*) DESC, g.effect
+LIMIT %(limit)s;
+
+-- name: paused_effects
+-- Effects paused now, for every dispatcher: why (throttled, outage, operator), by whom
+-- and until when.
+SELECT l.effect, l.pause_reason, l.paused_by, l.paused_until,
+       date_part('epoch', l.paused_until - now()) AS seconds_left
+FROM {schema}.effect_limits l
+WHERE l.paused_until > now()
+ORDER BY l.effect;
