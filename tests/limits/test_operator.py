@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Any
 
 import psycopg
 from click.testing import CliRunner
@@ -29,7 +30,7 @@ def cli(dsn: str, schema: str, *args: str) -> str:
     return result.output
 
 
-def audit(dsn: str, schema: str) -> list[tuple[object, ...]]:
+def audit(dsn: str, schema: str) -> list[tuple[Any, ...]]:
     return rows(dsn, "SELECT actor, action, job_id, detail, affected "
                 "FROM {schema}.dashboard_audit ORDER BY id", schema)
 
