@@ -35,7 +35,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import REGISTRY, Collector
 
-from ._sql import check_schema_name
+from ._sql import check_schema_name, queries
 from .observe import AttemptOutcome, DispatchObserver, MultiObserver
 
 __all__ = [
@@ -76,7 +76,9 @@ class DatabaseCollector(Collector):
                 estimate, dead = (int(size[0]), int(size[1])) if size else (0, 0)
                 counts = self._counts(conn, estimate)
                 health = conn.execute(q.effect_health).fetchall()
+                limits = conn.execute(queries(self.schema).limits_overview).fetchall()
         yield from self._families(counts, health, dead)
+        yield from _limit_families(limits)
 
     def _counts(self, conn: psycopg.Connection[Any], estimate: int) -> dict[tuple[str, str], int]:
         from .web import _counts  # the dashboard's, so both count alike (outbox[web])
@@ -125,6 +127,36 @@ class DatabaseCollector(Collector):
             "outbox_jobs_dead_tuples", "Dead tuples in the jobs table (vacuum debt).",
             value=dead)
         return (jobs, oldest, expired, reconcile, dead_tuples)
+
+
+PAUSE_REASONS = ("throttled", "outage", "operator")
+
+
+def _limit_families(limits: Sequence[tuple[Any, ...]]) -> Iterable[Metric]:
+    """From the shared limit state (``limits_overview``): which effects are paused and
+    why, and how often each was throttled, across every dispatcher."""
+    bounded = _bounded_effects({row[0] for row in limits})
+    paused = GaugeMetricFamily(
+        "outbox_effect_paused", "1 while the effect is paused for every dispatcher, by "
+        "reason (throttled, outage: its breaker is open, operator).",
+        labels=["effect", "reason"])
+    throttled = CounterMetricFamily(
+        "outbox_effect_throttled", "Performs the provider refused for load (Throttled), "
+        "across every dispatcher.", labels=["effect"])
+    reasons: dict[str, str | None] = {}
+    totals: dict[str, float] = {}
+    for row in limits:
+        effect, is_paused, reason, total = bounded(row[0]), row[7], row[8], row[13]
+        if is_paused:
+            reasons[effect] = reason
+        else:
+            reasons.setdefault(effect, None)
+        totals[effect] = totals.get(effect, 0) + total
+    for effect in sorted(reasons):
+        for reason in PAUSE_REASONS:
+            paused.add_metric([effect, reason], 1.0 if reasons[effect] == reason else 0.0)
+        throttled.add_metric([effect], totals[effect])
+    return (paused, throttled)
 
 
 def _bounded_effects(effects: set[str]) -> Any:
