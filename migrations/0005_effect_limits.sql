@@ -30,10 +30,13 @@ CREATE TABLE {schema}.effect_limits (
     pause_reason    text        CHECK (pause_reason IN ('throttled', 'outage', 'operator')),
     paused_by       text,
     -- The breaker: transient failures in a row, how often it opened in a row (the pause
-    -- grows with it), and the probe's deadline while one job tests recovery.
+    -- grows with it), and the probe (its job and deadline) while one job tests recovery:
+    -- only the probe's failure reopens the breaker at once, not a late failure of a job
+    -- that was sent before it opened.
     failures        integer     NOT NULL DEFAULT 0 CHECK (failures >= 0),
     opened          integer     NOT NULL DEFAULT 0 CHECK (opened >= 0),
     probe_until     timestamptz,
+    probe_job       bigint,
     updated_at      timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT effect_limits_pause_reason
         CHECK ((paused_until IS NULL) = (pause_reason IS NULL))
@@ -185,6 +188,11 @@ BEGIN
                            THEN l.refilled_at ELSE v_now END,
         probe_until = CASE WHEN v_probe AND v_claimed > 0
                            THEN v_now + p_lease * interval '1 second' ELSE l.probe_until END,
+        probe_job = CASE WHEN v_probe AND v_claimed > 0 THEN (
+                        SELECT max(j.id) FROM {schema}.jobs j
+                        WHERE j.effect = p_effect AND j.status = 'running'
+                          AND j.claimed_by = p_worker AND j.updated_at = v_now)
+                    ELSE l.probe_job END,
         updated_at = v_now
     WHERE l.effect = p_effect;
     -- Say when to ask again only when jobs are waiting for the budget.

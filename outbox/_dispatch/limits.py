@@ -216,6 +216,7 @@ class _Tally:
     after: float | None = None
     hint: float | None = None
     failures: int = 0
+    failed_jobs: list[int] = field(default_factory=list)
     successes: int = 0
 
 
@@ -240,7 +241,9 @@ def tally(outcomes: Sequence[tuple[Any, object]], troubled: set[str]) -> dict[st
             if outcome.rate is not None:
                 t.hint = outcome.rate if t.hint is None else min(t.hint, outcome.rate)
         elif is_transient(outcome):
-            tallies.setdefault(effect, _Tally()).failures += 1
+            t = tallies.setdefault(effect, _Tally())
+            t.failures += 1
+            t.failed_jobs.append(held.job.id)
     return tallies
 
 
@@ -267,7 +270,8 @@ def report(settings: Settings, view: LimitView,
         if t.failures and settings.breaker_threshold is not None:
             yield from _guarded(Statement(q.limit_ensure, {"effect": effect}, count=True))
             rows = yield from _guarded(Statement(q.limit_failed, {
-                "effect": effect, "count": t.failures, "threshold": settings.breaker_threshold,
+                "effect": effect, "count": t.failures, "jobs": t.failed_jobs,
+                "threshold": settings.breaker_threshold,
                 "pause": BREAKER_PAUSE, "max_pause": BREAKER_MAX_PAUSE}))
             view.troubled.add(effect)
             opened = _learn(view, rows)

@@ -424,8 +424,9 @@ WHERE l.effect = c.effect
 RETURNING l.effect, date_part('epoch', l.paused_until - now()) AS pause_left, l.pause_reason;
 
 -- name: limit_failed
--- %(count)s performs of the effect failed transiently (connection errors, timeouts,
--- 5xx): count them in a row; at %(threshold)s, or on a failed probe, open the breaker:
+-- %(count)s performs of the effect (jobs %(jobs)s) failed transiently (connection
+-- errors, timeouts, 5xx): count them in a row; at %(threshold)s, or when the probe of
+-- an open breaker is among them, open the breaker:
 -- pause the effect for every dispatcher, the pause growing with each opening in a row
 -- (%(pause)s seconds doubled each time, at most %(max_pause)s). While the breaker's
 -- pause lasts, late failures of jobs started before it change nothing. The row exists
@@ -435,7 +436,8 @@ WITH current AS (
            coalesce(l.paused_until > now() AND l.pause_reason IN ('outage', 'operator'),
                     false) AS holding,
            l.failures + %(count)s::integer >= %(threshold)s::integer
-               OR (l.opened > 0 AND NOT coalesce(l.paused_until > now(), false)) AS opens
+               OR (l.opened > 0 AND NOT coalesce(l.paused_until > now(), false)
+                   AND l.probe_job = ANY(CAST(%(jobs)s AS bigint[]))) AS opens
     FROM {schema}.effect_limits l WHERE l.effect = %(effect)s::text
     FOR UPDATE
 )
@@ -451,6 +453,7 @@ SET failures = CASE WHEN c.holding THEN l.failures
     pause_reason = CASE WHEN c.holding OR NOT c.opens THEN l.pause_reason ELSE 'outage' END,
     paused_by = CASE WHEN c.holding OR NOT c.opens THEN l.paused_by END,
     probe_until = CASE WHEN c.opens AND NOT c.holding THEN NULL ELSE l.probe_until END,
+    probe_job = CASE WHEN c.opens AND NOT c.holding THEN NULL ELSE l.probe_job END,
     updated_at = now()
 FROM current c
 WHERE l.effect = c.effect
@@ -460,7 +463,7 @@ RETURNING l.effect, date_part('epoch', l.paused_until - now()) AS pause_left, l.
 -- A perform of the effect succeeded: the failures in a row end, and an open breaker
 -- closes (its pause ends, unless an operator's or a throttle's pause holds).
 UPDATE {schema}.effect_limits l
-SET failures = 0, opened = 0, probe_until = NULL,
+SET failures = 0, opened = 0, probe_until = NULL, probe_job = NULL,
     paused_until = CASE WHEN l.pause_reason = 'outage' THEN NULL ELSE l.paused_until END,
     pause_reason = CASE WHEN l.pause_reason = 'outage' THEN NULL ELSE l.pause_reason END,
     updated_at = now()

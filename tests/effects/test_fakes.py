@@ -512,8 +512,8 @@ def test_an_outage_refuses_everything_until_it_ends(
 
 
 def test_a_rate_limit_can_be_lifted(http: httpx.Client) -> None:
-    with FakeEmailProvider(api_key=RESEND_KEY, rate_limit=20.0) as limited:
-        statuses = [post_email(http, limited, f"k{i}").status_code for i in range(25)]
-        assert statuses.count(429) >= 1
+    with FakeEmailProvider(api_key=RESEND_KEY, rate_limit=1.0) as limited:
+        statuses = [post_email(http, limited, f"k{i}").status_code for i in range(2)]
+        assert statuses == [200, 429]
         limited.set_rate_limit(None)
         assert post_email(http, limited, "after").status_code == 200

@@ -68,7 +68,7 @@ def test_three_processes_share_one_rate(dsn: str, schema: str) -> None:
     # Each process alone could perform 3 * 2 / 0.2 = 30 per second: only the shared
     # budget keeps the three of them to 10.
     workers = start_workers(3, dsn, schema, "--effect", "trace", "--seconds", "0.2",
-                            "--concurrency", "6", "--limit", "10/s,burst=3")
+                            "--concurrency", "6", "--limit", "10/s,burst=3", "--together", "3")
     finish(workers)
     assert status_counts(dsn, schema) == {"done": 30}
     assert_within_rate(first_claims(dsn, schema, TRACE_EFFECT), rate=10.0, burst=3.0)
@@ -81,7 +81,7 @@ def test_concurrency_is_counted_across_processes(dsn: str, schema: str) -> None:
         create_trace_table(conn, schema)
     enqueue(dsn, schema, TRACE_EFFECT, [f"t{i}" for i in range(18)])
     workers = start_workers(3, dsn, schema, "--effect", "trace", "--seconds", "0.3",
-                            "--concurrency", "4", "--limit", "concurrency=2")
+                            "--concurrency", "4", "--limit", "concurrency=2", "--together", "3")
     finish(workers)
     assert status_counts(dsn, schema) == {"done": 18}
     traced = rows(dsn, "SELECT started, ended, pid FROM {schema}.limit_trace", schema)

@@ -52,8 +52,27 @@ class TraceEffect(outbox.Effect):
 
 
 def create_trace_table(conn: psycopg.Connection[Any], schema: str) -> None:
+    """The table ``trace`` performs write to, and the workers' start barrier."""
     conn.execute(sql.SQL("CREATE TABLE {}.limit_trace (key text, pid integer, "
                          "started timestamptz, ended timestamptz)").format(sql.Identifier(schema)))
+    conn.execute(sql.SQL("CREATE TABLE {}.limit_ready (pid integer)").format(
+        sql.Identifier(schema)))
+
+
+def wait_for_each_other(dsn: str, schema: str, n: int) -> None:
+    """A barrier in the database: each worker signs in, then waits until ``n`` have, so
+    a slow-starting process does not find the work already done."""
+    ready = sql.SQL("{}.limit_ready").format(sql.Identifier(schema))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("INSERT INTO {} VALUES (%s)").format(ready), (os.getpid(),))
+        deadline = time.monotonic() + 60.0
+        while True:
+            row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(ready)).fetchone()
+            if row is not None and row[0] >= n:
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"only {row[0] if row else 0} of {n} workers started")
+            time.sleep(0.01)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,12 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", default=None)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--together", type=int, default=1,
+                   help="start dispatching only once this many workers are ready")
     args = p.parse_args(argv)
     effect: outbox.Effect = (SendEmail("re_test_key", base_url=args.url) if args.effect == "email"
                              else TraceEffect(args.dsn, args.schema, args.seconds))
     limits = None if args.limit is None else {effect.name: parse_limit(args.limit)}
     dispatcher = outbox.Dispatcher(args.dsn, [effect], schema=args.schema, limits=limits,
                                    concurrency=args.concurrency, poll_interval=0.2)
+    if args.together > 1:
+        wait_for_each_other(args.dsn, args.schema, args.together)
     stats = dispatcher.run_until_idle(timeout=args.timeout)
     sys.stdout.write(json.dumps(stats.as_dict()) + "\n")
     return 0
