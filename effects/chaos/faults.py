@@ -92,6 +92,7 @@ class FaultInjector:
         self._thawed: dict[int, WorkerProcess] = {}
         self._spikes: dict[int, tuple[str, int]] = {}  # by ref: (provider, requests then)
         # (kind, provider) -> the fake's (throttled, outage_requests) when it began
+        self._disarmed = 0  # unmet provider faults dropped when the next was armed
         self._push_backs: dict[tuple[str, str], tuple[int, int]] = {}
         self._retiring: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -125,6 +126,9 @@ class FaultInjector:
             self._end_latency(ref)
         for kind, provider in list(self._push_backs):
             self._end_push_back(FaultEvent(0.0, f"{kind}_end", provider=provider))
+        if self._disarmed:
+            self.log.notes.append(f"{self._disarmed} provider fault(s) no request met before "
+                                  "the next was armed were disarmed")
         for thread in self._retiring:
             thread.join(_RETIRE_TIMEOUT + 30.0)
             if thread.is_alive():
@@ -260,6 +264,10 @@ class FaultInjector:
 
     def _provider_fault(self, event: FaultEvent) -> None:
         fake = self._providers.by_name(event.provider)
+        # A burst of errors belongs to its moment: what the last one left unmet (the
+        # dispatchers paused the effect, its breaker open) is dropped, not queued for
+        # whichever probe comes next.
+        self._disarmed += fake.disarm_pending()
         if event.kind in ("5xx", "429"):
             retry_after = event.seconds if event.kind == "429" else None
             fake.fail_next(event.count, event.status, retry_after=retry_after)

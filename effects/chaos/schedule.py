@@ -258,7 +258,7 @@ def _provider_events(kind: str, at: float, provider: str,
         # throttle: the provider admits ``seconds`` requests/s for a while; outage: it
         # answers 503 to everything for a while.
         end = at + rng.uniform(1.0, 4.0)
-        rate = round(rng.uniform(2.0, 10.0), 1) if kind == "throttle" else 0.0
+        rate = round(rng.uniform(0.5, 2.0), 1) if kind == "throttle" else 0.0
         return [FaultEvent(at, kind, provider=provider, seconds=rate),
                 FaultEvent(end, f"{kind}_end", provider=provider)]
     if kind == "latency":

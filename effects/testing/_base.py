@@ -139,6 +139,13 @@ class FakeProvider:
         """Delay every following request by ``seconds`` before handling it (0 stops)."""
         self._faults.set_latency(seconds)
 
+    def disarm_pending(self) -> int:
+        """Disarm the faults armed by ``fail_next``, ``drop_connection``,
+        ``succeed_then_timeout`` and ``succeed_then_drop`` that no request has met yet,
+        and return how many there were: errors come in bursts in time, and a client that
+        stopped sending (a breaker) would otherwise meet a queue of them later."""
+        return self._faults.disarm_pending()
+
     def set_rate_limit(self, rate: float | None) -> None:
         """Admit at most ``rate`` requests per second (a token bucket holding one second
         of requests, full at first); the rest are answered 429 as the provider does.

@@ -517,3 +517,16 @@ def test_a_rate_limit_can_be_lifted(http: httpx.Client) -> None:
         assert statuses == [200, 429]
         limited.set_rate_limit(None)
         assert post_email(http, limited, "after").status_code == 200
+
+
+def test_disarm_pending_drops_only_the_faults_no_request_met(
+    resend: FakeEmailProvider, http: httpx.Client
+) -> None:
+    resend.fail_next(3, 503)
+    assert post_email(http, resend, "k0").status_code == 503
+    resend.drop_connection(1)
+    resend.set_latency(0.01)
+
+    assert resend.disarm_pending() == 3  # two failures and the drop
+    assert post_email(http, resend, "k1").status_code == 200
+    assert resend.disarm_pending() == 0
