@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from outbox import Job, Limit, Permanent, Retry
+from outbox import ConfigurationError, Job, Limit, Permanent, Retry
 
 from ._http import USER_AGENT, PooledAdapter, redact, retry_after, send, throttled
 from ._payload import validated_payload
@@ -122,8 +122,9 @@ class SendEmail(PooledAdapter):
     ``base_url`` may point at any Resend-compatible API, such as
     ``effects.testing.FakeEmailProvider``. ``timeout`` (seconds) bounds connect, write
     and read; a read timeout after the request was sent is an ``UnknownOutcome``. Call
-    ``close()`` (or use ``with``) to release the connection pool. ``limit`` declares the
-    team's rate limit (``outbox.Limit(rate=2.0)`` is Resend's default) for every
+    ``close()`` (or use ``with``) to release the connection pool. A missing or empty
+    ``api_key`` raises ``outbox.ConfigurationError`` at construction. ``limit`` declares
+    the team's rate limit (``outbox.Limit(rate=2.0)`` is Resend's default) for every
     dispatcher running this effect.
     """
 
@@ -137,10 +138,11 @@ class SendEmail(PooledAdapter):
         timeout: float = 10.0,
         limit: Limit | None = None,
     ) -> None:
-        if not api_key:
-            raise ValueError("SendEmail needs a Resend API key")
+        if not isinstance(api_key, str) or not api_key.strip():
+            raise ConfigurationError(
+                "SendEmail needs a Resend API key: api_key is missing or empty")
         if limit is not None and not isinstance(limit, Limit):
-            raise ValueError(f"limit must be an outbox.Limit, got {limit!r}")
+            raise ConfigurationError(f"limit must be an outbox.Limit, got {limit!r}")
         self.limit = limit
         self._api_key = api_key
         self._client = httpx.Client(

@@ -63,7 +63,16 @@ import stripe
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from stripe.params import PaymentIntentCreateParams, RefundCreateParams
 
-from outbox import EffectOutcome, Job, Limit, Permanent, Retry, Throttled, UnknownOutcome
+from outbox import (
+    ConfigurationError,
+    EffectOutcome,
+    Job,
+    Limit,
+    Permanent,
+    Retry,
+    Throttled,
+    UnknownOutcome,
+)
 
 from ._http import USER_AGENT, PooledAdapter, never_reached_provider, redact, retry_after
 from ._payload import validated_payload
@@ -213,10 +222,11 @@ class _StripeEffect(PooledAdapter):
 
     def __init__(self, api_key: str, base_url: str | None = None, timeout: float = 30.0,
                  limit: Limit | None = None) -> None:
-        if not api_key:
-            raise ValueError(f"{type(self).__name__} needs a Stripe API key")
+        if not isinstance(api_key, str) or not api_key.strip():
+            raise ConfigurationError(
+                f"{type(self).__name__} needs a Stripe API key: api_key is missing or empty")
         if limit is not None and not isinstance(limit, Limit):
-            raise ValueError(f"limit must be an outbox.Limit, got {limit!r}")
+            raise ConfigurationError(f"limit must be an outbox.Limit, got {limit!r}")
         # The account's rate limit, for every dispatcher running this effect.
         self.limit = limit
         self._api_key = api_key
@@ -258,7 +268,8 @@ class ChargeCard(_StripeEffect):
 
     ``base_url`` overrides Stripe's API base (e.g. ``effects.testing.FakeStripe``);
     ``timeout`` bounds each HTTP call in seconds. Call ``close()`` (or use ``with``) to
-    release the connection pool.
+    release the connection pool. A missing or empty ``api_key`` raises
+    ``outbox.ConfigurationError`` at construction.
     """
 
     name = "payment.charge"

@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-from outbox import Job, Permanent, Retry
+from outbox import ConfigurationError, Job, Permanent, Retry
 
 from ._http import USER_AGENT, PooledAdapter, retry_after, send, throttled
 from ._payload import validated_payload
@@ -89,7 +89,8 @@ class PostWebhook(PooledAdapter):
     Redirects are never followed. One ``httpx.Client`` per instance, shared by all
     worker threads. The secret never leaves the process; reasons and logs carry the job
     key, the receiver's host and the status, never the payload or the full URL (URLs may hold
-    tokens).
+    tokens). A missing, empty or malformed ``secret`` raises ``outbox.ConfigurationError``
+    at construction, without repeating it.
     """
 
     name = "webhook.post"
@@ -102,9 +103,13 @@ class PostWebhook(PooledAdapter):
         timeout: float = 10.0,
     ) -> None:
         if not secret:
-            raise ValueError("PostWebhook needs a signing secret")
+            raise ConfigurationError("PostWebhook needs a signing secret: secret is missing "
+                                     "or empty")
         self._url = httpx.URL(url)
-        self._keys = decode_secrets(secret)  # refuses a malformed secret now, not per job
+        try:  # refuses a malformed secret now, not per job
+            self._keys = decode_secrets(secret)
+        except ValueError as exc:  # the message never repeats the secret
+            raise ConfigurationError(f"PostWebhook: {exc}") from None
         self._client = httpx.Client(
             timeout=timeout, follow_redirects=False, headers={"User-Agent": USER_AGENT}
         )

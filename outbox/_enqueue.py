@@ -328,13 +328,14 @@ def _many_results(
 
 def enqueue_steps(job: PreparedJob, channel: str) -> Steps[EnqueueResult]:
     """Insert one prepared job unless its key is known; the result or the conflict."""
-    with tracing.producer_span(job.effect) as trace_context:
-        rows = yield ("enqueue", single_params(job, channel, trace_context))
+    with tracing.producer_span(job.effect) as send:
+        rows = yield ("enqueue", single_params(job, channel, send.context))
         result = _single_result(job, rows)
         if result is None:  # inserted concurrently, committed after our snapshot
             found = yield ("lookup_keys", {"keys": [job.key]})
             row = found[0]
             result = existing_result(job, row[1], row[2], row[3])
+        send.enqueued(result.job_id, result.created)
         return result
 
 
@@ -351,14 +352,15 @@ def enqueue_many_steps(jobs: Sequence[PreparedJob], channel: str) -> Steps[list[
     unique = dedupe_batch(jobs)
     if not unique:
         return []
-    with tracing.producer_span(_batch_name(unique), len(unique)) as trace_context:
-        rows = yield ("enqueue_many", many_params(unique, channel, trace_context))
+    with tracing.producer_span(_batch_name(unique), len(unique)) as send:
+        rows = yield ("enqueue_many", many_params(unique, channel, send.context))
         created = {row[0]: row[1] for row in rows if row[0] is not None}
         found: dict[str, Row] = {}
         missing = [job.key for job in unique if job.key not in created]
         if missing:
             looked_up = yield ("lookup_keys", {"keys": missing})
             found = {row[0]: row for row in looked_up}
+        send.enqueued_many(len(created), len(unique))
         return _many_results(jobs, unique, created, found)
 
 

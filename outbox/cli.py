@@ -234,9 +234,9 @@ def run_command(target: str, metrics_port: int | None, metrics_host: str,
     if added:
         dispatcher._add_limits(added)
     if metrics_port is not None:
-        from .metrics import serve_metrics  # outbox[prometheus]
+        from .metrics import PrometheusObserver, serve_metrics  # outbox[prometheus]
 
-        dispatcher._enable_metrics()
+        dispatcher.add_observer(PrometheusObserver.default())
         serve_metrics(metrics_port, metrics_host)
     if isinstance(dispatcher, AsyncDispatcher):
         stats = asyncio.run(_run_async(dispatcher))

@@ -47,13 +47,13 @@ from ._dispatch.connection import AsyncConnection, Connection, connect
 from ._dispatch.listener import Listener
 from ._dispatch.recorder import Recorder, run_recorder
 from ._dispatch.settings import Settings, text_array
-from ._dispatch.state import SharedState, supervised
+from ._dispatch.state import SharedState, guarded, supervised
 from ._dispatch.workers import ThreadWorkers
 from ._state import Backoff
 from .effect import Effect
 from .errors import ConfigurationError, DispatcherFailed
 from .limits import Limit
-from .observe import DispatchObserver
+from .observe import DispatchObserver, MultiObserver
 
 __all__ = ["AsyncDispatcher", "DispatchStats", "Dispatcher"]
 
@@ -169,18 +169,30 @@ class _Options:
         self.stats = DispatchStats()
         self._running = False
         self._setup()
+        guarded(self.settings.observer.effects_registered, sorted(self.settings.effects))
 
     def _setup(self) -> None:
         """What a flavour prepares once, after the options are checked."""
 
-    def _enable_metrics(self) -> None:
-        """Add the process's PrometheusObserver (default registry) to the observer of a
-        dispatcher built without ``metrics=True`` (``outbox run --metrics-port``)."""
-        from .metrics import with_metrics  # prometheus-client is an optional extra
-
-        observer = with_metrics(self.settings.observer)
-        self.settings = dataclasses.replace(self.settings, observer=observer)
+    def add_observer(self, observer: DispatchObserver) -> None:
+        """Add ``observer`` beside the dispatcher's own (``observer=``, ``metrics=True``):
+        from the next run on, it hears every event they hear. Adding one that is already
+        there does nothing. Not during a run: raises ``ConfigurationError``."""
+        if not isinstance(observer, DispatchObserver):
+            raise ConfigurationError(
+                f"observer must be an outbox.observe.DispatchObserver, "
+                f"got {type(observer).__name__}")
+        if self._running or getattr(self, "_task", None) is not None:
+            raise ConfigurationError("add observers before the dispatcher runs, not during")
+        current = self.settings.observer
+        present = current.observers if isinstance(current, MultiObserver) else (current,)
+        if observer in present:
+            return
+        combined = (observer if type(current) is DispatchObserver
+                    else MultiObserver([*present, observer]))
+        self.settings = dataclasses.replace(self.settings, observer=combined)
         self._setup()  # the shared state takes its observer from the settings
+        guarded(observer.effects_registered, sorted(self.settings.effects))
 
     def _add_limits(self, limits: Mapping[str, Limit]) -> None:
         """Add limits to a dispatcher not yet running (``outbox run --limit``); they win
@@ -383,6 +395,7 @@ class Dispatcher(_Options):
         finally:
             state.workers_ended()
             recorder.join()
+            state.drop_unrecorded()  # a part died: what it will never write still counts
             if listener.is_alive():
                 listener.join()
 
@@ -527,6 +540,7 @@ class AsyncDispatcher(_Options):
             for task in leftovers:
                 task.cancel()
             await asyncio.gather(*leftovers, return_exceptions=True)
+            state.drop_unrecorded()  # a part died: what it will never write still counts
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         if error is not None:

@@ -4,10 +4,12 @@ each dispatcher's own activity.
 Two sources, never mixed:
 
 - ``DatabaseCollector``: gauges read from the tables at scrape time, by one collector
-  (the dashboard's ``GET /metrics``), not by every worker: ``outbox_jobs{status,effect}``
-  (done jobs estimated from a sample on large tables), ``outbox_oldest_due_job_age_seconds
-  {effect}``, ``outbox_expired_leases{effect}``, ``outbox_oldest_reconcile_job_age_seconds
-  {effect}``, ``outbox_jobs_dead_tuples``.
+  (the dashboard's ``GET /metrics``, or any process with ``outbox[prometheus]``), not by
+  every worker: ``outbox_jobs{status,effect}`` (done jobs estimated from a sample on
+  large tables), ``outbox_oldest_due_job_age_seconds{effect}`` (due as the claim decides
+  it), ``outbox_expired_leases{effect}``, ``outbox_oldest_reconcile_job_age_seconds
+  {effect}``, ``outbox_jobs_dead_tuples``, ``outbox_database_up``. It needs
+  prometheus-client only (not the dashboard's extra).
 - ``PrometheusObserver``: a ``DispatchObserver`` counting one dispatcher process's
   attempts, durations, queue waits, claims, fence rejections and rescues.
 
@@ -21,10 +23,9 @@ from __future__ import annotations
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-import psycopg
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -32,10 +33,9 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import REGISTRY, Collector
 
-from ._sql import check_schema_name, queries
+from ._database_metrics import MAX_EFFECTS, DatabaseCollector, render_database_metrics
 from .observe import AttemptOutcome, DispatchObserver, MultiObserver
 
 __all__ = [
@@ -46,130 +46,6 @@ __all__ = [
     "serve_metrics",
     "with_metrics",
 ]
-
-MAX_EFFECTS = 50
-STATUSES = ("pending", "running", "done", "failed", "reconcile")
-SCRAPE_TIMEOUT = "5s"
-
-
-class DatabaseCollector(Collector):
-    """Gauges computed from the outbox tables on each scrape (one connection, one
-    read-only transaction bounded by a statement timeout). Shares the dashboard's
-    queries, so it needs ``outbox[web]``; the dashboard serves it at ``/metrics``."""
-
-    def __init__(self, conninfo: str, schema: str = "outbox") -> None:
-        from .web._queries import web_queries
-
-        self.conninfo = conninfo
-        self.schema = check_schema_name(schema)
-        self._queries = web_queries(schema)
-
-    def collect(self) -> Iterator[Metric]:
-        """Read the tables and yield the gauges."""
-        q = self._queries
-        with psycopg.connect(self.conninfo, connect_timeout=10) as conn:
-            conn.read_only = True
-            with conn.transaction():
-                conn.execute("SELECT set_config('statement_timeout', %s, true)",
-                             (SCRAPE_TIMEOUT,))
-                size = conn.execute(q.table_size, {"schema_name": self.schema}).fetchone()
-                estimate, dead = (int(size[0]), int(size[1])) if size else (0, 0)
-                counts = self._counts(conn, estimate)
-                health = conn.execute(q.effect_health).fetchall()
-                limits = conn.execute(queries(self.schema).limits_overview).fetchall()
-        yield from self._families(counts, health, dead)
-        yield from _limit_families(limits)
-
-    def _counts(self, conn: psycopg.Connection[Any], estimate: int) -> dict[tuple[str, str], int]:
-        from .web import _counts  # the dashboard's, so both count alike (outbox[web])
-
-        q = self._queries
-        if _counts.exact(estimate):
-            return {(s, e): int(n) for s, e, n in conn.execute(q.counts_exact)}
-        unfinished = conn.execute(q.counts_unfinished).fetchall()
-        sample = conn.execute(q.done_sample, {"percent": _counts.sample_percent(estimate)})
-        return _counts.with_done_estimated(unfinished, sample.fetchall(), estimate)
-
-    @staticmethod
-    def _families(counts: dict[tuple[str, str], int], health: Sequence[tuple[Any, ...]],
-                  dead: int) -> Iterable[Metric]:
-        bounded = _bounded_effects({e for _, e in counts} | {h[0] for h in health})
-        jobs = GaugeMetricFamily("outbox_jobs", "Jobs per status and effect (done jobs "
-                                 "estimated on large tables).", labels=["status", "effect"])
-        folded: dict[tuple[str, str], int] = {}
-        for (status, effect), n in counts.items():
-            label = (status, bounded(effect))
-            folded[label] = folded.get(label, 0) + n
-        for effect in sorted({e for _, e in folded}):
-            for status in STATUSES:
-                jobs.add_metric([status, effect], folded.get((status, effect), 0))
-        oldest = GaugeMetricFamily(
-            "outbox_oldest_due_job_age_seconds",
-            "Seconds the oldest due pending job has waited (0 when none is due).",
-            labels=["effect"])
-        expired = GaugeMetricFamily(
-            "outbox_expired_leases", "Running jobs whose lease has passed.", labels=["effect"])
-        reconcile = GaugeMetricFamily(
-            "outbox_oldest_reconcile_job_age_seconds",
-            "Seconds the oldest reconcile job has waited for a person (0 when none).",
-            labels=["effect"])
-        merged: dict[str, list[float]] = {}
-        for effect, due_age, leases, reconcile_age, _due in health:
-            row = merged.setdefault(bounded(effect), [0.0, 0.0, 0.0])
-            row[0] = max(row[0], due_age or 0.0)
-            row[1] += leases
-            row[2] = max(row[2], reconcile_age or 0.0)
-        for effect, (due_age, leases, reconcile_age) in sorted(merged.items()):
-            oldest.add_metric([effect], due_age)
-            expired.add_metric([effect], leases)
-            reconcile.add_metric([effect], reconcile_age)
-        dead_tuples = GaugeMetricFamily(
-            "outbox_jobs_dead_tuples", "Dead tuples in the jobs table (vacuum debt).",
-            value=dead)
-        return (jobs, oldest, expired, reconcile, dead_tuples)
-
-
-PAUSE_REASONS = ("throttled", "outage", "operator")
-
-
-def _limit_families(limits: Sequence[tuple[Any, ...]]) -> Iterable[Metric]:
-    """From the shared limit state (``limits_overview``): which effects are paused and
-    why, and how often each was throttled, across every dispatcher."""
-    bounded = _bounded_effects({row[0] for row in limits})
-    paused = GaugeMetricFamily(
-        "outbox_effect_paused", "1 while the effect is paused for every dispatcher, by "
-        "reason (throttled, outage: its breaker is open, operator).",
-        labels=["effect", "reason"])
-    throttled = CounterMetricFamily(
-        "outbox_effect_throttled", "Performs the provider refused for load (Throttled), "
-        "across every dispatcher.", labels=["effect"])
-    reasons: dict[str, str | None] = {}
-    totals: dict[str, float] = {}
-    for row in limits:
-        effect, is_paused, reason, total = bounded(row[0]), row[7], row[8], row[13]
-        if is_paused:
-            reasons[effect] = reason
-        else:
-            reasons.setdefault(effect, None)
-        totals[effect] = totals.get(effect, 0) + total
-    for effect in sorted(reasons):
-        for reason in PAUSE_REASONS:
-            paused.add_metric([effect, reason], 1.0 if reasons[effect] == reason else 0.0)
-        throttled.add_metric([effect], totals[effect])
-    return (paused, throttled)
-
-
-def _bounded_effects(effects: set[str]) -> Any:
-    kept = set(sorted(effects)[:MAX_EFFECTS])
-    return lambda effect: effect if effect in kept else "other"
-
-
-def render_database_metrics(conninfo: str, schema: str = "outbox") -> tuple[bytes, str]:
-    """The database gauges in the Prometheus text format, and its content type."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(DatabaseCollector(conninfo, schema))
-    return generate_latest(registry), CONTENT_TYPE_LATEST
-
 
 _ATTEMPT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 30.0, 60.0)
@@ -247,6 +123,17 @@ class PrometheusObserver(DispatchObserver, Collector):
             return cls._default
 
     # -- events (dispatcher threads) ---------------------------------------------------
+
+    def effects_registered(self, effects: Sequence[str]) -> None:
+        """Start every labelled series of these effects at 0: attempts and durations per
+        outcome, queue waits, fence rejections, jobs in flight."""
+        with self._lock:
+            for effect in effects:
+                for outcome in OUTCOMES:
+                    self._durations.setdefault((effect, outcome), _Histogram(_ATTEMPT_BUCKETS))
+                self._waits.setdefault(effect, _Histogram(_QUEUE_WAIT_BUCKETS))
+                self._fences.setdefault(effect, 0)
+                self._started.setdefault(effect, 0)
 
     def claimed(self, duration: float, waits: Sequence[tuple[str, float]]) -> None:
         """Claim latency, each claimed job's queue wait, and the last claim time."""

@@ -31,7 +31,9 @@ AttemptOutcome = Literal["done", "retry", "failed", "reconcile", "released", "lo
 ``done``/``retry``/``failed``/``reconcile``: the fenced settle wrote that state.
 ``released``: handed back unstarted at shutdown, its attempt refunded.
 ``lost``: the claim was gone when the outcome was written (a fence rejection) or when a
-heartbeat ran; the later claim owns the job.
+heartbeat ran; the later claim owns the job. Also an outcome the database refused to
+record at all (the job is left to its lease; the rescuer's later claim owns it), and
+the outcomes still unrecorded when a part of the dispatcher died.
 """
 
 ReconnectingPart = Literal["claimer", "recorder"]
@@ -44,6 +46,13 @@ PurgedTable = Literal["jobs", "effect_results", "inbox"]
 
 class DispatchObserver:
     """Receives a dispatcher's events. Subclass and override what you need."""
+
+    def effects_registered(self, effects: Sequence[str]) -> None:
+        """The dispatcher this observer was given to (built with it, or through
+        ``add_observer``) runs these effect names: every later ``effect`` argument is one
+        of them. Lets a counter start at 0 for each effect and outcome, before its first
+        event (so a rate over the first failures is not missed). Called on the thread
+        that builds the dispatcher or adds the observer, before its runs' events."""
 
     def claimed(self, duration: float, waits: Sequence[tuple[str, float]]) -> None:
         """A claim statement finished after ``duration`` seconds.
@@ -89,6 +98,10 @@ class MultiObserver(DispatchObserver):
 
     def __init__(self, observers: Sequence[DispatchObserver]) -> None:
         self.observers = tuple(observers)
+
+    def effects_registered(self, effects: Sequence[str]) -> None:
+        for observer in self.observers:
+            observer.effects_registered(effects)
 
     def claimed(self, duration: float, waits: Sequence[tuple[str, float]]) -> None:
         for observer in self.observers:

@@ -17,7 +17,7 @@ from typing import Any, overload
 import psycopg
 from psycopg.rows import tuple_row
 
-from . import _enqueue
+from . import _enqueue, tracing
 from ._enqueue import EnqueueResult, NewJob, Payload, Row
 from ._sql import queries
 
@@ -121,6 +121,7 @@ class Transaction(Operations):
         self.schema = schema
         self._queries = queries(schema)
         self._tx: AbstractContextManager[psycopg.Transaction] | None = None
+        self._trace: Any = None  # the block's producer spans (outbox.tracing)
 
     def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
         # Our own row factory: the caller's connection may use dict rows or others.
@@ -132,6 +133,7 @@ class Transaction(Operations):
         tx = self.connection.transaction()
         tx.__enter__()
         self._tx = tx
+        self._trace = tracing.open_block()
         return self
 
     def __exit__(
@@ -139,8 +141,14 @@ class Transaction(Operations):
         tb: TracebackType | None,
     ) -> None:
         assert self._tx is not None, "Transaction used without 'with'"
-        self._tx.__exit__(exc_type, exc, tb)
-        self._tx = None
+        try:
+            self._tx.__exit__(exc_type, exc, tb)
+        except BaseException as failed:  # the commit itself failed: nothing was sent
+            tracing.close_block(self._trace, failed)
+            raise
+        finally:
+            self._tx = None
+        tracing.close_block(self._trace, exc)
 
 
 class AsyncTransaction(AsyncOperations):
@@ -151,6 +159,7 @@ class AsyncTransaction(AsyncOperations):
         self.schema = schema
         self._queries = queries(schema)
         self._tx: AbstractAsyncContextManager[psycopg.AsyncTransaction] | None = None
+        self._trace: Any = None  # the block's producer spans (outbox.tracing)
 
     async def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
         cur = self.connection.cursor(row_factory=tuple_row)
@@ -161,6 +170,7 @@ class AsyncTransaction(AsyncOperations):
         tx = self.connection.transaction()
         await tx.__aenter__()
         self._tx = tx
+        self._trace = tracing.open_block()
         return self
 
     async def __aexit__(
@@ -168,8 +178,14 @@ class AsyncTransaction(AsyncOperations):
         tb: TracebackType | None,
     ) -> None:
         assert self._tx is not None, "AsyncTransaction used without 'async with'"
-        await self._tx.__aexit__(exc_type, exc, tb)
-        self._tx = None
+        try:
+            await self._tx.__aexit__(exc_type, exc, tb)
+        except BaseException as failed:  # the commit itself failed: nothing was sent
+            tracing.close_block(self._trace, failed)
+            raise
+        finally:
+            self._tx = None
+        tracing.close_block(self._trace, exc)
 
 
 @overload

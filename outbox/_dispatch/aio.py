@@ -170,10 +170,12 @@ async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
                 await asyncio.sleep(conn.backoff())
             except ConfigurationError:
                 raise  # a missing privilege: no retry will help
-            except Exception as exc:  # a heartbeat failed otherwise: next round
+            except psycopg.Error as exc:  # a heartbeat statement failed: next round
                 log.error("heartbeat failed: %s",
                           getattr(exc, "sqlstate", None) or type(exc).__name__)
                 await asyncio.sleep(conn.backoff())
+            # Anything else is a bug: it ends the recorder (supervised_async), and the
+            # run raises DispatcherFailed.
     finally:
         await conn.discard()
 

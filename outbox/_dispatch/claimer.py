@@ -76,9 +76,15 @@ class Claimer:
             yield from self.purge()
         # Limited, throttled and paused effects first, each within its budget; then the
         # rest in one claim, which never waits for theirs.
-        yield from self.limited.refresh()
-        batch = yield from self.claim_limited()
-        batch += yield from self.claim()
+        batch: list[Held] = []
+        self.limited.wake_in = None
+        # Nothing to ask for when full; and while only a batch's worth of room counts
+        # (no effect limited or paused), as little as the core claim waits for.
+        free = self.capacity() - len(self.state.held)
+        if free > 0 and (self.limited.gated or self.room() > 0):
+            yield from self.limited.refresh()
+            batch = yield from self.claim_limited()
+            batch += yield from self.claim()
         if batch:
             return Round(batch)
         # A budget that will allow more soon: ask again then, not at the next poll.

@@ -18,6 +18,8 @@ from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
+
 from .. import _state
 from .._pg import configuration_error
 from .._state import Decision
@@ -60,15 +62,28 @@ class Recorder:
         """Record ``pending``; on a refused batch (not a lost connection), one by one.
 
         What was written is removed from ``pending``, so after a connection error the
-        caller retries only the rest (with ``retrying`` set).
+        caller retries only the rest (with ``retrying`` set). Any other error ends the
+        recorder (a missing privilege, or a bug of ours): what is left in ``pending`` is
+        dropped first, so every attempt still reaches the observer.
         """
         if not self.retrying:  # what the batch says about its providers, once
             yield from report(self.settings, self.state.limits, pending)
         try:
+            yield from self._flush(pending)
+        except (*CONNECTION_ERRORS, GeneratorExit):
+            raise
+        except BaseException as exc:
+            for held, _ in pending:
+                self.state.drop(held, exc)
+            pending.clear()
+            raise
+
+    def _flush(self, pending: list[tuple[Held, Outcome]]) -> Step[None]:
+        try:
             yield from self.record(pending)
         except CONNECTION_ERRORS:
             raise
-        except Exception as exc:  # a row the database refused, or a bug of ours
+        except psycopg.Error as exc:  # a row the database refused
             if (fatal := configuration_error(exc, doing="record outcomes")) is not None:
                 raise fatal from exc  # a missing privilege refuses every row alike
             log.error("recording a batch failed (%s); recording one by one",
@@ -146,9 +161,9 @@ class Recorder:
                 yield from self.record([item])
             except CONNECTION_ERRORS:
                 raise
-            except Exception as exc:
+            except psycopg.Error as exc:
                 held = item[0]
-                self.state.drop(held)
+                self.state.drop(held, exc)
                 log.error("job %s (key %s): outcome could not be recorded (%s); the lease "
                           "will expire and the job be retried", held.job.id, held.job.key,
                           getattr(exc, "sqlstate", None) or type(exc).__name__)
@@ -247,9 +262,11 @@ def run_recorder(recorder: Recorder, conn: Connection) -> None:
                 time.sleep(conn.backoff())
             except ConfigurationError:
                 raise  # a missing privilege: no retry will help
-            except Exception as exc:  # a heartbeat failed otherwise: next round
+            except psycopg.Error as exc:  # a heartbeat statement failed: next round
                 log.error("heartbeat failed: %s",
                           getattr(exc, "sqlstate", None) or type(exc).__name__)
                 time.sleep(conn.backoff())
+            # Anything else is a bug: it ends the recorder, and the run raises
+            # DispatcherFailed (supervised) rather than repeating while leases expire.
     finally:
         conn.discard()

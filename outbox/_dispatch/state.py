@@ -8,7 +8,8 @@ event loop, with sync effects on a thread pool)::
     recorder   its own thread        take_outcomes(), settled(), lose(), drop(); waits
                                      on ``outcome_ready``
     listener   its own thread        wakes the claimer (``wake``)
-    dispatcher the caller's thread   workers_ended(), reset() (between runs)
+    dispatcher the caller's thread   workers_ended(), drop_unrecorded() (every part
+                                     joined), reset() (between runs)
     anyone                           request_stop(), fail()
 
 Fields are written through these transitions, except the moving average of perform
@@ -264,6 +265,8 @@ class SharedState(Generic[E]):
             self._pushed_back(held.job.effect, outcome)
         elif self.limits.local_failures:
             self.limits.local_failures.pop(held.job.effect, None)
+        if held.span is not None and not isinstance(outcome, Success | Release):
+            guarded(tracing.attempt_failed, held.span, outcome)
         self.outcomes.append((held, outcome))
         if signal:
             self.outcome_ready.set()
@@ -297,10 +300,22 @@ class SharedState(Generic[E]):
             guarded(self.observer.fence_rejected, held.job.effect)
         guarded(self.observer.attempt_finished, held.job.effect, outcome, held.duration)
 
-    def drop(self, held: Held) -> None:
-        """An outcome that cannot be written at all: give the job up to its lease (the
-        rescuer retries it, counting the attempt)."""
+    def drop(self, held: Held, error: BaseException) -> None:
+        """An outcome that cannot be written at all (``error``): give the job up to its
+        lease (the rescuer retries it, counting the attempt). The attempt still reaches
+        the observer (as ``lost``: a later claim owns the job) and its span ends."""
         self.held.pop(held.job.id, None)
+        if held.span is not None:
+            guarded(tracing.settle, held.span, held.job.effect, "lost", error)
+        if self.observing:
+            guarded(self.observer.attempt_finished, held.job.effect, "lost", held.duration)
+
+    def drop_unrecorded(self) -> None:
+        """The recorder has ended: drop every outcome it will never write (queued after
+        a part died), so each attempt still reaches the observer and its span ends."""
+        error = self.failure or RuntimeError("the recorder ended before this outcome")
+        for held, _ in self.take_outcomes():
+            self.drop(held, error)
 
     def lose(self, held: Held) -> None:
         """A heartbeat found ``held``'s claim gone: it must not start, and its outcome

@@ -29,10 +29,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from .. import _queue
 from .._enqueue import notify_channel
 from .._sql import check_schema_name
 from .._sql import queries as core_queries
-from . import _counts
 from ._filters import STATUSES, FilterError, JobFilter
 from ._queries import WebQueries, web_queries
 from ._security import (
@@ -195,8 +195,7 @@ async def overview(request: Request) -> Response:
     q = settings.queries
     since = (datetime.now(UTC) - timedelta(minutes=59)).replace(second=0, microsecond=0)
     async with transaction(settings) as conn:
-        counts = await job_counts(settings, conn)
-        health = await rows(conn, q.effect_health)
+        snapshot = await _queue.read_async(conn, settings.schema)
         settled = await rows(conn, q.settled_per_minute, {"since": since})
         dispatchers = await rows(conn, q.dispatchers)
         audit = await rows(conn, q.recent_audit, {"limit": 10})
@@ -204,44 +203,15 @@ async def overview(request: Request) -> Response:
         core = core_queries(settings.schema)
         limits = await rows(conn, core.limits_overview)
         failed_groups = await rows(conn, core.failed_groups, {"limit": 20})
-    effects = sorted({effect for (_, effect) in counts.counts} | {h[0] for h in health})
+    health = {effect: (h.effect, h.oldest_due_age, h.expired_leases, h.oldest_reconcile_age)
+              for effect, h in snapshot.health.items()}
     return render(request, "overview.html", {
         "limits": limits, "failed_groups": [(*g, error_search(g[4])) for g in failed_groups],
-        "counts": counts, "effects": effects, "health": {h[0]: h for h in health},
+        "counts": snapshot.counts, "effects": sorted(snapshot.effects()), "health": health,
         "chart": minute_chart([(m, d, f) for m, d, f in settled], since),
         "dispatchers": dispatchers, "audit": audit, "can_act": can_act,
-        "oldest_due": max((h[1] for h in health if h[1] is not None), default=None),
+        "oldest_due": max((h[1] for h in health.values() if h[1] is not None), default=None),
     })
-
-
-@dataclass(frozen=True)
-class Counts:
-    """Jobs per (status, effect); ``estimated`` when done jobs were sampled."""
-
-    counts: dict[tuple[str, str], int]
-    estimated: bool
-    dead_tuples: int
-
-    def total(self, status: str) -> int:
-        """All jobs of ``status``."""
-        return sum(n for (s, _), n in self.counts.items() if s == status)
-
-    def get(self, status: str, effect: str) -> int:
-        """Jobs of ``status`` and ``effect``."""
-        return self.counts.get((status, effect), 0)
-
-
-async def job_counts(settings: Settings, conn: psycopg.AsyncConnection[Any]) -> Counts:
-    """Exact counts on a small table; on a large one, done jobs estimated from a sample."""
-    q = settings.queries
-    size = await rows(conn, q.table_size, {"schema_name": settings.schema})
-    estimate, dead = (int(size[0][0]), int(size[0][1])) if size else (0, 0)
-    if _counts.exact(estimate):
-        found = await rows(conn, q.counts_exact)
-        return Counts({(s, e): int(n) for s, e, n in found}, False, dead)
-    unfinished = await rows(conn, q.counts_unfinished)
-    sample = await rows(conn, q.done_sample, {"percent": _counts.sample_percent(estimate)})
-    return Counts(_counts.with_done_estimated(unfinished, sample, estimate), True, dead)
 
 
 async def job_list(request: Request) -> Response:
@@ -453,7 +423,9 @@ async def effect_action(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """The database-derived gauges, in the Prometheus text format."""
     await authorized(request, "read")
-    from ..metrics import render_database_metrics  # prometheus-client is an extra
+    # prometheus-client is an extra; the collector lives in the core, not in
+    # outbox.metrics (which must not need the dashboard's extra, nor be needed by it).
+    from .._database_metrics import render_database_metrics
 
     settings = settings_of(request)
     body, content_type = await asyncio.to_thread(

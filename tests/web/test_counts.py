@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outbox.web import _counts
+from outbox import _queue as _counts
 
 
 def test_small_tables_are_counted_exactly_and_large_ones_sampled() -> None:

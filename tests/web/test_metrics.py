@@ -123,7 +123,8 @@ def exported_names() -> set[str]:
     observer.attempt_finished("e", "done", 0.1)
     names = {m.name for m in registry.collect()}
     names |= {"outbox_jobs", "outbox_oldest_due_job_age_seconds", "outbox_expired_leases",
-              "outbox_oldest_reconcile_job_age_seconds", "outbox_jobs_dead_tuples"}
+              "outbox_oldest_reconcile_job_age_seconds", "outbox_jobs_dead_tuples",
+              "outbox_database_up"}
     suffixes = ("_total", "_bucket", "_sum", "_count", "_created")
     return names | {n + s for n in names for s in suffixes}
 
@@ -196,7 +197,7 @@ def test_metrics_true_adds_the_default_observer_once(dsn: str, schema: str) -> N
 
 def test_enabling_metrics_later_reaches_the_dispatchers_state(dsn: str, schema: str) -> None:
     dispatcher = outbox.Dispatcher(dsn, [_Outcomes()], schema=schema)
-    dispatcher._enable_metrics()  # what outbox run --metrics-port does
+    dispatcher.add_observer(PrometheusObserver.default())  # outbox run --metrics-port
     assert dispatcher.settings.observer is PrometheusObserver.default()
     assert dispatcher._state.observer is PrometheusObserver.default()
     assert dispatcher._state.observing

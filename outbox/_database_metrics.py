@@ -1,0 +1,170 @@
+"""The database gauges (``outbox[prometheus]``): the queue as ``outbox._queue`` reads it,
+as Prometheus metric families. Needs prometheus-client only: the dashboard serves these
+at ``/metrics`` and ``outbox.metrics`` exports them, and neither imports the other.
+
+Every gauge is emitted for every effect known to the collector (seen in this reading or
+an earlier one of the same collector), at 0 when the effect has nothing of that kind:
+a gauge that vanishes cannot be told from a scrape that failed. ``outbox_database_up``
+is 1 when the reading succeeded and 0 (with no other gauge) when the database could not
+be read, so an alert can fire on the scrape itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import cache
+from typing import Any
+
+import psycopg
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from . import _queue
+from ._sql import check_schema_name, queries
+
+__all__ = ["MAX_EFFECTS", "SCRAPE_TIMEOUT", "DatabaseCollector", "render_database_metrics"]
+
+log = logging.getLogger("outbox.metrics")
+
+MAX_EFFECTS = 50
+SCRAPE_TIMEOUT = "5s"
+
+
+class DatabaseCollector(Collector):
+    """Gauges computed from the outbox tables on each scrape (one connection, one
+    read-only transaction bounded by a statement timeout): ``outbox_jobs{status,effect}``
+    (done jobs estimated on large tables), ``outbox_oldest_due_job_age_seconds{effect}``
+    (due as the claim decides it: ordering keys respected),
+    ``outbox_expired_leases{effect}``, ``outbox_oldest_reconcile_job_age_seconds
+    {effect}``, ``outbox_jobs_dead_tuples`` and ``outbox_database_up``.
+
+    A database error never fails the scrape: it is logged (by type only) and reported as
+    ``outbox_database_up 0``. Effects past ``MAX_EFFECTS`` fold into ``other``."""
+
+    def __init__(self, conninfo: str, schema: str = "outbox") -> None:
+        self.conninfo = conninfo
+        self.schema = check_schema_name(schema)
+        self._seen: set[str] = set()  # effects read so far: their gauges stay, at 0
+        self._lock = threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        """Read the tables and yield the gauges (only ``outbox_database_up 0`` when the
+        database cannot be read)."""
+        up = GaugeMetricFamily("outbox_database_up",
+                               "1 when the last scrape read the outbox tables, else 0.")
+        try:
+            snapshot, limits = self._read()
+        except psycopg.Error as exc:
+            log.error("database metrics: cannot read the outbox tables (%s)",
+                      getattr(exc, "sqlstate", None) or type(exc).__name__)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        with self._lock:
+            self._seen |= snapshot.effects()
+            effects = set(self._seen)
+        yield from _families(snapshot, effects)
+        yield from _limit_families(limits)
+
+    def _read(self) -> tuple[_queue.Snapshot, list[tuple[Any, ...]]]:
+        with psycopg.connect(self.conninfo, connect_timeout=10) as conn:
+            conn.read_only = True
+            with conn.transaction():
+                conn.execute("SELECT set_config('statement_timeout', %s, true)",
+                             (SCRAPE_TIMEOUT,))
+                snapshot = _queue.read(conn, self.schema)
+                limits = conn.execute(queries(self.schema).limits_overview).fetchall()
+                return snapshot, limits
+
+
+def _families(snapshot: _queue.Snapshot, known: set[str]) -> Iterable[Metric]:
+    bounded = _bounded_effects(known)
+    effects = sorted({bounded(e) for e in known})
+    jobs = GaugeMetricFamily("outbox_jobs", "Jobs per status and effect (done jobs "
+                             "estimated on large tables).", labels=["status", "effect"])
+    folded: dict[tuple[str, str], int] = {}
+    for (status, effect), n in snapshot.counts.counts.items():
+        label = (status, bounded(effect))
+        folded[label] = folded.get(label, 0) + n
+    for effect in effects:
+        for status in _queue.STATUSES:
+            jobs.add_metric([status, effect], folded.get((status, effect), 0))
+    oldest = GaugeMetricFamily(
+        "outbox_oldest_due_job_age_seconds",
+        "Seconds the oldest due pending job has waited (0 when none is due); a job held "
+        "back by its ordering key is not due.", labels=["effect"])
+    expired = GaugeMetricFamily(
+        "outbox_expired_leases", "Running jobs whose lease has passed.", labels=["effect"])
+    reconcile = GaugeMetricFamily(
+        "outbox_oldest_reconcile_job_age_seconds",
+        "Seconds the oldest reconcile job has waited for a person (0 when none).",
+        labels=["effect"])
+    merged = {effect: [0.0, 0, 0.0] for effect in effects}
+    for health in snapshot.health.values():
+        row = merged[bounded(health.effect)]
+        row[0] = max(row[0], health.oldest_due_age or 0.0)
+        row[1] += health.expired_leases
+        row[2] = max(row[2], health.oldest_reconcile_age or 0.0)
+    for effect, (due_age, leases, reconcile_age) in sorted(merged.items()):
+        oldest.add_metric([effect], due_age)
+        expired.add_metric([effect], leases)
+        reconcile.add_metric([effect], reconcile_age)
+    dead_tuples = GaugeMetricFamily(
+        "outbox_jobs_dead_tuples", "Dead tuples in the jobs table (vacuum debt).",
+        value=snapshot.counts.dead_tuples)
+    return (jobs, oldest, expired, reconcile, dead_tuples)
+
+
+PAUSE_REASONS = ("throttled", "outage", "operator")
+
+
+def _limit_families(limits: Sequence[tuple[Any, ...]]) -> Iterable[Metric]:
+    """From the shared limit state (``limits_overview``): which effects are paused and
+    why, and how often each was throttled, across every dispatcher."""
+    bounded = _bounded_effects({row[0] for row in limits})
+    paused = GaugeMetricFamily(
+        "outbox_effect_paused", "1 while the effect is paused for every dispatcher, by "
+        "reason (throttled, outage: its breaker is open, operator).",
+        labels=["effect", "reason"])
+    throttled = CounterMetricFamily(
+        "outbox_effect_throttled", "Performs the provider refused for load (Throttled), "
+        "across every dispatcher.", labels=["effect"])
+    reasons: dict[str, str | None] = {}
+    totals: dict[str, float] = {}
+    for row in limits:
+        effect, is_paused, reason, total = bounded(row[0]), row[7], row[8], row[13]
+        if is_paused:
+            reasons[effect] = reason
+        else:
+            reasons.setdefault(effect, None)
+        totals[effect] = totals.get(effect, 0) + total
+    for effect in sorted(reasons):
+        for reason in PAUSE_REASONS:
+            paused.add_metric([effect, reason], 1.0 if reasons[effect] == reason else 0.0)
+        throttled.add_metric([effect], totals[effect])
+    return (paused, throttled)
+
+
+def _bounded_effects(effects: set[str]) -> Callable[[str], str]:
+    kept = set(sorted(effects)[:MAX_EFFECTS])
+    return lambda effect: effect if effect in kept else "other"
+
+
+@cache
+def _collector(conninfo: str, schema: str) -> DatabaseCollector:
+    # One per database and schema for the process, so the effects it has seen keep
+    # their gauges (at 0) from one scrape to the next.
+    return DatabaseCollector(conninfo, schema)
+
+
+def render_database_metrics(conninfo: str, schema: str = "outbox") -> tuple[bytes, str]:
+    """The database gauges in the Prometheus text format, and its content type."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_collector(conninfo, schema))
+    return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,390 @@
+"""``Claimer.round`` and ``Recorder.record`` driven by a scripted executor, no database:
+each test says which statements a step must ask for, in order, and what they answer.
+
+What the statements themselves do is tested against PostgreSQL elsewhere; here it is
+the decisions around them: the rescue and retention timers, how much to claim (with and
+without prefetch), idle detection, the split of a batch into complete and settle, a
+retried batch, a refused one, and the heartbeat.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+import pytest
+
+import outbox
+from outbox import DispatchStats
+from outbox._dispatch import claimer as claimer_module
+from outbox._dispatch.claimer import IDLE_RECHECK, RETENTION_BATCH, RETENTION_INTERVAL, Claimer
+from outbox._dispatch.recorder import Recorder
+from outbox._dispatch.settings import Settings
+from outbox._dispatch.state import Held, Outcome, Release, SharedState, Success
+from outbox._dispatch.steps import Rows, Statement, Step, run
+from outbox.observe import AttemptOutcome, DispatchObserver, PurgedTable
+
+
+class Noop(outbox.Effect):
+    name = "test.noop"
+
+    def perform(self, job: outbox.Job) -> None:
+        return None
+
+
+class Events(DispatchObserver):
+    """Every event, counted (the tests run on one thread)."""
+
+    def __init__(self) -> None:
+        self.finished: Counter[AttemptOutcome] = Counter()
+        self.recorded_: Counter[AttemptOutcome] = Counter()
+        self.fenced = 0
+        self.purged_: Counter[PurgedTable] = Counter()
+        self.lost_claims = 0
+
+    def attempt_finished(self, effect: str, outcome: AttemptOutcome, duration: float) -> None:
+        self.finished[outcome] += 1
+
+    def recorded(self, outcome: AttemptOutcome, count: int) -> None:
+        self.recorded_[outcome] += count
+
+    def fence_rejected(self, effect: str) -> None:
+        self.fenced += 1
+
+    def purged(self, table: PurgedTable, count: int) -> None:
+        self.purged_[table] += count
+
+    def claims_lost(self, count: int) -> None:
+        self.lost_claims += count
+
+
+@dataclass
+class Script:
+    """The statements a step must ask for, in order, and each one's answer (rows, or an
+    exception to raise)."""
+
+    queries: Any
+    expected: list[tuple[str, Rows | BaseException]] = field(default_factory=list)
+    asked: list[tuple[str, Statement]] = field(default_factory=list)
+
+    def then(self, name: str, answer: Rows | BaseException) -> Script:
+        self.expected.append((name, answer))
+        return self
+
+    def execute(self, statement: Statement) -> Rows:
+        assert self.expected, f"unexpected statement after {[n for n, _ in self.asked]}"
+        name, answer = self.expected.pop(0)
+        assert statement.query == getattr(self.queries, name), (
+            f"statement {len(self.asked) + 1}: expected {name}, got another")
+        self.asked.append((name, statement))
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def drive(self, step: Step[Any]) -> Any:
+        result = run(step, self.execute)
+        assert not self.expected, f"statements not asked for: {[n for n, _ in self.expected]}"
+        return result
+
+    def params(self, name: str) -> Any:
+        [params] = [s.params for n, s in self.asked if n == name]
+        return params
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(claimer_module, "time", clock)
+    return clock
+
+
+def settings(**options: Any) -> Settings:
+    return Settings.build("", [Noop()], schema="outbox", **options)
+
+
+def state(events: DispatchObserver | None = None, concurrency: int = 4) -> SharedState[Any]:
+    return SharedState(DispatchStats(), events or DispatchObserver(), concurrency,
+                       threading.Event)
+
+
+def claimed_rows(*ids: int) -> Rows:
+    """Rows as the claim returns them."""
+    return [(i, "test.noop", f"k{i}", {}, 1, 7, None, 25, datetime.now(UTC), 0.5, None)
+            for i in ids]
+
+
+def held(*ids: int, attempt: int = 1) -> list[Held]:
+    return [Held(outbox.Job(id=i, effect="test.noop", key=f"k{i}", payload={},
+                            attempt=attempt, claim_version=7, ordering_key=None,
+                            max_attempts=25, first_attempted_at=datetime.now(UTC)),
+                 Noop(), False, started=True, duration=0.01) for i in ids]
+
+
+# -- Claimer.round -------------------------------------------------------------------------
+
+
+def test_the_first_round_rescues_purges_and_claims(clock: Clock) -> None:
+    shared = state()
+    claimer = Claimer(settings(prefetch=0), shared, until_idle=False)
+    script = (Script(claimer.queries)
+              .then("rescue", [(1, "k1", "pending", 3)])
+              .then("purge_done", [(RETENTION_BATCH,)])  # a full batch: go on
+              .then("purge_done", [(3,)])
+              .then("purge_ledger", [(0,)])
+              .then("purge_inbox", [(2,)])
+              .then("limit_states", []).then("claim", claimed_rows(10, 11)))
+    result = script.drive(claimer.round())
+    assert [h.job.id for h in result.batch] == [10, 11] and result.wait == 0
+    assert set(shared.held) == {10, 11}
+    stats = shared.stats
+    assert (stats.rescued, stats.purged, stats.claimed) == (1, RETENTION_BATCH + 5, 2)
+
+
+def test_rescue_and_retention_wait_for_their_timers(clock: Clock) -> None:
+    claimer = Claimer(settings(prefetch=0, rescue_interval=5.0, inbox_retention=None),
+                      state(), until_idle=False)
+    queries = claimer.queries
+    (Script(queries).then("rescue", []).then("purge_done", [(0,)])
+     .then("purge_ledger", [(0,)]).then("limit_states", []).then("claim", [])).drive(claimer.round())
+    clock.now += 4.9  # neither timer due: only the claim
+    Script(queries).then("limit_states", []).then("claim", []).drive(claimer.round())
+    clock.now += 0.2  # the rescue timer (5 s) is due, retention (60 s) is not
+    Script(queries).then("rescue", []).then("limit_states", []).then("claim", []).drive(claimer.round())
+    clock.now += RETENTION_INTERVAL
+    (Script(queries).then("rescue", []).then("purge_done", [(0,)])
+     .then("purge_ledger", [(0,)]).then("limit_states", []).then("claim", [])).drive(claimer.round())
+
+
+def first_round_done(claimer: Claimer) -> None:
+    """Past the first round's rescue and retention, so later rounds only claim."""
+    claimer.rescue_timer.next_at = claimer.retention_timer.next_at = float("inf")
+
+
+@pytest.mark.parametrize(("held_now", "limit"), [(0, 6), (3, 3), (5, 1), (6, None)])
+def test_capacity_with_prefetch_is_concurrency_plus_prefetch(
+        clock: Clock, held_now: int, limit: int | None) -> None:
+    shared = state(concurrency=4)
+    claimer = Claimer(settings(concurrency=4, prefetch=2), shared, until_idle=False)
+    first_round_done(claimer)
+    shared.hold(held(*range(1, held_now + 1)))
+    script = Script(claimer.queries)
+    if limit is not None:
+        script.then("limit_states", []).then("claim", [])
+    result = script.drive(claimer.round())
+    if limit is None:  # full: no claim at all, wait for room
+        assert result.batch == [] and result.wait == claimer.settings.poll_interval
+    else:
+        assert script.params("claim")["limit"] == limit
+
+
+@pytest.mark.parametrize(("mean", "held_now", "limit"), [
+    (None, 0, 8),       # nothing measured yet: twice the concurrency
+    (None, 2, 6),
+    (None, 7, None),    # one free of eight: under a quarter of a batch, wait
+    (0.01, 0, 404),     # fast effects: a second of work ahead (4 / 0.01 = 400)
+    (10.0, 0, 5),       # slow effects: at least one waiting job
+])
+def test_capacity_without_prefetch_follows_the_measured_speed(
+        clock: Clock, mean: float | None, held_now: int, limit: int | None) -> None:
+    shared = state(concurrency=4)
+    shared.mean_perform_seconds = mean
+    claimer = Claimer(settings(concurrency=4), shared, until_idle=False)
+    first_round_done(claimer)
+    shared.hold(held(*range(1, held_now + 1)))
+    script = Script(claimer.queries)
+    if limit is not None:
+        script.then("limit_states", []).then("claim", [])
+    script.drive(claimer.round())
+    if limit is not None:
+        assert script.params("claim")["limit"] == limit
+
+
+def test_run_until_idle_stops_when_nothing_is_due_anywhere(clock: Clock) -> None:
+    claimer = Claimer(settings(prefetch=0), state(), until_idle=True)
+    first_round_done(claimer)
+    result = (Script(claimer.queries).then("limit_states", []).then("claim", []).then("has_due_work", [(False,)])
+              .drive(claimer.round()))
+    assert result.idle and result.batch == []
+
+
+def test_run_until_idle_rescues_and_looks_again_while_others_hold_work(clock: Clock) -> None:
+    claimer = Claimer(settings(prefetch=0), state(), until_idle=True)
+    first_round_done(claimer)
+    result = (Script(claimer.queries).then("limit_states", []).then("claim", []).then("has_due_work", [(True,)])
+              .then("rescue", []).drive(claimer.round()))
+    assert not result.idle and result.wait == IDLE_RECHECK
+
+
+def test_jobs_in_hand_are_waited_for_without_asking_the_database(clock: Clock) -> None:
+    shared = state()
+    claimer = Claimer(settings(prefetch=0), shared, until_idle=True)
+    first_round_done(claimer)
+    shared.hold(held(1))
+    result = Script(claimer.queries).then("limit_states", []).then("claim", []).drive(claimer.round())
+    assert not result.idle and result.wait == claimer.settings.poll_interval
+
+
+def test_run_polls_with_jitter_when_nothing_was_claimed(clock: Clock) -> None:
+    claimer = Claimer(settings(prefetch=0, poll_interval=2.0), state(), until_idle=False)
+    first_round_done(claimer)
+    waits = {Script(claimer.queries).then("limit_states", []).then("claim", []).drive(claimer.round()).wait
+             for _ in range(20)}
+    assert all(1.0 <= w <= 2.0 for w in waits) and len(waits) > 1
+
+
+# -- Recorder.record -----------------------------------------------------------------------
+
+
+def recorder(events: Events) -> tuple[Recorder, SharedState[Any]]:
+    shared = state(events)
+    return Recorder(settings(), shared), shared
+
+
+def outcomes(jobs: Sequence[Held], *what: Outcome) -> list[tuple[Held, Outcome]]:
+    return list(zip(jobs, what, strict=True))
+
+
+def test_a_batch_splits_into_one_complete_and_one_settle() -> None:
+    events = Events()
+    rec, shared = recorder(events)
+    jobs = held(1, 2, 3, 4, 5)
+    shared.hold(jobs)
+    batch = outcomes(jobs, Success('{"a":1}'), Success("null"), outbox.Retry(after=30),
+                     outbox.Permanent("no"), Release())
+    script = (Script(rec.queries).then("complete", [(1,), (2,)])
+              .then("settle", [(3,), (4,), (5,)]))
+    script.drive(rec.record(batch))
+    assert json.loads(script.params("complete")["claims"]) == [
+        {"id": 1, "version": 7, "result": {"a": 1}}, {"id": 2, "version": 7, "result": None}]
+    settled = {c["id"]: c for c in json.loads(script.params("settle")["claims"])}
+    assert set(settled) == {3, 4, 5}
+    assert (settled[3]["status"], settled[3]["delay"]) == ("pending", 30)
+    assert settled[4]["status"] == "failed" and settled[4]["error"]
+    assert (settled[5]["status"], settled[5]["refund"]) == ("pending", True)
+    assert batch == [] and shared.held == {}
+    assert events.recorded_ == Counter(done=2, retry=1, failed=1, released=1)
+    assert shared.stats.done == 2 and shared.stats.released == 1
+
+
+def test_only_failures_need_no_complete() -> None:
+    rec, shared = recorder(Events())
+    jobs = held(1)
+    shared.hold(jobs)
+    Script(rec.queries).then("settle", [(1,)]).drive(
+        rec.record(outcomes(jobs, RuntimeError("boom"))))
+    assert shared.stats.retried == 1
+
+
+def test_fenced_writes_that_change_nothing_are_lost_claims() -> None:
+    events = Events()
+    rec, shared = recorder(events)
+    jobs = held(1, 2)
+    shared.hold(jobs)
+    (Script(rec.queries).then("complete", []).then("settle", [])
+     .drive(rec.record(outcomes(jobs, Success("null"), outbox.Retry()))))
+    assert events.finished == Counter(lost=2) and events.fenced == 2
+    assert shared.stats.stale_completions == 2 and shared.held == {}
+
+
+def test_a_retried_batch_asks_the_ledger_about_completions_missing_from_the_reply() -> None:
+    events = Events()
+    rec, shared = recorder(events)
+    rec.retrying = True  # the first send's reply was lost with the connection
+    jobs = held(1, 2, 3)
+    shared.hold(jobs)
+    script = (Script(rec.queries).then("complete", [(1,)])
+              .then("recorded_claims", [(2,)]))  # 2 landed the first time; 3 was lost
+    script.drive(rec.record(outcomes(jobs, *(Success("null") for _ in jobs))))
+    assert [c["id"] for c in json.loads(script.params("recorded_claims")["claims"])] == [2, 3]
+    assert events.recorded_ == Counter(done=2, lost=1)
+
+
+def test_a_batch_that_is_not_retried_does_not_ask_the_ledger() -> None:
+    events = Events()
+    rec, shared = recorder(events)
+    jobs = held(1, 2)
+    shared.hold(jobs)
+    Script(rec.queries).then("complete", [(1,)]).drive(
+        rec.record(outcomes(jobs, Success("null"), Success("null"))))
+    assert events.recorded_ == Counter(done=1, lost=1)
+
+
+def test_a_refused_batch_is_recorded_one_by_one_and_a_refused_row_dropped() -> None:
+    events = Events()
+    rec, shared = recorder(events)
+    jobs = held(1, 2)
+    shared.hold(jobs)
+    pending = outcomes(jobs, Success("null"), Success("null"))
+    refused = psycopg.errors.CheckViolation("refused")
+    (Script(rec.queries).then("complete", refused)   # the batch
+     .then("complete", [(1,)])                        # job 1 alone
+     .then("complete", psycopg.errors.CheckViolation("refused"))  # job 2 alone
+     .drive(rec.flush(pending)))
+    assert pending == [] and shared.held == {}
+    # Job 2's outcome could not be written: still an attempt the observer hears of.
+    assert events.finished == Counter(done=1, lost=1)
+
+
+def test_a_lost_connection_keeps_the_batch_for_the_next_try() -> None:
+    rec, shared = recorder(Events())
+    jobs = held(1)
+    shared.hold(jobs)
+    pending = outcomes(jobs, Success("null"))
+    with pytest.raises(psycopg.OperationalError):
+        Script(rec.queries).then("complete", psycopg.OperationalError("gone")).drive(
+            rec.flush(pending))
+    assert len(pending) == 1 and set(shared.held) == {1}
+
+
+@pytest.mark.parametrize("error", [RuntimeError("a bug"),
+                                   psycopg.errors.InsufficientPrivilege("denied")])
+def test_an_error_no_retry_helps_drops_the_batch_and_ends_the_recorder(
+        error: BaseException) -> None:
+    events = Events()
+    rec, shared = recorder(events)
+    jobs = held(1, 2)
+    shared.hold(jobs)
+    pending = outcomes(jobs, Success("null"), outbox.Retry())
+    with pytest.raises((RuntimeError, outbox.ConfigurationError)):
+        # The Retry is a transient failure: counted toward its effect's breaker first.
+        (Script(rec.queries).then("limit_ensure", [(1,)]).then("limit_failed", [])
+         .then("complete", error).drive(rec.flush(pending)))
+    assert pending == [] and shared.held == {}
+    assert events.finished == Counter(lost=2)
+
+
+def test_the_heartbeat_marks_the_claims_it_did_not_extend() -> None:
+    events = Events()
+    rec, shared = recorder(events)
+    shared.hold(held(1, 2, 3))
+    script = Script(rec.queries).then("heartbeat", [(1,), (3,)])
+    script.drive(rec.heartbeat())
+    assert [c["id"] for c in json.loads(script.params("heartbeat")["claims"])] == [1, 2, 3]
+    assert [h.job.id for h in shared.held.values() if h.lost] == [2]
+    assert events.lost_claims == 1 and events.fenced == 1
+
+
+def test_no_heartbeat_without_claims() -> None:
+    rec, _ = recorder(Events())
+    Script(rec.queries).drive(rec.heartbeat())
+
+
+@pytest.fixture(autouse=True)
+def _no_threads() -> Iterator[None]:
+    before = threading.active_count()
+    yield
+    assert threading.active_count() == before  # the steps ran on this thread alone
