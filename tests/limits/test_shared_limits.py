@@ -80,8 +80,11 @@ def test_concurrency_is_counted_across_processes(dsn: str, schema: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         create_trace_table(conn, schema)
     enqueue(dsn, schema, TRACE_EFFECT, [f"t{i}" for i in range(18)])
+    # One perform at a time per process, none claimed ahead: the limit's second slot can
+    # only be another process's, so the count must span processes to hold.
     workers = start_workers(3, dsn, schema, "--effect", "trace", "--seconds", "0.3",
-                            "--concurrency", "4", "--limit", "concurrency=2", "--together", "3")
+                            "--concurrency", "1", "--prefetch", "0", "--limit", "concurrency=2",
+                            "--together", "3")
     finish(workers)
     assert status_counts(dsn, schema) == {"done": 18}
     traced = rows(dsn, "SELECT started, ended, pid FROM {schema}.limit_trace", schema)

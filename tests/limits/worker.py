@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=0.1)
     p.add_argument("--limit", default=None)
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--prefetch", type=int, default=None)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--together", type=int, default=1,
                    help="start dispatching only once this many workers are ready")
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                              else TraceEffect(args.dsn, args.schema, args.seconds))
     limits = None if args.limit is None else {effect.name: parse_limit(args.limit)}
     dispatcher = outbox.Dispatcher(args.dsn, [effect], schema=args.schema, limits=limits,
-                                   concurrency=args.concurrency, poll_interval=0.2)
+                                   concurrency=args.concurrency, prefetch=args.prefetch,
+                                   poll_interval=0.2)
     if args.together > 1:
         wait_for_each_other(args.dsn, args.schema, args.together)
     stats = dispatcher.run_until_idle(timeout=args.timeout)
