@@ -145,7 +145,7 @@ def throttled(status: int, headers: Mapping[str, str], reason: str) -> Throttled
     bare 503 is an outage, left to retries and the breaker). None otherwise."""
     after = retry_after(headers)
     if status == 429 or (status == 503 and after is not None):
-        return Throttled(reason, after=after, rate=provider_rate(headers))
+        return Throttled(after=after, reason=reason, rate=provider_rate(headers))
     return None
 
 

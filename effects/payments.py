@@ -382,7 +382,7 @@ def _outcome_of(exc: stripe.StripeError, what: str, api_key: str) -> EffectOutco
         reason += f", {_error_detail(exc, api_key)}"
     reason += ")"
     if rule.kind == "retry" and _rate_limited(exc):
-        return Throttled(reason, after=_wait(exc))
+        return Throttled(after=_wait(exc), reason=reason)
     if rule.kind == "retry":
         return Retry(reason, after=_wait(exc))
     if rule.kind == "unknown":

@@ -154,10 +154,12 @@ class Throttled(EffectOutcome):
     effect declares no ``outbox.Limit``, a rate is learned: ``rate`` (performs per second)
     when the provider told its limit (a ``ratelimit-limit`` header), else what was
     completed just before; it is forgotten after a minute without throttling.
+    ``reason`` is kept as the job's last error until it is done.
     """
 
-    def __init__(self, reason: str = "throttled by the provider", *,
-                 after: float | timedelta | None = None, rate: float | None = None) -> None:
+    def __init__(self, after: float | timedelta | None = None,
+                 reason: str = "throttled by the provider", *, rate: float | None = None,
+                 ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.after = _delay_seconds(after, "Throttled")

@@ -44,6 +44,8 @@ def test_limit_refuses_what_cannot_be_a_budget(kwargs: dict[str, object]) -> Non
 
 def test_throttled_refuses_bad_delays_and_rates() -> None:
     assert outbox.Throttled(after=2).after == 2.0
+    assert outbox.Throttled(2.5).after == 2.5  # after first, as the contract names it
+    assert outbox.Throttled().after is None and outbox.Throttled(reason="429").reason == "429"
     with pytest.raises(ValueError):
         outbox.Throttled(after=-1)
     with pytest.raises(ValueError):
