@@ -22,16 +22,18 @@ from typing import Self
 
 import httpx
 
-from outbox import Effect, Permanent, Retry, UnknownOutcome
+from outbox import Effect, Permanent, Retry, Throttled, UnknownOutcome
 
 __all__ = [
     "NOT_SENT_ERRORS",
     "USER_AGENT",
     "PooledAdapter",
     "never_reached_provider",
+    "provider_rate",
     "redact",
     "retry_after",
     "send",
+    "throttled",
 ]
 
 USER_AGENT = "outbox-effects/0.1"
@@ -109,6 +111,42 @@ def retry_after(headers: Mapping[str, str], *, now: float | None = None) -> floa
     if math.isnan(seconds) or math.isinf(seconds):
         return None
     return max(0.0, seconds)
+
+
+def provider_rate(headers: Mapping[str, str]) -> float | None:
+    """Requests per second the provider says it admits, from ``ratelimit-limit`` (and the
+    window of ``ratelimit-policy``, ``"2;w=1"``, when sent; one second otherwise, as
+    Resend's limit is per second), or None when it says nothing readable."""
+    value = _header(headers, "ratelimit-limit")
+    if value is None:
+        return None
+    try:
+        limit = float(value.split(",")[0].split(";")[0])
+    except ValueError:
+        return None
+    window = 1.0
+    policy = _header(headers, "ratelimit-policy")
+    if policy is not None:
+        for part in policy.split(";")[1:]:
+            name, _, number = part.strip().partition("=")
+            if name == "w":
+                try:
+                    window = float(number)
+                except ValueError:
+                    return None
+    if not (math.isfinite(limit) and limit > 0 and math.isfinite(window) and window > 0):
+        return None
+    return limit / window
+
+
+def throttled(status: int, headers: Mapping[str, str], reason: str) -> Throttled | None:
+    """``Throttled`` for an answer that means "refused for load, nothing done": a 429,
+    or a 503 with ``Retry-After`` (a provider shedding load names when to come back; a
+    bare 503 is an outage, left to retries and the breaker). None otherwise."""
+    after = retry_after(headers)
+    if status == 429 or (status == 503 and after is not None):
+        return Throttled(after=after, reason=reason, rate=provider_rate(headers))
+    return None
 
 
 def redact(text: str, secret: str) -> str:

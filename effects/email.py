@@ -8,7 +8,11 @@ Outcome of a call, by what came back::
 
     2xx                                         done, ledger {"id": <Resend email id>}
     409 concurrent_idempotent_requests          Retry: the first request is in flight
-    408, 425, 429                               Retry(after=Retry-After)
+    429, or 503 with Retry-After                Throttled(after=Retry-After, rate from
+                                                ratelimit-limit): nothing was sent; the
+                                                effect pauses for every dispatcher and the
+                                                attempt is not counted
+    408, 425                                    Retry(after=Retry-After)
     5xx                                         Retry(after=Retry-After)
     409 invalid_idempotent_request              Permanent: key reused for other content
     any other 4xx, or 1xx/3xx                   Permanent: status, Resend's name, message
@@ -17,6 +21,14 @@ Outcome of a call, by what came back::
 
 Providers without idempotency keys (Postmark, SES) could only be sent at least once;
 this adapter does not pretend otherwise and supports Resend-compatible APIs only.
+
+Resend's published limit: 2 requests per second per team by default (raised on
+request), answered past it with 429 ``rate_limit_exceeded`` and the headers
+``retry-after``, ``ratelimit-limit``, ``ratelimit-remaining`` and ``ratelimit-reset``.
+The limit is the team's, shared by every process sending with its keys: declare it with
+``SendEmail(..., limit=outbox.Limit(rate=2.0))`` (or the dispatcher's ``limits``) so
+every dispatcher claims within it; without a declared limit the dispatcher learns the
+rate from the 429s' ``ratelimit-limit``.
 """
 
 from __future__ import annotations
@@ -28,9 +40,9 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from outbox import ConfigurationError, Job, Performed, Permanent, Retry
+from outbox import ConfigurationError, Job, Limit, Performed, Permanent, Retry
 
-from ._http import USER_AGENT, PooledAdapter, redact, retry_after, send
+from ._http import USER_AGENT, PooledAdapter, redact, retry_after, send, throttled
 from ._payload import validated_payload
 
 __all__ = ["EmailPayload", "EmailTag", "SendEmail"]
@@ -39,7 +51,7 @@ log = logging.getLogger("effects.email")
 
 MAX_RECIPIENTS = 50
 # Statuses that say "not now" rather than "never"; 5xx are added by range.
-_RETRY_STATUSES = frozenset({408, 425, 429})
+_RETRY_STATUSES = frozenset({408, 425, 429})  # 429 becomes Throttled before
 _IN_FLIGHT = "concurrent_idempotent_requests"
 LIST_PAGES = 10  # pages of 100 recent sends looked through by reconcile
 CLOCK_SKEW = 300.0  # seconds before the first attempt that a send may be dated
@@ -114,7 +126,9 @@ class SendEmail(PooledAdapter):
     ``effects.testing.FakeEmailProvider``. ``timeout`` (seconds) bounds connect, write
     and read; a read timeout after the request was sent is an ``UnknownOutcome``. Call
     ``close()`` (or use ``with``) to release the connection pool. A missing or empty
-    ``api_key`` raises ``outbox.ConfigurationError`` at construction.
+    ``api_key`` raises ``outbox.ConfigurationError`` at construction. ``limit`` declares
+    the team's rate limit (``outbox.Limit(rate=2.0)`` is Resend's default) for every
+    dispatcher running this effect.
     """
 
     name = "email.send"
@@ -125,10 +139,14 @@ class SendEmail(PooledAdapter):
         api_key: str,
         base_url: str = "https://api.resend.com",
         timeout: float = 10.0,
+        limit: Limit | None = None,
     ) -> None:
         if not isinstance(api_key, str) or not api_key.strip():
             raise ConfigurationError(
                 "SendEmail needs a Resend API key: api_key is missing or empty")
+        if limit is not None and not isinstance(limit, Limit):
+            raise ConfigurationError(f"limit must be an outbox.Limit, got {limit!r}")
+        self.limit = limit
         self._api_key = api_key
         self._client = httpx.Client(
             base_url=base_url,
@@ -209,6 +227,10 @@ class SendEmail(PooledAdapter):
         reason = f"email job {key}: Resend answered HTTP {status} {name}"
         if message:
             reason += f": {redact(message, self._api_key)}"
+        pushed_back = throttled(status, response.headers, reason)
+        if pushed_back is not None:
+            log.info("%s; throttled, nothing sent", reason)
+            raise pushed_back
         if _is_transient(status, name):
             log.info("%s; will retry", reason)
             raise Retry(reason, after=retry_after(response.headers))

@@ -20,7 +20,11 @@ Outcome of a call, by what Stripe did::
     400 idempotency_error                       Permanent, logged at ERROR: the key was
                                                 reused for another request (a bug)
     409 (idempotency_key_in_use, lock_timeout)  Retry: the first request is in flight
-    429 RateLimitError                          Retry(after=Retry-After)
+    429 RateLimitError, code rate_limit         Throttled(after=Retry-After): past the
+                                                account's rate nothing was done; the effect
+                                                pauses for every dispatcher and the
+                                                attempt is not counted
+    429 other (lock_timeout on one object)      Retry(after=Retry-After)
     500 and other 5xx APIError                  UnknownOutcome: Stripe documents a 500 as
                                                 "result unknown"; resending the same key
                                                 is safe (it replays or acts once), and
@@ -35,6 +39,13 @@ Stripe errors become outcomes in one place, ``_StripeEffect._call``. HTTP goes t
 httpx (``_HttpxTransport``), which hands transport failures to stripe-python as
 ``APIConnectionError`` with the httpx error kept as ``__cause__``; that is how a refused
 connection (Retry) is told apart from a timeout after sending (UnknownOutcome).
+
+Stripe's published limits: a per-account rate of read and write requests per second
+(lower in test mode than in live mode; some endpoints have their own), answered past it
+with 429 and the error code ``rate_limit``, with ``Stripe-Should-Retry`` saying whether a
+later retry may succeed. The limit is the account's, shared by every process using its
+keys: declare it with ``ChargeCard(..., limit=outbox.Limit(rate=...))`` or the
+dispatcher's ``limits``.
 
 The stripe library's own ``stripe`` logger writes request bodies at DEBUG; keep it at
 INFO or above where payloads hold personal data.
@@ -57,10 +68,12 @@ from outbox import (
     ConfigurationError,
     EffectOutcome,
     Job,
+    Limit,
     NotPerformed,
     Performed,
     Permanent,
     Retry,
+    Throttled,
     UnknownOutcome,
 )
 
@@ -216,10 +229,15 @@ class _HttpxTransport(stripe.HTTPClient):
 class _StripeEffect(PooledAdapter):
     """What charges and refunds share: the client, and the one error boundary."""
 
-    def __init__(self, api_key: str, base_url: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, api_key: str, base_url: str | None = None, timeout: float = 30.0,
+                 limit: Limit | None = None) -> None:
         if not isinstance(api_key, str) or not api_key.strip():
             raise ConfigurationError(
                 f"{type(self).__name__} needs a Stripe API key: api_key is missing or empty")
+        if limit is not None and not isinstance(limit, Limit):
+            raise ConfigurationError(f"limit must be an outbox.Limit, got {limit!r}")
+        # The account's rate limit, for every dispatcher running this effect.
+        self.limit = limit
         self._api_key = api_key
         self._base_url = base_url
         self._transport = _HttpxTransport(timeout)
@@ -456,6 +474,8 @@ def _outcome_of(exc: stripe.StripeError, what: str, api_key: str) -> EffectOutco
     if rule.with_detail:
         reason += f", {_error_detail(exc, api_key)}"
     reason += ")"
+    if rule.kind == "retry" and _rate_limited(exc):
+        return Throttled(after=_wait(exc), reason=reason)
     if rule.kind == "retry":
         return Retry(reason, after=_wait(exc))
     if rule.kind == "unknown":
@@ -506,6 +526,15 @@ def _error_body(exc: stripe.StripeError) -> dict[str, Any]:
 def _intent_id(intent: object) -> str | None:
     identifier = intent.get("id") if isinstance(intent, dict) else None
     return identifier if isinstance(identifier, str) else None
+
+
+def _rate_limited(exc: stripe.StripeError) -> bool:
+    """Stripe's 429 for the account's rate (code ``rate_limit``), unless Stripe says a
+    retry would not help; a 429 ``lock_timeout`` is contention on one object instead."""
+    if exc.http_status != 429 or _error_body(exc).get("code") not in ("rate_limit", None):
+        return False
+    should_retry = (exc.headers or {}).get("Stripe-Should-Retry")
+    return should_retry != "false"
 
 
 def _wait(exc: stripe.StripeError) -> float | None:

@@ -16,7 +16,11 @@ when the receiver deduplicates by ``webhook-id`` (or by the body's ``id``).
 Outcome of a call, by what came back::
 
     2xx                                         done, ledger {"status": <code>}
-    408, 409, 425, 429, 5xx                     Retry(after=Retry-After)
+    429, or 503 with Retry-After                Throttled(after=Retry-After): the
+                                                receiver refused for load; every
+                                                dispatcher pauses the effect, the attempt
+                                                is not counted
+    408, 409, 425, 5xx                          Retry(after=Retry-After)
     any other 4xx, or 1xx/3xx                   Permanent (redirects are not followed:
                                                 they would re-send a signed body blindly)
     could not connect                           Retry: nothing reached the receiver
@@ -40,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from outbox import ConfigurationError, Job, Permanent, Retry
 
 from ._cloudevents import Envelope, attributes, check_envelope
-from ._http import USER_AGENT, PooledAdapter, retry_after, send
+from ._http import USER_AGENT, PooledAdapter, retry_after, send, throttled
 from ._payload import validated_payload
 from ._signing import (
     WebhookSecret,
@@ -185,6 +189,10 @@ def _outcome(response: httpx.Response, what: str) -> dict[str, Any]:
         log.debug("%s delivered (HTTP %d)", what, status)
         return {"status": status}
     reason = f"{what}: receiver answered HTTP {status}"
+    pushed_back = throttled(status, response.headers, reason)
+    if pushed_back is not None:
+        log.info("%s; throttled", reason)
+        raise pushed_back
     if status in _RETRY_STATUSES or status >= 500:
         log.info("%s; will retry", reason)
         raise Retry(reason, after=retry_after(response.headers))

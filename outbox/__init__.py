@@ -31,10 +31,12 @@ from .errors import (
     Permanent,
     Retry,
     SchemaError,
+    Throttled,
     UnknownEffect,
     UnknownOutcome,
 )
 from .flows import AsyncHookTransaction, HookTransaction, NotPerformed, Performed
+from .limits import Limit
 from .migrate import migrate
 from .registry import register_effects
 from .transaction import AsyncTransaction, Transaction, transaction
@@ -58,6 +60,7 @@ __all__ = [
     "InvalidKey",
     "InvalidPayload",
     "Job",
+    "Limit",
     "NewJob",
     "NotPerformed",
     "OutboxError",
@@ -65,6 +68,7 @@ __all__ = [
     "Permanent",
     "Retry",
     "SchemaError",
+    "Throttled",
     "Transaction",
     "UnknownEffect",
     "UnknownOutcome",

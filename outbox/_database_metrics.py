@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cache
 from typing import Any
 
 import psycopg
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
@@ -59,7 +59,7 @@ class DatabaseCollector(Collector):
         up = GaugeMetricFamily("outbox_database_up",
                                "1 when the last scrape read the outbox tables, else 0.")
         try:
-            snapshot, unhandled = self._read()
+            snapshot, unhandled, limits = self._read()
         except psycopg.Error as exc:
             log.error("database metrics: cannot read the outbox tables (%s)",
                       getattr(exc, "sqlstate", None) or type(exc).__name__)
@@ -73,15 +73,19 @@ class DatabaseCollector(Collector):
             effects = set(self._seen)
         yield from _families(snapshot, effects)
         yield _unhandled_family(unhandled, effects)
+        yield from _limit_families(limits)
 
-    def _read(self) -> tuple[_queue.Snapshot, list[tuple[Any, ...]]]:
+    def _read(self) -> tuple[_queue.Snapshot, list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         with psycopg.connect(self.conninfo, connect_timeout=10) as conn:
             conn.read_only = True
             with conn.transaction():
                 conn.execute("SELECT set_config('statement_timeout', %s, true)",
                              (SCRAPE_TIMEOUT,))
-                return _queue.read(conn, self.schema), conn.execute(
+                snapshot = _queue.read(conn, self.schema)
+                unhandled = conn.execute(
                     queries(self.schema).unhandled_due, {"limit": SCAN_LIMIT}).fetchall()
+                limits = conn.execute(queries(self.schema).limits_overview).fetchall()
+                return snapshot, unhandled, limits
 
 
 def _unhandled_family(rows: list[tuple[Any, ...]], known: set[str]) -> Metric:
@@ -138,6 +142,36 @@ def _families(snapshot: _queue.Snapshot, known: set[str]) -> Iterable[Metric]:
         "outbox_jobs_dead_tuples", "Dead tuples in the jobs table (vacuum debt).",
         value=snapshot.counts.dead_tuples)
     return (jobs, oldest, expired, reconcile, dead_tuples)
+
+
+PAUSE_REASONS = ("throttled", "outage", "operator")
+
+
+def _limit_families(limits: Sequence[tuple[Any, ...]]) -> Iterable[Metric]:
+    """From the shared limit state (``limits_overview``): which effects are paused and
+    why, and how often each was throttled, across every dispatcher."""
+    bounded = _bounded_effects({row[0] for row in limits})
+    paused = GaugeMetricFamily(
+        "outbox_effect_paused", "1 while the effect is paused for every dispatcher, by "
+        "reason (throttled, outage: its breaker is open, operator).",
+        labels=["effect", "reason"])
+    throttled = CounterMetricFamily(
+        "outbox_effect_throttled", "Performs the provider refused for load (Throttled), "
+        "across every dispatcher.", labels=["effect"])
+    reasons: dict[str, str | None] = {}
+    totals: dict[str, float] = {}
+    for row in limits:
+        effect, is_paused, reason, total = bounded(row[0]), row[7], row[8], row[13]
+        if is_paused:
+            reasons[effect] = reason
+        else:
+            reasons.setdefault(effect, None)
+        totals[effect] = totals.get(effect, 0) + total
+    for effect in sorted(reasons):
+        for reason in PAUSE_REASONS:
+            paused.add_metric([effect, reason], 1.0 if reasons[effect] == reason else 0.0)
+        throttled.add_metric([effect], totals[effect])
+    return (paused, throttled)
 
 
 def _bounded_effects(effects: set[str]) -> Callable[[str], str]:

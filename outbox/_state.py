@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
-from .errors import Permanent, Retry, UnknownOutcome
+from .errors import Permanent, Retry, Throttled, UnknownOutcome
 
 __all__ = ["Backoff", "Decision", "decide", "heartbeat_interval", "seconds"]
 
@@ -73,7 +73,7 @@ def heartbeat_interval(lease: float) -> float:
 
 def describe(error: BaseException) -> str:
     """The error text stored in ``last_error``: type and message, bounded in length."""
-    if isinstance(error, Permanent | Retry | UnknownOutcome):
+    if isinstance(error, Permanent | Retry | Throttled | UnknownOutcome):
         text = f"{type(error).__name__}: {error.reason}"
     else:
         text = f"{type(error).__name__}: {error}"
@@ -117,7 +117,7 @@ def decide(
         return Decision("pending", delay=_delay(error.after, attempt, backoff, rng), error=text)
     if attempt >= max_attempts:
         return Decision("failed", error=f"{text} (attempt {attempt} of {max_attempts})")
-    after = error.after if isinstance(error, Retry) else None
+    after = error.after if isinstance(error, Retry | Throttled) else None
     return Decision("pending", delay=_delay(after, attempt, backoff, rng), error=text)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import getpass
 import importlib
 import inspect
 import json
@@ -28,9 +29,11 @@ from psycopg.conninfo import conninfo_to_dict
 
 from . import _sql
 from ._devserver import dev_server
+from ._enqueue import notify_channel
 from ._pg import configuration_error
 from .dispatcher import AsyncDispatcher, Dispatcher
 from .errors import OutboxError
+from .limits import Limit, parse_limit
 from .migrate import current_version, latest_version, migrate, require_current
 
 __all__ = ["main"]
@@ -228,13 +231,20 @@ def _describe(exc: BaseException) -> str:
               help="Serve this process's Prometheus metrics on this port.")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Address for --metrics-port.")
+@click.option("--limit", "limits", multiple=True, metavar="EFFECT=LIMIT",
+              help="A provider limit shared by every dispatcher on the schema, e.g. "
+                   "email.send=2/s, email.send=10/s,burst=5, payment.charge=concurrency=4; "
+                   "repeatable.")
 @_one_line_errors
 def run_command(target: str, dsn: str | None, metrics_port: int | None,
-                metrics_host: str) -> None:
+                metrics_host: str, limits: tuple[str, ...]) -> None:
     """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work."""
+    added = _limits(limits)  # refused before anything is imported
     if dsn is not None:
         os.environ["OUTBOX_DATABASE_URL"] = dsn
     dispatcher = load_dispatcher(target)
+    if added:
+        dispatcher._add_limits(added)
     _preflight(dispatcher)
     click.echo(start_line(dispatcher), err=True)
     if metrics_port is not None:
@@ -279,6 +289,20 @@ def start_line(dispatcher: AnyDispatcher) -> str:
             f"concurrency {settings.concurrency}, {wake}")
 
 
+def _limits(given: tuple[str, ...]) -> dict[str, Limit]:
+    parsed = {}
+    for item in given:
+        effect, sep, spec = item.partition("=")
+        if not sep or not effect.strip():
+            raise click.BadParameter(f"expected EFFECT=LIMIT (like email.send=2/s), got {item!r}",
+                                     param_hint="--limit")
+        try:
+            parsed[effect.strip()] = parse_limit(spec)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--limit") from None
+    return parsed
+
+
 async def _run_async(dispatcher: AsyncDispatcher) -> Any:
     """An AsyncDispatcher installs no signal handlers (its host owns them); here the
     command is the host: SIGTERM and SIGINT stop it, and in-flight work finishes."""
@@ -302,6 +326,7 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
         counts = dict(conn.execute(queries.status_counts).fetchall())
         health = conn.execute(queries.queue_health, {"schema_name": schema}).fetchone()
         recent = conn.execute(queries.recent_failures, {"limit": failures}).fetchall()
+        paused = conn.execute(queries.paused_effects).fetchall()
         version = current_version(conn, schema)
         by_effect = conn.execute(queries.due_by_effect).fetchall()
         live = conn.execute(queries.live_dispatchers).fetchall()
@@ -320,6 +345,13 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
              "last_error": r[5], "at": r[6].isoformat()} for r in recent
         ],
         **_served(by_effect, live),
+        # Effects no dispatcher claims now: throttled, their breaker open, or an operator's.
+        "paused_effects": [
+            {"effect": r[0], "reason": r[1], "by": r[2],
+             "until": None if r[4] > _UNTIL_RESUMED else r[3].isoformat(),
+             "seconds_left": None if r[4] > _UNTIL_RESUMED else round(float(r[4]), 1)}
+            for r in paused
+        ],
     }
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -360,6 +392,12 @@ def _print_status(report: dict[str, Any]) -> None:
         click.echo(f"  {effect:<24} pending {row['pending']:>8}, due {row['due']:>8}, "
                    f"oldest due {'-' if age is None else f'{age:.1f}s'}, "
                    f"dispatchers {row['dispatchers']}{flag}")
+    if report["paused_effects"]:
+        click.echo("paused effects:")
+        for p in report["paused_effects"]:
+            left = "until resumed" if p["until"] is None else f"{p['seconds_left']}s left"
+            by = f" by {p['by']}" if p["by"] else ""
+            click.echo(f"  {p['effect']}: {p['reason']}{by}, {left}")
     if report["recent_failures"]:
         click.echo("recent failures:")
         for f in report["recent_failures"]:
@@ -367,17 +405,49 @@ def _print_status(report: dict[str, Any]) -> None:
                        f"attempts={f['attempts']}: {f['last_error']}")
 
 
+# A pause "until resumed" is stored a century ahead: shown as such past a decade.
+_UNTIL_RESUMED = 10 * 365 * 86400.0
+BULK_RETRY_CAP = 1000  # as the dashboard's bulk retry
+actor_option = click.option(
+    "--actor", default=None, metavar="NAME",
+    help="Who acts, for the audit trail (default: cli:<your user name>).")
+
+
+def _actor(actor: str | None) -> str:
+    if actor:
+        return actor
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no user name in this environment
+        return "cli"
+
+
 @main.command("retry")
 @dsn_option
 @schema_option
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=int, required=False)
+@click.option("--effect", default=None, help="Bulk: failed jobs of this effect ...")
+@click.option("--error", "error_text", default=None,
+              help="... whose last error contains this text (case-insensitive).")
+@actor_option
 @_one_line_errors
-def retry_command(dsn: str, schema: str, job_id: int) -> None:
-    """Send a failed or reconcile job back to pending, with a fresh attempt budget."""
+def retry_command(dsn: str, schema: str, job_id: int | None, effect: str | None,
+                  error_text: str | None, actor: str | None) -> None:
+    """Send a failed or reconcile job back to pending, with a fresh attempt budget; or,
+    with --effect and --error, the failed jobs of an effect that failed for that error
+    (at most 1000 a call, as the dashboard's bulk retry). Audited, and a listening
+    dispatcher is woken at once."""
     queries = _sql.queries(schema)
+    channel = notify_channel(schema)
+    if job_id is None:
+        _retry_matching(dsn, schema, effect, error_text, _actor(actor))
+        return
+    if effect is not None or error_text is not None:
+        raise click.UsageError("give a JOB_ID, or --effect and --error, not both")
     with _connect(dsn) as conn:
         require_current(conn, schema)
-        row = conn.execute(queries.retry_job, {"id": job_id}).fetchone()
+        row = conn.execute(queries.retry_job_audited, {
+            "id": job_id, "actor": _actor(actor), "channel": channel}).fetchone()
         if row is None:
             current = conn.execute(queries.job_status, {"id": job_id}).fetchone()
             if current is None:
@@ -386,6 +456,82 @@ def retry_command(dsn: str, schema: str, job_id: int) -> None:
                 f"job {job_id} is {current[0]}; only failed or reconcile jobs can be retried"
             )
     click.echo(f"job {job_id} ({row[2]}, key {row[1]}) is pending again")
+
+
+def _retry_matching(dsn: str, schema: str, effect: str | None, error_text: str | None,
+                    actor: str) -> None:
+    if not effect or not error_text:
+        raise click.UsageError("give a JOB_ID, or both --effect and --error")
+    queries = _sql.queries(schema)
+    with _connect(dsn) as conn:
+        require_current(conn, schema)
+        row = conn.execute(queries.retry_matching, {
+            "effect": effect, "error": error_text, "cap": BULK_RETRY_CAP, "actor": actor,
+            "channel": notify_channel(schema)}).fetchone()
+    changed = row[0] if row else 0
+    more = " (the cap: run it again for more)" if changed == BULK_RETRY_CAP else ""
+    click.echo(f"{changed} failed {effect} job(s) matching {error_text!r} are pending "
+               f"again{more}")
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _duration(text: str) -> float:
+    """``90``, ``90s``, ``10m``, ``2h`` or ``1d`` as seconds."""
+    value = text.strip().lower()
+    scale = _UNITS.get(value[-1:])
+    number = value[:-1] if scale is not None else value
+    try:
+        seconds = float(number) * (scale or 1.0)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a duration like 90s, 10m or 2h") from None
+    if not seconds > 0 or seconds > 365 * 86400:
+        raise click.BadParameter(f"{text!r}: a pause lasts more than 0 s and at most a year")
+    return seconds
+
+
+@main.command("pause")
+@dsn_option
+@schema_option
+@click.argument("effect")
+@click.option("--for", "duration", default=None, metavar="DURATION",
+              help="How long (90s, 10m, 2h); default: until `outbox resume`.")
+@actor_option
+@_one_line_errors
+def pause_command(dsn: str, schema: str, effect: str, duration: str | None,
+                  actor: str | None) -> None:
+    """Pause an effect for every dispatcher on the schema: its jobs stay pending, no
+    attempt counted, other effects go on. Audited."""
+    seconds = None if duration is None else _duration(duration)
+    queries = _sql.queries(schema)
+    with _connect(dsn) as conn:
+        require_current(conn, schema)
+        conn.execute(queries.limit_pause, {"effect": effect, "seconds": seconds,
+                                           "actor": _actor(actor)})
+    until = "until resumed" if seconds is None else f"for {duration}"
+    click.echo(f"effect {effect} paused {until} for every dispatcher")
+
+
+@main.command("resume")
+@dsn_option
+@schema_option
+@click.argument("effect")
+@actor_option
+@_one_line_errors
+def resume_command(dsn: str, schema: str, effect: str, actor: str | None) -> None:
+    """End an effect's pause (an operator's, a throttle's or an open breaker's: the next
+    claim then probes). Audited; listening dispatchers are woken."""
+    queries = _sql.queries(schema)
+    with _connect(dsn) as conn:
+        require_current(conn, schema)
+        row = conn.execute(queries.limit_resume, {
+            "effect": effect, "actor": _actor(actor), "channel": notify_channel(schema),
+        }).fetchone()
+    if row and row[0]:
+        click.echo(f"effect {effect} resumed")
+    else:
+        click.echo(f"effect {effect} was not paused")
 
 
 @main.command("web")

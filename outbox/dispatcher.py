@@ -57,6 +57,7 @@ from ._dispatch.workers import ThreadWorkers
 from ._state import Backoff
 from .effect import Effect
 from .errors import ConfigurationError, DispatcherFailed
+from .limits import Limit
 from .observe import DispatchObserver, MultiObserver
 
 __all__ = ["AsyncDispatcher", "DispatchStats", "Dispatcher"]
@@ -162,6 +163,8 @@ class _Options:
         on_done: Mapping[str, Callable[..., Any]] | None = None,
         on_failed: Mapping[str, Callable[..., Any]] | None = None,
         reconcile_interval: float | timedelta = 60.0,
+        limits: Mapping[str, Limit] | None = None,
+        breaker_threshold: int | None = 5,
     ) -> None:
         if metrics:
             from .metrics import with_metrics  # prometheus-client is an optional extra
@@ -176,6 +179,7 @@ class _Options:
             worker_id=worker_id,
             listen_conninfo=listen_conninfo, observer=observer,
             on_done=on_done, on_failed=on_failed, reconcile_interval=reconcile_interval,
+            limits=limits, breaker_threshold=breaker_threshold,
         )
         for name in PUBLIC_OPTIONS:
             setattr(self, name, getattr(self.settings, name))
@@ -206,6 +210,15 @@ class _Options:
         self.settings = dataclasses.replace(self.settings, observer=combined)
         self._setup()  # the shared state takes its observer from the settings
         guarded(observer.effects_registered, sorted(self.settings.effects))
+
+    def _add_limits(self, limits: Mapping[str, Limit]) -> None:
+        """Add limits to a dispatcher not yet running (``outbox run --limit``); they win
+        over the ones it was built with."""
+        checked = Settings.build(
+            self.settings.conninfo, list(self.settings.effects.values()),
+            limits={**self.settings.limits, **limits}).limits
+        self.settings = dataclasses.replace(self.settings, limits=checked)
+        self._setup()
 
     def _failed(self, failure: BaseException) -> DispatcherFailed:
         return DispatcherFailed(
@@ -281,6 +294,19 @@ class Dispatcher(_Options):
     wider than with done rows kept: an enqueue of the same key whose statement (under
     REPEATABLE READ, whose transaction) began before the completion committed does not
     see the ledger row yet and creates the job again.
+
+    ``limits`` (effect name -> ``outbox.Limit``, over each effect's own declared
+    ``limit``) bounds how fast and how many at once each effect is performed, counted in
+    the database across every dispatcher on the schema: a limited effect's jobs are
+    claimed within its budget and on their own, so they never hold back other effects.
+    An effect that raises ``outbox.Throttled`` is paused for every dispatcher and its job
+    handed back without counting the attempt. ``breaker_threshold`` (5) transient
+    failures of an effect in a row (connection errors, timeouts, 5xx: ``Retry``,
+    ``UnknownOutcome`` or any other exception) open its breaker: the effect is paused for
+    every dispatcher (1 s, doubling at each opening in a row up to 15 s), then one probe
+    job tests recovery; jobs waiting meanwhile are not claimed and count no attempt.
+    ``None`` turns the breaker off. An operator pauses and resumes an effect with
+    ``outbox pause`` / ``outbox resume`` (or the dashboard).
 
     ``observer`` (an ``outbox.observe.DispatchObserver``) receives every claim, attempt,
     fence rejection and rescue, for metrics and tracing; an exception it raises is

@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
+from .limits import Limit
+
 __all__ = ["Effect", "Job"]
 
 
@@ -58,10 +60,18 @@ class Effect:
 
     Override ``unknown_outcome_window`` (a class attribute or a property) where the
     provider's idempotency window is known: see there.
+
+    Set ``limit`` to an ``outbox.Limit`` where the provider publishes one (requests per
+    second, requests in flight): every dispatcher running the effect then claims its
+    jobs within that budget, shared through the database, unless the dispatcher's own
+    ``limits`` names the effect. An effect raises ``outbox.Throttled`` when the provider
+    refused for load anyway.
     """
 
     name: ClassVar[str]
     payload_model: ClassVar[type[BaseModel] | None] = None
+    #: The provider's published limit for this effect (None: no declared limit).
+    limit: Limit | None = None
 
     @property
     def unknown_outcome_window(self) -> float | timedelta | None:

@@ -17,6 +17,9 @@ The tree is split by what the caller can do about it::
     EffectOutcome                    raised *by an effect's perform()* to steer the job
     ├── Retry(after=None)            transient: try again later with the same key
     ├── Permanent(reason)            will never succeed: the job goes to ``failed``
+    ├── Throttled(after=None)        the provider refused for load and did nothing: the
+    │                                effect pauses for every dispatcher, the attempt is
+    │                                not counted
     └── UnknownOutcome(reason)       the provider may have acted: retry with the same
                                      key while its idempotency window lasts, then
                                      ``reconcile``
@@ -42,6 +45,7 @@ __all__ = [
     "Permanent",
     "Retry",
     "SchemaError",
+    "Throttled",
     "UnknownEffect",
     "UnknownOutcome",
 ]
@@ -152,3 +156,29 @@ class UnknownOutcome(EffectOutcome):
         super().__init__(reason)
         self.reason = reason
         self.after = _delay_seconds(after, "UnknownOutcome")
+
+
+class Throttled(EffectOutcome):
+    """The provider refused for load and did nothing (HTTP 429, or 503 with Retry-After).
+
+    Throttling is not a failure of the job: it goes back to ``pending`` with the attempt
+    not counted, so no job ever ends ``failed`` for being throttled. The effect is paused
+    for every dispatcher on the schema until ``after`` (seconds or a timedelta, e.g. the
+    provider's Retry-After), or for an adaptive pause that grows with throttles in a row
+    when the provider gave none; and its effective rate is cut (multiplicatively, at most
+    once a second) and grows back additively while the provider stops refusing. When the
+    effect declares no ``outbox.Limit``, a rate is learned: ``rate`` (performs per second)
+    when the provider told its limit (a ``ratelimit-limit`` header), else what was
+    completed just before; it is forgotten after a minute without throttling.
+    ``reason`` is kept as the job's last error until it is done.
+    """
+
+    def __init__(self, after: float | timedelta | None = None,
+                 reason: str = "throttled by the provider", *, rate: float | None = None,
+                 ) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.after = _delay_seconds(after, "Throttled")
+        if rate is not None and not (isinstance(rate, int | float) and rate > 0):
+            raise ValueError(f"Throttled(rate=...) must be a positive number, got {rate!r}")
+        self.rate = None if rate is None else float(rate)

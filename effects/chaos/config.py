@@ -9,8 +9,10 @@ __all__ = ["BROKER_FAULTS", "FAULT_KINDS", "PROCESS_FAULTS", "PROVIDER_FAULTS", 
 
 # Faults against the dispatcher processes and the database.
 PROCESS_FAULTS = ("kill", "stop", "restart", "terminate")
-# Faults at the fake providers ("decline" is a property of some jobs' payment methods).
-PROVIDER_FAULTS = ("5xx", "429", "latency", "timeout", "drop", "decline")
+# Faults at the fake providers ("decline" is a property of some jobs' payment methods;
+# "throttle" puts a provider under a rate limit for a while, "outage" answers every
+# request 503 for a while).
+PROVIDER_FAULTS = ("5xx", "429", "latency", "timeout", "drop", "decline", "throttle", "outage")
 # Faults at the NATS broker: killed or stopped, then started again on the same store.
 BROKER_FAULTS = ("broker",)
 FAULT_KINDS = PROCESS_FAULTS + PROVIDER_FAULTS + BROKER_FAULTS

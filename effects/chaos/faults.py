@@ -91,6 +91,9 @@ class FaultInjector:
         self._frozen: dict[int, tuple[WorkerProcess, float]] = {}  # by the stop's ref
         self._thawed: dict[int, WorkerProcess] = {}
         self._spikes: dict[int, tuple[str, int]] = {}  # by ref: (provider, requests then)
+        # (kind, provider) -> the fake's (throttled, outage_requests) when it began
+        self._disarmed = 0  # unmet provider faults dropped when the next was armed
+        self._push_backs: dict[tuple[str, str], tuple[int, int]] = {}
         self._retiring: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._started = time.monotonic()
@@ -121,6 +124,11 @@ class FaultInjector:
         self._frozen.clear()
         for ref in list(self._spikes):
             self._end_latency(ref)
+        for kind, provider in list(self._push_backs):
+            self._end_push_back(FaultEvent(0.0, f"{kind}_end", provider=provider))
+        if self._disarmed:
+            self.log.notes.append(f"{self._disarmed} provider fault(s) no request met before "
+                                  "the next was armed were disarmed")
         for thread in self._retiring:
             thread.join(_RETIRE_TIMEOUT + 30.0)
             if thread.is_alive():
@@ -133,6 +141,8 @@ class FaultInjector:
             "retire": self._retire, "restart": self._restart, "terminate": self._terminate,
             "latency": self._latency, "latency_end": lambda e: self._end_latency(e.ref),
             "broker": self._broker,
+            "throttle": self._push_back, "outage": self._push_back,
+            "throttle_end": self._end_push_back, "outage_end": self._end_push_back,
         }
         handler = handlers.get(event.kind, self._provider_fault)
         handler(event)
@@ -254,6 +264,10 @@ class FaultInjector:
 
     def _provider_fault(self, event: FaultEvent) -> None:
         fake = self._providers.by_name(event.provider)
+        # A burst of errors belongs to its moment: what the last one left unmet (the
+        # dispatchers paused the effect, its breaker open) is dropped, not queued for
+        # whichever probe comes next.
+        self._disarmed += fake.disarm_pending()
         if event.kind in ("5xx", "429"):
             retry_after = event.seconds if event.kind == "429" else None
             fake.fail_next(event.count, event.status, retry_after=retry_after)
@@ -266,6 +280,30 @@ class FaultInjector:
         else:
             raise ValueError(f"unknown fault kind {event.kind!r}")
         self.log.armed[event.kind] += event.count
+
+    def _push_back(self, event: FaultEvent) -> None:
+        """A rate limit (throttle) or an outage at one provider until its end event;
+        what it refused is counted at the fake when it ends."""
+        fake = self._providers.by_name(event.provider)
+        if event.kind == "throttle":
+            fake.set_rate_limit(event.seconds)
+        else:
+            fake.set_outage(True)
+        self._push_backs[(event.kind, event.provider)] = (fake.throttled, fake.outage_requests)
+        self.log.armed[event.kind] += 1
+
+    def _end_push_back(self, event: FaultEvent) -> None:
+        kind = event.kind.removesuffix("_end")
+        started = self._push_backs.pop((kind, event.provider), None)
+        if started is None:
+            return
+        fake = self._providers.by_name(event.provider)
+        if kind == "throttle":
+            fake.set_rate_limit(None)
+            self.log.injected[kind] += fake.throttled - started[0]
+        else:
+            fake.set_outage(False)
+            self.log.injected[kind] += fake.outage_requests - started[1]
 
     def _latency(self, event: FaultEvent) -> None:
         if any(provider == event.provider for provider, _ in self._spikes.values()):

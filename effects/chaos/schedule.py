@@ -64,6 +64,8 @@ _RATES: dict[str, tuple[float, int]] = {
     "timeout": (5.0, 2),
     "drop": (5.0, 2),
     "broker": (15.0, 2),
+    "throttle": (20.0, 1),
+    "outage": (25.0, 1),
 }
 
 
@@ -252,6 +254,13 @@ def _provider_events(kind: str, at: float, provider: str,
     if kind == "429":
         return [FaultEvent(at, kind, provider=provider, count=rng.randint(2, 5), status=429,
                            seconds=1.0)]
+    if kind in ("throttle", "outage"):
+        # throttle: the provider admits ``seconds`` requests/s for a while; outage: it
+        # answers 503 to everything for a while.
+        end = at + rng.uniform(1.0, 4.0)
+        rate = round(rng.uniform(0.5, 2.0), 1) if kind == "throttle" else 0.0
+        return [FaultEvent(at, kind, provider=provider, seconds=rate),
+                FaultEvent(end, f"{kind}_end", provider=provider)]
     if kind == "latency":
         spike = round(rng.uniform(0.2, 0.6), 3)
         end = at + rng.uniform(1.0, 3.0)

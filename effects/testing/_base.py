@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -42,10 +43,17 @@ class FakeProvider:
     unanswered). ``hold_next()`` holds a request in flight; ``set_latency()`` slows
     every request. Tests synchronise on events, not sleeps: ``Hold.wait_for_arrival()``
     and ``wait_for_stalls()``.
+
+    Pushing back, as providers do: with ``rate_limit`` (requests per second, also
+    ``set_rate_limit()``) requests past the limit are answered 429 in the provider's
+    format, before anything else is looked at, by a token bucket holding one second of
+    requests (``throttled`` counts them); ``set_outage(True)`` answers every request 503
+    without performing it until ``set_outage(False)`` (``outage_requests`` counts them).
     """
 
     def __init__(
-        self, *, retention: float = DAY, latency: float = 0.0, max_stall: float = 60.0
+        self, *, retention: float = DAY, latency: float = 0.0, max_stall: float = 60.0,
+        rate_limit: float | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -56,6 +64,12 @@ class FakeProvider:
         self._requests: Counter[str] = Counter()
         self._total_performed = 0
         self._total_requests = 0
+        self._limiter: _TokenBucket | None = None
+        self._outage: float | None = None  # None: up; else the outage's Retry-After (or nan)
+        self._throttled = 0
+        self._outage_requests = 0
+        if rate_limit is not None:
+            self.set_rate_limit(rate_limit)
         self._server = LocalServer(self._answer, name=type(self).__name__)
         self._closed = False
 
@@ -91,6 +105,9 @@ class FakeProvider:
         self._keys.clear()
         with self._lock:
             self._clock_offset = 0.0
+            self._throttled = 0
+            self._outage_requests = 0
+            self._outage = None
             self._performed.clear()
             self._requests.clear()
             self._total_performed = 0
@@ -121,6 +138,41 @@ class FakeProvider:
     def set_latency(self, seconds: float) -> None:
         """Delay every following request by ``seconds`` before handling it (0 stops)."""
         self._faults.set_latency(seconds)
+
+    def disarm_pending(self) -> int:
+        """Disarm the faults armed by ``fail_next``, ``drop_connection``,
+        ``succeed_then_timeout`` and ``succeed_then_drop`` that no request has met yet,
+        and return how many there were: errors come in bursts in time, and a client that
+        stopped sending (a breaker) would otherwise meet a queue of them later."""
+        return self._faults.disarm_pending()
+
+    def set_rate_limit(self, rate: float | None) -> None:
+        """Admit at most ``rate`` requests per second (a token bucket holding one second
+        of requests, full at first); the rest are answered 429 as the provider does.
+        None lifts the limit."""
+        if rate is not None and not (isinstance(rate, int | float) and rate > 0):
+            raise ValueError(f"rate_limit must be a positive number, got {rate!r}")
+        with self._lock:
+            self._limiter = None if rate is None else _TokenBucket(float(rate), time.monotonic())
+
+    def set_outage(self, down: bool = True, *, retry_after: float | None = None) -> None:
+        """Start (``down=True``) or end an outage: meanwhile every request is answered
+        503 in the provider's format and nothing is performed. ``retry_after`` adds a
+        ``Retry-After`` header (a provider shedding load rather than down)."""
+        with self._lock:
+            self._outage = (math.nan if retry_after is None else retry_after) if down else None
+
+    @property
+    def throttled(self) -> int:
+        """How many requests were answered 429 by ``rate_limit``."""
+        with self._lock:
+            return self._throttled
+
+    @property
+    def outage_requests(self) -> int:
+        """How many requests arrived during an outage (``set_outage``)."""
+        with self._lock:
+            return self._outage_requests
 
     def fail_next(
         self,
@@ -209,6 +261,10 @@ class FakeProvider:
         """How a saved answer goes out again (providers may mark replays)."""
         return reply
 
+    def _rate_limited(self, limit: float, remaining: int, retry_after: int, reset: int) -> Reply:
+        """The provider's 429 for a request past ``rate_limit``."""
+        return self._error(429, None, "Too many requests", retry_after)
+
     def _key_mismatch(self, key: str) -> Reply:
         raise NotImplementedError
 
@@ -268,12 +324,33 @@ class FakeProvider:
         latency = self._faults.latency
         if latency:
             self._closing.wait(latency)
+        pushed_back = self._push_back()
+        if pushed_back is not None:
+            return pushed_back
         fault = self._faults.take_pre()
         if fault is PreFault.DROP:
             return None
         if isinstance(fault, Failure):
             return self._error(fault.status, fault.error, "injected failure", fault.retry_after)
         return self._route(request)
+
+    def _push_back(self) -> Reply | None:
+        """The outage's 503 or the rate limit's 429, when one applies to this request."""
+        with self._lock:
+            outage = self._outage
+            if outage is not None:
+                self._outage_requests += 1
+            limiter = self._limiter
+            verdict = None if outage is not None or limiter is None else limiter.take(
+                time.monotonic())
+            if verdict is not None:
+                self._throttled += 1
+        if outage is not None:
+            after = None if math.isnan(outage) else outage
+            return self._error(503, None, "The service is unavailable.", after)
+        if verdict is not None:
+            return self._rate_limited(*verdict)
+        return None
 
     def _request_key(self, request: Request) -> str | None:
         """The header a request's idempotency key travels in (providers differ)."""
@@ -284,3 +361,26 @@ class FakeProvider:
             self._total_requests += 1
             if key is not None:
                 self._requests[key] += 1
+
+
+class _TokenBucket:
+    """``rate`` tokens a second, at most one second's worth held; not thread-safe (the
+    provider's lock guards it)."""
+
+    def __init__(self, rate: float, now: float) -> None:
+        self.rate = rate
+        self.capacity = max(1.0, rate)
+        self.tokens = self.capacity
+        self.at = now
+
+    def take(self, now: float) -> tuple[float, int, int, int] | None:
+        """None when a token was taken; else (limit, remaining, retry-after, reset) for
+        the 429, in whole seconds as providers send them."""
+        self.tokens = min(self.capacity, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return None
+        retry_after = max(1, math.ceil((1.0 - self.tokens) / self.rate))
+        reset = max(1, math.ceil((self.capacity - self.tokens) / self.rate))
+        return self.rate, int(self.tokens), retry_after, reset

@@ -57,6 +57,9 @@ class FakeEmailProvider(FakeProvider):
     - ``from``, ``to`` and ``subject`` are required (422 ``missing_required_field``);
       ``text`` or ``html`` is required and recipients are checked (422
       ``validation_error``). Refused requests are not saved under their key.
+    - ``rate_limit`` (Resend's default is 2 requests per second per team): past it,
+      429 ``rate_limit_exceeded`` with ``retry-after``, ``ratelimit-limit``,
+      ``ratelimit-remaining`` and ``ratelimit-reset`` headers, as Resend answers.
 
     Errors have Resend's shape: ``{"statusCode": 422, "name": "...", "message": "..."}``.
     Faults and counters: see ``FakeProvider``. ``sent_emails`` lists what was sent.
@@ -85,13 +88,15 @@ class FakeEmailProvider(FakeProvider):
         retention: float = DAY,
         latency: float = 0.0,
         max_stall: float = 60.0,
+        rate_limit: float | None = None,
     ) -> None:
         self._api_key = api_key
         self._sent: list[SentEmail] = []
         self._sent_lock = threading.Lock()
         self._records: dict[str, dict[str, Any]] = {}  # by id, in send order
         self._templates: dict[str, dict[str, str]] = {}
-        super().__init__(retention=retention, latency=latency, max_stall=max_stall)
+        super().__init__(retention=retention, latency=latency, max_stall=max_stall,
+                         rate_limit=rate_limit)
 
     @property
     def sent_emails(self) -> list[SentEmail]:
@@ -274,6 +279,16 @@ class FakeEmailProvider(FakeProvider):
         name = code or _DEFAULT_ERRORS.get(status) or _default_name(status)
         headers = () if retry_after is None else (("Retry-After", _seconds(retry_after)),)
         return Reply.json(status, {"statusCode": status, "name": name, "message": message}, headers)
+
+    def _rate_limited(self, limit: float, remaining: int, retry_after: int, reset: int) -> Reply:
+        message = (f"Too many requests. You can only make {limit:g} requests per second. "
+                   "See rate limit response headers for more information.")
+        reply = self._error(429, "rate_limit_exceeded", message, retry_after)
+        for name, value in (("ratelimit-limit", f"{limit:g}"),
+                            ("ratelimit-remaining", str(remaining)),
+                            ("ratelimit-reset", str(reset))):
+            reply = reply.with_header(name, value)
+        return reply
 
     def _key_mismatch(self, key: str) -> Reply:
         message = "Same idempotency key used with a different request payload."

@@ -122,6 +122,16 @@ class Faults:
             self._closed = True
         self._release_waiting()
 
+    def disarm_pending(self) -> int:
+        """Disarm the failures, drops and post-perform faults no request has met yet;
+        how many there were. Latency, holds and stalled answers stay."""
+        with self._lock:
+            pending = len(self._failures) + self._drops + len(self._post_faults)
+            self._failures.clear()
+            self._drops = 0
+            self._post_faults.clear()
+        return pending
+
     def clear(self) -> None:
         """Disarm everything and release whatever is waiting."""
         self._release_waiting()

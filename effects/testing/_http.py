@@ -110,6 +110,9 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = False  # so server_close() joins every handler thread
     block_on_close = True
+    # A dispatcher opens one connection per request in flight (up to its concurrency, or
+    # more across processes): the default backlog of 5 would reset some of them.
+    request_queue_size = 128
 
     def __init__(self, answer: Answer) -> None:
         self.answer = answer

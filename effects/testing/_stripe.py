@@ -94,6 +94,11 @@ class FakeStripe(FakeProvider):
     in flight gets 409 ``idempotency_key_in_use``. Requests refused by parameter
     checks are not saved. Faults and counters: see ``FakeProvider``; a declined charge
     counts as performed (Stripe did attempt it).
+
+    With ``rate_limit`` (requests per second), requests past it get Stripe's 429:
+    ``{"error": {"type": "invalid_request_error", "code": "rate_limit", ...}}`` with
+    ``Stripe-Should-Retry: true`` and no ``Retry-After``; ``set_outage()`` answers every
+    request 503 (``api_error``).
     """
 
     def __init__(
@@ -106,6 +111,7 @@ class FakeStripe(FakeProvider):
         max_stall: float = 60.0,
         webhook_url: str | None = None,
         webhook_secret: str = "whsec_fake_stripe",  # noqa: S107  (a test double's default)
+        rate_limit: float | None = None,
     ) -> None:
         self._api_key = api_key
         self.webhook_url = webhook_url
@@ -122,7 +128,8 @@ class FakeStripe(FakeProvider):
         self._lose_rng = random.Random()
         self._lost: list[str | None] = []
         self._search_lag = 0.0
-        super().__init__(retention=retention, latency=latency, max_stall=max_stall)
+        super().__init__(retention=retention, latency=latency, max_stall=max_stall,
+                         rate_limit=rate_limit)
 
     def decline_card(self, payment_method: str, decline_code: str = "generic_decline") -> None:
         """Decline every later charge to ``payment_method`` with ``decline_code``."""
@@ -548,6 +555,14 @@ class FakeStripe(FakeProvider):
 
     def _replayed(self, reply: Reply) -> Reply:
         return reply.with_header("Idempotent-Replayed", "true")
+
+    def _rate_limited(self, limit: float, remaining: int, retry_after: int, reset: int) -> Reply:
+        # Stripe's answer past its per-account rate: 429, code rate_limit, no Retry-After,
+        # and Stripe-Should-Retry saying a later retry may succeed.
+        error = {"type": "invalid_request_error", "code": "rate_limit",
+                 "message": "Too many requests hit the API too quickly. We recommend an "
+                            "exponential backoff of your requests."}
+        return self._reply_error(429, error).with_header("Stripe-Should-Retry", "true")
 
     def _key_mismatch(self, key: str) -> Reply:
         message = (

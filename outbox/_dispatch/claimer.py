@@ -28,6 +28,7 @@ from ..migrate import require_current
 from ..observe import PurgedTable
 from .connection import CONNECTION_ERRORS, Connection
 from .counting import Waits
+from .limits import LimitedClaims
 from .presence import Presence
 from .settings import Settings
 from .state import Held, SharedState, Timer, guarded
@@ -67,6 +68,7 @@ class Claimer:
         self.rescue_timer = Timer(settings.rescue_interval)
         self.retention_timer = Timer(RETENTION_INTERVAL)
         self.presence = Presence(settings)
+        self.limited = LimitedClaims(settings, state.limits)
 
     def round(self) -> Step[Round]:
         """One round: rescue and retention when due, a claim, and what to do next."""
@@ -78,17 +80,30 @@ class Claimer:
             yield from self.purge()
         if self.presence.due(now):  # the heartbeat, and warnings for unserved effects
             yield from self.presence.beat()
-        batch = yield from self.claim()
+        # Limited, throttled and paused effects first, each within its budget; then the
+        # rest in one claim, which never waits for theirs.
+        batch: list[Held] = []
+        self.limited.wake_in = None
+        # Nothing to ask for when full; and while only a batch's worth of room counts
+        # (no effect limited or paused), as little as the core claim waits for.
+        free = self.capacity() - len(self.state.held)
+        if free > 0 and (self.limited.gated or self.room() > 0):
+            yield from self.limited.refresh()
+            batch = yield from self.claim_limited()
+            batch += yield from self.claim()
         if batch:
             return Round(batch)
+        # A budget that will allow more soon: ask again then, not at the next poll.
+        soon = self.limited.wake_in
         if self.state.held:
-            return Round(batch, wait=self.settings.poll_interval)
+            return Round(batch, wait=_sooner(self.settings.poll_interval, soon))
         if self.until_idle:
             if not (yield from self.has_due_work()):
                 return Round(batch, idle=True)
             yield from self.rescue()
-            return Round(batch, wait=IDLE_RECHECK)
-        return Round(batch, wait=self.settings.poll_interval * self.rng.uniform(0.5, 1.0))
+            return Round(batch, wait=_sooner(IDLE_RECHECK, soon))
+        return Round(batch, wait=_sooner(
+            self.settings.poll_interval * self.rng.uniform(0.5, 1.0), soon))
 
     def failed(self, exc: psycopg.Error, *, lost: bool) -> None:
         """A round failed: count a lost connection as a reconnect, log either way; raise
@@ -131,12 +146,12 @@ class Claimer:
 
     def claim(self) -> Step[list[Held]]:
         limit = self.room()
-        if limit <= 0:
+        if limit <= 0 or not self.limited.any_free:
             return []
         settings = self.settings
         started = time.monotonic()
         rows = yield Statement(self.queries.claim, {
-            "effects": settings.effect_names, "limit": limit, "lease": settings.lease,
+            "effects": self.limited.free_names, "limit": limit, "lease": settings.lease,
             "worker": settings.worker_id,
         })
         elapsed = time.monotonic() - started
@@ -144,6 +159,22 @@ class Claimer:
         batch = [self._held(row, traced) for row in rows]
         self.state.hold(batch)
         guarded(self.state.events.claimed, elapsed, Waits(rows))
+        return batch
+
+    def claim_limited(self) -> Step[list[Held]]:
+        """The gated effects' jobs, each claimed within its shared budget."""
+        if not self.limited.gated:
+            return []
+        started = time.monotonic()
+        # Not held back for a batch to fill (as room() is): a budget allows few at a time.
+        rows = yield from self.limited.claim(
+            lambda: min(self.capacity() - len(self.state.held), self.settings.batch_size))
+        if not rows:
+            return []
+        traced = tracing.enabled()
+        batch = [self._held(row, traced) for row in rows]
+        self.state.hold(batch)
+        guarded(self.state.events.claimed, time.monotonic() - started, Waits(rows))
         return batch
 
     def _held(self, row: tuple[Any, ...], traced: bool) -> Held:
@@ -155,7 +186,8 @@ class Claimer:
                     kept_result=row[11])
 
     def has_due_work(self) -> Step[bool]:
-        rows = yield Statement(self.queries.has_due_work, {"effects": self.settings.effect_names})
+        # Effects an operator paused are not waited for: they resume when told to.
+        rows = yield Statement(self.queries.has_due_work, {"effects": self.limited.due_names})
         return bool(rows[0][0])
 
     def rescue(self) -> Step[None]:
@@ -192,6 +224,10 @@ class Claimer:
                     guarded(self.state.events.purged, table, deleted)
                 if deleted < RETENTION_BATCH:
                     break
+
+
+def _sooner(wait: float, soon: float | None) -> float:
+    return wait if soon is None else max(0.001, min(wait, soon))
 
 
 _RETENTION_OPTION = {"done jobs": "retention", "the ledger": "ledger_retention",

@@ -23,10 +23,11 @@ import psycopg
 from .. import _state
 from .._pg import configuration_error
 from .._state import Decision
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, Throttled
 from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, Connection
 from .hooks import HookedOutcomes, close_quietly, flush_hooked
+from .limits import report
 from .reconciler import ask_before_window_closes, reconcilers
 from .settings import Settings
 from .state import Held, Outcome, Release, SharedState, Success, Timer, guarded
@@ -77,6 +78,8 @@ class Recorder:
         completion hook are moved to ``hooks``, written by the caller with
         ``flush_hooked``.
         """
+        if not self.retrying:  # what the batch says about its providers, once
+            yield from report(self.settings, self.state.limits, pending)
         if self.hooks is not None:
             self.hooks.take(pending)
         try:
@@ -102,7 +105,8 @@ class Recorder:
             yield from self.record_singly(pending)
 
     def record(self, batch: list[tuple[Held, Outcome]]) -> Step[None]:
-        """Write one batch of outcomes: at most two statements, each fenced."""
+        """Write one batch of outcomes: at most two statements, each fenced (and, when
+        the batch says a provider throttles or fails, its shared limit state first)."""
         successes = [(h, o) for h, o in batch if isinstance(o, Success)]
         if successes:
             claims = ",".join(
@@ -129,7 +133,9 @@ class Recorder:
             batch[:] = [(h, o) for h, o in batch if not isinstance(o, Success)]
         if not batch:
             return
-        settles = [(h, isinstance(o, Release), self.settlement(h, o)) for h, o in batch]
+        # Released and throttled jobs go back with their attempt refunded.
+        settles = [(h, isinstance(o, Release | Throttled), self.settlement(h, o))
+                   for h, o in batch]
         rows = yield Statement(self.queries.settle, {"claims": json.dumps([
             {"id": h.job.id, "version": h.job.claim_version, "status": d.status,
              "delay": d.delay, "error": d.error, "refund": released}
@@ -183,6 +189,10 @@ class Recorder:
             return Decision("pending", delay=0.0, error=None)
         if self.decided and (decided := self.decided.pop(held.job.id, None)) is not None:
             return decided
+        if isinstance(outcome, Throttled):
+            # Due again at once: the effect's pause, shared by every dispatcher, keeps it
+            # from being claimed until the provider is ready.
+            return Decision("pending", delay=0.0, error=_state.describe(outcome))
         assert isinstance(outcome, BaseException)
         now, window = datetime.now(UTC), self.settings.window_for(held.effect)
         decision = _state.decide(

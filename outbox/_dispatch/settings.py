@@ -22,6 +22,7 @@ from .._sql import Queries, check_schema_name, queries
 from .._state import Backoff
 from ..effect import Effect, is_async_effect
 from ..errors import ConfigurationError
+from ..limits import Limit
 from ..observe import DispatchObserver
 from .hookset import hooks_for
 
@@ -53,6 +54,10 @@ class Settings:
     inbox_retention: float | None = 7 * 86400.0
     worker_id: str = ""
     observer: DispatchObserver = field(default_factory=DispatchObserver)
+    # Declared limits by effect: the dispatcher's own, else the effect's default.
+    limits: Mapping[str, Limit] = field(default_factory=dict)
+    # Transient failures of an effect in a row that open its breaker (None: no breaker).
+    breaker_threshold: int | None = 5
     # Derived once: the effect names as a text[] literal, and which effects are async.
     effect_names: str = ""
     async_names: frozenset[str] = frozenset()
@@ -87,6 +92,8 @@ class Settings:
         on_done: Mapping[str, Callable[..., Any]] | None = None,
         on_failed: Mapping[str, Callable[..., Any]] | None = None,
         reconcile_interval: float | timedelta = 60.0,
+        limits: Mapping[str, Limit] | None = None,
+        breaker_threshold: int | None = 5,
     ) -> Settings:
         """Check every option; raise ``ConfigurationError`` naming the first bad one."""
         indexed = _index_effects(effects)
@@ -135,6 +142,9 @@ class Settings:
             inbox_retention=inbox_kept,
             worker_id=worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}",
             observer=observer or DispatchObserver(),
+            limits=_limits(limits, indexed),
+            breaker_threshold=(None if breaker_threshold is None
+                               else _positive(breaker_threshold, "breaker_threshold")),
             effect_names=text_array(sorted(indexed)),
             async_names=frozenset(n for n, e in indexed.items() if is_async_effect(e)),
             done_hooks=hooks_for(indexed, "on_done", on_done),
@@ -188,6 +198,31 @@ def declared_window(effect: Effect) -> float | None:
     if value is None:
         return None
     return _state.seconds(value, what=f"effect {effect.name!r}: unknown_outcome_window")
+
+
+def _limits(given: Mapping[str, Limit] | None, effects: Mapping[str, Effect]) -> dict[str, Limit]:
+    """The limits in force: each effect's declared ``limit``, overridden by ``given``."""
+    if given is not None and not isinstance(given, Mapping):
+        raise ConfigurationError(
+            f"limits must be a dict of effect name -> outbox.Limit, got {type(given).__name__}")
+    found: dict[str, Limit] = {}
+    for name, effect in effects.items():
+        declared = getattr(effect, "limit", None)
+        if declared is not None and not isinstance(declared, Limit):
+            raise ConfigurationError(
+                f"effect {name!r}: limit must be an outbox.Limit, got {declared!r}")
+        if declared is not None:
+            found[name] = declared
+    for name, limit in (given or {}).items():
+        if name not in effects:
+            raise ConfigurationError(
+                f"limits names effect {name!r}, which this dispatcher does not run "
+                f"(its effects: {', '.join(sorted(effects))})")
+        if not isinstance(limit, Limit):
+            raise ConfigurationError(
+                f"limits[{name!r}] must be an outbox.Limit, got {limit!r}")
+        found[name] = limit
+    return found
 
 
 def _positive(value: Any, what: str, minimum: int = 1) -> int:

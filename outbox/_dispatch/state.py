@@ -31,8 +31,10 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .. import tracing
 from ..effect import Effect, Job
+from ..errors import Throttled
 from ..observe import AttemptOutcome, DispatchObserver, MultiObserver
 from .counting import StatsObserver
+from .limits import LimitView, is_transient
 
 if TYPE_CHECKING:
     from ..dispatcher import DispatchStats
@@ -216,6 +218,9 @@ class SharedState(Generic[E]):
         self.counter = StatsObserver(stats)
         self.events: DispatchObserver = (MultiObserver([self.counter, observer])
                                          if self.observing else self.counter)
+        # What this process knows of the shared limit state (see ``limits``): read by
+        # workers in begin, written by the claimer, the recorder and finish.
+        self.limits = LimitView()
 
     @property
     def stats(self) -> DispatchStats:
@@ -248,7 +253,11 @@ class SharedState(Generic[E]):
             guarded(self.observer.attempt_finished, held.job.effect, "lost", 0.0)
             self.wake.set()
             return False
-        if self.releasing:
+        limits = self.limits
+        if self.releasing or ((limits.paused_until or limits.local_until)
+                              and limits.paused(held.job.effect)):
+            # Stopping, or the effect is paused (throttled, its breaker open, an
+            # operator): hand the job back unstarted, its attempt refunded.
             self.finish(held, Release())
             return False
         held.started = True
@@ -262,11 +271,23 @@ class SharedState(Generic[E]):
     def finish(self, held: Held, outcome: Outcome, *, signal: bool = True) -> None:
         """A worker is done with ``held``; the recorder will write ``outcome``. Threads
         running a run of fast jobs signal once per run (``signal=False`` before)."""
+        if type(outcome) is not Success:
+            self._pushed_back(held.job.effect, outcome)
+        elif self.limits.local_failures:
+            self.limits.local_failures.pop(held.job.effect, None)
         if held.span is not None and not isinstance(outcome, Success | Release):
             guarded(tracing.attempt_failed, held.span, outcome)
         self.outcomes.append((held, outcome))
         if signal:
             self.outcome_ready.set()
+
+    def _pushed_back(self, effect: str, outcome: Outcome) -> None:
+        """Stop starting ``effect``'s jobs here at once on a throttle, or on failures in a
+        row past the breaker's threshold (the recorder then writes it for everyone)."""
+        if isinstance(outcome, Throttled):
+            self.limits.throttled_here(effect, outcome)
+        elif is_transient(outcome):
+            self.limits.failed_here(effect)
 
     # -- recorder --------------------------------------------------------------------
 

@@ -457,3 +457,269 @@ SELECT worker_id, effects, started_at,
 FROM {schema}.dispatchers
 WHERE expires_at > now()
 ORDER BY worker_id;
+-- ---------------------------------------------------------------------------------------
+-- Provider limits (effect_limits): budgets, throttles, the breaker and pauses, shared by
+-- every dispatcher on the schema.
+-- ---------------------------------------------------------------------------------------
+
+-- name: limit_states
+-- The limit state of these effects, read by the claimer each round: which must be
+-- claimed through their budget (gated) and which are paused, until when and why.
+SELECT l.effect,
+       (l.declared_at > now() - interval '60 seconds'
+        AND (l.rate IS NOT NULL OR l.concurrency IS NOT NULL))
+       OR (l.learned_rate IS NOT NULL AND l.throttled_at > now() - interval '60 seconds')
+       OR l.opened > 0
+       OR l.paused_until > now() AS gated,
+       CASE WHEN l.paused_until > now()
+            THEN date_part('epoch', l.paused_until - now()) END AS pause_left,
+       CASE WHEN l.paused_until > now() THEN l.pause_reason END AS pause_reason,
+       l.failures + l.opened AS troubled
+FROM {schema}.effect_limits l
+WHERE l.effect = ANY(%(effects)s::text[]);
+
+-- name: limit_claim
+-- Claim up to %(limit)s jobs of one limited effect within its budget (see the function
+-- claim_limited in migration 0005).
+SELECT * FROM {schema}.claim_limited(
+    %(effect)s::text, %(limit)s::integer, %(lease)s::float8, %(worker)s::text,
+    %(rate)s::float8, %(burst)s::float8, %(concurrency)s::integer);
+
+-- name: limit_ensure
+-- The effect's limit row, made when it has none yet (the statements below update it).
+INSERT INTO {schema}.effect_limits (effect, tokens) VALUES (%(effect)s::text, 1e9)
+ON CONFLICT (effect) DO NOTHING;
+
+-- name: limit_throttled
+-- The provider refused %(count)s performs of the effect for load: pause it for every
+-- dispatcher until %(after)s seconds from now (NULL: an adaptive pause growing with
+-- throttles in a row), cut its rate factor (at most once a second, whatever the number
+-- of refusals in flight), and learn a rate when none is declared: the provider's own
+-- figure (%(hint)s) when it gave one, else what was completed in the last two seconds.
+-- An operator's pause is kept as it is. The row exists (limit_ensure).
+WITH current AS (
+    SELECT l.effect,
+           l.factor + 0.1 * coalesce(date_part('epoch',
+               now() - greatest(l.throttled_at, l.paused_until)), 1e9) AS grown,
+           l.throttled_at IS NULL OR l.throttled_at < now() - interval '1 second' AS cut,
+           CASE WHEN l.throttled_at > now() - interval '10 seconds'
+                THEN l.throttles ELSE 0 END AS in_a_row,
+           coalesce(l.declared_at > now() - interval '60 seconds' AND l.rate IS NOT NULL,
+                    false) AS declared,
+           coalesce(l.learned_rate IS NOT NULL
+                    AND l.throttled_at > now() - interval '60 seconds', false) AS learned,
+           coalesce(l.pause_reason = 'operator' AND l.paused_until > now(), false)
+               AS operator_paused,
+           CASE WHEN l.paused_until > now() THEN l.paused_until END AS active_until
+    FROM {schema}.effect_limits l WHERE l.effect = %(effect)s::text
+    FOR UPDATE
+)
+UPDATE {schema}.effect_limits l
+SET learned_rate = CASE
+        WHEN c.declared THEN l.learned_rate
+        WHEN %(hint)s::float8 IS NOT NULL THEN %(hint)s::float8
+        WHEN NOT c.cut THEN l.learned_rate
+        WHEN c.learned THEN greatest(0.5, l.learned_rate * c.grown)
+        ELSE (SELECT greatest(0.5, count(*) / 2.0) FROM {schema}.effect_results r
+              WHERE r.recorded_at > now() - interval '2 seconds'
+                AND r.effect = %(effect)s::text) END,
+    factor = CASE WHEN NOT c.cut THEN l.factor
+                  WHEN c.declared THEN greatest(0.05, least(1.0, c.grown) * 0.7)
+                  ELSE 0.7 END,
+    throttled_at = CASE WHEN c.cut THEN now() ELSE l.throttled_at END,
+    throttles = CASE WHEN c.cut THEN c.in_a_row + 1 ELSE l.throttles END,
+    throttled_total = l.throttled_total + %(count)s::integer,
+    tokens = 1e9,
+    paused_until = CASE WHEN c.operator_paused THEN l.paused_until
+        ELSE greatest(c.active_until, now() + coalesce(%(after)s::float8,
+                 least(30.0, power(2.0, least(c.in_a_row, 5)))) * interval '1 second') END,
+    pause_reason = CASE WHEN c.operator_paused THEN l.pause_reason ELSE 'throttled' END,
+    paused_by = CASE WHEN c.operator_paused THEN l.paused_by END,
+    updated_at = now()
+FROM current c
+WHERE l.effect = c.effect
+RETURNING l.effect, date_part('epoch', l.paused_until - now()) AS pause_left, l.pause_reason;
+
+-- name: limit_failed
+-- %(count)s performs of the effect (jobs %(jobs)s) failed transiently (connection
+-- errors, timeouts, 5xx): count them in a row; at %(threshold)s, or when the probe of
+-- an open breaker is among them, open the breaker:
+-- pause the effect for every dispatcher, the pause growing with each opening in a row
+-- (%(pause)s seconds doubled each time, at most %(max_pause)s). While the breaker's
+-- pause lasts, late failures of jobs started before it change nothing. The row exists
+-- (limit_ensure).
+WITH current AS (
+    SELECT l.effect,
+           coalesce(l.paused_until > now() AND l.pause_reason IN ('outage', 'operator'),
+                    false) AS holding,
+           l.failures + %(count)s::integer >= %(threshold)s::integer
+               OR (l.opened > 0 AND NOT coalesce(l.paused_until > now(), false)
+                   AND l.probe_job = ANY(CAST(%(jobs)s AS bigint[]))) AS opens
+    FROM {schema}.effect_limits l WHERE l.effect = %(effect)s::text
+    FOR UPDATE
+)
+UPDATE {schema}.effect_limits l
+SET failures = CASE WHEN c.holding THEN l.failures
+                    WHEN c.opens THEN 0 ELSE l.failures + %(count)s::integer END,
+    opened = CASE WHEN c.opens AND NOT c.holding THEN l.opened + 1 ELSE l.opened END,
+    paused_until = CASE WHEN c.holding OR NOT c.opens THEN l.paused_until
+        ELSE greatest(CASE WHEN l.paused_until > now() THEN l.paused_until END,
+                      now() + least(%(max_pause)s::float8,
+                                    %(pause)s::float8 * power(2.0, least(l.opened, 20)))
+                              * interval '1 second') END,
+    pause_reason = CASE WHEN c.holding OR NOT c.opens THEN l.pause_reason ELSE 'outage' END,
+    paused_by = CASE WHEN c.holding OR NOT c.opens THEN l.paused_by END,
+    probe_until = CASE WHEN c.opens AND NOT c.holding THEN NULL ELSE l.probe_until END,
+    probe_job = CASE WHEN c.opens AND NOT c.holding THEN NULL ELSE l.probe_job END,
+    updated_at = now()
+FROM current c
+WHERE l.effect = c.effect
+RETURNING l.effect, date_part('epoch', l.paused_until - now()) AS pause_left, l.pause_reason;
+
+-- name: limit_succeeded
+-- A perform of the effect succeeded: the failures in a row end, and an open breaker
+-- closes (its pause ends, unless an operator's or a throttle's pause holds).
+UPDATE {schema}.effect_limits l
+SET failures = 0, opened = 0, probe_until = NULL, probe_job = NULL,
+    paused_until = CASE WHEN l.pause_reason = 'outage' THEN NULL ELSE l.paused_until END,
+    pause_reason = CASE WHEN l.pause_reason = 'outage' THEN NULL ELSE l.pause_reason END,
+    updated_at = now()
+WHERE l.effect = %(effect)s::text AND (l.failures > 0 OR l.opened > 0)
+RETURNING l.effect;
+
+-- name: limit_pause
+-- An operator pauses the effect for every dispatcher, until %(seconds)s from now (NULL:
+-- until resumed), and the action is audited in the same transaction.
+WITH paused AS (
+    INSERT INTO {schema}.effect_limits AS l (effect, tokens, paused_until, pause_reason, paused_by)
+    VALUES (%(effect)s::text, 1e9,
+            -- no end given: until resumed (a century stands for that: date arithmetic on
+            -- 'infinity' fails before PostgreSQL 17)
+            now() + coalesce(%(seconds)s::float8 * interval '1 second', interval '100 years'),
+            'operator', %(actor)s::text)
+    ON CONFLICT (effect) DO UPDATE
+    SET paused_until = EXCLUDED.paused_until, pause_reason = 'operator',
+        paused_by = EXCLUDED.paused_by, updated_at = now()
+    RETURNING l.effect, l.paused_until
+), audited AS (
+    INSERT INTO {schema}.dashboard_audit (actor, action, detail, affected)
+    SELECT %(actor)s::text, 'pause',
+           jsonb_build_object('effect', p.effect, 'seconds', %(seconds)s::float8), 1
+    FROM paused p
+)
+SELECT effect, paused_until FROM paused;
+
+-- name: limit_resume
+-- An operator resumes the effect: any pause ends (an open breaker's too; the next claim
+-- is its probe), and the action is audited in the same transaction.
+WITH resumed AS (
+    UPDATE {schema}.effect_limits l
+    SET paused_until = NULL, pause_reason = NULL, paused_by = NULL, updated_at = now()
+    WHERE l.effect = %(effect)s::text AND l.paused_until > now()
+    RETURNING l.effect
+), audited AS (
+    INSERT INTO {schema}.dashboard_audit (actor, action, detail, affected)
+    VALUES (%(actor)s::text, 'resume', jsonb_build_object('effect', %(effect)s::text),
+            (SELECT count(*) FROM resumed))
+)
+SELECT count(*) FROM resumed, pg_notify(%(channel)s::text, '');
+
+-- name: limits_overview
+-- Per effect with a limit row: the declared limit, the effective rate now, what was
+-- completed in the last minute, the pause (why, by whom, until when) and the counters.
+SELECT l.effect, l.rate, l.burst, l.concurrency,
+       l.declared_at > now() - interval '60 seconds' AS declared,
+       CASE WHEN l.declared_at > now() - interval '60 seconds' AND l.rate IS NOT NULL
+                THEN l.rate * least(1.0, l.factor + 0.1 * coalesce(date_part('epoch',
+                     now() - greatest(l.throttled_at, l.paused_until)), 1e9))
+            WHEN l.learned_rate IS NOT NULL AND l.throttled_at > now() - interval '60 seconds'
+                THEN l.learned_rate * (l.factor + 0.1 * coalesce(date_part('epoch',
+                     now() - greatest(l.throttled_at, l.paused_until)), 1e9))
+       END AS effective_rate,
+       (SELECT count(*) FROM {schema}.effect_results r
+         WHERE r.effect = l.effect AND r.recorded_at > now() - interval '60 seconds') / 60.0
+           AS completed_rate,
+       l.paused_until > now() AS paused,
+       CASE WHEN l.paused_until > now() THEN l.pause_reason END AS pause_reason,
+       CASE WHEN l.paused_until > now() THEN l.paused_by END AS paused_by,
+       CASE WHEN l.paused_until > now() THEN l.paused_until END AS paused_until,
+       l.failures, l.opened, l.throttled_total, l.throttled_at
+FROM {schema}.effect_limits l
+ORDER BY l.effect;
+
+-- ---------------------------------------------------------------------------------------
+-- Operators on the command line: retries audited (in dashboard_audit, as the dashboard's
+-- are) and announced, so a listening dispatcher picks the job up at once.
+-- ---------------------------------------------------------------------------------------
+
+-- name: retry_job_audited
+-- Operator retry of one job: failed or reconcile -> pending with a fresh attempt budget
+-- and idempotency window, audited in the same statement, and a notification.
+WITH changed AS (
+    UPDATE {schema}.jobs
+    SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
+        updated_at = now()
+    WHERE id = %(id)s::bigint AND status IN ('failed', 'reconcile')
+    RETURNING id, key, effect
+), audited AS (
+    INSERT INTO {schema}.dashboard_audit (actor, action, job_id, detail, affected)
+    VALUES (%(actor)s::text, 'retry', %(id)s::bigint,
+            jsonb_build_object('via', 'command line'), (SELECT count(*) FROM changed))
+)
+SELECT c.id, c.key, c.effect FROM changed c, pg_notify(%(channel)s::text, '');
+
+-- name: retry_matching
+-- Operator bulk retry: failed jobs of %(effect)s whose last error contains %(error)s
+-- (case-insensitive) back to pending, newest first, at most %(cap)s; rows another
+-- session holds are skipped, and the status is checked again on the update (fenced).
+-- Audited as one bulk_retry row with the filter, and announced.
+WITH picked AS (
+    SELECT j.id FROM {schema}.jobs j
+    WHERE j.status = 'failed' AND j.effect = %(effect)s::text
+      AND strpos(lower(j.last_error), lower(%(error)s::text)) > 0
+    ORDER BY j.id DESC
+    LIMIT %(cap)s
+    FOR UPDATE SKIP LOCKED
+), changed AS (
+    UPDATE {schema}.jobs j
+    SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
+        updated_at = now()
+    FROM picked p
+    WHERE j.id = p.id AND j.status = 'failed'
+    RETURNING j.id
+), audited AS (
+    INSERT INTO {schema}.dashboard_audit (actor, action, job_id, detail, affected)
+    VALUES (%(actor)s::text, 'bulk_retry', NULL,
+            jsonb_build_object('filter', jsonb_build_object(
+                'status', 'failed', 'effect', %(effect)s::text, 'error', %(error)s::text),
+                'cap', %(cap)s::integer, 'via', 'command line'),
+            (SELECT count(*) FROM changed))
+)
+SELECT count(*) FROM changed c, pg_notify(%(channel)s::text, '');
+
+-- name: failed_groups
+-- Failed jobs grouped by effect and error fingerprint: the error's class and message
+-- with ids (long hex or prefixed tokens like req_abc123) and numbers replaced, so one
+-- cause counts once however many jobs it failed. Largest groups first.
+SELECT g.effect, g.fingerprint, count(*) AS jobs, max(g.updated_at) AS latest,
+       min(g.sample) AS sample
+FROM (
+    SELECT j.effect, j.updated_at, left(j.last_error, 300) AS sample,
+           regexp_replace(regexp_replace(left(coalesce(j.last_error, ''), 300),
+               '[A-Za-z]+_[A-Za-z0-9]{{6,}}|[0-9a-fA-F-]{{16,}}', '<id>', 'g'),
+               '[0-9]+(\.[0-9]+)?', 'N', 'g') AS fingerprint
+    FROM {schema}.jobs j
+    WHERE j.status = 'failed'
+) g
+GROUP BY g.effect, g.fingerprint
+ORDER BY count(*) DESC, g.effect
+LIMIT %(limit)s;
+
+-- name: paused_effects
+-- Effects paused now, for every dispatcher: why (throttled, outage, operator), by whom
+-- and until when.
+SELECT l.effect, l.pause_reason, l.paused_by, l.paused_until,
+       date_part('epoch', l.paused_until - now()) AS seconds_left
+FROM {schema}.effect_limits l
+WHERE l.paused_until > now()
+ORDER BY l.effect;

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from starlette.templating import Jinja2Templates
 from .. import _queue
 from .._enqueue import notify_channel
 from .._sql import check_schema_name
+from .._sql import queries as core_queries
 from ._filters import STATUSES, FilterError, JobFilter
 from ._queries import WebQueries, web_queries
 from ._security import (
@@ -198,9 +200,13 @@ async def overview(request: Request) -> Response:
         dispatchers = await rows(conn, q.dispatchers)
         audit = await rows(conn, q.recent_audit, {"limit": 10})
         can_act = access == "operate" and await writable(settings, conn)
+        core = core_queries(settings.schema)
+        limits = await rows(conn, core.limits_overview)
+        failed_groups = await rows(conn, core.failed_groups, {"limit": 20})
     health = {effect: (h.effect, h.oldest_due_age, h.expired_leases, h.oldest_reconcile_age)
               for effect, h in snapshot.health.items()}
     return render(request, "overview.html", {
+        "limits": limits, "failed_groups": [(*g, error_search(g[4])) for g in failed_groups],
         "counts": snapshot.counts, "effects": sorted(snapshot.effects()), "health": health,
         "chart": minute_chart([(m, d, f) for m, d, f in settled], since),
         "dispatchers": dispatchers, "audit": audit, "can_act": can_act,
@@ -391,6 +397,44 @@ async def bulk_retry(request: Request) -> Response:
     return render(request, "bulk_done.html", {"changed": changed, "query": job_filter.query()})
 
 
+def error_search(sample: str | None) -> str:
+    """What to search failed jobs' errors for to find a group: its sample up to the
+    first number or id (the part every job of the group shares)."""
+    text = re.split(r"[0-9]", sample or "", maxsplit=1)[0]
+    return text[:120].strip()
+
+
+async def effect_action(request: Request) -> Response:
+    """Pause or resume an effect for every dispatcher (audited in the same statement)."""
+    form, actor = await mutation_form(request)
+    settings = settings_of(request)
+    action, effect = request.path_params["action"], form.get("effect", "").strip()
+    if action not in ("pause", "resume"):
+        return PlainTextResponse(f"unknown action {action[:40]!r}", status_code=404)
+    if not effect:
+        return PlainTextResponse("effect: the name of the effect is required", 400)
+    core = core_queries(settings.schema)
+    minutes = form.get("minutes", "").strip()
+    try:
+        seconds = None if not minutes else float(minutes) * 60.0
+    except ValueError:
+        return PlainTextResponse("minutes: a number is required (or nothing: until resumed)",
+                                 400)
+    if seconds is not None and not 0 < seconds <= 365 * 86400:
+        return PlainTextResponse("minutes: more than 0 and at most a year", 400)
+    async with transaction(settings) as conn:
+        if not await writable(settings, conn):
+            return PlainTextResponse("the database is read-only for the dashboard", 403)
+        if action == "pause":
+            await rows(conn, core.limit_pause, {"effect": effect, "seconds": seconds,
+                                                 "actor": actor})
+        else:
+            await rows(conn, core.limit_resume, {"effect": effect, "actor": actor,
+                                                  "channel": settings.channel})
+    base = request.scope.get("root_path", "")
+    return RedirectResponse(f"{base}/", status_code=303)
+
+
 async def metrics(request: Request) -> Response:
     """The database-derived gauges, in the Prometheus text format."""
     await authorized(request, "read")
@@ -449,6 +493,7 @@ def create_app(conninfo: str, *, schema: str = "outbox", read_only: bool = False
         Route("/jobs/bulk-retry", _guarded(bulk_retry), methods=["POST"]),
         Route("/jobs/{job_id:int}", _guarded(job_detail), name="job"),
         Route("/jobs/{job_id:int}/{action:str}", _guarded(job_action), methods=["POST"]),
+        Route("/effects/{action:str}", _guarded(effect_action), methods=["POST"]),
         Route("/metrics", _guarded(metrics), name="metrics"),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]

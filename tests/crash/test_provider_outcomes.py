@@ -39,8 +39,10 @@ def test_provider_down_then_5xx_then_timing_out_is_retried_until_it_returns(
     keys = [f"k{i}" for i in range(5)]
     provider.set_mode("down")
     enqueue(db, schema, keys, {"switch": True})
+    # The breaker off: this test follows each job's own retries through every phase
+    # (tests/limits shows the breaker pausing the effect instead).
     dispatcher = Dispatcher(dsn, [effect], schema=schema, lease=5.0, poll_interval=0.05,
-                            backoff=outbox.Backoff(base=0.02, cap=0.05))
+                            backoff=outbox.Backoff(base=0.02, cap=0.05), breaker_threshold=None)
     phases = [("down", "Retry: provider down"),
               ("5xx", "RuntimeError: provider answered HTTP 503"),
               ("timeout", "UnknownOutcome: provider timed out")]

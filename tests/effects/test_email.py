@@ -97,16 +97,44 @@ def test_key_reused_for_another_email_is_permanent(
     assert resend.performed(KEY) == 1
 
 
-def test_rate_limit_is_retried_after_the_providers_delay(
+def test_rate_limit_is_throttled_until_the_providers_delay(
     resend: FakeEmailProvider, send_email: SendEmail
 ) -> None:
     resend.fail_next(1, 429, retry_after=7)
 
-    with pytest.raises(outbox.Retry, match="429 rate_limit_exceeded") as caught:
+    with pytest.raises(outbox.Throttled, match="429 rate_limit_exceeded") as caught:
         send_email.perform(email_job())
 
     assert caught.value.after == 7.0
     assert resend.performed(KEY) == 0
+
+
+def test_past_resends_rate_the_429_tells_the_rate(send_email: SendEmail) -> None:
+    with FakeEmailProvider(rate_limit=2.0) as limited, SendEmail(
+            api_key=RESEND_KEY, base_url=limited.url, timeout=TIMEOUT) as adapter:
+        adapter.perform(email_job("a"))
+        adapter.perform(email_job("b"))
+        with pytest.raises(outbox.Throttled) as caught:
+            adapter.perform(email_job("c"))
+        assert limited.performed("c") == 0
+    assert caught.value.rate == 2.0
+    assert caught.value.after is not None and caught.value.after >= 1.0
+
+
+def test_a_503_with_retry_after_is_throttled_a_bare_503_retried(
+    resend: FakeEmailProvider, send_email: SendEmail
+) -> None:
+    resend.set_outage(True, retry_after=3)
+    with pytest.raises(outbox.Throttled) as caught:
+        send_email.perform(email_job())
+    assert caught.value.after == 3.0
+    resend.set_outage(True)
+    with pytest.raises(outbox.Retry, match="HTTP 503"):
+        send_email.perform(email_job())
+    resend.set_outage(False)
+    send_email.perform(email_job())
+    assert resend.performed(KEY) == 1
+    assert resend.outage_requests == 2
 
 
 @pytest.mark.parametrize("status", [500, 502, 503])

@@ -460,3 +460,73 @@ def test_plugin_fixtures_yield_started_fakes(
     assert http.post(fake_webhook.url, content=body, headers=headers).status_code == 200
     assert fake_email.performed("k1") == fake_stripe.performed("k1") == 1
     assert fake_webhook.performed("k1") == 1
+
+
+# -- pushing back: rate limits and outages ---------------------------------------------
+
+
+def test_email_past_its_rate_limit_answers_as_resend(http: httpx.Client) -> None:
+    with FakeEmailProvider(api_key=RESEND_KEY, rate_limit=2.0) as limited:
+        answers = [post_email(http, limited, f"k{i}") for i in range(3)]
+
+        assert [a.status_code for a in answers] == [200, 200, 429]
+        refused = answers[2]
+        assert refused.json()["name"] == "rate_limit_exceeded"
+        assert refused.headers["ratelimit-limit"] == "2"
+        assert refused.headers["ratelimit-remaining"] == "0"
+        assert int(refused.headers["ratelimit-reset"]) >= 1
+        assert int(refused.headers["retry-after"]) >= 1
+        assert limited.performed("k2") == 0
+        assert limited.throttled == 1
+        assert limited.total_requests == 3
+
+
+def test_stripe_past_its_rate_limit_answers_rate_limit(http: httpx.Client) -> None:
+    with FakeStripe(api_key=STRIPE_KEY, rate_limit=1.0) as limited:
+        first = post_intent(http, limited, "k1")
+        refused = post_intent(http, limited, "k2")
+
+        assert first.status_code == 200
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "rate_limit"
+        assert refused.headers["Stripe-Should-Retry"] == "true"
+        assert "Retry-After" not in refused.headers
+        assert limited.performed("k2") == 0
+
+
+def test_an_outage_refuses_everything_until_it_ends(
+    resend: FakeEmailProvider, stripe_fake: FakeStripe, http: httpx.Client
+) -> None:
+    resend.set_outage(True)
+    stripe_fake.set_outage(True)
+
+    assert [post_email(http, resend, f"k{i}").status_code for i in range(3)] == [503] * 3
+    assert post_intent(http, stripe_fake, "k1").status_code == 503
+    assert resend.performed_keys() == [] and stripe_fake.performed_keys() == []
+    assert resend.outage_requests == 3
+
+    resend.set_outage(False)
+    stripe_fake.set_outage(False)
+    assert post_email(http, resend, "k0").status_code == 200
+    assert post_intent(http, stripe_fake, "k1").status_code == 200
+
+
+def test_a_rate_limit_can_be_lifted(http: httpx.Client) -> None:
+    with FakeEmailProvider(api_key=RESEND_KEY, rate_limit=1.0) as limited:
+        statuses = [post_email(http, limited, f"k{i}").status_code for i in range(2)]
+        assert statuses == [200, 429]
+        limited.set_rate_limit(None)
+        assert post_email(http, limited, "after").status_code == 200
+
+
+def test_disarm_pending_drops_only_the_faults_no_request_met(
+    resend: FakeEmailProvider, http: httpx.Client
+) -> None:
+    resend.fail_next(3, 503)
+    assert post_email(http, resend, "k0").status_code == 503
+    resend.drop_connection(1)
+    resend.set_latency(0.01)
+
+    assert resend.disarm_pending() == 3  # two failures and the drop
+    assert post_email(http, resend, "k1").status_code == 200
+    assert resend.disarm_pending() == 0

@@ -141,15 +141,34 @@ def test_conflicts_are_retried(stripe_fake: FakeStripe, charge_card: ChargeCard,
         charge_card.perform(charge_job())
 
 
-def test_rate_limit_is_retried_after_the_providers_delay(
+def test_rate_limit_is_throttled_after_the_providers_delay(
     stripe_fake: FakeStripe, charge_card: ChargeCard
 ) -> None:
     stripe_fake.fail_next(1, 429, retry_after=3)
 
-    with pytest.raises(outbox.Retry, match="HTTP 429") as caught:
+    with pytest.raises(outbox.Throttled, match="HTTP 429") as caught:
         charge_card.perform(charge_job())
 
     assert caught.value.after == 3.0
+
+
+def test_past_the_accounts_rate_stripe_throttles_and_nothing_is_charged() -> None:
+    with FakeStripe(api_key=STRIPE_KEY, rate_limit=1.0) as limited, ChargeCard(
+            api_key=STRIPE_KEY, base_url=limited.url, timeout=TIMEOUT) as adapter:
+        adapter.perform(charge_job("payment-a"))
+        with pytest.raises(outbox.Throttled, match="code=rate_limit"):
+            adapter.perform(charge_job("payment-b"))
+        assert limited.performed("payment-b") == 0
+        assert limited.throttled == 1
+
+
+def test_a_lock_timeout_429_is_retried_not_throttled(
+    stripe_fake: FakeStripe, charge_card: ChargeCard
+) -> None:
+    stripe_fake.fail_next(1, 429, error="lock_timeout")
+
+    with pytest.raises(outbox.Retry, match="lock_timeout"):
+        charge_card.perform(charge_job())
 
 
 @pytest.mark.parametrize("status", [500, 503])

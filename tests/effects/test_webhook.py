@@ -89,7 +89,20 @@ def test_a_key_reused_with_other_data_is_permanent(
         post_webhook.perform(webhook_job(data={"order": 103}))
 
 
-@pytest.mark.parametrize("status", [408, 425, 429, 500, 502, 503])
+@pytest.mark.parametrize("status", [429, 503])
+def test_load_refusals_are_throttled(
+    receiver: FakeWebhookReceiver, post_webhook: PostWebhook, status: int
+) -> None:
+    receiver.fail_next(1, status, retry_after=2)
+
+    with pytest.raises(outbox.Throttled, match=f"HTTP {status}") as caught:
+        post_webhook.perform(webhook_job())
+
+    assert caught.value.after == 2.0
+    assert receiver.performed(KEY) == 0
+
+
+@pytest.mark.parametrize("status", [408, 425, 500, 502])
 def test_transient_statuses_are_retried(
     receiver: FakeWebhookReceiver, post_webhook: PostWebhook, status: int
 ) -> None:

@@ -129,7 +129,8 @@ def test_a_role_that_may_claim_but_not_record(server: Server, flavour: str) -> N
                       "GRANT SELECT, UPDATE, DELETE ON {s}.jobs TO {r}",
                       "GRANT SELECT ON {s}.schema_migrations TO {r}",
                       "GRANT SELECT, UPDATE, DELETE ON {s}.effect_results TO {r}",  # no INSERT
-                      "GRANT SELECT, UPDATE, DELETE ON {s}.inbox TO {r}"):
+                      "GRANT SELECT, UPDATE, DELETE ON {s}.inbox TO {r}",
+                      "GRANT SELECT, INSERT, UPDATE ON {s}.effect_limits TO {r}"):
             conn.execute(sql.SQL(grant).format(**ident))
     with pytest.raises(ConfigurationError, match="permission denied for table effect_results"):
         if flavour == "sync":
@@ -151,7 +152,8 @@ def test_a_role_that_may_not_purge_the_inbox_is_told_how_to_fix_it(
         for grant in ("GRANT USAGE ON SCHEMA {s} TO {r}",
                       "GRANT SELECT, UPDATE, DELETE ON {s}.jobs TO {r}",
                       "GRANT SELECT ON {s}.schema_migrations TO {r}",
-                      "GRANT ALL ON {s}.effect_results TO {r}"):  # nothing on the inbox
+                      "GRANT ALL ON {s}.effect_results TO {r}",
+                      "GRANT SELECT, INSERT, UPDATE ON {s}.effect_limits TO {r}"):  # no inbox
             conn.execute(sql.SQL(grant).format(**ident))
 
     def run(**options: Any) -> outbox.DispatchStats:

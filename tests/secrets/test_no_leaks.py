@@ -143,7 +143,7 @@ def test_email(dsn: str, schema: str, caplog: pytest.LogCaptureFixture,
     rows = job_rows(dsn, schema)
     assert {k: r["status"] for k, r in rows.items()} == {
         **dict.fromkeys(good, "done"), "email-invalid": "failed", "email-refused": "failed"}
-    assert stats.retried >= 4
+    assert stats.retried >= 3  # and the 429: a throttle, handed back uncounted
     assert "html" in rows["email-invalid"]["last_error"]
     assert "invalid_api_key" in rows["email-refused"]["last_error"]
     assert len(adapter.errors) >= 4 and len(refused.errors) == 1
@@ -183,7 +183,7 @@ def test_charge(dsn: str, schema: str, caplog: pytest.LogCaptureFixture,
     rows = job_rows(dsn, schema)
     assert {k: r["status"] for k, r in rows.items()} == {
         **dict.fromkeys(good, "done"), "charge-declined": "failed", "charge-refused": "failed"}
-    assert stats.retried >= 3
+    assert stats.retried >= 2  # and the 429: a throttle, handed back uncounted
     assert "card declined" in rows["charge-declined"]["last_error"]
     assert "API key refused" in rows["charge-refused"]["last_error"]
     assert len(adapter.errors) >= 4 and len(refused.errors) == 1
@@ -223,7 +223,7 @@ def test_webhook(dsn: str, schema: str, caplog: pytest.LogCaptureFixture,
     rows = job_rows(dsn, schema)
     assert {k: r["status"] for k, r in rows.items()} == {
         **dict.fromkeys(good, "done"), "hook-refused": "failed"}
-    assert stats.retried >= 4
+    assert stats.retried >= 3  # and the 429: a throttle, handed back uncounted
     assert "HTTP 401" in rows["hook-refused"]["last_error"]
     assert len(adapter.errors) >= 4 and len(refused.errors) == 1
     _assert_loggers_were_heard(caplog.records, "httpx", "httpcore", "outbox.dispatcher",

@@ -77,6 +77,11 @@ class Script:
         self.expected.append((name, answer))
         return self
 
+    def claiming(self, answer: Rows | BaseException) -> Script:
+        """A round's claim: the shared limit state of its effects first (no row: nothing
+        limited or paused), then the claim."""
+        return self.then("limit_states", []).then("claim", answer)
+
     def execute(self, statement: Statement) -> Rows:
         assert self.expected, f"unexpected statement after {[n for n, _ in self.asked]}"
         name, answer = self.expected.pop(0)
@@ -149,7 +154,7 @@ def test_the_first_round_rescues_purges_and_claims(clock: Clock) -> None:
               .then("purge_inbox", [(2,)])
               .then("dispatcher_beat", [(1,)])  # the heartbeat: effects served
               .then("unhandled_due", [])  # and due jobs nobody serves
-              .then("claim", claimed_rows(10, 11)))
+              .claiming(claimed_rows(10, 11)))
     result = script.drive(claimer.round())
     assert [h.job.id for h in result.batch] == [10, 11] and result.wait == 0
     assert set(shared.held) == {10, 11}
@@ -163,15 +168,15 @@ def test_rescue_and_retention_wait_for_their_timers(clock: Clock) -> None:
     queries = claimer.queries
     (Script(queries).then("rescue", []).then("purge_done", [(0,)])
      .then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
-     .then("unhandled_due", []).then("claim", [])).drive(claimer.round())
+     .then("unhandled_due", []).claiming([])).drive(claimer.round())
     clock.now += 4.9  # neither timer due: only the claim
-    Script(queries).then("claim", []).drive(claimer.round())
+    Script(queries).claiming([]).drive(claimer.round())
     clock.now += 0.2  # the rescue timer (5 s) is due, retention (60 s) is not
-    Script(queries).then("rescue", []).then("claim", []).drive(claimer.round())
+    Script(queries).then("rescue", []).claiming([]).drive(claimer.round())
     clock.now += RETENTION_INTERVAL  # the heartbeat (every 15 s) is due again too
     (Script(queries).then("rescue", []).then("purge_done", [(0,)])
      .then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
-     .then("unhandled_due", []).then("claim", [])).drive(claimer.round())
+     .then("unhandled_due", []).claiming([])).drive(claimer.round())
 
 
 def first_round_done(claimer: Claimer) -> None:
@@ -189,7 +194,7 @@ def test_capacity_with_prefetch_is_concurrency_plus_prefetch(
     shared.hold(held(*range(1, held_now + 1)))
     script = Script(claimer.queries)
     if limit is not None:
-        script.then("claim", [])
+        script.claiming([])
     result = script.drive(claimer.round())
     if limit is None:  # full: no claim at all, wait for room
         assert result.batch == [] and result.wait == claimer.settings.poll_interval
@@ -213,7 +218,7 @@ def test_capacity_without_prefetch_follows_the_measured_speed(
     shared.hold(held(*range(1, held_now + 1)))
     script = Script(claimer.queries)
     if limit is not None:
-        script.then("claim", [])
+        script.claiming([])
     script.drive(claimer.round())
     if limit is not None:
         assert script.params("claim")["limit"] == limit
@@ -222,7 +227,7 @@ def test_capacity_without_prefetch_follows_the_measured_speed(
 def test_run_until_idle_stops_when_nothing_is_due_anywhere(clock: Clock) -> None:
     claimer = Claimer(settings(prefetch=0), state(), until_idle=True)
     first_round_done(claimer)
-    result = (Script(claimer.queries).then("claim", []).then("has_due_work", [(False,)])
+    result = (Script(claimer.queries).claiming([]).then("has_due_work", [(False,)])
               .drive(claimer.round()))
     assert result.idle and result.batch == []
 
@@ -230,7 +235,7 @@ def test_run_until_idle_stops_when_nothing_is_due_anywhere(clock: Clock) -> None
 def test_run_until_idle_rescues_and_looks_again_while_others_hold_work(clock: Clock) -> None:
     claimer = Claimer(settings(prefetch=0), state(), until_idle=True)
     first_round_done(claimer)
-    result = (Script(claimer.queries).then("claim", []).then("has_due_work", [(True,)])
+    result = (Script(claimer.queries).claiming([]).then("has_due_work", [(True,)])
               .then("rescue", []).drive(claimer.round()))
     assert not result.idle and result.wait == IDLE_RECHECK
 
@@ -240,14 +245,14 @@ def test_jobs_in_hand_are_waited_for_without_asking_the_database(clock: Clock) -
     claimer = Claimer(settings(prefetch=0), shared, until_idle=True)
     first_round_done(claimer)
     shared.hold(held(1))
-    result = Script(claimer.queries).then("claim", []).drive(claimer.round())
+    result = Script(claimer.queries).claiming([]).drive(claimer.round())
     assert not result.idle and result.wait == claimer.settings.poll_interval
 
 
 def test_run_polls_with_jitter_when_nothing_was_claimed(clock: Clock) -> None:
     claimer = Claimer(settings(prefetch=0, poll_interval=2.0), state(), until_idle=False)
     first_round_done(claimer)
-    waits = {Script(claimer.queries).then("claim", []).drive(claimer.round()).wait
+    waits = {Script(claimer.queries).claiming([]).drive(claimer.round()).wait
              for _ in range(20)}
     assert all(1.0 <= w <= 2.0 for w in waits) and len(waits) > 1
 
@@ -366,7 +371,9 @@ def test_an_error_no_retry_helps_drops_the_batch_and_ends_the_recorder(
     shared.hold(jobs)
     pending = outcomes(jobs, Success("null"), outbox.Retry())
     with pytest.raises((RuntimeError, outbox.ConfigurationError)):
-        Script(rec.queries).then("complete", error).drive(rec.flush(pending))
+        # The Retry is a transient failure: counted toward its effect's breaker first.
+        (Script(rec.queries).then("limit_ensure", [(1,)]).then("limit_failed", [])
+         .then("complete", error).drive(rec.flush(pending)))
     assert pending == [] and shared.held == {}
     assert events.finished == Counter(lost=2)
 

@@ -1,0 +1,304 @@
+"""Provider limits in the dispatcher: budgeted claims, throttles, the breaker.
+
+The state is shared through the table ``effect_limits`` (migration 0005), so every
+dispatcher process on the schema counts the same budget and sees the same pauses. This
+module holds the dispatcher's side of it, written once as steps (see ``steps``):
+
+    claimer   ``LimitedClaims.refresh`` reads the state of its effects each round;
+              effects with no row gating them are claimed by the core claim as before,
+              the others one by one through ``claim_limited`` (the budget is spent in the
+              claim's own transaction)
+    workers   ``LimitView.paused`` tells a worker not to start a job of an effect this
+              process knows to be paused (it is handed back, its attempt refunded)
+    recorder  ``report`` writes what the outcomes say about the provider: throttles
+              (pause, cut the rate) and transient failures in a row (the breaker)
+
+The view is this process's copy, refreshed each claim round and updated at once by what
+its own workers and recorder see; every decision that matters (the budget, the pause,
+the probe) is taken again by a locked statement in the database.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import EffectOutcome, Retry, Throttled, UnknownOutcome
+from .settings import Settings, text_array
+from .steps import Rows, Statement, Step
+
+__all__ = [
+    "BREAKER_MAX_PAUSE",
+    "BREAKER_PAUSE",
+    "BREAKER_THRESHOLD",
+    "LimitView",
+    "LimitedClaims",
+    "is_transient",
+    "report",
+]
+
+log = logging.getLogger("outbox.dispatcher")
+
+# The breaker: this many transient failures of an effect in a row open it; it then pauses
+# the effect for BREAKER_PAUSE seconds, doubled at each opening in a row up to
+# BREAKER_MAX_PAUSE, after which one probe job tests recovery.
+BREAKER_THRESHOLD = 5
+BREAKER_PAUSE = 1.0
+BREAKER_MAX_PAUSE = 15.0
+# How long a worker keeps an effect paused on its own after a throttle with no Retry-After,
+# before the shared state (written by the recorder) says more.
+LOCAL_THROTTLE_PAUSE = 1.0
+
+
+@dataclass
+class LimitView:
+    """What this process knows of the shared limit state. Written by the claimer (each
+    round), the recorder (from its statements' replies) and workers (a throttle they
+    saw); single-key dict writes, safe under the GIL."""
+
+    # effect -> monotonic time its pause ends, and why: as the database says ...
+    paused_until: dict[str, float] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    # ... and as this process's own workers saw (a throttle, or failures in a row, not
+    # yet written for all)
+    local_until: dict[str, float] = field(default_factory=dict)
+    local_failures: dict[str, int] = field(default_factory=dict)
+    threshold: int | None = BREAKER_THRESHOLD
+    # effects with transient failures counted or a breaker open: a success is reported
+    troubled: set[str] = field(default_factory=set)
+
+    def paused(self, effect: str, now: float | None = None) -> bool:
+        """Whether ``effect`` is paused as far as this process knows."""
+        until = max(self.paused_until.get(effect, 0.0), self.local_until.get(effect, 0.0))
+        if not until:
+            return False
+        return (time.monotonic() if now is None else now) < until
+
+    def resumes_at(self, effect: str) -> float:
+        """The monotonic time this process expects ``effect``'s pause to end."""
+        return max(self.paused_until.get(effect, 0.0), self.local_until.get(effect, 0.0))
+
+    def pause(self, effect: str, seconds: float, reason: str) -> None:
+        """Pause ``effect`` here for ``seconds`` (the longer of this and any known one)."""
+        until = time.monotonic() + max(0.0, seconds)
+        if until > self.paused_until.get(effect, 0.0):
+            self.paused_until[effect] = until
+            self.reasons[effect] = reason
+
+    def unpause(self, effect: str) -> None:
+        self.paused_until.pop(effect, None)
+        self.reasons.pop(effect, None)
+
+    def failed_here(self, effect: str) -> None:
+        """A worker saw a transient failure: at the breaker's threshold in a row, stop
+        starting the effect's jobs here before the recorder has opened it for all."""
+        if self.threshold is None:
+            return
+        failures = self.local_failures[effect] = self.local_failures.get(effect, 0) + 1
+        if failures >= self.threshold:
+            self.local_failures[effect] = 0
+            until = time.monotonic() + BREAKER_PAUSE
+            if until > self.local_until.get(effect, 0.0):
+                self.local_until[effect] = until
+
+    def throttled_here(self, effect: str, error: Throttled) -> None:
+        """A worker saw ``error``: stop starting the effect's jobs at once, before the
+        recorder has written the pause for everyone."""
+        seconds = LOCAL_THROTTLE_PAUSE if error.after is None else error.after
+        until = time.monotonic() + seconds
+        if until > self.local_until.get(effect, 0.0):
+            self.local_until[effect] = until
+
+
+class LimitedClaims:
+    """The claimer's side: which effects the core claim may take, and the budgeted
+    claims of the others. Runs on the claimer only."""
+
+    def __init__(self, settings: Settings, view: LimitView) -> None:
+        self.settings = settings
+        self.view = view
+        view.threshold = settings.breaker_threshold
+        self.queries = settings.queries
+        self.names = sorted(settings.effects)
+        self.all_names = settings.effect_names
+        # Effects claimed through their budget this round, and the text[] of the rest.
+        self.gated: list[str] = sorted(settings.limits)
+        self.free_names = text_array([n for n in self.names if n not in settings.limits])
+        self.due_names = self.all_names
+        self.wake_in: float | None = None  # seconds until a budget is worth asking again
+        self._cache: dict[tuple[str, ...], str] = {}
+
+    def refresh(self) -> Step[None]:
+        """Read the shared state of this dispatcher's effects (one small query)."""
+        rows = yield Statement(self.queries.limit_states, {"effects": self.all_names})
+        gated = set(self.settings.limits)
+        operator: list[str] = []
+        seen: set[str] = set()
+        for effect, is_gated, pause_left, reason, troubled in rows:
+            seen.add(effect)
+            if is_gated:
+                gated.add(effect)
+            if pause_left is not None and pause_left > 0:
+                # The database is the authority: an operator's resume shortens a pause.
+                self.view.paused_until[effect] = time.monotonic() + pause_left
+                self.view.reasons[effect] = reason
+                if reason == "operator":
+                    operator.append(effect)
+            else:
+                self.view.unpause(effect)
+            if troubled:
+                self.view.troubled.add(effect)
+            else:
+                self.view.troubled.discard(effect)
+        for effect in list(self.view.paused_until):
+            if effect not in seen:  # the row is gone (an operator reset it)
+                self.view.unpause(effect)
+        now = time.monotonic()
+        gated.update(e for e, until in list(self.view.local_until.items()) if until > now)
+        self.gated = sorted(gated)
+        self.free_names = self._array(tuple(n for n in self.names if n not in gated))
+        self.due_names = self._array(tuple(n for n in self.names if n not in operator))
+
+    def _array(self, names: tuple[str, ...]) -> str:
+        cached = self._cache.get(names)
+        if cached is None:
+            cached = self._cache[names] = text_array(list(names))
+        return cached
+
+    @property
+    def any_free(self) -> bool:
+        return self.free_names != "{}"
+
+    def claim(self, room: Callable[[], int]) -> Step[Rows]:
+        """Claim the gated effects' jobs, each within its budget and ``room()``."""
+        claimed: Rows = []
+        self.wake_in = None
+        now = time.monotonic()
+        for effect in self.gated:
+            if self.view.paused(effect, now):
+                left = self.view.resumes_at(effect) - now
+                self.wake_in = left if self.wake_in is None else min(self.wake_in, left)
+                continue
+            limit = room()
+            if limit <= 0:
+                break
+            declared = self.settings.limits.get(effect)
+            rows = yield Statement(self.queries.limit_claim, {
+                "effect": effect, "limit": limit, "lease": self.settings.lease,
+                "worker": self.settings.worker_id,
+                "rate": None if declared is None else declared.rate,
+                "burst": None if declared is None else declared.burst,
+                "concurrency": None if declared is None else declared.concurrency,
+            })
+            for row in rows:
+                if row[0] is None:  # the budget's marker: when to ask again
+                    wait = float(row[9])
+                    self.wake_in = wait if self.wake_in is None else min(self.wake_in, wait)
+                else:
+                    claimed.append(row)
+        return claimed
+
+
+def is_transient(outcome: object) -> bool:
+    """Whether an outcome says the provider may be down: ``Retry``, ``UnknownOutcome``
+    or an exception that is not an outcome signal (connection errors, timeouts)."""
+    if isinstance(outcome, Retry | UnknownOutcome):
+        return True
+    return isinstance(outcome, Exception) and not isinstance(outcome, EffectOutcome)
+
+
+@dataclass
+class _Tally:
+    throttles: int = 0
+    after: float | None = None
+    hint: float | None = None
+    failures: int = 0
+    failed_jobs: list[int] = field(default_factory=list)
+    successes: int = 0
+
+
+def tally(outcomes: Sequence[tuple[Any, object]], troubled: set[str]) -> dict[str, _Tally]:
+    """Per effect: throttles (the longest Retry-After, the provider's rate), transient
+    failures, and successes of effects in ``troubled``, among ``outcomes`` (held,
+    outcome) pairs."""
+    from .state import Success  # state holds the view: imported once both are loaded
+
+    tallies: dict[str, _Tally] = {}
+    for held, outcome in outcomes:
+        if isinstance(outcome, Success):
+            if troubled and held.job.effect in troubled:
+                tallies.setdefault(held.job.effect, _Tally()).successes += 1
+            continue
+        effect = held.job.effect
+        if isinstance(outcome, Throttled):
+            t = tallies.setdefault(effect, _Tally())
+            t.throttles += 1
+            if outcome.after is not None:
+                t.after = outcome.after if t.after is None else max(t.after, outcome.after)
+            if outcome.rate is not None:
+                t.hint = outcome.rate if t.hint is None else min(t.hint, outcome.rate)
+        elif is_transient(outcome):
+            t = tallies.setdefault(effect, _Tally())
+            t.failures += 1
+            t.failed_jobs.append(held.job.id)
+    return tallies
+
+
+def report(settings: Settings, view: LimitView,
+           outcomes: Sequence[tuple[Any, object]]) -> Step[None]:
+    """Write what a batch of outcomes says about the providers: throttles pause an effect
+    and cut its rate; transient failures in a row open its breaker; a success closes it.
+    Healthy effects cost no statement. A statement refused for another reason than the
+    connection is logged and skipped: recording the outcomes matters more."""
+    q = settings.queries
+    for effect, t in tally(outcomes, view.troubled).items():
+        if t.successes and effect in view.troubled:
+            yield from _guarded(Statement(q.limit_succeeded, {"effect": effect}))
+            view.troubled.discard(effect)
+            if view.reasons.get(effect) == "outage":
+                view.unpause(effect)
+        if t.throttles:
+            yield from _guarded(Statement(q.limit_ensure, {"effect": effect}, count=True))
+            rows = yield from _guarded(Statement(q.limit_throttled, {
+                "effect": effect, "count": t.throttles, "after": t.after, "hint": t.hint}))
+            _learn(view, rows)
+            log.info("effect %s throttled by its provider (%d refusals); paused for every "
+                     "dispatcher", effect, t.throttles)
+        if t.failures and settings.breaker_threshold is not None:
+            yield from _guarded(Statement(q.limit_ensure, {"effect": effect}, count=True))
+            rows = yield from _guarded(Statement(q.limit_failed, {
+                "effect": effect, "count": t.failures, "jobs": t.failed_jobs,
+                "threshold": settings.breaker_threshold,
+                "pause": BREAKER_PAUSE, "max_pause": BREAKER_MAX_PAUSE}))
+            view.troubled.add(effect)
+            opened = _learn(view, rows)
+            if opened == "outage":
+                log.warning("effect %s: %d transient failures in a row; its breaker is open "
+                            "and it is paused for every dispatcher", effect,
+                            settings.breaker_threshold)
+
+
+def _learn(view: LimitView, rows: Rows) -> str | None:
+    """Take a pause the database decided into the view; its reason, if paused."""
+    for effect, pause_left, reason in rows:
+        if pause_left is not None and pause_left > 0 and reason is not None:
+            view.pause(effect, pause_left, reason)
+            return str(reason)
+    return None
+
+
+def _guarded(statement: Statement) -> Step[Rows]:
+    from .connection import CONNECTION_ERRORS
+
+    try:
+        rows: Rows = yield statement
+    except CONNECTION_ERRORS:
+        raise
+    except Exception as exc:
+        log.error("writing the shared limit state failed (%s); the outcomes are recorded "
+                  "without it", getattr(exc, "sqlstate", None) or type(exc).__name__)
+        return []
+    return rows

@@ -1,0 +1,111 @@
+"""Provider limits: how fast, and how many at once, an effect may be performed.
+
+A limit belongs to the provider account, so it is counted in PostgreSQL (the table
+``effect_limits``) and shared by every dispatcher process on the schema; see ``Limit``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+__all__ = ["Limit", "parse_limit"]
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """At most ``rate`` performs per second and ``concurrency`` performs in flight of one
+    effect, counted across every dispatcher process on the schema.
+
+    Guarantees: jobs of a limited effect are claimed (their leases taken) no faster than
+    the budget allows: a token bucket of ``rate`` tokens per second holding at most
+    ``burst`` (by default half a second's worth, at least 1), spent at the claim, and no
+    more running jobs of the effect than ``concurrency`` (counted from the jobs table at
+    each claim, under a lock on the effect's row, so two dispatchers never both take the
+    last slot). A limited effect is claimed on its own, after the budget is checked, so a
+    backlog of it never holds back the claims of other effects. When the provider
+    throttles anyway (``outbox.Throttled``), the effective rate is cut and grows back
+    additively, never above ``rate``.
+
+    Declare it on the dispatcher (``Dispatcher(..., limits={"email.send":
+    Limit(rate=2.0)})``) or as the effect's own default (``limit = Limit(rate=2.0)`` on
+    the ``Effect`` class); the dispatcher's wins. A dispatcher that does not declare the
+    effect's limit still honours it for a minute after any dispatcher last claimed
+    under it.
+    """
+
+    rate: float | None = None
+    burst: float | None = None
+    concurrency: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rate", "burst"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    math.isfinite(value) and value > 0):
+                raise ValueError(f"Limit({name}=...) must be a positive number, got {value!r}")
+        if self.burst is not None and self.burst < 1:
+            raise ValueError(f"Limit(burst=...) must be at least 1, got {self.burst!r}")
+        if self.burst is not None and self.rate is None:
+            raise ValueError("Limit(burst=...) needs a rate: a burst is of the rate's tokens")
+        if self.concurrency is not None and (
+                isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int)
+                or self.concurrency < 1):
+            raise ValueError(
+                f"Limit(concurrency=...) must be a positive integer, got {self.concurrency!r}")
+        if self.rate is None and self.concurrency is None:
+            raise ValueError("a Limit needs a rate, a concurrency or both")
+
+    def __str__(self) -> str:
+        parts = []
+        if self.rate is not None:
+            parts.append(f"{self.rate:g}/s")
+        if self.burst is not None:
+            parts.append(f"burst={self.burst:g}")
+        if self.concurrency is not None:
+            parts.append(f"concurrency={self.concurrency}")
+        return ",".join(parts)
+
+
+_RATE = re.compile(r"^(?P<n>[0-9]*\.?[0-9]+)\s*/\s*(?P<unit>s|sec|second|m|min|minute|h|hour)$")
+_PER = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0,
+        "h": 3600.0, "hour": 3600.0}
+
+
+def parse_limit(text: str) -> Limit:
+    """A ``Limit`` from its command-line form: comma-separated parts, a rate (``2/s``,
+    ``100/m``, ``1000/h``), ``burst=N`` and ``concurrency=N``. ``ValueError`` says
+    which part is wrong."""
+    rate: float | None = None
+    burst: float | None = None
+    concurrency: int | None = None
+    for raw in text.split(","):
+        part = raw.strip()
+        if not part:
+            raise ValueError(f"empty part in limit {text!r}")
+        name, sep, value = part.partition("=")
+        if sep:
+            name = name.strip()
+            try:
+                if name == "burst":
+                    burst = float(value)
+                elif name == "concurrency":
+                    concurrency = int(value)
+                else:
+                    raise ValueError(f"unknown limit part {name!r} in {text!r} "
+                                     "(expected a rate like 2/s, burst=N or concurrency=N)")
+            except ValueError as exc:
+                if "unknown limit part" in str(exc):
+                    raise
+                raise ValueError(f"{name} in limit {text!r} must be a number, "
+                                 f"got {value.strip()!r}") from None
+            continue
+        match = _RATE.match(part)
+        if match is None:
+            raise ValueError(f"cannot read {part!r} in limit {text!r}: give a rate like "
+                             "2/s or 100/m, burst=N or concurrency=N")
+        rate = float(match["n"]) / _PER[match["unit"]]
+    return Limit(rate=rate, burst=burst, concurrency=concurrency)
