@@ -28,7 +28,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 import outbox
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-MAX_ILLUSTRATIVE = 6
+MAX_ILLUSTRATIVE = 7
 _BLOCK = re.compile(r"^(?P<indent> *)```python\n(?P<body>.*?)^(?P=indent)```", re.S | re.M)
 _ILLUSTRATIVE = re.compile(r"<!-- illustrative: (?P<reason>[^>]+) -->\s*$")
 PRELUDE = "import os\ndsn = os.environ['OUTBOX_DATABASE_URL']\n"
