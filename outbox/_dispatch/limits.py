@@ -1,6 +1,6 @@
 """Provider limits in the dispatcher: budgeted claims, throttles, the breaker.
 
-The state is shared through the table ``effect_limits`` (migration 0005), so every
+The state is shared through the table ``effect_limits`` (migration 0006), so every
 dispatcher process on the schema counts the same budget and sees the same pauses. This
 module holds the dispatcher's side of it, written once as steps (see ``steps``):
 

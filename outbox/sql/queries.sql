@@ -480,7 +480,7 @@ WHERE l.effect = ANY(%(effects)s::text[]);
 
 -- name: limit_claim
 -- Claim up to %(limit)s jobs of one limited effect within its budget (see the function
--- claim_limited in migration 0005).
+-- claim_limited in migration 0006).
 SELECT * FROM {schema}.claim_limited(
     %(effect)s::text, %(limit)s::integer, %(lease)s::float8, %(worker)s::text,
     %(rate)s::float8, %(burst)s::float8, %(concurrency)s::integer);

@@ -106,8 +106,11 @@ def _enqueue(dsn: str, schema: str, *items: NewJob) -> None:
 
 def _run(flavour: str, dsn: str, schema: str, effect: Lossy,
          **options: Any) -> outbox.DispatchStats:
+    # Every answer lost in a row would open the effect's breaker (an outage, for the
+    # dispatcher): these tests follow the reconciler, so the breaker is off.
     options = {"schema": schema, "unknown_outcome_window": 0, "reconcile_interval": 0.05,
-               "backoff": outbox.Backoff(base=0.001, cap=0.002), **options}
+               "backoff": outbox.Backoff(base=0.001, cap=0.002), "breaker_threshold": None,
+               **options}
     effects = [effect, Note()]
     if flavour == "sync":
         return outbox.Dispatcher(dsn, effects, **options).run_until_idle(timeout=30)
@@ -245,7 +248,7 @@ def test_two_dispatchers_never_ask_about_the_same_job(dsn: str, schema: str) -> 
 
     def dispatch() -> None:
         dispatcher = outbox.Dispatcher(dsn, [Slow(provider, schema), Note()], schema=schema,
-                                       unknown_outcome_window=0)
+                                       unknown_outcome_window=0, breaker_threshold=None)
         barrier.wait()
         dispatcher.run_until_idle(timeout=60)
 
@@ -264,7 +267,8 @@ def test_run_asks_within_the_interval(dsn: str, schema: str) -> None:
     effect = Lossy(provider, schema)
     _enqueue(dsn, schema, NewJob(LOSSY, "order-6", {"lose": True}))
     dispatcher = outbox.Dispatcher(dsn, [effect, Note()], schema=schema,
-                                   unknown_outcome_window=0, reconcile_interval=0.2)
+                                   unknown_outcome_window=0, reconcile_interval=0.2,
+                                   breaker_threshold=None)
     runner = threading.Thread(target=dispatcher.run)
     runner.start()
     try:

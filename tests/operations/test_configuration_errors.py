@@ -189,6 +189,7 @@ def test_a_role_that_may_not_record_its_heartbeat_runs_and_says_how_to_fix_it(
                       "GRANT SELECT, UPDATE, DELETE ON {s}.jobs TO {r}",
                       "GRANT SELECT ON {s}.schema_migrations TO {r}",
                       "GRANT ALL ON {s}.effect_results TO {r}",
+                      "GRANT SELECT, INSERT, UPDATE ON {s}.effect_limits TO {r}",
                       "GRANT ALL ON {s}.inbox TO {r}"):  # nothing on the dispatchers
             conn.execute(sql.SQL(grant).format(**ident))
         with outbox.transaction(conn, schema=schema) as tx:

@@ -35,4 +35,4 @@ ALTER TABLE {schema}.dashboard_audit
     DROP CONSTRAINT dashboard_audit_action_check,
     ADD CONSTRAINT dashboard_audit_action_check
         CHECK (action IN ('retry', 'resolve_done', 'resolve_failed', 'cancel', 'bulk_retry',
-                          'pause', 'resume', 'reconcile'));
+                          'reconcile'));

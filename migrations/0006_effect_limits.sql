@@ -52,7 +52,7 @@ CREATE INDEX jobs_claimable_effect ON {schema}.jobs (effect, available_at, id)
 ALTER TABLE {schema}.dashboard_audit DROP CONSTRAINT dashboard_audit_action_check;
 ALTER TABLE {schema}.dashboard_audit ADD CONSTRAINT dashboard_audit_action_check
     CHECK (action IN ('retry', 'resolve_done', 'resolve_failed', 'cancel', 'bulk_retry',
-                      'pause', 'resume'));
+                      'reconcile', 'pause', 'resume'));
 
 -- The claim of one limited effect, as one call. A function because its statements need
 -- fresh snapshots: the effect's row is locked first (claims of one limited effect queue
@@ -66,9 +66,10 @@ CREATE FUNCTION {schema}.claim_limited(
     p_effect text, p_limit integer, p_lease float8, p_worker text,
     p_rate float8, p_burst float8, p_concurrency integer
 ) RETURNS TABLE (
-    id bigint, effect text, key text, payload jsonb, attempts integer,
+    id bigint, effect text, key text, payload text, attempts integer,
     claim_version bigint, ordering_key text, max_attempts integer,
-    first_attempted_at timestamptz, waited float8, trace_context jsonb
+    first_attempted_at timestamptz, waited float8, trace_context jsonb,
+    performed_result text
 ) LANGUAGE plpgsql VOLATILE AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -165,10 +166,10 @@ BEGIN
             first_attempted_at = coalesce(j.first_attempted_at, v_now),
             updated_at = v_now
         WHERE j.id = ANY (ARRAY(SELECT c.id FROM candidates c)) AND j.status = 'pending'
-        RETURNING j.id, j.effect, j.key, j.payload, j.attempts, j.claim_version,
+        RETURNING j.id, j.effect, j.key, j.payload::text, j.attempts, j.claim_version,
                   j.ordering_key, j.max_attempts, j.first_attempted_at,
                   greatest(date_part('epoch', v_now - j.available_at), 0)::float8,
-                  j.trace_context;
+                  j.trace_context, CAST(j.performed_result AS text);
         GET DIAGNOSTICS v_claimed = ROW_COUNT;
         IF v_claimed = v_allowed AND v_allowed < p_limit AND v_wait IS NULL THEN
             -- the budget, not the queue, ended this claim
@@ -199,9 +200,9 @@ BEGIN
     IF v_wait IS NOT NULL AND v_claimed < p_limit AND EXISTS (
             SELECT 1 FROM {schema}.jobs w
             WHERE w.status = 'pending' AND w.available_at <= v_now AND w.effect = p_effect) THEN
-        RETURN QUERY SELECT NULL::bigint, p_effect, NULL::text, NULL::jsonb, NULL::integer,
+        RETURN QUERY SELECT NULL::bigint, p_effect, NULL::text, NULL::text, NULL::integer,
             NULL::bigint, NULL::text, NULL::integer, NULL::timestamptz,
-            greatest(0.005, v_wait), NULL::jsonb;
+            greatest(0.005, v_wait), NULL::jsonb, NULL::text;
     END IF;
 END
 $fn$;
