@@ -64,8 +64,10 @@ _RATES: dict[str, tuple[float, int]] = {
     "timeout": (5.0, 2),
     "drop": (5.0, 2),
     "broker": (15.0, 2),
-    "throttle": (20.0, 1),
-    "outage": (25.0, 1),
+    # Two windows at least: one may fall while the effect is paused (nothing asked, so
+    # nothing refused) and the run must still show the provider pushing back.
+    "throttle": (20.0, 2),
+    "outage": (25.0, 2),
 }
 
 
