@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -45,6 +45,8 @@ from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, Message, Produ
 
 import outbox
 from outbox.sql import queries
+
+from ._consumer_stats import ConsumerStats
 
 __all__ = ["InboxConsumer", "KafkaConsumerStats", "KafkaEvent"]
 
@@ -74,15 +76,8 @@ class KafkaEvent:
         return json.loads(self.value)
 
 
-@dataclass
-class KafkaConsumerStats:
-    """Counters of one run: handled, skipped as repeats, failed, dead-lettered."""
-
-    handled: int = 0
-    duplicates: int = 0
-    failed: int = 0
-    dead_lettered: int = 0
-    errors: list[str] = field(default_factory=list)
+# The same counters as the NATS consumer's, under the name this module has exported.
+KafkaConsumerStats = ConsumerStats
 
 
 class InboxConsumer:

@@ -35,7 +35,7 @@ import inspect
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import nats
@@ -47,6 +47,8 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 import outbox
+
+from ._consumer_stats import ConsumerStats
 
 __all__ = ["ConsumerStats", "InboxConsumer", "InboxEvent"]
 
@@ -83,17 +85,6 @@ class InboxEvent:
     def json(self) -> Any:
         """The body parsed as JSON (raises ``ValueError`` if it is not JSON)."""
         return json.loads(self.data)
-
-
-@dataclass
-class ConsumerStats:
-    """Counters of one run: messages handled, skipped as repeats, failed, parked."""
-
-    handled: int = 0
-    duplicates: int = 0
-    failed: int = 0
-    dead_lettered: int = 0
-    errors: list[str] = field(default_factory=list)
 
 
 class InboxConsumer:
