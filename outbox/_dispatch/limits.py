@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._steps import Rows, Statement, Step
 from ..errors import EffectOutcome, Retry, Throttled, UnknownOutcome
 from .settings import Settings, text_array
-from .steps import Rows, Statement, Step
 
 __all__ = [
     "BREAKER_MAX_PAUSE",

@@ -14,7 +14,7 @@ import pytest
 
 import outbox
 from outbox._dispatch.recorder import Recorder
-from outbox._dispatch.steps import Step
+from outbox._steps import Step
 
 RAISED = threading.Event()
 

@@ -27,7 +27,7 @@ from outbox._dispatch.claimer import IDLE_RECHECK, RETENTION_BATCH, RETENTION_IN
 from outbox._dispatch.recorder import Recorder
 from outbox._dispatch.settings import Settings
 from outbox._dispatch.state import Held, Outcome, Release, SharedState, Success
-from outbox._dispatch.steps import Rows, Statement, Step, run
+from outbox._steps import Rows, Statement, Step, run
 from outbox.observe import AttemptOutcome, DispatchObserver, PurgedTable
 
 
