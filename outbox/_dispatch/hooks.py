@@ -316,8 +316,7 @@ def in_transaction(conn: psycopg.Connection[Any],
                    schema: str) -> Callable[[Statement | CallHook], Any]:
     """Execute a ``HookStep``'s instructions on ``conn``, in its open transaction: a
     statement answers its rows; a hook is called with a ``HookTransaction`` and answers
-    the follow-ups it created, or raises ``HookRaised`` (the connection's own errors as
-    they are)."""
+    the follow-ups it created, or raises ``HookRaised`` (see ``_hook_error``)."""
 
     def execute(instruction: Statement | CallHook) -> Any:
         if isinstance(instruction, Statement):
@@ -329,9 +328,10 @@ def in_transaction(conn: psycopg.Connection[Any],
         try:
             instruction.fn(tx, instruction.job, instruction.value)
         except Exception as exc:
-            if conn.closed:
+            error = _hook_error(exc, conn.closed)
+            if error is exc:
                 raise
-            raise HookRaised(exc) from exc
+            raise error from exc
         return tx.created
 
     return execute
@@ -351,12 +351,24 @@ def in_transaction_async(conn: psycopg.AsyncConnection[Any],
         try:
             await instruction.fn(tx, instruction.job, instruction.value)
         except Exception as exc:
-            if conn.closed:
+            error = _hook_error(exc, conn.closed)
+            if error is exc:
                 raise
-            raise HookRaised(exc) from exc
+            raise error from exc
         return tx.created
 
     return execute
+
+
+def _hook_error(exc: Exception, closed: bool) -> Exception:
+    """What a hook's exception is for the step: ``HookRaised``; or, when the connection
+    went down with it, a lost connection (retried as one, never blamed on the hook)."""
+    if not closed:
+        return HookRaised(exc)
+    if isinstance(exc, CONNECTION_ERRORS):
+        return exc
+    return psycopg.OperationalError(
+        f"the connection was lost while a hook ran (it raised {type(exc).__name__})")
 
 
 def record_hooked(hooks: HookedOutcomes, conn: Connection, items: list[Hooked]) -> None:
@@ -431,43 +443,74 @@ def _refused_singly(hooks: HookedOutcomes, item: Hooked, exc: Exception) -> None
 
 def flush_hooked(hooks: HookedOutcomes, conn: Connection) -> None:
     """Write every hooked outcome held; after a refusal other than a lost connection,
-    one per transaction, so one bad row cannot block the rest."""
+    one per transaction, so one bad row cannot block the rest.
+
+    Only database errors are handled: anything else (a bug of ours) ends the recorder,
+    and the run raises ``DispatcherFailed``. What is held is dropped first, so every
+    attempt still reaches the observer.
+    """
+    try:
+        _flush_hooked(hooks, conn)
+    except CONNECTION_ERRORS:
+        raise
+    except BaseException as exc:
+        _drop_all(hooks, exc)
+        raise
+
+
+def _flush_hooked(hooks: HookedOutcomes, conn: Connection) -> None:
     try:
         record_hooked(hooks, conn, list(hooks.items))
         return
     except CONNECTION_ERRORS:
         raise
-    except Exception as exc:
+    except psycopg.Error as exc:
         log.error("recording hooked outcomes failed (%s); recording one by one",
-                  getattr(exc, "sqlstate", None) or type(exc).__name__)
+                  exc.sqlstate or type(exc).__name__)
     for item in list(hooks.items):
         try:
             record_hooked(hooks, conn, [item])
         except CONNECTION_ERRORS:
             raise
-        except Exception as exc:
+        except psycopg.Error as exc:
             _refused_singly(hooks, item, exc)
 
 
 async def flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> None:
-    """``flush_hooked`` for ``AsyncDispatcher``."""
+    """``flush_hooked`` for ``AsyncDispatcher`` (a cancellation drops nothing)."""
+    try:
+        await _flush_hooked_async(hooks, conn)
+    except (*CONNECTION_ERRORS, asyncio.CancelledError):
+        raise
+    except BaseException as exc:
+        _drop_all(hooks, exc)
+        raise
+
+
+async def _flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> None:
     try:
         await record_hooked_async(hooks, conn)
         return
     except CONNECTION_ERRORS:
         raise
-    except Exception as exc:
+    except psycopg.Error as exc:
         log.error("recording hooked outcomes failed (%s); recording one by one",
-                  getattr(exc, "sqlstate", None) or type(exc).__name__)
+                  exc.sqlstate or type(exc).__name__)
     for item in list(hooks.items):
         saved, hooks.items = hooks.items, [item]
         try:
             await record_hooked_async(hooks, conn)
-        except CONNECTION_ERRORS:
+        except BaseException as exc:
             hooks.items = saved
-            raise
-        except Exception as exc:
-            hooks.items = saved
+            if isinstance(exc, CONNECTION_ERRORS) or not isinstance(exc, psycopg.Error):
+                raise
             _refused_singly(hooks, item, exc)
         else:
             hooks.items = [i for i in saved if i is not item]
+
+
+def _drop_all(hooks: HookedOutcomes, exc: BaseException) -> None:
+    """The recorder ends on ``exc``: every hooked outcome held is given up to its lease."""
+    items, hooks.items = hooks.items, []
+    for item in items:
+        hooks.recorder.state.drop(item.held, exc)
