@@ -25,7 +25,7 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/unit/test_presence.py": {"outbox._dispatch"},
     "tests/unit/test_enqueue_prepare.py": {"outbox._enqueue"},
     "tests/unit/test_steps.py": {"outbox._enqueue", "outbox._steps"},
-    "tests/unit/test_step_drivers.py": {"outbox._steps"},
+    "tests/unit/test_step_drivers.py": {"outbox._dispatch", "outbox._enqueue", "outbox._steps"},
     "tests/property/test_decisions.py": {"outbox._state"},
     "tests/property/test_lifecycle.py": {"outbox._state"},
     "tests/web/test_counts.py": {"outbox._queue"},
