@@ -1,10 +1,10 @@
 """Enqueue and receive inside the business transaction: ``outbox.transaction(conn)``.
 
 Every transaction kind is a thin shell over the pure steps of ``_enqueue``: it opens and
-closes its block and executes a ``Statement``, nothing else (the steps run on ``_steps``'s
-drivers). ``Operations`` and
-``AsyncOperations`` hold the public methods once for all kinds (psycopg here, SQLAlchemy
-and Django in ``outbox.contrib``), so they all validate, write and answer alike.
+closes its block and executes a ``Statement``, nothing else (``_steps``'s drivers run the
+steps). ``Operations`` and ``AsyncOperations`` hold the public methods once for all kinds
+(psycopg here, SQLAlchemy and Django in ``outbox.contrib``), so they all validate, write
+and answer alike.
 """
 
 from __future__ import annotations
