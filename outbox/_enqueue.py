@@ -1,11 +1,12 @@
 """Pure core of enqueue and receive: validation, canonical JSON, fingerprints, and the
 conversation with the database as steps.
 
-Every transaction kind (psycopg sync and async, SQLAlchemy, Django) runs the same steps:
-a step generator yields ``(query name, parameters)``, the kind executes that named block
-its own way and sends the rows back, and the generator returns the result or raises the
-outbox error. So validation, the SQL, the interpretation of rows and the error mapping
-exist once, and every kind accepts and refuses exactly the same input. No I/O here.
+Every transaction kind (psycopg sync and async, SQLAlchemy, Django) runs the same steps
+(``_steps``): a step yields a ``Statement`` (a block of ``queries.sql`` bound to the
+schema, and its parameters), the kind executes it its own way and sends the rows back,
+and the step returns the result or raises the outbox error. So validation, the SQL, the
+interpretation of rows and the error mapping exist once, and every kind accepts and
+refuses exactly the same input. No I/O here.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from . import registry, tracing
+from ._steps import Statement, Step
 from .errors import (
     IdempotencyKeyConflict,
     InvalidArgument,
@@ -29,6 +32,9 @@ from .errors import (
     InvalidPayload,
     UnknownEffect,
 )
+
+if TYPE_CHECKING:
+    from ._sql import Queries
 
 _json_string = json.encoder.encode_basestring_ascii  # str -> JSON string literal (C)
 
@@ -40,11 +46,6 @@ _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 Payload = Mapping[str, Any] | BaseModel
 Row = tuple[Any, ...]
-Query = tuple[str, dict[str, Any]]
-"""A request to the database: the name of a block of ``queries.sql`` and its parameters."""
-T = TypeVar("T")
-Steps = Generator[Query, list[Row], T]
-"""A conversation with the database: yields queries, is sent their rows, returns T."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +298,7 @@ def dedupe_batch(jobs: Sequence[PreparedJob]) -> list[PreparedJob]:
     return list(seen.values())
 
 
+@cache
 def notify_channel(schema: str) -> str:
     """The LISTEN/NOTIFY channel for a schema (a hint that jobs were enqueued)."""
     digest = hashlib.sha1(schema.encode(), usedforsecurity=False).hexdigest()[:16]
@@ -350,13 +352,14 @@ def _many_results(
     return results
 
 
-def enqueue_steps(job: PreparedJob, channel: str) -> Steps[EnqueueResult]:
+def enqueue_steps(job: PreparedJob, queries: Queries) -> Step[EnqueueResult]:
     """Insert one prepared job unless its key is known; the result or the conflict."""
     with tracing.producer_span(job.effect) as send:
-        rows = yield ("enqueue", single_params(job, channel, send.context))
+        params = single_params(job, notify_channel(queries.schema), send.context)
+        rows = yield Statement(queries.enqueue, params)
         result = _single_result(job, rows)
         if result is None:  # inserted concurrently, committed after our snapshot
-            found = yield ("lookup_keys", {"keys": [job.key]})
+            found = yield Statement(queries.lookup_keys, {"keys": [job.key]})
             row = found[0]
             result = existing_result(job, row[1], row[2], row[3])
         send.enqueued(result.job_id, result.created)
@@ -371,32 +374,35 @@ def _batch_name(jobs: Sequence[PreparedJob]) -> str:
     return effects.pop() if len(effects) == 1 else "batch"
 
 
-def enqueue_many_steps(jobs: Sequence[PreparedJob], channel: str) -> Steps[list[EnqueueResult]]:
+def enqueue_many_steps(jobs: Sequence[PreparedJob],
+                       queries: Queries) -> Step[list[EnqueueResult]]:
     """Insert a prepared batch in one statement (two if some keys are already known)."""
     unique = dedupe_batch(jobs)
     if not unique:
         return []
     with tracing.producer_span(_batch_name(unique), len(unique)) as send:
-        rows = yield ("enqueue_many", many_params(unique, channel, send.context))
+        params = many_params(unique, notify_channel(queries.schema), send.context)
+        rows = yield Statement(queries.enqueue_many, params)
         created = {row[0]: row[1] for row in rows if row[0] is not None}
         found: dict[str, Row] = {}
         missing = [job.key for job in unique if job.key not in created]
         if missing:
-            looked_up = yield ("lookup_keys", {"keys": missing})
+            looked_up = yield Statement(queries.lookup_keys, {"keys": missing})
             found = {row[0]: row for row in looked_up}
         send.enqueued_many(len(created), len(unique))
         return _many_results(jobs, unique, created, found)
 
 
-def receive_steps(consumer: str, message_id: str) -> Steps[bool]:
+def receive_steps(consumer: str, message_id: str, queries: Queries) -> Step[bool]:
     """Record ``message_id`` in ``consumer``'s inbox; True unless it was already there."""
     validate_key(consumer, what="consumer")
     validate_key(message_id, what="message_id")
-    rows = yield ("receive", {"consumer": consumer, "message_id": message_id})
+    rows = yield Statement(queries.receive, {"consumer": consumer, "message_id": message_id})
     return bool(rows)
 
 
-def receive_many_steps(consumer: str, message_ids: Sequence[str]) -> Steps[list[bool]]:
+def receive_many_steps(consumer: str, message_ids: Sequence[str],
+                       queries: Queries) -> Step[list[bool]]:
     """``receive_steps`` for many messages in one statement: for each id in order, True
     if it is recorded now (a repeated id within ``message_ids``: True only the first time)."""
     validate_key(consumer, what="consumer")
@@ -404,7 +410,8 @@ def receive_many_steps(consumer: str, message_ids: Sequence[str]) -> Steps[list[
         validate_key(message_id, what="message_id")
     if not message_ids:
         return []
-    rows = yield ("receive_many", {"consumer": consumer, "message_ids": list(message_ids)})
+    rows = yield Statement(queries.receive_many,
+                           {"consumer": consumer, "message_ids": list(message_ids)})
     new = {row[0] for row in rows}
     first = []
     for message_id in message_ids:
@@ -413,25 +420,14 @@ def receive_many_steps(consumer: str, message_ids: Sequence[str]) -> Steps[list[
     return first
 
 
-def run_steps(steps: Steps[T], execute: Callable[[str, dict[str, Any]], list[Row]]) -> T:
-    """Drive ``steps`` to its result with a synchronous ``execute(name, params) -> rows``."""
-    try:
-        query = next(steps)
-        while True:
-            query = steps.send(execute(*query))
-    except StopIteration as done:
-        result: T = done.value
-        return result
-
-
-async def run_steps_async(
-    steps: Steps[T], execute: Callable[[str, dict[str, Any]], Awaitable[list[Row]]]
-) -> T:
-    """Drive ``steps`` to its result with an asynchronous ``execute``."""
-    try:
-        query = next(steps)
-        while True:
-            query = steps.send(await execute(*query))
-    except StopIteration as done:
-        result: T = done.value
-        return result
+def resolve_steps(key: str, result: Mapping[str, Any] | None, source: str,
+                  queries: Queries) -> Step[int | None]:
+    """The provider says the job ``key`` was performed: the id of the job resolved, or
+    None (see ``Operations.resolve_performed``)."""
+    validate_key(key)
+    text = "null" if result is None else canonical_json(result)
+    rows = yield Statement(queries.resolve_by_event, {
+        "key": key, "result": text,
+        "note": f"resolved as performed by the provider ({source[:200]})",
+        "source": source[:200], "channel": notify_channel(queries.schema)})
+    return int(rows[0][0]) if rows else None

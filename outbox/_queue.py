@@ -9,7 +9,7 @@ Prometheus database collector), so they count alike and say "due" alike:
   job held back by its ordering key waits for its key-mate, not for a dispatcher, so it
   is neither due nor part of the oldest due age.
 
-The reading is a step (``outbox._dispatch.steps``): the same statements and the same
+The reading is a step (``outbox._steps``): the same statements and the same
 interpretation of their rows, driven on a blocking connection (``read``) or an asyncio
 one (``read_async``). Callers bound the transaction (read-only, statement timeout).
 """
@@ -24,8 +24,8 @@ from typing import Any
 
 import psycopg
 
-from ._dispatch.steps import Rows, Statement, Step, run, run_async
 from ._sql import BoundQueries, bind_schema, check_schema_name, parse_blocks
+from ._steps import Rows, Statement, Step, run, run_async
 
 __all__ = [
     "EXACT_COUNT_LIMIT",

@@ -1,9 +1,10 @@
 """Enqueue and receive inside the business transaction: ``outbox.transaction(conn)``.
 
 Every transaction kind is a thin shell over the pure steps of ``_enqueue``: it opens and
-closes its block and executes a named query, nothing else. ``Operations`` and
-``AsyncOperations`` hold the public methods once for all kinds (psycopg here, SQLAlchemy
-and Django in ``outbox.contrib``), so they all validate, write and answer alike.
+closes its block and executes a ``Statement``, nothing else (``_steps``'s drivers run the
+steps). ``Operations`` and ``AsyncOperations`` hold the public methods once for all kinds
+(psycopg here, SQLAlchemy and Django in ``outbox.contrib``), so they all validate, write
+and answer alike.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from . import _enqueue, tracing
-from ._enqueue import EnqueueResult, NewJob, Payload, Row
+from ._enqueue import EnqueueResult, NewJob, Payload
 from ._pg import unmigrated
-from ._sql import queries
+from ._sql import Queries, queries
+from ._steps import Rows, Statement, Step, run, run_async
 
 T = TypeVar("T")
 
@@ -30,13 +32,14 @@ __all__ = ["AsyncOperations", "AsyncTransaction", "Operations", "Transaction", "
 class Operations:
     """``enqueue``, ``enqueue_many`` and ``receive`` for a synchronous transaction kind.
 
-    A kind sets ``schema`` and implements ``_execute(name, params)``: run the named block
-    of ``queries.sql`` (bound to ``schema``) in the caller's transaction, return its rows.
+    A kind sets ``schema`` and ``_queries`` (``queries(schema)``) and implements
+    ``_execute(statement)``: run it in the caller's transaction, return its rows.
     """
 
     schema: str
+    _queries: Queries
 
-    def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
+    def _execute(self, statement: Statement) -> Rows:
         raise NotImplementedError
 
     async def __aenter__(self) -> NoReturn:
@@ -62,12 +65,11 @@ class Operations:
         enqueue order. Invalid input raises an ``EnqueueError`` before anything is sent.
         """
         job = _enqueue.prepare(effect, key, payload, run_at, ordering_key, max_attempts)
-        steps = _enqueue.enqueue_steps(job, _enqueue.notify_channel(self.schema))
-        return self._run(steps)
+        return self._run(_enqueue.enqueue_steps(job, self._queries))
 
-    def _run(self, steps: _enqueue.Steps[T]) -> T:
+    def _run(self, step: Step[T]) -> T:
         try:
-            return _enqueue.run_steps(steps, self._execute)
+            return run(step, self._execute)
         except Exception as exc:
             missing = unmigrated(exc, self.schema)
             if missing is None:
@@ -82,8 +84,7 @@ class Operations:
         back, none of them is kept.
         """
         prepared = _enqueue.prepare_many(jobs)
-        steps = _enqueue.enqueue_many_steps(prepared, _enqueue.notify_channel(self.schema))
-        return self._run(steps)
+        return self._run(_enqueue.enqueue_many_steps(prepared, self._queries))
 
     def receive(self, consumer: str, message_id: str) -> bool:
         """Record that ``consumer`` received ``message_id``: the inbox of an idempotent consumer.
@@ -95,7 +96,7 @@ class Operations:
         of two, exactly one gets True. Both names follow the key rules (1..255 printable
         ASCII characters), else ``InvalidKey``. Rows are purged after the retention.
         """
-        return self._run(_enqueue.receive_steps(consumer, message_id))
+        return self._run(_enqueue.receive_steps(consumer, message_id, self._queries))
 
     def resolve_performed(self, key: str, result: Mapping[str, Any] | None, *,
                           source: str) -> int | None:
@@ -108,15 +109,13 @@ class Operations:
         transaction. A running, done or failed job is left alone. Written in the block's
         transaction and audited as the reconciler's decision (``source`` says whence).
         """
-        params = _resolve_params(key, result, source, self.schema)
-        rows = self._execute("resolve_by_event", params)
-        return int(rows[0][0]) if rows else None
+        return self._run(_enqueue.resolve_steps(key, result, source, self._queries))
 
     def receive_many(self, consumer: str, message_ids: Sequence[str]) -> list[bool]:
         """``receive`` for many messages in one round trip: for each id, in order, True
         the first time (an id repeated in ``message_ids`` is True once), False for a
         repeat. Same transaction, waiting and validation rules as ``receive``."""
-        return self._run(_enqueue.receive_many_steps(consumer, message_ids))
+        return self._run(_enqueue.receive_many_steps(consumer, message_ids, self._queries))
 
 
 class AsyncOperations:
@@ -128,8 +127,9 @@ class AsyncOperations:
     """
 
     schema: str
+    _queries: Queries
 
-    async def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
+    async def _execute(self, statement: Statement) -> Rows:
         raise NotImplementedError
 
     def __enter__(self) -> NoReturn:
@@ -154,12 +154,11 @@ class AsyncOperations:
         ordering_key: str | None, max_attempts: int | None,
     ) -> EnqueueResult:
         job = _enqueue.prepare(effect, key, payload, run_at, ordering_key, max_attempts)
-        steps = _enqueue.enqueue_steps(job, _enqueue.notify_channel(self.schema))
-        return await self._run(steps)
+        return await self._run(_enqueue.enqueue_steps(job, self._queries))
 
-    async def _run(self, steps: _enqueue.Steps[T]) -> T:
+    async def _run(self, step: Step[T]) -> T:
         try:
-            return await _enqueue.run_steps_async(steps, self._execute)
+            return await run_async(step, self._execute)
         except Exception as exc:
             missing = unmigrated(exc, self.schema)
             if missing is None:
@@ -172,8 +171,7 @@ class AsyncOperations:
 
     async def _enqueue_batch(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
         prepared = _enqueue.prepare_many(jobs)
-        steps = _enqueue.enqueue_many_steps(prepared, _enqueue.notify_channel(self.schema))
-        return await self._run(steps)
+        return await self._run(_enqueue.enqueue_many_steps(prepared, self._queries))
 
     def receive(self, consumer: str, message_id: str) -> Coroutine[Any, Any, bool]:
         """As ``Operations.receive``; await it."""
@@ -181,25 +179,19 @@ class AsyncOperations:
                             f"tx.receive({consumer!r}, {message_id!r})")
 
     async def _receive_one(self, consumer: str, message_id: str) -> bool:
-        steps = _enqueue.receive_steps(consumer, message_id)
-        return await self._run(steps)
+        return await self._run(_enqueue.receive_steps(consumer, message_id, self._queries))
 
     def resolve_performed(self, key: str, result: Mapping[str, Any] | None, *,
                           source: str) -> Coroutine[Any, Any, int | None]:
         """As ``Operations.resolve_performed``; await it."""
-        return self._issued(self._resolve_one(key, result, source),
+        return self._issued(self._run(_enqueue.resolve_steps(key, result, source, self._queries)),
                             f"tx.resolve_performed({key!r}, ...)")
-
-    async def _resolve_one(self, key: str, result: Mapping[str, Any] | None,
-                           source: str) -> int | None:
-        params = _resolve_params(key, result, source, self.schema)
-        rows = await self._execute("resolve_by_event", params)
-        return int(rows[0][0]) if rows else None
 
     def receive_many(self, consumer: str,
                      message_ids: Sequence[str]) -> Coroutine[Any, Any, list[bool]]:
         """As ``Operations.receive_many``; await it."""
-        return self._issued(self._run(_enqueue.receive_many_steps(consumer, message_ids)),
+        return self._issued(
+            self._run(_enqueue.receive_many_steps(consumer, message_ids, self._queries)),
                             f"tx.receive_many({consumer!r}, ...)")
 
     def _issued(self, call: Coroutine[Any, Any, T], what: str) -> Coroutine[Any, Any, T]:
@@ -236,14 +228,6 @@ _PRUNE_AT = 256
 def _never_started(call: Coroutine[Any, Any, Any]) -> bool:
     return inspect.getcoroutinestate(call) == inspect.CORO_CREATED
 
-def _resolve_params(key: str, result: Mapping[str, Any] | None, source: str,
-                    schema: str) -> dict[str, Any]:
-    _enqueue.validate_key(key)
-    text = "null" if result is None else _enqueue.canonical_json(result)
-    return {"key": key, "result": text,
-            "note": f"resolved as performed by the provider ({source[:200]})",
-            "source": source[:200], "channel": _enqueue.notify_channel(schema)}
-
 
 class Transaction(Operations):
     """A business transaction on a ``psycopg.Connection`` that can enqueue and receive.
@@ -261,10 +245,12 @@ class Transaction(Operations):
         self._tx: AbstractContextManager[psycopg.Transaction] | None = None
         self._trace: Any = None  # the block's producer spans (outbox.tracing)
 
-    def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
+    def _execute(self, statement: Statement) -> Rows:
         # Our own row factory: the caller's connection may use dict rows or others.
         cur = self.connection.cursor(row_factory=tuple_row)
-        cur.execute(getattr(self._queries, name), params)
+        cur.execute(statement.query, statement.params)
+        if statement.count:
+            return [(cur.rowcount,)]
         return cur.fetchall() if cur.description else []
 
     def __enter__(self) -> Transaction:
@@ -299,9 +285,11 @@ class AsyncTransaction(AsyncOperations):
         self._tx: AbstractAsyncContextManager[psycopg.AsyncTransaction] | None = None
         self._trace: Any = None  # the block's producer spans (outbox.tracing)
 
-    async def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
+    async def _execute(self, statement: Statement) -> Rows:
         cur = self.connection.cursor(row_factory=tuple_row)
-        await cur.execute(getattr(self._queries, name), params)
+        await cur.execute(statement.query, statement.params)
+        if statement.count:
+            return [(cur.rowcount,)]
         return await cur.fetchall() if cur.description else []
 
     async def __aenter__(self) -> AsyncTransaction:

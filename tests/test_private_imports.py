@@ -19,18 +19,19 @@ SCANNED = ("effects", "examples", "benchmarks", "tests")
 # Unit and property tests of private modules themselves: the pure decisions, and the
 # dispatcher's parts driven one at a time.
 UNIT_TESTS_OF_PRIVATE_MODULES = {
-    "tests/integration/test_dispatcher_parts.py": {"outbox._dispatch"},
+    "tests/integration/test_dispatcher_parts.py": {"outbox._dispatch", "outbox._steps"},
     "tests/unit/test_state.py": {"outbox._state"},
     "tests/unit/test_reconciler.py": {"outbox._dispatch", "outbox._state"},
     "tests/unit/test_presence.py": {"outbox._dispatch"},
     "tests/unit/test_enqueue_prepare.py": {"outbox._enqueue"},
-    "tests/unit/test_steps.py": {"outbox._enqueue"},
+    "tests/unit/test_steps.py": {"outbox._enqueue", "outbox._steps"},
+    "tests/unit/test_step_drivers.py": {"outbox._dispatch", "outbox._enqueue", "outbox._steps"},
     "tests/property/test_decisions.py": {"outbox._state"},
     "tests/property/test_lifecycle.py": {"outbox._state"},
     "tests/web/test_counts.py": {"outbox._queue"},
     "tests/web/test_queue_reporting.py": {"outbox._queue"},
-    "tests/integration/test_recorder_failures.py": {"outbox._dispatch"},
-    "tests/unit/test_dispatch_rounds.py": {"outbox._dispatch"},
+    "tests/integration/test_recorder_failures.py": {"outbox._dispatch", "outbox._steps"},
+    "tests/unit/test_dispatch_rounds.py": {"outbox._dispatch", "outbox._steps"},
 }
 
 

@@ -2,7 +2,6 @@
 
     settings    the options, validated once (frozen), shared by both dispatchers
     state       what the parts share, with named transitions and a stated owner per field
-    steps       database work written once, driven on threads or on asyncio
     connection  how connections are opened (one function) and replaced when they break
     claimer     claim batches, rescue expired leases, retention
     workers     run ``perform`` within the one concurrency limit
@@ -10,5 +9,6 @@
     listener    LISTEN for enqueue notifications, wake the claimer
     counting    ``DispatchStats`` counted from the observer events the parts report
 
-``outbox.dispatcher.Dispatcher`` builds, starts and joins them.
+Their database work is written once as steps (``outbox._steps``), driven on threads or
+on asyncio. ``outbox.dispatcher.Dispatcher`` builds, starts and joins them.
 """

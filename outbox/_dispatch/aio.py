@@ -21,6 +21,7 @@ import psycopg
 
 from .. import _state
 from .._pg import is_pooled, unreachable
+from .._steps import run_async
 from ..errors import ConfigurationError
 from ..migrate import require_current
 from .claimer import Claimer
@@ -30,7 +31,6 @@ from .listener import POLLING, listen_statement
 from .recorder import Recorder
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Timer
-from .steps import run_async
 from .workers import Performer
 
 __all__ = [

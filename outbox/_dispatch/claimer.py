@@ -22,6 +22,7 @@ import psycopg
 
 from .. import tracing
 from .._pg import configuration_error, unreachable
+from .._steps import Statement, Step, run
 from ..effect import Job
 from ..errors import ConfigurationError
 from ..migrate import require_current
@@ -32,7 +33,6 @@ from .limits import LimitedClaims
 from .presence import Presence
 from .settings import Settings
 from .state import Held, SharedState, Timer, guarded
-from .steps import Statement, Step, run
 
 __all__ = ["Claimer", "Round", "run_claimer", "wait_for_schema"]
 

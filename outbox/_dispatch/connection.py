@@ -17,9 +17,9 @@ from typing import Any
 import psycopg
 
 from .._pg import configuration_error, detect_pooler
+from .._steps import Rows, Statement
 from ..errors import ConfigurationError
 from .settings import Settings
-from .steps import Rows, Statement
 
 __all__ = [
     "CONNECTION_ERRORS",

@@ -19,9 +19,10 @@ the batch, and hooks that do not raise cost their own statements only. A hook ma
 be called twice for one outcome (the first call's writes rolled back): only what it
 writes through ``tx`` is once.
 
-The decisions are written once, as steps that yield ``Statement``s (run in the
-transaction) and ``CallHook``s (the driver calls the hook with a transaction object
-of its flavour): ``record_hooked`` drives it on a blocking connection, and
+The decisions are written once, as steps (``outbox._steps``) that yield ``Statement``s
+(run in the transaction) and ``CallHook``s (the hook called with a transaction object of
+the flavour): ``in_transaction`` and ``in_transaction_async`` execute both kinds, and
+the steps' two drivers run them. ``record_hooked`` writes on a blocking connection,
 ``record_hooked_async`` on ``AsyncDispatcher``'s asyncio connection (sync hooks there go
 to ``record_hooked`` on a thread, with a blocking connection of their own).
 """
@@ -34,7 +35,7 @@ import json
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -43,6 +44,7 @@ import psycopg
 
 from .. import _state
 from .._state import Decision
+from .._steps import Rows, Statement, run, run_async
 from ..effect import Job
 from ..errors import Permanent
 from ..flows import AsyncHookTransaction, HookTransaction
@@ -51,13 +53,13 @@ from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .flowsql import flow_queries
 from .hookset import is_async_hook
 from .state import Held, Outcome, Success, guarded
-from .steps import Rows, Statement
 
 if TYPE_CHECKING:
     from .recorder import Recorder
 
-__all__ = ["CallHook", "HookRaised", "Hooked", "HookedOutcomes", "call_hook", "drive",
-           "drive_async", "hook_decision", "record_hooked", "record_hooked_async"]
+__all__ = ["CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes", "call_hook",
+           "hook_decision", "in_transaction", "in_transaction_async", "record_hooked",
+           "record_hooked_async"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -79,7 +81,7 @@ class CallHook:
 
 
 class HookRaised(Exception):
-    """Thrown into the step by a driver: the hook raised ``error``."""
+    """Thrown into the step (raised by its executor): the hook raised ``error``."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__(error)
@@ -96,6 +98,8 @@ class HookLeftAborted(Exception):
 
 
 HookStep = Generator[Statement | CallHook, Any, T]
+"""A step that calls hooks: yields ``Statement`` (sent rows) and ``CallHook`` (sent the
+ids of the follow-up jobs the hook created)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -305,35 +309,66 @@ def call_hook(fn: Callable[..., Any], job: Job, value: Any,
     return None
 
 
-# -- drivers ---------------------------------------------------------------------------------
+# -- executors: a transaction of each flavour ---------------------------------------------
 
 
-def drive(step: HookStep[T], conn: psycopg.Connection[Any], schema: str) -> T:
-    instruction = next(step)
-    while True:
+def in_transaction(conn: psycopg.Connection[Any],
+                   schema: str) -> Callable[[Statement | CallHook], Any]:
+    """Execute a ``HookStep``'s instructions on ``conn``, in its open transaction: a
+    statement answers its rows; a hook is called with a ``HookTransaction`` and answers
+    the follow-ups it created, or raises ``HookRaised`` (see ``_hook_error``)."""
+
+    def execute(instruction: Statement | CallHook) -> Any:
+        if isinstance(instruction, Statement):
+            cursor = conn.execute(instruction.query, instruction.params)
+            if instruction.count:
+                return [(cursor.rowcount,)]
+            return cursor.fetchall() if cursor.description else []
+        tx = HookTransaction(conn, schema)
         try:
-            if isinstance(instruction, Statement):
-                cursor = conn.execute(instruction.query, instruction.params)
-                value: Any = cursor.fetchall() if cursor.description else []
-            else:
-                tx = HookTransaction(conn, schema)
-                try:
-                    instruction.fn(tx, instruction.job, instruction.value)
-                except Exception as exc:
-                    if conn.closed:
-                        raise
-                    raise HookRaised(exc) from exc
-                value = tx.created
+            instruction.fn(tx, instruction.job, instruction.value)
         except Exception as exc:
-            try:
-                instruction = step.throw(exc)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-        else:
-            try:
-                instruction = step.send(value)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+            error = _hook_error(exc, conn.closed)
+            if error is exc:
+                raise
+            raise error from exc
+        return tx.created
+
+    return execute
+
+
+def in_transaction_async(conn: psycopg.AsyncConnection[Any],
+                         schema: str) -> Callable[[Statement | CallHook], Awaitable[Any]]:
+    """``in_transaction`` on an asyncio connection (the hooks are ``async def``)."""
+
+    async def execute(instruction: Statement | CallHook) -> Any:
+        if isinstance(instruction, Statement):
+            cursor = await conn.execute(instruction.query, instruction.params)
+            if instruction.count:
+                return [(cursor.rowcount,)]
+            return await cursor.fetchall() if cursor.description else []
+        tx = AsyncHookTransaction(conn, schema)
+        try:
+            await instruction.fn(tx, instruction.job, instruction.value)
+        except Exception as exc:
+            error = _hook_error(exc, conn.closed)
+            if error is exc:
+                raise
+            raise error from exc
+        return tx.created
+
+    return execute
+
+
+def _hook_error(exc: Exception, closed: bool) -> Exception:
+    """What a hook's exception is for the step: ``HookRaised``; or, when the connection
+    went down with it, a lost connection (retried as one, never blamed on the hook)."""
+    if not closed:
+        return HookRaised(exc)
+    if isinstance(exc, CONNECTION_ERRORS):
+        return exc
+    return psycopg.OperationalError(
+        f"the connection was lost while a hook ran (it raised {type(exc).__name__})")
 
 
 def record_hooked(hooks: HookedOutcomes, conn: Connection, items: list[Hooked]) -> None:
@@ -341,50 +376,22 @@ def record_hooked(hooks: HookedOutcomes, conn: Connection, items: list[Hooked]) 
     or a thread of ``AsyncDispatcher``'s for its sync hooks): ``fast``, and if a hook
     raised, ``careful`` in a new transaction."""
     pg = conn.get()
-    schema = hooks.settings.schema
+    execute = in_transaction(pg, hooks.settings.schema)
     try:
         try:
             with pg.transaction():
-                written = drive(hooks.fast(items), pg, schema)
+                written = run(hooks.fast(items), execute)
         except _HOOK_TROUBLE as exc:
             if isinstance(exc, CONNECTION_ERRORS) or pg.closed:
                 raise
             with pg.transaction():
-                written = drive(hooks.careful(items), pg, schema)
+                written = run(hooks.careful(items), execute)
     except CONNECTION_ERRORS:
         if conn.lost:
             conn.discard()
         raise
     conn.succeeded()
     hooks.applied(items, written)
-
-
-async def drive_async(step: HookStep[T], conn: psycopg.AsyncConnection[Any], schema: str) -> T:
-    instruction = next(step)
-    while True:
-        try:
-            if isinstance(instruction, Statement):
-                cursor = await conn.execute(instruction.query, instruction.params)
-                value: Any = await cursor.fetchall() if cursor.description else []
-            else:
-                tx = AsyncHookTransaction(conn, schema)
-                try:
-                    await instruction.fn(tx, instruction.job, instruction.value)
-                except Exception as exc:
-                    if conn.closed:
-                        raise
-                    raise HookRaised(exc) from exc
-                value = tx.created
-        except Exception as exc:
-            try:
-                instruction = step.throw(exc)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-        else:
-            try:
-                instruction = step.send(value)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
 
 
 async def record_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> None:
@@ -394,16 +401,16 @@ async def record_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> N
     sync_items = [i for i in hooks.items if not i.is_async]
     if async_items:
         pg = await conn.get()
-        schema = hooks.settings.schema
+        execute = in_transaction_async(pg, hooks.settings.schema)
         try:
             try:
                 async with pg.transaction():
-                    written = await drive_async(hooks.fast(async_items), pg, schema)
+                    written = await run_async(hooks.fast(async_items), execute)
             except _HOOK_TROUBLE as exc:
                 if isinstance(exc, CONNECTION_ERRORS) or pg.closed:
                     raise
                 async with pg.transaction():
-                    written = await drive_async(hooks.careful(async_items), pg, schema)
+                    written = await run_async(hooks.careful(async_items), execute)
         except CONNECTION_ERRORS:
             if conn.lost:
                 await conn.discard()
@@ -436,43 +443,74 @@ def _refused_singly(hooks: HookedOutcomes, item: Hooked, exc: Exception) -> None
 
 def flush_hooked(hooks: HookedOutcomes, conn: Connection) -> None:
     """Write every hooked outcome held; after a refusal other than a lost connection,
-    one per transaction, so one bad row cannot block the rest."""
+    one per transaction, so one bad row cannot block the rest.
+
+    Only database errors are handled: anything else (a bug of ours) ends the recorder,
+    and the run raises ``DispatcherFailed``. What is held is dropped first, so every
+    attempt still reaches the observer.
+    """
+    try:
+        _flush_hooked(hooks, conn)
+    except CONNECTION_ERRORS:
+        raise
+    except BaseException as exc:
+        _drop_all(hooks, exc)
+        raise
+
+
+def _flush_hooked(hooks: HookedOutcomes, conn: Connection) -> None:
     try:
         record_hooked(hooks, conn, list(hooks.items))
         return
     except CONNECTION_ERRORS:
         raise
-    except Exception as exc:
+    except psycopg.Error as exc:
         log.error("recording hooked outcomes failed (%s); recording one by one",
-                  getattr(exc, "sqlstate", None) or type(exc).__name__)
+                  exc.sqlstate or type(exc).__name__)
     for item in list(hooks.items):
         try:
             record_hooked(hooks, conn, [item])
         except CONNECTION_ERRORS:
             raise
-        except Exception as exc:
+        except psycopg.Error as exc:
             _refused_singly(hooks, item, exc)
 
 
 async def flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> None:
-    """``flush_hooked`` for ``AsyncDispatcher``."""
+    """``flush_hooked`` for ``AsyncDispatcher`` (a cancellation drops nothing)."""
+    try:
+        await _flush_hooked_async(hooks, conn)
+    except (*CONNECTION_ERRORS, asyncio.CancelledError):
+        raise
+    except BaseException as exc:
+        _drop_all(hooks, exc)
+        raise
+
+
+async def _flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> None:
     try:
         await record_hooked_async(hooks, conn)
         return
     except CONNECTION_ERRORS:
         raise
-    except Exception as exc:
+    except psycopg.Error as exc:
         log.error("recording hooked outcomes failed (%s); recording one by one",
-                  getattr(exc, "sqlstate", None) or type(exc).__name__)
+                  exc.sqlstate or type(exc).__name__)
     for item in list(hooks.items):
         saved, hooks.items = hooks.items, [item]
         try:
             await record_hooked_async(hooks, conn)
-        except CONNECTION_ERRORS:
+        except BaseException as exc:
             hooks.items = saved
-            raise
-        except Exception as exc:
-            hooks.items = saved
+            if isinstance(exc, CONNECTION_ERRORS) or not isinstance(exc, psycopg.Error):
+                raise
             _refused_singly(hooks, item, exc)
         else:
             hooks.items = [i for i in saved if i is not item]
+
+
+def _drop_all(hooks: HookedOutcomes, exc: BaseException) -> None:
+    """The recorder ends on ``exc``: every hooked outcome held is given up to its lease."""
+    items, hooks.items = hooks.items, []
+    for item in items:
+        hooks.recorder.state.drop(item.held, exc)

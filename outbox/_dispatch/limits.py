@@ -26,9 +26,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
+
+from .._steps import Rows, Statement, Step
 from ..errors import EffectOutcome, Retry, Throttled, UnknownOutcome
 from .settings import Settings, text_array
-from .steps import Rows, Statement, Step
 
 __all__ = [
     "BREAKER_MAX_PAUSE",
@@ -297,8 +299,8 @@ def _guarded(statement: Statement) -> Step[Rows]:
         rows: Rows = yield statement
     except CONNECTION_ERRORS:
         raise
-    except Exception as exc:
+    except psycopg.Error as exc:  # refused: the outcomes matter more than the limit state
         log.error("writing the shared limit state failed (%s); the outcomes are recorded "
-                  "without it", getattr(exc, "sqlstate", None) or type(exc).__name__)
+                  "without it", exc.sqlstate or type(exc).__name__)
         return []
     return rows

@@ -20,9 +20,9 @@ from typing import Any
 
 import psycopg
 
+from .._steps import Statement, Step
 from .settings import Settings
 from .state import Timer
-from .steps import Statement, Step
 
 __all__ = ["BEAT_INTERVAL", "REPEAT_INTERVAL", "Presence"]
 

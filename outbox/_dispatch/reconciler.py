@@ -21,7 +21,7 @@ pass before claiming). Each pass::
 
 The decisions (``decide``) and the resolutions (``resolve``, a step that yields statements
 and hook calls) are written once; ``run_reconciler`` and ``run_reconciler_async`` drive
-them.
+them with the steps' two drivers (``outbox._steps``).
 """
 
 from __future__ import annotations
@@ -38,16 +38,23 @@ from typing import Any, Literal
 
 from .. import _state
 from .._state import Decision
+from .._steps import Statement, Step, run, run_async
 from ..effect import Effect, Job
 from ..errors import ConfigurationError, Permanent, UnknownOutcome
 from ..flows import NotPerformed, Performed
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .flowsql import flow_queries
-from .hooks import ROLLBACK, SAVEPOINT, HookStep, call_hook, drive, drive_async
+from .hooks import (
+    ROLLBACK,
+    SAVEPOINT,
+    HookStep,
+    call_hook,
+    in_transaction,
+    in_transaction_async,
+)
 from .hookset import is_async_hook, overrides
 from .settings import Settings
 from .state import SharedState
-from .steps import Statement
 from .workers import result_json
 
 __all__ = ["MAX_UNKNOWN_PASSES", "Answer", "Reconciler", "decide", "next_ask",
@@ -136,7 +143,7 @@ class Reconciler:
 
     # -- take ------------------------------------------------------------------------------
 
-    def take(self) -> HookStep[list[tuple[Job, int]]]:
+    def take(self) -> Step[list[tuple[Job, int]]]:
         rows = yield Statement(self.queries.reconcile_take, {
             "effects": self.names, "limit": BATCH, "hold": self.hold})
         return [(Job(id=r[0], effect=r[1], key=r[2], payload=r[3], attempt=r[4],
@@ -257,8 +264,7 @@ def reconcile_pass(reconciler: Reconciler, conn: Connection) -> int:
     """One pass on a blocking connection: take, ask, resolve; how many were asked."""
     asked = 0
     for _ in range(MAX_BATCHES):
-        pg = conn.get()
-        taken = drive(reconciler.take(), pg, reconciler.settings.schema)
+        taken = run(reconciler.take(), conn.execute)
         for job, checks in taken:
             resolve_on(reconciler, conn, reconciler.ask(job, checks))
             asked += 1
@@ -296,7 +302,7 @@ def resolve_on(reconciler: Reconciler, conn: Connection, answer: Answer) -> None
     """Write ``answer`` in a transaction of its own on a blocking connection."""
     pg = conn.get()
     with pg.transaction():
-        drive(reconciler.resolve(answer), pg, reconciler.settings.schema)
+        run(reconciler.resolve(answer), in_transaction(pg, reconciler.settings.schema))
 
 
 async def reconcile_pass_async(reconciler: Reconciler, conn: AsyncConnection,
@@ -305,7 +311,7 @@ async def reconcile_pass_async(reconciler: Reconciler, conn: AsyncConnection,
     asked = 0
     schema = reconciler.settings.schema
     for _ in range(MAX_BATCHES):
-        taken = await drive_async(reconciler.take(), await conn.get(), schema)
+        taken = await run_async(reconciler.take(), conn.execute)
         for job, checks in taken:
             answer = await reconciler.ask_async(job, checks)
             if reconciler.sync_hook(answer):
@@ -313,7 +319,8 @@ async def reconcile_pass_async(reconciler: Reconciler, conn: AsyncConnection,
             else:
                 pg = await conn.get()
                 async with pg.transaction():
-                    await drive_async(reconciler.resolve(answer), pg, schema)
+                    await run_async(reconciler.resolve(answer),
+                                    in_transaction_async(pg, schema))
             asked += 1
         if len(taken) < BATCH or reconciler.state.stopping.is_set():
             break

@@ -23,6 +23,7 @@ import psycopg
 from .. import _state
 from .._pg import configuration_error
 from .._state import Decision
+from .._steps import Statement, Step, run
 from ..errors import ConfigurationError, Throttled
 from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, Connection
@@ -31,7 +32,6 @@ from .limits import report
 from .reconciler import ask_before_window_closes, reconcilers
 from .settings import Settings
 from .state import Held, Outcome, Release, SharedState, Success, Timer, guarded
-from .steps import Statement, Step, run
 
 __all__ = ["Recorder", "run_recorder"]
 

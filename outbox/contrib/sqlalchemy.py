@@ -37,8 +37,8 @@ from sqlalchemy.ext.asyncio import AsyncTransaction as _SAAsyncTransaction
 from sqlalchemy.ext.asyncio.session import AsyncSessionTransaction
 from sqlalchemy.orm import Session, SessionTransaction, scoped_session
 
-from .._enqueue import Row
 from .._sql import queries
+from .._steps import Rows, Statement
 from ..transaction import AsyncOperations, Operations
 
 __all__ = ["AsyncTransaction", "Transaction", "colon_params", "transaction"]
@@ -67,11 +67,14 @@ def colon_params(query: str) -> str:
 
 
 @cache
-def _statement(schema: str, name: str) -> TextClause:
-    return text(colon_params(getattr(queries(schema), name)))
+def _text(query: str) -> TextClause:
+    """``query`` (a bound block of ``queries.sql``) as ``text()``, made once per block."""
+    return text(colon_params(query))
 
 
-def _rows(result: Any) -> list[Row]:
+def _rows(result: Any, statement: Statement) -> Rows:
+    if statement.count:
+        return [(result.rowcount,)]
     return [tuple(row) for row in result] if result.returns_rows else []
 
 
@@ -85,13 +88,14 @@ class Transaction(Operations):
     def __init__(self, target: Session | Connection, schema: str = "outbox") -> None:
         self.target = target
         self.schema = schema
-        queries(schema)  # an impossible schema name fails here, before the block opens
+        self._queries = queries(schema)  # an impossible schema name fails here
         self._savepoint: SessionTransaction | NestedTransaction | None = None
 
-    def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
+    def _execute(self, statement: Statement) -> Rows:
         target = self.target
         connection = target.connection() if isinstance(target, Session) else target
-        return _rows(connection.execute(_statement(self.schema, name), params))
+        query = _text(statement.query)
+        return _rows(connection.execute(query, statement.params), statement)
 
     def __enter__(self) -> Transaction:
         self._savepoint = self.target.begin_nested()
@@ -117,13 +121,14 @@ class AsyncTransaction(AsyncOperations):
     def __init__(self, target: AsyncSession | AsyncConnection, schema: str = "outbox") -> None:
         self.target = target
         self.schema = schema
-        queries(schema)
+        self._queries = queries(schema)
         self._savepoint: AsyncSessionTransaction | _SAAsyncTransaction | None = None
 
-    async def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
+    async def _execute(self, statement: Statement) -> Rows:
         target = self.target
         connection = await target.connection() if isinstance(target, AsyncSession) else target
-        return _rows(await connection.execute(_statement(self.schema, name), params))
+        query = _text(statement.query)
+        return _rows(await connection.execute(query, statement.params), statement)
 
     async def __aenter__(self) -> AsyncTransaction:
         self._savepoint = await self.target.begin_nested()

@@ -21,7 +21,7 @@ from outbox._dispatch.connection import Connection, connect
 from outbox._dispatch.recorder import Recorder
 from outbox._dispatch.settings import Settings
 from outbox._dispatch.state import Held, Outcome, SharedState, Success
-from outbox._dispatch.steps import run
+from outbox._steps import run
 from outbox.observe import AttemptOutcome, DispatchObserver
 from outbox.testing import jobs, ledger
 

@@ -1,5 +1,6 @@
 """``Claimer.round`` and ``Recorder.record`` driven by a scripted executor, no database:
 each test says which statements a step must ask for, in order, and what they answer.
+Every test runs on both drivers of ``outbox._steps`` (``run`` and ``run_async``).
 
 What the statements themselves do is tested against PostgreSQL elsewhere; here it is
 the decisions around them: the rescue and retention timers, how much to claim (with and
@@ -9,6 +10,7 @@ retried batch, a refused one, and the heartbeat.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections import Counter
@@ -27,7 +29,7 @@ from outbox._dispatch.claimer import IDLE_RECHECK, RETENTION_BATCH, RETENTION_IN
 from outbox._dispatch.recorder import Recorder
 from outbox._dispatch.settings import Settings
 from outbox._dispatch.state import Held, Outcome, Release, SharedState, Success
-from outbox._dispatch.steps import Rows, Statement, Step, run
+from outbox._steps import Rows, Statement, Step, run, run_async
 from outbox.observe import AttemptOutcome, DispatchObserver, PurgedTable
 
 
@@ -72,6 +74,7 @@ class Script:
     queries: Any
     expected: list[tuple[str, Rows | BaseException]] = field(default_factory=list)
     asked: list[tuple[str, Statement]] = field(default_factory=list)
+    driver = "run"  # or "run_async": set for each test by the ``_driver`` fixture
 
     def then(self, name: str, answer: Rows | BaseException) -> Script:
         self.expected.append((name, answer))
@@ -93,7 +96,13 @@ class Script:
         return answer
 
     def drive(self, step: Step[Any]) -> Any:
-        result = run(step, self.execute)
+        if self.driver == "run":
+            result = run(step, self.execute)
+        else:
+            async def execute(statement: Statement) -> Rows:
+                return self.execute(statement)
+
+            result = asyncio.run(run_async(step, execute))
         assert not self.expected, f"statements not asked for: {[n for n, _ in self.expected]}"
         return result
 
@@ -108,6 +117,11 @@ class Clock:
 
     def monotonic(self) -> float:
         return self.now
+
+
+@pytest.fixture(autouse=True, params=["run", "run_async"])
+def _driver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Script, "driver", request.param)
 
 
 @pytest.fixture
@@ -324,6 +338,30 @@ def test_a_retried_batch_asks_the_ledger_about_completions_missing_from_the_repl
     assert events.recorded_ == Counter(done=2, lost=1)
 
 
+def test_a_batch_sent_again_after_a_lost_connection_counts_what_landed_the_first_time(
+        ) -> None:
+    events = Events()
+    rec, shared = recorder(events)
+    jobs = held(1, 2, 3, 4)
+    shared.hold(jobs)
+    pending = outcomes(jobs, Success("null"), Success("null"), Success("null"),
+                       outbox.Permanent("declined"))
+    gone = psycopg.OperationalError("server closed the connection")
+    with pytest.raises(psycopg.OperationalError):
+        Script(rec.queries).then("complete", gone).drive(rec.flush(pending))
+    rec.failed(gone, lost=True, pending=pending)  # what run_recorder does, then waits
+    assert rec.retrying and len(pending) == 4 and events.recorded_ == Counter()
+    # Sent again: 1 and 2 landed the first time (the ledger knows, though the reply said
+    # only 3), and the settle, never sent before, goes now.
+    script = (Script(rec.queries).then("complete", [(3,)])
+              .then("recorded_claims", [(1,), (2,)])
+              .then("settle", [(4,)]))
+    script.drive(rec.flush(pending))
+    assert [c["id"] for c in json.loads(script.params("recorded_claims")["claims"])] == [1, 2]
+    assert pending == [] and shared.held == {}
+    assert events.recorded_ == Counter(done=3, failed=1)
+
+
 def test_a_batch_that_is_not_retried_does_not_ask_the_ledger() -> None:
     events = Events()
     rec, shared = recorder(events)
@@ -376,6 +414,18 @@ def test_an_error_no_retry_helps_drops_the_batch_and_ends_the_recorder(
          .then("complete", error).drive(rec.flush(pending)))
     assert pending == [] and shared.held == {}
     assert events.finished == Counter(lost=2)
+
+
+def test_a_refused_write_of_the_limit_state_still_records_the_outcomes() -> None:
+    events = Events()
+    rec, shared = recorder(events)
+    jobs = held(1)
+    shared.hold(jobs)
+    pending = outcomes(jobs, outbox.Retry())  # transient: counted toward the breaker
+    (Script(rec.queries).then("limit_ensure", psycopg.errors.CheckViolation("refused"))
+     .then("limit_failed", psycopg.errors.CheckViolation("refused"))
+     .then("settle", [(1,)]).drive(rec.flush(pending)))
+    assert pending == [] and events.recorded_ == Counter(retry=1)
 
 
 def test_the_heartbeat_marks_the_claims_it_did_not_extend() -> None:

@@ -52,8 +52,8 @@ from django.db import connections
 from django.db import transaction as django_transaction
 from psycopg.conninfo import make_conninfo
 
-from ..._enqueue import Row
 from ..._sql import queries
+from ..._steps import Rows, Statement
 from ...transaction import Operations
 from ._schema import flush
 
@@ -79,9 +79,11 @@ class Transaction(Operations):
         self._queries = queries(self.schema)
         self._atomic: django_transaction.Atomic | None = None
 
-    def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
+    def _execute(self, statement: Statement) -> Rows:
         with connections[self.using].cursor() as cursor:
-            cursor.execute(getattr(self._queries, name), params)
+            cursor.execute(statement.query, statement.params)
+            if statement.count:
+                return [(cursor.rowcount,)]
             return [tuple(row) for row in cursor.fetchall()] if cursor.description else []
 
     def __enter__(self) -> Transaction:

@@ -1,0 +1,81 @@
+"""Database work written once for every caller and both flavours: steps, and their two
+drivers (psycopg's habit: one generator protocol, a blocking wait and an asyncio one).
+
+A step is a generator. It yields an instruction, is sent the answer, and returns its
+result::
+
+    rows = yield Statement(query, params)      # the rows (or the error, thrown in)
+
+Enqueue and receive (``_enqueue``), the reading of the queue (``_queue``), the claimer,
+the recorder, the completion hooks and the reconciler are all steps, so what they decide
+exists once whether a blocking connection, an asyncio one or an ORM runs it. The
+instruction is a ``Statement`` almost everywhere; a caller whose steps need more (the
+dispatcher's hooks yield ``CallHook`` too) supplies an executor that understands it:
+the drivers only pass instructions along, answers back and errors in.
+
+An error the executor raises (any ``Exception``) is thrown into the step at its
+``yield``: a step that does not catch it ends with that very error, unchanged, which the
+driver lets propagate. Anything else (``KeyboardInterrupt``, a cancellation) is not
+thrown in; it propagates from the driver at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Generator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+__all__ = ["Rows", "Statement", "Step", "run", "run_async"]
+
+T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741  the instruction a step yields
+A = TypeVar("A")  # the answer it is sent
+Rows = list[tuple[Any, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """One statement to run (on a dispatcher connection: in its own transaction; in a
+    business transaction: in that one). ``query`` is SQL text with ``%(name)s``
+    parameters. With ``count``, the rows answered are ``[(rowcount,)]`` (for a DELETE
+    that returns nothing)."""
+
+    query: str
+    params: Mapping[str, Any]
+    count: bool = False
+
+
+Step = Generator[Statement, Rows, T]
+"""A step that asks only for statements: yields ``Statement``, is sent rows, returns T."""
+
+
+def run(step: Generator[I, A, T], execute: Callable[[I], A]) -> T:
+    """Drive ``step`` to its result with a blocking ``execute``."""
+    try:
+        instruction = next(step)
+        while True:
+            try:
+                answer = execute(instruction)
+            except Exception as exc:
+                instruction = step.throw(exc)
+            else:
+                instruction = step.send(answer)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+
+
+async def run_async(step: Generator[I, A, T], execute: Callable[[I], Awaitable[A]]) -> T:
+    """Drive ``step`` to its result with an asyncio ``execute``: ``run``'s twin."""
+    try:
+        instruction = next(step)
+        while True:
+            try:
+                answer = await execute(instruction)
+            except Exception as exc:
+                instruction = step.throw(exc)
+            else:
+                instruction = step.send(answer)
+    except StopIteration as done:
+        result: T = done.value
+        return result
