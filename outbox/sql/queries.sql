@@ -68,25 +68,30 @@ FROM unnest(CAST(%(keys)s AS text[])) AS k(key)
 LEFT JOIN {schema}.jobs j ON j.key = k.key
 LEFT JOIN {schema}.effect_results r ON r.key = k.key;
 
+-- fragment: claimable
+-- Whether the job j is one a claim takes now, whatever its effect: pending, due, and not
+-- held back by its ordering key (a job with a key is claimable only when no earlier job
+-- of that key is pending and none is running). Written once: the claims (claim,
+-- limit_claim), has_due_work and the queue model's "due" (queue.sql) all bind it.
+(j.status = 'pending'
+ AND j.available_at <= now()
+ AND (j.ordering_key IS NULL OR NOT EXISTS (
+       SELECT 1 FROM {schema}.jobs o
+       WHERE o.ordering_key = j.ordering_key
+         AND o.id <> j.id
+         AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id)))))
+
 -- name: claim
 -- Claim up to %(limit)s due jobs. The locking clause sits inside the CTE (it does not
 -- reach into a WITH from outside) and the UPDATE repeats status = 'pending': EvalPlanQual
 -- rechecks only the UPDATE's own conditions, so without the guard a session that waited
--- on a row another session just claimed would claim it too. A job with an ordering key
--- is claimable only when no earlier job of that key is unfinished and none is running.
+-- on a row another session just claimed would claim it too.
 -- The ids go through an array so the UPDATE probes the primary key instead of letting
 -- the planner hash-join against every pending row.
 WITH candidates AS (
     SELECT j.id
     FROM {schema}.jobs j
-    WHERE j.status = 'pending'
-      AND j.available_at <= now()
-      AND j.effect = ANY(%(effects)s::text[])
-      AND (j.ordering_key IS NULL OR NOT EXISTS (
-            SELECT 1 FROM {schema}.jobs o
-            WHERE o.ordering_key = j.ordering_key
-              AND o.id <> j.id
-              AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id))))
+    WHERE {claimable} AND j.effect = ANY(%(effects)s::text[])
     ORDER BY j.available_at, j.id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -225,14 +230,7 @@ RETURNING j.id, j.key, j.status, j.claim_version;
 -- expires).
 SELECT EXISTS (
     SELECT 1 FROM {schema}.jobs j
-    WHERE j.status = 'pending'
-      AND j.available_at <= now()
-      AND j.effect = ANY(%(effects)s::text[])
-      AND (j.ordering_key IS NULL OR NOT EXISTS (
-            SELECT 1 FROM {schema}.jobs o
-            WHERE o.ordering_key = j.ordering_key
-              AND o.id <> j.id
-              AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id))))
+    WHERE {claimable} AND j.effect = ANY(%(effects)s::text[])
 ) OR EXISTS (
     SELECT 1 FROM {schema}.jobs j
     WHERE j.status = 'running' AND j.effect = ANY(%(effects)s::text[])
@@ -261,32 +259,6 @@ WITH doomed AS (
 )
 DELETE FROM {schema}.effect_results r USING doomed d
 WHERE r.key = d.key;
-
--- name: retry_job
--- Operator retry: failed or reconcile -> pending, with a fresh attempt budget and a fresh
--- idempotency window. claim_version keeps growing.
-UPDATE {schema}.jobs
-SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
-    updated_at = now()
-WHERE id = %(id)s::bigint AND status IN ('failed', 'reconcile')
-RETURNING id, key, effect;
-
--- name: job_status
-SELECT status FROM {schema}.jobs WHERE id = %(id)s::bigint;
-
--- name: status_counts
-SELECT status, count(*) AS jobs FROM {schema}.jobs GROUP BY status ORDER BY status;
-
--- name: queue_health
-SELECT
-    (SELECT extract(epoch FROM now() - min(available_at))
-       FROM {schema}.jobs WHERE status = 'pending' AND available_at <= now()) AS oldest_pending_age,
-    (SELECT count(*) FROM {schema}.jobs
-      WHERE status = 'pending' AND available_at <= now()) AS due_backlog,
-    (SELECT count(*) FROM {schema}.jobs
-      WHERE status = 'running' AND lease_until < now()) AS expired_leases,
-    (SELECT n_dead_tup FROM pg_stat_user_tables
-      WHERE schemaname = %(schema_name)s::text AND relname = 'jobs') AS dead_tuples;
 
 -- name: recent_failures
 SELECT id, effect, key, status, attempts, last_error, updated_at
@@ -434,21 +406,6 @@ WHERE NOT EXISTS (SELECT 1 FROM {schema}.dispatchers d
                   WHERE d.expires_at > now() AND due.effect = ANY(d.effects))
 GROUP BY effect
 ORDER BY effect;
-
--- name: due_by_effect
--- The backlog per effect (outbox status): pending jobs, those due now, the oldest due
--- job's age, and how many live dispatchers serve the effect.
-SELECT j.effect,
-       count(*) AS pending,
-       count(*) FILTER (WHERE j.available_at <= now()) AS due,
-       extract(epoch FROM now() - min(j.available_at)
-               FILTER (WHERE j.available_at <= now()))::float8 AS oldest_due_age,
-       (SELECT count(*) FROM {schema}.dispatchers d
-        WHERE d.expires_at > now() AND j.effect = ANY(d.effects)) AS dispatchers
-FROM {schema}.jobs j
-WHERE j.status = 'pending'
-GROUP BY j.effect
-ORDER BY j.effect;
 
 -- name: live_dispatchers
 -- The dispatchers whose heartbeat is current, with the effects each serves.
@@ -646,56 +603,6 @@ SELECT l.effect, l.rate, l.burst, l.concurrency,
        l.failures, l.opened, l.throttled_total, l.throttled_at
 FROM {schema}.effect_limits l
 ORDER BY l.effect;
-
--- ---------------------------------------------------------------------------------------
--- Operators on the command line: retries audited (in dashboard_audit, as the dashboard's
--- are) and announced, so a listening dispatcher picks the job up at once.
--- ---------------------------------------------------------------------------------------
-
--- name: retry_job_audited
--- Operator retry of one job: failed or reconcile -> pending with a fresh attempt budget
--- and idempotency window, audited in the same statement, and a notification.
-WITH changed AS (
-    UPDATE {schema}.jobs
-    SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
-        updated_at = now()
-    WHERE id = %(id)s::bigint AND status IN ('failed', 'reconcile')
-    RETURNING id, key, effect
-), audited AS (
-    INSERT INTO {schema}.dashboard_audit (actor, action, job_id, detail, affected)
-    VALUES (%(actor)s::text, 'retry', %(id)s::bigint,
-            jsonb_build_object('via', 'command line'), (SELECT count(*) FROM changed))
-)
-SELECT c.id, c.key, c.effect FROM changed c, pg_notify(%(channel)s::text, '');
-
--- name: retry_matching
--- Operator bulk retry: failed jobs of %(effect)s whose last error contains %(error)s
--- (case-insensitive) back to pending, newest first, at most %(cap)s; rows another
--- session holds are skipped, and the status is checked again on the update (fenced).
--- Audited as one bulk_retry row with the filter, and announced.
-WITH picked AS (
-    SELECT j.id FROM {schema}.jobs j
-    WHERE j.status = 'failed' AND j.effect = %(effect)s::text
-      AND strpos(lower(j.last_error), lower(%(error)s::text)) > 0
-    ORDER BY j.id DESC
-    LIMIT %(cap)s
-    FOR UPDATE SKIP LOCKED
-), changed AS (
-    UPDATE {schema}.jobs j
-    SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
-        updated_at = now()
-    FROM picked p
-    WHERE j.id = p.id AND j.status = 'failed'
-    RETURNING j.id
-), audited AS (
-    INSERT INTO {schema}.dashboard_audit (actor, action, job_id, detail, affected)
-    VALUES (%(actor)s::text, 'bulk_retry', NULL,
-            jsonb_build_object('filter', jsonb_build_object(
-                'status', 'failed', 'effect', %(effect)s::text, 'error', %(error)s::text),
-                'cap', %(cap)s::integer, 'via', 'command line'),
-            (SELECT count(*) FROM changed))
-)
-SELECT count(*) FROM changed c, pg_notify(%(channel)s::text, '');
 
 -- name: failed_groups
 -- Failed jobs grouped by effect and error fingerprint: the error's class and message
