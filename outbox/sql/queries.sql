@@ -81,29 +81,21 @@ LEFT JOIN {schema}.effect_results r ON r.key = k.key;
          AND o.id <> j.id
          AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id)))))
 
--- name: claim
--- Claim up to %(limit)s due jobs. The locking clause sits inside the CTE (it does not
--- reach into a WITH from outside) and the UPDATE repeats status = 'pending': EvalPlanQual
--- rechecks only the UPDATE's own conditions, so without the guard a session that waited
--- on a row another session just claimed would claim it too.
--- The ids go through an array so the UPDATE probes the primary key instead of letting
--- the planner hash-join against every pending row.
-WITH candidates AS (
-    SELECT j.id
-    FROM {schema}.jobs j
-    WHERE {claimable} AND j.effect = ANY(%(effects)s::text[])
-    ORDER BY j.available_at, j.id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
+-- fragment: claim_taken
+-- The locked candidates (a CTE of ids) to running, at the time in the CTE clock (one row,
+-- at): the claim counted as an attempt, a new claim_version (the fence), the lease taken.
+-- The UPDATE repeats status = 'pending': EvalPlanQual rechecks only the UPDATE's own
+-- conditions, so without the guard a session that waited on a row another session just
+-- claimed would claim it too. The ids go through an array so the UPDATE probes the
+-- primary key instead of letting the planner hash-join against every pending row.
 UPDATE {schema}.jobs j
 SET status = 'running',
     attempts = j.attempts + 1,
     claim_version = j.claim_version + 1,
-    lease_until = now() + %(lease)s::float8 * interval '1 second',
+    lease_until = (SELECT at FROM clock) + %(lease)s::float8 * interval '1 second',
     claimed_by = %(worker)s::text,
-    first_attempted_at = coalesce(j.first_attempted_at, now()),
-    updated_at = now()
+    first_attempted_at = coalesce(j.first_attempted_at, (SELECT at FROM clock)),
+    updated_at = (SELECT at FROM clock)
 WHERE j.id = ANY (ARRAY(SELECT id FROM candidates)) AND j.status = 'pending'
 -- The payload as text: json.loads on a str costs a fraction of psycopg's jsonb loader,
 -- and a claim decodes thousands of them.
@@ -111,11 +103,26 @@ RETURNING j.id, j.effect, j.key, j.payload::text, j.attempts, j.claim_version, j
           j.max_attempts, j.first_attempted_at,
           -- how long the job had been due: the queue wait reported to observers
           -- (date_part gives float8 directly; extract() would compute a numeric)
-          greatest(date_part('epoch', now() - j.available_at), 0) AS waited,
+          greatest(date_part('epoch', (SELECT at FROM clock) - j.available_at), 0) AS waited,
           -- the enqueue's span, for the attempt's span to link to (NULL when not traced)
           j.trace_context,
           -- the provider's answer kept after a completion hook raised: reused, not re-performed
-          CAST(j.performed_result AS text) AS performed_result;
+          CAST(j.performed_result AS text) AS performed_result
+
+-- name: claim
+-- Claim up to %(limit)s due jobs of %(effects)s. The locking clause sits inside the CTE
+-- (it does not reach into a WITH from outside).
+WITH clock AS (
+    SELECT now() AS at
+), candidates AS (
+    SELECT j.id
+    FROM {schema}.jobs j
+    WHERE {claimable} AND j.effect = ANY(%(effects)s::text[])
+    ORDER BY j.available_at, j.id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+{claim_taken};
 
 -- name: heartbeat
 -- Extend the leases of the claims this worker still holds; ids missing from the result
@@ -436,11 +443,39 @@ FROM {schema}.effect_limits l
 WHERE l.effect = ANY(%(effects)s::text[]);
 
 -- name: limit_claim
--- Claim up to %(limit)s jobs of one limited effect within its budget (see the function
--- claim_limited in migration 0006).
-SELECT * FROM {schema}.claim_limited(
-    %(effect)s::text, %(limit)s::integer, %(lease)s::float8, %(worker)s::text,
-    %(rate)s::float8, %(burst)s::float8, %(concurrency)s::integer);
+-- Claim up to %(limit)s jobs of one limited effect within its budget: the core claim
+-- (fragments claimable and claim_taken) narrowed to the effect, limited to what
+-- limit_budget allows and stamped with its clock, between the budget and limit_spend
+-- (migration 0009), all in this statement's transaction. The budget is taken before
+-- the candidates are scanned (their LIMIT needs it), and it locks the effect's row
+-- until the commit. When the budget (not the queue) stopped the claim, one more row
+-- comes back with a NULL id and, in waited, the seconds until it is worth asking again.
+WITH budget AS MATERIALIZED (
+    SELECT {schema}.limit_budget(%(effect)s::text, %(limit)s::integer, %(rate)s::float8,
+                                 %(burst)s::float8, %(concurrency)s::integer) AS b
+), clock AS (
+    SELECT (x.b).at AS at FROM budget x
+), candidates AS (
+    SELECT j.id
+    FROM {schema}.jobs j
+    WHERE {claimable} AND j.effect = %(effect)s::text
+    ORDER BY j.available_at, j.id
+    LIMIT (SELECT (x.b).allowed FROM budget x)
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    {claim_taken}
+), spent AS (
+    SELECT {schema}.limit_spend(%(effect)s::text, x.b, %(limit)s::integer, %(lease)s::float8,
+                                %(rate)s::float8, %(burst)s::float8, %(concurrency)s::integer,
+                                (SELECT count(*)::integer FROM claimed),
+                                (SELECT max(c.id) FROM claimed c)) AS wait
+    FROM budget x
+)
+SELECT * FROM claimed
+UNION ALL
+SELECT NULL, %(effect)s::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, s.wait, NULL, NULL
+FROM spent s
+WHERE s.wait IS NOT NULL;
 
 -- name: limit_ensure
 -- The effect's limit row, made when it has none yet (the statements below update it).
