@@ -41,8 +41,7 @@ from hypothesis.stateful import (
 from psycopg import sql
 
 import outbox
-from outbox import Permanent, Retry, UnknownOutcome
-from outbox import _queue
+from outbox import Permanent, Retry, UnknownOutcome, _queue
 from outbox._state import Backoff, decide
 from outbox.dispatcher import _text_array
 from outbox.sql import queries
