@@ -26,7 +26,7 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/unit/test_enqueue_prepare.py": {"outbox._enqueue"},
     "tests/unit/test_steps.py": {"outbox._enqueue"},
     "tests/property/test_decisions.py": {"outbox._state"},
-    "tests/property/test_lifecycle.py": {"outbox._state"},
+    "tests/property/test_lifecycle.py": {"outbox._state", "outbox._queue"},
     "tests/web/test_counts.py": {"outbox._queue"},
     "tests/web/test_queue_reporting.py": {"outbox._queue"},
     "tests/integration/test_recorder_failures.py": {"outbox._dispatch"},

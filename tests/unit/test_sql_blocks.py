@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from outbox import ConfigurationError
-from outbox._queue import queue_queries
 from outbox.sql import bind_blocks, bind_schema, parse_blocks, parse_sql, queries
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,5 +55,7 @@ def test_the_claimable_rule_is_written_once_in_the_products_sql() -> None:
     assert sum(p.read_text().count(rule) for p in sql_files) == 1
     claim_users = ("claim", "has_due_work", "limit_claim")
     assert all(rule in getattr(queries("outbox"), name) for name in claim_users)
-    assert rule in queue_queries("outbox").effect_health
-    assert rule in queue_queries("outbox").due_by_effect
+    files = [parse_sql((REPO / "outbox" / "sql" / name).read_text())
+             for name in ("queries.sql", "queue.sql")]
+    queue = bind_blocks(files[1].blocks, "outbox", {**files[0].fragments, **files[1].fragments})
+    assert rule in queue["effect_health"] and rule in queue["due_by_effect"]
