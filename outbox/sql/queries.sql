@@ -291,6 +291,19 @@ SELECT * FROM {schema}.effect_results
 WHERE %(key)s::text IS NULL OR key = %(key)s::text
 ORDER BY recorded_at, key;
 
+-- name: testkit_audit
+-- The audit trail (operators' actions and the reconciler's decisions), oldest first;
+-- narrowed to one actor when it is given.
+SELECT * FROM {schema}.dashboard_audit
+WHERE %(actor)s::text IS NULL OR actor = %(actor)s::text
+ORDER BY id;
+
+-- name: testkit_inbox
+-- The message ids a consumer received (its inbox rows), in the order received.
+SELECT message_id FROM {schema}.inbox
+WHERE consumer = %(consumer)s::text
+ORDER BY received_at, message_id;
+
 -- Inbox: the idempotent consumer's record of the messages it handled.
 
 -- name: receive
