@@ -71,7 +71,7 @@ def audit(conn: Connectable, schema: str = "outbox", *,
 
 def received(conn: Connectable, consumer: str, schema: str = "outbox") -> list[str]:
     """The message ids ``consumer`` received through ``tx.receive`` (its inbox rows),
-    in the order received: each id once, however often it was delivered."""
+    in the order received (by transaction): each id once, however often delivered."""
     rows = _rows(conn, queries(schema).testkit_inbox, {"consumer": consumer})
     return [str(row["message_id"]) for row in rows]
 
