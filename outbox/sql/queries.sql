@@ -134,6 +134,16 @@ FROM jsonb_to_recordset(%(claims)s::jsonb) AS h(id bigint, version bigint)
 WHERE j.id = h.id AND j.status = 'running' AND j.claim_version = h.version
 RETURNING j.id;
 
+-- fragment: recorded
+-- The ledger row of each job the fenced status change in the CTE finished took (its id,
+-- key, effect, claim_version, fingerprint and result), written in the same statement: a
+-- ledger row is never written otherwise. A key already in the ledger keeps its row.
+recorded AS (
+    INSERT INTO {schema}.effect_results (key, effect, job_id, claim_version, result, fingerprint)
+    SELECT f.key, f.effect, f.id, f.claim_version, f.result, f.fingerprint FROM finished f
+    ON CONFLICT (key) DO NOTHING
+)
+
 -- name: complete
 -- running -> done and the ledger row, in one statement and so in one transaction.
 WITH finished AS (
@@ -143,11 +153,7 @@ WITH finished AS (
     FROM jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
     WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
     RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
-), recorded AS (
-    INSERT INTO {schema}.effect_results (key, effect, job_id, claim_version, result, fingerprint)
-    SELECT f.key, f.effect, f.id, f.claim_version, f.result, f.fingerprint FROM finished f
-    ON CONFLICT (key) DO NOTHING
-)
+), {recorded}
 SELECT f.id FROM finished f;
 
 -- ---------------------------------------------------------------------------------------
@@ -165,11 +171,7 @@ WITH finished AS (
     USING jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
     WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
     RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
-), recorded AS (
-    INSERT INTO {schema}.effect_results (key, effect, job_id, claim_version, result, fingerprint)
-    SELECT f.key, f.effect, f.id, f.claim_version, f.result, f.fingerprint FROM finished f
-    ON CONFLICT (key) DO NOTHING
-)
+), {recorded}
 SELECT f.id FROM finished f;
 
 -- name: recorded_claims

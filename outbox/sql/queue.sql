@@ -153,19 +153,15 @@ WITH changed AS (
 -- name: resolve_done
 -- A person checked the provider and the effect did happen: reconcile -> done with a
 -- ledger row naming who decided, so the key is never performed again.
-WITH changed AS (
+WITH finished AS (
     UPDATE {schema}.jobs j
     SET status = 'done', last_error = NULL, updated_at = now()
     WHERE {as_seen} AND j.status = 'reconcile'
-    RETURNING j.id, j.status, j.key, j.effect, j.claim_version, j.fingerprint
-), recorded AS (
-    INSERT INTO {schema}.effect_results (key, effect, job_id, claim_version, result, fingerprint)
-    SELECT c.key, c.effect, c.id, c.claim_version,
-           jsonb_build_object('resolved_by', %(actor)s::text,
-                              'note', coalesce(%(note)s::text, '')),
-           c.fingerprint
-    FROM changed c
-    ON CONFLICT (key) DO NOTHING
+    RETURNING j.id, j.status, j.key, j.effect, j.claim_version, j.fingerprint,
+              jsonb_build_object('resolved_by', %(actor)s::text,
+                                 'note', coalesce(%(note)s::text, '')) AS result
+), {recorded}, changed AS (
+    SELECT * FROM finished
 ), audited AS (
     {audited_action}
 )
