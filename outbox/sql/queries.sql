@@ -2,7 +2,9 @@
 -- identifier when the block is loaded (psycopg.sql.Identifier); values are always bound
 -- parameters, by name. Each state transition is one guarded statement: a write about a
 -- claimed job is conditional on status = 'running' AND claim_version = the claim's
--- version, so a stale worker's write changes 0 rows.
+-- version, so a stale worker's write changes 0 rows. A `-- fragment: X` block is no
+-- statement: its text is bound into every block (of this file, queue.sql, flows.sql or
+-- the dashboard's) that names {X}, so a rule used by several statements is written once.
 
 -- Enqueue: the blocks every transaction kind runs (psycopg, SQLAlchemy, Django), the
 -- inbox's receive too. SQLAlchemy's text() reads ":key::text" as a parameter named "ke",
