@@ -1,48 +1,71 @@
-"""The queue as operators read it: jobs per status and effect, and each effect's health.
+"""The queue as operators read and operate it: jobs per status and effect, each effect's
+health, and the operator's transitions.
 
-One reading for every surface that reports the queue (the dashboard's overview, the
-Prometheus database collector), so they count alike and say "due" alike:
+One model for every surface that reports or operates the queue (the dashboard,
+``outbox status`` and ``outbox retry``, the Prometheus database collector), so they
+count alike, say "due" alike, and act alike:
 
 - counts are exact on a small table; on a large one the unfinished states are counted
   exactly and done jobs (history) estimated from a block sample;
 - "due" applies the claim's own rules (``sql/queue.sql``, block ``effect_health``): a
   job held back by its ordering key waits for its key-mate, not for a dispatcher, so it
-  is neither due nor part of the oldest due age.
+  is neither due nor part of the oldest due age;
+- the transitions (``retry``, ``cancel``, ``resolve``, ``bulk_retry``) are one statement
+  each: fenced (a job that moved on since the operator saw it changes 0 rows), audited in
+  ``dashboard_audit`` with the actor and the surface, and announced on the schema's
+  channel, so a listening dispatcher takes a retried job at once.
 
-The reading is a step (``outbox._steps``): the same statements and the same
-interpretation of their rows, driven on a blocking connection (``read``) or an asyncio
-one (``read_async``). Callers bound the transaction (read-only, statement timeout).
+Readings and transitions are steps (``outbox._steps``): the same statements and
+the same interpretation of their rows, driven on a blocking connection (``on``, ``read``)
+or an asyncio one (``on_async``, ``read_async``). Callers bound the transaction
+(read-only and a statement timeout for a reading; a transition commits with it, and its
+notification is delivered then).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, replace
 from functools import cache
-from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
-from ._sql import BoundQueries, bind_schema, check_schema_name, parse_blocks
+from ._enqueue import notify_channel
+from ._sql import BoundQueries, bind_file, check_schema_name
 from ._steps import Rows, Statement, Step, run, run_async
 
 __all__ = [
     "EXACT_COUNT_LIMIT",
     "SAMPLE_ROWS",
     "STATUSES",
+    "Backlog",
     "Counts",
     "EffectHealth",
+    "Operator",
     "QueueQueries",
+    "Seen",
+    "Selection",
     "Snapshot",
+    "Transition",
+    "backlog",
+    "bulk_retry",
+    "cancel",
     "exact",
+    "on",
+    "on_async",
     "queue_queries",
     "read",
     "read_async",
+    "resolve",
+    "retry",
     "sample_percent",
     "snapshot",
     "with_done_estimated",
 ]
+
+T = TypeVar("T")
 
 STATUSES = ("pending", "running", "done", "failed", "reconcile")
 EXACT_COUNT_LIMIT = 200_000
@@ -121,14 +144,7 @@ class QueueQueries(BoundQueries):
 
     def __init__(self, schema: str) -> None:
         self.schema = check_schema_name(schema)
-        super().__init__({name: bind_schema(body, schema) for name, body in _raw().items()},
-                         "sql/queue.sql")
-
-
-@cache
-def _raw() -> dict[str, str]:
-    text = resources.files("outbox").joinpath("sql/queue.sql").read_text("utf-8")
-    return parse_blocks(text)
+        super().__init__(bind_file("outbox", "sql/queue.sql", schema), "sql/queue.sql")
 
 
 @cache
@@ -155,20 +171,157 @@ def snapshot(schema: str) -> Step[Snapshot]:
                              for row in health})
 
 
-def read(conn: psycopg.Connection[Any], schema: str) -> Snapshot:
-    """``snapshot`` on a blocking connection, inside the caller's transaction."""
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """One effect's pending jobs as ``outbox status`` shows them: how many are due (by
+    the claim's rules) and how many live dispatchers serve the effect."""
+
+    due: int
+    dispatchers: int
+
+
+def backlog(schema: str) -> Step[dict[str, Backlog]]:
+    """Per effect with pending jobs, its ``Backlog`` (reads pending jobs only)."""
+    rows = yield Statement(queue_queries(schema).due_by_effect, {})
+    return {effect: Backlog(int(due), int(dispatchers)) for effect, due, dispatchers in rows}
+
+
+# -- the operator's transitions ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Operator:
+    """Who acts (``actor``) and through which surface (``via``: ``"dashboard"``,
+    ``"command line"``), as the audit trail records them."""
+
+    actor: str
+    via: str
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """The job as the operator saw it: a transition changes it only if it still has this
+    status and claim_version (None: not checked)."""
+
+    status: str | None = None
+    claim_version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """What a transition of one job did: ``changed`` or not, and the job's status, key
+    and effect after it (all None when there is no such job)."""
+
+    changed: bool
+    status: str | None = None
+    key: str | None = None
+    effect: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """The jobs a bulk action takes (the ``job_filter`` fragment): every condition that
+    is None is left out; ``older_than`` and ``newer_than`` are seconds since created."""
+
+    status: str | None = None
+    effect: str | None = None
+    key_prefix: str | None = None
+    older_than: float | None = None
+    newer_than: float | None = None
+    error: str | None = None
+
+    def params(self) -> dict[str, Any]:
+        """Bind parameters of the ``job_filter`` fragment."""
+        return asdict(self)
+
+    def describe(self) -> dict[str, Any]:
+        """The conditions given, keyed for the audit trail."""
+        return {name: value for name, value in asdict(self).items() if value is not None}
+
+
+ACTIONS = ("retry", "cancel", "resolve_done", "resolve_failed")
+
+
+def _transition(schema: str, action: str, job_id: int, operator: Operator, seen: Seen,
+                note: str | None) -> Step[Transition]:
+    rows = yield Statement(getattr(queue_queries(schema), action), {
+        "id": job_id, "action": action, "actor": operator.actor, "via": operator.via,
+        "seen_status": seen.status, "seen_version": seen.claim_version,
+        "note": note or None, "channel": notify_channel(schema),
+    })
+    if not rows:
+        return Transition(False)
+    changed, status, key, effect = rows[0]
+    return Transition(bool(changed), status, key, effect)
+
+
+def retry(schema: str, job_id: int, operator: Operator, seen: Seen = Seen(),
+          note: str | None = None) -> Step[Transition]:
+    """A failed or reconcile job back to pending, with a fresh attempt budget and a fresh
+    idempotency window (the key is unchanged). Fenced, audited, dispatchers woken."""
+    return _transition(schema, "retry", job_id, operator, seen, note)
+
+
+def cancel(schema: str, job_id: int, operator: Operator, seen: Seen = Seen(),
+           note: str | None = None) -> Step[Transition]:
+    """A pending job to failed, never performed (a running one cannot be cancelled: its
+    effect may be at the provider already). Fenced and audited."""
+    return _transition(schema, "cancel", job_id, operator, seen, note)
+
+
+def resolve(schema: str, job_id: int, operator: Operator, *, performed: bool,
+            seen: Seen = Seen(), note: str | None = None) -> Step[Transition]:
+    """A reconcile job settled by a person who checked the provider: performed (done,
+    with a ledger row naming them, so the key is never performed again) or not (failed).
+    Fenced and audited."""
+    action = "resolve_done" if performed else "resolve_failed"
+    return _transition(schema, action, job_id, operator, seen, note)
+
+
+def bulk_retry(schema: str, selection: Selection, operator: Operator, *, cap: int,
+               described: Mapping[str, Any] | None = None) -> Step[int]:
+    """Failed jobs in ``selection`` back to pending, newest first, at most ``cap``; rows
+    another session holds are skipped. Audited as one row with the filter (``described``,
+    else the selection's conditions); returns how many were retried."""
+    selection = replace(selection, status="failed")  # only failed jobs are retried
+    rows = yield Statement(queue_queries(schema).bulk_retry, {
+        **selection.params(),
+        "cap": cap, "actor": operator.actor, "via": operator.via,
+        "described": json.dumps(dict(described) if described is not None
+                                else selection.describe()),
+        "channel": notify_channel(schema),
+    })
+    return int(rows[0][0]) if rows else 0
+
+
+# -- drivers ----------------------------------------------------------------------------
+
+
+def on(conn: psycopg.Connection[Any], step: Step[T]) -> T:
+    """Drive ``step`` on a blocking connection, in the caller's transaction (or, in
+    autocommit, each statement committing on its own)."""
 
     def execute(statement: Statement) -> Rows:
         return conn.execute(statement.query, statement.params).fetchall()
 
-    return run(snapshot(schema), execute)
+    return run(step, execute)
 
 
-async def read_async(conn: psycopg.AsyncConnection[Any], schema: str) -> Snapshot:
-    """``snapshot`` on an asyncio connection, inside the caller's transaction."""
+async def on_async(conn: psycopg.AsyncConnection[Any], step: Step[T]) -> T:
+    """Drive ``step`` on an asyncio connection, in the caller's transaction."""
 
     async def execute(statement: Statement) -> Rows:
         cur = await conn.execute(statement.query, statement.params)
         return await cur.fetchall()
 
-    return await run_async(snapshot(schema), execute)
+    return await run_async(step, execute)
+
+
+def read(conn: psycopg.Connection[Any], schema: str) -> Snapshot:
+    """``snapshot`` on a blocking connection, inside the caller's transaction."""
+    return on(conn, snapshot(schema))
+
+
+async def read_async(conn: psycopg.AsyncConnection[Any], schema: str) -> Snapshot:
+    """``snapshot`` on an asyncio connection, inside the caller's transaction."""
+    return await on_async(conn, snapshot(schema))

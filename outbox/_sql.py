@@ -1,13 +1,19 @@
-"""The named SQL blocks of ``sql/queries.sql``, loaded once, bound to a schema.
+"""The named SQL blocks of the product's ``.sql`` files, loaded once, bound to a schema.
 
-SQL never gets built from Python strings here: the only substitution is the schema name,
-and it goes in through ``psycopg.sql.Identifier``, which quotes it.
+SQL never gets built from Python strings here: the substitutions are the schema name,
+which goes in through ``psycopg.sql.Identifier`` (quoted), and fragments: a block
+declared ``-- fragment: X`` in a file is no statement of its own but SQL text (a
+predicate, a CTE) bound into every block that names it as ``{X}``. A rule written once as
+a fragment (which jobs a claim takes, which jobs an operator's filter selects) reads the
+same in every statement that applies it. The fragments of the core files
+(``CORE_FILES``) are bound into every core block and the dashboard's.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
@@ -15,8 +21,10 @@ from psycopg import sql
 
 from .errors import ConfigurationError
 
-_NAME_LINE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+_NAME_LINE = re.compile(r"^-- (name|fragment): (\w+)\s*$", re.MULTILINE)
 MAX_IDENTIFIER_BYTES = 63
+CORE_FILES = ("sql/queries.sql", "sql/queue.sql", "sql/flows.sql")
+"""The core's files of named blocks (package ``outbox``), whose fragments any block uses."""
 
 
 def check_schema_name(schema: str) -> str:
@@ -31,23 +39,70 @@ def check_schema_name(schema: str) -> str:
     return schema
 
 
-def parse_blocks(text: str) -> dict[str, str]:
-    """Split a file of ``-- name: X`` blocks into {name: sql}."""
+@dataclass(frozen=True)
+class SqlFile:
+    """A file of named blocks: its statements and its fragments, {name: sql} each."""
+
+    blocks: dict[str, str]
+    fragments: dict[str, str]
+
+
+def parse_sql(text: str) -> SqlFile:
+    """Split a file of ``-- name: X`` statements and ``-- fragment: X`` fragments."""
     parts = _NAME_LINE.split(text)
-    blocks: dict[str, str] = {}
-    for name, body in zip(parts[1::2], parts[2::2], strict=True):
-        if name in blocks:
+    found = SqlFile({}, {})
+    for kind, name, body in zip(parts[1::3], parts[2::3], parts[3::3], strict=True):
+        if name in found.blocks or name in found.fragments:
             raise ValueError(f"query {name!r} is defined twice")
         # Comments go: psycopg would read a %(x)s in a comment as a placeholder.
         lines = [ln for ln in body.splitlines() if not ln.lstrip().startswith("--")]
-        blocks[name] = "\n".join(lines).strip().rstrip(";")
-    return blocks
+        text_of = "\n".join(lines).strip().rstrip(";")
+        (found.blocks if kind == "name" else found.fragments)[name] = text_of
+    return found
+
+
+def parse_blocks(text: str) -> dict[str, str]:
+    """Split a file of ``-- name: X`` blocks into {name: sql} (fragments left out)."""
+    return parse_sql(text).blocks
+
+
+def bind_blocks(blocks: Mapping[str, str], schema: str,
+                fragments: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``blocks`` with ``{schema}`` (the quoted identifier) and every ``{fragment}``
+    substituted; a fragment may itself name ``{schema}``, not another fragment."""
+    identifier = sql.Identifier(check_schema_name(schema))
+    bound = {name: sql.SQL(body).format(schema=identifier)
+             for name, body in (fragments or {}).items()}
+    try:
+        return {name: sql.SQL(body).format(schema=identifier, **bound).as_string(None)
+                for name, body in blocks.items()}
+    except KeyError as exc:
+        raise ValueError(f"no fragment named {exc.args[0]!r}") from None
 
 
 @cache
-def _raw_queries() -> dict[str, str]:
-    text = resources.files("outbox").joinpath("sql/queries.sql").read_text("utf-8")
-    return parse_blocks(text)
+def read_sql(package: str, path: str) -> SqlFile:
+    """The blocks and fragments of ``path`` in ``package``, parsed once per process."""
+    return parse_sql(resources.files(package).joinpath(path).read_text("utf-8"))
+
+
+@cache
+def core_fragments() -> dict[str, str]:
+    """The fragments of every core file, by name (a name is defined once among them)."""
+    merged: dict[str, str] = {}
+    for path in CORE_FILES:
+        for name, body in read_sql("outbox", path).fragments.items():
+            if name in merged:
+                raise ValueError(f"fragment {name!r} is defined twice in {CORE_FILES}")
+            merged[name] = body
+    return merged
+
+
+def bind_file(package: str, path: str, schema: str) -> dict[str, str]:
+    """The statements of ``path`` bound to ``schema``, with the core's fragments and the
+    file's own."""
+    found = read_sql(package, path)
+    return bind_blocks(found.blocks, schema, {**core_fragments(), **found.fragments})
 
 
 def bind_schema(template: str, schema: str) -> str:
@@ -76,8 +131,7 @@ class Queries(BoundQueries):
 
     def __init__(self, schema: str) -> None:
         self.schema = schema
-        super().__init__({name: bind_schema(body, schema)
-                          for name, body in _raw_queries().items()}, "queries.sql")
+        super().__init__(bind_file("outbox", "sql/queries.sql", schema), "queries.sql")
 
 
 @cache

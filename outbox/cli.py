@@ -27,7 +27,7 @@ import click
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from . import _sql
+from . import _queue, _sql
 from ._devserver import dev_server
 from ._enqueue import notify_channel
 from ._pg import configuration_error
@@ -319,32 +319,33 @@ async def _run_async(dispatcher: AsyncDispatcher) -> Any:
 @click.option("--failures", default=10, show_default=True, help="Recent failures to list.")
 @_one_line_errors
 def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
-    """Jobs per status, oldest pending age, backlog, and the most recent failures."""
+    """Jobs per status, oldest due age, backlog, and the most recent failures (counts
+    as the dashboard and the metrics read them: done jobs estimated on a large table)."""
     queries = _sql.queries(schema)
     with _connect(dsn) as conn:
         require_current(conn, schema)
-        counts = dict(conn.execute(queries.status_counts).fetchall())
-        health = conn.execute(queries.queue_health, {"schema_name": schema}).fetchone()
-        recent = conn.execute(queries.recent_failures, {"limit": failures}).fetchall()
-        paused = conn.execute(queries.paused_effects).fetchall()
         version = current_version(conn, schema)
-        by_effect = conn.execute(queries.due_by_effect).fetchall()
-        live = conn.execute(queries.live_dispatchers).fetchall()
-    assert health is not None
+        with conn.transaction():  # one snapshot for every figure
+            snapshot = _queue.read(conn, schema)
+            backlog = _queue.on(conn, _queue.backlog(schema))
+            recent = conn.execute(queries.recent_failures, {"limit": failures}).fetchall()
+            paused = conn.execute(queries.paused_effects).fetchall()
+            live = conn.execute(queries.live_dispatchers).fetchall()
+    health = snapshot.health.values()
     report = {
         "schema": schema,
         "version": version,
-        "jobs": {s: counts.get(s, 0) for s in ("pending", "running", "done", "failed",
-                                                "reconcile")},
-        "oldest_pending_age_seconds": float(health[0]) if health[0] is not None else None,
-        "due_backlog": health[1],
-        "expired_leases": health[2],
-        "dead_tuples": health[3],
+        "jobs": {s: snapshot.counts.total(s) for s in _queue.STATUSES},
+        "oldest_pending_age_seconds": max(
+            (h.oldest_due_age for h in health if h.oldest_due_age is not None), default=None),
+        "due_backlog": sum(b.due for b in backlog.values()),
+        "expired_leases": sum(h.expired_leases for h in health),
+        "dead_tuples": snapshot.counts.dead_tuples,
         "recent_failures": [
             {"id": r[0], "effect": r[1], "key": r[2], "status": r[3], "attempts": r[4],
              "last_error": r[5], "at": r[6].isoformat()} for r in recent
         ],
-        **_served(by_effect, live),
+        **_served(snapshot, backlog, live),
         # Effects no dispatcher claims now: throttled, their breaker open, or an operator's.
         "paused_effects": [
             {"effect": r[0], "reason": r[1], "by": r[2],
@@ -359,16 +360,19 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
     _print_status(report)
 
 
-def _served(by_effect: list[tuple[Any, ...]], live: list[tuple[Any, ...]]) -> dict[str, Any]:
+def _served(snapshot: _queue.Snapshot, backlog: dict[str, _queue.Backlog],
+            live: list[tuple[Any, ...]]) -> dict[str, Any]:
     """The backlog per effect, the running dispatchers, and the effects with due jobs
     that no running dispatcher handles (they would wait forever)."""
+    ages = {effect: h.oldest_due_age for effect, h in snapshot.health.items()}
     return {
         "backlog_by_effect": {
-            effect: {"pending": pending, "due": due, "oldest_due_age_seconds": age,
-                     "dispatchers": dispatchers}
-            for effect, pending, due, age, dispatchers in by_effect},
-        "unhandled_effects": [effect for effect, _, due, _, dispatchers in by_effect
-                              if due and not dispatchers],
+            effect: {"pending": snapshot.counts.get("pending", effect), "due": b.due,
+                     "oldest_due_age_seconds": ages.get(effect),
+                     "dispatchers": b.dispatchers}
+            for effect, b in backlog.items()},
+        "unhandled_effects": [effect for effect, b in backlog.items()
+                              if b.due and not b.dispatchers],
         "dispatchers": [{"worker_id": w, "effects": list(effects),
                          "started_at": started.isoformat(), "heartbeat_age_seconds": age}
                         for w, effects, started, age in live],
@@ -408,6 +412,7 @@ def _print_status(report: dict[str, Any]) -> None:
 # A pause "until resumed" is stored a century ahead: shown as such past a decade.
 _UNTIL_RESUMED = 10 * 365 * 86400.0
 BULK_RETRY_CAP = 1000  # as the dashboard's bulk retry
+VIA = "command line"  # the surface, in the audit trail
 actor_option = click.option(
     "--actor", default=None, metavar="NAME",
     help="Who acts, for the audit trail (default: cli:<your user name>).")
@@ -437,38 +442,32 @@ def retry_command(dsn: str, schema: str, job_id: int | None, effect: str | None,
     with --effect and --error, the failed jobs of an effect that failed for that error
     (at most 1000 a call, as the dashboard's bulk retry). Audited, and a listening
     dispatcher is woken at once."""
-    queries = _sql.queries(schema)
-    channel = notify_channel(schema)
+    operator = _queue.Operator(_actor(actor), VIA)
     if job_id is None:
-        _retry_matching(dsn, schema, effect, error_text, _actor(actor))
+        _retry_matching(dsn, schema, effect, error_text, operator)
         return
     if effect is not None or error_text is not None:
         raise click.UsageError("give a JOB_ID, or --effect and --error, not both")
     with _connect(dsn) as conn:
         require_current(conn, schema)
-        row = conn.execute(queries.retry_job_audited, {
-            "id": job_id, "actor": _actor(actor), "channel": channel}).fetchone()
-        if row is None:
-            current = conn.execute(queries.job_status, {"id": job_id}).fetchone()
-            if current is None:
-                raise click.ClickException(f"no job {job_id} in schema {schema!r}")
-            raise click.ClickException(
-                f"job {job_id} is {current[0]}; only failed or reconcile jobs can be retried"
-            )
-    click.echo(f"job {job_id} ({row[2]}, key {row[1]}) is pending again")
+        done = _queue.on(conn, _queue.retry(schema, job_id, operator))
+    if done.status is None:
+        raise click.ClickException(f"no job {job_id} in schema {schema!r}")
+    if not done.changed:
+        raise click.ClickException(
+            f"job {job_id} is {done.status}; only failed or reconcile jobs can be retried")
+    click.echo(f"job {job_id} ({done.effect}, key {done.key}) is pending again")
 
 
 def _retry_matching(dsn: str, schema: str, effect: str | None, error_text: str | None,
-                    actor: str) -> None:
+                    operator: _queue.Operator) -> None:
     if not effect or not error_text:
         raise click.UsageError("give a JOB_ID, or both --effect and --error")
-    queries = _sql.queries(schema)
     with _connect(dsn) as conn:
         require_current(conn, schema)
-        row = conn.execute(queries.retry_matching, {
-            "effect": effect, "error": error_text, "cap": BULK_RETRY_CAP, "actor": actor,
-            "channel": notify_channel(schema)}).fetchone()
-    changed = row[0] if row else 0
+        changed = _queue.on(conn, _queue.bulk_retry(
+            schema, _queue.Selection(effect=effect, error=error_text), operator,
+            cap=BULK_RETRY_CAP))
     more = " (the cap: run it again for more)" if changed == BULK_RETRY_CAP else ""
     click.echo(f"{changed} failed {effect} job(s) matching {error_text!r} are pending "
                f"again{more}")

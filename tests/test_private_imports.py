@@ -27,7 +27,7 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/unit/test_steps.py": {"outbox._enqueue", "outbox._steps"},
     "tests/unit/test_step_drivers.py": {"outbox._dispatch", "outbox._enqueue", "outbox._steps"},
     "tests/property/test_decisions.py": {"outbox._state"},
-    "tests/property/test_lifecycle.py": {"outbox._state"},
+    "tests/property/test_lifecycle.py": {"outbox._state", "outbox._queue"},
     "tests/web/test_counts.py": {"outbox._queue"},
     "tests/web/test_queue_reporting.py": {"outbox._queue"},
     "tests/integration/test_recorder_failures.py": {"outbox._dispatch", "outbox._steps"},

@@ -44,15 +44,16 @@ from typing import Any
 
 import click
 import httpx
-import psycopg
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from effects.testing import FakeEmailProvider, FakeStripe
 from examples.shop import app
 from examples.shop.web import STRIPE_CONSUMER
-from outbox.testing import start_server
+from outbox.testing import audit, drop_schema, jobs, ledger, received, start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DECLINED_CARD = "pm_card_chargeDeclined"
@@ -64,7 +65,7 @@ WEBHOOK_SECRET = "whsec_demo_shop_endpoint"  # the fake Stripe's and the shop's,
 
 @dataclass
 class Workers:
-    """The dispatcher processes of the demo, and what happened to them."""
+    """The dispatcher processes of the demo (``outbox run``), and what happened to them."""
 
     env: dict[str, str]
     log_dir: Path
@@ -75,29 +76,33 @@ class Workers:
     freezing: bool = False
 
     def start(self) -> subprocess.Popen[str]:
-        log = (self.log_dir / f"worker-{len(self.running) + self.killed}.log").open("w")
+        """One more dispatcher: the product's own command, ``outbox run``, which prints
+        its counters as the last line of its stderr when it stops."""
+        log = self._log(len(self.running) + self.killed).open("w")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "examples.shop.worker"], cwd=REPO_ROOT, env=self.env,
-            stdout=subprocess.PIPE, stderr=log, text=True,
+            [sys.executable, "-m", "outbox.cli", "--log-level", "ERROR", "run",
+             "examples.shop.worker:dispatcher"], cwd=REPO_ROOT, env=self.env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, text=True,
         )
         log.close()
         self.running.append(proc)
         return proc
 
+    def _log(self, n: int) -> Path:
+        return self.log_dir / f"worker-{n}.log"
+
     def busiest(self, dsn: str) -> subprocess.Popen[str]:
         """The worker holding the most running jobs: the one whose death tests most."""
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            rows = conn.execute(
-                f"SELECT split_part(claimed_by, ':', 2)::int, count(*) FROM "
-                f"{app.OUTBOX_SCHEMA}.jobs WHERE status = 'running' GROUP BY 1").fetchall()
-        held: dict[int, int] = {int(pid): int(n) for pid, n in rows}
+        held = Counter(int(job["claimed_by"].split(":")[1])  # worker ids are host:pid:tag
+                       for job in jobs(dsn, app.OUTBOX_SCHEMA).values()
+                       if job["status"] == "running")
         return max(self.running, key=lambda proc: held.get(proc.pid, 0))
 
     def kill_one(self, dsn: str, console: Console) -> None:
         victim = self.busiest(dsn)
         self.running.remove(victim)
         victim.send_signal(signal.SIGKILL)
-        victim.communicate()  # reaps it and closes its pipe
+        victim.wait()
         self.killed += 1
         replacement = self.start()
         console.print(f"  [red]kill -9[/] dispatcher {victim.pid} mid-run; "
@@ -117,9 +122,10 @@ class Workers:
         for proc in self.running:
             proc.send_signal(signal.SIGTERM)
         for proc in self.running:
-            out, _ = proc.communicate(timeout=60)
-            lines = [line for line in out.splitlines() if line.startswith("{")]
-            if lines:
+            proc.wait(timeout=60)
+        for n in range(len(self.running) + self.killed):
+            lines = [ln for ln in self._log(n).read_text().splitlines() if ln.startswith("{")]
+            if lines:  # a killed worker printed none
                 self.stats.append(json.loads(lines[-1]))
 
     def total(self, counter: str) -> int:
@@ -135,9 +141,13 @@ def _database(dsn: str | None) -> str:
 
 
 def _reset(dsn: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("DROP TABLE IF EXISTS shop_orders")
-        conn.execute(f"DROP SCHEMA IF EXISTS {app.OUTBOX_SCHEMA} CASCADE")
+    """The shop's tables and the outbox schema, dropped and made again."""
+    engine = app.engine_for(dsn)
+    try:
+        app.Base.metadata.drop_all(engine)
+    finally:
+        engine.dispose()
+    drop_schema(dsn, app.OUTBOX_SCHEMA)
     app.setup(dsn)
 
 
@@ -227,10 +237,7 @@ def _inject_faults(email: FakeEmailProvider, stripe: FakeStripe, seed: int) -> d
 
 
 def _job_counts(dsn: str) -> Counter[str]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            f"SELECT status, count(*) FROM {app.OUTBOX_SCHEMA}.jobs GROUP BY status").fetchall()
-    return Counter({str(status): int(n) for status, n in rows})
+    return Counter(job["status"] for job in jobs(dsn, app.OUTBOX_SCHEMA).values())
 
 
 def _drive(dsn: str, url: str, orders: int, workers: Workers, console: Console,
@@ -273,15 +280,14 @@ def _drive(dsn: str, url: str, orders: int, workers: Workers, console: Console,
 
 def _check(dsn: str, email: FakeEmailProvider, stripe: FakeStripe) -> tuple[list[str], Any]:
     """Every job against what its provider performed; return violations and figures."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        jobs = conn.execute(
-            f"SELECT j.key, j.effect, j.status, j.attempts, j.last_error, r.key IS NOT NULL "
-            f"FROM {app.OUTBOX_SCHEMA}.jobs j "
-            f"LEFT JOIN {app.OUTBOX_SCHEMA}.effect_results r ON r.key = j.key").fetchall()
-        (orders,) = conn.execute("SELECT count(*) FROM shop_orders").fetchone() or (0,)
+    found = jobs(dsn, app.OUTBOX_SCHEMA)
+    recorded = ledger(dsn, app.OUTBOX_SCHEMA)
+    rows = [(key, j["effect"], j["status"], j["attempts"], j["last_error"], key in recorded)
+            for key, j in found.items()]
+    orders = len(_orders(dsn))
     violations: list[str] = []
     fakes = {"email.send": email, "payment.charge": stripe}
-    for key, effect, status, _attempts, error, in_ledger in jobs:
+    for key, effect, status, _attempts, error, in_ledger in rows:
         performed = fakes[effect].performed(key)
         if status == "done" and (performed != 1 or not in_ledger):
             violations.append(f"{key}: done, performed {performed}x, ledger row {in_ledger}")
@@ -291,11 +297,11 @@ def _check(dsn: str, email: FakeEmailProvider, stripe: FakeStripe) -> tuple[list
             violations.append(f"{key}: failed unexpectedly: {error}")
         if performed > 1:
             violations.append(f"{key}: performed {performed} times at the provider")
-    if len(jobs) != JOBS_PER_ORDER * orders:
-        violations.append(f"{orders} orders but {len(jobs)} jobs")
+    if len(rows) != JOBS_PER_ORDER * orders:
+        violations.append(f"{orders} orders but {len(rows)} jobs")
     chains = _chains(dsn)
     violations += _chain_violations(chains)
-    return violations, {"orders": orders, "jobs": jobs, "chains": chains,
+    return violations, {"orders": orders, "jobs": rows, "chains": chains,
                         "reconciled": _reconciled(dsn)}
 
 
@@ -309,19 +315,23 @@ class Chain:
     steps: list[tuple[str, str, str | None]]  # (key, status, parent key)
 
 
+def _orders(dsn: str) -> list[app.Order]:
+    """The shop's orders (its own model), by id."""
+    engine = app.engine_for(dsn)
+    try:
+        with Session(engine, expire_on_commit=False) as session:
+            return list(session.scalars(select(app.Order).order_by(app.Order.id)))
+    finally:
+        engine.dispose()
+
+
 def _chains(dsn: str) -> list[Chain]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        orders = conn.execute("SELECT id, status, payment_intent FROM shop_orders "
-                              "ORDER BY id").fetchall()
-        rows = conn.execute(
-            f"SELECT key, status, parent_key, payload FROM {app.OUTBOX_SCHEMA}.jobs "
-            f"ORDER BY id").fetchall()
-    by_key = {key: (status, parent, payload) for key, status, parent, payload in rows}
+    by_key = jobs(dsn, app.OUTBOX_SCHEMA)
     chains = []
-    for order, status, intent in orders:
-        keys = [k for k in app.effect_keys(int(order)) if k in by_key]
-        chains.append(Chain(int(order), str(status), intent,
-                            [(k, by_key[k][0], by_key[k][1]) for k in keys]))
+    for order in _orders(dsn):
+        keys = [k for k in app.effect_keys(order.id) if k in by_key]
+        chains.append(Chain(order.id, order.status, order.payment_intent,
+                            [(k, by_key[k]["status"], by_key[k]["parent_key"]) for k in keys]))
     return chains
 
 
@@ -345,15 +355,12 @@ def _chain_violations(chains: list[Chain]) -> list[str]:
 
 def _reconciled(dsn: str) -> Counter[str]:
     """The reconciler's decisions (its own passes and Stripe's webhooks), by kind."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            f"SELECT coalesce(detail->>'source', 'reconciler pass'), detail->>'decision', "
-            f"count(*) FROM {app.OUTBOX_SCHEMA}.dashboard_audit "
-            f"WHERE actor = 'reconciler' AND affected = 1 GROUP BY 1, 2").fetchall()
     found: Counter[str] = Counter()
-    for source, decision, n in rows:
-        via = "Stripe's webhook" if str(source).startswith("stripe event") else "asked the provider"
-        found[f"{decision} ({via})"] += int(n)
+    for entry in audit(dsn, app.OUTBOX_SCHEMA, actor="reconciler"):
+        if entry["affected"] == 1:
+            source = str(entry["detail"].get("source") or "")
+            via = "Stripe's webhook" if source.startswith("stripe event") else "asked the provider"
+            found[f"{entry['detail'].get('decision')} ({via})"] += 1
     return found
 
 
@@ -369,10 +376,8 @@ class Payments:
 
 
 def _paid_orders(dsn: str) -> dict[int, tuple[str | None, str | None, Any]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute("SELECT id, payment_intent, payment_event, paid_at "
-                            "FROM shop_orders").fetchall()
-    return {int(order): (intent, event, at) for order, intent, event, at in rows}
+    return {order.id: (order.payment_intent, order.payment_event, order.paid_at)
+            for order in _orders(dsn)}
 
 
 def _await_webhooks(stripe: FakeStripe, timeout: float = 60.0) -> None:
@@ -415,10 +420,7 @@ def _check_payments(dsn: str, stripe: FakeStripe) -> Payments:
     if result.changed_by_redelivery:
         result.violations.append(f"{result.changed_by_redelivery} orders changed when "
                                  f"their Stripe event was delivered again")
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        (recorded,) = conn.execute(
-            f"SELECT count(*) FROM {app.OUTBOX_SCHEMA}.inbox WHERE consumer = %s",
-            (STRIPE_CONSUMER,)).fetchone() or (0,)
+    recorded = len(received(dsn, STRIPE_CONSUMER, app.OUTBOX_SCHEMA))
     if recorded != len(stripe.charges):
         result.violations.append(f"{recorded} Stripe events in the inbox for "
                                  f"{len(stripe.charges)} charges")

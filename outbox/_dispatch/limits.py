@@ -6,7 +6,7 @@ module holds the dispatcher's side of it, written once as steps (see ``steps``):
 
     claimer   ``LimitedClaims.refresh`` reads the state of its effects each round;
               effects with no row gating them are claimed by the core claim as before,
-              the others one by one through ``claim_limited`` (the budget is spent in the
+              the others one by one through ``limit_claim`` (the budget is spent in the
               claim's own transaction)
     workers   ``LimitView.paused`` tells a worker not to start a job of an effect this
               process knows to be paused (it is handed back, its attempt refunded)

@@ -37,13 +37,9 @@ WITH finished AS (
         updated_at = now()
     WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'running'
       AND j.claim_version = CAST(%(version)s AS bigint)
-    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint
-), recorded AS (
-    INSERT INTO {schema}.effect_results (key, effect, job_id, claim_version, result, fingerprint)
-    SELECT f.key, f.effect, f.id, f.claim_version, CAST(%(result)s AS jsonb), f.fingerprint
-    FROM finished f
-    ON CONFLICT (key) DO NOTHING
-)
+    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint,
+              CAST(%(result)s AS jsonb) AS result
+), {recorded}
 SELECT f.id FROM finished f;
 
 -- ---------------------------------------------------------------------------------------
@@ -85,13 +81,9 @@ WITH finished AS (
     SET status = 'done', reconcile_at = NULL, last_error = NULL, updated_at = now()
     WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'reconcile'
       AND j.claim_version = CAST(%(version)s AS bigint)
-    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint
-), recorded AS (
-    INSERT INTO {schema}.effect_results (key, effect, job_id, claim_version, result, fingerprint)
-    SELECT f.key, f.effect, f.id, f.claim_version, CAST(%(result)s AS jsonb), f.fingerprint
-    FROM finished f
-    ON CONFLICT (key) DO NOTHING
-)
+    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint,
+              CAST(%(result)s AS jsonb) AS result
+), {recorded}
 SELECT f.id FROM finished f;
 
 -- name: reconcile_fail

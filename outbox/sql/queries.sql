@@ -2,7 +2,9 @@
 -- identifier when the block is loaded (psycopg.sql.Identifier); values are always bound
 -- parameters, by name. Each state transition is one guarded statement: a write about a
 -- claimed job is conditional on status = 'running' AND claim_version = the claim's
--- version, so a stale worker's write changes 0 rows.
+-- version, so a stale worker's write changes 0 rows. A `-- fragment: X` block is no
+-- statement: its text is bound into every block (of this file, queue.sql, flows.sql or
+-- the dashboard's) that names {X}, so a rule used by several statements is written once.
 
 -- Enqueue: the blocks every transaction kind runs (psycopg, SQLAlchemy, Django), the
 -- inbox's receive too. SQLAlchemy's text() reads ":key::text" as a parameter named "ke",
@@ -68,37 +70,34 @@ FROM unnest(CAST(%(keys)s AS text[])) AS k(key)
 LEFT JOIN {schema}.jobs j ON j.key = k.key
 LEFT JOIN {schema}.effect_results r ON r.key = k.key;
 
--- name: claim
--- Claim up to %(limit)s due jobs. The locking clause sits inside the CTE (it does not
--- reach into a WITH from outside) and the UPDATE repeats status = 'pending': EvalPlanQual
--- rechecks only the UPDATE's own conditions, so without the guard a session that waited
--- on a row another session just claimed would claim it too. A job with an ordering key
--- is claimable only when no earlier job of that key is unfinished and none is running.
--- The ids go through an array so the UPDATE probes the primary key instead of letting
--- the planner hash-join against every pending row.
-WITH candidates AS (
-    SELECT j.id
-    FROM {schema}.jobs j
-    WHERE j.status = 'pending'
-      AND j.available_at <= now()
-      AND j.effect = ANY(%(effects)s::text[])
-      AND (j.ordering_key IS NULL OR NOT EXISTS (
-            SELECT 1 FROM {schema}.jobs o
-            WHERE o.ordering_key = j.ordering_key
-              AND o.id <> j.id
-              AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id))))
-    ORDER BY j.available_at, j.id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
+-- fragment: claimable
+-- Whether the job j is one a claim takes now, whatever its effect: pending, due, and not
+-- held back by its ordering key (a job with a key is claimable only when no earlier job
+-- of that key is pending and none is running). Written once: the claims (claim,
+-- limit_claim), has_due_work and the queue model's "due" (queue.sql) all bind it.
+(j.status = 'pending'
+ AND j.available_at <= now()
+ AND (j.ordering_key IS NULL OR NOT EXISTS (
+       SELECT 1 FROM {schema}.jobs o
+       WHERE o.ordering_key = j.ordering_key
+         AND o.id <> j.id
+         AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id)))))
+
+-- fragment: claim_taken
+-- The locked candidates (a CTE of ids) to running, at the time in the CTE clock (one row,
+-- at): the claim counted as an attempt, a new claim_version (the fence), the lease taken.
+-- The UPDATE repeats status = 'pending': EvalPlanQual rechecks only the UPDATE's own
+-- conditions, so without the guard a session that waited on a row another session just
+-- claimed would claim it too. The ids go through an array so the UPDATE probes the
+-- primary key instead of letting the planner hash-join against every pending row.
 UPDATE {schema}.jobs j
 SET status = 'running',
     attempts = j.attempts + 1,
     claim_version = j.claim_version + 1,
-    lease_until = now() + %(lease)s::float8 * interval '1 second',
+    lease_until = (SELECT at FROM clock) + %(lease)s::float8 * interval '1 second',
     claimed_by = %(worker)s::text,
-    first_attempted_at = coalesce(j.first_attempted_at, now()),
-    updated_at = now()
+    first_attempted_at = coalesce(j.first_attempted_at, (SELECT at FROM clock)),
+    updated_at = (SELECT at FROM clock)
 WHERE j.id = ANY (ARRAY(SELECT id FROM candidates)) AND j.status = 'pending'
 -- The payload as text: json.loads on a str costs a fraction of psycopg's jsonb loader,
 -- and a claim decodes thousands of them.
@@ -106,11 +105,26 @@ RETURNING j.id, j.effect, j.key, j.payload::text, j.attempts, j.claim_version, j
           j.max_attempts, j.first_attempted_at,
           -- how long the job had been due: the queue wait reported to observers
           -- (date_part gives float8 directly; extract() would compute a numeric)
-          greatest(date_part('epoch', now() - j.available_at), 0) AS waited,
+          greatest(date_part('epoch', (SELECT at FROM clock) - j.available_at), 0) AS waited,
           -- the enqueue's span, for the attempt's span to link to (NULL when not traced)
           j.trace_context,
           -- the provider's answer kept after a completion hook raised: reused, not re-performed
-          CAST(j.performed_result AS text) AS performed_result;
+          CAST(j.performed_result AS text) AS performed_result
+
+-- name: claim
+-- Claim up to %(limit)s due jobs of %(effects)s. The locking clause sits inside the CTE
+-- (it does not reach into a WITH from outside).
+WITH clock AS (
+    SELECT now() AS at
+), candidates AS (
+    SELECT j.id
+    FROM {schema}.jobs j
+    WHERE {claimable} AND j.effect = ANY(%(effects)s::text[])
+    ORDER BY j.available_at, j.id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+{claim_taken};
 
 -- name: heartbeat
 -- Extend the leases of the claims this worker still holds; ids missing from the result
@@ -122,6 +136,16 @@ FROM jsonb_to_recordset(%(claims)s::jsonb) AS h(id bigint, version bigint)
 WHERE j.id = h.id AND j.status = 'running' AND j.claim_version = h.version
 RETURNING j.id;
 
+-- fragment: recorded
+-- The ledger row of each job the fenced status change in the CTE finished took (its id,
+-- key, effect, claim_version, fingerprint and result), written in the same statement: a
+-- ledger row is never written otherwise. A key already in the ledger keeps its row.
+recorded AS (
+    INSERT INTO {schema}.effect_results (key, effect, job_id, claim_version, result, fingerprint)
+    SELECT f.key, f.effect, f.id, f.claim_version, f.result, f.fingerprint FROM finished f
+    ON CONFLICT (key) DO NOTHING
+)
+
 -- name: complete
 -- running -> done and the ledger row, in one statement and so in one transaction.
 WITH finished AS (
@@ -131,11 +155,7 @@ WITH finished AS (
     FROM jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
     WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
     RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
-), recorded AS (
-    INSERT INTO {schema}.effect_results (key, effect, job_id, claim_version, result, fingerprint)
-    SELECT f.key, f.effect, f.id, f.claim_version, f.result, f.fingerprint FROM finished f
-    ON CONFLICT (key) DO NOTHING
-)
+), {recorded}
 SELECT f.id FROM finished f;
 
 -- ---------------------------------------------------------------------------------------
@@ -153,11 +173,7 @@ WITH finished AS (
     USING jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
     WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
     RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
-), recorded AS (
-    INSERT INTO {schema}.effect_results (key, effect, job_id, claim_version, result, fingerprint)
-    SELECT f.key, f.effect, f.id, f.claim_version, f.result, f.fingerprint FROM finished f
-    ON CONFLICT (key) DO NOTHING
-)
+), {recorded}
 SELECT f.id FROM finished f;
 
 -- name: recorded_claims
@@ -225,14 +241,7 @@ RETURNING j.id, j.key, j.status, j.claim_version;
 -- expires).
 SELECT EXISTS (
     SELECT 1 FROM {schema}.jobs j
-    WHERE j.status = 'pending'
-      AND j.available_at <= now()
-      AND j.effect = ANY(%(effects)s::text[])
-      AND (j.ordering_key IS NULL OR NOT EXISTS (
-            SELECT 1 FROM {schema}.jobs o
-            WHERE o.ordering_key = j.ordering_key
-              AND o.id <> j.id
-              AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id))))
+    WHERE {claimable} AND j.effect = ANY(%(effects)s::text[])
 ) OR EXISTS (
     SELECT 1 FROM {schema}.jobs j
     WHERE j.status = 'running' AND j.effect = ANY(%(effects)s::text[])
@@ -262,32 +271,6 @@ WITH doomed AS (
 DELETE FROM {schema}.effect_results r USING doomed d
 WHERE r.key = d.key;
 
--- name: retry_job
--- Operator retry: failed or reconcile -> pending, with a fresh attempt budget and a fresh
--- idempotency window. claim_version keeps growing.
-UPDATE {schema}.jobs
-SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
-    updated_at = now()
-WHERE id = %(id)s::bigint AND status IN ('failed', 'reconcile')
-RETURNING id, key, effect;
-
--- name: job_status
-SELECT status FROM {schema}.jobs WHERE id = %(id)s::bigint;
-
--- name: status_counts
-SELECT status, count(*) AS jobs FROM {schema}.jobs GROUP BY status ORDER BY status;
-
--- name: queue_health
-SELECT
-    (SELECT extract(epoch FROM now() - min(available_at))
-       FROM {schema}.jobs WHERE status = 'pending' AND available_at <= now()) AS oldest_pending_age,
-    (SELECT count(*) FROM {schema}.jobs
-      WHERE status = 'pending' AND available_at <= now()) AS due_backlog,
-    (SELECT count(*) FROM {schema}.jobs
-      WHERE status = 'running' AND lease_until < now()) AS expired_leases,
-    (SELECT n_dead_tup FROM pg_stat_user_tables
-      WHERE schemaname = %(schema_name)s::text AND relname = 'jobs') AS dead_tuples;
-
 -- name: recent_failures
 SELECT id, effect, key, status, attempts, last_error, updated_at
 FROM {schema}.jobs
@@ -311,6 +294,19 @@ ORDER BY id;
 SELECT * FROM {schema}.effect_results
 WHERE %(key)s::text IS NULL OR key = %(key)s::text
 ORDER BY recorded_at, key;
+
+-- name: testkit_audit
+-- The audit trail (operators' actions and the reconciler's decisions), oldest first;
+-- narrowed to one actor when it is given.
+SELECT * FROM {schema}.dashboard_audit
+WHERE %(actor)s::text IS NULL OR actor = %(actor)s::text
+ORDER BY id;
+
+-- name: testkit_inbox
+-- The message ids a consumer received (its inbox rows), in the order received.
+SELECT message_id FROM {schema}.inbox
+WHERE consumer = %(consumer)s::text
+ORDER BY received_at, message_id;
 
 -- Inbox: the idempotent consumer's record of the messages it handled.
 
@@ -435,21 +431,6 @@ WHERE NOT EXISTS (SELECT 1 FROM {schema}.dispatchers d
 GROUP BY effect
 ORDER BY effect;
 
--- name: due_by_effect
--- The backlog per effect (outbox status): pending jobs, those due now, the oldest due
--- job's age, and how many live dispatchers serve the effect.
-SELECT j.effect,
-       count(*) AS pending,
-       count(*) FILTER (WHERE j.available_at <= now()) AS due,
-       extract(epoch FROM now() - min(j.available_at)
-               FILTER (WHERE j.available_at <= now()))::float8 AS oldest_due_age,
-       (SELECT count(*) FROM {schema}.dispatchers d
-        WHERE d.expires_at > now() AND j.effect = ANY(d.effects)) AS dispatchers
-FROM {schema}.jobs j
-WHERE j.status = 'pending'
-GROUP BY j.effect
-ORDER BY j.effect;
-
 -- name: live_dispatchers
 -- The dispatchers whose heartbeat is current, with the effects each serves.
 SELECT worker_id, effects, started_at,
@@ -479,11 +460,39 @@ FROM {schema}.effect_limits l
 WHERE l.effect = ANY(%(effects)s::text[]);
 
 -- name: limit_claim
--- Claim up to %(limit)s jobs of one limited effect within its budget (see the function
--- claim_limited in migration 0006).
-SELECT * FROM {schema}.claim_limited(
-    %(effect)s::text, %(limit)s::integer, %(lease)s::float8, %(worker)s::text,
-    %(rate)s::float8, %(burst)s::float8, %(concurrency)s::integer);
+-- Claim up to %(limit)s jobs of one limited effect within its budget: the core claim
+-- (fragments claimable and claim_taken) narrowed to the effect, limited to what
+-- limit_budget allows and stamped with its clock, between the budget and limit_spend
+-- (migration 0009), all in this statement's transaction. The budget is taken before
+-- the candidates are scanned (their LIMIT needs it), and it locks the effect's row
+-- until the commit. When the budget (not the queue) stopped the claim, one more row
+-- comes back with a NULL id and, in waited, the seconds until it is worth asking again.
+WITH budget AS MATERIALIZED (
+    SELECT {schema}.limit_budget(%(effect)s::text, %(limit)s::integer, %(rate)s::float8,
+                                 %(burst)s::float8, %(concurrency)s::integer) AS b
+), clock AS (
+    SELECT (x.b).at AS at FROM budget x
+), candidates AS (
+    SELECT j.id
+    FROM {schema}.jobs j
+    WHERE {claimable} AND j.effect = %(effect)s::text
+    ORDER BY j.available_at, j.id
+    LIMIT (SELECT (x.b).allowed FROM budget x)
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    {claim_taken}
+), spent AS (
+    SELECT {schema}.limit_spend(%(effect)s::text, x.b, %(limit)s::integer, %(lease)s::float8,
+                                %(rate)s::float8, %(burst)s::float8, %(concurrency)s::integer,
+                                (SELECT count(*)::integer FROM claimed),
+                                (SELECT max(c.id) FROM claimed c)) AS wait
+    FROM budget x
+)
+SELECT * FROM claimed
+UNION ALL
+SELECT NULL, %(effect)s::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, s.wait, NULL, NULL
+FROM spent s
+WHERE s.wait IS NOT NULL;
 
 -- name: limit_ensure
 -- The effect's limit row, made when it has none yet (the statements below update it).
@@ -646,56 +655,6 @@ SELECT l.effect, l.rate, l.burst, l.concurrency,
        l.failures, l.opened, l.throttled_total, l.throttled_at
 FROM {schema}.effect_limits l
 ORDER BY l.effect;
-
--- ---------------------------------------------------------------------------------------
--- Operators on the command line: retries audited (in dashboard_audit, as the dashboard's
--- are) and announced, so a listening dispatcher picks the job up at once.
--- ---------------------------------------------------------------------------------------
-
--- name: retry_job_audited
--- Operator retry of one job: failed or reconcile -> pending with a fresh attempt budget
--- and idempotency window, audited in the same statement, and a notification.
-WITH changed AS (
-    UPDATE {schema}.jobs
-    SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
-        updated_at = now()
-    WHERE id = %(id)s::bigint AND status IN ('failed', 'reconcile')
-    RETURNING id, key, effect
-), audited AS (
-    INSERT INTO {schema}.dashboard_audit (actor, action, job_id, detail, affected)
-    VALUES (%(actor)s::text, 'retry', %(id)s::bigint,
-            jsonb_build_object('via', 'command line'), (SELECT count(*) FROM changed))
-)
-SELECT c.id, c.key, c.effect FROM changed c, pg_notify(%(channel)s::text, '');
-
--- name: retry_matching
--- Operator bulk retry: failed jobs of %(effect)s whose last error contains %(error)s
--- (case-insensitive) back to pending, newest first, at most %(cap)s; rows another
--- session holds are skipped, and the status is checked again on the update (fenced).
--- Audited as one bulk_retry row with the filter, and announced.
-WITH picked AS (
-    SELECT j.id FROM {schema}.jobs j
-    WHERE j.status = 'failed' AND j.effect = %(effect)s::text
-      AND strpos(lower(j.last_error), lower(%(error)s::text)) > 0
-    ORDER BY j.id DESC
-    LIMIT %(cap)s
-    FOR UPDATE SKIP LOCKED
-), changed AS (
-    UPDATE {schema}.jobs j
-    SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
-        updated_at = now()
-    FROM picked p
-    WHERE j.id = p.id AND j.status = 'failed'
-    RETURNING j.id
-), audited AS (
-    INSERT INTO {schema}.dashboard_audit (actor, action, job_id, detail, affected)
-    VALUES (%(actor)s::text, 'bulk_retry', NULL,
-            jsonb_build_object('filter', jsonb_build_object(
-                'status', 'failed', 'effect', %(effect)s::text, 'error', %(error)s::text),
-                'cap', %(cap)s::integer, 'via', 'command line'),
-            (SELECT count(*) FROM changed))
-)
-SELECT count(*) FROM changed c, pg_notify(%(channel)s::text, '');
 
 -- name: failed_groups
 -- Failed jobs grouped by effect and error fingerprint: the error's class and message

@@ -1,6 +1,8 @@
--- The queue as operators see it: counts and health per effect, read by the dashboard
--- and the Prometheus database collector alike. {schema} is the quoted schema
--- identifier.
+-- The queue as operators see and operate it (outbox._queue): counts and health per
+-- effect, read by the dashboard, `outbox status` and the Prometheus database collector
+-- alike; and the operator's transitions (retry, cancel, resolve, bulk retry), run by
+-- the dashboard and `outbox retry` alike. {schema} is the quoted schema identifier;
+-- {claimable} is the claim's rule (fragment of queries.sql).
 
 -- name: table_size
 -- The planner's row estimate and the dead tuples of the jobs table (statistics, no scan).
@@ -34,8 +36,8 @@ GROUP BY j.effect;
 -- name: effect_health
 -- Per effect with unfinished jobs: how long the oldest due job has waited, leases past
 -- their deadline, and how long the oldest reconcile job has waited for a person.
--- "Due" is what a claim would take now: the predicate below is the `claim` block's of
--- queries.sql, for any effect. A job held back by its ordering key (behind a running
+-- "Due" is what a claim would take now: the `claimable` fragment the claim applies, for
+-- any effect. A job held back by its ordering key (behind a running
 -- job, or behind a pending one retrying later) waits for its key-mate, not for a
 -- dispatcher, so it is not due. The oldest due job is found the way a claim finds
 -- work, walking the claim index in order and stopping at the first claimable job: as
@@ -53,14 +55,156 @@ SELECT u.effect,
        extract(epoch FROM now() - (
            SELECT j.available_at
            FROM {schema}.jobs j
-           WHERE j.status = 'pending' AND j.available_at <= now() AND j.effect = u.effect
-             AND (j.ordering_key IS NULL OR NOT EXISTS (
-                   SELECT 1 FROM {schema}.jobs o
-                   WHERE o.ordering_key = j.ordering_key
-                     AND o.id <> j.id
-                     AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id))))
+           WHERE {claimable} AND j.effect = u.effect
            ORDER BY j.available_at, j.id
            LIMIT 1))::float8 AS oldest_due_age,
        u.leases AS expired_leases,
        extract(epoch FROM now() - u.reconcile)::float8 AS oldest_reconcile_age
 FROM unfinished u;
+
+-- name: due_by_effect
+-- Per effect with pending jobs (outbox status): how many are due, as a claim decides it
+-- (a job held back by its ordering key is not), and how many live dispatchers serve
+-- the effect. Reads the pending jobs only (the partial index), never the history.
+SELECT j.effect,
+       count(*) FILTER (WHERE {claimable}) AS due,
+       (SELECT count(*) FROM {schema}.dispatchers d
+        WHERE d.expires_at > now() AND j.effect = ANY(d.effects)) AS dispatchers
+FROM {schema}.jobs j
+WHERE j.status = 'pending'
+GROUP BY j.effect
+ORDER BY j.effect;
+
+-- ---------------------------------------------------------------------------------------
+-- The operator's transitions. Each is one statement: fenced like the dispatcher's writes
+-- (conditional on the status the transition starts from and, when given, on the status
+-- and claim_version the operator saw, so a job that moved on meanwhile changes 0 rows and
+-- nothing is overwritten), audited in dashboard_audit in the same statement (with the
+-- actor, the surface it came through, and the rows it changed), and announced on the
+-- schema's channel when it changed something, so a listening dispatcher takes a retried
+-- job at once (a cancelled job may free its ordering key too).
+-- ---------------------------------------------------------------------------------------
+
+-- fragment: job_filter
+-- Optional filters: a NULL parameter disables its condition. The dashboard runs with
+-- plan_cache_mode = force_custom_plan, so the planner folds the NULL tests away.
+((%(status)s::text IS NULL OR j.status = %(status)s::text)
+ AND (%(effect)s::text IS NULL OR j.effect = %(effect)s::text)
+ AND (%(key_prefix)s::text IS NULL OR starts_with(j.key, %(key_prefix)s::text))
+ AND (%(older_than)s::float8 IS NULL
+      OR j.created_at < now() - %(older_than)s::float8 * interval '1 second')
+ AND (%(newer_than)s::float8 IS NULL
+      OR j.created_at >= now() - %(newer_than)s::float8 * interval '1 second')
+ AND (%(error)s::text IS NULL OR strpos(lower(j.last_error), lower(%(error)s::text)) > 0))
+
+-- fragment: as_seen
+-- The operator's fence: the job is still as the operator saw it (NULL: not checked).
+(j.id = %(id)s::bigint
+ AND (%(seen_status)s::text IS NULL OR j.status = %(seen_status)s::text)
+ AND (%(seen_version)s::bigint IS NULL OR j.claim_version = %(seen_version)s::bigint))
+
+-- fragment: audited_action
+-- One job's transition in the audit trail, also when it changed nothing (affected 0).
+INSERT INTO {schema}.dashboard_audit (actor, action, job_id, detail, affected)
+VALUES (%(actor)s::text, %(action)s::text, %(id)s::bigint,
+        jsonb_strip_nulls(jsonb_build_object(
+            'via', %(via)s::text, 'seen_version', %(seen_version)s::bigint,
+            'note', %(note)s::text)),
+        (SELECT count(*) FROM changed))
+
+-- fragment: transition_answer
+-- The job as the transition left it, with the dispatchers woken; or, when it changed
+-- nothing, the job as it is (no row: there is no such job).
+SELECT true AS changed, c.status, c.key, c.effect
+FROM changed c, pg_notify(%(channel)s::text, '')
+UNION ALL
+SELECT false, j.status, j.key, j.effect
+FROM {schema}.jobs j
+WHERE j.id = %(id)s::bigint AND NOT EXISTS (SELECT 1 FROM changed)
+
+-- name: retry
+-- failed or reconcile -> pending with a fresh attempt budget and a fresh idempotency
+-- window; claim_version keeps growing.
+WITH changed AS (
+    UPDATE {schema}.jobs j
+    SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
+        updated_at = now()
+    WHERE {as_seen} AND j.status IN ('failed', 'reconcile')
+    RETURNING j.id, j.status, j.key, j.effect
+), audited AS (
+    {audited_action}
+)
+{transition_answer};
+
+-- name: cancel
+-- pending -> failed, never performed. A claimed (running) job cannot be cancelled: its
+-- effect may already be at the provider.
+WITH changed AS (
+    UPDATE {schema}.jobs j
+    SET status = 'failed', updated_at = now(),
+        last_error = 'cancelled from the ' || %(via)s::text || ' by ' || %(actor)s::text
+    WHERE {as_seen} AND j.status = 'pending'
+    RETURNING j.id, j.status, j.key, j.effect
+), audited AS (
+    {audited_action}
+)
+{transition_answer};
+
+-- name: resolve_done
+-- A person checked the provider and the effect did happen: reconcile -> done with a
+-- ledger row naming who decided, so the key is never performed again.
+WITH finished AS (
+    UPDATE {schema}.jobs j
+    SET status = 'done', last_error = NULL, updated_at = now()
+    WHERE {as_seen} AND j.status = 'reconcile'
+    RETURNING j.id, j.status, j.key, j.effect, j.claim_version, j.fingerprint,
+              jsonb_build_object('resolved_by', %(actor)s::text,
+                                 'note', coalesce(%(note)s::text, '')) AS result
+), {recorded}, changed AS (
+    SELECT * FROM finished
+), audited AS (
+    {audited_action}
+)
+{transition_answer};
+
+-- name: resolve_failed
+-- A person checked the provider and the effect did not happen: reconcile -> failed.
+WITH changed AS (
+    UPDATE {schema}.jobs j
+    SET status = 'failed', updated_at = now(),
+        last_error = 'resolved as not performed by ' || %(actor)s::text
+                     || coalesce(': ' || j.last_error, '')
+    WHERE {as_seen} AND j.status = 'reconcile'
+    RETURNING j.id, j.status, j.key, j.effect
+), audited AS (
+    {audited_action}
+)
+{transition_answer};
+
+-- name: bulk_retry
+-- Failed jobs matching the filter back to pending, newest first, at most %(cap)s. Rows
+-- another session holds are skipped rather than waited for, and the status is checked
+-- again on the update. Audited as one bulk_retry row with the filter; the number retried
+-- comes back.
+WITH picked AS (
+    SELECT j.id FROM {schema}.jobs j
+    WHERE {job_filter} AND j.status = 'failed'
+    ORDER BY j.id DESC
+    LIMIT %(cap)s
+    FOR UPDATE SKIP LOCKED
+), changed AS (
+    UPDATE {schema}.jobs j
+    SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
+        updated_at = now()
+    FROM picked p
+    WHERE j.id = p.id AND j.status = 'failed'
+    RETURNING j.id
+), audited AS (
+    INSERT INTO {schema}.dashboard_audit (actor, action, job_id, detail, affected)
+    VALUES (%(actor)s::text, 'bulk_retry', NULL,
+            jsonb_strip_nulls(jsonb_build_object(
+                'filter', %(described)s::jsonb, 'cap', %(cap)s::integer,
+                'via', %(via)s::text)),
+            (SELECT count(*) FROM changed))
+)
+SELECT count(*) FROM changed c, pg_notify(%(channel)s::text, '');

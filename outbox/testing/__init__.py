@@ -17,7 +17,8 @@ For your own test suite (the provider half is ``effects.testing``)::
   installed: ``outbox_dsn`` (one server for the session, or ``$OUTBOX_TEST_DSN`` when set)
   and ``outbox_schema`` (a freshly migrated schema of the test's own, dropped after it).
 - Readers, so tests need no hand-written SQL: ``jobs``, ``job``, ``ledger``,
-  ``ledger_row`` and the assertion ``require_enqueued``. They run the product's own named
+  ``ledger_row``, ``audit`` (operators' and the reconciler's actions), ``received`` (a
+  consumer's inbox) and the assertion ``require_enqueued``. They run the product's own named
   queries, never a copy. Each takes a psycopg connection (and then sees what that
   connection sees, uncommitted rows of its transaction included) or a connection string
   (read on a connection of its own, in autocommit).
@@ -25,10 +26,12 @@ For your own test suite (the provider half is ``effects.testing``)::
 
 from ._readers import (
     NotEnqueued,
+    audit,
     job,
     jobs,
     ledger,
     ledger_row,
+    received,
     require_enqueued,
 )
 from ._server import Server, create_schema, drop_schema, start_server
@@ -36,12 +39,14 @@ from ._server import Server, create_schema, drop_schema, start_server
 __all__ = [
     "NotEnqueued",
     "Server",
+    "audit",
     "create_schema",
     "drop_schema",
     "job",
     "jobs",
     "ledger",
     "ledger_row",
+    "received",
     "require_enqueued",
     "start_server",
 ]

@@ -13,7 +13,8 @@ from psycopg.rows import dict_row
 from .._enqueue import canonical_json
 from .._sql import queries
 
-__all__ = ["NotEnqueued", "job", "jobs", "ledger", "ledger_row", "require_enqueued"]
+__all__ = ["NotEnqueued", "audit", "job", "jobs", "ledger", "ledger_row", "received",
+           "require_enqueued"]
 
 # What a reader reads through: a psycopg connection, or a connection string to open one
 # (in autocommit) for the call.
@@ -58,6 +59,21 @@ def ledger_row(conn: Connectable, key: str, schema: str = "outbox") -> dict[str,
     """The ledger row for ``key`` (the recorded result of a completed effect), or None."""
     rows = _rows(conn, queries(schema).testkit_ledger, {"key": key})
     return rows[0] if rows else None
+
+
+def audit(conn: Connectable, schema: str = "outbox", *,
+          actor: str | None = None) -> list[dict[str, Any]]:
+    """The audit trail (``dashboard_audit``: operators' actions from the dashboard or the
+    command line, the reconciler's decisions), oldest first, as dicts of their columns;
+    only ``actor``'s when given (``"reconciler"`` for the reconciler's)."""
+    return _rows(conn, queries(schema).testkit_audit, {"actor": actor})
+
+
+def received(conn: Connectable, consumer: str, schema: str = "outbox") -> list[str]:
+    """The message ids ``consumer`` received through ``tx.receive`` (its inbox rows),
+    in the order received (by transaction): each id once, however often delivered."""
+    rows = _rows(conn, queries(schema).testkit_inbox, {"consumer": consumer})
+    return [str(row["message_id"]) for row in rows]
 
 
 class NotEnqueued(AssertionError):

@@ -8,10 +8,10 @@ connection pool on first use, so a mounted app needs no lifespan events.
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -318,12 +318,14 @@ async def mutation_form(request: Request) -> tuple[dict[str, str], str]:
     raise Denied(PlainTextResponse("cross-site request refused", status_code=403))
 
 
-ACTIONS = {
-    "retry": ("retry", "retried"),
-    "cancel": ("cancel", "cancelled"),
-    "resolve_done": ("resolve_done", "resolved_done"),
-    "resolve_failed": ("resolve_failed", "resolved_failed"),
+# Each action is the queue model's transition: the same statement as `outbox retry`'s.
+ACTIONS: dict[str, tuple[Callable[..., Any], str]] = {
+    "retry": (_queue.retry, "retried"),
+    "cancel": (_queue.cancel, "cancelled"),
+    "resolve_done": (functools.partial(_queue.resolve, performed=True), "resolved_done"),
+    "resolve_failed": (functools.partial(_queue.resolve, performed=False), "resolved_failed"),
 }
+VIA = "dashboard"
 
 
 async def job_action(request: Request) -> Response:
@@ -333,25 +335,20 @@ async def job_action(request: Request) -> Response:
     action = request.path_params["action"]
     if action not in ACTIONS:
         return PlainTextResponse(f"unknown action {action[:40]!r}", status_code=404)
-    query_name, done_outcome = ACTIONS[action]
+    transition, done_outcome = ACTIONS[action]
     job_id = request.path_params["job_id"]
     try:
         seen_version = int(form.get("claim_version", ""))
     except ValueError:
         return PlainTextResponse("claim_version: a whole number is required", 400)
-    note = form.get("note", "")[:1000]
-    params = {
-        "id": job_id, "seen_version": seen_version, "seen_status": form.get("status", ""),
-        "actor": actor, "channel": settings.channel,
-        "detail": json.dumps({"seen_version": seen_version, "note": note} if note
-                             else {"seen_version": seen_version}),
-        "result": json.dumps({"resolved_by": actor, "note": note}),
-    }
+    seen = _queue.Seen(form.get("status") or None, seen_version)
     async with transaction(settings) as conn:
         if not await writable(settings, conn):
             return PlainTextResponse("the database is read-only for the dashboard", 403)
-        changed = (await rows(conn, getattr(settings.queries, query_name), params))[0][0]
-    outcome = done_outcome if changed else "moved"
+        done = await _queue.on_async(conn, transition(
+            settings.schema, job_id, _queue.Operator(actor, VIA), seen=seen,
+            note=form.get("note", "")[:1000]))
+    outcome = done_outcome if done.changed else "moved"
     if form.get("view") == "row":
         return await _row_after_action(request, job_id, outcome)
     base = request.scope.get("root_path", "")
@@ -389,11 +386,9 @@ async def bulk_retry(request: Request) -> Response:
             return render(request, "confirm_bulk.html", {
                 "filter": job_filter, "query": job_filter.query(), "count": count,
                 "bulk_cap": BULK_CAP})
-        changed = (await rows(conn, q.bulk_retry, {
-            **job_filter.params(), "cap": BULK_CAP, "actor": actor,
-            "channel": settings.channel,
-            "detail": json.dumps({"filter": job_filter.describe(), "cap": BULK_CAP}),
-        }))[0][0]
+        changed = await _queue.on_async(conn, _queue.bulk_retry(
+            settings.schema, _queue.Selection(**job_filter.params()),
+            _queue.Operator(actor, VIA), cap=BULK_CAP, described=job_filter.describe()))
     return render(request, "bulk_done.html", {"changed": changed, "query": job_filter.query()})
 
 

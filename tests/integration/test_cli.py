@@ -60,6 +60,27 @@ def test_status_shows_counts_and_recent_failures(dsn: str, schema: str) -> None:
     assert "failed" in table.output and "email-order-7" in table.output
 
 
+def test_status_on_a_large_table_estimates_done_jobs_as_the_dashboard_does(
+        dsn: str, schema: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    table = sql.Identifier(schema, "jobs")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with outbox.transaction(conn, schema=schema) as tx:
+            tx.enqueue_many([outbox.NewJob("email.send", f"k{i}", {}) for i in range(5)])
+        conn.execute(sql.SQL("UPDATE {} SET status = 'done' WHERE key <> 'k0'").format(table))
+        conn.execute(sql.SQL("ANALYZE {}").format(table))  # the planner's estimate: 5 rows
+        with outbox.transaction(conn, schema=schema) as tx:  # done jobs it does not know
+            tx.enqueue_many([outbox.NewJob("email.send", f"n{i}", {}) for i in range(20)])
+        conn.execute(sql.SQL("UPDATE {} SET status = 'done' WHERE key LIKE 'n%%'").format(table))
+    # Any table counts as large: the history is estimated (statistics and a sample),
+    # never counted with a scan of every row.
+    monkeypatch.setattr("outbox._queue.EXACT_COUNT_LIMIT", 1)
+    result = CliRunner().invoke(main, ["status", "--dsn", dsn, "--schema", schema, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["jobs"] == {"pending": 1, "running": 0, "done": 4, "failed": 0, "reconcile": 0}
+    assert report["backlog_by_effect"]["email.send"]["due"] == 1
+
+
 def test_retry_sends_a_failed_job_back_to_pending(dsn: str, schema: str) -> None:
     job_id = _failed_job(dsn, schema)
     result = CliRunner().invoke(main, ["retry", str(job_id), "--dsn", dsn, "--schema", schema])

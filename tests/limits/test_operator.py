@@ -93,27 +93,43 @@ def test_bulk_retry_by_effect_and_error_is_fenced_capped_and_audited(
     assert detail["filter"] == {"status": "failed", "effect": "email.send", "error": "http 503"}
 
 
+class Performed(outbox.Effect):
+    """Sets ``done`` when a job is performed: the test awaits it instead of polling."""
+
+    name = "noop"
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def perform(self, job: outbox.Job) -> None:
+        self.done.set()
+
+
 def test_retry_of_one_job_is_audited_and_wakes_a_listening_dispatcher(
         dsn: str, schema: str) -> None:
     _fail(dsn, schema, "Permanent: 422 validation_error", ["x"], effect="noop")
     job_id = rows(dsn, "SELECT id FROM {schema}.jobs", schema)[0][0]
+    effect = Performed()
     # Polling once an hour: only the notification can wake it in time.
-    dispatcher = outbox.Dispatcher(dsn, [Noop("noop")], schema=schema, poll_interval=3600)
+    dispatcher = outbox.Dispatcher(dsn, [effect], schema=schema, poll_interval=3600)
     runner = threading.Thread(target=dispatcher.run)
     runner.start()
     try:
+        # Another process's LISTEN has no event to await: its session is seen idle in it.
         wait_until(lambda: rows(dsn, "SELECT count(*) FROM pg_stat_activity WHERE "
                                 "query ILIKE 'LISTEN%%' AND state = 'idle'", schema)[0][0] > 0,
                    "the dispatcher to listen")
+        assert not effect.done.is_set()
         out = cli(dsn, schema, "retry", str(job_id), "--actor", "ada")
-        assert f"job {job_id}" in out
-        wait_until(lambda: status_counts(dsn, schema) == {"done": 1}, "the retried job done",
-                   timeout=30)
+        assert f"job {job_id} (noop, key x) is pending again" in out
+        assert effect.done.wait(timeout=30), "the retried job was not performed at once"
     finally:
         dispatcher.stop()
         runner.join()
-    [(actor, action, audited_job, _, affected)] = audit(dsn, schema)
+    assert status_counts(dsn, schema) == {"done": 1}
+    [(actor, action, audited_job, detail, affected)] = audit(dsn, schema)
     assert (actor, action, audited_job, affected) == ("ada", "retry", job_id, 1)
+    assert detail == {"via": "command line"}
 
 
 def test_run_takes_limits_on_the_command_line(dsn: str, schema: str, tmp_path: object) -> None:

@@ -41,7 +41,7 @@ from hypothesis.stateful import (
 from psycopg import sql
 
 import outbox
-from outbox import Permanent, Retry, UnknownOutcome
+from outbox import Permanent, Retry, UnknownOutcome, _queue
 from outbox._state import Backoff, decide
 from outbox.dispatcher import _text_array
 from outbox.sql import queries
@@ -351,14 +351,16 @@ class Lifecycle(RuleBasedStateMachine):
         job_id = data.draw(st.sampled_from(sorted(self.model)), label="job")
         job = self.model[job_id]
         before = self.rows()
-        row = self.conn.execute(self.q.retry_job, {"id": job_id}).fetchone()
+        done = _queue.on(self.conn, _queue.retry(
+            self.schema, job_id, _queue.Operator("property test", "command line")))
         if job.status in ("failed", "reconcile"):
-            assert row == (job_id, job.key, job.effect)
+            assert (done.changed, done.status, done.key, done.effect) == (
+                True, "pending", job.key, job.effect)
             job.status, job.attempts, job.due, job.long_ago = "pending", 0, True, False
             self.attempts_may_drop_to[job_id] = 0
             self.assert_untouched(before, self.rows(), {job_id})
         else:
-            assert row is None
+            assert (done.changed, done.status) == (False, job.status)
             self.assert_untouched(before, self.rows(), set())
 
     # -- invariants --------------------------------------------------------------------

@@ -13,10 +13,12 @@ from pydantic import BaseModel
 import outbox
 from outbox.testing import (
     NotEnqueued,
+    audit,
     job,
     jobs,
     ledger,
     ledger_row,
+    received,
     require_enqueued,
     start_server,
 )
@@ -66,6 +68,27 @@ def test_ledger_row_holds_the_result_once_the_effect_ran(dsn: str, schema: str) 
     row = ledger_row(dsn, "email-102", schema=schema)
     assert row is not None and row["result"] == {"id": "msg-email-102"}
     assert set(ledger(dsn, schema=schema)) == {"email-102"}
+
+
+def test_audit_and_inbox_readers(dsn: str, schema: str) -> None:
+    from click.testing import CliRunner
+
+    from outbox.cli import main
+
+    job_id = _enqueue(dsn, schema, "email.send", "email-102", EMAIL)
+    with psycopg.connect(dsn) as conn:
+        for message, first in (("evt-2", True), ("evt-1", True), ("evt-2", False)):
+            with outbox.transaction(conn, schema=schema) as tx:
+                assert tx.receive("billing", message) is first
+    assert received(dsn, "billing", schema) == ["evt-2", "evt-1"]
+    assert received(dsn, "shipping", schema) == []
+    result = CliRunner().invoke(main, ["retry", str(job_id), "--dsn", dsn, "--schema", schema,
+                                       "--actor", "ada"])
+    assert result.exit_code == 1  # pending: nothing to retry, and audited as such
+    [entry] = audit(dsn, schema)
+    assert (entry["actor"], entry["action"], entry["job_id"], entry["affected"]) == (
+        "ada", "retry", job_id, 0)
+    assert audit(dsn, schema, actor="reconciler") == []
 
 
 def test_readers_on_a_connection_see_its_uncommitted_jobs(dsn: str, schema: str) -> None:

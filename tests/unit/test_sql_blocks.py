@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from outbox import ConfigurationError
-from outbox.sql import bind_schema, parse_blocks, queries
+from outbox.sql import bind_blocks, bind_schema, parse_blocks, parse_sql, queries
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_blocks_are_split_by_name_and_comments_dropped() -> None:
@@ -32,3 +36,26 @@ def test_impossible_schema_names_are_refused(schema: str) -> None:
 def test_unknown_query_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no query named 'nope'"):
         _ = queries("outbox").nope
+
+
+def test_fragments_are_bound_into_the_blocks_that_name_them_and_are_no_query() -> None:
+    found = parse_sql("-- fragment: due\n-- a rule\nj.at <= now() AND j.s = {schema}.x\n"
+                      "-- name: a\nSELECT 1 FROM {schema}.t j WHERE {due};\n")
+    assert found.fragments == {"due": "j.at <= now() AND j.s = {schema}.x"}
+    assert parse_blocks("-- fragment: due\nTRUE\n-- name: a\nSELECT 1;\n") == {"a": "SELECT 1"}
+    assert bind_blocks(found.blocks, "s", found.fragments) == {
+        "a": 'SELECT 1 FROM "s".t j WHERE j.at <= now() AND j.s = "s".x'}
+    with pytest.raises(ValueError, match="no fragment named 'due'"):
+        bind_blocks(found.blocks, "s")
+
+
+def test_the_claimable_rule_is_written_once_in_the_products_sql() -> None:
+    rule = "o.status = 'pending' AND o.id < j.id"
+    sql_files = [p for p in (REPO / "outbox").rglob("*.sql")]
+    assert sum(p.read_text().count(rule) for p in sql_files) == 1
+    claim_users = ("claim", "has_due_work", "limit_claim")
+    assert all(rule in getattr(queries("outbox"), name) for name in claim_users)
+    files = [parse_sql((REPO / "outbox" / "sql" / name).read_text())
+             for name in ("queries.sql", "queue.sql")]
+    queue = bind_blocks(files[1].blocks, "outbox", {**files[0].fragments, **files[1].fragments})
+    assert rule in queue["effect_health"] and rule in queue["due_by_effect"]
