@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -154,12 +153,11 @@ def test_an_unknown_outcome_past_the_window_goes_to_reconcile_without_publishing
                 # The dispatcher's loop has its connection up before the broker freezes.
                 await publisher.perform(make_job("evt-warm", {
                     "subject": f"{stream}.orders.warm", "data": {}}))
-                assert server.pid is not None
-                os.kill(server.pid, signal.SIGSTOP)  # the publish is written, never answered
+                server.freeze()  # every thread stopped: the publish is written, never answered
                 try:
                     first = await dispatcher.run_until_idle(timeout=60)
                 finally:
-                    os.kill(server.pid, signal.SIGCONT)
+                    server.thaw()
                 # The first attempt was stored after all; pretend the window has passed.
                 db.execute(f'UPDATE "{schema}".jobs SET first_attempted_at = now() - '
                            "interval '10 minutes', available_at = now()")

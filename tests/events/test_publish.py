@@ -6,8 +6,6 @@ import asyncio
 import json
 import logging
 import math
-import os
-import signal
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -231,13 +229,13 @@ def test_a_timeout_after_the_request_was_written_is_unknown_and_the_retry_dedups
             async def scenario() -> dict[str, Any]:
                 # Connected and checked on this loop before the broker freezes.
                 await publisher.perform(make_job("evt-0", event(name)))
-                assert server.pid is not None
-                os.kill(server.pid, signal.SIGSTOP)  # the request is written; no answer
+                # Every thread of the server stopped: the request is written, no answer.
+                server.freeze()
                 try:
                     with pytest.raises(outbox.UnknownOutcome, match="TimeoutError"):
                         await publisher.perform(make_job("evt-1", event(name)))
                 finally:
-                    os.kill(server.pid, signal.SIGCONT)
+                    server.thaw()
                 return await publisher.perform(make_job("evt-1", event(name), attempt=2))
 
             again = run(scenario())
