@@ -264,7 +264,13 @@ class Transaction(Operations):
     def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
         # Our own row factory: the caller's connection may use dict rows or others.
         cur = self.connection.cursor(row_factory=tuple_row)
-        cur.execute(getattr(self._queries, name), params)
+        if self.connection.pgconn.pipeline_status:
+            # In the caller's pipeline a statement's answer comes only at a sync point:
+            # a nested block syncs, so the rows (or the error) are known here.
+            with self.connection.pipeline():
+                cur.execute(getattr(self._queries, name), params)
+        else:
+            cur.execute(getattr(self._queries, name), params)
         return cur.fetchall() if cur.description else []
 
     def __enter__(self) -> Transaction:
@@ -301,7 +307,11 @@ class AsyncTransaction(AsyncOperations):
 
     async def _execute(self, name: str, params: dict[str, Any]) -> list[Row]:
         cur = self.connection.cursor(row_factory=tuple_row)
-        await cur.execute(getattr(self._queries, name), params)
+        if self.connection.pgconn.pipeline_status:  # as in Transaction._execute
+            async with self.connection.pipeline():
+                await cur.execute(getattr(self._queries, name), params)
+        else:
+            await cur.execute(getattr(self._queries, name), params)
         return await cur.fetchall() if cur.description else []
 
     async def __aenter__(self) -> AsyncTransaction:

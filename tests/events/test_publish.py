@@ -227,7 +227,7 @@ def test_a_timeout_after_the_request_was_written_is_unknown_and_the_retry_dedups
         name = add_stream(server.url, duplicate_window=120.0)
         with PublishEvent(server.url, name, timeout=0.5) as publisher:
 
-            async def scenario() -> list[Any]:
+            async def scenario() -> list[dict[str, Any]]:
                 # Connected and checked on this loop before the broker freezes.
                 await publisher.perform(make_job("evt-0", event(name)))
                 # Every thread of the server stopped: the requests are written, no answer.
