@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +15,8 @@ import outbox
 from effects.nats import PublishEvent
 from effects.testing import NatsServer
 from outbox.testing import jobs
-from tests.crash.support import REPO, Worker, lease_expired, wait_until
+from tests.crash.support import Worker, lease_expired, wait_until
+from tests.testkit import worker
 
 from .support import add_stream, make_job, per_key, stored_count
 
@@ -39,16 +37,8 @@ def enqueue_events(conn: psycopg.Connection[tuple[object, ...]], schema: str, st
 
 def start_worker(mode: str, dsn: str, schema: str, server: NatsServer, stream: str,
                  log_dir: Path) -> Worker:
-    env = dict(os.environ, OUTBOX_DATABASE_URL=dsn)
-    env.setdefault("XDG_RUNTIME_DIR", str(REPO / ".runtime"))
-    log_path = log_dir / f"worker-{mode}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.events.worker", mode, "--schema", schema,
-             "--nats", server.url, "--stream", stream],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-        )
-    return Worker(proc, log_path)
+    return worker.start("tests.events.worker", mode, dsn, log_dir, "--schema", schema,
+                        "--nats", server.url, "--stream", stream)
 
 
 def ledger_result(conn: psycopg.Connection[tuple[object, ...]], schema: str,
