@@ -90,7 +90,6 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
@@ -370,7 +369,6 @@ class _Connection:
         self._timeout = timeout
         self._closes_with_loop = closes_with_loop
         self._client: NatsClient | None = None
-        self._js: JetStreamContext | None = None
         self._acks: _Acks | None = None
         self._lock: asyncio.Lock | None = None
         self._closer: AsyncGenerator[None, None] | None = None
@@ -393,17 +391,11 @@ class _Connection:
                 client = await self._connect()
                 acks = _Acks(client, self._timeout)
                 await acks.subscribe()
-                self._client, self._js, self._acks = client, client.jetstream(), acks
+                self._client, self._acks = client, acks
                 if self._closes_with_loop and self._closer is None:
                     self._closer = self._close_at_shutdown()
                     await anext(self._closer)
         return self._client
-
-    async def jetstream(self) -> tuple[NatsClient, JetStreamContext]:
-        """The connected client and its JetStream context (made once per client)."""
-        client = await self.get()
-        assert self._js is not None
-        return client, self._js
 
     async def acks(self) -> tuple[NatsClient, _Acks]:
         """The connected client and the waiter of its publishes' acknowledgements."""
@@ -443,7 +435,7 @@ class _Connection:
         return client
 
     async def close(self) -> None:
-        client, self._client, self._js, self._acks = self._client, None, None, None
+        client, self._client, self._acks = self._client, None, None
         if client is not None and not client.is_closed:
             await client.close()
 
