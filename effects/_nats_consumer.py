@@ -1,6 +1,7 @@
 """``InboxConsumer``: a JetStream pull consumer whose handler runs once per message.
 
-Messages come in batches (up to ``batch`` per fetch), handled in delivery order::
+Messages come in batches (up to ``batch`` per fetch; the next batch is on its way while
+one is handled), handled in delivery order::
 
     open one database transaction
       tx.receive_many(name, ids)        which messages are new (one statement)
@@ -31,10 +32,11 @@ The message id is the ``Outbox-Message-Id`` header (the publishing job's key), e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +102,15 @@ class InboxConsumer:
     ``ordering_key(event)`` names a message's key (default: its ``Outbox-Ordering-Key``
     header; e.g. ``lambda e: e.subject.split(".")[2]`` where the subject names it).
 
+    With ``pipeline=True`` a batch's handlers run in psycopg's pipeline mode: their
+    statements go to the server without waiting for each answer, so a batch costs a few
+    round trips instead of one per statement. A statement's answer then arrives when it
+    is fetched: a handler reads results with ``fetchone``/``fetchall`` (which wait for
+    them), not ``rowcount`` or ``description`` right after ``execute``; the ``tx``
+    methods (``enqueue``, ``receive`` ...) wait for their own answers and work as
+    usual. An error in a pipelined statement rolls the batch back, and it is handled
+    again one message at a time, which names the message at fault.
+
     ``handler`` is a plain function called in a worker thread with an
     ``outbox.Transaction`` on this consumer's own connection (``tx.connection``), so it
     may write business rows and ``tx.enqueue`` follow-up jobs atomically; or an
@@ -124,6 +135,7 @@ class InboxConsumer:
         dead_letter_subject: str | None = None,
         ordering_key: OrderingKey | None = None,
         connect_options: Mapping[str, Any] | None = None,
+        pipeline: bool = False,
     ) -> None:
         if max_deliver < 1 or not backoff or any(not b >= 0 for b in backoff):
             raise ValueError("max_deliver must be >= 1 and backoff non-negative delays")
@@ -141,6 +153,7 @@ class InboxConsumer:
             raise ValueError("batch must be >= 1")
         self.batch = batch
         self.ordering_key: OrderingKey = ordering_key or _ordering_key_header
+        self.pipeline = pipeline
         self.dead_letter_subject = dead_letter_subject or f"DLQ.{stream}.{name}"
         self._options = {"connect_timeout": 2, "reconnect_time_wait": 0.5, "name": name}
         self._options.update(connect_options or {})
@@ -167,7 +180,8 @@ class InboxConsumer:
         return await self._consume(until_idle=True, idle_timeout=idle_timeout)
 
     def stop(self) -> None:
-        """Ask ``run`` to return after the message in hand; safe from any thread."""
+        """Ask ``run`` to return after the batch in hand; safe from any thread. A batch
+        already fetched ahead is nak'ed, to be redelivered at once."""
         stopping, loop = self._stopping, self._loop
         if stopping is None or loop is None:
             return
@@ -185,12 +199,19 @@ class InboxConsumer:
         assert stopping is not None
         client = await nats.connect(servers=self._servers, max_reconnect_attempts=-1,
                                     error_cb=self._on_error, **self._options)
+        prefetch: asyncio.Future[list[Msg]] | None = None
         try:
             js = client.jetstream()
             subscription = await self._subscribe(js)
+
+            def fetch() -> asyncio.Future[list[Msg]]:
+                return asyncio.ensure_future(subscription.fetch(self.batch,
+                                                                timeout=idle_timeout))
+
             while not stopping.is_set():
+                fetching, prefetch = prefetch or fetch(), None
                 try:
-                    messages = await subscription.fetch(self.batch, timeout=idle_timeout)
+                    messages = await fetching
                 except TimeoutError:  # nats-py raises its own and asyncio's
                     if until_idle and await self._idle(js):
                         break
@@ -201,16 +222,34 @@ class InboxConsumer:
                     log.info("%s: fetch failed (%s); retrying", self.name, type(exc).__name__)
                     await asyncio.sleep(_RECONNECT_PAUSE)
                     continue
+                # The next batch travels while this one is handled.
+                prefetch = fetch()
                 try:
                     await self._process(js, messages)
                 except nats.errors.Error as exc:
                     log.info("%s: lost the broker mid-batch (%s); what was not acked will "
                              "be redelivered", self.name, type(exc).__name__)
         finally:
+            if prefetch is not None:
+                await self._give_back(prefetch)
             await client.close()
             await asyncio.to_thread(self._close_db)
             await self._aclose_db()
         return self.stats
+
+    async def _give_back(self, prefetch: asyncio.Future[list[Msg]]) -> None:
+        """A batch fetched ahead and not handled: nak'ed, to be redelivered at once (one
+        still on its way is cancelled; its messages come back after ``ack_wait``)."""
+        if not prefetch.done():
+            prefetch.cancel()
+        # A cancelled fetch may end in nats-py's own error rather than CancelledError.
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError, nats.errors.Error):
+            await prefetch
+        if prefetch.cancelled() or prefetch.exception() is not None:
+            return
+        with contextlib.suppress(nats.errors.Error):
+            for message in prefetch.result():
+                await message.nak()
 
     async def _subscribe(self, js: JetStreamContext) -> JetStreamContext.PullSubscription:
         """The pull subscription, waiting out a broker that is (re)starting."""
@@ -283,44 +322,47 @@ class InboxConsumer:
                 await message.nak(delay=delays.get(self.ordering_key(event) or "", 0.0))
 
     def _handle(self, events: list[InboxEvent]) -> list[Result]:
-        """In a worker thread: the batch in one transaction; on a handler's error, again
-        with a savepoint per message."""
-        handler: SyncHandler = self._handler  # type: ignore[assignment]
+        """In a worker thread: the batch together, and if anything in it failed, again
+        one message at a time (see ``_handle_batch_async``)."""
         db = self._connection()
         failed: dict[int, Exception] = {}  # the handler that failed is not called again
         try:
             try:
-                with db.transaction():
-                    tx = outbox.Transaction(db, schema=self.schema)  # joins it
-                    first = tx.receive_many(self.name, [e.message_id for e in events])
-                    for index, (event, new) in enumerate(zip(events, first, strict=True)):
-                        if new:
-                            try:
-                                handler(tx, event)
-                            except Exception as exc:
-                                failed[index] = exc
-                                raise
-                return list(first)
+                with db.pipeline() if self.pipeline else contextlib.nullcontext():
+                    return self._handle_batch(db, events, failed, together=True)
             except psycopg.OperationalError:
                 raise
             except Exception as exc:
-                log.info("%s: a handler failed in a batch of %d (%s); handling each message "
-                         "under a savepoint", self.name, len(events), type(exc).__name__)
-            results: list[Result] = []
-            with db.transaction():
-                for index, event in enumerate(events):
-                    results.append(failed.get(index)
-                                   or self._handle_one(db, handler, event, results, events))
-            return results
+                self._retrying_one_by_one(events, exc)
+            return self._handle_batch(db, events, failed, together=False)
         except psycopg.OperationalError:
             self._close_db()  # a fresh connection next time
             raise
 
+    def _handle_batch(self, db: psycopg.Connection[Any], events: list[InboxEvent],
+                      failed: dict[int, Exception], *, together: bool) -> list[Result]:
+        """``_handle_batch_async``'s mirror, for a plain handler."""
+        handler: SyncHandler = self._handler  # type: ignore[assignment]
+        results: list[Result] = []
+        with db.transaction():
+            tx = outbox.Transaction(db, schema=self.schema)  # joins it
+            fresh = tx.receive_many(self.name, _ids(events)) if together else []
+            for index, event in enumerate(events):
+                if together:
+                    if fresh[index]:
+                        with _noting_failure(failed, index):
+                            handler(tx, event)
+                    results.append(fresh[index])
+                elif index in failed:
+                    results.append(failed[index])
+                elif self._held(event, results, events):
+                    results.append(HELD)
+                else:
+                    results.append(self._handle_one(db, handler, event, index, failed))
+        return results
+
     def _handle_one(self, db: psycopg.Connection[Any], handler: SyncHandler,
-                    event: InboxEvent, results: list[Result],
-                    events: list[InboxEvent]) -> Result:
-        if self._held(event, results, events):
-            return HELD
+                    event: InboxEvent, index: int, failed: dict[int, Exception]) -> Result:
         try:
             with outbox.transaction(db, schema=self.schema) as tx:  # a savepoint
                 if not tx.receive(self.name, event.message_id):
@@ -330,46 +372,60 @@ class InboxConsumer:
         except psycopg.OperationalError:
             raise
         except Exception as exc:
-            return exc
+            return failed.setdefault(index, exc)
 
     async def _handle_async(self, events: list[InboxEvent]) -> list[Result]:
         """On the loop: as ``_handle``, with an ``AsyncTransaction``."""
-        handler: AsyncHandler = self._handler  # type: ignore[assignment]
         db = await self._aconnection()
         failed: dict[int, Exception] = {}
         try:
             try:
-                async with db.transaction():
-                    tx = outbox.AsyncTransaction(db, schema=self.schema)
-                    first = await tx.receive_many(self.name, [e.message_id for e in events])
-                    for index, (event, new) in enumerate(zip(events, first, strict=True)):
-                        if new:
-                            try:
-                                await handler(tx, event)
-                            except Exception as exc:
-                                failed[index] = exc
-                                raise
-                return list(first)
+                async with db.pipeline() if self.pipeline else contextlib.nullcontext():
+                    return await self._handle_batch_async(db, events, failed, together=True)
             except psycopg.OperationalError:
                 raise
             except Exception as exc:
-                log.info("%s: a handler failed in a batch of %d (%s); handling each message "
-                         "under a savepoint", self.name, len(events), type(exc).__name__)
-            results: list[Result] = []
-            async with db.transaction():
-                for index, event in enumerate(events):
-                    results.append(failed.get(index) or await self._handle_one_async(
-                        db, handler, event, results, events))
-            return results
+                self._retrying_one_by_one(events, exc)
+            return await self._handle_batch_async(db, events, failed, together=False)
         except psycopg.OperationalError:
             await self._aclose_db()
             raise
 
+    async def _handle_batch_async(self, db: psycopg.AsyncConnection[Any],
+                                  events: list[InboxEvent], failed: dict[int, Exception],
+                                  *, together: bool) -> list[Result]:
+        """One pass over the batch in one transaction; the results in order.
+
+        ``together``: one ``receive_many`` for the batch, then each new message's
+        handler (with ``pipeline``, its statements are sent without waiting for each
+        answer); the first failure raises and the whole pass rolls back. Otherwise each
+        message under a savepoint with its own inbox row, so a failure rolls back that
+        message alone and is its result, and a message whose ordering key failed earlier
+        in the batch is HELD.
+        """
+        handler: AsyncHandler = self._handler  # type: ignore[assignment]
+        results: list[Result] = []
+        async with db.transaction():
+            tx = outbox.AsyncTransaction(db, schema=self.schema)
+            fresh = await tx.receive_many(self.name, _ids(events)) if together else []
+            for index, event in enumerate(events):
+                if together:
+                    if fresh[index]:
+                        with _noting_failure(failed, index):
+                            await handler(tx, event)
+                    results.append(fresh[index])
+                elif index in failed:
+                    results.append(failed[index])
+                elif self._held(event, results, events):
+                    results.append(HELD)
+                else:
+                    results.append(await self._handle_one_async(db, handler, event, index,
+                                                                failed))
+        return results
+
     async def _handle_one_async(self, db: psycopg.AsyncConnection[Any],
-                                handler: AsyncHandler, event: InboxEvent,
-                                results: list[Result], events: list[InboxEvent]) -> Result:
-        if self._held(event, results, events):
-            return HELD
+                                handler: AsyncHandler, event: InboxEvent, index: int,
+                                failed: dict[int, Exception]) -> Result:
         try:
             async with outbox.transaction(db, schema=self.schema) as tx:  # a savepoint
                 if not await tx.receive(self.name, event.message_id):
@@ -379,7 +435,11 @@ class InboxConsumer:
         except psycopg.OperationalError:
             raise
         except Exception as exc:
-            return exc
+            return failed.setdefault(index, exc)
+
+    def _retrying_one_by_one(self, events: list[InboxEvent], exc: Exception) -> None:
+        log.info("%s: a batch of %d failed (%s); handling each message under a savepoint",
+                 self.name, len(events), type(exc).__name__)
 
     def _held(self, event: InboxEvent, results: list[Result],
               events: list[InboxEvent]) -> bool:
@@ -480,6 +540,25 @@ def _event(message: Msg, stream: str) -> InboxEvent:
     return InboxEvent(message_id, message.subject, message.data, headers, seq,
                       metadata.num_delivered or 1)
 
+
+
+def _ids(events: list[InboxEvent]) -> list[str]:
+    return [event.message_id for event in events]
+
+
+@contextlib.contextmanager
+def _noting_failure(failed: dict[int, Exception], index: int) -> Iterator[None]:
+    """Remember the exception of message ``index``'s handler, and let it pass on.
+
+    A database error is not noted: with statements pipelined it may belong to an
+    earlier message, and the pass one message at a time will tell.
+    """
+    try:
+        yield
+    except Exception as exc:
+        if not isinstance(exc, psycopg.Error):
+            failed[index] = exc
+        raise
 
 
 def _ordering_key_header(event: InboxEvent) -> str | None:

@@ -10,6 +10,8 @@ so every attempt publishes the same bytes, with these headers:
     Outbox-Event-Time   when the job was first attempted (RFC 3339, UTC): the same on
                         every attempt and re-claim; absent for a job never claimed
     Outbox-Ordering-Key the job's ordering key, when it has one
+    Nats-Expected-Stream the effect's stream: the broker refuses (400) a subject that
+                        another stream captures
     Content-Type        application/json
     traceparent, ...    whatever ``trace_headers(job)`` returns, when tracing is on
 
@@ -64,11 +66,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import logging
+import re
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -84,8 +89,8 @@ except ModuleNotFoundError as exc:
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
-from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, PubAck, RetentionPolicy
+from nats.aio.msg import Msg
+from nats.js.api import DiscardPolicy, RetentionPolicy
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
 from outbox import (
@@ -125,6 +130,10 @@ _MAX_SUBJECT = 1024
 _STRICT_DUPLICATE = 10077  # "maximum messages per subject exceeded" (discard new)
 _RECHECK_SECONDS = 60.0
 _STRICT_DEFAULT_WINDOW = 24 * 3600.0
+_TIMER_SLACK = 0.001
+# What nats-py accepts as a header name: an HTTP token (RFC 9110).
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_NO_RESPONDERS = "503"  # the status of the reply when no stream listens on the subject
 
 TraceHeaders = Callable[[Job], Mapping[str, str]]
 """Returns extra headers for an attempt (e.g. ``traceparent``); called once per attempt."""
@@ -146,8 +155,9 @@ def _check_subject(subject: str) -> str:
 
 
 def _check_header(name: str, value: str) -> None:
-    if not name or not name.isascii() or not name.isprintable() or ":" in name or " " in name:
-        raise ValueError(f"header name {name!r} must be printable ASCII without ':' or spaces")
+    if not _HEADER_NAME.fullmatch(name):
+        raise ValueError(f"header name {name!r} must be an HTTP token (letters, digits and "
+                         "!#$%&'*+-.^_`|~)")
     if name.lower().startswith(_RESERVED_PREFIXES):
         raise ValueError(f"header {name!r} is reserved (Nats-*, Outbox-* and ce-* are set "
                          "here)")
@@ -179,15 +189,24 @@ class EventPayload(BaseModel):
         return headers
 
 
+# What json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+# allow_nan=False) makes, without building an encoder per call.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False)
+
+
 def canonical_json(data: Any) -> bytes:
     """``data`` as compact JSON with sorted keys: equal data gives equal bytes.
 
     Raises ``ValueError`` for NaN or infinity, which JSON cannot carry.
     """
-    text = json.dumps(
-        data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    )
-    return text.encode()
+    return _CANONICAL.encode(data).encode()
+
+
+@functools.lru_cache(maxsize=1024)  # jobs claimed together share their first attempt
+def _event_time(first_attempted_at: datetime) -> str:
+    """The ``Outbox-Event-Time`` header: RFC 3339 in UTC, to the microsecond."""
+    return first_attempted_at.astimezone(UTC).isoformat(timespec="microseconds")
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -228,19 +247,129 @@ class StreamFacts:
         return found
 
 
+class _Acks:
+    """The acknowledgements of the publishes in flight on one connection.
+
+    Each publish carries a reply subject of its own under one wildcard subscription and
+    waits on a future of its own; one timer, set at the oldest deadline, expires those
+    past ``timeout`` (``nats.errors.TimeoutError``). That is all a JetStream publish
+    needs from a request: no task, timer or subscription per publish.
+    """
+
+    def __init__(self, client: NatsClient, timeout: float) -> None:
+        self._client = client
+        self._timeout = timeout
+        self._loop = asyncio.get_running_loop()
+        self._prefix = client.new_inbox() + "."
+        self._tokens = itertools.count()
+        # In deadline order: every publish waits the same ``timeout``.
+        self._waiting: OrderedDict[str, tuple[float, asyncio.Future[Msg]]] = OrderedDict()
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def subscribe(self) -> None:
+        await self._client.subscribe(self._prefix + "*", cb=self._on_reply)
+
+    async def request(self, subject: str, body: bytes, headers: dict[str, str]) -> Msg:
+        """Publish with a reply subject and return the reply; raises what
+        ``client.publish`` would, or ``nats.errors.TimeoutError`` once written."""
+        token = str(next(self._tokens))
+        future: asyncio.Future[Msg] = self._loop.create_future()
+        deadline = self._loop.time() + self._timeout
+        self._waiting[token] = (deadline, future)
+        if self._timer is None:
+            self._timer = self._loop.call_at(deadline, self._expire)
+        try:
+            await _send(self._client, subject, self._prefix + token, _header_block(headers),
+                        body)
+            return await future
+        finally:
+            self._waiting.pop(token, None)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        waiting = self._waiting.pop(msg.subject[len(self._prefix):], None)
+        if waiting is not None and not waiting[1].done():
+            waiting[1].set_result(msg)
+
+    def _expire(self) -> None:
+        # A timer may fire a hair early (the loop's clock resolution): count it as due.
+        now = self._loop.time() + _TIMER_SLACK
+        waiting = self._waiting
+        while waiting:
+            token = next(iter(waiting))
+            deadline, future = waiting[token]
+            if deadline > now:
+                self._timer = self._loop.call_at(deadline, self._expire)
+                return
+            del waiting[token]
+            if not future.done():
+                future.set_exception(nats.errors.TimeoutError())
+        self._timer = None
+
+
+@functools.lru_cache(maxsize=1024)  # few header names, reused by every message
+def _header_name(name: str) -> bytes:
+    """``name`` as written in a header block; ``BadHeaderError`` unless an HTTP token."""
+    if not _HEADER_NAME.fullmatch(name):
+        raise nats.errors.BadHeaderError(name)
+    return name.encode()
+
+
+def _header_block(headers: Mapping[str, str]) -> bytes:
+    """The ``NATS/1.0`` header block, byte for byte as nats-py's ``publish`` writes it:
+    names checked, values stripped, a line break in a value written as a space."""
+    lines = [b"NATS/1.0\r\n"]
+    for name, raw in headers.items():
+        if not (stripped := name.strip()):
+            continue  # nats-py skips a blank name too
+        value = raw.strip()
+        if "\r" in value or "\n" in value:
+            value = value.replace("\r", " ").replace("\n", " ")
+        lines.append(b"%s: %s\r\n" % (_header_name(stripped), value.encode()))
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+async def _send(client: NatsClient, subject: str, reply: str, header_block: bytes,
+                body: bytes) -> None:
+    """Write one HPUB as ``client.publish(subject, body, reply=..., headers=...)`` does.
+
+    nats-py takes headers only as a dict and encodes them anew with a regex and a
+    translation per header, a third of a publish's cost here; this writes the block
+    made by ``_header_block``. It goes through the client's own write buffer and
+    flusher (``_send_command``, ``_flush_pending``: nats-py's internals, which its
+    ``publish`` uses the same way), so ordering, reconnection and flushing are the
+    client's. Raises what ``publish`` raises before writing.
+    """
+    if client.is_closed:
+        raise nats.errors.ConnectionClosedError
+    if client.is_draining_pubs:
+        raise nats.errors.ConnectionDrainingError
+    if not client.is_connected:  # nothing is buffered while disconnected (pending_size=0)
+        raise nats.errors.OutboundBufferLimitError
+    command = b"HPUB %s %s %d %d\r\n%s%s\r\n" % (
+        subject.encode(), reply.encode(), len(header_block),
+        len(header_block) + len(body), header_block, body)
+    client.stats["out_msgs"] += 1
+    client.stats["out_bytes"] += len(body)
+    await client._send_command(command)
+    if client._flush_queue is not None and client._flush_queue.empty():
+        await client._flush_pending()
+
+
 class _Connection:
     """One reconnecting NATS connection, made on first use, bound to one event loop
     (nats-py's clients are). With ``closes_with_loop`` it closes itself when that loop
     shuts down its async generators (``asyncio.run`` does, before closing the loop)."""
 
     def __init__(self, servers: list[str], options: Mapping[str, Any], what: str,
-                 *, closes_with_loop: bool = False) -> None:
+                 timeout: float, *, closes_with_loop: bool = False) -> None:
         self._servers = servers
         self._options = dict(options)
         self._what = what
+        self._timeout = timeout
         self._closes_with_loop = closes_with_loop
         self._client: NatsClient | None = None
-        self._js: JetStreamContext | None = None
+        self._acks: _Acks | None = None
         self._lock: asyncio.Lock | None = None
         self._closer: AsyncGenerator[None, None] | None = None
         # One stream check at a time: hundreds of publishes in flight must not each
@@ -259,18 +388,22 @@ class _Connection:
             self._lock = asyncio.Lock()
         async with self._lock:
             if self._client is None or self._client.is_closed:
-                self._client = await self._connect()
-                self._js = self._client.jetstream()
+                client = await self._connect()
+                acks = _Acks(client, self._timeout)
+                await acks.subscribe()
+                self._client, self._acks = client, acks
                 if self._closes_with_loop and self._closer is None:
                     self._closer = self._close_at_shutdown()
                     await anext(self._closer)
         return self._client
 
-    async def jetstream(self) -> tuple[NatsClient, JetStreamContext]:
-        """The connected client and its JetStream context (made once per client)."""
-        client = await self.get()
-        assert self._js is not None
-        return client, self._js
+    async def acks(self) -> tuple[NatsClient, _Acks]:
+        """The connected client and the waiter of its publishes' acknowledgements."""
+        client = self._client
+        if client is None or client.is_closed:
+            client = await self.get()
+        assert self._acks is not None
+        return client, self._acks
 
     async def _close_at_shutdown(self) -> AsyncGenerator[None, None]:
         """Suspended for as long as the loop runs; finalised at its shutdown."""
@@ -302,7 +435,7 @@ class _Connection:
         return client
 
     async def close(self) -> None:
-        client, self._client, self._js = self._client, None, None
+        client, self._client, self._acks = self._client, None, None
         if client is not None and not client.is_closed:
             await client.close()
 
@@ -391,7 +524,8 @@ class PublishEvent(Effect):
                                    "name": "outbox"}
         options.update(connect_options or {})
         self._options = options
-        self._connection = _Connection(self._servers, options, self._what)  # check()'s
+        self._connection = _Connection(self._servers, options, self._what,  # check()'s
+                                       timeout)
         self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Connection] = (
             weakref.WeakKeyDictionary())
         self._facts: StreamFacts | None = None
@@ -487,7 +621,8 @@ class PublishEvent(Effect):
                 for gone in [old for old in self._by_loop if old.is_closed()]:
                     del self._by_loop[gone]
                 connection = self._by_loop.setdefault(loop, _Connection(
-                    self._servers, self._options, self._what, closes_with_loop=True))
+                    self._servers, self._options, self._what, self.timeout,
+                    closes_with_loop=True))
         return connection
 
     def _on_loop(self) -> LoopThread:
@@ -500,38 +635,43 @@ class PublishEvent(Effect):
         self, connection: _Connection, job: Job, subject: str, body: bytes,
         headers: dict[str, str],
     ) -> dict[str, Any]:
-        what = f"nats.publish job {job.key} to stream {self.stream}"
-        client, js = await connection.jetstream()
-        facts = await self._current_facts(connection, client, what)
+        client, acks = await connection.acks()
+        facts = await self._current_facts(connection, client, job)
         if not facts.captures(subject):
-            raise Permanent(f"{what}: subject is not one of the stream's subjects "
-                            f"({', '.join(facts.subjects)}); nothing published")
-        self._refuse_past_window(job, facts, what)
+            raise Permanent(f"{self._about(job)}: subject is not one of the stream's "
+                            f"subjects ({', '.join(facts.subjects)}); nothing published")
+        if job.attempt > 1:
+            self._refuse_past_window(job, facts)
         if len(body) > client.max_payload:
-            raise Permanent(f"{what}: message of {len(body)} bytes exceeds the server's "
-                            f"max_payload ({client.max_payload}); nothing published")
+            raise Permanent(f"{self._about(job)}: message of {len(body)} bytes exceeds the "
+                            f"server's max_payload ({client.max_payload}); nothing published")
         if not client.is_connected:
-            raise Retry(f"{what}: not connected to NATS; nothing sent")
+            raise Retry(f"{self._about(job)}: not connected to NATS; nothing sent")
         try:
-            ack = await js.publish(
-                subject, body, timeout=self.timeout, stream=self.stream, headers=headers
-            )
+            result = _read_ack(await acks.request(subject, body, headers))
         except nats.js.errors.APIError as exc:
             if facts.strict and exc.err_code == _STRICT_DUPLICATE:
-                return await self._strict_duplicate(client, subject, job, what)
-            raise _api_outcome(exc, what) from exc
+                return await self._strict_duplicate(client, subject, job)
+            raise _api_outcome(exc, self._about(job)) from exc
         except Exception as exc:
-            outcome = _transport_outcome(exc, what)
+            outcome = _transport_outcome(exc, self._about(job))
             if outcome is None:
                 raise
             raise outcome from exc
-        log.debug("%s: seq %s%s", what, ack.seq, " (duplicate)" if ack.duplicate else "")
-        return _result(ack)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: seq %s%s", self._about(job), result["seq"],
+                      " (duplicate)" if result["duplicate"] else "")
+        return result
+
+    def _about(self, job: Job) -> str:
+        """What a reason or log line says about the attempt (never data or credentials)."""
+        return f"nats.publish job {job.key} to stream {self.stream}"
 
     async def _strict_duplicate(
-        self, client: NatsClient, subject: str, job: Job, what: str
+        self, client: NatsClient, subject: str, job: Job
     ) -> dict[str, Any]:
         """The broker refused a second message on the subject: find and report the first."""
+        what = self._about(job)
         try:
             stored = await client.jetstream().get_last_msg(self.stream, subject)
         except Exception as exc:
@@ -544,20 +684,21 @@ class PublishEvent(Effect):
                             "subject")
         return {"stream": self.stream, "seq": stored.seq, "duplicate": True}
 
-    def _refuse_past_window(self, job: Job, facts: StreamFacts, what: str) -> None:
+    def _refuse_past_window(self, job: Job, facts: StreamFacts) -> None:
         if facts.strict or job.attempt <= 1 or job.first_attempted_at is None:
             return
         elapsed = (datetime.now(UTC) - job.first_attempted_at).total_seconds()
         # An earlier attempt may have stored the message as late as its own timeout.
         if elapsed + self.timeout >= facts.window:
             raise UnknownOutcome(
-                f"{what}: attempt {job.attempt} comes {elapsed:.0f} s after the first, past "
-                f"the stream's duplicate window ({facts.window:.0f} s); an earlier attempt "
-                "may have been stored, so publishing again could duplicate it: not published"
+                f"{self._about(job)}: attempt {job.attempt} comes {elapsed:.0f} s after the "
+                f"first, past the stream's duplicate window ({facts.window:.0f} s); an earlier "
+                "attempt may have been stored, so publishing again could duplicate it: not "
+                "published"
             )
 
     async def _current_facts(
-        self, connection: _Connection, client: NatsClient, what: str
+        self, connection: _Connection, client: NatsClient, job: Job
     ) -> StreamFacts:
         facts = self._facts
         if facts is not None and time.monotonic() - facts.checked_at < _RECHECK_SECONDS:
@@ -572,7 +713,7 @@ class PublishEvent(Effect):
                 return await self._check(client)
             except ConfigurationError as exc:
                 log.error("%s", exc)
-                raise Retry(f"{what}: stream unfit: {exc}") from exc
+                raise Retry(f"{self._about(job)}: stream unfit: {exc}") from exc
 
     async def _check(self, client: NatsClient | None = None) -> StreamFacts:
         client = client or await self._connection.get()
@@ -593,19 +734,17 @@ class PublishEvent(Effect):
         headers = dict(event.headers)
         if self._trace_headers is not None:
             headers.update(self._trace_headers(job))
-        headers.update({
-            "Nats-Msg-Id": job.key,
-            MESSAGE_ID_HEADER: job.key,
-            "Content-Type": "application/json",
-        })
+        headers["Nats-Msg-Id"] = headers[MESSAGE_ID_HEADER] = job.key
+        headers["Content-Type"] = "application/json"
         if job.first_attempted_at is not None:
-            stamp = job.first_attempted_at.astimezone(UTC)
-            headers[EVENT_TIME_HEADER] = stamp.isoformat(timespec="microseconds")
+            headers[EVENT_TIME_HEADER] = _event_time(job.first_attempted_at)
         if job.ordering_key is not None:
             headers[ORDERING_KEY_HEADER] = job.ordering_key
         if self.envelope == "cloudevents":
             headers.update(attributes(job, source=self.source,
                                       type_=event.type or event.subject, prefix="ce-"))
+        # The broker refuses the message (400) if its subject belongs to another stream.
+        headers["Nats-Expected-Stream"] = self.stream
         return headers
 
 
@@ -660,8 +799,23 @@ def _judge(config: Any, stream: str, needed: float, strict: bool) -> StreamFacts
                        time.monotonic())
 
 
-def _result(ack: PubAck) -> dict[str, Any]:
-    return {"stream": ack.stream, "seq": ack.seq, "duplicate": bool(ack.duplicate)}
+def _read_ack(reply: Msg) -> dict[str, Any]:
+    """The ledger result from JetStream's answer to a publish, ``{"stream", "seq",
+    "duplicate"}``. Raises as nats-py's ``js.publish`` would: ``NoStreamResponseError``
+    when no stream listens, ``APIError`` (by code) for an error answer, and ``ValueError``
+    for an answer that is not a PubAck."""
+    if reply.headers and reply.headers.get("Status") == _NO_RESPONDERS:
+        raise nats.js.errors.NoStreamResponseError
+    answer = json.loads(reply.data)
+    if not isinstance(answer, dict):
+        raise ValueError("the answer is not a JSON object")
+    if "error" in answer:
+        nats.js.errors.APIError.from_error(answer["error"])  # raises
+    try:
+        return {"stream": answer["stream"], "seq": answer["seq"],
+                "duplicate": answer.get("duplicate", False) is True}
+    except KeyError as exc:
+        raise ValueError(f"the answer has no {exc}") from None
 
 
 def _api_outcome(exc: nats.js.errors.APIError, what: str) -> EffectOutcome:
@@ -688,7 +842,8 @@ def _transport_outcome(exc: Exception, what: str) -> EffectOutcome | None:
         return Permanent(f"{what}: message too large for the server; nothing published")
     if isinstance(exc, nats.errors.BadSubjectError | nats.errors.BadHeaderError):
         return Permanent(f"{what}: refused by the client ({name}); nothing published")
-    if isinstance(exc, TimeoutError | nats.errors.Error | OSError):
+    # ValueError: an answer that is not a PubAck.
+    if isinstance(exc, TimeoutError | nats.errors.Error | OSError | ValueError):
         return UnknownOutcome(f"{what}: {name} after the request was written; the broker "
                               "may have stored it")
     return None

@@ -248,7 +248,13 @@ class Transaction(Operations):
     def _execute(self, statement: Statement) -> Rows:
         # Our own row factory: the caller's connection may use dict rows or others.
         cur = self.connection.cursor(row_factory=tuple_row)
-        cur.execute(statement.query, statement.params)
+        if self.connection.pgconn.pipeline_status:
+            # In the caller's pipeline a statement's answer comes only at a sync point:
+            # a nested block syncs, so the rows (or the error) are known here.
+            with self.connection.pipeline():
+                cur.execute(statement.query, statement.params)
+        else:
+            cur.execute(statement.query, statement.params)
         if statement.count:
             return [(cur.rowcount,)]
         return cur.fetchall() if cur.description else []
@@ -287,7 +293,11 @@ class AsyncTransaction(AsyncOperations):
 
     async def _execute(self, statement: Statement) -> Rows:
         cur = self.connection.cursor(row_factory=tuple_row)
-        await cur.execute(statement.query, statement.params)
+        if self.connection.pgconn.pipeline_status:  # as in Transaction._execute
+            async with self.connection.pipeline():
+                await cur.execute(statement.query, statement.params)
+        else:
+            await cur.execute(statement.query, statement.params)
         if statement.count:
             return [(cur.rowcount,)]
         return await cur.fetchall() if cur.description else []

@@ -48,7 +48,9 @@ class NatsServer:
     """One ``nats-server -js`` process on ``127.0.0.1:<port>``, data in ``store_dir``.
 
     ``start()`` returns once the server answers clients with JetStream enabled.
-    ``stop()`` shuts it down gracefully, ``kill()`` with SIGKILL; ``start()`` again
+    ``stop()`` shuts it down gracefully, ``kill()`` with SIGKILL; ``freeze()`` stops it
+    in place (SIGSTOP: connections stay open, nothing is answered), ``thaw()`` resumes
+    it; ``start()`` again
     brings it back on the same port with the same store, so streams and their
     deduplication state survive, as with a restarted production broker. Use as a
     context manager (``with NatsServer() as nats: nats.url``) or via ``nats_server()``.
@@ -100,6 +102,30 @@ class NatsServer:
         """Kill the server at once (SIGKILL), as a crash would; ``start()`` revives it."""
         self._end(signal.SIGKILL)
 
+    def freeze(self) -> None:
+        """Stop the server in place (SIGSTOP); return once it can answer nothing more.
+
+        ``kill(2)`` returns as soon as the signal is queued, and a multi-threaded process
+        stops one thread at a time: until its last thread has stopped, the server may
+        still read a request and answer it. The kernel tells the parent (this process)
+        when the whole group has stopped, and ``waitpid(WUNTRACED)`` waits for exactly
+        that. Raises ``RuntimeError`` if the server is not running or exits instead.
+        """
+        process = self._process
+        if process is None or process.poll() is not None:
+            raise RuntimeError("nats-server is not running: nothing to freeze")
+        process.send_signal(signal.SIGSTOP)
+        _, status = os.waitpid(process.pid, os.WUNTRACED)
+        if not os.WIFSTOPPED(status):
+            # Reaped here, so Popen would never learn the status: record it for it.
+            process.returncode = os.waitstatus_to_exitcode(status)
+            raise RuntimeError(f"nats-server exited instead of stopping:\n{self.log()[-2000:]}")
+
+    def thaw(self) -> None:
+        """Resume a frozen server (SIGCONT); the requests it holds are then answered."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGCONT)
+
     def restart(self) -> None:
         """``stop()`` then ``start()``: clients see a disconnection and reconnect."""
         self.stop()
@@ -132,6 +158,7 @@ class NatsServer:
         if process is None or process.poll() is not None:
             return
         process.send_signal(sig)
+        process.send_signal(signal.SIGCONT)  # a frozen server acts on it only once resumed
         try:
             process.wait(timeout=_STOP_TIMEOUT)
         except subprocess.TimeoutExpired:

@@ -15,6 +15,7 @@ from psycopg import sql
 import outbox
 from effects.nats import InboxConsumer, InboxEvent, PublishEvent
 from effects.testing import NatsServer
+from outbox.testing import jobs
 
 from .support import add_stream, delete_stream, make_job, messages, run
 from .test_crash import start_worker
@@ -74,14 +75,17 @@ def consumer(dsn: str, schema: str, url: str, stream: str, handler: Any = record
                          **options)
 
 
+@pytest.mark.parametrize("pipeline", [False, True])
 def test_each_message_is_handled_once_and_recorded_in_the_inbox(
-    dsn: str, schema: str, db: Conn, nats_server: NatsServer, streams: tuple[str, str]
+    dsn: str, schema: str, db: Conn, nats_server: NatsServer, streams: tuple[str, str],
+    pipeline: bool,
 ) -> None:
     events, _ = streams
     for n in range(3):
         publish(nats_server.url, f"{events}.orders.paid", b'{"n": %d}' % n, f"evt-{n}")
 
-    stats = run(consumer(dsn, schema, nats_server.url, events).run_until_idle())
+    stats = run(consumer(dsn, schema, nats_server.url, events,
+                         pipeline=pipeline).run_until_idle())
 
     assert (stats.handled, stats.duplicates, stats.failed) == (3, 0, 0)
     assert handled(db, schema) == [("evt-0", 1), ("evt-1", 1), ("evt-2", 1)]
@@ -123,8 +127,10 @@ def test_a_handler_that_raises_rolls_back_and_the_redelivery_is_handled(
     assert handled(db, schema) == [("evt-1", 2)]
 
 
+@pytest.mark.parametrize("pipeline", [False, True])
 def test_a_handler_failing_in_a_batch_rolls_back_only_its_own_message(
-    dsn: str, schema: str, db: Conn, nats_server: NatsServer, streams: tuple[str, str]
+    dsn: str, schema: str, db: Conn, nats_server: NatsServer, streams: tuple[str, str],
+    pipeline: bool,
 ) -> None:
     events, _ = streams
     for n in range(6):
@@ -137,7 +143,8 @@ def test_a_handler_failing_in_a_batch_rolls_back_only_its_own_message(
         if event.message_id == "evt-3" and event.deliveries == 1:
             raise RuntimeError("this message only")
 
-    stats = run(consumer(dsn, schema, nats_server.url, events, flaky).run_until_idle())
+    stats = run(consumer(dsn, schema, nats_server.url, events, flaky,
+                         pipeline=pipeline).run_until_idle())
 
     assert (stats.handled, stats.failed, stats.duplicates) == (6, 1, 0)
     # Every message committed once; evt-3 on its second delivery, the others on the first.
@@ -147,6 +154,35 @@ def test_a_handler_failing_in_a_batch_rolls_back_only_its_own_message(
     # under their savepoints (called at least once, committed once).
     assert calls.count(("evt-3", 1)) == calls.count(("evt-3", 2)) == 1
     assert all(calls.count((f"evt-{n}", 1)) == 1 for n in (4, 5))
+
+
+def test_a_pipelined_statement_that_fails_fails_only_its_message_and_tx_calls_answer(
+    dsn: str, schema: str, db: Conn, nats_server: NatsServer, streams: tuple[str, str]
+) -> None:
+    events, _ = streams
+    for n in range(4):
+        publish(nats_server.url, f"{events}.orders.paid", b"{}", f"evt-{n}")
+    follow_ups: list[tuple[str, bool]] = []
+
+    async def handler(tx: outbox.AsyncTransaction, event: InboxEvent) -> None:
+        await tx.connection.execute(
+            sql.SQL("INSERT INTO {}.handled (message_id, deliveries) VALUES (%s, %s)")
+            .format(sql.Identifier(tx.schema)), (event.message_id, event.deliveries))
+        if event.message_id == "evt-1" and event.deliveries == 1:
+            # Pipelined: the error is known only at a later sync point, past this handler.
+            await tx.connection.execute("SELECT 1 / 0")
+        # tx's own calls wait for their answers, even in the pipeline.
+        created = await tx.enqueue("noop", key=f"after-{event.message_id}", payload={})
+        follow_ups.append((event.message_id, created.created))
+
+    stats = run(consumer(dsn, schema, nats_server.url, events, handler,
+                         pipeline=True).run_until_idle())
+
+    assert (stats.handled, stats.failed, stats.duplicates) == (4, 1, 0)
+    assert stats.errors == ["DivisionByZero"]
+    assert handled(db, schema) == [(f"evt-{n}", 2 if n == 1 else 1) for n in range(4)]
+    assert all(created for _, created in follow_ups)  # each pass rolled back its own
+    assert sorted(jobs(db, schema)) == [f"after-evt-{n}" for n in range(4)]
 
 
 def test_messages_after_a_failed_one_with_its_ordering_key_wait_for_it(

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +15,8 @@ import outbox
 from effects.nats import PublishEvent
 from effects.testing import NatsServer
 from outbox.testing import jobs
-from tests.crash.support import REPO, Worker, lease_expired, wait_until
+from tests.crash.support import Worker, lease_expired, wait_until
+from tests.testkit import worker
 
 from .support import add_stream, make_job, per_key, stored_count
 
@@ -40,16 +37,8 @@ def enqueue_events(conn: psycopg.Connection[tuple[object, ...]], schema: str, st
 
 def start_worker(mode: str, dsn: str, schema: str, server: NatsServer, stream: str,
                  log_dir: Path) -> Worker:
-    env = dict(os.environ, OUTBOX_DATABASE_URL=dsn)
-    env.setdefault("XDG_RUNTIME_DIR", str(REPO / ".runtime"))
-    log_path = log_dir / f"worker-{mode}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.events.worker", mode, "--schema", schema,
-             "--nats", server.url, "--stream", stream],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-        )
-    return Worker(proc, log_path)
+    return worker.start("tests.events.worker", mode, dsn, log_dir, "--schema", schema,
+                        "--nats", server.url, "--stream", stream)
 
 
 def ledger_result(conn: psycopg.Connection[tuple[object, ...]], schema: str,
@@ -154,12 +143,11 @@ def test_an_unknown_outcome_past_the_window_goes_to_reconcile_without_publishing
                 # The dispatcher's loop has its connection up before the broker freezes.
                 await publisher.perform(make_job("evt-warm", {
                     "subject": f"{stream}.orders.warm", "data": {}}))
-                assert server.pid is not None
-                os.kill(server.pid, signal.SIGSTOP)  # the publish is written, never answered
+                server.freeze()  # every thread stopped: the publish is written, never answered
                 try:
                     first = await dispatcher.run_until_idle(timeout=60)
                 finally:
-                    os.kill(server.pid, signal.SIGCONT)
+                    server.thaw()
                 # The first attempt was stored after all; pretend the window has passed.
                 db.execute(f'UPDATE "{schema}".jobs SET first_attempted_at = now() - '
                            "interval '10 minutes', available_at = now()")

@@ -6,8 +6,6 @@ import asyncio
 import json
 import logging
 import math
-import os
-import signal
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -224,27 +222,33 @@ def test_a_stopped_broker_is_retried_and_a_restarted_one_takes_the_event() -> No
 
 
 def test_a_timeout_after_the_request_was_written_is_unknown_and_the_retry_dedups() -> None:
+    keys = [f"evt-{n}" for n in range(1, 4)]
     with NatsServer() as server:
         name = add_stream(server.url, duplicate_window=120.0)
         with PublishEvent(server.url, name, timeout=0.5) as publisher:
 
-            async def scenario() -> dict[str, Any]:
+            async def scenario() -> list[dict[str, Any]]:
                 # Connected and checked on this loop before the broker freezes.
                 await publisher.perform(make_job("evt-0", event(name)))
-                assert server.pid is not None
-                os.kill(server.pid, signal.SIGSTOP)  # the request is written; no answer
+                # Every thread of the server stopped: the requests are written, no answer.
+                server.freeze()
                 try:
-                    with pytest.raises(outbox.UnknownOutcome, match="TimeoutError"):
-                        await publisher.perform(make_job("evt-1", event(name)))
+                    # Several in flight at once: each times out on its own.
+                    timed_out = await asyncio.gather(*(
+                        publisher.perform(make_job(key, event(name))) for key in keys),
+                        return_exceptions=True)
                 finally:
-                    os.kill(server.pid, signal.SIGCONT)
-                return await publisher.perform(make_job("evt-1", event(name), attempt=2))
+                    server.thaw()
+                assert all(isinstance(e, outbox.UnknownOutcome) for e in timed_out), timed_out
+                assert all("TimeoutError" in str(e) for e in timed_out), timed_out
+                return await asyncio.gather(*(
+                    publisher.perform(make_job(key, event(name), attempt=2)) for key in keys))
 
             again = run(scenario())
 
-        # The frozen server stored the first request once it woke: the retry was a repeat.
-        assert again["duplicate"] is True
-        assert per_key(server.url, name) == {"evt-0": 1, "evt-1": 1}
+        # The frozen server stored the first requests once it woke: the retries were repeats.
+        assert [result["duplicate"] for result in again] == [True] * len(keys)
+        assert per_key(server.url, name) == {"evt-0": 1, **{key: 1 for key in keys}}
 
 
 # -- the duplicate window --------------------------------------------------------------

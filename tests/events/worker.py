@@ -1,6 +1,7 @@
 """A dispatcher process publishing to NATS: ``python -m tests.events.worker MODE ...``.
 
-The DSN comes from ``$OUTBOX_DATABASE_URL``. Modes:
+The DSN comes from ``$OUTBOX_DATABASE_URL``; the harness is ``tests.testkit.worker``.
+Modes:
 
 ``hang-after-publish``  runs a dispatcher whose ``nats.publish`` effect, once the broker
                         acknowledged, prints ``{"published": key, "result": ...}`` and
@@ -16,9 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import sys
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -26,6 +24,7 @@ from psycopg import sql
 
 import outbox
 from effects.nats import InboxConsumer, InboxEvent, PublishEvent
+from tests.testkit.worker import Mode, database_url, drain, hang, main, report
 
 
 class PublishThenHang(PublishEvent):
@@ -33,10 +32,8 @@ class PublishThenHang(PublishEvent):
 
     async def perform(self, job: outbox.Job) -> dict[str, Any]:
         result = await super().perform(job)
-        sys.stdout.write(json.dumps({"published": job.key, "result": result}) + "\n")
-        sys.stdout.flush()
-        await asyncio.Event().wait()  # until killed
-        return result
+        report({"published": job.key, "result": result})
+        await hang()
 
 
 def record(tx: outbox.Transaction, event: InboxEvent) -> None:
@@ -50,43 +47,28 @@ class CommitThenHang(InboxConsumer):
     """Commits the handling, reports it, and never acks: the window before the ack."""
 
     async def _acknowledge(self, messages: list[Msg]) -> None:
-        sys.stdout.write(json.dumps({"committed": [m.header for m in messages]}) + "\n")
-        sys.stdout.flush()
-        await asyncio.Event().wait()  # until killed
+        report({"committed": [m.header for m in messages]})
+        await hang()
 
 
 def consume(args: argparse.Namespace) -> None:
-    consumer = CommitThenHang(
-        os.environ["OUTBOX_DATABASE_URL"], record, servers=args.nats, stream=args.stream,
-        name="billing", schema=args.schema, ack_wait=1.0,
-    )
+    consumer = CommitThenHang(database_url(), record, servers=args.nats, stream=args.stream,
+                              name="billing", schema=args.schema, ack_wait=1.0)
     asyncio.run(consumer.run())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["hang-after-publish", "drain",
-                                         "consume-hang-before-ack"])
-    parser.add_argument("--schema", required=True)
+def dispatch(kind: type[PublishEvent]) -> Mode:
+    def mode(args: argparse.Namespace) -> None:
+        effect = kind(args.nats, args.stream, lease=args.lease, rescue_interval=0.1)
+        drain(effect, effect.close, args)
+    return mode
+
+
+def nats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats", required=True)
     parser.add_argument("--stream", required=True)
-    parser.add_argument("--lease", type=float, default=1.0)
-    args = parser.parse_args()
-    if args.mode == "consume-hang-before-ack":
-        consume(args)
-        return
-    kind = PublishThenHang if args.mode == "hang-after-publish" else PublishEvent
-    effect = kind(args.nats, args.stream, lease=args.lease, rescue_interval=0.1)
-    dispatcher = outbox.Dispatcher(
-        os.environ["OUTBOX_DATABASE_URL"], [effect], schema=args.schema, lease=args.lease,
-        rescue_interval=0.1, poll_interval=0.05, backoff=outbox.Backoff(base=0.05, cap=0.5),
-    )
-    try:
-        stats = dispatcher.run_until_idle(timeout=120)
-    finally:
-        effect.close()
-    sys.stdout.write(json.dumps(stats.as_dict()) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main({"hang-after-publish": dispatch(PublishThenHang), "drain": dispatch(PublishEvent),
+          "consume-hang-before-ack": consume}, nats_arguments)

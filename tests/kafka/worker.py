@@ -1,6 +1,7 @@
 """A dispatcher process producing to Kafka, for the crash tests.
 
-Modes (``OUTBOX_DATABASE_URL`` names the database)::
+Modes (``OUTBOX_DATABASE_URL`` names the database; the harness is
+``tests.testkit.worker``)::
 
 ``hang-after-produce``  a ``Dispatcher`` whose ``kafka.produce`` effect, once the broker
                         acknowledged, prints ``{"produced": key, "result": ...}`` and
@@ -15,17 +16,13 @@ Modes (``OUTBOX_DATABASE_URL`` names the database)::
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import os
-import sys
-import threading
 from typing import Any
 
 from psycopg import sql
 
 import outbox
 from effects.kafka import InboxConsumer, KafkaEvent, Produce
+from tests.testkit.worker import Mode, block, database_url, drain, hang, main, report
 
 
 class ProduceThenHang(Produce):
@@ -33,10 +30,8 @@ class ProduceThenHang(Produce):
 
     async def perform(self, job: outbox.Job) -> dict[str, Any]:
         result = await super().perform(job)
-        sys.stdout.write(json.dumps({"produced": job.key, "result": result}) + "\n")
-        sys.stdout.flush()
-        await asyncio.Event().wait()  # until killed
-        return result
+        report({"produced": job.key, "result": result})
+        await hang()
 
 
 def record(tx: outbox.Transaction, event: KafkaEvent) -> None:
@@ -50,43 +45,29 @@ class CommitThenHang(InboxConsumer):
     """Commits its first batch in PostgreSQL, reports it, and never commits to Kafka."""
 
     def _handle(self, events: list[KafkaEvent]) -> Any:
-        results = super()._handle(events)
-        sys.stdout.write(json.dumps({"committed": [e.message_id for e in events]}) + "\n")
-        sys.stdout.flush()
-        threading.Event().wait()  # until killed
-        return results
+        super()._handle(events)
+        report({"committed": [e.message_id for e in events]})
+        block()
 
 
 def consume(args: argparse.Namespace) -> None:
-    CommitThenHang(os.environ["OUTBOX_DATABASE_URL"], record, bootstrap_servers=args.bootstrap,
+    CommitThenHang(database_url(), record, bootstrap_servers=args.bootstrap,
                    topics=[args.topic], group="billing", schema=args.schema, batch=7,
                    config={"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}).run()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["hang-after-produce", "drain",
-                                         "consume-hang-before-offset-commit"])
-    parser.add_argument("--schema", required=True)
+def dispatch(kind: type[Produce]) -> Mode:
+    def mode(args: argparse.Namespace) -> None:
+        effect = kind(args.bootstrap)
+        drain(effect, effect.close, args)
+    return mode
+
+
+def kafka_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap", required=True)
-    parser.add_argument("--lease", type=float, default=1.0)
     parser.add_argument("--topic")
-    args = parser.parse_args()
-    if args.mode == "consume-hang-before-offset-commit":
-        consume(args)
-        return
-    kind = ProduceThenHang if args.mode == "hang-after-produce" else Produce
-    effect = kind(args.bootstrap)
-    dispatcher = outbox.Dispatcher(
-        os.environ["OUTBOX_DATABASE_URL"], [effect], schema=args.schema, lease=args.lease,
-        rescue_interval=0.1, poll_interval=0.05, backoff=outbox.Backoff(base=0.05, cap=0.5),
-    )
-    try:
-        stats = dispatcher.run_until_idle(timeout=120)
-    finally:
-        effect.close()
-    sys.stdout.write(json.dumps(stats.as_dict()) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main({"hang-after-produce": dispatch(ProduceThenHang), "drain": dispatch(Produce),
+          "consume-hang-before-offset-commit": consume}, kafka_arguments)
