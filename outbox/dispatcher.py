@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
 from datetime import timedelta
 from functools import partial
 from types import FrameType
@@ -36,24 +35,29 @@ from typing import Any
 
 import psycopg
 
-from ._dispatch.aio import (
-    LoopEvent,
-    TaskWorkers,
-    listen_async,
+from ._dispatch.claimer import (
+    Claimer,
+    run_claimer,
     run_claimer_async,
-    run_recorder_async,
-    supervised_async,
+    wait_for_schema,
     wait_for_schema_async,
 )
-from ._dispatch.claimer import Claimer, run_claimer, wait_for_schema
 from ._dispatch.connection import AsyncConnection, Connection, connect
+from ._dispatch.counting import DispatchStats
 from ._dispatch.hookset import require_sync_hooks
-from ._dispatch.listener import Listener
+from ._dispatch.listener import Listener, listen_async
 from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_reconciler_async
-from ._dispatch.recorder import Recorder, run_recorder
+from ._dispatch.recorder import Recorder, run_recorder, run_recorder_async
 from ._dispatch.settings import Settings, text_array
-from ._dispatch.state import SharedState, guarded, supervised
-from ._dispatch.workers import ThreadWorkers
+from ._dispatch.state import (
+    AsyncState,
+    LoopEvent,
+    SharedState,
+    guarded,
+    supervised,
+    supervised_async,
+)
+from ._dispatch.workers import TaskWorkers, ThreadWorkers
 from ._state import Backoff
 from .effect import Effect
 from .errors import ConfigurationError, DispatcherFailed
@@ -72,43 +76,6 @@ PUBLIC_OPTIONS = (
     "poll_interval", "rescue_interval", "backoff", "unknown_outcome_window", "retention",
     "ledger_retention", "inbox_retention", "worker_id", "reconcile_interval",
 )
-
-
-@dataclass
-class DispatchStats:
-    """Counters of one ``run`` or ``run_until_idle`` call.
-
-    ``stale_completions`` counts fenced writes that changed 0 rows because the claim had
-    been lost (lease expired and re-claimed); ``lost_claims`` counts claims a heartbeat
-    found gone. Both are expected after a stall, and harmless: the later claim wins.
-    ``rescued`` counts expired leases this dispatcher took back. ``claim_queries`` and
-    ``claim_seconds`` give the claim latency (``claim_seconds / claim_queries`` on
-    average, ``claim_seconds_max`` at worst). ``purged`` counts rows retention deleted
-    (done jobs, ledger and inbox rows); ``reconnects``, lost connections replaced.
-
-    Counted from the ``outbox.observe.DispatchObserver`` events the dispatcher reports
-    (``claimed``, ``recorded``, ``claims_lost``, ``rescued``, ``reconnected``,
-    ``purged``), so an observer of its own hears exactly what these counters hold.
-    """
-
-    claimed: int = 0
-    done: int = 0
-    retried: int = 0
-    failed: int = 0
-    reconcile: int = 0
-    released: int = 0
-    rescued: int = 0
-    lost_claims: int = 0
-    stale_completions: int = 0
-    reconnects: int = 0
-    purged: int = 0
-    claim_queries: int = 0
-    claim_seconds: float = 0.0
-    claim_seconds_max: float = 0.0
-
-    def as_dict(self) -> dict[str, int | float]:
-        """The counters as a plain dict (for logs and JSON)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class _Options:
@@ -496,7 +463,7 @@ class AsyncDispatcher(_Options):
     """
 
     def _setup(self) -> None:
-        self._state: SharedState[LoopEvent] | None = None  # during a run only
+        self._state: AsyncState | None = None  # during a run only
         self._stop_early = False  # stop() came before the run had its state
         self._task: asyncio.Task[DispatchStats] | None = None
 
@@ -564,7 +531,7 @@ class AsyncDispatcher(_Options):
         return self.stats
 
     async def _dispatch(
-        self, state: SharedState[LoopEvent], until_idle: bool, deadline: float | None
+        self, state: AsyncState, until_idle: bool, deadline: float | None
     ) -> None:
         settings = self.settings
         loop = asyncio.get_running_loop()
@@ -589,7 +556,7 @@ class AsyncDispatcher(_Options):
         error: BaseException | None = None
         try:
             await run_claimer_async(Claimer(settings, state, until_idle=until_idle),
-                                    claimer, workers, deadline)
+                                    claimer, workers.submit, deadline)
         except asyncio.CancelledError:
             cancelled = True
             current = asyncio.current_task()
@@ -622,7 +589,7 @@ class AsyncDispatcher(_Options):
             raise asyncio.CancelledError
 
     async def _wind_down(
-        self, state: SharedState[LoopEvent], workers: TaskWorkers, recorder: asyncio.Task[None]
+        self, state: AsyncState, workers: TaskWorkers, recorder: asyncio.Task[None]
     ) -> None:
         """Stop claiming; hand back what has not started; wait until in-flight work is
         recorded (unless a part died: then what it held is left to the rescuer)."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EffectOutcome, Retry, Throttled, UnknownOutcome
+from .held import Success
 from .settings import Settings, text_array
 from .steps import Rows, Statement, Step
 
@@ -224,8 +225,6 @@ def tally(outcomes: Sequence[tuple[Any, object]], troubled: set[str]) -> dict[st
     """Per effect: throttles (the longest Retry-After, the provider's rate), transient
     failures, and successes of effects in ``troubled``, among ``outcomes`` (held,
     outcome) pairs."""
-    from .state import Success  # state holds the view: imported once both are loaded
-
     tallies: dict[str, _Tally] = {}
     for held, outcome in outcomes:
         if isinstance(outcome, Success):
