@@ -166,8 +166,7 @@ class _Options:
             raise ConfigurationError(
                 f"observer must be an outbox.observe.DispatchObserver, "
                 f"got {type(observer).__name__}")
-        if self._running or getattr(self, "_task", None) is not None:
-            raise ConfigurationError("add observers before the dispatcher runs, not during")
+        self._refuse_while_running("add observers")
         current = self.settings.observer
         present = current.observers if isinstance(current, MultiObserver) else (current,)
         if observer in present:
@@ -178,14 +177,22 @@ class _Options:
         self._setup()  # the shared state takes its observer from the settings
         guarded(observer.effects_registered, sorted(self.settings.effects))
 
-    def _add_limits(self, limits: Mapping[str, Limit]) -> None:
-        """Add limits to a dispatcher not yet running (``outbox run --limit``); they win
-        over the ones it was built with."""
-        checked = Settings.build(
-            self.settings.conninfo, list(self.settings.effects.values()),
-            limits={**self.settings.limits, **limits}).limits
-        self.settings = dataclasses.replace(self.settings, limits=checked)
+    def add_limits(self, limits: Mapping[str, Limit]) -> None:
+        """Add provider limits (effect name -> ``outbox.Limit``) to those the dispatcher
+        was built with (``limits=``, each effect's declared ``limit``): from the next run
+        on, they bound its effects as ``limits=`` does. Where an effect already has a
+        limit, the one added here replaces it whole (``outbox run --limit`` uses this
+        to override the module's limits). Checked as ``limits=`` is: a name this
+        dispatcher does not run, or a value that is not an ``outbox.Limit``, raises
+        ``ConfigurationError`` and changes nothing. Call it before the run starts; during
+        a run it raises ``ConfigurationError``."""
+        self._refuse_while_running("add limits")
+        self.settings = self.settings.with_limits(limits)
         self._setup()
+
+    def _refuse_while_running(self, what: str) -> None:
+        if self._running or getattr(self, "_task", None) is not None:
+            raise ConfigurationError(f"{what} before the dispatcher runs, not during")
 
     def _failed(self, failure: BaseException) -> DispatcherFailed:
         return DispatcherFailed(
