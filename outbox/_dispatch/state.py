@@ -99,6 +99,8 @@ class LoopEvent:
         self._flag = False
 
     def set(self) -> None:
+        if self._flag:  # already set (workers set it once per job: keep that cheap)
+            return
         self._flag = True
         if threading.get_ident() == self._thread:
             self._event.set()

@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
@@ -216,9 +217,12 @@ class TaskWorkers:
     ``AsyncDispatcher``'s (a sync effect's ``perform`` goes to ``pool`` from the task
     that holds its slot), and ``Dispatcher``'s for async effects (on ``LoopRunner``).
 
-    A task that finishes a job passes its slot on (``Slots.pass_on``); when the longest
-    waiter is another job of ours it performs that job itself, so a steady stream of
-    jobs costs no task per job, only the ``perform`` itself."""
+    A task is made per job only while fewer tasks exist than jobs run at once: a task
+    that finishes a job passes its slot on (``Slots.pass_on``) and, when the longest
+    waiter is another job of ours, performs that job itself; when none is, it parks
+    (holding no slot) until ``_start`` hands it the next job. So a steady stream of
+    jobs costs no task per job, only the ``perform`` itself, whether the jobs queue for
+    slots or arrive one claim at a time. ``join`` ends the parked tasks."""
 
     def __init__(self, state: SharedState[Any], pool: Executor | None) -> None:
         self.state = state
@@ -227,6 +231,10 @@ class TaskWorkers:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._tasks: set[asyncio.Task[None]] = set()
+        # Tasks waiting for a job, each on its future (a job, or None: end); touched on
+        # the loop only. Bounded by the most jobs that ran at once (the concurrency).
+        self._parked: deque[asyncio.Future[Held | None]] = deque()
+        self._closing = False  # set by join: finished tasks end instead of parking
 
     def submit(self, batch: list[Held]) -> None:
         """Start ``batch``'s jobs as slots allow (on the loop)."""
@@ -237,23 +245,30 @@ class TaskWorkers:
             state.slots.when_free(_Start(self, held))
 
     def _start(self, held: Held) -> None:
-        """Holding a slot: start ``held``'s task. Under ``Dispatcher`` a sync effect's
-        thread may be the one that freed the slot: the task is then started on the loop.
-        (Under ``AsyncDispatcher`` slots are released on the loop only: sync effects'
-        threads return their outcome to the loop first.)"""
+        """Holding a slot: hand ``held`` to a parked task, else start a task for it.
+        Under ``Dispatcher`` a sync effect's thread may be the one that freed the slot:
+        the job is then started on the loop. (Under ``AsyncDispatcher`` slots are
+        released on the loop only: sync effects' threads return their outcome to the
+        loop first.)"""
         if threading.get_ident() != self._loop_thread:
             self._loop.call_soon_threadsafe(self._start, held)
             return
+        while self._parked:
+            parked = self._parked.pop()  # the latest parked: the warmest
+            if not parked.done():  # not cancelled with its task
+                parked.set_result(held)
+                return
         task = self._loop.create_task(self._run(held))
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
-    async def _run(self, held: Held) -> None:
-        """Holding a slot: perform ``held`` (or hand it back); then, while the slot passes
-        to another job of ours, perform that one too. A cancelled perform ends the task.
-        One coroutine for the whole stream: this is the hot path of async effects."""
+    async def _run(self, held: Held | None) -> None:
+        """Holding a slot: perform ``held`` (or hand it back); then the next job of ours
+        that the slot passes to, or, parked, the next job ``_start`` hands over. A
+        cancelled perform ends the task. One coroutine for the whole stream: this is the
+        hot path of async effects."""
         state, slots, performer = self.state, self.state.slots, self.performer
-        while True:
+        while held is not None:
             try:
                 if state.begin(held):
                     if held.is_async:
@@ -269,11 +284,16 @@ class TaskWorkers:
                 slots.release()
                 raise
             waiter = slots.pass_on()
-            if type(waiter) is not _Start or waiter.workers is not self:
-                if waiter is not None:
-                    waiter()
+            if type(waiter) is _Start and waiter.workers is self:
+                held = waiter.held  # the slot stays with this task
+                continue
+            if waiter is not None:
+                waiter()  # the slot goes to another kind of waiter
+            if self._closing:
                 return
-            held = waiter.held
+            parked: asyncio.Future[Held | None] = self._loop.create_future()
+            self._parked.append(parked)
+            held = await parked  # holding no slot: _start took one for the job
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -281,7 +301,13 @@ class TaskWorkers:
             self.state.fail("worker task", error)
 
     async def join(self) -> None:
-        """Wait until every job handed over has finished (or been handed back)."""
+        """Wait until every job handed over has finished (or been handed back); the
+        tasks end as they finish (parked ones at once)."""
+        self._closing = True
+        while self._parked:
+            parked = self._parked.pop()
+            if not parked.done():
+                parked.set_result(None)
         while self._tasks:
             await asyncio.wait(list(self._tasks))
 
