@@ -244,7 +244,7 @@ def run_command(target: str, dsn: str | None, metrics_port: int | None,
         os.environ["OUTBOX_DATABASE_URL"] = dsn
     dispatcher = load_dispatcher(target)
     if added:
-        dispatcher._add_limits(added)
+        dispatcher.add_limits(added)
     _preflight(dispatcher)
     click.echo(start_line(dispatcher), err=True)
     if metrics_port is not None:

@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
 from datetime import timedelta
 from functools import partial
 from types import FrameType
@@ -36,24 +35,29 @@ from typing import Any
 
 import psycopg
 
-from ._dispatch.aio import (
-    LoopEvent,
-    TaskWorkers,
-    listen_async,
+from ._dispatch.claimer import (
+    Claimer,
+    run_claimer,
     run_claimer_async,
-    run_recorder_async,
-    supervised_async,
+    wait_for_schema,
     wait_for_schema_async,
 )
-from ._dispatch.claimer import Claimer, run_claimer, wait_for_schema
 from ._dispatch.connection import AsyncConnection, Connection, connect
+from ._dispatch.counting import DispatchStats
 from ._dispatch.hookset import require_sync_hooks
-from ._dispatch.listener import Listener
+from ._dispatch.listener import Listener, listen_async
 from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_reconciler_async
-from ._dispatch.recorder import Recorder, run_recorder
+from ._dispatch.recorder import Recorder, run_recorder, run_recorder_async
 from ._dispatch.settings import Settings, text_array
-from ._dispatch.state import SharedState, guarded, supervised
-from ._dispatch.workers import ThreadWorkers
+from ._dispatch.state import (
+    AsyncState,
+    LoopEvent,
+    SharedState,
+    guarded,
+    supervised,
+    supervised_async,
+)
+from ._dispatch.workers import TaskWorkers, ThreadWorkers
 from ._state import Backoff
 from .effect import Effect
 from .errors import ConfigurationError, DispatcherFailed
@@ -72,43 +76,6 @@ PUBLIC_OPTIONS = (
     "poll_interval", "rescue_interval", "backoff", "unknown_outcome_window", "retention",
     "ledger_retention", "inbox_retention", "worker_id", "reconcile_interval",
 )
-
-
-@dataclass
-class DispatchStats:
-    """Counters of one ``run`` or ``run_until_idle`` call.
-
-    ``stale_completions`` counts fenced writes that changed 0 rows because the claim had
-    been lost (lease expired and re-claimed); ``lost_claims`` counts claims a heartbeat
-    found gone. Both are expected after a stall, and harmless: the later claim wins.
-    ``rescued`` counts expired leases this dispatcher took back. ``claim_queries`` and
-    ``claim_seconds`` give the claim latency (``claim_seconds / claim_queries`` on
-    average, ``claim_seconds_max`` at worst). ``purged`` counts rows retention deleted
-    (done jobs, ledger and inbox rows); ``reconnects``, lost connections replaced.
-
-    Counted from the ``outbox.observe.DispatchObserver`` events the dispatcher reports
-    (``claimed``, ``recorded``, ``claims_lost``, ``rescued``, ``reconnected``,
-    ``purged``), so an observer of its own hears exactly what these counters hold.
-    """
-
-    claimed: int = 0
-    done: int = 0
-    retried: int = 0
-    failed: int = 0
-    reconcile: int = 0
-    released: int = 0
-    rescued: int = 0
-    lost_claims: int = 0
-    stale_completions: int = 0
-    reconnects: int = 0
-    purged: int = 0
-    claim_queries: int = 0
-    claim_seconds: float = 0.0
-    claim_seconds_max: float = 0.0
-
-    def as_dict(self) -> dict[str, int | float]:
-        """The counters as a plain dict (for logs and JSON)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class _Options:
@@ -199,8 +166,7 @@ class _Options:
             raise ConfigurationError(
                 f"observer must be an outbox.observe.DispatchObserver, "
                 f"got {type(observer).__name__}")
-        if self._running or getattr(self, "_task", None) is not None:
-            raise ConfigurationError("add observers before the dispatcher runs, not during")
+        self._refuse_while_running("add observers")
         current = self.settings.observer
         present = current.observers if isinstance(current, MultiObserver) else (current,)
         if observer in present:
@@ -211,14 +177,22 @@ class _Options:
         self._setup()  # the shared state takes its observer from the settings
         guarded(observer.effects_registered, sorted(self.settings.effects))
 
-    def _add_limits(self, limits: Mapping[str, Limit]) -> None:
-        """Add limits to a dispatcher not yet running (``outbox run --limit``); they win
-        over the ones it was built with."""
-        checked = Settings.build(
-            self.settings.conninfo, list(self.settings.effects.values()),
-            limits={**self.settings.limits, **limits}).limits
-        self.settings = dataclasses.replace(self.settings, limits=checked)
+    def add_limits(self, limits: Mapping[str, Limit]) -> None:
+        """Add provider limits (effect name -> ``outbox.Limit``) to those the dispatcher
+        was built with (``limits=``, each effect's declared ``limit``): from the next run
+        on, they bound its effects as ``limits=`` does. Where an effect already has a
+        limit, the one added here replaces it whole (``outbox run --limit`` uses this
+        to override the module's limits). Checked as ``limits=`` is: a name this
+        dispatcher does not run, or a value that is not an ``outbox.Limit``, raises
+        ``ConfigurationError`` and changes nothing. Call it before the run starts; during
+        a run it raises ``ConfigurationError``."""
+        self._refuse_while_running("add limits")
+        self.settings = self.settings.with_limits(limits)
         self._setup()
+
+    def _refuse_while_running(self, what: str) -> None:
+        if self._running or getattr(self, "_task", None) is not None:
+            raise ConfigurationError(f"{what} before the dispatcher runs, not during")
 
     def _failed(self, failure: BaseException) -> DispatcherFailed:
         return DispatcherFailed(
@@ -496,7 +470,7 @@ class AsyncDispatcher(_Options):
     """
 
     def _setup(self) -> None:
-        self._state: SharedState[LoopEvent] | None = None  # during a run only
+        self._state: AsyncState | None = None  # during a run only
         self._stop_early = False  # stop() came before the run had its state
         self._task: asyncio.Task[DispatchStats] | None = None
 
@@ -564,7 +538,7 @@ class AsyncDispatcher(_Options):
         return self.stats
 
     async def _dispatch(
-        self, state: SharedState[LoopEvent], until_idle: bool, deadline: float | None
+        self, state: AsyncState, until_idle: bool, deadline: float | None
     ) -> None:
         settings = self.settings
         loop = asyncio.get_running_loop()
@@ -589,7 +563,7 @@ class AsyncDispatcher(_Options):
         error: BaseException | None = None
         try:
             await run_claimer_async(Claimer(settings, state, until_idle=until_idle),
-                                    claimer, workers, deadline)
+                                    claimer, workers.submit, deadline)
         except asyncio.CancelledError:
             cancelled = True
             current = asyncio.current_task()
@@ -622,7 +596,7 @@ class AsyncDispatcher(_Options):
             raise asyncio.CancelledError
 
     async def _wind_down(
-        self, state: SharedState[LoopEvent], workers: TaskWorkers, recorder: asyncio.Task[None]
+        self, state: AsyncState, workers: TaskWorkers, recorder: asyncio.Task[None]
     ) -> None:
         """Stop claiming; hand back what has not started; wait until in-flight work is
         recorded (unless a part died: then what it held is left to the rescuer)."""

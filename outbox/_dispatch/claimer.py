@@ -2,17 +2,19 @@
 (done jobs, ledger rows, inbox rows).
 
 The decisions (how many to claim, what each round does next) are written once here as
-steps (see ``steps``); ``Dispatcher`` drives them on a blocking connection in the
-caller's thread, ``AsyncDispatcher`` on an asyncio connection.
+steps (see ``steps``); ``run_claimer`` drives them on a blocking connection in
+``Dispatcher``'s caller's thread, ``run_claimer_async`` on an asyncio connection as a
+task of ``AsyncDispatcher``. Before either, ``wait_for_schema`` (or its twin) checks
+that the schema is current.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,19 +24,26 @@ import psycopg
 
 from .. import tracing
 from .._pg import configuration_error, unreachable
-from .._steps import Statement, Step, run
+from .._steps import Statement, Step, run, run_async
 from ..effect import Job
 from ..errors import ConfigurationError
 from ..migrate import require_current
 from ..observe import PurgedTable
-from .connection import CONNECTION_ERRORS, Connection
+from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, Reconnects, connect
 from .counting import Waits
 from .limits import LimitedClaims
 from .presence import Presence
 from .settings import Settings
-from .state import Held, SharedState, Timer, guarded
+from .state import AsyncState, Held, SharedState, ThreadState, Timer, guarded
 
-__all__ = ["Claimer", "Round", "run_claimer", "wait_for_schema"]
+__all__ = [
+    "Claimer",
+    "Round",
+    "run_claimer",
+    "run_claimer_async",
+    "wait_for_schema",
+    "wait_for_schema_async",
+]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -43,6 +52,9 @@ RETENTION_BATCH = 1000
 PURGE_BATCHES = 10  # per table and round
 RESCUE_BATCH = 1000
 IDLE_RECHECK = 0.05  # run_until_idle: how soon to look again while others hold jobs
+# A payload arrives as jsonb's own text: one value, no whitespace around it, so the
+# decoder's scanner alone reads it (``json.loads`` adds checks and two regex scans a job).
+_decode_payload = json.JSONDecoder().raw_decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +190,7 @@ class Claimer:
         return batch
 
     def _held(self, row: tuple[Any, ...], traced: bool) -> Held:
-        job = Job(id=row[0], effect=row[1], key=row[2], payload=json.loads(row[3]),
+        job = Job(id=row[0], effect=row[1], key=row[2], payload=_decode_payload(row[3])[0],
                   attempt=row[4], claim_version=row[5], ordering_key=row[6],
                   max_attempts=row[7], first_attempted_at=row[8])
         return Held(job, self.settings.effects[job.effect], job.effect in self.settings.async_names,
@@ -244,9 +256,12 @@ def _purge_refused(what: str, exc: psycopg.Error, settings: Settings) -> Configu
         f"(the purge locks rows) and DELETE there, or turn this retention off with "
         f"{_RETENTION_OPTION[what]}=None")
 
+
+# -- the loops: ``Dispatcher``'s on the caller's thread, ``AsyncDispatcher``'s as a task --
+
+
 def wait_for_schema(
-    conn: Connection, settings: Settings, state: SharedState[threading.Event],
-    deadline: float | None,
+    conn: Connection, settings: Settings, state: ThreadState, deadline: float | None,
 ) -> None:
     """Refuse a missing or newer schema at once; wait for an unreachable database
     (until ``deadline``, when there is one)."""
@@ -256,12 +271,42 @@ def wait_for_schema(
             return
         except CONNECTION_ERRORS as exc:
             conn.discard()
-            if deadline is not None and time.monotonic() >= deadline:
+            if not _still_waiting(exc, settings, deadline):
                 raise
-            log.warning("cannot reach the database at %s; retrying",
-                        unreachable(exc, settings.conninfo))
             if state.stopping.wait(conn.backoff()):
                 return
+
+
+async def wait_for_schema_async(
+    settings: Settings, state: AsyncState, deadline: float | None,
+) -> None:
+    """``wait_for_schema`` for ``AsyncDispatcher``. The check runs on a thread: it is
+    the same blocking check, once per run."""
+    failures = Reconnects()
+    while True:
+        try:
+            await asyncio.to_thread(_check_schema, settings)
+            return
+        except CONNECTION_ERRORS as exc:
+            if not _still_waiting(exc, settings, deadline):
+                raise
+            if await state.stopping.wait(failures.backoff()):
+                return
+
+
+def _check_schema(settings: Settings) -> None:
+    with connect(settings, "claimer") as conn:
+        require_current(conn, settings.schema)
+
+
+def _still_waiting(exc: BaseException, settings: Settings, deadline: float | None) -> bool:
+    """The database was unreachable for the schema check: False once ``deadline`` has
+    passed (the caller gives up), else say so and return True (it tries again)."""
+    if deadline is not None and time.monotonic() >= deadline:
+        return False
+    log.warning("cannot reach the database at %s; retrying",
+                unreachable(exc, settings.conninfo))
+    return True
 
 
 def run_claimer(
@@ -269,11 +314,9 @@ def run_claimer(
     deadline: float | None,
 ) -> None:
     """The claimer's loop on the caller's thread, until stopped, idle or ``deadline``."""
-    state: SharedState[threading.Event] = claimer.state
+    state: ThreadState = claimer.state
     try:
-        while not state.stopping.is_set():
-            if deadline is not None and time.monotonic() >= deadline:
-                return
+        while _claiming(state, deadline):
             try:
                 result = run(claimer.round(), conn.execute)
             except psycopg.Error as exc:
@@ -291,3 +334,43 @@ def run_claimer(
         if not conn.lost:  # stopping: say so at once, if the database is there
             with contextlib.suppress(psycopg.Error):
                 run(claimer.presence.leave(), conn.execute)
+
+
+async def run_claimer_async(
+    claimer: Claimer, conn: AsyncConnection, submit: Callable[[list[Held]], None],
+    deadline: float | None,
+) -> None:
+    """``run_claimer`` as a task of ``AsyncDispatcher``."""
+    state: AsyncState = claimer.state
+    try:
+        while _claiming(state, deadline):
+            # A task of its own, shielded: a cancellation must not cut a claim off between
+            # its commit and its reply, leaving claimed jobs that nobody holds.
+            step = asyncio.ensure_future(run_async(claimer.round(), conn.execute))
+            try:
+                result = await asyncio.shield(step)
+            except asyncio.CancelledError:
+                state.request_stop()  # nothing new starts: what this round claims goes back
+                with contextlib.suppress(psycopg.Error):
+                    submit((await step).batch)
+                raise
+            except psycopg.Error as exc:
+                claimer.failed(exc, lost=conn.lost)
+                wait = conn.backoff()
+            else:
+                submit(result.batch)
+                if result.idle:
+                    return
+                wait = result.wait
+            if wait:
+                await state.wake.wait(wait)
+                state.wake.clear()
+    finally:
+        if not conn.lost:  # stopping: say so at once, if the database is there
+            with contextlib.suppress(psycopg.Error):
+                await run_async(claimer.presence.leave(), conn.execute)
+
+
+def _claiming(state: SharedState[Any], deadline: float | None) -> bool:
+    """Whether the claimer's loop goes on: not stopping, and ``deadline`` not passed."""
+    return not state.stopping.is_set() and (deadline is None or time.monotonic() < deadline)

@@ -1,21 +1,58 @@
-"""``DispatchStats`` filled from the dispatcher's events: the one place that counts.
+"""``DispatchStats`` and the one place that fills it from the dispatcher's events.
 
 The parts (claimer, recorder) report what happened to ``DispatchObserver`` events and
 count nothing themselves; ``StatsObserver`` turns those events into the counters a run
 returns, so the counters and any metrics observer hear the same things.
+(``outbox.DispatchStats`` and ``outbox.dispatcher.DispatchStats`` name this class.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from dataclasses import dataclass, fields
+from typing import Any, overload
 
 from ..observe import AttemptOutcome, DispatchObserver, PurgedTable, ReconnectingPart
 
-if TYPE_CHECKING:
-    from ..dispatcher import DispatchStats
+__all__ = ["DispatchStats", "StatsObserver", "Waits"]
 
-__all__ = ["StatsObserver", "Waits"]
+
+@dataclass
+class DispatchStats:
+    """Counters of one ``run`` or ``run_until_idle`` call.
+
+    ``stale_completions`` counts fenced writes that changed 0 rows because the claim had
+    been lost (lease expired and re-claimed); ``lost_claims`` counts claims a heartbeat
+    found gone. Both are expected after a stall, and harmless: the later claim wins.
+    ``rescued`` counts expired leases this dispatcher took back. ``claim_queries`` and
+    ``claim_seconds`` give the claim latency (``claim_seconds / claim_queries`` on
+    average, ``claim_seconds_max`` at worst). ``purged`` counts rows retention deleted
+    (done jobs, ledger and inbox rows); ``reconnects``, lost connections replaced.
+
+    Counted from the ``outbox.observe.DispatchObserver`` events the dispatcher reports
+    (``claimed``, ``recorded``, ``claims_lost``, ``rescued``, ``reconnected``,
+    ``purged``), so an observer of its own hears exactly what these counters hold.
+    """
+
+    claimed: int = 0
+    done: int = 0
+    retried: int = 0
+    failed: int = 0
+    reconcile: int = 0
+    released: int = 0
+    rescued: int = 0
+    lost_claims: int = 0
+    stale_completions: int = 0
+    reconnects: int = 0
+    purged: int = 0
+    claim_queries: int = 0
+    claim_seconds: float = 0.0
+    claim_seconds_max: float = 0.0
+
+    def as_dict(self) -> dict[str, int | float]:
+        """The counters as a plain dict (for logs and JSON)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
 
 # Which counter an outcome the recorder wrote adds to.
 _COUNTERS: dict[AttemptOutcome, str] = {

@@ -38,13 +38,14 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 
 from .. import _state
+from .._sql import Queries
 from .._state import Decision
-from .._steps import Rows, Statement, run, run_async
+from .._steps import Rows, Statement, Step, run, run_async
 from ..effect import Job
 from ..errors import Permanent
 from ..flows import AsyncHookTransaction, HookTransaction
@@ -52,10 +53,8 @@ from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .flowsql import flow_queries
 from .hookset import is_async_hook
-from .state import Held, Outcome, Success, guarded
-
-if TYPE_CHECKING:
-    from .recorder import Recorder
+from .settings import Settings
+from .state import Held, Outcome, SharedState, Success, guarded
 
 __all__ = ["CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes", "call_hook",
            "hook_decision", "in_transaction", "in_transaction_async", "record_hooked",
@@ -128,10 +127,29 @@ def hook_decision(error: BaseException, job: Job, backoff: _state.Backoff,
                          unknown_outcome_window=float("inf"), backoff=backoff, rng=rng)
 
 
+class Recording(Protocol):
+    """What the hooked path shares with the recorder that owns it (``Recorder``): its
+    options, state and statements, its retry flag and jitter, and its decisions."""
+
+    settings: Settings
+    state: SharedState[Any]
+    queries: Queries
+    complete: str  # the completion statement (update, or delete with retention 0)
+    retrying: bool
+    rng: random.Random
+    decided: dict[int, Decision]  # settlements decided here, taken by ``settlement``
+
+    def settlement(self, held: Held, outcome: Outcome) -> Decision: ...
+
+    def landed_before(self, helds: list[Held]) -> Step[set[int]]: ...
+
+    def lost(self, held: Held) -> None: ...
+
+
 class HookedOutcomes:
     """The hooked outcomes the recorder holds, and the step that writes them."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recording) -> None:
         self.recorder = recorder
         self.settings = recorder.settings
         self.queries = flow_queries(recorder.settings.schema)

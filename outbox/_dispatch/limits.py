@@ -30,6 +30,7 @@ import psycopg
 
 from .._steps import Rows, Statement, Step
 from ..errors import EffectOutcome, Retry, Throttled, UnknownOutcome
+from .held import Success
 from .settings import Settings, text_array
 
 __all__ = [
@@ -226,8 +227,6 @@ def tally(outcomes: Sequence[tuple[Any, object]], troubled: set[str]) -> dict[st
     """Per effect: throttles (the longest Retry-After, the provider's rate), transient
     failures, and successes of effects in ``troubled``, among ``outcomes`` (held,
     outcome) pairs."""
-    from .state import Success  # state holds the view: imported once both are loaded
-
     tallies: dict[str, _Tally] = {}
     for held, outcome in outcomes:
         if isinstance(outcome, Success):

@@ -8,6 +8,7 @@ polling.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -18,11 +19,11 @@ from psycopg import sql
 from .._enqueue import notify_channel
 from .._pg import is_pooled
 from ..errors import ConfigurationError
-from .connection import CONNECTION_ERRORS, Connection
+from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
 from .settings import Settings
-from .state import SharedState
+from .state import AsyncState, SharedState
 
-__all__ = ["Listener", "listen_statement"]
+__all__ = ["POLLING", "Listener", "listen_async", "listen_statement"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -37,7 +38,7 @@ def listen_statement(settings: Settings) -> sql.Composed:
 
 
 class Listener:
-    """``Dispatcher``'s listener thread."""
+    """``Dispatcher``'s listener thread (``listen_async`` is ``AsyncDispatcher``'s)."""
 
     def __init__(
         self, settings: Settings, state: SharedState[Any],
@@ -77,3 +78,32 @@ class Listener:
         while not self.state.stopping.is_set():
             for _ in listening.notifies(timeout=NOTIFY_TIMEOUT):
                 self.state.wake.set()
+
+
+async def listen_async(settings: Settings, state: AsyncState) -> None:
+    """``Listener`` as a task of ``AsyncDispatcher``: wake-ups until cancelled; restart
+    after any ``Exception``."""
+    conn = AsyncConnection(settings, "listener")
+    try:
+        while True:
+            try:
+                listening = await conn.get()
+                if is_pooled(listening):
+                    log.info(POLLING)
+                    return
+                await listening.execute(listen_statement(settings))
+                state.wake.set()  # jobs may have arrived while we were not listening
+                async for _ in listening.notifies():
+                    state.wake.set()
+            except CONNECTION_ERRORS:
+                await conn.discard()
+                await asyncio.sleep(conn.backoff())
+            except ConfigurationError as exc:
+                log.error("cannot LISTEN (%s); polling instead", exc)
+                return
+            except Exception:
+                log.exception("listener failed unexpectedly; restarting it")
+                await conn.discard()
+                await asyncio.sleep(conn.backoff())
+    finally:
+        await conn.discard()

@@ -1,18 +1,19 @@
 """The recorder: writes outcomes in fenced batches and heartbeats the leases held.
 
-Written once as steps (see ``steps``), driven by the recorder thread of ``Dispatcher``
-and the recorder task of ``AsyncDispatcher``. A batch is at most two statements:
-``complete`` (the fenced ``running -> done`` update and the ledger row, together) and
-``settle`` (retry, release, failed, reconcile). A fenced write that changes 0 rows means
-the claim was lost: counted, reported, never retried as if it had landed.
+Written once as steps (see ``steps``), driven by ``run_recorder`` (the recorder thread of
+``Dispatcher``) and ``run_recorder_async`` (its task in ``AsyncDispatcher``). A batch is
+at most two statements: ``complete`` (the fenced ``running -> done`` update and the
+ledger row, together) and ``settle`` (retry, release, failed, reconcile). A fenced write
+that changes 0 rows means the claim was lost: counted, reported, never retried as if it
+had landed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
-import threading
 import time
 from collections import Counter
 from datetime import UTC, datetime
@@ -23,17 +24,27 @@ import psycopg
 from .. import _state
 from .._pg import configuration_error
 from .._state import Decision
-from .._steps import Statement, Step, run
+from .._steps import Statement, Step, run, run_async
 from ..errors import ConfigurationError, Throttled
 from ..observe import AttemptOutcome
-from .connection import CONNECTION_ERRORS, Connection
-from .hooks import HookedOutcomes, close_quietly, flush_hooked
+from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
+from .hooks import HookedOutcomes, close_quietly, flush_hooked, flush_hooked_async
 from .limits import report
 from .reconciler import ask_before_window_closes, reconcilers
 from .settings import Settings
-from .state import Held, Outcome, Release, SharedState, Success, Timer, guarded
+from .state import (
+    AsyncState,
+    Held,
+    Outcome,
+    Release,
+    SharedState,
+    Success,
+    ThreadState,
+    Timer,
+    guarded,
+)
 
-__all__ = ["Recorder", "run_recorder"]
+__all__ = ["Recorder", "run_recorder", "run_recorder_async"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -270,11 +281,13 @@ class Recorder:
         return self.hooks is not None and bool(self.hooks.items)
 
 
+# -- the loops: ``Dispatcher``'s on a thread, ``AsyncDispatcher``'s as a task -----------
+
+
 def run_recorder(recorder: Recorder, conn: Connection) -> None:
     """The recorder's loop on its own thread, until ``Recorder.finished``."""
-    state: SharedState[threading.Event] = recorder.state
-    heartbeat = Timer(_state.heartbeat_interval(recorder.settings.lease))
-    heartbeat.next_at = time.monotonic() + heartbeat.interval
+    state: ThreadState = recorder.state
+    heartbeat = _heartbeat_timer(recorder.settings)
     pending: list[tuple[Held, Outcome]] = []
     try:
         while not recorder.finished(pending):
@@ -295,11 +308,54 @@ def run_recorder(recorder: Recorder, conn: Connection) -> None:
             except ConfigurationError:
                 raise  # a missing privilege: no retry will help
             except psycopg.Error as exc:  # a heartbeat statement failed: next round
-                log.error("heartbeat failed: %s",
-                          getattr(exc, "sqlstate", None) or type(exc).__name__)
+                _heartbeat_failed(exc)
                 time.sleep(conn.backoff())
             # Anything else is a bug: it ends the recorder, and the run raises
             # DispatcherFailed (supervised) rather than repeating while leases expire.
     finally:
         close_quietly(recorder.hooks)
         conn.discard()
+
+
+async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
+    """``run_recorder`` as a task of ``AsyncDispatcher``."""
+    state: AsyncState = recorder.state
+    heartbeat = _heartbeat_timer(recorder.settings)
+    pending: list[tuple[Held, Outcome]] = []
+    try:
+        while not recorder.finished(pending):
+            await state.outcome_ready.wait(min(heartbeat.interval, 0.5))
+            state.outcome_ready.clear()
+            pending.extend(state.take_outcomes())
+            try:
+                if pending:
+                    await run_async(recorder.flush(pending), conn.execute)
+                if recorder.hooked_waiting:
+                    await flush_hooked_async(recorder.hooks, conn)  # type: ignore[arg-type]
+                recorder.retrying = False
+                if heartbeat.due(time.monotonic()):
+                    await run_async(recorder.heartbeat(), conn.execute)
+            except CONNECTION_ERRORS as exc:
+                recorder.failed(exc, lost=conn.lost, pending=pending)
+                await asyncio.sleep(conn.backoff())
+            except ConfigurationError:
+                raise  # a missing privilege: no retry will help
+            except psycopg.Error as exc:  # a heartbeat statement failed: next round
+                _heartbeat_failed(exc)
+                await asyncio.sleep(conn.backoff())
+            # Anything else is a bug, as in run_recorder (supervised_async).
+    finally:
+        close_quietly(recorder.hooks)
+        await conn.discard()
+
+
+def _heartbeat_timer(settings: Settings) -> Timer:
+    """When the leases held are extended: first one interval after the recorder starts
+    (the claim has just set them)."""
+    heartbeat = Timer(_state.heartbeat_interval(settings.lease))
+    heartbeat.next_at = time.monotonic() + heartbeat.interval
+    return heartbeat
+
+
+def _heartbeat_failed(exc: psycopg.Error) -> None:
+    log.error("heartbeat failed: %s", getattr(exc, "sqlstate", None) or type(exc).__name__)

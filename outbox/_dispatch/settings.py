@@ -7,6 +7,7 @@ again.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -183,6 +184,12 @@ class Settings:
         """Whether any effect's ``perform`` is a plain method (run on threads)."""
         return len(self.async_names) < len(self.effects)
 
+    def with_limits(self, added: Mapping[str, Limit]) -> Settings:
+        """These settings with ``added`` over the limits in force, each replacing an
+        effect's limit whole; checked as ``build`` checks ``limits``."""
+        return dataclasses.replace(
+            self, limits={**self.limits, **_given_limits(added, self.effects)})
+
 
 def _seconds(value: Any, what: str, minimum: float = 0.0) -> float:
     try:
@@ -202,9 +209,6 @@ def declared_window(effect: Effect) -> float | None:
 
 def _limits(given: Mapping[str, Limit] | None, effects: Mapping[str, Effect]) -> dict[str, Limit]:
     """The limits in force: each effect's declared ``limit``, overridden by ``given``."""
-    if given is not None and not isinstance(given, Mapping):
-        raise ConfigurationError(
-            f"limits must be a dict of effect name -> outbox.Limit, got {type(given).__name__}")
     found: dict[str, Limit] = {}
     for name, effect in effects.items():
         declared = getattr(effect, "limit", None)
@@ -213,6 +217,15 @@ def _limits(given: Mapping[str, Limit] | None, effects: Mapping[str, Effect]) ->
                 f"effect {name!r}: limit must be an outbox.Limit, got {declared!r}")
         if declared is not None:
             found[name] = declared
+    return {**found, **_given_limits(given, effects)}
+
+
+def _given_limits(given: Mapping[str, Limit] | None,
+                  effects: Mapping[str, Effect]) -> dict[str, Limit]:
+    """``given`` checked: a mapping of the names of ``effects`` to ``outbox.Limit``."""
+    if given is not None and not isinstance(given, Mapping):
+        raise ConfigurationError(
+            f"limits must be a dict of effect name -> outbox.Limit, got {type(given).__name__}")
     for name, limit in (given or {}).items():
         if name not in effects:
             raise ConfigurationError(
@@ -221,8 +234,7 @@ def _limits(given: Mapping[str, Limit] | None, effects: Mapping[str, Effect]) ->
         if not isinstance(limit, Limit):
             raise ConfigurationError(
                 f"limits[{name!r}] must be an outbox.Limit, got {limit!r}")
-        found[name] = limit
-    return found
+    return dict(given or {})
 
 
 def _positive(value: Any, what: str, minimum: int = 1) -> int:

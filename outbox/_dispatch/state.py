@@ -1,4 +1,4 @@
-"""What the dispatcher's threads share, in one object with named transitions.
+"""What the dispatcher's parts share, in one object with named transitions.
 
 Who runs where (``Dispatcher``; ``AsyncDispatcher`` runs the same roles as tasks on one
 event loop, with sync effects on a thread pool)::
@@ -18,77 +18,48 @@ time, written in place by the workers, and the counters (``stats``), written onl
 it. Reads from other threads are of single references or counters, safe under
 the GIL, and every decision that depends on them is re-checked by a fenced statement in
 the database.
+
+The signals are ``threading.Event`` in ``Dispatcher`` (``ThreadState``) and ``LoopEvent``
+in ``AsyncDispatcher`` (``AsyncState``). Every part runs supervised (``supervised`` for a
+thread, ``supervised_async`` for a task): its unexpected death stops the dispatcher
+loudly (``fail``). ``Held`` and the outcomes (``held``) are re-exported here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from .. import tracing
-from ..effect import Effect, Job
 from ..errors import Throttled
 from ..observe import AttemptOutcome, DispatchObserver, MultiObserver
-from .counting import StatsObserver
+from .counting import DispatchStats, StatsObserver
+from .held import Held, Outcome, Release, Success
 from .limits import LimitView, is_transient
 
-if TYPE_CHECKING:
-    from ..dispatcher import DispatchStats
-
 __all__ = [
+    "AsyncState",
     "Held",
+    "LoopEvent",
     "Outcome",
     "Release",
     "SharedState",
     "Signal",
     "Slots",
     "Success",
+    "ThreadState",
     "Timer",
     "guarded",
     "supervised",
+    "supervised_async",
 ]
 
 log = logging.getLogger("outbox.dispatcher")
-
-
-@dataclass(eq=False, slots=True)
-class Held:
-    """A job this dispatcher has claimed and not yet recorded."""
-
-    job: Job
-    effect: Effect
-    is_async: bool
-    started: bool = False  # written by the worker that runs it (begin)
-    lost: bool = False  # written by the recorder (a heartbeat found the claim gone)
-    duration: float = 0.0  # written by the worker: seconds ``perform`` ran
-    # Tracing (outbox.tracing): whether it was on at the claim, the enqueue's trace
-    # context from the claim, and the attempt's span (written by the worker in begin,
-    # ended by the recorder in settled).
-    traced: bool = False
-    trace_context: Any = None
-    span: Any = None
-    # The provider's answer (ledger JSON) from an earlier attempt whose completion hook
-    # raised: the attempt reuses it instead of performing again (from the claim).
-    kept_result: str | None = None
-
-
-@dataclass(slots=True)  # not frozen: made once per job, on the hot path
-class Success:
-    """``perform`` returned; its result as JSON text for the ledger."""
-
-    result_json: str
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    """Not started before shutdown: hand it back with the attempt refunded."""
-
-
-Outcome = Success | BaseException | Release
 
 
 @dataclass
@@ -114,6 +85,44 @@ class Signal(Protocol):
     def clear(self) -> None: ...
 
     def is_set(self) -> bool: ...
+
+
+class LoopEvent:
+    """A ``threading.Event`` look-alike for one event loop (``AsyncDispatcher``'s
+    ``Signal``): ``set`` from any thread (so ``stop()`` and sync effects' threads can
+    signal), waited on by tasks."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
+        self._event = asyncio.Event()
+        self._flag = False
+
+    def set(self) -> None:
+        if self._flag:  # already set (workers set it once per job: keep that cheap)
+            return
+        self._flag = True
+        if threading.get_ident() == self._thread:
+            self._event.set()
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    def clear(self) -> None:
+        self._flag = False
+        self._event.clear()
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    async def wait(self, seconds: float) -> bool:
+        """Wait until set or ``seconds`` passed; return whether it is set."""
+        if not self._event.is_set():
+            try:
+                async with asyncio.timeout(seconds):
+                    await self._event.wait()
+            except TimeoutError:
+                pass
+        return self._flag
 
 
 E = TypeVar("E", bound=Signal)
@@ -372,6 +381,12 @@ class SharedState(Generic[E]):
         self.outcome_ready.set()
 
 
+# The state as each dispatcher shares it: ``Dispatcher``'s threads signal with
+# ``threading.Event``, ``AsyncDispatcher``'s tasks with ``LoopEvent``.
+ThreadState = SharedState[threading.Event]
+AsyncState = SharedState[LoopEvent]
+
+
 _reported: set[str] = set()
 
 
@@ -403,3 +418,14 @@ def supervised(state: SharedState[Any], part: str, body: Callable[[], None]) -> 
             state.fail(part, exc)
 
     return target
+
+
+async def supervised_async(state: AsyncState, part: str, body: Awaitable[None]) -> None:
+    """Await ``body`` (a part's task); its unexpected death stops the dispatcher loudly,
+    as ``supervised`` does for a thread. Cancellation is not a death: it is re-raised."""
+    try:
+        await body
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # reported, then the dispatcher stops
+        state.fail(part, exc)

@@ -3,8 +3,9 @@
 ``Performer`` holds what both dispatchers do around one ``perform`` (the slot, the start
 check, payload validation, timing, turning the result or the exception into an outcome).
 ``ThreadWorkers`` is ``Dispatcher``'s pool: sync effects on ``concurrency`` threads fed by
-one queue, async effects as tasks on one event loop of its own (``LoopRunner``). The one
-limit across both is ``SharedState.slots``.
+one queue, async effects as ``TaskWorkers`` on one event loop of its own (``LoopRunner``).
+``TaskWorkers`` are all of ``AsyncDispatcher``'s workers, on its loop (sync effects
+through a thread pool). The one limit across all of them is ``SharedState.slots``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from contextlib import contextmanager
-from functools import partial
 from queue import SimpleQueue
 from typing import Any
 
@@ -30,7 +32,7 @@ from ..errors import Permanent
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, supervised
 
-__all__ = ["LoopRunner", "Performer", "ThreadWorkers"]
+__all__ = ["LoopRunner", "Performer", "TaskWorkers", "ThreadWorkers"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -60,15 +62,6 @@ class Performer:
                 state.finish(held, self.call_sync(held), signal=signal)
         finally:
             state.slots.release()
-
-    async def perform_holding_slot(self, held: Held) -> None:
-        """On the event loop, holding a slot (``Slots.when_free``): perform ``held`` (or
-        hand it back), then release the slot."""
-        try:
-            if self.state.begin(held):
-                self.state.finish(held, await self.call_async(held))
-        finally:
-            self.state.slots.release()
 
     def call_sync(self, held: Held) -> Outcome:
         """Call a sync ``perform`` (already begun); never raises."""
@@ -179,58 +172,36 @@ class ThreadWorkers:
 
 
 class LoopRunner:
-    """An event loop on its own thread running async effects (within the slots)."""
+    """``ThreadWorkers``' async half: an event loop on a thread of its own, running
+    async effects as ``TaskWorkers`` (within the slots the threads take too)."""
 
     def __init__(self, performer: Performer) -> None:
-        self._performer = performer
+        self._state = performer.state
         self._loop = asyncio.new_event_loop()
-        self._tasks: set[asyncio.Task[None]] = set()
         ready = threading.Event()
-        target = supervised(performer.state, "async worker loop", lambda: self._run(ready))
+        target = supervised(self._state, "async worker loop", lambda: self._run(ready))
         self._thread = threading.Thread(target=target, name="outbox-async", daemon=True)
         self._thread.start()
         ready.wait()
 
     def _run(self, ready: threading.Event) -> None:
-        self._loop_thread = threading.get_ident()
         asyncio.set_event_loop(self._loop)
-        self._loop.call_soon(ready.set)
+        self._loop.call_soon(self._ready, ready)
         self._loop.run_forever()
+
+    def _ready(self, ready: threading.Event) -> None:
+        self.workers = TaskWorkers(self._state, pool=None)  # made on the loop it runs on
+        ready.set()
 
     def submit(self, batch: list[Held]) -> None:
         """Schedule a batch from any thread: one wake-up of the loop per batch."""
-        self._loop.call_soon_threadsafe(self._spawn, batch)
-
-    def _spawn(self, batch: list[Held]) -> None:
-        state = self._performer.state
-        for held in batch:
-            if (state.releasing or held.lost) and not state.begin(held):
-                continue  # handed back or dropped without waiting for a slot
-            state.slots.when_free(partial(self._start_soon, held))
-
-    def _start_soon(self, held: Held) -> None:
-        """Holding a slot: start ``held``'s task on the loop (from any thread)."""
-        if threading.get_ident() == self._loop_thread:
-            self._start(held)
-        else:
-            self._loop.call_soon_threadsafe(self._start, held)
-
-    def _start(self, held: Held) -> None:
-        task = self._loop.create_task(self._performer.perform_holding_slot(held))
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and (error := task.exception()) is not None:
-            self._performer.state.fail("async worker", error)
+        self._loop.call_soon_threadsafe(self.workers.submit, batch)
 
     def close(self) -> None:
         """Stop the loop once every task has finished."""
 
         async def finish() -> None:
-            while self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await self.workers.join()
             # As asyncio.run does: what effects hold open for the loop's lifetime (their
             # connections) is closed on the loop, before it closes.
             await self._loop.shutdown_asyncgens()
@@ -239,6 +210,127 @@ class LoopRunner:
         asyncio.run_coroutine_threadsafe(finish(), self._loop)
         self._thread.join()
         self._loop.close()
+
+
+class TaskWorkers:
+    """Workers as tasks on the running event loop, each holding a slot: all of
+    ``AsyncDispatcher``'s (a sync effect's ``perform`` goes to ``pool`` from the task
+    that holds its slot), and ``Dispatcher``'s for async effects (on ``LoopRunner``).
+
+    A task is made per job only while fewer tasks exist than jobs run at once: a task
+    that finishes a job passes its slot on (``Slots.pass_on``) and, when the longest
+    waiter is another job of ours, performs that job itself; when none is, it parks
+    (holding no slot) until ``_start`` hands it the next job. So a steady stream of
+    jobs costs no task per job, only the ``perform`` itself, whether the jobs queue for
+    slots or arrive one claim at a time. ``join`` ends the parked tasks."""
+
+    def __init__(self, state: SharedState[Any], pool: Executor | None) -> None:
+        self.state = state
+        self.performer = Performer(state)
+        self.pool = pool
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Tasks waiting for a job, each on its future (a job, or None: end); touched on
+        # the loop only. Bounded by the most jobs that ran at once (the concurrency).
+        self._parked: deque[asyncio.Future[Held | None]] = deque()
+        self._closing = False  # set by join: finished tasks end instead of parking
+
+    def submit(self, batch: list[Held]) -> None:
+        """Start ``batch``'s jobs as slots allow (on the loop)."""
+        state = self.state
+        for held in batch:
+            if (state.releasing or held.lost) and not state.begin(held):
+                continue  # handed back or dropped without waiting for a slot
+            state.slots.when_free(_Start(self, held))
+
+    def _start(self, held: Held) -> None:
+        """Holding a slot: hand ``held`` to a parked task, else start a task for it.
+        Under ``Dispatcher`` a sync effect's thread may be the one that freed the slot:
+        the job is then started on the loop. (Under ``AsyncDispatcher`` slots are
+        released on the loop only: sync effects' threads return their outcome to the
+        loop first.)"""
+        if threading.get_ident() != self._loop_thread:
+            self._loop.call_soon_threadsafe(self._start, held)
+            return
+        while self._parked:
+            parked = self._parked.pop()  # the latest parked: the warmest
+            if not parked.done():  # not cancelled with its task
+                parked.set_result(held)
+                return
+        task = self._loop.create_task(self._run(held))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    async def _run(self, held: Held | None) -> None:
+        """Holding a slot: perform ``held`` (or hand it back); then the next job of ours
+        that the slot passes to, or, parked, the next job ``_start`` hands over. A
+        cancelled perform ends the task. One coroutine for the whole stream: this is the
+        hot path of async effects."""
+        state, slots, performer = self.state, self.state.slots, self.performer
+        while held is not None:
+            try:
+                if state.begin(held):
+                    if held.is_async:
+                        outcome = await performer.call_async(held)
+                    else:  # on the pool; the outcome comes back to the loop
+                        outcome = await self._loop.run_in_executor(
+                            self.pool, performer.call_sync, held)
+                    state.finish(held, outcome)
+                    if isinstance(outcome, asyncio.CancelledError):
+                        slots.release()
+                        return
+            except BaseException:
+                slots.release()
+                raise
+            waiter = slots.pass_on()
+            if type(waiter) is _Start and waiter.workers is self:
+                held = waiter.held  # the slot stays with this task
+                continue
+            if waiter is not None:
+                waiter()  # the slot goes to another kind of waiter
+            if self._closing:
+                return
+            parked: asyncio.Future[Held | None] = self._loop.create_future()
+            self._parked.append(parked)
+            held = await parked  # holding no slot: _start took one for the job
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            self.state.fail("worker task", error)
+
+    async def join(self) -> None:
+        """Wait until every job handed over has finished (or been handed back); the
+        tasks end as they finish (parked ones at once)."""
+        self._closing = True
+        while self._parked:
+            parked = self._parked.pop()
+            if not parked.done():
+                parked.set_result(None)
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+    def cancel(self) -> list[asyncio.Task[None]]:
+        """Cancel what still runs (an abandoned run: the rescuer takes those jobs)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        return tasks
+
+
+class _Start:
+    """A claimed job waiting for a slot: called by the slot's giver, it starts a task
+    for the job; a task of the same workers passing its slot on runs the job itself."""
+
+    __slots__ = ("held", "workers")
+
+    def __init__(self, workers: TaskWorkers, held: Held) -> None:
+        self.workers = workers
+        self.held = held
+
+    def __call__(self) -> None:
+        self.workers._start(self.held)
 
 
 def prepare(held: Held) -> Job:

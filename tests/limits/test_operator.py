@@ -138,7 +138,7 @@ def test_run_takes_limits_on_the_command_line(dsn: str, schema: str, tmp_path: o
     assert _limits(("email.send=2/s", "payment.charge=concurrency=4")) == {
         "email.send": outbox.Limit(rate=2.0), "payment.charge": outbox.Limit(concurrency=4)}
     dispatcher = outbox.Dispatcher(dsn, [Noop("email.send")], schema=schema)
-    dispatcher._add_limits(_limits(("email.send=10/s,burst=1",)))
+    dispatcher.add_limits(_limits(("email.send=10/s,burst=1",)))
     assert dispatcher.settings.limits == {"email.send": outbox.Limit(rate=10.0, burst=1.0)}
     result = CliRunner().invoke(main, ["run", "nowhere:d", "--limit", "email.send"])
     assert result.exit_code != 0 and "EFFECT=LIMIT" in result.output
