@@ -6,7 +6,10 @@ its lease and one rescue round, thaws it (SIGCONT) so its late writes meet the f
 then retires it (SIGTERM) to collect its counters: ``stale_completions`` and
 ``lost_claims`` are those fenced late writes. Restarts and terminations cut every
 dispatcher connection (or one worker's); provider faults are armed at the fakes; a
-broker fault kills or stops the NATS server and starts it again.
+broker fault kills or stops the NATS server and starts it again; a kafka fault sets a
+Kafka broker down for a while or pushes retriable errors onto Produce requests; a
+consumer fault kills -9 the Kafka consumer process (a successor starts at once) or
+freezes it (SIGSTOP) for a while.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from ._sql import ChaosQueries
 from .config import ChaosConfig
 from .database import Database
+from .kafka import RETRIABLE_PRODUCE_ERRORS
 from .pool import WorkerPool, WorkerProcess
 from .providers import Providers
 from .schedule import FaultEvent
@@ -140,7 +144,7 @@ class FaultInjector:
             "kill": self._kill, "stop": self._stop, "cont": self._cont,
             "retire": self._retire, "restart": self._restart, "terminate": self._terminate,
             "latency": self._latency, "latency_end": lambda e: self._end_latency(e.ref),
-            "broker": self._broker,
+            "broker": self._broker, "kafka": self._kafka, "consumer": self._consumer,
             "throttle": self._push_back, "outage": self._push_back,
             "throttle_end": self._end_push_back, "outage_end": self._end_push_back,
         }
@@ -259,6 +263,32 @@ class FaultInjector:
         took = self._providers.broker.restart(event.variant, event.seconds)
         self.log.injected["broker"] += 1
         self.log.notes.append(f"broker {event.variant} at {event.at:.1f}s, back in {took:.1f} s")
+
+    def _kafka(self, event: FaultEvent) -> None:
+        """One Kafka broker down for ``seconds`` then up, or ``count`` retriable errors
+        for the next Produce requests."""
+        kafka = self._providers.kafka
+        self.log.armed["kafka"] += 1
+        if event.variant == "down":
+            broker = kafka.cluster.broker_ids[event.slot % kafka.cluster.brokers]
+            kafka.broker_down(broker, event.seconds)
+            self.log.notes.append(f"kafka broker {broker} down at {event.at:.1f}s for "
+                                  f"{event.seconds:.1f} s")
+        else:
+            codes = [RETRIABLE_PRODUCE_ERRORS[n % len(RETRIABLE_PRODUCE_ERRORS)]
+                     for n in range(event.count)]
+            kafka.push_produce_errors(codes)
+        self.log.injected["kafka"] += 1
+
+    def _consumer(self, event: FaultEvent) -> None:
+        """kill -9 the Kafka consumer process (its successor starts at once), or
+        freeze it for ``seconds``."""
+        kafka = self._providers.kafka
+        self.log.armed["consumer"] += 1
+        done = (kafka.kill_consumer() if event.variant == "kill"
+                else kafka.freeze_consumer(event.seconds))
+        if done:
+            self.log.injected["consumer"] += 1
 
     # -- providers ----------------------------------------------------------------------------
 

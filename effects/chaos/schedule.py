@@ -32,13 +32,13 @@ __all__ = [
 
 # effect name -> the fake provider that performs it
 EFFECTS = {"email.send": "email", "payment.charge": "stripe", "webhook.post": "webhook",
-           "nats.publish": "nats"}
+           "nats.publish": "nats", "kafka.produce": "kafka"}
 # The HTTP fakes, where provider faults are armed (the broker has faults of its own).
 PROVIDERS = ("email", "stripe", "webhook")
 # What a kill aims at (see DESIGN.md, "Failure windows"); "anytime" is a plain random kill.
 KILL_WINDOWS = ("during_claim", "after_claim", "after_provider", "during_done", "anytime")
 
-_EFFECT_WEIGHTS = (0.35, 0.3, 0.2, 0.15)
+_EFFECT_WEIGHTS = (0.3, 0.25, 0.15, 0.15, 0.15)
 _DECLINE_SHARE = 0.05
 _BULK_SHARE = 0.4
 _BULK_BATCH = 100
@@ -64,6 +64,8 @@ _RATES: dict[str, tuple[float, int]] = {
     "timeout": (5.0, 2),
     "drop": (5.0, 2),
     "broker": (15.0, 2),
+    "kafka": (10.0, 2),
+    "consumer": (15.0, 2),
     # Two windows at least: one may fall while the effect is paused (nothing asked, so
     # nothing refused) and the run must still show the provider pushing back.
     "throttle": (20.0, 2),
@@ -72,6 +74,7 @@ _RATES: dict[str, tuple[float, int]] = {
 
 
 EVENT_SUBJECTS = "chaos.events"
+KAFKA_TOPIC = "chaos-events"
 
 
 def subject_for(key: str) -> str:
@@ -158,6 +161,8 @@ def _payload(effect: str, key: str, n: int, rng: random.Random,
                 "payment_method": card, "metadata": {"chaos_key": key}}
     if effect == "nats.publish":
         return {"subject": subject_for(key), "data": {"order": n, "key": key}}
+    if effect == "kafka.produce":
+        return {"topic": KAFKA_TOPIC, "key": key, "value": {"order": n, "key": key}}
     return {"event": "order.placed", "data": {"order": n, "key": key}}
 
 
@@ -239,13 +244,24 @@ def _events(kind: str, at: float, config: ChaosConfig, rng: random.Random,
         return [FaultEvent(at, kind, slot=slot, seconds=config.stop_seconds),
                 FaultEvent(thaw, "cont", slot=slot),
                 FaultEvent(thaw + config.lease + 1.0, "retire", slot=slot)]
-    if kind == "broker":
-        return [FaultEvent(at, kind, variant=rng.choice(("kill", "stop")),
-                           seconds=round(rng.uniform(0.5, 2.0), 2))]
+    if kind in BROKER_FAULTS:
+        return [_broker_event(kind, at, rng)]
     if kind in ("restart", "terminate"):
         variant = rng.choice(("one", "all")) if kind == "terminate" else ""
         return [FaultEvent(at, kind, slot=slot, variant=variant)]
     return _provider_events(kind, at, provider, rng)
+
+
+def _broker_event(kind: str, at: float, rng: random.Random) -> FaultEvent:
+    if kind == "kafka":  # one broker down for a while (slot + 1 names it), or errors
+        variant = rng.choice(("down", "errors"))
+        return FaultEvent(at, kind, slot=rng.randrange(3), variant=variant,
+                          count=rng.randint(2, 6), seconds=round(rng.uniform(0.5, 2.5), 2))
+    if kind == "consumer":  # the Kafka consumer process killed, or frozen for a while
+        return FaultEvent(at, kind, variant=rng.choice(("kill", "stop")),
+                          seconds=round(rng.uniform(1.0, 4.0), 2))
+    return FaultEvent(at, kind, variant=rng.choice(("kill", "stop")),
+                      seconds=round(rng.uniform(0.5, 2.0), 2))
 
 
 def _provider_events(kind: str, at: float, provider: str,
