@@ -49,6 +49,7 @@ from typing import Any
 
 from ._sql import ChaosQueries
 from .database import connect
+from .kafka import ChaosKafka
 from .providers import Providers
 from .schedule import JobPlan, PlannedJob
 
@@ -130,6 +131,7 @@ def check(dsn: str, queries: ChaosQueries, plan: JobPlan, committed_batches: set
           providers: Providers) -> Findings:
     """Run every check; see the module docstring."""
     findings = Findings()
+    providers.kafka.settle()  # the producers have stopped: read the topic to its end once
     with connect(dsn, "chaos checks") as conn:
         rows = [JobRow(*r) for r in conn.execute(queries.final_jobs, {}).fetchall()]
         orphans = [str(r[0]) for r in conn.execute(queries.orphan_ledger_rows, {}).fetchall()]
@@ -251,14 +253,7 @@ def _check_kafka(findings: Findings, providers: Providers, rows: list[JobRow],
                                                f"{consumed.get(key, 0)}x by the Kafka consumer")
     for key in sorted(set(consumed) - set(stored)):
         findings.flag("consumed_not_once", f"{key}: handled, not in the topic")
-    for row in rows:
-        if row.effect != "kafka.produce" or row.status != "done" or row.ledger_job_id is None:
-            continue
-        result = row.ledger_result if isinstance(row.ledger_result, dict) else {}
-        at = kafka.key_at(int(result.get("partition", -1)), int(result.get("offset", -1)))
-        if at != row.key:
-            findings.flag("ledger_result_mismatch", f"{row.key}: the ledger names {result}, "
-                                                    f"which holds {at or 'no message'}")
+    _check_kafka_ledger(findings, kafka, rows)
     parked = kafka.dead_letters()
     if parked:
         findings.flag("dead_lettered", f"{parked} message(s) on the Kafka dead-letter topic")
@@ -275,6 +270,24 @@ def _check_kafka(findings: Findings, providers: Providers, rows: list[JobRow],
         "consumer_kills": kafka.consumer_kills, "consumer_stops": kafka.consumer_stops,
         "brokers_down": kafka.brokers_down, "produce_errors_pushed": kafka.errors_pushed,
     }
+
+
+def _check_kafka_ledger(findings: Findings, kafka: ChaosKafka, rows: list[JobRow]) -> None:
+    """The ledger row of a done kafka.produce job names a message carrying its key."""
+    for row in rows:
+        if row.effect != "kafka.produce" or row.status != "done" or row.ledger_job_id is None:
+            continue
+        result = row.ledger_result if isinstance(row.ledger_result, dict) else {}
+        partition, offset = result.get("partition"), result.get("offset")
+        if not isinstance(partition, int) or not (offset is None or isinstance(offset, int)):
+            findings.flag("ledger_result_mismatch", f"{row.key}: the ledger names {result}")
+        elif offset is None:  # acknowledged as a repeat of a stored message: offset unknown
+            if row.key not in kafka.keys_in(partition):
+                findings.flag("ledger_result_mismatch", f"{row.key}: the ledger names "
+                                                        f"partition {partition}, without it")
+        elif (at := kafka.key_at(partition, offset)) != row.key:
+            findings.flag("ledger_result_mismatch", f"{row.key}: the ledger names {result}, "
+                                                    f"which holds {at or 'no message'}")
 
 
 def _check_decline(findings: Findings, row: JobRow, job: PlannedJob, performed: int) -> None:

@@ -138,6 +138,7 @@ class ChaosKafka:
         self.consumer_stops = 0
         self.brokers_down = 0
         self.errors_pushed = 0
+        self._settled = False
         self._generation = 0
 
     @property
@@ -149,23 +150,36 @@ class ChaosKafka:
 
     def performed(self, key: str) -> int:
         """Messages the topic holds for ``key`` (0 or more: Kafka keeps repeats)."""
-        self.sync(2.0)
+        if not self._settled:
+            self.sync(2.0)
         return self._tail.per_key.get(key, 0)
 
     def performed_keys(self) -> list[str]:
         """Every key with a message in the topic."""
-        self.sync(2.0)
+        if not self._settled:
+            self.sync(2.0)
         return sorted(self._tail.per_key)
 
-    def messages_per_key(self, timeout: float = 30.0) -> dict[str, int]:
-        """Messages stored per job key, read to the end of the topic."""
+    def settle(self, timeout: float = 30.0) -> None:
+        """Once nothing produces any more: read the topic to its end, and answer from
+        what was read from then on (no round trip per question)."""
         if not self.sync(timeout):
             raise RuntimeError(f"the topic {TOPIC} could not be read to its end")
+        self._settled = True
+
+    def messages_per_key(self) -> dict[str, int]:
+        """Messages stored per job key (read to the end of the topic by ``settle``)."""
+        if not self._settled:
+            self.settle()
         return dict(self._tail.per_key)
 
     def key_at(self, partition: int, offset: int) -> str | None:
         """The ``outbox-key`` of the message at (partition, offset), if it exists."""
         return self._tail.at.get((partition, offset))
+
+    def keys_in(self, partition: int) -> set[str]:
+        """The ``outbox-key`` of every message read from ``partition``."""
+        return {key for (p, _), key in list(self._tail.at.items()) if p == partition}
 
     def sync(self, timeout: float) -> bool:
         """Until the tail has read up to the topic's current end marks; False if the
