@@ -38,7 +38,9 @@ PROVIDERS = ("email", "stripe", "webhook")
 # What a kill aims at (see DESIGN.md, "Failure windows"); "anytime" is a plain random kill.
 KILL_WINDOWS = ("during_claim", "after_claim", "after_provider", "during_done", "anytime")
 
-_EFFECT_WEIGHTS = (0.3, 0.25, 0.15, 0.15, 0.15)
+# The events share is split between NATS and Kafka, so that the HTTP providers see the
+# same jobs (and the same draws of the seed) as before Kafka joined.
+_EFFECT_WEIGHTS = (0.35, 0.3, 0.2, 0.075, 0.075)
 _DECLINE_SHARE = 0.05
 _BULK_SHARE = 0.4
 _BULK_BATCH = 100
