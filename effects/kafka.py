@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -57,7 +58,6 @@ from outbox import Effect, EffectOutcome, Job, Permanent, Retry, UnknownOutcome
 from ._cloudevents import Envelope, attributes, check_envelope
 from ._kafka_consumer import InboxConsumer, KafkaConsumerStats, KafkaEvent
 from ._payload import validated_payload
-from .nats import canonical_json
 
 __all__ = ["KEY_HEADER", "InboxConsumer", "KafkaConsumerStats", "KafkaEvent", "Produce",
            "ProducePayload"]
@@ -76,6 +76,10 @@ _PERMANENT = {
     KafkaError.RECORD_LIST_TOO_LARGE, KafkaError._INVALID_ARG,
 }
 _NOT_SENT = {KafkaError._QUEUE_FULL}
+# The canonical JSON of effects.nats.canonical_json (compact, keys sorted, no NaN), with
+# its encoder built once instead of on every call.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False)
 
 
 class ProducePayload(BaseModel):
@@ -180,7 +184,7 @@ class Produce(Effect):
         event = validated_payload(ProducePayload, job)
         what = f"kafka.produce job {job.key} to topic {event.topic}"
         try:
-            value = canonical_json(event.value)
+            value = _CANONICAL.encode(event.value).encode()
         except ValueError as exc:
             raise Permanent(f"{what}: value: not JSON (NaN or infinity)") from exc
         key = event.key if event.key is not None else job.ordering_key
