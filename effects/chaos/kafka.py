@@ -214,13 +214,13 @@ class ChaosKafka:
 
     # -- faults ------------------------------------------------------------------------
 
-    def broker_down(self, broker_id: int, seconds: float) -> None:
-        """Set one broker down for ``seconds``, then up again."""
+    def broker_down(self, broker_id: int) -> None:
+        """Set one broker down (until ``broker_up``)."""
         self.cluster.set_broker_down(broker_id)
-        try:
-            threading.Event().wait(seconds)
-        finally:
-            self.cluster.set_broker_up(broker_id)
+
+    def broker_up(self, broker_id: int) -> None:
+        """Bring a broker set down back."""
+        self.cluster.set_broker_up(broker_id)
         self.brokers_down += 1
 
     def push_produce_errors(self, codes: list[int]) -> None:
@@ -240,20 +240,23 @@ class ChaosKafka:
             self._spawn()
         return True
 
-    def freeze_consumer(self, seconds: float) -> bool:
-        """SIGSTOP the consumer for ``seconds`` (past its session timeout, the group
-        lets it go), then SIGCONT; False if none ran."""
+    def freeze_consumer(self) -> bool:
+        """SIGSTOP the consumer (until ``thaw_consumer``; past its session timeout, the
+        group lets it go); False if none ran."""
         with self._consumer_lock:
             process = self._consumer
             if process is None or process.poll() is not None:
                 return False
             process.send_signal(signal.SIGSTOP)
-        try:
-            threading.Event().wait(seconds)
-        finally:
-            process.send_signal(signal.SIGCONT)
-        self.consumer_stops += 1
+            self.consumer_stops += 1
         return True
+
+    def thaw_consumer(self) -> None:
+        """SIGCONT the consumer (harmless if it is not frozen)."""
+        with self._consumer_lock:
+            process = self._consumer
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGCONT)
 
     # -- the consumer ------------------------------------------------------------------
 

@@ -66,12 +66,13 @@ _RATES: dict[str, tuple[float, int]] = {
     "timeout": (5.0, 2),
     "drop": (5.0, 2),
     "broker": (15.0, 2),
-    "kafka": (10.0, 2),
-    "consumer": (15.0, 2),
     # Two windows at least: one may fall while the effect is paused (nothing asked, so
     # nothing refused) and the run must still show the provider pushing back.
     "throttle": (20.0, 2),
     "outage": (25.0, 2),
+    # Last, so the kinds above draw from the seed as they did before Kafka joined.
+    "kafka": (10.0, 2),
+    "consumer": (15.0, 2),
 }
 
 
@@ -133,7 +134,9 @@ class FaultEvent:
     """One scheduled fault, ``at`` seconds into the chaos phase.
 
     ``kind`` is a fault kind, or ``cont`` (end of a stop), ``retire`` (the graceful
-    stop of a worker that was frozen, to read its counters) or ``latency_end``. ``slot``
+    stop of a worker that was frozen, to read its counters), ``latency_end``,
+    ``kafka_up`` (a Kafka broker set down comes back) or ``consumer_cont`` (the frozen
+    Kafka consumer thaws). ``slot``
     names the worker slot for process faults, ``provider`` the fake for provider
     faults; ``count``, ``status``, ``seconds`` and ``window`` are the kind's parameters.
     """
@@ -247,23 +250,29 @@ def _events(kind: str, at: float, config: ChaosConfig, rng: random.Random,
                 FaultEvent(thaw, "cont", slot=slot),
                 FaultEvent(thaw + config.lease + 1.0, "retire", slot=slot)]
     if kind in BROKER_FAULTS:
-        return [_broker_event(kind, at, rng)]
+        return _broker_events(kind, at, rng)
     if kind in ("restart", "terminate"):
         variant = rng.choice(("one", "all")) if kind == "terminate" else ""
         return [FaultEvent(at, kind, slot=slot, variant=variant)]
     return _provider_events(kind, at, provider, rng)
 
 
-def _broker_event(kind: str, at: float, rng: random.Random) -> FaultEvent:
+def _broker_events(kind: str, at: float, rng: random.Random) -> list[FaultEvent]:
+    """A broker fault; one that lasts a while ends with an event of its own, so that the
+    schedule goes on meanwhile."""
     if kind == "kafka":  # one broker down for a while (slot + 1 names it), or errors
-        variant = rng.choice(("down", "errors"))
-        return FaultEvent(at, kind, slot=rng.randrange(3), variant=variant,
-                          count=rng.randint(2, 6), seconds=round(rng.uniform(0.5, 2.5), 2))
+        event = FaultEvent(at, kind, slot=rng.randrange(3),
+                           variant=rng.choice(("down", "errors")), count=rng.randint(2, 6),
+                           seconds=round(rng.uniform(0.5, 2.5), 2))
+        ends = [replace(event, at=at + event.seconds, kind="kafka_up")]
+        return [event, *ends] if event.variant == "down" else [event]
     if kind == "consumer":  # the Kafka consumer process killed, or frozen for a while
-        return FaultEvent(at, kind, variant=rng.choice(("kill", "stop")),
-                          seconds=round(rng.uniform(1.0, 4.0), 2))
-    return FaultEvent(at, kind, variant=rng.choice(("kill", "stop")),
-                      seconds=round(rng.uniform(0.5, 2.0), 2))
+        event = FaultEvent(at, kind, variant=rng.choice(("kill", "stop")),
+                           seconds=round(rng.uniform(1.0, 4.0), 2))
+        ends = [replace(event, at=at + event.seconds, kind="consumer_cont")]
+        return [event, *ends] if event.variant == "stop" else [event]
+    return [FaultEvent(at, kind, variant=rng.choice(("kill", "stop")),
+                       seconds=round(rng.uniform(0.5, 2.0), 2))]
 
 
 def _provider_events(kind: str, at: float, provider: str,
