@@ -268,7 +268,7 @@ def _check_kafka(findings: Findings, providers: Providers, rows: list[JobRow],
         "skipped_as_repeats": int(stats.get("duplicates", 0)),
         "handler_retries": int(stats.get("failed", 0)), "dead_lettered": parked,
         "consumer_kills": kafka.consumer_kills, "consumer_stops": kafka.consumer_stops,
-        "brokers_down": kafka.brokers_down, "produce_errors_pushed": kafka.errors_pushed,
+        "brokers_down": kafka.brokers_down,
     }
 
 

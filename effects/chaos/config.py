@@ -14,8 +14,8 @@ PROCESS_FAULTS = ("kill", "stop", "restart", "terminate")
 # request 503 for a while).
 PROVIDER_FAULTS = ("5xx", "429", "latency", "timeout", "drop", "decline", "throttle", "outage")
 # Faults at the brokers: the NATS server killed or stopped, then started again on the
-# same store ("broker"); a Kafka broker set down for a while or errors pushed onto
-# Produce requests ("kafka"); the Kafka consumer process killed or frozen ("consumer").
+# same store ("broker"); a Kafka broker set down for a while ("kafka"); the Kafka
+# consumer process killed or frozen ("consumer").
 BROKER_FAULTS = ("broker", "kafka", "consumer")
 FAULT_KINDS = PROCESS_FAULTS + PROVIDER_FAULTS + BROKER_FAULTS
 

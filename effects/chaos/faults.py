@@ -7,7 +7,7 @@ then retires it (SIGTERM) to collect its counters: ``stale_completions`` and
 ``lost_claims`` are those fenced late writes. Restarts and terminations cut every
 dispatcher connection (or one worker's); provider faults are armed at the fakes; a
 broker fault kills or stops the NATS server and starts it again; a kafka fault sets a
-Kafka broker down for a while or pushes retriable errors onto Produce requests; a
+Kafka broker down for a while; a
 consumer fault kills -9 the Kafka consumer process (a successor starts at once) or
 freezes it (SIGSTOP) for a while.
 """
@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from ._sql import ChaosQueries
 from .config import ChaosConfig
 from .database import Database
-from .kafka import RETRIABLE_PRODUCE_ERRORS
 from .pool import WorkerPool, WorkerProcess
 from .providers import Providers
 from .schedule import FaultEvent
@@ -270,23 +269,18 @@ class FaultInjector:
         self.log.notes.append(f"broker {event.variant} at {event.at:.1f}s, back in {took:.1f} s")
 
     def _kafka(self, event: FaultEvent) -> None:
-        """One Kafka broker down (until its ``kafka_up``), or ``count`` retriable errors
-        for the next Produce requests."""
+        """One Kafka broker down, until its ``kafka_up``. (Errors pushed onto Produce
+        requests are not used: librdkafka then takes some messages the mock never
+        stored for stored, which no broker does; see ``effects.testing._kafka``.)"""
         kafka = self._providers.kafka
         self.log.armed["kafka"] += 1
-        if event.variant == "down":
-            broker = kafka.cluster.broker_ids[event.slot % kafka.cluster.brokers]
-            if broker in self._kafka_down.values():
-                return  # down already
-            kafka.broker_down(broker)
-            self._kafka_down[event.ref] = broker
-            self.log.notes.append(f"kafka broker {broker} down at {event.at:.1f}s for "
-                                  f"{event.seconds:.1f} s")
-        else:
-            codes = [RETRIABLE_PRODUCE_ERRORS[n % len(RETRIABLE_PRODUCE_ERRORS)]
-                     for n in range(event.count)]
-            kafka.push_produce_errors(codes)
-            self.log.injected["kafka"] += 1
+        broker = kafka.cluster.broker_ids[event.slot % kafka.cluster.brokers]
+        if broker in self._kafka_down.values():
+            return  # down already
+        kafka.broker_down(broker)
+        self._kafka_down[event.ref] = broker
+        self.log.notes.append(f"kafka broker {broker} down at {event.at:.1f}s for "
+                              f"{event.seconds:.1f} s")
 
     def _kafka_up(self, event: FaultEvent) -> None:
         broker = self._kafka_down.pop(event.ref, None)

@@ -9,9 +9,8 @@ the attempts that could have produced one, and exactly one handling per key by t
 consumer, which dedupes through the inbox and stores its offsets in PostgreSQL.
 
 Faults here: a broker set down for a while (its partitions keep it as leader, so their
-produces wait or time out) and then up; retriable errors pushed onto Produce requests
-(the idempotent producer retries them itself); and the consumer process killed (kill -9,
-then replaced) or frozen (SIGSTOP, then SIGCONT).
+produces wait or time out) and then up; and the consumer process killed (kill -9, then
+replaced) or frozen (SIGSTOP, then SIGCONT).
 
 Run as ``python -m effects.chaos.kafka``: the consumer process (settings as JSON in
 ``$OUTBOX_CHAOS_KAFKA_CONSUMER``); on SIGTERM it stops after the batch in hand and prints
@@ -33,13 +32,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 from psycopg import sql
 
 import outbox
 from effects.kafka import InboxConsumer, KafkaEvent
 from effects.testing import KafkaMockCluster
-from effects.testing._kafka import PRODUCE_API
 
 from ._sql import chaos_queries
 from .schedule import KAFKA_TOPIC
@@ -57,9 +55,6 @@ _KEY_HEADER = "outbox-key"
 # The shortest session the mock cluster accepts: a consumer that died is let go, and its
 # successor takes the partitions, within seconds.
 _FAST_GROUP = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500, "log_level": 0}
-# Retriable Produce errors: the idempotent producer retries them with the same sequence.
-RETRIABLE_PRODUCE_ERRORS = (KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.REQUEST_TIMED_OUT,
-                            KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.LEADER_NOT_AVAILABLE)
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -137,7 +132,6 @@ class ChaosKafka:
         self.consumer_kills = 0
         self.consumer_stops = 0
         self.brokers_down = 0
-        self.errors_pushed = 0
         self._settled = False
         self._generation = 0
 
@@ -222,11 +216,6 @@ class ChaosKafka:
         """Bring a broker set down back."""
         self.cluster.set_broker_up(broker_id)
         self.brokers_down += 1
-
-    def push_produce_errors(self, codes: list[int]) -> None:
-        """The next Produce requests fail with these (retriable) error codes."""
-        self.cluster.push_request_errors(PRODUCE_API, codes)
-        self.errors_pushed += len(codes)
 
     def kill_consumer(self) -> bool:
         """kill -9 the consumer process and start its successor; False if none ran."""

@@ -39,7 +39,7 @@ What the figures mean:
   whose ``done`` was never recorded under that claim: where repeats come from),
   ``handled`` by the consumer (must equal ``keys``), repeats its inbox skipped and
   handler retries (counted by the consumer process that stopped last), messages parked,
-  consumer kills and freezes, brokers set down, Produce errors pushed.
+  consumer kills and freezes, brokers set down.
 - ``violations``: each invariant broken, with examples; the run passes when empty.
 """
 

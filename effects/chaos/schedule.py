@@ -260,12 +260,10 @@ def _events(kind: str, at: float, config: ChaosConfig, rng: random.Random,
 def _broker_events(kind: str, at: float, rng: random.Random) -> list[FaultEvent]:
     """A broker fault; one that lasts a while ends with an event of its own, so that the
     schedule goes on meanwhile."""
-    if kind == "kafka":  # one broker down for a while (slot + 1 names it), or errors
-        event = FaultEvent(at, kind, slot=rng.randrange(3),
-                           variant=rng.choice(("down", "errors")), count=rng.randint(2, 6),
+    if kind == "kafka":  # one broker down for a while (slot + 1 names it)
+        event = FaultEvent(at, kind, slot=rng.randrange(3), variant="down",
                            seconds=round(rng.uniform(0.5, 2.5), 2))
-        ends = [replace(event, at=at + event.seconds, kind="kafka_up")]
-        return [event, *ends] if event.variant == "down" else [event]
+        return [event, replace(event, at=at + event.seconds, kind="kafka_up")]
     if kind == "consumer":  # the Kafka consumer process killed, or frozen for a while
         event = FaultEvent(at, kind, variant=rng.choice(("kill", "stop")),
                            seconds=round(rng.uniform(1.0, 4.0), 2))

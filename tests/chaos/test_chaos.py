@@ -125,7 +125,7 @@ def test_the_command_prints_the_seed_and_a_table_and_writes_json(tmp_path: Path)
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_chaos_with_broker_faults_stores_and_consumes_each_event_once() -> None:
-    # NATS: the server killed or stopped. Kafka: a broker down, Produce errors pushed,
+    # NATS: the server killed or stopped. Kafka: a broker down for a while,
     # the consumer process killed -9 or frozen; dispatchers killed -9 throughout.
     config = ChaosConfig(workers=2, jobs=300, duration=10.0, deadline=120.0, seed=SEED,
                          faults=parse_faults("broker,kafka,consumer,kill"))

@@ -17,7 +17,7 @@ class Topic:
     def __init__(self, at: dict[tuple[int, int], str]) -> None:
         self.at = at
         self.consumer_stats: Counter[str] = Counter()
-        self.consumer_kills = self.consumer_stops = self.brokers_down = self.errors_pushed = 0
+        self.consumer_kills = self.consumer_stops = self.brokers_down = 0
 
     def messages_per_key(self) -> dict[str, int]:
         return dict(Counter(self.at.values()))
