@@ -71,7 +71,9 @@ _RATES: dict[str, tuple[float, int]] = {
     "throttle": (20.0, 2),
     "outage": (25.0, 2),
     # Last, so the kinds above draw from the seed as they did before Kafka joined.
-    "kafka": (10.0, 2),
+    # Few and short: while a broker is down the Kafka jobs on its partitions hold
+    # dispatcher slots, and the HTTP fakes' faults need requests to meet.
+    "kafka": (20.0, 2),
     "consumer": (15.0, 2),
 }
 
@@ -262,7 +264,7 @@ def _broker_events(kind: str, at: float, rng: random.Random) -> list[FaultEvent]
     schedule goes on meanwhile."""
     if kind == "kafka":  # one broker down for a while (slot + 1 names it)
         event = FaultEvent(at, kind, slot=rng.randrange(3), variant="down",
-                           seconds=round(rng.uniform(0.5, 2.5), 2))
+                           seconds=round(rng.uniform(0.5, 1.5), 2))
         return [event, replace(event, at=at + event.seconds, kind="kafka_up")]
     if kind == "consumer":  # the Kafka consumer process killed, or frozen for a while
         event = FaultEvent(at, kind, variant=rng.choice(("kill", "stop")),

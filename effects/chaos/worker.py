@@ -177,7 +177,9 @@ def _adapters(settings: WorkerSettings) -> list[Effect]:
         PublishEvent(settings.nats_url, settings.nats_stream, timeout=timeout,
                      lease=settings.lease, rescue_interval=settings.rescue_interval),
         Produce(settings.kafka_bootstrap, delivery_timeout=_KAFKA_DELIVERY_TIMEOUT,
-                connect_timeout=timeout * 2),
+                connect_timeout=timeout * 2,
+                # back within half a second of a broker's return, not librdkafka's 10 s
+                config={"reconnect.backoff.max.ms": 500}),
     ]
 
 
