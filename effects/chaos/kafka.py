@@ -75,7 +75,8 @@ class _Tail:
 
     def __init__(self, bootstrap: str, topic: str) -> None:
         self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "chaos-tail",
-                                   "enable.auto.commit": False, "log_level": 0})
+                                   "enable.auto.commit": False, "log_level": 0,
+                                   "auto.offset.reset": "earliest"})
         self._consumer.assign([TopicPartition(topic, p, 0) for p in range(_PARTITIONS)])
         self._lock = threading.Lock()
         self._next: dict[int, int] = {}  # partition -> the offset after the last read
@@ -99,14 +100,23 @@ class _Tail:
                     self.at[(partition, offset)] = key
                     self._next[partition] = offset + 1
 
+    def replace(self, per_key: Counter[str], at: dict[tuple[int, int], str]) -> None:
+        """Take what a full read of the topic found instead of what was tailed."""
+        with self._lock:
+            self.per_key, self.at = per_key, at
+
     def reached(self, ends: dict[int, int]) -> bool:
         """Whether every partition was read up to ``ends`` (partition -> high mark)."""
         with self._lock:
             return all(self._next.get(p, 0) >= end for p, end in ends.items())
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Stop reading (what was read stays)."""
         self._stop.set()
         self._thread.join(10.0)
+
+    def close(self) -> None:
+        self.stop()
         self._consumer.close()
 
 
@@ -154,11 +164,34 @@ class ChaosKafka:
             self.sync(2.0)
         return sorted(self._tail.per_key)
 
-    def settle(self, timeout: float = 30.0) -> None:
-        """Once nothing produces any more: read the topic to its end, and answer from
-        what was read from then on (no round trip per question)."""
-        if not self.sync(timeout):
-            raise RuntimeError(f"the topic {TOPIC} could not be read to its end")
+    def settle(self, timeout: float = 60.0) -> None:
+        """Once nothing produces any more: read the whole topic afresh, from its start
+        to its end marks, and answer from that read from then on."""
+        deadline = time.monotonic() + timeout
+        ends = self.end_marks(TOPIC, timeout)
+        if ends is None:
+            raise RuntimeError(f"the end marks of topic {TOPIC} could not be read")
+        reader = Consumer({"bootstrap.servers": self.bootstrap_servers, "log_level": 0,
+                           "group.id": "chaos-settle", "enable.auto.commit": False})
+        per_key: Counter[str] = Counter()
+        at: dict[tuple[int, int], str] = {}
+        try:
+            reader.assign([TopicPartition(TOPIC, p, 0) for p, end in ends.items() if end])
+            while len(at) < sum(ends.values()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the topic {TOPIC} could not be read to its end: "
+                                       f"{len(at)} of {sum(ends.values())} messages")
+                for message in reader.consume(500, timeout=0.5):
+                    if message.error() is None:
+                        raw = dict(message.headers() or []).get(_KEY_HEADER)
+                        key = raw.decode() if isinstance(raw, bytes) else "(no outbox-key)"
+                        if (message.partition() or 0, message.offset() or 0) not in at:
+                            per_key[key] += 1
+                        at[(message.partition() or 0, message.offset() or 0)] = key
+        finally:
+            reader.close()
+        self._tail.stop()  # from now on the fresh read answers, and nothing adds to it
+        self._tail.replace(per_key, at)
         self._settled = True
 
     def messages_per_key(self) -> dict[str, int]:
