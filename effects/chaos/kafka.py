@@ -131,7 +131,8 @@ class ChaosKafka:
         self.cluster = KafkaMockCluster(brokers=3).start()
         self._log_dir = log_dir
         self._marks = Consumer({"bootstrap.servers": self.bootstrap_servers,
-                                "group.id": "chaos-marks", "log_level": 0})
+                                "group.id": "chaos-marks", "log_level": 0,
+                                "reconnect.backoff.max.ms": 500})
         self._marks_lock = threading.Lock()
         self._tail = _Tail(self.bootstrap_servers, TOPIC)
         self._consumer: subprocess.Popen[bytes] | None = None
@@ -220,18 +221,23 @@ class ChaosKafka:
         return False
 
     def end_marks(self, topic: str, timeout: float) -> dict[int, int] | None:
-        """partition -> high watermark of ``topic``; None if a broker did not answer."""
+        """partition -> high watermark of ``topic``; None if a broker did not answer
+        within ``timeout`` (asked again meanwhile: a connection may be coming back)."""
+        deadline = time.monotonic() + timeout
         ends = {}
         with self._marks_lock:
             for partition in range(_PARTITIONS):
-                try:
-                    _, high = self._marks.get_watermark_offsets(
-                        TopicPartition(topic, partition), timeout=timeout)
-                except Exception as exc:  # a broker down, or the topic not created yet
-                    if "UNKNOWN_TOPIC" in str(exc):
-                        return {}
-                    return None
-                ends[partition] = high
+                while partition not in ends:
+                    try:
+                        _, ends[partition] = self._marks.get_watermark_offsets(
+                            TopicPartition(topic, partition),
+                            timeout=max(0.1, deadline - time.monotonic()))
+                    except Exception as exc:  # a broker down, or no such topic yet
+                        if "UNKNOWN_TOPIC" in str(exc):
+                            return {}
+                        if time.monotonic() >= deadline:
+                            return None
+                        time.sleep(0.1)
         return ends
 
     def dead_letters(self) -> int:
