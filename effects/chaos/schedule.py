@@ -68,7 +68,7 @@ _RATES: dict[str, tuple[float, int]] = {
     "broker": (15.0, 2),
     # Two windows at least: one may fall while the effect is paused (nothing asked, so
     # nothing refused) and the run must still show the provider pushing back.
-    "throttle": (20.0, 2),
+    "throttle": (12.0, 2),
     "outage": (25.0, 2),
     # Last, so the kinds above draw from the seed as they did before Kafka joined.
     # Few and short: while a broker is down the Kafka jobs on its partitions hold
