@@ -13,6 +13,9 @@ partition, in order), else none. Headers::
     ...                 the payload's own headers
 
 The ledger result is ``{"topic", "partition", "offset"}`` of the acknowledged message.
+``offset`` is null when the broker acknowledged a retried request as a duplicate of a
+message it had already stored (the idempotent producer retrying after a lost response):
+the message is stored once, at an offset the broker does not report.
 
 Kafka has no broker-side deduplication by our key. The producer is idempotent
 (``enable.idempotence``), which only removes the duplicates of its own internal retries
@@ -37,8 +40,12 @@ Outcome of an attempt, by what happened::
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Mapping
 from datetime import UTC
 from typing import Any
@@ -51,7 +58,6 @@ from outbox import Effect, EffectOutcome, Job, Permanent, Retry, UnknownOutcome
 from ._cloudevents import Envelope, attributes, check_envelope
 from ._kafka_consumer import InboxConsumer, KafkaConsumerStats, KafkaEvent
 from ._payload import validated_payload
-from .nats import canonical_json
 
 __all__ = ["KEY_HEADER", "InboxConsumer", "KafkaConsumerStats", "KafkaEvent", "Produce",
            "ProducePayload"]
@@ -70,6 +76,10 @@ _PERMANENT = {
     KafkaError.RECORD_LIST_TOO_LARGE, KafkaError._INVALID_ARG,
 }
 _NOT_SENT = {KafkaError._QUEUE_FULL}
+# The canonical JSON of effects.nats.canonical_json (compact, keys sorted, no NaN), with
+# its encoder built once instead of on every call.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False)
 
 
 class ProducePayload(BaseModel):
@@ -114,11 +124,14 @@ class Produce(Effect):
 
     ``perform`` awaits the delivery report of its own message; messages from concurrent
     jobs are in flight together on the one producer, whose reports are served by a
-    thread of its own. ``close()`` flushes and stops it. Reasons and logs carry the job
-    key and the topic, never the value. With ``envelope="cloudevents"`` each message is
-    also a CloudEvent in Kafka's binary mode (``ce_id`` = the job key, ``ce_source`` =
-    ``source``, ``ce_type`` = the payload's ``type`` or the topic, ``ce_time`` = the
-    first attempt, ``content-type``; see ``effects._cloudevents``).
+    thread of its own and handed to the awaiting event loop in one batch per poll (one
+    wake-up of the loop for many reports, no timer per message: the same thread fails
+    a message whose report is overdue). ``close()`` flushes and stops it. Reasons and
+    logs carry the job key and the topic, never the value. With
+    ``envelope="cloudevents"`` each message is also a CloudEvent in Kafka's binary mode
+    (``ce_id`` = the job key, ``ce_source`` = ``source``, ``ce_type`` = the payload's
+    ``type`` or the topic, ``ce_time`` = the first attempt, ``content-type``; see
+    ``effects._cloudevents``).
     """
 
     name = "kafka.produce"
@@ -149,6 +162,13 @@ class Produce(Effect):
         self._producer: Producer | None = None
         self._lock = threading.Lock()
         self._poller: threading.Thread | None = None
+        # Delivery reports served by the current poll, settled on their loops after it.
+        self._reports: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Message],
+                                  KafkaError | None, Message]] = []
+        # (deadline, loop, future) of each message handed over, in deadline order (one
+        # timeout for all): the poll thread fails those whose report is overdue.
+        self._awaited: deque[tuple[float, asyncio.AbstractEventLoop,
+                                   asyncio.Future[Message]]] = deque()
         self._closing = threading.Event()
         self._reachable = False  # a broker answered since the last transport failure
         self._checking = threading.Lock()
@@ -164,7 +184,7 @@ class Produce(Effect):
         event = validated_payload(ProducePayload, job)
         what = f"kafka.produce job {job.key} to topic {event.topic}"
         try:
-            value = canonical_json(event.value)
+            value = _CANONICAL.encode(event.value).encode()
         except ValueError as exc:
             raise Permanent(f"{what}: value: not JSON (NaN or infinity)") from exc
         key = event.key if event.key is not None else job.ordering_key
@@ -175,7 +195,7 @@ class Produce(Effect):
         delivered: asyncio.Future[Message] = loop.create_future()
 
         def report(error: KafkaError | None, message: Message) -> None:  # the poll thread
-            loop.call_soon_threadsafe(_settle, delivered, error, message)
+            self._reports.append((loop, delivered, error, message))  # the list of now
 
         try:
             producer.produce(event.topic, value, key=None if key is None else key.encode(),
@@ -184,9 +204,11 @@ class Produce(Effect):
             raise _outcome(exc.args[0], what, sent=False) from exc
         except BufferError as exc:
             raise Retry(f"{what}: the producer's local queue is full; nothing sent") from exc
+        # librdkafka reports every message by its message.timeout.ms; the margin covers
+        # a report that never comes all the same.
+        self._awaited.append((time.monotonic() + self.delivery_timeout + 5.0, loop, delivered))
         try:
-            async with asyncio.timeout(self.delivery_timeout + 5.0):
-                message = await delivered
+            message = await delivered
         except TimeoutError as exc:
             raise UnknownOutcome(f"{what}: no delivery report within "
                                  f"{self.delivery_timeout:g} s; it may have been stored") from exc
@@ -208,6 +230,7 @@ class Produce(Effect):
             poller.join()
         if producer is not None:
             producer.flush(self.delivery_timeout)
+            self._hand_over()
 
     def __enter__(self) -> Produce:
         return self
@@ -231,9 +254,38 @@ class Produce(Effect):
             return self._producer
 
     def _poll(self, producer: Producer) -> None:
-        """Serve delivery reports until closed."""
+        """Serve delivery reports until closed; fail the overdue ones."""
         while not self._closing.is_set():
             producer.poll(0.05)
+            self._hand_over()
+            self._expire(time.monotonic())
+
+    def _hand_over(self) -> None:
+        """Settle the reports the last poll (or flush) served: one call into each
+        awaiting loop for the lot."""
+        if not self._reports:
+            return
+        # The callbacks append in this thread only (poll and flush run them), so the
+        # list is swapped, not locked.
+        reports, self._reports = self._reports, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+        for loop, delivered, error, message in reports:
+            by_loop.setdefault(loop, []).append((delivered, error, message))
+        for loop, settled in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_settle_all, settled)
+            except RuntimeError:  # that loop is closed: nobody awaits these any more
+                log.debug("kafka.produce: %d delivery reports for a closed loop", len(settled))
+
+    def _expire(self, now: float) -> None:
+        """Fail (with TimeoutError, on their loops) the messages whose report is overdue;
+        forget those settled."""
+        awaited = self._awaited
+        while awaited and (awaited[0][2].done() or awaited[0][0] <= now):
+            _, loop, delivered = awaited.popleft()
+            if not delivered.done():
+                with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits
+                    loop.call_soon_threadsafe(_overdue, delivered)
 
     def _check_reachable(self, producer: Producer, what: str) -> None:
         """Before producing after a start or a transport failure: a broker must answer,
@@ -262,14 +314,22 @@ class Produce(Effect):
         return headers
 
 
-def _settle(delivered: asyncio.Future[Message], error: KafkaError | None,
-            message: Message) -> None:
-    if delivered.done():
-        return
-    if error is None:
-        delivered.set_result(message)
-    else:
-        delivered.set_exception(KafkaException(error))
+def _settle_all(settled: list[tuple[asyncio.Future[Message], KafkaError | None, Message]],
+                ) -> None:
+    """On the awaiting loop: each future its delivery report (a future already done,
+    failed as overdue or cancelled, is left as it is)."""
+    for delivered, error, message in settled:
+        if delivered.done():
+            continue
+        if error is None:
+            delivered.set_result(message)
+        else:
+            delivered.set_exception(KafkaException(error))
+
+
+def _overdue(delivered: asyncio.Future[Message]) -> None:
+    if not delivered.done():
+        delivered.set_exception(TimeoutError())
 
 
 def _outcome(error: KafkaError, what: str, *, sent: bool) -> EffectOutcome:

@@ -116,7 +116,7 @@ class ChaosBroker:
         insert = chaos_queries(schema, chaos).consumed_insert
 
         def handle(tx: outbox.Transaction, event: InboxEvent) -> None:
-            tx.connection.execute(insert, {"message_id": event.message_id,
+            tx.connection.execute(insert, {"message_id": event.message_id, "source": "nats",
                                            "subject": event.subject})
 
         self._consumer = InboxConsumer(

@@ -20,13 +20,23 @@ Each entry of ``Findings.violations`` must be empty for the run to pass:
 ``unexpected_failures``      a ``failed`` job that was not a declined card
 ``decline_mismatches``       a declined card's job not ``failed`` with its decline code,
                              or not attempted exactly once at Stripe
-``consumed_not_once``        a message in the events stream the inbox consumer did not
-                             handle exactly once, or a handling of no stored message
-``dead_lettered``            a message the consumer parked (its handler never fails)
+``consumed_not_once``        a job key in the NATS stream or the Kafka topic its inbox
+                             consumer did not handle exactly once, or a handling of a key
+                             stored nowhere
+``dead_lettered``            a message a consumer parked (their handlers never fail)
+``kafka_missing``            a ``done`` kafka.produce job with no message in the topic
+``kafka_unexplained_repeats``  a key with more messages in the topic than the attempts
+                             that may have produced one: an attempt that returned (the
+                             broker acked; a repeat follows when ``done`` was not recorded
+                             under that claim), one that ended UnknownOutcome, or one whose
+                             end was never recorded (its worker killed or cut off). An
+                             attempt that ended Retry or Permanent produced nothing.
 
 For ``nats.publish`` jobs, "performed" is the number of messages the stream holds for
 the job's key (one subject per key), so ``performed_twice`` and ``done_not_once`` cover
-the broker too.
+the broker too. For ``kafka.produce`` jobs it is the number of messages the topic holds
+with the job's ``outbox-key``: at least once, so a repeat is no violation when an attempt
+explains it; the ledger row must name a message of the topic carrying the job's key.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from typing import Any
 
 from ._sql import ChaosQueries
 from .database import connect
+from .kafka import ChaosKafka
 from .providers import Providers
 from .schedule import JobPlan, PlannedJob
 
@@ -48,8 +59,11 @@ VIOLATIONS = (
     "missing_jobs", "rolled_back_present", "orders_mismatch", "lost", "performed_twice",
     "done_not_once", "ledger_missing", "ledger_not_done", "ledger_version_mismatch",
     "ledger_result_mismatch", "double_claims", "repeated_deliveries", "unexpected_failures",
-    "decline_mismatches", "consumed_not_once", "dead_lettered",
+    "decline_mismatches", "consumed_not_once", "dead_lettered", "kafka_missing",
+    "kafka_unexplained_repeats",
 )
+# Effects delivered at least once: repeats are expected (and explained by the checks).
+_AT_LEAST_ONCE = frozenset({"kafka.produce"})
 _EXAMPLES = 10
 # What an adapter's outcome text says about the provider fault behind it.
 _FAULT_SIGNS = {
@@ -99,6 +113,7 @@ class Findings:
     outcomes: Counter[str] = field(default_factory=Counter)
     observed_faults: Counter[str] = field(default_factory=Counter)
     events: dict[str, int] = field(default_factory=dict)
+    kafka: dict[str, Any] = field(default_factory=dict)
     finished_jobs: int = 0
     finished_seconds: float = 0.0
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VIOLATIONS, 0))
@@ -116,6 +131,7 @@ def check(dsn: str, queries: ChaosQueries, plan: JobPlan, committed_batches: set
           providers: Providers) -> Findings:
     """Run every check; see the module docstring."""
     findings = Findings()
+    providers.kafka.settle()  # the producers have stopped: read the topic to its end once
     with connect(dsn, "chaos checks") as conn:
         rows = [JobRow(*r) for r in conn.execute(queries.final_jobs, {}).fetchall()]
         orphans = [str(r[0]) for r in conn.execute(queries.orphan_ledger_rows, {}).fetchall()]
@@ -123,15 +139,18 @@ def check(dsn: str, queries: ChaosQueries, plan: JobPlan, committed_batches: set
         outcomes = conn.execute(queries.outcomes, {}).fetchall()
         orders = {str(r[0]) for r in conn.execute(queries.order_names, {}).fetchall()}
         throughput = conn.execute(queries.throughput, {}).fetchone()
-        consumed = {str(r[0]): int(r[1])
-                    for r in conn.execute(queries.consumed_counts, {}).fetchall()}
+        consumed: dict[str, dict[str, int]] = {"nats": {}, "kafka": {}}
+        for source, key, count in conn.execute(queries.consumed_counts, {}).fetchall():
+            consumed.setdefault(str(source), {})[str(key)] = int(count)
+        attempts = conn.execute(queries.kafka_attempts, {}).fetchall()
     by_key = {row.key: row for row in rows}
     _check_intent(findings, plan, committed_batches, by_key, orders, providers)
     _check_jobs(findings, rows, plan, providers)
     _check_ledger(findings, rows, orphans, providers)
     _check_claims(findings, repeats)
     _tally_outcomes(findings, outcomes, rows)
-    _check_events(findings, providers, consumed)
+    _check_events(findings, providers, consumed["nats"])
+    _check_kafka(findings, providers, rows, consumed["kafka"], attempts)
     if throughput is not None:
         findings.finished_jobs, findings.finished_seconds = int(throughput[0]), float(throughput[1])
     return findings
@@ -167,6 +186,9 @@ def _check_jobs(findings: Findings, rows: list[JobRow], plan: JobPlan,
         performed = providers.for_effect(row.effect).performed(row.key)
         if row.status not in _TERMINAL:
             findings.flag("lost", f"{row.key}: still {row.status} after {row.attempts} attempts")
+        elif row.status == "done" and row.effect in _AT_LEAST_ONCE:
+            if performed < 1:
+                findings.flag("kafka_missing", f"{row.key}: done, no message in the topic")
         elif row.status == "done" and performed != 1:
             findings.flag("done_not_once", f"{row.key}: done, performed {performed}x")
         elif row.status == "failed":
@@ -206,6 +228,66 @@ def _check_events(findings: Findings, providers: Providers, consumed: dict[str, 
         "handler_retries": stats.get("failed", 0), "dead_lettered": parked,
         "broker_restarts": len(providers.broker.restart_seconds),
     }
+
+
+def _check_kafka(findings: Findings, providers: Providers, rows: list[JobRow],
+                 consumed: dict[str, int], attempts: Iterable[tuple[Any, ...]]) -> None:
+    """At least one message per done job, a repeat only where an attempt explains it,
+    the ledger naming a message of the job, each key handled once by the consumer."""
+    kafka = providers.kafka
+    stored = kafka.messages_per_key()
+    producing: Counter[str] = Counter()  # attempts that may have produced a message
+    acked_not_done = 0  # attempts the broker acked whose done was never recorded
+    for key, version, outcome, final_version, status in attempts:
+        if outcome is None or outcome == "ok" or str(outcome).startswith("UnknownOutcome"):
+            producing[str(key)] += 1
+        if outcome == "ok" and (status != "done" or version != final_version):
+            acked_not_done += 1
+    for key, count in sorted(stored.items()):
+        if count > producing[key]:
+            findings.flag("kafka_unexplained_repeats",
+                          f"{key}: {count} messages in the topic, {producing[key]} attempt(s) "
+                          "that may have produced one")
+        if consumed.get(key, 0) != 1:
+            findings.flag("consumed_not_once", f"{key}: in the topic, handled "
+                                               f"{consumed.get(key, 0)}x by the Kafka consumer")
+    for key in sorted(set(consumed) - set(stored)):
+        findings.flag("consumed_not_once", f"{key}: handled, not in the topic")
+    _check_kafka_ledger(findings, kafka, rows)
+    parked = kafka.dead_letters()
+    if parked:
+        findings.flag("dead_lettered", f"{parked} message(s) on the Kafka dead-letter topic")
+    per_count = Counter(stored.values())
+    stats = kafka.consumer_stats
+    findings.kafka = {
+        "keys": len(stored), "messages": sum(stored.values()),
+        "keys_repeated": sum(1 for n in stored.values() if n > 1),
+        "max_per_key": max(stored.values(), default=0),
+        "keys_per_count": {str(n): per_count[n] for n in sorted(per_count)},
+        "acked_not_done": acked_not_done, "handled": sum(consumed.values()),
+        "skipped_as_repeats": int(stats.get("duplicates", 0)),
+        "handler_retries": int(stats.get("failed", 0)), "dead_lettered": parked,
+        "consumer_kills": kafka.consumer_kills, "consumer_stops": kafka.consumer_stops,
+        "brokers_down": kafka.brokers_down,
+    }
+
+
+def _check_kafka_ledger(findings: Findings, kafka: ChaosKafka, rows: list[JobRow]) -> None:
+    """The ledger row of a done kafka.produce job names a message carrying its key."""
+    for row in rows:
+        if row.effect != "kafka.produce" or row.status != "done" or row.ledger_job_id is None:
+            continue
+        result = row.ledger_result if isinstance(row.ledger_result, dict) else {}
+        partition, offset = result.get("partition"), result.get("offset")
+        if not isinstance(partition, int) or not (offset is None or isinstance(offset, int)):
+            findings.flag("ledger_result_mismatch", f"{row.key}: the ledger names {result}")
+        elif offset is None:  # acknowledged as a repeat of a stored message: offset unknown
+            if row.key not in kafka.keys_in(partition):
+                findings.flag("ledger_result_mismatch", f"{row.key}: the ledger names "
+                                                        f"partition {partition}, without it")
+        elif (at := kafka.key_at(partition, offset)) != row.key:
+            findings.flag("ledger_result_mismatch", f"{row.key}: the ledger names {result}, "
+                                                    f"which holds {at or 'no message'}")
 
 
 def _check_decline(findings: Findings, row: JobRow, job: PlannedJob, performed: int) -> None:

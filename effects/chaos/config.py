@@ -13,8 +13,10 @@ PROCESS_FAULTS = ("kill", "stop", "restart", "terminate")
 # "throttle" puts a provider under a rate limit for a while, "outage" answers every
 # request 503 for a while).
 PROVIDER_FAULTS = ("5xx", "429", "latency", "timeout", "drop", "decline", "throttle", "outage")
-# Faults at the NATS broker: killed or stopped, then started again on the same store.
-BROKER_FAULTS = ("broker",)
+# Faults at the brokers: the NATS server killed or stopped, then started again on the
+# same store ("broker"); a Kafka broker set down for a while ("kafka"); the Kafka
+# consumer process killed or frozen ("consumer").
+BROKER_FAULTS = ("broker", "kafka", "consumer")
 FAULT_KINDS = PROCESS_FAULTS + PROVIDER_FAULTS + BROKER_FAULTS
 
 

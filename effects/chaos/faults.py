@@ -6,7 +6,10 @@ its lease and one rescue round, thaws it (SIGCONT) so its late writes meet the f
 then retires it (SIGTERM) to collect its counters: ``stale_completions`` and
 ``lost_claims`` are those fenced late writes. Restarts and terminations cut every
 dispatcher connection (or one worker's); provider faults are armed at the fakes; a
-broker fault kills or stops the NATS server and starts it again.
+broker fault kills or stops the NATS server and starts it again; a kafka fault sets a
+Kafka broker down for a while; a
+consumer fault kills -9 the Kafka consumer process (a successor starts at once) or
+freezes it (SIGSTOP) for a while.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class FaultInjector:
         self._disarmed = 0  # unmet provider faults dropped when the next was armed
         self._push_backs: dict[tuple[str, str], tuple[int, int]] = {}
         self._retiring: list[threading.Thread] = []
+        self._kafka_down: dict[int, int] = {}  # by the fault's ref: the broker set down
         self._lock = threading.Lock()
         self._started = time.monotonic()
         self.log = FaultLog()
@@ -124,6 +128,9 @@ class FaultInjector:
         self._frozen.clear()
         for ref in list(self._spikes):
             self._end_latency(ref)
+        for ref in list(self._kafka_down):
+            self._kafka_up(FaultEvent(0.0, "kafka_up", ref=ref))
+        self._providers.kafka.thaw_consumer()
         for kind, provider in list(self._push_backs):
             self._end_push_back(FaultEvent(0.0, f"{kind}_end", provider=provider))
         if self._disarmed:
@@ -140,7 +147,8 @@ class FaultInjector:
             "kill": self._kill, "stop": self._stop, "cont": self._cont,
             "retire": self._retire, "restart": self._restart, "terminate": self._terminate,
             "latency": self._latency, "latency_end": lambda e: self._end_latency(e.ref),
-            "broker": self._broker,
+            "broker": self._broker, "kafka": self._kafka, "consumer": self._consumer,
+            "kafka_up": self._kafka_up, "consumer_cont": self._consumer_cont,
             "throttle": self._push_back, "outage": self._push_back,
             "throttle_end": self._end_push_back, "outage_end": self._end_push_back,
         }
@@ -259,6 +267,38 @@ class FaultInjector:
         took = self._providers.broker.restart(event.variant, event.seconds)
         self.log.injected["broker"] += 1
         self.log.notes.append(f"broker {event.variant} at {event.at:.1f}s, back in {took:.1f} s")
+
+    def _kafka(self, event: FaultEvent) -> None:
+        """One Kafka broker down, until its ``kafka_up``. (Errors pushed onto Produce
+        requests are not used: librdkafka then takes some messages the mock never
+        stored for stored, which no broker does; see ``effects.testing._kafka``.)"""
+        kafka = self._providers.kafka
+        self.log.armed["kafka"] += 1
+        broker = kafka.cluster.broker_ids[event.slot % kafka.cluster.brokers]
+        if broker in self._kafka_down.values():
+            return  # down already
+        kafka.broker_down(broker)
+        self._kafka_down[event.ref] = broker
+        self.log.notes.append(f"kafka broker {broker} down at {event.at:.1f}s for "
+                              f"{event.seconds:.1f} s")
+
+    def _kafka_up(self, event: FaultEvent) -> None:
+        broker = self._kafka_down.pop(event.ref, None)
+        if broker is not None:
+            self._providers.kafka.broker_up(broker)
+            self.log.injected["kafka"] += 1
+
+    def _consumer(self, event: FaultEvent) -> None:
+        """kill -9 the Kafka consumer process (its successor starts at once), or
+        freeze it (until its ``consumer_cont``)."""
+        kafka = self._providers.kafka
+        self.log.armed["consumer"] += 1
+        done = kafka.kill_consumer() if event.variant == "kill" else kafka.freeze_consumer()
+        if done:
+            self.log.injected["consumer"] += 1
+
+    def _consumer_cont(self, event: FaultEvent) -> None:
+        self._providers.kafka.thaw_consumer()
 
     # -- providers ----------------------------------------------------------------------------
 

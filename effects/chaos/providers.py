@@ -1,13 +1,15 @@
-"""The fake providers of a chaos run, and its NATS broker, in the runner's process."""
+"""The fake providers of a chaos run, its NATS broker and its Kafka cluster."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from effects.testing import FakeEmailProvider, FakeProvider, FakeStripe, FakeWebhookReceiver
 
 from .broker import ChaosBroker
+from .kafka import ChaosKafka
 from .schedule import EFFECTS
 
 __all__ = ["WEBHOOK_SECRET", "Providers", "start_providers"]
@@ -26,14 +28,15 @@ class Performer(Protocol):
 @dataclass
 class Providers:
     """Resend, Stripe and a webhook receiver, each a local HTTP server that counts what
-    it performed per idempotency key, and a NATS broker whose stream counts messages per
-    job key."""
+    it performed per idempotency key, a NATS broker whose stream counts messages per
+    job key, and a Kafka cluster whose topic does too."""
 
     email: FakeEmailProvider
     stripe: FakeStripe
     webhook: FakeWebhookReceiver
     latency: float
     broker: ChaosBroker
+    kafka: ChaosKafka
 
     def by_name(self, name: str) -> FakeProvider:
         """The fake called ``email``, ``stripe`` or ``webhook``."""
@@ -44,7 +47,9 @@ class Providers:
     def for_effect(self, effect: str) -> Performer:
         """The fake (or the broker) that performs ``effect``."""
         name = EFFECTS[effect]
-        return self.broker if name == "nats" else self.by_name(name)
+        if name == "nats":
+            return self.broker
+        return self.kafka if name == "kafka" else self.by_name(name)
 
     def items(self) -> list[tuple[str, FakeProvider]]:
         """(name, fake) pairs."""
@@ -59,13 +64,17 @@ class Providers:
         """Release stalled answers and stop every server (joins their threads)."""
         for _, fake in self.items():
             fake.close()
-        self.broker.close()
+        try:
+            self.broker.close()
+        finally:
+            self.kafka.close()
 
 
-def start_providers(latency: float, max_stall: float, retention: float) -> Providers:
+def start_providers(latency: float, max_stall: float, retention: float,
+                    log_dir: Path) -> Providers:
     """Start the three fakes with a base ``latency`` per request; an answer stalled by
     ``succeed_then_timeout`` is held at most ``max_stall`` seconds; a key is remembered
-    ``retention`` seconds."""
+    ``retention`` seconds. The brokers too (the Kafka consumer logs to ``log_dir``)."""
     email = FakeEmailProvider(latency=latency, max_stall=max_stall, retention=retention)
     try:
         stripe = FakeStripe(latency=latency, max_stall=max_stall, retention=retention)
@@ -85,7 +94,14 @@ def start_providers(latency: float, max_stall: float, retention: float) -> Provi
         for fake in (email, stripe, webhook):
             fake.close()
         raise
-    return Providers(email, stripe, webhook, latency, broker)
+    try:
+        kafka = ChaosKafka(log_dir)
+    except BaseException:
+        for fake in (email, stripe, webhook):
+            fake.close()
+        broker.close()
+        raise
+    return Providers(email, stripe, webhook, latency, broker, kafka)
 
 
 def _stalled(fake: FakeProvider, upper: int) -> int:

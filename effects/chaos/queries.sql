@@ -126,18 +126,29 @@ SELECT count(*)::int,
 FROM {schema}.jobs
 WHERE status IN ('done', 'failed', 'reconcile');
 
--- Events: what the chaos consumer handled, one row per handling (no key: a message
--- handled twice shows as two rows, which the checks count).
+-- Events: what the chaos consumers handled, one row per handling (no key: a message
+-- handled twice shows as two rows, which the checks count). source: nats or kafka;
+-- subject: the NATS subject, or the Kafka message's partition:offset.
 
 -- name: create_consumed
 CREATE TABLE {chaos}.consumed (
     message_id  text        NOT NULL,
+    source      text        NOT NULL,
     subject     text        NOT NULL,
     handled_at  timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 
 -- name: consumed_insert
-INSERT INTO {chaos}.consumed (message_id, subject) VALUES (%(message_id)s, %(subject)s);
+INSERT INTO {chaos}.consumed (message_id, source, subject)
+VALUES (%(message_id)s, %(source)s, %(subject)s);
 
 -- name: consumed_counts
-SELECT message_id, count(*)::int FROM {chaos}.consumed GROUP BY message_id;
+SELECT source, message_id, count(*)::int FROM {chaos}.consumed GROUP BY 1, 2;
+
+-- name: kafka_attempts
+-- Every audited call of a kafka.produce job: how it ended (NULL: the worker died or was
+-- cut off before it recorded that), under which claim, and the job's final claim.
+SELECT d.key, d.claim_version, d.outcome, j.claim_version, j.status
+FROM {chaos}.deliveries d
+JOIN {schema}.jobs j ON j.key = d.key
+WHERE j.effect = 'kafka.produce';

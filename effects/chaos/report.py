@@ -32,6 +32,14 @@ What the figures mean:
   (``max_per_key``, must be at most 1), the consumer's handlings (``handled``, must
   equal ``messages``), redeliveries the inbox skipped, handler retries (a database or
   broker away), messages parked, broker restarts.
+- ``kafka``: the Kafka half, counted per job key from the topic's ``outbox-key``
+  headers: ``keys`` with a message, ``messages`` stored, ``keys_repeated`` (more than
+  one message: at least once allows it), ``max_per_key``, ``keys_per_count`` (how many
+  keys hold 1, 2, ... messages), ``acked_not_done`` (attempts the broker acknowledged
+  whose ``done`` was never recorded under that claim: where repeats come from),
+  ``handled`` by the consumer (must equal ``keys``), repeats its inbox skipped and
+  handler retries (counted by the consumer process that stopped last), messages parked,
+  consumer kills and freezes, brokers set down.
 - ``violations``: each invariant broken, with examples; the run passes when empty.
 """
 
@@ -71,6 +79,7 @@ class ChaosReport:
     violations: dict[str, list[str]]
     violation_counts: dict[str, int]
     events: dict[str, int] = field(default_factory=dict)
+    kafka: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     log_dir: str | None = None
 
@@ -109,7 +118,8 @@ class ChaosReport:
                      "ledger_missing", "ledger_not_done", "ledger_version_mismatch",
                      "ledger_result_mismatch", "done_not_once", "decline_mismatches",
                      "unexpected_failures", "missing_jobs", "rolled_back_present",
-                     "consumed_not_once", "dead_lettered"):
+                     "consumed_not_once", "dead_lettered", "kafka_missing",
+                     "kafka_unexplained_repeats"):
             table.add_row(name.replace("_", " "), str(self.violation_counts.get(name, 0)), "0")
         overrun = f"{self.lease['max_overrun']:.2f} s"
         table.add_row("longest running past lease", overrun, f"<= {self.lease['bound']:.1f} s")
@@ -121,6 +131,8 @@ class ChaosReport:
         table.add_row("adapter outcomes", _pairs(self.outcomes), "")
         if self.events:
             table.add_row("events (NATS)", _pairs(self.events), "max_per_key <= 1")
+        if self.kafka:
+            table.add_row("events (Kafka)", _pairs(self.kafka), "handled = keys")
         table.add_row("workers", _pairs(self.workers), "")
         table.add_row("elapsed", f"{self.elapsed_seconds:.1f} s", "")
         return table

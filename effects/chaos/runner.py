@@ -36,7 +36,7 @@ from .monitor import LeaseMonitor
 from .pool import WorkerPool, WorkerProcess
 from .providers import WEBHOOK_SECRET, Providers, start_providers
 from .report import ChaosReport
-from .schedule import Batch, FaultEvent, JobPlan, build_schedule, plan_jobs
+from .schedule import KAFKA_TOPIC, Batch, FaultEvent, JobPlan, build_schedule, plan_jobs
 from .settings import WorkerSettings, application_name
 from .windows import WINDOWS
 
@@ -76,7 +76,7 @@ def run_chaos(config: ChaosConfig, progress: Progress | None = None) -> ChaosRep
     with contextlib.ExitStack() as stack:
         work_dir = _work_dir(config, stack)
         providers = start_providers(config.provider_latency, config.provider_timeout + 1.0,
-                                    config.provider_retention)
+                                    config.provider_retention, log_dir)
         stack.callback(providers.close)
         database = provision(config.dsn, work_dir)
         stack.callback(release, database)
@@ -84,6 +84,8 @@ def run_chaos(config: ChaosConfig, progress: Progress | None = None) -> ChaosRep
         stack.callback(run.pool.cleanup)
         providers.broker.start_consumer(database.dsn, database.schema, database.chaos)
         stack.callback(providers.broker.stop_consumer)
+        providers.kafka.start_consumer(database.dsn, database.schema, database.chaos)
+        stack.callback(providers.kafka.stop_consumer)
         run.execute(plan, events)
         run.drain_consumer()
         findings = check(database.dsn, run.queries, plan, run.enqueuer.committed, providers)
@@ -147,10 +149,14 @@ class _Run:
             self.pool.stop_all(_STOP_TIMEOUT)
 
     def drain_consumer(self) -> None:
-        """Let the inbox consumer handle what the workers published, then stop it."""
+        """Let the inbox consumers handle what the workers published, then stop them."""
         if not self.providers.broker.wait_consumed(_CONSUMER_DRAIN):
             self.unfinished_threads.append("chaos-consumer (messages left unhandled)")
         self.providers.broker.stop_consumer()
+        kafka = self.providers.kafka
+        if not kafka.wait_consumed(self.database.dsn, self.database.schema, _CONSUMER_DRAIN):
+            self.unfinished_threads.append("the Kafka consumer (messages left unhandled)")
+        kafka.stop_consumer()
 
     def _join(self, threads: Sequence[threading.Thread]) -> None:
         limit = time.monotonic() + _JOIN_TIMEOUT
@@ -216,6 +222,7 @@ def _template(config: ChaosConfig, database: Database, providers: Providers) -> 
         email_url=providers.email.url, stripe_url=providers.stripe.url,
         webhook_url=providers.webhook.url, webhook_secret=WEBHOOK_SECRET,
         nats_url=providers.broker.url, nats_stream=STREAM,
+        kafka_bootstrap=providers.kafka.bootstrap_servers, kafka_topic=KAFKA_TOPIC,
         lease=config.lease, rescue_interval=config.rescue_interval,
         concurrency=config.concurrency, provider_timeout=config.provider_timeout,
     )
@@ -261,6 +268,7 @@ def _report(config: ChaosConfig, run: _Run, plan: JobPlan, findings: Findings,
         throughput=round(findings.finished_jobs / findings.finished_seconds, 1)
         if findings.finished_seconds else 0.0,
         violations=violations, violation_counts=counts, events=findings.events,
+        kafka=findings.kafka,
         notes=_notes(run),
     )
 
@@ -329,7 +337,7 @@ def _violations(config: ChaosConfig, run: _Run, findings: Findings,
                           f"lease (bound {config.overrun_bound:.1f} s)"]
         if run.monitor.max_overrun > config.overrun_bound else [],
         "faults_not_injected": missing_faults(faults, run.injector.log.skipped),
-        "worker_problems": run.pool.problems,
+        "worker_problems": [*run.pool.problems, *run.providers.kafka.consumer_problems],
         "runner_errors": [*run.injector.log.errors, *run.enqueuer.errors,
                           *(f"thread {name} did not finish" for name in run.unfinished_threads)],
     }

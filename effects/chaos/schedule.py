@@ -32,13 +32,15 @@ __all__ = [
 
 # effect name -> the fake provider that performs it
 EFFECTS = {"email.send": "email", "payment.charge": "stripe", "webhook.post": "webhook",
-           "nats.publish": "nats"}
+           "nats.publish": "nats", "kafka.produce": "kafka"}
 # The HTTP fakes, where provider faults are armed (the broker has faults of its own).
 PROVIDERS = ("email", "stripe", "webhook")
 # What a kill aims at (see DESIGN.md, "Failure windows"); "anytime" is a plain random kill.
 KILL_WINDOWS = ("during_claim", "after_claim", "after_provider", "during_done", "anytime")
 
-_EFFECT_WEIGHTS = (0.35, 0.3, 0.2, 0.15)
+# The events share is split between NATS and Kafka, so that the HTTP providers see the
+# same jobs (and the same draws of the seed) as before Kafka joined.
+_EFFECT_WEIGHTS = (0.35, 0.3, 0.2, 0.075, 0.075)
 _DECLINE_SHARE = 0.05
 _BULK_SHARE = 0.4
 _BULK_BATCH = 100
@@ -66,12 +68,18 @@ _RATES: dict[str, tuple[float, int]] = {
     "broker": (15.0, 2),
     # Two windows at least: one may fall while the effect is paused (nothing asked, so
     # nothing refused) and the run must still show the provider pushing back.
-    "throttle": (20.0, 2),
+    "throttle": (12.0, 2),
     "outage": (25.0, 2),
+    # Last, so the kinds above draw from the seed as they did before Kafka joined.
+    # Few and short: while a broker is down the Kafka jobs on its partitions hold
+    # dispatcher slots, and the HTTP fakes' faults need requests to meet.
+    "kafka": (20.0, 2),
+    "consumer": (15.0, 2),
 }
 
 
 EVENT_SUBJECTS = "chaos.events"
+KAFKA_TOPIC = "chaos-events"
 
 
 def subject_for(key: str) -> str:
@@ -128,7 +136,9 @@ class FaultEvent:
     """One scheduled fault, ``at`` seconds into the chaos phase.
 
     ``kind`` is a fault kind, or ``cont`` (end of a stop), ``retire`` (the graceful
-    stop of a worker that was frozen, to read its counters) or ``latency_end``. ``slot``
+    stop of a worker that was frozen, to read its counters), ``latency_end``,
+    ``kafka_up`` (a Kafka broker set down comes back) or ``consumer_cont`` (the frozen
+    Kafka consumer thaws). ``slot``
     names the worker slot for process faults, ``provider`` the fake for provider
     faults; ``count``, ``status``, ``seconds`` and ``window`` are the kind's parameters.
     """
@@ -158,6 +168,8 @@ def _payload(effect: str, key: str, n: int, rng: random.Random,
                 "payment_method": card, "metadata": {"chaos_key": key}}
     if effect == "nats.publish":
         return {"subject": subject_for(key), "data": {"order": n, "key": key}}
+    if effect == "kafka.produce":
+        return {"topic": KAFKA_TOPIC, "key": key, "value": {"order": n, "key": key}}
     return {"event": "order.placed", "data": {"order": n, "key": key}}
 
 
@@ -239,13 +251,28 @@ def _events(kind: str, at: float, config: ChaosConfig, rng: random.Random,
         return [FaultEvent(at, kind, slot=slot, seconds=config.stop_seconds),
                 FaultEvent(thaw, "cont", slot=slot),
                 FaultEvent(thaw + config.lease + 1.0, "retire", slot=slot)]
-    if kind == "broker":
-        return [FaultEvent(at, kind, variant=rng.choice(("kill", "stop")),
-                           seconds=round(rng.uniform(0.5, 2.0), 2))]
+    if kind in BROKER_FAULTS:
+        return _broker_events(kind, at, rng)
     if kind in ("restart", "terminate"):
         variant = rng.choice(("one", "all")) if kind == "terminate" else ""
         return [FaultEvent(at, kind, slot=slot, variant=variant)]
     return _provider_events(kind, at, provider, rng)
+
+
+def _broker_events(kind: str, at: float, rng: random.Random) -> list[FaultEvent]:
+    """A broker fault; one that lasts a while ends with an event of its own, so that the
+    schedule goes on meanwhile."""
+    if kind == "kafka":  # one broker down for a while (slot + 1 names it)
+        event = FaultEvent(at, kind, slot=rng.randrange(3), variant="down",
+                           seconds=round(rng.uniform(0.5, 1.5), 2))
+        return [event, replace(event, at=at + event.seconds, kind="kafka_up")]
+    if kind == "consumer":  # the Kafka consumer process killed, or frozen for a while
+        event = FaultEvent(at, kind, variant=rng.choice(("kill", "stop")),
+                           seconds=round(rng.uniform(1.0, 4.0), 2))
+        ends = [replace(event, at=at + event.seconds, kind="consumer_cont")]
+        return [event, *ends] if event.variant == "stop" else [event]
+    return [FaultEvent(at, kind, variant=rng.choice(("kill", "stop")),
+                       seconds=round(rng.uniform(0.5, 2.0), 2))]
 
 
 def _provider_events(kind: str, at: float, provider: str,

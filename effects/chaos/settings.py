@@ -34,6 +34,8 @@ class WorkerSettings:
     webhook_secret: str
     nats_url: str
     nats_stream: str
+    kafka_bootstrap: str
+    kafka_topic: str
     lease: float
     rescue_interval: float
     concurrency: int

@@ -2,7 +2,7 @@
 
 Its settings come as JSON in ``$OUTBOX_CHAOS_WORKER`` (the DSN may hold a password: not
 on the command line). It runs ``outbox.Dispatcher.run()`` with the email, payment,
-webhook and NATS adapters pointed at the runner's fakes and broker until SIGTERM, then
+webhook, NATS and Kafka adapters pointed at the runner's fakes and brokers until SIGTERM, then
 prints its ``DispatchStats`` as one JSON line on stdout. A worker killed with SIGKILL
 prints nothing.
 
@@ -31,6 +31,7 @@ from pydantic import BaseModel
 
 import outbox
 from effects.email import SendEmail
+from effects.kafka import Produce
 from effects.nats import PublishEvent
 from effects.payments import ChargeCard
 from effects.webhook import PostWebhook
@@ -44,6 +45,9 @@ __all__ = ["FAKE_API_KEY", "AuditLog", "audited", "main", "run"]
 
 FAKE_API_KEY = "chaos_test_key"
 _MAX_OUTCOME = 500
+# Longer than a broker fault lasts (so a produce waits it out), short enough that a
+# delivery report that never comes ends as UnknownOutcome within the run.
+_KAFKA_DELIVERY_TIMEOUT = 5.0
 
 log = logging.getLogger("effects.chaos.worker")
 
@@ -172,6 +176,10 @@ def _adapters(settings: WorkerSettings) -> list[Effect]:
         PostWebhook(url=settings.webhook_url, secret=settings.webhook_secret, timeout=timeout),
         PublishEvent(settings.nats_url, settings.nats_stream, timeout=timeout,
                      lease=settings.lease, rescue_interval=settings.rescue_interval),
+        Produce(settings.kafka_bootstrap, delivery_timeout=_KAFKA_DELIVERY_TIMEOUT,
+                connect_timeout=timeout * 2,
+                # back within half a second of a broker's return, not librdkafka's 10 s
+                config={"reconnect.backoff.max.ms": 500}),
     ]
 
 

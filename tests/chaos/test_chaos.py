@@ -2,9 +2,10 @@
 
 One run at CI size (3 workers, 1500 jobs, every fault kind, an embedded PostgreSQL the
 runner owns so that it can restart it) is shared by the first two tests. Smaller runs
-check the rest: on the test session's server (``--dsn`` mode) the runner keeps to a database
-of its own; with a provider that forgets keys the checks do catch double performs (a
-checker that cannot fail proves nothing); the command prints and writes its report.
+check the rest: on the test session's server (``--dsn`` mode) the runner keeps to a
+database of its own; with a provider that forgets keys the checks do catch double
+performs (a checker that cannot fail proves nothing); the command prints and writes its
+report; broker faults on NATS and Kafka lose or double nothing.
 ``OUTBOX_CHAOS_SEED`` replays another seed.
 """
 
@@ -123,9 +124,11 @@ def test_the_command_prints_the_seed_and_a_table_and_writes_json(tmp_path: Path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_chaos_with_broker_restarts_stores_and_consumes_each_event_once() -> None:
+def test_chaos_with_broker_faults_stores_and_consumes_each_event_once() -> None:
+    # NATS: the server killed or stopped. Kafka: a broker down for a while,
+    # the consumer process killed -9 or frozen; dispatchers killed -9 throughout.
     config = ChaosConfig(workers=2, jobs=300, duration=10.0, deadline=120.0, seed=SEED,
-                         faults=parse_faults("broker,kill"))
+                         faults=parse_faults("broker,kafka,consumer,kill"))
     result = run_chaos(config)
     assert result.ok, _explain(result)
     events = result.events
@@ -134,3 +137,13 @@ def test_chaos_with_broker_restarts_stores_and_consumes_each_event_once() -> Non
     assert events["messages"] == events["keys"] == events["handled"]
     assert events["max_per_key"] == 1
     assert events["dead_lettered"] == 0
+    kafka = result.kafka
+    assert result.faults["kafka"]["injected"] >= 2
+    assert result.faults["consumer"]["injected"] >= 2
+    assert kafka["consumer_kills"] + kafka["consumer_stops"] >= 2
+    # At least once into the topic, exactly once into PostgreSQL.
+    assert kafka["keys"] == result.per_effect["kafka.produce"]["done"] > 0
+    assert kafka["messages"] == sum(int(n) * keys for n, keys in
+                                    kafka["keys_per_count"].items()) >= kafka["keys"]
+    assert kafka["handled"] == kafka["keys"]
+    assert kafka["dead_lettered"] == 0

@@ -36,7 +36,7 @@ def test_the_plan_commits_exactly_the_jobs_asked_for_with_unique_keys() -> None:
     assert len(keys) == len(set(keys))
     assert plan.rolled_back(), "some business transactions roll back"
     assert {job.effect for job in committed} == {"email.send", "payment.charge", "webhook.post",
-                                                 "nats.publish"}
+                                                 "nats.publish", "kafka.produce"}
     assert any(job.decline_code for job in committed)
     assert all(batch.at <= 0.85 * config.duration for batch in plan.trickle)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 from psycopg import sql
 
 import outbox
@@ -60,6 +60,17 @@ def stored_offsets(db: Conn, schema: str) -> dict[int, int]:
     rows = db.execute(sql.SQL("SELECT partition, next_offset FROM {}.kafka_offsets")
                       .format(sql.Identifier(schema))).fetchall()
     return {int(p): int(o) for p, o in rows}
+
+
+def kafka_committed(kafka: KafkaMockCluster, topic: str) -> dict[int, int]:
+    """The offsets group ``billing`` committed to Kafka for ``topic``, by partition."""
+    reader = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": "billing",
+                       "log_level": 0})
+    try:
+        found = reader.committed([TopicPartition(topic, p) for p in range(4)], timeout=10)
+    finally:
+        reader.close()
+    return {tp.partition: tp.offset for tp in found if tp.offset >= 0}
 
 
 def consumer(dsn: str, schema: str, kafka: KafkaMockCluster, topic: str,
@@ -153,6 +164,9 @@ def test_a_consumer_killed_between_commit_and_offset_commit_handles_exactly_once
     finally:
         worker.cleanup()
     assert sorted(handled(db, schema)) == sorted(committed)
+    # Kafka never heard of that batch: only PostgreSQL's offsets can keep it from being
+    # read again.
+    assert kafka_committed(kafka, topic) == {}
 
     stats = consumer(dsn, schema, kafka, topic).run_until_idle()
 

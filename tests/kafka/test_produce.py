@@ -100,6 +100,25 @@ def test_a_cluster_that_cannot_be_reached_is_retried_with_nothing_sent() -> None
         run(produce.perform(make_job("evt-1", {"topic": "orders", "value": 1})))
 
 
+def test_a_delivery_that_times_out_after_the_handover_is_an_unknown_outcome(topic: str) -> None:
+    # A cluster of its own: its one broker goes down with the message handed over.
+    with KafkaMockCluster(brokers=1) as cluster, \
+            Produce(cluster.bootstrap_servers, delivery_timeout=1.0) as produce:
+        run(produce.perform(make_job("evt-1", {"topic": topic, "value": 1})))
+        cluster.set_broker_down(1)
+        try:
+            with pytest.raises(outbox.UnknownOutcome, match="evt-2.*_MSG_TIMED_OUT"):
+                run(produce.perform(make_job("evt-2", {"topic": topic, "value": 2})))
+        finally:
+            cluster.set_broker_up(1)
+        # The broker is back: the job's next attempt produces it.
+        again = run(produce.perform(make_job("evt-2", {"topic": topic, "value": 2},
+                                             attempt=2)))
+        stored = records(cluster.bootstrap_servers, topic)
+    where = {(r.partition, r.offset): r.headers["outbox-key"] for r in stored}
+    assert where[(again["partition"], again["offset"])] == b"evt-2"
+
+
 @pytest.mark.parametrize("flavour", ["sync", "async"])
 def test_dispatchers_produce_every_job_once_in_order_per_ordering_key(
     dsn: str, schema: str, kafka: KafkaMockCluster, topic: str, flavour: str

@@ -1,0 +1,74 @@
+"""The Kafka checks of the chaos runner catch what they are there for: a repeat no
+attempt explains, a key handled twice, a ledger naming another message. (The runs in
+test_chaos show them passing; a checker that cannot fail proves nothing.)"""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any
+
+from effects.chaos.checks import Findings, JobRow, _check_kafka
+
+
+class Topic:
+    """What the checks read of the run's topic: the key at each (partition, offset)."""
+
+    def __init__(self, at: dict[tuple[int, int], str]) -> None:
+        self.at = at
+        self.consumer_stats: Counter[str] = Counter()
+        self.consumer_kills = self.consumer_stops = self.brokers_down = 0
+
+    def messages_per_key(self) -> dict[str, int]:
+        return dict(Counter(self.at.values()))
+
+    def key_at(self, partition: int, offset: int) -> str | None:
+        return self.at.get((partition, offset))
+
+    def keys_in(self, partition: int) -> set[str]:
+        return {key for (p, _), key in self.at.items() if p == partition}
+
+    def dead_letters(self) -> int:
+        return 0
+
+
+def done(key: str, version: int, partition: int, offset: int | None) -> JobRow:
+    return JobRow(1, key, "kafka.produce", "done", version, version, None, 1, version,
+                  {"topic": "chaos-events", "partition": partition, "offset": offset})
+
+
+def check(at: dict[tuple[int, int], str], rows: list[JobRow], consumed: dict[str, int],
+          attempts: list[tuple[Any, ...]]) -> Findings:
+    findings = Findings()
+    _check_kafka(findings, SimpleNamespace(kafka=Topic(at)),  # type: ignore[arg-type]
+                 rows, consumed, attempts)
+    return findings
+
+
+def test_a_repeat_after_an_acked_attempt_that_never_got_done_passes() -> None:
+    # Claim 1 was acked, then its worker died before done; claim 2 produced it again.
+    findings = check({(0, 0): "k", (0, 1): "k"}, [done("k", 2, 0, 1)], {"k": 1},
+                     [("k", 1, "ok", 2, "done"), ("k", 2, "ok", 2, "done")])
+    assert sum(findings.counts.values()) == 0, findings.violations
+    assert findings.kafka["keys_per_count"] == {"2": 1}
+    assert findings.kafka["acked_not_done"] == 1
+
+
+def test_a_repeat_no_attempt_explains_is_flagged() -> None:
+    # The first attempt ended Retry ("nothing sent"), yet two messages are stored.
+    findings = check({(0, 0): "k", (0, 1): "k"}, [done("k", 2, 0, 1)], {"k": 1},
+                     [("k", 1, "Retry: no Kafka broker reachable", 2, "done"),
+                      ("k", 2, "ok", 2, "done")])
+    assert findings.counts["kafka_unexplained_repeats"] == 1
+
+
+def test_a_key_handled_twice_or_never_is_flagged() -> None:
+    findings = check({(0, 0): "a", (1, 0): "b"}, [done("a", 1, 0, 0), done("b", 1, 1, 0)],
+                     {"a": 2}, [("a", 1, "ok", 1, "done"), ("b", 1, "ok", 1, "done")])
+    assert findings.counts["consumed_not_once"] == 2
+
+
+def test_a_ledger_naming_another_message_is_flagged() -> None:
+    findings = check({(0, 0): "a", (0, 1): "b"}, [done("a", 1, 0, 1), done("b", 1, 3, None)],
+                     {"a": 1, "b": 1}, [("a", 1, "ok", 1, "done"), ("b", 1, "ok", 1, "done")])
+    assert findings.counts["ledger_result_mismatch"] == 2
