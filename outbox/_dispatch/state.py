@@ -334,7 +334,16 @@ class SharedState(Generic[E]):
         a part died), so each attempt still reaches the observer and its span ends."""
         error = self.failure or RuntimeError("the recorder ended before this outcome")
         for held, _ in self.take_outcomes():
-            self.drop(held, error)
+            try:
+                self.drop(held, error)
+            except BaseException:
+                if self.failure is None:
+                    raise
+                # The observer raised past ``guarded`` (a BaseException): it is likely
+                # what killed the part, and the run reports that death as
+                # ``DispatcherFailed``. Raised again here, on the caller's thread, it
+                # would replace that report; the rest are dropped without it.
+                self.observing = False
 
     def lose(self, held: Held) -> None:
         """A heartbeat found ``held``'s claim gone: it must not start, and its outcome

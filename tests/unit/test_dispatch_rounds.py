@@ -449,3 +449,36 @@ def _no_threads() -> Iterator[None]:
     before = threading.active_count()
     yield
     assert threading.active_count() == before  # the steps ran on this thread alone
+
+
+class _Fatal(BaseException):
+    """What an observer raises past ``guarded``: it ends the part that called it."""
+
+
+class _ObserverThatKills(DispatchObserver):
+    def attempt_finished(self, effect: str, outcome: AttemptOutcome, duration: float) -> None:
+        raise _Fatal("observer crashed")
+
+
+def test_outcomes_dropped_after_a_part_died_of_its_observer_do_not_hide_that_death() -> None:
+    # The recorder died of the observer (a BaseException); the caller's thread then
+    # drops what it will never write. Calling the observer again must not raise on the
+    # caller's thread, or the run would end with the observer's error instead of
+    # DispatcherFailed; every job is still given up to its lease.
+    shared = state(_ObserverThatKills())
+    jobs = held(1, 2, 3)
+    shared.hold(jobs)
+    for job in jobs:
+        shared.finish(job, Success("null"))
+    shared.fail("recorder", _Fatal("observer crashed"))
+    shared.drop_unrecorded()
+    assert not shared.held and not shared.outcomes
+
+
+def test_outcomes_dropped_with_no_part_dead_let_an_observer_interrupt_through() -> None:
+    shared = state(_ObserverThatKills())
+    jobs = held(1)
+    shared.hold(jobs)
+    shared.finish(jobs[0], Success("null"))
+    with pytest.raises(_Fatal):
+        shared.drop_unrecorded()
