@@ -34,7 +34,7 @@ import psycopg
 
 from ._enqueue import notify_channel
 from ._sql import BoundQueries, bind_file, check_schema_name
-from ._steps import Rows, Statement, Step, run, run_async
+from ._steps import Statement, Step, execute, execute_async, run, run_async
 
 __all__ = [
     "EXACT_COUNT_LIMIT",
@@ -301,20 +301,13 @@ def on(conn: psycopg.Connection[Any], step: Step[T]) -> T:
     """Drive ``step`` on a blocking connection, in the caller's transaction (or, in
     autocommit, each statement committing on its own)."""
 
-    def execute(statement: Statement) -> Rows:
-        return conn.execute(statement.query, statement.params).fetchall()
-
-    return run(step, execute)
+    return run(step, lambda statement: execute(conn, statement))
 
 
 async def on_async(conn: psycopg.AsyncConnection[Any], step: Step[T]) -> T:
     """Drive ``step`` on an asyncio connection, in the caller's transaction."""
 
-    async def execute(statement: Statement) -> Rows:
-        cur = await conn.execute(statement.query, statement.params)
-        return await cur.fetchall()
-
-    return await run_async(step, execute)
+    return await run_async(step, lambda statement: execute_async(conn, statement))
 
 
 def read(conn: psycopg.Connection[Any], schema: str) -> Snapshot:

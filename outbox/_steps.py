@@ -25,7 +25,9 @@ from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["Rows", "Statement", "Step", "run", "run_async"]
+import psycopg
+
+__all__ = ["Rows", "Statement", "Step", "execute", "execute_async", "run", "run_async"]
 
 T = TypeVar("T")
 I = TypeVar("I")  # noqa: E741  the instruction a step yields
@@ -47,6 +49,23 @@ class Statement:
 
 Step = Generator[Statement, Rows, T]
 """A step that asks only for statements: yields ``Statement``, is sent rows, returns T."""
+
+
+def execute(conn: psycopg.Connection[Any], statement: Statement) -> Rows:
+    """Run ``statement`` on ``conn`` (in its transaction, if one is open) and answer as a
+    step expects: its rows, ``[(rowcount,)]`` with ``count``, ``[]`` for no result."""
+    cursor = conn.execute(statement.query, statement.params)
+    if statement.count:
+        return [(cursor.rowcount,)]
+    return cursor.fetchall() if cursor.description else []
+
+
+async def execute_async(conn: psycopg.AsyncConnection[Any], statement: Statement) -> Rows:
+    """``execute`` on an asyncio connection."""
+    cursor = await conn.execute(statement.query, statement.params)
+    if statement.count:
+        return [(cursor.rowcount,)]
+    return await cursor.fetchall() if cursor.description else []
 
 
 def run(step: Generator[I, A, T], execute: Callable[[I], A]) -> T:

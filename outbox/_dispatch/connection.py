@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 
 from .._pg import configuration_error, detect_pooler
-from .._steps import Rows, Statement
+from .._steps import Rows, Statement, execute, execute_async
 from ..errors import ConfigurationError
 from .settings import Settings
 
@@ -181,8 +181,7 @@ class Connection(Reconnects):
     def execute(self, statement: Statement) -> Rows:
         """Run one statement (its own transaction); discard the connection if it broke."""
         try:
-            cursor = self.get().execute(statement.query, statement.params)
-            rows = [(cursor.rowcount,)] if statement.count else cursor.fetchall()
+            rows = execute(self.get(), statement)
         except CONNECTION_ERRORS:
             if self.lost:
                 self.discard()
@@ -217,9 +216,7 @@ class AsyncConnection(Reconnects):
 
     async def execute(self, statement: Statement) -> Rows:
         try:
-            conn = await self.get()
-            cursor = await conn.execute(statement.query, statement.params)
-            rows = [(cursor.rowcount,)] if statement.count else await cursor.fetchall()
+            rows = await execute_async(await self.get(), statement)
         except CONNECTION_ERRORS:
             if self.lost:
                 await self.discard()

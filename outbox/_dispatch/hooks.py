@@ -45,7 +45,7 @@ import psycopg
 from .. import _state
 from .._sql import Queries
 from .._state import Decision
-from .._steps import Rows, Statement, Step, run, run_async
+from .._steps import Rows, Statement, Step, execute, execute_async, run, run_async
 from ..effect import Job
 from ..errors import Permanent
 from ..flows import AsyncHookTransaction, HookTransaction
@@ -336,12 +336,9 @@ def in_transaction(conn: psycopg.Connection[Any],
     statement answers its rows; a hook is called with a ``HookTransaction`` and answers
     the follow-ups it created, or raises ``HookRaised`` (see ``_hook_error``)."""
 
-    def execute(instruction: Statement | CallHook) -> Any:
+    def execute_instruction(instruction: Statement | CallHook) -> Any:
         if isinstance(instruction, Statement):
-            cursor = conn.execute(instruction.query, instruction.params)
-            if instruction.count:
-                return [(cursor.rowcount,)]
-            return cursor.fetchall() if cursor.description else []
+            return execute(conn, instruction)
         tx = HookTransaction(conn, schema)
         try:
             instruction.fn(tx, instruction.job, instruction.value)
@@ -352,19 +349,16 @@ def in_transaction(conn: psycopg.Connection[Any],
             raise error from exc
         return tx.created
 
-    return execute
+    return execute_instruction
 
 
 def in_transaction_async(conn: psycopg.AsyncConnection[Any],
                          schema: str) -> Callable[[Statement | CallHook], Awaitable[Any]]:
     """``in_transaction`` on an asyncio connection (the hooks are ``async def``)."""
 
-    async def execute(instruction: Statement | CallHook) -> Any:
+    async def execute_instruction(instruction: Statement | CallHook) -> Any:
         if isinstance(instruction, Statement):
-            cursor = await conn.execute(instruction.query, instruction.params)
-            if instruction.count:
-                return [(cursor.rowcount,)]
-            return await cursor.fetchall() if cursor.description else []
+            return await execute_async(conn, instruction)
         tx = AsyncHookTransaction(conn, schema)
         try:
             await instruction.fn(tx, instruction.job, instruction.value)
@@ -375,7 +369,7 @@ def in_transaction_async(conn: psycopg.AsyncConnection[Any],
             raise error from exc
         return tx.created
 
-    return execute
+    return execute_instruction
 
 
 def _hook_error(exc: Exception, closed: bool) -> Exception:
