@@ -8,6 +8,9 @@ COMPAT       := .venv-compat
 COMPAT_STAMP := $(COMPAT)/.installed
 COMPAT_PINS  := 'sqlalchemy[asyncio]==2.0.*' 'django==4.2.*'
 export XDG_RUNTIME_DIR ?= $(CURDIR)/.runtime
+# Two test processes, a file each at a time (a module's fixtures are set up once): the
+# suite mostly waits on real servers, processes and leases. PYTEST_PARALLEL= runs it in one.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
 .PHONY: demo test test-compat lint bench chaos clean
 
@@ -32,14 +35,14 @@ demo: $(STAMP) | $(XDG_RUNTIME_DIR)
 test: $(STAMP) | $(XDG_RUNTIME_DIR)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
 	$(MAKE) --no-print-directory test-compat
 
 # The ORM integrations on SQLAlchemy 2.0 and Django 4.2 LTS (the main suite has the newest).
 test-compat: $(COMPAT_STAMP) | $(XDG_RUNTIME_DIR)
 	@$(COMPAT)/bin/python -c "import django, sqlalchemy; print('tests/contrib on SQLAlchemy', \
 	    sqlalchemy.__version__, 'and Django', django.__version__)"
-	$(COMPAT)/bin/python -m pytest tests/contrib -q -p no:cacheprovider
+	$(COMPAT)/bin/python -m pytest tests/contrib -q -p no:cacheprovider $(PYTEST_PARALLEL)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

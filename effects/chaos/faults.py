@@ -26,7 +26,7 @@ from .config import ChaosConfig
 from .database import Database
 from .pool import WorkerPool, WorkerProcess
 from .providers import Providers
-from .schedule import FaultEvent
+from .schedule import PROVIDERS, FaultEvent
 from .windows import AIM_SECONDS, Aimer, died_inside, statement_windows
 
 __all__ = ["FaultInjector", "FaultLog", "KillRecord"]
@@ -34,6 +34,10 @@ __all__ = ["FaultInjector", "FaultLog", "KillRecord"]
 log = logging.getLogger("effects.chaos")
 
 _RETIRE_TIMEOUT = 30.0
+# How long a terminate keeps asking for a worker backend to end.
+_TERMINATE_SECONDS = 3 * AIM_SECONDS
+# How long a throttle or outage window no request met is kept open past its end.
+_PUSH_BACK_GRACE = 10.0
 
 
 @dataclass
@@ -119,6 +123,11 @@ class FaultInjector:
                 self.log.errors.append(f"{event.kind} at {event.at:.1f}s: "
                                        f"{type(exc).__name__}: {exc}")
                 self._aimer.close()
+        # The schedule is over: errors armed at a provider and not yet met go too. Left
+        # armed, they would fail the probes of an effect whose breaker the burst opened,
+        # one per probe interval, long after the provider's bad moment.
+        for name in PROVIDERS:
+            self._disarmed += self._providers.by_name(name).disarm_pending()
 
     def finish(self) -> None:
         """Undo what is still in force: thaw frozen workers, end latency spikes, wait
@@ -132,7 +141,7 @@ class FaultInjector:
             self._kafka_up(FaultEvent(0.0, "kafka_up", ref=ref))
         self._providers.kafka.thaw_consumer()
         for kind, provider in list(self._push_backs):
-            self._end_push_back(FaultEvent(0.0, f"{kind}_end", provider=provider))
+            self._end_push_back(FaultEvent(0.0, f"{kind}_end", provider=provider), grace=0.0)
         if self._disarmed:
             self.log.notes.append(f"{self._disarmed} provider fault(s) no request met before "
                                   "the next was armed were disarmed")
@@ -210,9 +219,15 @@ class FaultInjector:
         if frozen is None:
             return  # the stop was skipped
         worker, since = frozen
+        # The freeze is the fault only once it outlived the lease; on a loaded machine
+        # the stop itself may have landed late (it waits for a busy worker), so hold it
+        # for the rest of the lease rather than thaw it early.
+        held_for = time.monotonic() - since
+        if held_for < self._config.lease:
+            time.sleep(self._config.lease - held_for)  # the point is a stall past the lease
         worker.doomed = True  # awaits its graceful stop: no other fault may take it
         self._pool.thaw(worker)
-        if time.monotonic() - since >= self._config.lease and worker.proc.poll() is None:
+        if worker.proc.poll() is None:
             self.log.injected["stop"] += 1
         self._thawed[event.ref] = worker
 
@@ -249,11 +264,15 @@ class FaultInjector:
         else:
             workers = self._pool.live()
         names = [name for w in workers for name in w.settings.application_names()]
-        deadline = time.monotonic() + AIM_SECONDS
-        while not self._aimer.query(self._queries.worker_backends, {"names": names}) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)  # workers just started have not connected yet
-        (ended,) = self._aimer.query(self._queries.terminate_backends, {"names": names})[0]
+        # Workers just started (or reconnecting after a restart) may have no backend
+        # yet: ask again until one was ended, within a bound.
+        deadline = time.monotonic() + _TERMINATE_SECONDS
+        ended = 0
+        for _ in range(1000):  # bounded in count as well as in time
+            (ended,) = self._aimer.query(self._queries.terminate_backends, {"names": names})[0]
+            if ended or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         self.log.armed["terminate"] += 1
         self.log.terminated_backends += int(ended)
         if ended:
@@ -332,12 +351,21 @@ class FaultInjector:
         self._push_backs[(event.kind, event.provider)] = (fake.throttled, fake.outage_requests)
         self.log.armed[event.kind] += 1
 
-    def _end_push_back(self, event: FaultEvent) -> None:
+    def _end_push_back(self, event: FaultEvent, grace: float = _PUSH_BACK_GRACE) -> None:
         kind = event.kind.removesuffix("_end")
         started = self._push_backs.pop((kind, event.provider), None)
         if started is None:
             return
         fake = self._providers.by_name(event.provider)
+        # A window no request met shows nothing: keep it a while longer (bounded) until
+        # one did. The effect may have been paused when it opened (the provider's last
+        # push-back), or a loaded machine sent fewer requests than the rate admits.
+        def met() -> bool:
+            return (fake.throttled > started[0]) if kind == "throttle" \
+                else (fake.outage_requests > started[1])
+        deadline = time.monotonic() + grace
+        while not met() and time.monotonic() < deadline:
+            time.sleep(0.05)
         if kind == "throttle":
             fake.set_rate_limit(None)
             self.log.injected[kind] += fake.throttled - started[0]

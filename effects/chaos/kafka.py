@@ -52,6 +52,8 @@ GROUP = "chaos-kafka"
 ENV_VARIABLE = "OUTBOX_CHAOS_KAFKA_CONSUMER"
 _PARTITIONS = 4  # the mock cluster's default for an auto-created topic
 _KEY_HEADER = "outbox-key"
+# How long the end-marks client may keep failing before a fresh one replaces it.
+_FRESH_CLIENT_AFTER = 5.0
 # The shortest session the mock cluster accepts: a consumer that died is let go, and its
 # successor takes the partitions, within seconds.
 _FAST_GROUP = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500, "log_level": 0}
@@ -130,9 +132,8 @@ class ChaosKafka:
     def __init__(self, log_dir: Path) -> None:
         self.cluster = KafkaMockCluster(brokers=3).start()
         self._log_dir = log_dir
-        self._marks = Consumer({"bootstrap.servers": self.bootstrap_servers,
-                                "group.id": "chaos-marks", "log_level": 0,
-                                "reconnect.backoff.max.ms": 500})
+        self._marks = self._marks_client()
+        self._marks_error = ""  # why the end marks could not be read, the last time
         self._marks_lock = threading.Lock()
         self._tail = _Tail(self.bootstrap_servers, TOPIC)
         self._consumer: subprocess.Popen[bytes] | None = None
@@ -171,7 +172,7 @@ class ChaosKafka:
         deadline = time.monotonic() + timeout
         ends = self.end_marks(TOPIC, timeout)
         if ends is None:
-            raise RuntimeError(f"the end marks of topic {TOPIC} could not be read")
+            raise RuntimeError(self._marks_failure(TOPIC))
         reader = Consumer({"bootstrap.servers": self.bootstrap_servers, "log_level": 0,
                            "group.id": "chaos-settle", "enable.auto.commit": False})
         per_key: Counter[str] = Counter()
@@ -222,23 +223,49 @@ class ChaosKafka:
 
     def end_marks(self, topic: str, timeout: float) -> dict[int, int] | None:
         """partition -> high watermark of ``topic``; None if a broker did not answer
-        within ``timeout`` (asked again meanwhile: a connection may be coming back)."""
+        within ``timeout`` (asked again meanwhile: a connection may be coming back).
+
+        A client that kept failing for ``_FRESH_CLIENT_AFTER`` seconds is replaced: once
+        a broker was down and up, librdkafka's metadata may hold a partition as unknown
+        for longer than a run can wait. (Not sooner: a fresh client's first asks fail
+        too, with ``_UNKNOWN_PARTITION``, until its metadata arrives.)"""
         deadline = time.monotonic() + timeout
         ends = {}
         with self._marks_lock:
+            failing_since: float | None = None
             for partition in range(_PARTITIONS):
                 while partition not in ends:
                     try:
                         _, ends[partition] = self._marks.get_watermark_offsets(
                             TopicPartition(topic, partition),
-                            timeout=max(0.1, deadline - time.monotonic()))
+                            timeout=max(0.1, min(_FRESH_CLIENT_AFTER,
+                                                 deadline - time.monotonic())))
+                        failing_since = None
                     except Exception as exc:  # a broker down, or no such topic yet
                         if "UNKNOWN_TOPIC" in str(exc):
                             return {}
-                        if time.monotonic() >= deadline:
+                        self._marks_error = f"partition {partition}: {exc}"
+                        now = time.monotonic()
+                        if now >= deadline:
                             return None
+                        failing_since = now if failing_since is None else failing_since
+                        if now - failing_since >= _FRESH_CLIENT_AFTER:
+                            self._marks.close()
+                            self._marks = self._marks_client()
+                            failing_since = None
                         time.sleep(0.1)
         return ends
+
+    def _marks_client(self) -> Consumer:
+        return Consumer({"bootstrap.servers": self.bootstrap_servers, "log_level": 0,
+                         "group.id": "chaos-marks", "reconnect.backoff.max.ms": 500})
+
+    def _marks_failure(self, topic: str) -> str:
+        """Why the end marks of ``topic`` could not be read, for an error message."""
+        holder = self.cluster.exit_status()
+        state = "running" if holder is None else f"exited with status {holder}"
+        return (f"the end marks of topic {topic} could not be read ({self._marks_error}; "
+                f"the mock cluster's process: {state})")
 
     def dead_letters(self) -> int:
         """Messages the consumer parked (its handler never fails: must be 0)."""

@@ -122,6 +122,12 @@ class KafkaMockCluster:
 
     # -- lifetime ------------------------------------------------------------------------
 
+    def exit_status(self) -> int | None:
+        """The holder process's exit status once it ended (the cluster is then gone);
+        None while it runs, or before ``start``."""
+        process = self._process
+        return None if process is None else process.poll()
+
     def stop(self) -> None:
         """End the cluster (its holder exits when its input closes)."""
         with self._commands:
