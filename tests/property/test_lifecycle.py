@@ -309,8 +309,12 @@ class Lifecycle(RuleBasedStateMachine):
         self.expire(chosen, long_ago=long_ago)
 
     def expire(self, job_ids: list[int], *, long_ago: bool) -> None:
+        # A lease of its own per job (older for a higher id): the rescue takes the
+        # oldest leases first, and among equal ones its pick would be the database's, so
+        # the same steps could lead hypothesis down different paths (a flaky example).
         statement = (
             "UPDATE {} SET lease_until = now() - interval '1 second'"
+            " - id * interval '1 millisecond'"
             + (", first_attempted_at = now() - interval '2 days'" if long_ago else "")
             + " WHERE id = ANY(%s)"
         )
