@@ -134,6 +134,8 @@ class ChaosKafka:
         self._log_dir = log_dir
         self._marks = self._marks_client()
         self._marks_error = ""  # why the end marks could not be read, the last time
+        self._marks_failing_since: float | None = None  # the marks client's failures began
+        self.drain_state = ""  # what wait_consumed last saw, when it was not there yet
         self._marks_lock = threading.Lock()
         self._tail = _Tail(self.bootstrap_servers, TOPIC)
         self._consumer: subprocess.Popen[bytes] | None = None
@@ -225,14 +227,14 @@ class ChaosKafka:
         """partition -> high watermark of ``topic``; None if a broker did not answer
         within ``timeout`` (asked again meanwhile: a connection may be coming back).
 
-        A client that kept failing for ``_FRESH_CLIENT_AFTER`` seconds is replaced: once
+        A client that kept failing for ``_FRESH_CLIENT_AFTER`` seconds (over one call or
+        several: callers ask with short timeouts, again and again) is replaced: once
         a broker was down and up, librdkafka's metadata may hold a partition as unknown
         for longer than a run can wait. (Not sooner: a fresh client's first asks fail
         too, with ``_UNKNOWN_PARTITION``, until its metadata arrives.)"""
         deadline = time.monotonic() + timeout
         ends = {}
         with self._marks_lock:
-            failing_since: float | None = None
             for partition in range(_PARTITIONS):
                 while partition not in ends:
                     try:
@@ -240,19 +242,21 @@ class ChaosKafka:
                             TopicPartition(topic, partition),
                             timeout=max(0.1, min(_FRESH_CLIENT_AFTER,
                                                  deadline - time.monotonic())))
-                        failing_since = None
+                        self._marks_failing_since = None
                     except Exception as exc:  # a broker down, or no such topic yet
                         if "UNKNOWN_TOPIC" in str(exc):
                             return {}
                         self._marks_error = f"partition {partition}: {exc}"
                         now = time.monotonic()
-                        if now >= deadline:
-                            return None
-                        failing_since = now if failing_since is None else failing_since
-                        if now - failing_since >= _FRESH_CLIENT_AFTER:
+                        since = self._marks_failing_since
+                        if since is None:
+                            self._marks_failing_since = now
+                        elif now - since >= _FRESH_CLIENT_AFTER:
                             self._marks.close()
                             self._marks = self._marks_client()
-                            failing_since = None
+                            self._marks_failing_since = None
+                        if now >= deadline:
+                            return None
                         time.sleep(0.1)
         return ends
 
@@ -351,6 +355,8 @@ class ChaosKafka:
             if ends is not None and stored is not None and all(
                     stored.get(p, 0) >= end for p, end in ends.items() if end > 0):
                 return True
+            self.drain_state = (f"end marks {ends if ends is not None else 'unread'}, "
+                                f"offsets stored {stored if stored is not None else 'unread'}")
             time.sleep(0.2)
         return False
 

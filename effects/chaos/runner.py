@@ -155,7 +155,8 @@ class _Run:
         self.providers.broker.stop_consumer()
         kafka = self.providers.kafka
         if not kafka.wait_consumed(self.database.dsn, self.database.schema, _CONSUMER_DRAIN):
-            self.unfinished_threads.append("the Kafka consumer (messages left unhandled)")
+            self.unfinished_threads.append(f"the Kafka consumer (messages left unhandled: "
+                                           f"{kafka.drain_state})")
         kafka.stop_consumer()
 
     def _join(self, threads: Sequence[threading.Thread]) -> None:
