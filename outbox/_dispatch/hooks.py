@@ -1,10 +1,11 @@
 """Completion hooks: the recorder's per-job path for outcomes whose effect has a hook.
 
 Outcomes without hooks keep the recorder's batched statements. Outcomes with one are
-written here, all of a batch in one transaction. First optimistically (``fast``): the
-batch's fenced status changes in one statement each (done + ledger rows; failed), then
+written here, in chunks of at most ``HOOKED_CHUNK``, each chunk in one transaction, with
+the recorder's heartbeat (when due) between them. First optimistically (``fast``): the
+chunk's fenced status changes in one statement each (done + ledger rows; failed), then
 each hook whose job's fence held, then COMMIT. Should any hook raise, that transaction
-is rolled back whole and the batch is written again carefully (``careful``), each job
+is rolled back whole and the chunk is written again carefully (``careful``), each job
 inside a savepoint of its own::
 
     SAVEPOINT
@@ -56,9 +57,9 @@ from .hookset import is_async_hook
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, guarded
 
-__all__ = ["CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes", "call_hook",
-           "hook_decision", "in_transaction", "in_transaction_async", "record_hooked",
-           "record_hooked_async"]
+__all__ = ["HOOKED_CHUNK", "CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes",
+           "call_hook", "hook_decision", "in_transaction", "in_transaction_async",
+           "record_hooked", "record_hooked_async"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -77,6 +78,15 @@ class CallHook:
     fn: Callable[..., Any]
     job: Job
     value: Any
+
+
+HOOKED_CHUNK = 32
+"""At most this many hooked outcomes are written in one transaction. The recorder
+heartbeats only between transactions, so a chunk must end well inside the heartbeat
+interval (a third of the lease: 0.67 s for a lease of 2 s) even when hooks are slow:
+32 hooks of 20 ms each take 0.64 s, of a few ms each (the statements a hook should
+keep to) 0.1 s. Yet a commit per 32 jobs costs little next to the hooks' own
+statements (a chunk is at least one statement per hook, plus three and a commit)."""
 
 
 class HookRaised(Exception):
@@ -406,11 +416,13 @@ def record_hooked(hooks: HookedOutcomes, conn: Connection, items: list[Hooked]) 
     hooks.applied(items, written)
 
 
-async def record_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> None:
-    """``AsyncDispatcher``: async hooks in one transaction on the recorder's asyncio
-    connection; sync hooks in another, on a thread with a blocking connection."""
-    async_items = [i for i in hooks.items if i.is_async]
-    sync_items = [i for i in hooks.items if not i.is_async]
+async def record_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection,
+                              items: list[Hooked]) -> None:
+    """``AsyncDispatcher``: the async hooks of ``items`` in one transaction on the
+    recorder's asyncio connection; the sync hooks in another, on a thread with a blocking
+    connection."""
+    async_items = [i for i in items if i.is_async]
+    sync_items = [i for i in items if not i.is_async]
     if async_items:
         pg = await conn.get()
         execute = in_transaction_async(pg, hooks.settings.schema)
@@ -453,16 +465,37 @@ def _refused_singly(hooks: HookedOutcomes, item: Hooked, exc: Exception) -> None
               getattr(exc, "sqlstate", None) or type(exc).__name__)
 
 
-def flush_hooked(hooks: HookedOutcomes, conn: Connection) -> None:
-    """Write every hooked outcome held; after a refusal other than a lost connection,
-    one per transaction, so one bad row cannot block the rest.
+def flush_hooked(hooks: HookedOutcomes, conn: Connection, beat: Callable[[], None]) -> None:
+    """Write every hooked outcome held, in chunks of at most ``HOOKED_CHUNK``, each its
+    own transaction; after a chunk is refused for a reason other than a lost connection,
+    its outcomes one per transaction, so one bad row cannot block the rest. ``beat`` (the
+    recorder's heartbeat, sent when due) runs before each of these transactions, so the
+    leases held outlive a write of any length.
 
     Only database errors are handled: anything else (a bug of ours) ends the recorder,
     and the run raises ``DispatcherFailed``. What is held is dropped first, so every
-    attempt still reaches the observer.
+    attempt still reaches the observer. A lost connection propagates with what is not
+    written yet still held, for the caller to retry.
     """
     try:
-        _flush_hooked(hooks, conn)
+        while hooks.items:
+            beat()
+            chunk = hooks.items[:HOOKED_CHUNK]
+            try:
+                record_hooked(hooks, conn, chunk)
+                continue
+            except CONNECTION_ERRORS:
+                raise
+            except psycopg.Error as exc:
+                _chunk_refused(exc)
+            for item in _still_held(hooks, chunk):
+                beat()
+                try:
+                    record_hooked(hooks, conn, [item])
+                except CONNECTION_ERRORS:
+                    raise
+                except psycopg.Error as exc:
+                    _refused_singly(hooks, item, exc)
     except CONNECTION_ERRORS:
         raise
     except BaseException as exc:
@@ -470,28 +503,28 @@ def flush_hooked(hooks: HookedOutcomes, conn: Connection) -> None:
         raise
 
 
-def _flush_hooked(hooks: HookedOutcomes, conn: Connection) -> None:
-    try:
-        record_hooked(hooks, conn, list(hooks.items))
-        return
-    except CONNECTION_ERRORS:
-        raise
-    except psycopg.Error as exc:
-        log.error("recording hooked outcomes failed (%s); recording one by one",
-                  exc.sqlstate or type(exc).__name__)
-    for item in list(hooks.items):
-        try:
-            record_hooked(hooks, conn, [item])
-        except CONNECTION_ERRORS:
-            raise
-        except psycopg.Error as exc:
-            _refused_singly(hooks, item, exc)
-
-
-async def flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> None:
+async def flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection,
+                             beat: Callable[[], Awaitable[None]]) -> None:
     """``flush_hooked`` for ``AsyncDispatcher`` (a cancellation drops nothing)."""
     try:
-        await _flush_hooked_async(hooks, conn)
+        while hooks.items:
+            await beat()
+            chunk = hooks.items[:HOOKED_CHUNK]
+            try:
+                await record_hooked_async(hooks, conn, chunk)
+                continue
+            except CONNECTION_ERRORS:
+                raise
+            except psycopg.Error as exc:
+                _chunk_refused(exc)
+            for item in _still_held(hooks, chunk):
+                await beat()
+                try:
+                    await record_hooked_async(hooks, conn, [item])
+                except CONNECTION_ERRORS:
+                    raise
+                except psycopg.Error as exc:
+                    _refused_singly(hooks, item, exc)
     except (*CONNECTION_ERRORS, asyncio.CancelledError):
         raise
     except BaseException as exc:
@@ -499,26 +532,16 @@ async def flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> No
         raise
 
 
-async def _flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> None:
-    try:
-        await record_hooked_async(hooks, conn)
-        return
-    except CONNECTION_ERRORS:
-        raise
-    except psycopg.Error as exc:
-        log.error("recording hooked outcomes failed (%s); recording one by one",
-                  exc.sqlstate or type(exc).__name__)
-    for item in list(hooks.items):
-        saved, hooks.items = hooks.items, [item]
-        try:
-            await record_hooked_async(hooks, conn)
-        except BaseException as exc:
-            hooks.items = saved
-            if isinstance(exc, CONNECTION_ERRORS) or not isinstance(exc, psycopg.Error):
-                raise
-            _refused_singly(hooks, item, exc)
-        else:
-            hooks.items = [i for i in saved if i is not item]
+def _chunk_refused(exc: psycopg.Error) -> None:
+    log.error("recording hooked outcomes failed (%s); recording one by one",
+              exc.sqlstate or type(exc).__name__)
+
+
+def _still_held(hooks: HookedOutcomes, chunk: list[Hooked]) -> list[Hooked]:
+    """The items of a refused ``chunk`` not written yet: with ``AsyncDispatcher`` its
+    async hooks' transaction may have committed before its sync hooks' was refused."""
+    held = set(map(id, hooks.items))
+    return [item for item in chunk if id(item) in held]
 
 
 def _drop_all(hooks: HookedOutcomes, exc: BaseException) -> None:
