@@ -1,8 +1,10 @@
 """Completion hooks: the recorder's per-job path for outcomes whose effect has a hook.
 
 Outcomes without hooks keep the recorder's batched statements. Outcomes with one are
-written here, in chunks of at most ``HOOKED_CHUNK``, each chunk in one transaction, with
-the recorder's heartbeat (when due) between them. First optimistically (``fast``): the
+written here in chunks, each in one transaction, with the recorder's heartbeat (when
+due) between them: a chunk is sized to take at most half a heartbeat interval at the
+pace the last chunk was written (``HookedOutcomes.took``), and holds at most
+``HOOKED_CHUNK_MAX`` outcomes. First optimistically (``fast``): the
 chunk's fenced status changes in one statement each (done + ledger rows; failed), then
 each hook whose job's fence held, then COMMIT. Should any hook raise, that transaction
 is rolled back whole and the chunk is written again carefully (``careful``), each job
@@ -35,6 +37,7 @@ import contextlib
 import json
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
@@ -57,7 +60,7 @@ from .hookset import is_async_hook
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, guarded
 
-__all__ = ["HOOKED_CHUNK", "CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes",
+__all__ = ["HOOKED_CHUNK_MAX", "CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes",
            "call_hook", "hook_decision", "in_transaction", "in_transaction_async",
            "record_hooked", "record_hooked_async"]
 
@@ -80,13 +83,16 @@ class CallHook:
     value: Any
 
 
-HOOKED_CHUNK = 32
-"""At most this many hooked outcomes are written in one transaction. The recorder
-heartbeats only between transactions, so a chunk must end well inside the heartbeat
-interval (a third of the lease: 0.67 s for a lease of 2 s) even when hooks are slow:
-32 hooks of 20 ms each take 0.64 s, of a few ms each (the statements a hook should
-keep to) 0.1 s. Yet a commit per 32 jobs costs little next to the hooks' own
-statements (a chunk is at least one statement per hook, plus three and a commit)."""
+HOOKED_CHUNK_MAX = 500
+"""At most this many hooked outcomes are written in one transaction, however fast their
+hooks: past a few hundred a commit costs nothing more worth saving, while a hook that
+raises sends its whole chunk back to be written again carefully (``careful``), and the
+chunk's completion statement carries every one of its outcomes."""
+
+HOOKED_CHUNK_FIRST = 32
+"""The first chunk, before the hooks' pace is known: 32 hooks of 20 ms each (slow hooks)
+take 0.64 s, inside the heartbeat interval of a lease of 2 s (0.67 s), and a commit per
+32 cheap hooks is already a small part of their statements."""
 
 
 class HookRaised(Exception):
@@ -165,6 +171,20 @@ class HookedOutcomes:
         self.queries = flow_queries(recorder.settings.schema)
         self.items: list[Hooked] = []
         self.sync_conn: Connection | None = None  # AsyncDispatcher's, for sync hooks
+        # The recorder heartbeats only between transactions: a chunk taking at most half
+        # an interval keeps every lease held at least half its length ahead.
+        self.chunk_seconds = _state.heartbeat_interval(recorder.settings.lease) / 2
+        self.chunk_size = HOOKED_CHUNK_FIRST
+
+    def next_chunk(self) -> list[Hooked]:
+        """The outcomes the next transaction writes: the oldest ``chunk_size``."""
+        return self.items[:self.chunk_size]
+
+    def took(self, count: int, seconds: float) -> None:
+        """A chunk of ``count`` outcomes was written in ``seconds``: size the next one to
+        take ``chunk_seconds`` at that pace (at least 1, at most ``HOOKED_CHUNK_MAX``)."""
+        per_outcome = max(seconds / count, 1e-6)
+        self.chunk_size = max(1, min(HOOKED_CHUNK_MAX, int(self.chunk_seconds / per_outcome)))
 
     def take(self, pending: list[tuple[Held, Outcome]]) -> None:
         """Move the outcomes whose effect has a hook for them out of ``pending``."""
@@ -466,7 +486,7 @@ def _refused_singly(hooks: HookedOutcomes, item: Hooked, exc: Exception) -> None
 
 
 def flush_hooked(hooks: HookedOutcomes, conn: Connection, beat: Callable[[], None]) -> None:
-    """Write every hooked outcome held, in chunks of at most ``HOOKED_CHUNK``, each its
+    """Write every hooked outcome held, in chunks (``HookedOutcomes.next_chunk``), each its
     own transaction; after a chunk is refused for a reason other than a lost connection,
     its outcomes one per transaction, so one bad row cannot block the rest. ``beat`` (the
     recorder's heartbeat, sent when due) runs before each of these transactions, so the
@@ -480,9 +500,10 @@ def flush_hooked(hooks: HookedOutcomes, conn: Connection, beat: Callable[[], Non
     try:
         while hooks.items:
             beat()
-            chunk = hooks.items[:HOOKED_CHUNK]
+            chunk, started = hooks.next_chunk(), time.monotonic()
             try:
                 record_hooked(hooks, conn, chunk)
+                hooks.took(len(chunk), time.monotonic() - started)
                 continue
             except CONNECTION_ERRORS:
                 raise
@@ -509,9 +530,10 @@ async def flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection,
     try:
         while hooks.items:
             await beat()
-            chunk = hooks.items[:HOOKED_CHUNK]
+            chunk, started = hooks.next_chunk(), time.monotonic()
             try:
                 await record_hooked_async(hooks, conn, chunk)
+                hooks.took(len(chunk), time.monotonic() - started)
                 continue
             except CONNECTION_ERRORS:
                 raise
