@@ -13,20 +13,13 @@ import asyncio
 import threading
 import time
 from collections import Counter
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import psycopg
 import pytest
 
 import outbox
 from outbox import NewJob
-from outbox._dispatch.hooks import (
-    HOOKED_CHUNK_FIRST,
-    HOOKED_CHUNK_MAX,
-    HookedOutcomes,
-    Recording,
-)
 from outbox.testing import jobs
 
 EFFECT = "flow.slow_hooked"
@@ -95,15 +88,3 @@ def test_hooked_outcomes_written_over_several_leases_lose_no_claim(
     assert stats.done == JOBS and stats.claimed == JOBS
     assert stats.rescued == stats.lost_claims == stats.stale_completions == 0
 
-
-def test_a_chunk_is_sized_to_take_half_a_heartbeat_interval_at_the_last_pace() -> None:
-    # A lease of 3 s: heartbeats every second, chunks of at most half a second.
-    recorder = SimpleNamespace(settings=SimpleNamespace(schema="outbox", lease=3.0))
-    hooks = HookedOutcomes(cast(Recording, recorder))
-    assert hooks.chunk_size == HOOKED_CHUNK_FIRST  # the pace is not known yet
-    hooks.took(32, 0.64)  # 20 ms an outcome
-    assert hooks.chunk_size == 25
-    hooks.took(25, 25.0)  # a stall: one at a time, never none
-    assert hooks.chunk_size == 1
-    hooks.took(1, 0.0)  # cheap hooks: many to a commit, within the cap
-    assert hooks.chunk_size == HOOKED_CHUNK_MAX
