@@ -1,10 +1,13 @@
 """Completion hooks: the recorder's per-job path for outcomes whose effect has a hook.
 
 Outcomes without hooks keep the recorder's batched statements. Outcomes with one are
-written here, all of a batch in one transaction. First optimistically (``fast``): the
-batch's fenced status changes in one statement each (done + ledger rows; failed), then
+written here in chunks, each in one transaction, with the recorder's heartbeat (when
+due) between them: a chunk is sized to take at most half a heartbeat interval at the
+pace the last chunk was written (``HookedOutcomes.took``), and holds at most
+``HOOKED_CHUNK_MAX`` outcomes. First optimistically (``fast``): the
+chunk's fenced status changes in one statement each (done + ledger rows; failed), then
 each hook whose job's fence held, then COMMIT. Should any hook raise, that transaction
-is rolled back whole and the batch is written again carefully (``careful``), each job
+is rolled back whole and the chunk is written again carefully (``careful``), each job
 inside a savepoint of its own::
 
     SAVEPOINT
@@ -34,6 +37,7 @@ import contextlib
 import json
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
@@ -56,9 +60,9 @@ from .hookset import is_async_hook
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, guarded
 
-__all__ = ["CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes", "call_hook",
-           "hook_decision", "in_transaction", "in_transaction_async", "record_hooked",
-           "record_hooked_async"]
+__all__ = ["HOOKED_CHUNK_MAX", "CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes",
+           "call_hook", "hook_decision", "in_transaction", "in_transaction_async",
+           "record_hooked", "record_hooked_async"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -77,6 +81,18 @@ class CallHook:
     fn: Callable[..., Any]
     job: Job
     value: Any
+
+
+HOOKED_CHUNK_MAX = 500
+"""At most this many hooked outcomes are written in one transaction, however fast their
+hooks: past a few hundred a commit costs nothing more worth saving, while a hook that
+raises sends its whole chunk back to be written again carefully (``careful``), and the
+chunk's completion statement carries every one of its outcomes."""
+
+HOOKED_CHUNK_FIRST = 32
+"""The first chunk, before the hooks' pace is known: 32 hooks of 20 ms each (slow hooks)
+take 0.64 s, inside the heartbeat interval of a lease of 2 s (0.67 s), and a commit per
+32 cheap hooks is already a small part of their statements."""
 
 
 class HookRaised(Exception):
@@ -155,6 +171,20 @@ class HookedOutcomes:
         self.queries = flow_queries(recorder.settings.schema)
         self.items: list[Hooked] = []
         self.sync_conn: Connection | None = None  # AsyncDispatcher's, for sync hooks
+        # The recorder heartbeats only between transactions: a chunk taking at most half
+        # an interval keeps every lease held at least half its length ahead.
+        self.chunk_seconds = _state.heartbeat_interval(recorder.settings.lease) / 2
+        self.chunk_size = HOOKED_CHUNK_FIRST
+
+    def next_chunk(self) -> list[Hooked]:
+        """The outcomes the next transaction writes: the oldest ``chunk_size``."""
+        return self.items[:self.chunk_size]
+
+    def took(self, count: int, seconds: float) -> None:
+        """A chunk of ``count`` outcomes was written in ``seconds``: size the next one to
+        take ``chunk_seconds`` at that pace (at least 1, at most ``HOOKED_CHUNK_MAX``)."""
+        per_outcome = max(seconds / count, 1e-6)
+        self.chunk_size = max(1, min(HOOKED_CHUNK_MAX, int(self.chunk_seconds / per_outcome)))
 
     def take(self, pending: list[tuple[Held, Outcome]]) -> None:
         """Move the outcomes whose effect has a hook for them out of ``pending``."""
@@ -406,11 +436,13 @@ def record_hooked(hooks: HookedOutcomes, conn: Connection, items: list[Hooked]) 
     hooks.applied(items, written)
 
 
-async def record_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> None:
-    """``AsyncDispatcher``: async hooks in one transaction on the recorder's asyncio
-    connection; sync hooks in another, on a thread with a blocking connection."""
-    async_items = [i for i in hooks.items if i.is_async]
-    sync_items = [i for i in hooks.items if not i.is_async]
+async def record_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection,
+                              items: list[Hooked]) -> None:
+    """``AsyncDispatcher``: the async hooks of ``items`` in one transaction on the
+    recorder's asyncio connection; the sync hooks in another, on a thread with a blocking
+    connection."""
+    async_items = [i for i in items if i.is_async]
+    sync_items = [i for i in items if not i.is_async]
     if async_items:
         pg = await conn.get()
         execute = in_transaction_async(pg, hooks.settings.schema)
@@ -453,16 +485,38 @@ def _refused_singly(hooks: HookedOutcomes, item: Hooked, exc: Exception) -> None
               getattr(exc, "sqlstate", None) or type(exc).__name__)
 
 
-def flush_hooked(hooks: HookedOutcomes, conn: Connection) -> None:
-    """Write every hooked outcome held; after a refusal other than a lost connection,
-    one per transaction, so one bad row cannot block the rest.
+def flush_hooked(hooks: HookedOutcomes, conn: Connection, beat: Callable[[], None]) -> None:
+    """Write every hooked outcome held, in chunks (``HookedOutcomes.next_chunk``), each its
+    own transaction; after a chunk is refused for a reason other than a lost connection,
+    its outcomes one per transaction, so one bad row cannot block the rest. ``beat`` (the
+    recorder's heartbeat, sent when due) runs before each of these transactions, so the
+    leases held outlive a write of any length.
 
     Only database errors are handled: anything else (a bug of ours) ends the recorder,
     and the run raises ``DispatcherFailed``. What is held is dropped first, so every
-    attempt still reaches the observer.
+    attempt still reaches the observer. A lost connection propagates with what is not
+    written yet still held, for the caller to retry.
     """
     try:
-        _flush_hooked(hooks, conn)
+        while hooks.items:
+            beat()
+            chunk, started = hooks.next_chunk(), time.monotonic()
+            try:
+                record_hooked(hooks, conn, chunk)
+                hooks.took(len(chunk), time.monotonic() - started)
+                continue
+            except CONNECTION_ERRORS:
+                raise
+            except psycopg.Error as exc:
+                _chunk_refused(exc)
+            for item in _still_held(hooks, chunk):
+                beat()
+                try:
+                    record_hooked(hooks, conn, [item])
+                except CONNECTION_ERRORS:
+                    raise
+                except psycopg.Error as exc:
+                    _refused_singly(hooks, item, exc)
     except CONNECTION_ERRORS:
         raise
     except BaseException as exc:
@@ -470,28 +524,29 @@ def flush_hooked(hooks: HookedOutcomes, conn: Connection) -> None:
         raise
 
 
-def _flush_hooked(hooks: HookedOutcomes, conn: Connection) -> None:
-    try:
-        record_hooked(hooks, conn, list(hooks.items))
-        return
-    except CONNECTION_ERRORS:
-        raise
-    except psycopg.Error as exc:
-        log.error("recording hooked outcomes failed (%s); recording one by one",
-                  exc.sqlstate or type(exc).__name__)
-    for item in list(hooks.items):
-        try:
-            record_hooked(hooks, conn, [item])
-        except CONNECTION_ERRORS:
-            raise
-        except psycopg.Error as exc:
-            _refused_singly(hooks, item, exc)
-
-
-async def flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> None:
+async def flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection,
+                             beat: Callable[[], Awaitable[None]]) -> None:
     """``flush_hooked`` for ``AsyncDispatcher`` (a cancellation drops nothing)."""
     try:
-        await _flush_hooked_async(hooks, conn)
+        while hooks.items:
+            await beat()
+            chunk, started = hooks.next_chunk(), time.monotonic()
+            try:
+                await record_hooked_async(hooks, conn, chunk)
+                hooks.took(len(chunk), time.monotonic() - started)
+                continue
+            except CONNECTION_ERRORS:
+                raise
+            except psycopg.Error as exc:
+                _chunk_refused(exc)
+            for item in _still_held(hooks, chunk):
+                await beat()
+                try:
+                    await record_hooked_async(hooks, conn, [item])
+                except CONNECTION_ERRORS:
+                    raise
+                except psycopg.Error as exc:
+                    _refused_singly(hooks, item, exc)
     except (*CONNECTION_ERRORS, asyncio.CancelledError):
         raise
     except BaseException as exc:
@@ -499,26 +554,16 @@ async def flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> No
         raise
 
 
-async def _flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection) -> None:
-    try:
-        await record_hooked_async(hooks, conn)
-        return
-    except CONNECTION_ERRORS:
-        raise
-    except psycopg.Error as exc:
-        log.error("recording hooked outcomes failed (%s); recording one by one",
-                  exc.sqlstate or type(exc).__name__)
-    for item in list(hooks.items):
-        saved, hooks.items = hooks.items, [item]
-        try:
-            await record_hooked_async(hooks, conn)
-        except BaseException as exc:
-            hooks.items = saved
-            if isinstance(exc, CONNECTION_ERRORS) or not isinstance(exc, psycopg.Error):
-                raise
-            _refused_singly(hooks, item, exc)
-        else:
-            hooks.items = [i for i in saved if i is not item]
+def _chunk_refused(exc: psycopg.Error) -> None:
+    log.error("recording hooked outcomes failed (%s); recording one by one",
+              exc.sqlstate or type(exc).__name__)
+
+
+def _still_held(hooks: HookedOutcomes, chunk: list[Hooked]) -> list[Hooked]:
+    """The items of a refused ``chunk`` not written yet: with ``AsyncDispatcher`` its
+    async hooks' transaction may have committed before its sync hooks' was refused."""
+    held = set(map(id, hooks.items))
+    return [item for item in chunk if id(item) in held]
 
 
 def _drop_all(hooks: HookedOutcomes, exc: BaseException) -> None:

@@ -289,6 +289,17 @@ def run_recorder(recorder: Recorder, conn: Connection) -> None:
     state: ThreadState = recorder.state
     heartbeat = _heartbeat_timer(recorder.settings)
     pending: list[tuple[Held, Outcome]] = []
+
+    def beat() -> None:
+        """Between the transactions of a long hooked write: the heartbeat, if due."""
+        if heartbeat.due(time.monotonic()):
+            try:
+                run(recorder.heartbeat(), conn.execute)
+            except CONNECTION_ERRORS:
+                raise
+            except psycopg.Error as exc:
+                _heartbeat_failed(exc)
+
     try:
         while not recorder.finished(pending):
             state.outcome_ready.wait(min(heartbeat.interval, 0.5))
@@ -298,7 +309,7 @@ def run_recorder(recorder: Recorder, conn: Connection) -> None:
                 if pending:
                     run(recorder.flush(pending), conn.execute)
                 if recorder.hooked_waiting:
-                    flush_hooked(recorder.hooks, conn)  # type: ignore[arg-type]
+                    flush_hooked(recorder.hooks, conn, beat)  # type: ignore[arg-type]
                 recorder.retrying = False
                 if heartbeat.due(time.monotonic()):
                     run(recorder.heartbeat(), conn.execute)
@@ -322,6 +333,17 @@ async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
     state: AsyncState = recorder.state
     heartbeat = _heartbeat_timer(recorder.settings)
     pending: list[tuple[Held, Outcome]] = []
+
+    async def beat() -> None:
+        """``run_recorder``'s ``beat``."""
+        if heartbeat.due(time.monotonic()):
+            try:
+                await run_async(recorder.heartbeat(), conn.execute)
+            except CONNECTION_ERRORS:
+                raise
+            except psycopg.Error as exc:
+                _heartbeat_failed(exc)
+
     try:
         while not recorder.finished(pending):
             await state.outcome_ready.wait(min(heartbeat.interval, 0.5))
@@ -331,7 +353,8 @@ async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
                 if pending:
                     await run_async(recorder.flush(pending), conn.execute)
                 if recorder.hooked_waiting:
-                    await flush_hooked_async(recorder.hooks, conn)  # type: ignore[arg-type]
+                    await flush_hooked_async(recorder.hooks, conn,  # type: ignore[arg-type]
+                                             beat)
                 recorder.retrying = False
                 if heartbeat.due(time.monotonic()):
                     await run_async(recorder.heartbeat(), conn.execute)
