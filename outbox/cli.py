@@ -439,20 +439,33 @@ _APPLIES = {
 }
 
 
+class _Refused(Exception):
+    """A transition that changed nothing, carried out of the transaction it rolls back."""
+
+    def __init__(self, done: _queue.Transition) -> None:
+        self.done = done
+
+
 def _transition_one(dsn: str, schema: str, job_id: int, step: Step[_queue.Transition],
-                    only: str) -> _queue.Transition:
+                    only: str, *, audit_refusal: bool = False) -> _queue.Transition:
     """Run one job's transition; a refusal (no such job, or a status the transition does
-    not apply to) is one line, and rolls back: no audit row, no notification."""
+    not apply to) is one line. It rolls back (no audit row, no notification) unless
+    ``audit_refusal``: ``outbox retry`` keeps its refusals in the trail with affected 0."""
     with _connect(dsn) as conn:
         require_current(conn, schema)
-        with conn.transaction():
-            done = _queue.on(conn, step)
-            if done.status is None:
-                raise click.ClickException(f"no job {job_id} in schema {schema!r}")
-            if not done.changed:
-                hint = _APPLIES.get(done.status)
-                raise click.ClickException(
-                    f"job {job_id} is {done.status}; {only}" + (f" ({hint})" if hint else ""))
+        try:
+            with conn.transaction():
+                done = _queue.on(conn, step)
+                if not done.changed and not audit_refusal:
+                    raise _Refused(done)
+        except _Refused as refused:
+            done = refused.done
+    if done.status is None:
+        raise click.ClickException(f"no job {job_id} in schema {schema!r}")
+    if not done.changed:
+        hint = _APPLIES.get(done.status)
+        raise click.ClickException(
+            f"job {job_id} is {done.status}; {only}" + (f" ({hint})" if hint else ""))
     return done
 
 
@@ -478,7 +491,7 @@ def retry_command(dsn: str, schema: str, job_id: int | None, effect: str | None,
     if effect is not None or error_text is not None:
         raise click.UsageError("give a JOB_ID, or --effect and --error, not both")
     done = _transition_one(dsn, schema, job_id, _queue.retry(schema, job_id, operator),
-                           "only failed or reconcile jobs can be retried")
+                           "only failed or reconcile jobs can be retried", audit_refusal=True)
     click.echo(f"job {job_id} ({done.effect}, key {done.key}) is pending again")
 
 

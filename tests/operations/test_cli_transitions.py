@@ -16,7 +16,7 @@ import psycopg
 from psycopg import sql
 
 import outbox
-from outbox._enqueue import notify_channel
+from outbox.sql import notify_channel
 from outbox.testing import audit, job, ledger_row
 
 from ..limits.support import wait_until
