@@ -1,4 +1,5 @@
-"""The ``outbox`` command: migrate, run, status, retry, and plug-in commands.
+"""The ``outbox`` command: migrate, run, status, the operator's retry, cancel, resolve,
+pause and resume, and plug-in commands.
 
 Commands that need a database take ``--dsn`` or ``OUTBOX_DATABASE_URL``. Errors print
 one line and exit non-zero; no traceback. Other packages add commands (``outbox demo``,
@@ -31,6 +32,7 @@ from . import _queue, _sql
 from ._devserver import dev_server
 from ._enqueue import notify_channel
 from ._pg import configuration_error
+from ._steps import Step
 from .dispatcher import AsyncDispatcher, Dispatcher
 from .errors import OutboxError
 from .limits import Limit, parse_limit
@@ -427,6 +429,46 @@ def _actor(actor: str | None) -> str:
         return "cli"
 
 
+# What an operator can do to a job in each status, for a refusal to say.
+_APPLIES = {
+    "pending": "outbox cancel applies to a pending job",
+    "failed": "outbox retry applies to a failed job",
+    "reconcile": "outbox resolve or outbox retry applies to a reconcile job",
+    "running": "a running job is settled by its dispatcher, or rescued when its lease expires",
+    "done": "a done job is finished",
+}
+
+
+class _Refused(Exception):
+    """A transition that changed nothing, carried out of the transaction it rolls back."""
+
+    def __init__(self, done: _queue.Transition) -> None:
+        self.done = done
+
+
+def _transition_one(dsn: str, schema: str, job_id: int, step: Step[_queue.Transition],
+                    only: str, *, audit_refusal: bool = False) -> _queue.Transition:
+    """Run one job's transition; a refusal (no such job, or a status the transition does
+    not apply to) is one line. It rolls back (no audit row, no notification) unless
+    ``audit_refusal``: ``outbox retry`` keeps its refusals in the trail with affected 0."""
+    with _connect(dsn) as conn:
+        require_current(conn, schema)
+        try:
+            with conn.transaction():
+                done = _queue.on(conn, step)
+                if not done.changed and not audit_refusal:
+                    raise _Refused(done)
+        except _Refused as refused:
+            done = refused.done
+    if done.status is None:
+        raise click.ClickException(f"no job {job_id} in schema {schema!r}")
+    if not done.changed:
+        hint = _APPLIES.get(done.status)
+        raise click.ClickException(
+            f"job {job_id} is {done.status}; {only}" + (f" ({hint})" if hint else ""))
+    return done
+
+
 @main.command("retry")
 @dsn_option
 @schema_option
@@ -448,15 +490,53 @@ def retry_command(dsn: str, schema: str, job_id: int | None, effect: str | None,
         return
     if effect is not None or error_text is not None:
         raise click.UsageError("give a JOB_ID, or --effect and --error, not both")
-    with _connect(dsn) as conn:
-        require_current(conn, schema)
-        done = _queue.on(conn, _queue.retry(schema, job_id, operator))
-    if done.status is None:
-        raise click.ClickException(f"no job {job_id} in schema {schema!r}")
-    if not done.changed:
-        raise click.ClickException(
-            f"job {job_id} is {done.status}; only failed or reconcile jobs can be retried")
+    done = _transition_one(dsn, schema, job_id, _queue.retry(schema, job_id, operator),
+                           "only failed or reconcile jobs can be retried", audit_refusal=True)
     click.echo(f"job {job_id} ({done.effect}, key {done.key}) is pending again")
+
+
+@main.command("cancel")
+@dsn_option
+@schema_option
+@click.argument("job_id", type=int)
+@actor_option
+@_one_line_errors
+def cancel_command(dsn: str, schema: str, job_id: int, actor: str | None) -> None:
+    """Cancel a pending job: it becomes failed without ever being performed (a running
+    job cannot be cancelled: its effect may be at the provider already). Audited, and
+    listening dispatchers are woken (a job its ordering key held back may now run)."""
+    operator = _queue.Operator(_actor(actor), VIA)
+    done = _transition_one(dsn, schema, job_id, _queue.cancel(schema, job_id, operator),
+                           "only pending jobs can be cancelled")
+    click.echo(f"job {job_id} ({done.effect}, key {done.key}) is cancelled: failed, "
+               "never performed")
+
+
+@main.command("resolve")
+@dsn_option
+@schema_option
+@click.argument("job_id", type=int)
+@click.option("--performed/--not-performed", "performed", default=None,
+              help="What you found at the provider: the effect happened (the job becomes "
+                   "done, with a ledger row naming you, so its key is never performed "
+                   "again), or it did not (the job becomes failed; retry it if it should "
+                   "still happen).")
+@click.option("--note", default=None, metavar="TEXT",
+              help="What you checked (e.g. the charge id), kept in the audit trail.")
+@actor_option
+@_one_line_errors
+def resolve_command(dsn: str, schema: str, job_id: int, performed: bool | None,
+                    note: str | None, actor: str | None) -> None:
+    """Settle a job left in reconcile, once you have checked the provider: --performed
+    or --not-performed. Audited, and listening dispatchers are woken."""
+    if performed is None:
+        raise click.UsageError("say what you found: --performed or --not-performed")
+    operator = _queue.Operator(_actor(actor), VIA)
+    step = _queue.resolve(schema, job_id, operator, performed=performed, note=note)
+    done = _transition_one(dsn, schema, job_id, step, "only reconcile jobs can be resolved")
+    found = ("performed: done, its key never performed again" if performed
+             else "not performed: failed")
+    click.echo(f"job {job_id} ({done.effect}, key {done.key}) is resolved as {found}")
 
 
 def _retry_matching(dsn: str, schema: str, effect: str | None, error_text: str | None,

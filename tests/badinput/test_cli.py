@@ -10,6 +10,7 @@ from click.testing import CliRunner, Result
 from psycopg import sql
 
 from outbox.cli import main
+from outbox.testing import audit, job, ledger_row
 
 from ._support import enqueue
 
@@ -59,17 +60,88 @@ def test_retry_of_a_pending_job(dsn: str, schema: str) -> None:
     _assert_one_line_error(result, f"job {job_id} is pending", "only failed or reconcile")
 
 
+def _in_status(dsn: str, schema: str, key: str, status: str) -> int:
+    """A job in ``status``; a running one holds a dispatcher's lease, as the schema requires."""
+    job_id = enqueue(dsn, schema, key, {"n": 1})
+    running = status == "running"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL(
+            "UPDATE {}.jobs SET status = %s, claimed_by = %s, "
+            "lease_until = CASE WHEN %s THEN now() + interval '1 hour' END WHERE id = %s"
+        ).format(sql.Identifier(schema)),
+            (status, "worker-1" if running else None, running, job_id))
+    return job_id
+
+
+def _unchanged(dsn: str, schema: str, key: str, status: str) -> None:
+    found = job(dsn, key, schema)
+    assert found is not None and found["status"] == status
+    assert audit(dsn, schema) == []  # a refusal leaves no trace
+
+
+def test_cancel_and_resolve_with_a_job_id_that_is_not_a_number(dsn: str, schema: str) -> None:
+    for args in (["cancel", "7x"], ["resolve", "7x", "--performed"]):
+        result = _run(*args, "--dsn", dsn, "--schema", schema)
+        assert result.exit_code == 2, result.output
+        assert "Traceback" not in result.output
+        errors = [line for line in _lines(result) if line.startswith("Error:")]
+        assert len(errors) == 1, result.output
+        assert "JOB_ID" in errors[0] and "'7x' is not a valid integer" in errors[0]
+
+
+def test_cancel_and_resolve_of_a_job_that_does_not_exist(dsn: str, schema: str) -> None:
+    for args in (["cancel", "999999"], ["resolve", "999999", "--not-performed"]):
+        result = _run(*args, "--dsn", dsn, "--schema", schema)
+        _assert_one_line_error(result, "no job 999999", schema)
+    assert audit(dsn, schema) == []
+
+
+def test_cancel_of_a_running_job(dsn: str, schema: str) -> None:
+    job_id = _in_status(dsn, schema, "in-flight", "running")
+    result = _run("cancel", str(job_id), "--dsn", dsn, "--schema", schema)
+    _assert_one_line_error(result, f"job {job_id} is running",
+                           "only pending jobs can be cancelled", "lease expires")
+    _unchanged(dsn, schema, "in-flight", "running")
+
+
+def test_cancel_of_a_reconcile_job_points_to_resolve(dsn: str, schema: str) -> None:
+    job_id = _in_status(dsn, schema, "unsure", "reconcile")
+    result = _run("cancel", str(job_id), "--dsn", dsn, "--schema", schema)
+    _assert_one_line_error(result, f"job {job_id} is reconcile",
+                           "only pending jobs can be cancelled", "outbox resolve")
+    _unchanged(dsn, schema, "unsure", "reconcile")
+
+
+def test_resolve_of_a_job_not_in_reconcile(dsn: str, schema: str) -> None:
+    job_id = enqueue(dsn, schema, "not-yet-tried", {"n": 1})
+    result = _run("resolve", str(job_id), "--performed", "--dsn", dsn, "--schema", schema)
+    _assert_one_line_error(result, f"job {job_id} is pending",
+                           "only reconcile jobs can be resolved", "outbox cancel applies")
+    _unchanged(dsn, schema, "not-yet-tried", "pending")
+    assert ledger_row(dsn, "not-yet-tried", schema) is None
+
+
+def test_resolve_without_saying_what_was_found(dsn: str, schema: str) -> None:
+    job_id = _in_status(dsn, schema, "unsure", "reconcile")
+    result = _run("resolve", str(job_id), "--dsn", dsn, "--schema", schema)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in _lines(result) if line.startswith("Error:")]
+    assert errors == ["Error: say what you found: --performed or --not-performed"]
+    _unchanged(dsn, schema, "unsure", "reconcile")
+
+
 def test_status_on_an_unmigrated_schema(dsn: str) -> None:
     result = _run("status", "--dsn", dsn, "--schema", f"never_{uuid.uuid4().hex[:8]}")
     _assert_one_line_error(result, "has no outbox tables", "outbox migrate")
 
 
-def test_status_and_retry_on_a_newer_schema(dsn: str, schema: str) -> None:
+def test_status_and_transitions_on_a_newer_schema(dsn: str, schema: str) -> None:
     table = sql.SQL("{}.schema_migrations").format(sql.Identifier(schema))
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("INSERT INTO {} VALUES (999, 'future')").format(table))
-    for command in ("status", "retry"):
-        extra = ["1"] if command == "retry" else []
+    for command, *extra in (["status"], ["retry", "1"], ["cancel", "1"],
+                            ["resolve", "1", "--performed"]):
         result = _run(command, *extra, "--dsn", dsn, "--schema", schema)
         _assert_one_line_error(result, "version 999, newer than this code knows", "upgrade")
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 
 from effects.testing import stripe_signature
+from outbox.testing import received
 
-from ..integration.helpers import fetch, table
+from ..integration.helpers import fetch
 from .test_django import django_db, project
 
 __all__ = ["django_db", "project"]  # the fixtures this module shares with test_django
@@ -63,9 +63,7 @@ def _payments(dsn: str) -> list[tuple[int, str]]:
 
 
 def _received(dsn: str, schema: str) -> list[str]:
-    query = sql.SQL("SELECT message_id FROM {} WHERE consumer = 'djangoshop.stripe' "
-                    "ORDER BY 1").format(table(schema, "inbox"))
-    return [str(r[0]) for r in fetch(dsn, query)]
+    return received(dsn, "djangoshop.stripe", schema)
 
 
 def test_a_stripe_event_is_handled_once_however_often_it_comes(

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from effects.testing import FakeEmailProvider, FakeStripe
 from examples.shop import app, demo
 from examples.shop.web import STRIPE_CONSUMER
-from outbox.testing import jobs
+from outbox.testing import jobs, received
 
 from ..integration.helpers import wait_until
 
@@ -111,10 +111,7 @@ def _paid(dsn: str) -> list[tuple[int, str | None, str | None, object]]:
 
 
 def _stripe_events_received(dsn: str) -> list[str]:
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute(f"SELECT message_id FROM {app.OUTBOX_SCHEMA}.inbox "
-                            "WHERE consumer = %s ORDER BY 1", (STRIPE_CONSUMER,)).fetchall()
-    return [str(r[0]) for r in rows]
+    return sorted(received(dsn, STRIPE_CONSUMER, app.OUTBOX_SCHEMA))
 
 
 def _charge_orders(shop_dsn: str, stripe: FakeStripe, orders: int) -> None:

@@ -13,7 +13,7 @@ from psycopg import sql
 
 import outbox
 from outbox import NewJob
-from outbox.testing import jobs, ledger
+from outbox.testing import jobs, ledger, received
 
 from ..integration.helpers import wait_until
 
@@ -84,9 +84,7 @@ def _receive(dsn: str, schema: str, *, days: dict[str, float]) -> None:
 
 
 def _inbox(dsn: str, schema: str) -> set[str]:
-    with psycopg.connect(dsn) as conn:
-        return {row[0] for row in conn.execute(sql.SQL("SELECT message_id FROM {}.inbox").format(
-            sql.Identifier(schema)))}
+    return set(received(dsn, "billing", schema))  # every row here is billing's
 
 
 @pytest.mark.parametrize("flavour", ["sync", "async"])
