@@ -143,8 +143,8 @@ class FaultInjector:
         for kind, provider in list(self._push_backs):
             self._end_push_back(FaultEvent(0.0, f"{kind}_end", provider=provider), grace=0.0)
         if self._disarmed:
-            self.log.notes.append(f"{self._disarmed} provider fault(s) no request met before "
-                                  "the next was armed were disarmed")
+            self.log.notes.append(f"{self._disarmed} provider fault(s) no request met (before "
+                                  "the next was armed, or by the schedule's end) were disarmed")
         for thread in self._retiring:
             thread.join(_RETIRE_TIMEOUT + 30.0)
             if thread.is_alive():
