@@ -32,6 +32,16 @@ CREATE TABLE {schema}.declined (key text NOT NULL, reason text NOT NULL);
 """
 
 
+def dispatch_once(flavour: str, dsn: str, effects: list[Any], *, timeout: float = 60,
+                  **options: Any) -> outbox.DispatchStats:
+    """One ``run_until_idle``: of a ``Dispatcher`` for flavour "sync", else of an
+    ``AsyncDispatcher``."""
+    if flavour == "sync":
+        return outbox.Dispatcher(dsn, effects, **options).run_until_idle(timeout=timeout)
+    dispatcher = outbox.AsyncDispatcher(dsn, effects, **options)
+    return asyncio.run(dispatcher.run_until_idle(timeout=timeout))
+
+
 def create_tables(dsn: str, schema: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL(DDL).format(schema=sql.Identifier(schema)))

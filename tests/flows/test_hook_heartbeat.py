@@ -9,7 +9,6 @@ the transactions of that write. So no claim expires, no job is rescued or perfor
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections import Counter
@@ -21,6 +20,8 @@ import pytest
 import outbox
 from outbox import NewJob
 from outbox.testing import jobs
+
+from .shop import dispatch_once
 
 EFFECT = "flow.slow_hooked"
 JOBS = 300
@@ -71,13 +72,8 @@ def test_hooked_outcomes_written_over_several_leases_lose_no_claim(
     # One claim takes every job (room for all of them held), so every lease starts then.
     options: dict[str, Any] = {"schema": schema, "lease": LEASE, "batch_size": JOBS,
                                "concurrency": CONCURRENCY, "prefetch": JOBS - CONCURRENCY}
-    if flavour == "sync":
-        stats = outbox.Dispatcher(dsn, [effect], on_done={EFFECT: effect.record},
-                                  **options).run_until_idle(timeout=60)
-    else:
-        dispatcher = outbox.AsyncDispatcher(dsn, [effect], on_done={EFFECT: effect.record_async},
-                                            **options)
-        stats = asyncio.run(dispatcher.run_until_idle(timeout=60))
+    hook = effect.record if flavour == "sync" else effect.record_async
+    stats = dispatch_once(flavour, dsn, [effect], on_done={EFFECT: hook}, **options)
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         found = jobs(conn, schema)

@@ -8,7 +8,6 @@ once; the refused one is left to its lease, rescued, and done at its second atte
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -19,6 +18,8 @@ from psycopg import sql
 import outbox
 from outbox import NewJob
 from outbox.testing import jobs
+
+from .shop import dispatch_once
 
 EFFECT = "flow.refusable"
 JOBS = 40  # more than one chunk of hooked outcomes
@@ -72,13 +73,8 @@ def test_a_refused_hooked_outcome_costs_only_its_own_job(
     effect = Quick(schema)
     options: dict[str, Any] = {"schema": schema, "lease": 1.0, "rescue_interval": 0.2,
                                "batch_size": JOBS, "prefetch": JOBS}
-    if flavour == "sync":
-        stats = outbox.Dispatcher(dsn, [effect], on_done={EFFECT: effect.record},
-                                  **options).run_until_idle(timeout=60)
-    else:
-        dispatcher = outbox.AsyncDispatcher(dsn, [effect], on_done={EFFECT: effect.record_async},
-                                            **options)
-        stats = asyncio.run(dispatcher.run_until_idle(timeout=60))
+    hook = effect.record if flavour == "sync" else effect.record_async
+    stats = dispatch_once(flavour, dsn, [effect], on_done={EFFECT: hook}, **options)
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         found = jobs(conn, schema)

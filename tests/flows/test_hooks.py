@@ -7,7 +7,6 @@ on a thread with a blocking connection of their own).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,17 @@ import outbox
 from outbox import NewJob
 from outbox.testing import jobs, ledger
 
-from .shop import CHARGE, DECLINED, RECEIPT, AsyncCharge, Charge, Follow, create_tables, rows
+from .shop import (
+    CHARGE,
+    DECLINED,
+    RECEIPT,
+    AsyncCharge,
+    Charge,
+    Follow,
+    create_tables,
+    dispatch_once,
+    rows,
+)
 
 FLAVOURS = ["sync", "async", "async-plain"]
 
@@ -45,11 +54,7 @@ class Shop:
                    "backoff": outbox.Backoff(base=0.001, cap=0.005), **options}
         total = outbox.DispatchStats()
         for _ in range(20):
-            if self.flavour == "sync":
-                stats = outbox.Dispatcher(self.dsn, effects, **options).run_until_idle(timeout=60)
-            else:
-                dispatcher = outbox.AsyncDispatcher(self.dsn, effects, **options)
-                stats = asyncio.run(dispatcher.run_until_idle(timeout=60))
+            stats = dispatch_once(self.flavour, self.dsn, effects, **options)
             for name, value in stats.as_dict().items():
                 setattr(total, name, getattr(total, name) + value)
             if all(j["status"] not in ("pending", "running") for j in self.jobs().values()):

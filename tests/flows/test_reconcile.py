@@ -22,6 +22,8 @@ import outbox
 from outbox import NewJob
 from outbox.testing import jobs, ledger
 
+from .shop import dispatch_once
+
 LOSSY = "flow.lossy"
 GIVE_UP_AFTER = 8  # answers of "still unknown" before the reconciler gives up (README)
 
@@ -112,9 +114,7 @@ def _run(flavour: str, dsn: str, schema: str, effect: Lossy,
                "backoff": outbox.Backoff(base=0.001, cap=0.002), "breaker_threshold": None,
                **options}
     effects = [effect, Note()]
-    if flavour == "sync":
-        return outbox.Dispatcher(dsn, effects, **options).run_until_idle(timeout=30)
-    return asyncio.run(outbox.AsyncDispatcher(dsn, effects, **options).run_until_idle(timeout=30))
+    return dispatch_once(flavour, dsn, effects, timeout=30, **options)
 
 
 def _jobs(dsn: str, schema: str) -> dict[str, dict[str, Any]]:
