@@ -1,5 +1,8 @@
 """Pure decisions of the job lifecycle: what a job's next state is, and when.
 
+``settle`` is the one settlement of an attempt (the recorder and the completion hooks
+call it), ``settle_answer`` the one of a reconciler's answer (the reconciler calls it).
+
 No I/O and no clock of its own: callers pass ``now`` and a random source, so every rule
 here is tested without a database. The state machine these decisions drive::
 
@@ -16,11 +19,12 @@ import math
 import random
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Literal, Protocol
 
 from .errors import Permanent, Retry, Throttled, UnknownOutcome
 
-__all__ = ["Backoff", "Decision", "decide", "heartbeat_interval", "seconds"]
+__all__ = ["RELEASED", "Answered", "Attempted", "Backoff", "Decision", "Released", "Rules",
+           "Settled", "heartbeat_interval", "seconds", "settle", "settle_answer"]
 
 Status = Literal["pending", "running", "done", "failed", "reconcile"]
 MAX_ERROR_LENGTH = 2000
@@ -85,40 +89,160 @@ def describe(error: BaseException) -> str:
     return text
 
 
-def decide(
-    error: BaseException,
-    *,
-    attempt: int,
-    max_attempts: int,
-    first_attempted_at: datetime | None,
-    now: datetime,
-    unknown_outcome_window: float,
-    backoff: Backoff,
-    rng: random.Random,
-) -> Decision:
-    """The next state of a job whose attempt ``attempt`` raised ``error``.
+class Attempted(Protocol):
+    """The facts about a job's attempt that settle it (``outbox.Job`` has them)."""
 
+    @property
+    def attempt(self) -> int: ...
+
+    @property
+    def max_attempts(self) -> int: ...
+
+    @property
+    def first_attempted_at(self) -> datetime | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """What settles an effect's attempts besides their outcome.
+
+    ``window``: seconds the provider remembers an idempotency key, counted from the first
+    attempt; ``backoff``: the delay between retries; ``reconciles``: the effect defines
+    ``reconcile``, so an unknown outcome is asked about before the window closes.
+    """
+
+    window: float = math.inf
+    backoff: Backoff = Backoff()
+    reconciles: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """The outcome of an attempt handed back unstarted (shutdown): no attempt was spent."""
+
+
+RELEASED = Released()
+
+Settled = BaseException | Released | None
+"""What ``settle`` settles: the exception ``perform`` raised, ``RELEASED``, or None for a
+``perform`` that returned (settled by ``settle`` only when its hook raised)."""
+
+
+def settle(
+    outcome: Settled,
+    job: Attempted,
+    rules: Rules,
+    *,
+    now: datetime,
+    rng: random.Random,
+    hook_error: BaseException | None = None,
+) -> Decision:
+    """The next state of ``job`` after its attempt ended with ``outcome`` (and, when the
+    completion hook of that outcome raised, ``hook_error``). The one settlement of an
+    attempt: the recorder and the completion hooks both call it.
+
+    - returned: done. Released: pending at once, no error. ``Throttled``: pending at
+      once (the effect's pause keeps it from being claimed early).
     - ``Permanent``: failed at once.
     - ``UnknownOutcome``: retried with the same key while the provider's idempotency
       window (from the first attempt) lasts and attempts remain; otherwise reconcile,
-      because the provider may have acted and re-sending could act again.
+      because the provider may have acted and re-sending could act again. For an effect
+      that ``reconciles``, also reconcile when the next retry would come after the
+      window closes: the provider is asked while re-sending the key is still safe.
     - ``Retry`` and any other exception: retried after ``Retry.after`` or the backoff,
       until ``max_attempts``; then failed with the last error.
+    - a hook that raised: retried with backoff until ``max_attempts`` (``Permanent`` from
+      the hook: at once), then failed. Never reconcile: the provider's outcome is known,
+      only the hook failed. The error names the hook (``on_done`` after a returned
+      ``perform``, else ``on_failed`` after the failure it was told of).
     """
+    if hook_error is not None:
+        return _after_hook(outcome, hook_error, job, rules, now=now, rng=rng)
+    if outcome is None:
+        return Decision("done")
+    if isinstance(outcome, Released):
+        return Decision("pending")
+    if isinstance(outcome, Throttled):
+        return Decision("pending", error=describe(outcome))
+    decision = _after_error(outcome, job, rules, now=now, rng=rng)
+    if rules.reconciles:
+        return _ask_before_window_closes(decision, outcome, job, rules.window, now)
+    return decision
+
+
+def _after_error(error: BaseException, job: Attempted, rules: Rules, *, now: datetime,
+                 rng: random.Random) -> Decision:
+    """``settle`` for an attempt that raised ``error`` (the rules in its docstring)."""
     text = describe(error)
+    attempt, max_attempts = job.attempt, job.max_attempts
     if isinstance(error, Permanent):
         return Decision("failed", error=text)
     if isinstance(error, UnknownOutcome):
-        started = first_attempted_at or now
-        if now - started >= timedelta(seconds=unknown_outcome_window):
+        started = job.first_attempted_at or now
+        if now - started >= timedelta(seconds=rules.window):
             return Decision("reconcile", error=f"{text} (past the idempotency window)")
         if attempt >= max_attempts:
             return Decision("reconcile", error=f"{text} (attempts exhausted)")
-        return Decision("pending", delay=_delay(error.after, attempt, backoff, rng), error=text)
+        return Decision("pending", delay=_delay(error.after, attempt, rules.backoff, rng),
+                        error=text)
     if attempt >= max_attempts:
         return Decision("failed", error=f"{text} (attempt {attempt} of {max_attempts})")
     after = error.after if isinstance(error, Retry | Throttled) else None
-    return Decision("pending", delay=_delay(after, attempt, backoff, rng), error=text)
+    return Decision("pending", delay=_delay(after, attempt, rules.backoff, rng), error=text)
+
+
+def _ask_before_window_closes(decision: Decision, error: BaseException, job: Attempted,
+                              window: float, now: datetime) -> Decision:
+    """An unknown outcome whose next retry would come after the provider forgets the key
+    goes to reconcile now, instead of being sent again past the provider's memory."""
+    if decision.status != "pending" or not isinstance(error, UnknownOutcome):
+        return decision
+    closes = (job.first_attempted_at or now) + timedelta(seconds=window)
+    if now + timedelta(seconds=decision.delay) < closes:
+        return decision
+    return Decision("reconcile", error=f"{decision.error} (the window closes before the "
+                                       "next attempt: the provider is asked instead)")
+
+
+def _after_hook(outcome: Settled, hook_error: BaseException, job: Attempted, rules: Rules,
+                *, now: datetime, rng: random.Random) -> Decision:
+    """``settle`` for an outcome whose completion hook raised ``hook_error``."""
+    if outcome is None or isinstance(outcome, Released):
+        text = f"on_done raised {describe(hook_error)}"
+    else:
+        told = _after_error(outcome, job, rules, now=now, rng=rng).error
+        text = f"{told}; on_failed raised {describe(hook_error)}"
+    if isinstance(hook_error, Permanent) or job.attempt >= job.max_attempts:
+        return Decision("failed", error=text)
+    return Decision("pending", delay=rules.backoff.delay(job.attempt, rng), error=text)
+
+
+Answered = Literal["performed", "not_performed", "failed"]
+"""The answers of a reconciler that settle a job (the others ask again later)."""
+
+
+def settle_answer(answer: Answered, *, error: BaseException | None = None,
+                  hook_error: BaseException | None = None) -> Decision:
+    """The next state of a job in ``reconcile`` once its provider answered ``answer``
+    (``error``: what ``reconcile`` raised for ``failed``), and its hook, if any, ran.
+
+    - performed: done with the provider's result; if ``on_done`` raised, pending with
+      the answer kept (the next attempt runs the hook, not the effect).
+    - not performed: pending, same key, a fresh window.
+    - failed (``Permanent`` raised by ``reconcile``): failed; an ``on_failed`` that
+      raised is noted in the error, the failure stands.
+    """
+    if answer == "performed":
+        if hook_error is None:
+            return Decision("done")
+        return Decision("pending", error=f"on_done raised {describe(hook_error)}")
+    if answer == "not_performed":
+        return Decision("pending", error="reconciler: the provider has no trace of this "
+                                         "key; performing again")
+    text = describe(error) if error is not None else "reconciler: failed"
+    if hook_error is not None:
+        text = f"{text}; on_failed raised {describe(hook_error)}"
+    return Decision("failed", error=text)
 
 
 def _delay(after: float | None, attempt: int, backoff: Backoff, rng: random.Random) -> float:

@@ -51,7 +51,6 @@ from .._sql import Queries
 from .._state import Decision
 from .._steps import Rows, Statement, Step, execute, execute_async, run, run_async
 from ..effect import Job
-from ..errors import Permanent
 from ..flows import AsyncHookTransaction, HookTransaction
 from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
@@ -61,7 +60,7 @@ from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, guarded
 
 __all__ = ["HOOKED_CHUNK_MAX", "CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes",
-           "call_hook", "hook_decision", "in_transaction", "in_transaction_async",
+           "call_hook", "in_transaction", "in_transaction_async",
            "record_hooked", "record_hooked_async"]
 
 log = logging.getLogger("outbox.dispatcher")
@@ -119,33 +118,22 @@ ids of the follow-up jobs the hook created)."""
 
 @dataclass(eq=False, slots=True)
 class Hooked:
-    """An outcome to record with its hook: ``decision`` is the settlement of a failure."""
+    """An outcome to record with its hook."""
 
     held: Held
     outcome: Outcome
     hook: Callable[..., Any]
-    decision: Decision | None = None
+    decision: Decision | None = None  # the settlement of a failure (to failed)
     is_async: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.is_async = is_async_hook(self.hook)
 
 
-def hook_decision(error: BaseException, job: Job, backoff: _state.Backoff,
-                  rng: random.Random, now: datetime) -> Decision:
-    """Where a job goes when its hook raised: retried with backoff until ``max_attempts``
-    (``Permanent`` from a hook: at once), then failed. Never ``reconcile``: the provider's
-    outcome is known, only the hook failed."""
-    if isinstance(error, Permanent) or job.attempt >= job.max_attempts:
-        return Decision("failed", error=None)
-    return _state.decide(RuntimeError(), attempt=job.attempt, max_attempts=job.max_attempts,
-                         first_attempted_at=job.first_attempted_at, now=now,
-                         unknown_outcome_window=float("inf"), backoff=backoff, rng=rng)
-
-
 class Recording(Protocol):
     """What the hooked path shares with the recorder that owns it (``Recorder``): its
-    options, state and statements, its retry flag and jitter, and its decisions."""
+    options, state and statements, its retry flag, and the jitter and rules that settle
+    an outcome."""
 
     settings: Settings
     state: SharedState[Any]
@@ -153,9 +141,8 @@ class Recording(Protocol):
     complete: str  # the completion statement (update, or delete with retention 0)
     retrying: bool
     rng: random.Random
-    decided: dict[int, Decision]  # settlements decided here, taken by ``settlement``
 
-    def settlement(self, held: Held, outcome: Outcome) -> Decision: ...
+    def rules(self, held: Held) -> _state.Rules: ...
 
     def landed_before(self, helds: list[Held]) -> Step[set[int]]: ...
 
@@ -186,9 +173,14 @@ class HookedOutcomes:
         per_outcome = max(seconds / count, 1e-6)
         self.chunk_size = max(1, min(HOOKED_CHUNK_MAX, int(self.chunk_seconds / per_outcome)))
 
-    def take(self, pending: list[tuple[Held, Outcome]]) -> None:
-        """Move the outcomes whose effect has a hook for them out of ``pending``."""
+    def take(self, pending: list[tuple[Held, Outcome]],
+             settle: Callable[[Held, Outcome], Decision]) -> dict[int, Decision]:
+        """Move the outcomes whose effect has a hook for them out of ``pending``: a
+        success with an ``on_done``, a failure with an ``on_failed`` that ``settle``
+        sends to failed. The settlements taken for the failures left in ``pending``
+        are returned (by job id), so that nothing is settled twice."""
         done, failed = self.settings.done_hooks, self.settings.failed_hooks
+        decided: dict[int, Decision] = {}
         rest: list[tuple[Held, Outcome]] = []
         for held, outcome in pending:
             name = held.job.effect
@@ -196,13 +188,14 @@ class HookedOutcomes:
                 self.items.append(Hooked(held, outcome, done[name]))
                 continue
             if isinstance(outcome, BaseException) and name in failed:
-                decision = self.recorder.settlement(held, outcome)
+                decision = settle(held, outcome)
                 if decision.status == "failed":
                     self.items.append(Hooked(held, outcome, failed[name], decision))
                     continue
-                self.recorder.decided[held.job.id] = decision  # not decided twice
+                decided[held.job.id] = decision
             rest.append((held, outcome))
         pending[:] = rest
+        return decided
 
     # -- the steps -----------------------------------------------------------------------
 
@@ -272,11 +265,9 @@ class HookedOutcomes:
         if error is None:
             return "done"
         yield ROLLBACK
-        decision = hook_decision(error, job, self.settings.backoff, self.recorder.rng,
-                                 datetime.now(UTC))
-        text = f"on_done raised {_state.describe(error)}"
+        decision = self._settle_hook_error(item, None, error)
         params = {"id": job.id, "version": job.claim_version, "result": success.result_json,
-                  "delay": decision.delay, "error": text}
+                  "delay": decision.delay, "error": decision.error}
         log.warning("job %s (key %s) attempt %s: on_done raised %s -> %s (the provider's "
                     "answer is kept: it is not performed again)", job.id, job.key,
                     job.attempt, type(error).__name__, decision.status)
@@ -296,12 +287,10 @@ class HookedOutcomes:
         if error is None:
             return "failed"
         yield ROLLBACK
-        retry = hook_decision(error, job, self.settings.backoff, self.recorder.rng,
-                              datetime.now(UTC))
-        text = f"{decision.error}; on_failed raised {_state.describe(error)}"
+        retry = self._settle_hook_error(item, item.outcome, error)
         log.warning("job %s (key %s) attempt %s: on_failed raised %s -> %s", job.id, job.key,
                     job.attempt, type(error).__name__, retry.status)
-        rows = yield from self._settle(job, retry.status, retry.delay, text)
+        rows = yield from self._settle(job, retry.status, retry.delay, retry.error)
         return ("retry" if retry.status == "pending" else "failed") if rows else "lost"
 
     def _settle(self, job: Job, status: str, delay: float, error: str | None) -> HookStep[Rows]:
@@ -309,6 +298,12 @@ class HookedOutcomes:
             {"id": job.id, "version": job.claim_version, "status": status, "delay": delay,
              "error": error, "refund": False}])})
         return rows
+
+    def _settle_hook_error(self, item: Hooked, outcome: BaseException | None,
+                           error: Exception) -> Decision:
+        """Where the job goes after its hook raised ``error`` (``_state.settle``)."""
+        return _state.settle(outcome, item.held.job, self.recorder.rules(item.held),
+                             now=datetime.now(UTC), rng=self.recorder.rng, hook_error=error)
 
     def _hook(self, item: Hooked, value: Any) -> HookStep[Exception | None]:
         return (yield from call_hook(item.hook, item.held.job, value, self.queries))

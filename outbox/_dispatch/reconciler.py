@@ -19,7 +19,8 @@ pass before claiming). Each pass::
                  anything else      the provider could not be reached: asked again,
                  raised             the pass not counted toward giving up
 
-The decisions (``decide``) and the resolutions (``resolve``, a step that yields statements
+How a reply is read (``read_reply``), where an answer sends the job
+(``_state.settle_answer``) and the resolutions (``resolve``, a step that yields statements
 and hook calls) are written once; ``run_reconciler`` and ``run_reconciler_async`` drive
 them with the steps' two drivers (``outbox._steps``).
 """
@@ -33,14 +34,12 @@ import logging
 import random
 import threading
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from .. import _state
-from .._state import Decision
 from .._steps import Statement, Step, run, run_async
 from ..effect import Effect, Job
-from ..errors import ConfigurationError, Permanent, UnknownOutcome
+from ..errors import ConfigurationError, Permanent
 from ..flows import NotPerformed, Performed
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .flowsql import flow_queries
@@ -57,7 +56,7 @@ from .settings import Settings
 from .state import SharedState
 from .workers import result_json
 
-__all__ = ["MAX_UNKNOWN_PASSES", "Answer", "Reconciler", "decide", "next_ask",
+__all__ = ["MAX_UNKNOWN_PASSES", "Answer", "Reconciler", "next_ask", "read_reply",
            "run_reconciler", "run_reconciler_async"]
 
 log = logging.getLogger("outbox.reconciler")
@@ -90,7 +89,7 @@ def next_ask(interval: float, answered: int, rng: random.Random) -> float | None
     return min(MAX_DELAY, interval * 2.0 ** answered) * rng.uniform(0.75, 1.0)
 
 
-def decide(job: Job, checks: int, reply: object, error: BaseException | None) -> Answer:
+def read_reply(job: Job, checks: int, reply: object, error: BaseException | None) -> Answer:
     """The answer a ``reconcile`` call gave: its return value, or what it raised."""
     if isinstance(error, Permanent):
         return Answer(job, checks, "failed", error=error)
@@ -105,21 +104,6 @@ def decide(job: Job, checks: int, reply: object, error: BaseException | None) ->
     problem = TypeError(f"reconcile() of {job.effect!r} returned {type(reply).__name__}: "
                         "expected outbox.Performed, outbox.NotPerformed or None")
     return Answer(job, checks, "unreachable", error=problem)
-
-
-def ask_before_window_closes(decision: Decision, error: BaseException, job: Job,
-                             window: float, now: datetime) -> Decision:
-    """For an effect that reconciles: an unknown outcome whose next retry would come
-    after the provider forgets the key (the window counted from the first attempt)
-    goes to ``reconcile`` now, so the provider is asked while re-sending the key is
-    still safe, instead of being sent the request again past its memory."""
-    if decision.status != "pending" or not isinstance(error, UnknownOutcome):
-        return decision
-    closes = (job.first_attempted_at or now) + timedelta(seconds=window)
-    if now + timedelta(seconds=decision.delay) < closes:
-        return decision
-    return Decision("reconcile", error=f"{decision.error} (the window closes before the "
-                                       "next attempt: the provider is asked instead)")
 
 
 def reconcilers(settings: Settings) -> dict[str, Effect]:
@@ -160,8 +144,8 @@ class Reconciler:
             if inspect.isawaitable(reply):
                 reply = asyncio.run(_awaited(reply))
         except Exception as exc:
-            return decide(job, checks, None, exc)
-        return decide(job, checks, reply, None)
+            return read_reply(job, checks, None, exc)
+        return read_reply(job, checks, reply, None)
 
     async def ask_async(self, job: Job, checks: int) -> Answer:
         """``ask`` on ``AsyncDispatcher``'s loop (a plain ``reconcile`` on a thread)."""
@@ -172,8 +156,8 @@ class Reconciler:
             else:
                 reply = await asyncio.to_thread(method, job)
         except Exception as exc:
-            return decide(job, checks, None, exc)
-        return decide(job, checks, reply, None)
+            return read_reply(job, checks, None, exc)
+        return read_reply(job, checks, reply, None)
 
     # -- resolve ---------------------------------------------------------------------------
 
@@ -187,8 +171,8 @@ class Reconciler:
             decision, rows = yield from self._failed(answer)
         elif answer.kind == "not_performed":
             decision = "not_performed"
-            rows = yield Statement(q.reconcile_not_performed, {**fence, "error": (
-                "reconciler: the provider has no trace of this key; performing again")})
+            rows = yield Statement(q.reconcile_not_performed, {
+                **fence, "error": _state.settle_answer("not_performed").error})
         else:
             answered = answer.kind == "unknown"
             delay = next_ask(self.settings.reconcile_interval,
@@ -223,8 +207,9 @@ class Reconciler:
                 log.warning("job %s (key %s): on_done raised %s after reconciliation; the "
                             "job is retried with the provider's answer kept", job.id,
                             job.key, type(error).__name__)
+                settled = _state.settle_answer("performed", hook_error=error)
                 rows = yield Statement(self.queries.reconcile_keep, {
-                    **fence, "error": f"on_done raised {_state.describe(error)}"})
+                    **fence, "error": settled.error})
         return "performed", rows
 
     def _failed(self, answer: Answer) -> HookStep[tuple[str, list[Any]]]:
@@ -233,15 +218,15 @@ class Reconciler:
         hook = self.settings.failed_hooks.get(job.effect)
         fence = {"id": job.id, "version": job.claim_version}
         yield SAVEPOINT
-        rows = yield Statement(self.queries.reconcile_fail,
-                               {**fence, "error": _state.describe(error)})
+        rows = yield Statement(self.queries.reconcile_fail, {
+            **fence, "error": _state.settle_answer("failed", error=error).error})
         if rows and hook is not None:
             hook_error = yield from call_hook(hook, job, error, self.queries)
             if hook_error is not None:  # the failure stands; only the hook's writes go
                 yield ROLLBACK
-                rows = yield Statement(self.queries.reconcile_fail, {**fence, "error": (
-                    f"{_state.describe(error)}; on_failed raised "
-                    f"{_state.describe(hook_error)}")})
+                settled = _state.settle_answer("failed", error=error, hook_error=hook_error)
+                rows = yield Statement(self.queries.reconcile_fail, {
+                    **fence, "error": settled.error})
         return "failed", rows
 
     def sync_hook(self, answer: Answer) -> bool:

@@ -1,6 +1,6 @@
 """The recorder: writes outcomes in fenced batches and heartbeats the leases held.
 
-Written once as steps (see ``steps``), driven by ``run_recorder`` (the recorder thread of
+Written once as steps (``outbox._steps``), driven by ``run_recorder`` (the recorder thread of
 ``Dispatcher``) and ``run_recorder_async`` (its task in ``AsyncDispatcher``). A batch is
 at most two statements: ``complete`` (the fenced ``running -> done`` update and the
 ledger row, together) and ``settle`` (retry, release, failed, reconcile). A fenced write
@@ -30,7 +30,7 @@ from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
 from .hooks import HookedOutcomes, close_quietly, flush_hooked, flush_hooked_async
 from .limits import report
-from .reconciler import ask_before_window_closes, reconcilers
+from .reconciler import reconcilers
 from .settings import Settings
 from .state import (
     AsyncState,
@@ -72,8 +72,6 @@ class Recorder:
         # None keeps the batched path alone, untouched, when no effect has one.
         self.hooks = (HookedOutcomes(self) if settings.done_hooks or settings.failed_hooks
                       else None)
-        # Settlements already decided while sorting out hooked outcomes, by job id.
-        self.decided: dict[int, Decision] = {}
         # Effects whose unknown outcomes the reconciler can settle (Effect.reconcile).
         self.reconciling = frozenset(reconcilers(settings))
 
@@ -91,10 +89,10 @@ class Recorder:
         """
         if not self.retrying:  # what the batch says about its providers, once
             yield from report(self.settings, self.state.limits, pending)
-        if self.hooks is not None:
-            self.hooks.take(pending)
+        # Settlements the hooks decided while sorting the outcomes out, by job id.
+        decided = self.hooks.take(pending, self.settlement) if self.hooks is not None else {}
         try:
-            yield from self._flush(pending)
+            yield from self._flush(pending, decided)
         except (*CONNECTION_ERRORS, GeneratorExit):
             raise
         except BaseException as exc:
@@ -103,9 +101,10 @@ class Recorder:
             pending.clear()
             raise
 
-    def _flush(self, pending: list[tuple[Held, Outcome]]) -> Step[None]:
+    def _flush(self, pending: list[tuple[Held, Outcome]],
+               decided: dict[int, Decision]) -> Step[None]:
         try:
-            yield from self.record(pending)
+            yield from self.record(pending, decided)
         except CONNECTION_ERRORS:
             raise
         except psycopg.Error as exc:  # a row the database refused
@@ -113,11 +112,12 @@ class Recorder:
                 raise fatal from exc  # a missing privilege refuses every row alike
             log.error("recording a batch failed (%s); recording one by one",
                       getattr(exc, "sqlstate", None) or type(exc).__name__)
-            yield from self.record_singly(pending)
+            yield from self.record_singly(pending, decided)
 
-    def record(self, batch: list[tuple[Held, Outcome]]) -> Step[None]:
-        """Write one batch of outcomes: at most two statements, each fenced (and, when
-        the batch says a provider throttles or fails, its shared limit state first)."""
+    def record(self, batch: list[tuple[Held, Outcome]],
+               decided: dict[int, Decision] | None = None) -> Step[None]:
+        """Write one batch of outcomes: at most two statements, each fenced. ``decided``:
+        settlements already taken (by job id), not settled again."""
         successes = [(h, o) for h, o in batch if isinstance(o, Success)]
         if successes:
             claims = ",".join(
@@ -145,8 +145,9 @@ class Recorder:
         if not batch:
             return
         # Released and throttled jobs go back with their attempt refunded.
-        settles = [(h, isinstance(o, Release | Throttled), self.settlement(h, o))
-                   for h, o in batch]
+        decided = decided or {}
+        settles = [(h, isinstance(o, Release | Throttled),
+                    decided.get(h.job.id) or self.settlement(h, o)) for h, o in batch]
         rows = yield Statement(self.queries.settle, {"claims": json.dumps([
             {"id": h.job.id, "version": h.job.claim_version, "status": d.status,
              "delay": d.delay, "error": d.error, "refund": released}
@@ -176,14 +177,15 @@ class Recorder:
         rows = yield Statement(self.queries.recorded_claims, {"claims": f"[{claims}]"})
         return {r[0] for r in rows}
 
-    def record_singly(self, batch: list[tuple[Held, Outcome]]) -> Step[None]:
+    def record_singly(self, batch: list[tuple[Held, Outcome]],
+                      decided: dict[int, Decision]) -> Step[None]:
         """Fallback after a batch failed for a reason other than the connection: record
         each outcome alone so one bad row cannot block the rest. An outcome that still
         cannot be written is dropped here; its lease expires and the rescuer retries it,
         so it counts an attempt and ends ``failed`` rather than looping forever."""
         for item in list(batch):
             try:
-                yield from self.record([item])
+                yield from self.record([item], decided)
             except CONNECTION_ERRORS:
                 raise
             except psycopg.Error as exc:
@@ -195,33 +197,27 @@ class Recorder:
             batch.remove(item)
 
     def settlement(self, held: Held, outcome: Outcome) -> Decision:
-        """Where a failed (or released) attempt sends the job: the pure decision."""
-        if isinstance(outcome, Release):
-            return Decision("pending", delay=0.0, error=None)
-        if self.decided and (decided := self.decided.pop(held.job.id, None)) is not None:
-            return decided
-        if isinstance(outcome, Throttled):
-            # Due again at once: the effect's pause, shared by every dispatcher, keeps it
-            # from being claimed until the provider is ready.
-            return Decision("pending", delay=0.0, error=_state.describe(outcome))
-        assert isinstance(outcome, BaseException)
-        now, window = datetime.now(UTC), self.settings.window_for(held.effect)
-        decision = _state.decide(
-            outcome, attempt=held.job.attempt, max_attempts=held.job.max_attempts,
-            first_attempted_at=held.job.first_attempted_at, now=now,
-            unknown_outcome_window=window,
-            backoff=self.settings.backoff, rng=self.rng,
-        )
-        if held.job.effect in self.reconciling:
-            decision = ask_before_window_closes(decision, outcome, held.job, window, now)
-        log.log(
-            logging.WARNING if decision.status != "pending" else logging.INFO,
-            "job %s (key %s) attempt %s -> %s: %s",
-            held.job.id, held.job.key, held.job.attempt, decision.status,
-            # The reason as last_error stores it ("Permanent: card declined"), shortened.
-            decision.error[:300] if decision.error else type(outcome).__name__,
-        )
+        """Where a failed (or released) attempt sends the job (``_state.settle``)."""
+        settled = _state.RELEASED if isinstance(outcome, Release) else outcome
+        assert not isinstance(settled, Success)
+        decision = _state.settle(settled, held.job, self.rules(held), now=datetime.now(UTC),
+                                 rng=self.rng)
+        if settled is not _state.RELEASED and not isinstance(settled, Throttled):
+            log.log(
+                logging.WARNING if decision.status != "pending" else logging.INFO,
+                "job %s (key %s) attempt %s -> %s: %s",
+                held.job.id, held.job.key, held.job.attempt, decision.status,
+                # The reason as last_error stores it ("Permanent: card declined"), shortened.
+                decision.error[:300] if decision.error else type(settled).__name__,
+            )
         return decision
+
+    def rules(self, held: Held) -> _state.Rules:
+        """The rules that settle ``held``'s attempts (its window, the backoff, whether
+        its effect reconciles)."""
+        return _state.Rules(window=self.settings.window_for(held.effect),
+                            backoff=self.settings.backoff,
+                            reconciles=held.job.effect in self.reconciling)
 
     def lost(self, held: Held) -> None:
         """``held``'s fenced write changed nothing (see ``_lost``)."""

@@ -9,8 +9,8 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outbox import Backoff, Permanent, Retry, UnknownOutcome
-from outbox._state import MAX_ERROR_LENGTH, Decision, decide
+from outbox import Backoff, Job, Permanent, Retry, UnknownOutcome
+from outbox._state import MAX_ERROR_LENGTH, Decision, Rules, settle
 
 FAST = settings(max_examples=300, deadline=None, database=None)
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
@@ -63,16 +63,10 @@ def _outcomes() -> st.SearchStrategy[BaseException]:
 def _decide(
     error: BaseException, attempt: int, max_attempts: int, age: timedelta, window: float, seed: int
 ) -> Decision:
-    return decide(
-        error,
-        attempt=attempt,
-        max_attempts=max_attempts,
-        first_attempted_at=NOW - age,
-        now=NOW,
-        unknown_outcome_window=window,
-        backoff=Backoff(base=1.0, cap=60.0),
-        rng=random.Random(seed),
-    )
+    job = Job(id=1, effect="e", key="k", payload={}, attempt=attempt, claim_version=1,
+              max_attempts=max_attempts, first_attempted_at=NOW - age)
+    return settle(error, job, Rules(window=window, backoff=Backoff(base=1.0, cap=60.0)),
+                  now=NOW, rng=random.Random(seed))
 
 
 @FAST
@@ -86,7 +80,7 @@ def _decide(
     window=st.sampled_from([0.0, 60.0, DAY]),
     seed=seeds,
 )
-def test_decide(
+def test_settle(
     error: BaseException, attempt: int, max_attempts: int, age: timedelta, window: float,
     seed: int,
 ) -> None:

@@ -42,7 +42,7 @@ from psycopg import sql
 
 import outbox
 from outbox import Permanent, Retry, UnknownOutcome, _queue
-from outbox._state import Backoff, decide
+from outbox._state import Backoff, Rules, settle
 from outbox.dispatcher import _text_array
 from outbox.sql import queries
 
@@ -289,12 +289,13 @@ class Lifecycle(RuleBasedStateMachine):
         if isinstance(outcome, Release):
             return "pending", 0.0, None
         job = self.model[claim.job_id]
-        decision = decide(
-            outcome, attempt=claim.attempt, max_attempts=job.max_attempts,
-            first_attempted_at=claim.first_attempted_at, now=datetime.now(UTC),
-            unknown_outcome_window=WINDOW, backoff=Backoff(base=0.0, cap=0.0),
-            rng=random.Random(0),
-        )
+        attempted = outbox.Job(id=claim.job_id, effect="e", key="k", payload={},
+                               attempt=claim.attempt, claim_version=1,
+                               max_attempts=job.max_attempts,
+                               first_attempted_at=claim.first_attempted_at)
+        decision = settle(outcome, attempted, Rules(window=WINDOW,
+                                                    backoff=Backoff(base=0.0, cap=0.0)),
+                          now=datetime.now(UTC), rng=random.Random(0))
         return decision.status, decision.delay, decision.error
 
     # -- time passing, the rescuer, the operator --------------------------------------

@@ -1,19 +1,16 @@
-"""The reconciler's pure decisions: how an answer is read, when to ask next, and when an
-unknown outcome is asked about before its window closes."""
+"""The reconciler's pure parts: how a reply is read and when to ask next (where an
+answer sends the job is ``_state.settle_answer``, tested in test_settlement)."""
 
 from __future__ import annotations
 
 import random
-from datetime import UTC, datetime, timedelta
 
 import outbox
 from outbox._dispatch.reconciler import (
     MAX_UNKNOWN_PASSES,
-    ask_before_window_closes,
-    decide,
     next_ask,
+    read_reply,
 )
-from outbox._state import Decision
 
 JOB = outbox.Job(id=1, effect="payment.charge", key="k", payload={}, attempt=2,
                  claim_version=2)
@@ -28,25 +25,11 @@ def test_next_ask_doubles_from_the_interval_is_capped_and_stops() -> None:
         assert delay is not None and 0.75 * full <= delay <= full
 
 
-def test_answers_are_read_as_decisions() -> None:
-    assert decide(JOB, 0, outbox.Performed({"id": "pi_1"}), None).result_json == '{"id":"pi_1"}'
-    assert decide(JOB, 0, outbox.NotPerformed(), None).kind == "not_performed"
-    assert decide(JOB, 3, None, None).kind == "unknown"
-    assert decide(JOB, 0, None, outbox.Permanent("declined")).kind == "failed"
-    assert decide(JOB, 0, None, ConnectionError("down")).kind == "unreachable"
-    wrong = decide(JOB, 0, "yes", None)
+def test_replies_are_read_as_answers() -> None:
+    assert read_reply(JOB, 0, outbox.Performed({"id": "pi_1"}), None).result_json == '{"id":"pi_1"}'
+    assert read_reply(JOB, 0, outbox.NotPerformed(), None).kind == "not_performed"
+    assert read_reply(JOB, 3, None, None).kind == "unknown"
+    assert read_reply(JOB, 0, None, outbox.Permanent("declined")).kind == "failed"
+    assert read_reply(JOB, 0, None, ConnectionError("down")).kind == "unreachable"
+    wrong = read_reply(JOB, 0, "yes", None)
     assert wrong.kind == "unreachable" and "expected outbox.Performed" in str(wrong.error)
-
-
-def test_ask_before_window_closes_only_when_the_retry_would_come_too_late() -> None:
-    now = datetime.now(UTC)
-    job = outbox.Job(id=1, effect="payment.charge", key="k", payload={}, attempt=2,
-                     claim_version=2, first_attempted_at=now - timedelta(seconds=50))
-    unknown = outbox.UnknownOutcome("timeout")
-    soon = Decision("pending", delay=5.0, error="timeout")
-    late = Decision("pending", delay=15.0, error="timeout")
-    assert ask_before_window_closes(soon, unknown, job, 60.0, now) == soon
-    assert ask_before_window_closes(late, unknown, job, 60.0, now).status == "reconcile"
-    assert ask_before_window_closes(late, RuntimeError("5xx"), job, 60.0, now) == late
-    failed = Decision("failed", error="declined")
-    assert ask_before_window_closes(failed, unknown, job, 60.0, now) == failed

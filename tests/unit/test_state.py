@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from outbox import Backoff, Permanent, Retry, UnknownOutcome
-from outbox._state import Decision, decide, heartbeat_interval, seconds
+from outbox import Backoff, Job, Permanent, Retry, UnknownOutcome
+from outbox._state import Decision, Rules, heartbeat_interval, seconds, settle
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 DAY = 86400.0
@@ -16,9 +16,10 @@ DAY = 86400.0
 
 def _decide(error: BaseException, attempt: int = 1, max_attempts: int = 5,
             started: datetime | None = NOW, window: float = DAY) -> Decision:
-    return decide(error, attempt=attempt, max_attempts=max_attempts, first_attempted_at=started,
-                  now=NOW, unknown_outcome_window=window, backoff=Backoff(base=1.0, cap=60.0),
-                  rng=random.Random(7))
+    job = Job(id=1, effect="e", key="k", payload={}, attempt=attempt, claim_version=1,
+              max_attempts=max_attempts, first_attempted_at=started)
+    return settle(error, job, Rules(window=window, backoff=Backoff(base=1.0, cap=60.0)),
+                  now=NOW, rng=random.Random(7))
 
 
 def test_permanent_fails_at_once_with_reason() -> None:
