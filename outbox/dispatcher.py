@@ -44,7 +44,7 @@ from ._dispatch.claimer import (
 )
 from ._dispatch.connection import AsyncConnection, Connection, connect
 from ._dispatch.counting import DispatchStats
-from ._dispatch.hookset import require_sync_hooks
+from ._dispatch.hook_lookup import require_sync_hooks
 from ._dispatch.listener import Listener, listen_async
 from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_reconciler_async
 from ._dispatch.recorder import Recorder, run_recorder, run_recorder_async

@@ -7,7 +7,13 @@
     connection  how connections are opened (one function) and replaced when they break
     claimer     claim batches, rescue expired leases, retention
     workers     run ``perform`` within the one concurrency limit
-    recorder    complete / settle batches (fenced), heartbeat held leases
+    recorder    complete / settle batches (fenced), heartbeat held leases; the
+                settlement itself is ``outbox._state.settle``
+    hooked      the recorder's per-job path for outcomes with a completion hook, and
+                how a hook is called in a transaction
+    hook_lookup which effects have completion hooks and reconcilers (build time)
+    reconciler  ask the provider about jobs in ``reconcile``, write its answer
+    flowsql     the named blocks of ``sql/flows.sql`` (hooks and reconciler)
     listener    LISTEN for enqueue notifications, wake the claimer
     counting    ``DispatchStats``, counted from the observer events the parts report
 

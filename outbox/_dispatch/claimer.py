@@ -2,7 +2,7 @@
 (done jobs, ledger rows, inbox rows).
 
 The decisions (how many to claim, what each round does next) are written once here as
-steps (see ``steps``); ``run_claimer`` drives them on a blocking connection in
+steps (``outbox._steps``); ``run_claimer`` drives them on a blocking connection in
 ``Dispatcher``'s caller's thread, ``run_claimer_async`` on an asyncio connection as a
 task of ``AsyncDispatcher``. Before either, ``wait_for_schema`` (or its twin) checks
 that the schema is current.

@@ -43,7 +43,8 @@ from ..errors import ConfigurationError, Permanent
 from ..flows import NotPerformed, Performed
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .flowsql import flow_queries
-from .hooks import (
+from .hook_lookup import is_async_hook, overrides
+from .hooked import (
     ROLLBACK,
     SAVEPOINT,
     HookStep,
@@ -51,7 +52,6 @@ from .hooks import (
     in_transaction,
     in_transaction_async,
 )
-from .hookset import is_async_hook, overrides
 from .settings import Settings
 from .state import SharedState
 from .workers import result_json

@@ -28,7 +28,7 @@ from .._steps import Statement, Step, run, run_async
 from ..errors import ConfigurationError, Throttled
 from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
-from .hooks import HookedOutcomes, close_quietly, flush_hooked, flush_hooked_async
+from .hooked import HookedOutcomes, close_quietly, flush_hooked, flush_hooked_async
 from .limits import report
 from .reconciler import reconcilers
 from .settings import Settings
@@ -70,7 +70,7 @@ class Recorder:
         self.rng = random.Random()  # the backoff's jitter
         # Outcomes whose effect has a completion hook take the per-job path (hooks);
         # None keeps the batched path alone, untouched, when no effect has one.
-        self.hooks = (HookedOutcomes(self) if settings.done_hooks or settings.failed_hooks
+        self.hooked = (HookedOutcomes(self) if settings.done_hooks or settings.failed_hooks
                       else None)
         # Effects whose unknown outcomes the reconciler can settle (Effect.reconcile).
         self.reconciling = frozenset(reconcilers(settings))
@@ -84,13 +84,13 @@ class Recorder:
         caller retries only the rest (with ``retrying`` set). Any other error ends the
         recorder (a missing privilege, or a bug of ours): what is left in ``pending`` is
         dropped first, so every attempt still reaches the observer. Outcomes with a
-        completion hook are moved to ``hooks``, written by the caller with
+        completion hook are moved to ``hooked``, written by the caller with
         ``flush_hooked``.
         """
         if not self.retrying:  # what the batch says about its providers, once
             yield from report(self.settings, self.state.limits, pending)
         # Settlements the hooks decided while sorting the outcomes out, by job id.
-        decided = self.hooks.take(pending, self.settlement) if self.hooks is not None else {}
+        decided = self.hooked.take(pending, self.settlement) if self.hooked is not None else {}
         try:
             yield from self._flush(pending, decided)
         except (*CONNECTION_ERRORS, GeneratorExit):
@@ -274,7 +274,7 @@ class Recorder:
     @property
     def hooked_waiting(self) -> bool:
         """Whether hooked outcomes wait to be written (``flush_hooked``)."""
-        return self.hooks is not None and bool(self.hooks.items)
+        return self.hooked is not None and bool(self.hooked.items)
 
 
 # -- the loops: ``Dispatcher``'s on a thread, ``AsyncDispatcher``'s as a task -----------
@@ -305,7 +305,7 @@ def run_recorder(recorder: Recorder, conn: Connection) -> None:
                 if pending:
                     run(recorder.flush(pending), conn.execute)
                 if recorder.hooked_waiting:
-                    flush_hooked(recorder.hooks, conn, beat)  # type: ignore[arg-type]
+                    flush_hooked(recorder.hooked, conn, beat)  # type: ignore[arg-type]
                 recorder.retrying = False
                 if heartbeat.due(time.monotonic()):
                     run(recorder.heartbeat(), conn.execute)
@@ -320,7 +320,7 @@ def run_recorder(recorder: Recorder, conn: Connection) -> None:
             # Anything else is a bug: it ends the recorder, and the run raises
             # DispatcherFailed (supervised) rather than repeating while leases expire.
     finally:
-        close_quietly(recorder.hooks)
+        close_quietly(recorder.hooked)
         conn.discard()
 
 
@@ -349,7 +349,7 @@ async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
                 if pending:
                     await run_async(recorder.flush(pending), conn.execute)
                 if recorder.hooked_waiting:
-                    await flush_hooked_async(recorder.hooks, conn,  # type: ignore[arg-type]
+                    await flush_hooked_async(recorder.hooked, conn,  # type: ignore[arg-type]
                                              beat)
                 recorder.retrying = False
                 if heartbeat.due(time.monotonic()):
@@ -364,7 +364,7 @@ async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
                 await asyncio.sleep(conn.backoff())
             # Anything else is a bug, as in run_recorder (supervised_async).
     finally:
-        close_quietly(recorder.hooks)
+        close_quietly(recorder.hooked)
         await conn.discard()
 
 

@@ -25,7 +25,7 @@ from ..effect import Effect, is_async_effect
 from ..errors import ConfigurationError
 from ..limits import Limit
 from ..observe import DispatchObserver
-from .hookset import hooks_for
+from .hook_lookup import hooks_for
 
 __all__ = ["Settings", "declared_window", "text_array"]
 

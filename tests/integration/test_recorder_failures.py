@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 import outbox
-from outbox._dispatch.hooks import HookedOutcomes
+from outbox._dispatch.hooked import HookedOutcomes
 from outbox._dispatch.recorder import Recorder
 from outbox._steps import Step
 from outbox.observe import AttemptOutcome, DispatchObserver

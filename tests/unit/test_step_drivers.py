@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 import outbox
-from outbox._dispatch.hooks import CallHook, HookLeftAborted, HookRaised, HookStep, call_hook
+from outbox._dispatch.hooked import CallHook, HookLeftAborted, HookRaised, HookStep, call_hook
 from outbox._steps import Rows, Statement, Step, run, run_async
 from outbox.sql import queries
 

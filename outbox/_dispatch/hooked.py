@@ -1,4 +1,5 @@
-"""Completion hooks: the recorder's per-job path for outcomes whose effect has a hook.
+"""Hooked outcomes: the recorder's per-job path for outcomes whose effect has a completion
+hook, and how a hook is called inside a transaction (``call_hook``, also the reconciler's).
 
 Outcomes without hooks keep the recorder's batched statements. Outcomes with one are
 written here in chunks, each in one transaction, with the recorder's heartbeat (when
@@ -55,7 +56,7 @@ from ..flows import AsyncHookTransaction, HookTransaction
 from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .flowsql import flow_queries
-from .hookset import is_async_hook
+from .hook_lookup import is_async_hook
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, guarded
 
@@ -408,30 +409,30 @@ def _hook_error(exc: Exception, closed: bool) -> Exception:
         f"the connection was lost while a hook ran (it raised {type(exc).__name__})")
 
 
-def record_hooked(hooks: HookedOutcomes, conn: Connection, items: list[Hooked]) -> None:
+def record_hooked(hooked: HookedOutcomes, conn: Connection, items: list[Hooked]) -> None:
     """Write ``items`` in one transaction on a blocking connection (the recorder's thread,
     or a thread of ``AsyncDispatcher``'s for its sync hooks): ``fast``, and if a hook
     raised, ``careful`` in a new transaction."""
     pg = conn.get()
-    execute = in_transaction(pg, hooks.settings.schema)
+    execute = in_transaction(pg, hooked.settings.schema)
     try:
         try:
             with pg.transaction():
-                written = run(hooks.fast(items), execute)
+                written = run(hooked.fast(items), execute)
         except _HOOK_TROUBLE as exc:
             if isinstance(exc, CONNECTION_ERRORS) or pg.closed:
                 raise
             with pg.transaction():
-                written = run(hooks.careful(items), execute)
+                written = run(hooked.careful(items), execute)
     except CONNECTION_ERRORS:
         if conn.lost:
             conn.discard()
         raise
     conn.succeeded()
-    hooks.applied(items, written)
+    hooked.applied(items, written)
 
 
-async def record_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection,
+async def record_hooked_async(hooked: HookedOutcomes, conn: AsyncConnection,
                               items: list[Hooked]) -> None:
     """``AsyncDispatcher``: the async hooks of ``items`` in one transaction on the
     recorder's asyncio connection; the sync hooks in another, on a thread with a blocking
@@ -440,47 +441,47 @@ async def record_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection,
     sync_items = [i for i in items if not i.is_async]
     if async_items:
         pg = await conn.get()
-        execute = in_transaction_async(pg, hooks.settings.schema)
+        execute = in_transaction_async(pg, hooked.settings.schema)
         try:
             try:
                 async with pg.transaction():
-                    written = await run_async(hooks.fast(async_items), execute)
+                    written = await run_async(hooked.fast(async_items), execute)
             except _HOOK_TROUBLE as exc:
                 if isinstance(exc, CONNECTION_ERRORS) or pg.closed:
                     raise
                 async with pg.transaction():
-                    written = await run_async(hooks.careful(async_items), execute)
+                    written = await run_async(hooked.careful(async_items), execute)
         except CONNECTION_ERRORS:
             if conn.lost:
                 await conn.discard()
             raise
         conn.succeeded()
-        hooks.applied(async_items, written)
+        hooked.applied(async_items, written)
     if sync_items:
-        if hooks.sync_conn is None:
-            settings = hooks.settings
-            hooks.sync_conn = Connection(lambda role: connect(settings, role), "recorder")
-        await asyncio.to_thread(record_hooked, hooks, hooks.sync_conn, sync_items)
+        if hooked.sync_conn is None:
+            settings = hooked.settings
+            hooked.sync_conn = Connection(lambda role: connect(settings, role), "recorder")
+        await asyncio.to_thread(record_hooked, hooked, hooked.sync_conn, sync_items)
 
 
-def close_quietly(hooks: HookedOutcomes | None) -> None:
-    """Discard the hooks' own connection, if any (end of a run)."""
-    if hooks is not None:
+def close_quietly(hooked: HookedOutcomes | None) -> None:
+    """Discard the hooked path's own connection, if any (end of a run)."""
+    if hooked is not None:
         with contextlib.suppress(Exception):
-            hooks.close()
+            hooked.close()
 
 
-def _refused_singly(hooks: HookedOutcomes, item: Hooked, exc: Exception) -> None:
+def _refused_singly(hooked: HookedOutcomes, item: Hooked, exc: Exception) -> None:
     """An item that cannot be written even alone: left to its lease (the rescuer retries
     it, counting the attempt), as the batched path does."""
-    hooks.recorder.state.drop(item.held, exc)
-    hooks.items.remove(item)
+    hooked.recorder.state.drop(item.held, exc)
+    hooked.items.remove(item)
     log.error("job %s (key %s): outcome could not be recorded (%s); the lease will expire "
               "and the job be retried", item.held.job.id, item.held.job.key,
               getattr(exc, "sqlstate", None) or type(exc).__name__)
 
 
-def flush_hooked(hooks: HookedOutcomes, conn: Connection, beat: Callable[[], None]) -> None:
+def flush_hooked(hooked: HookedOutcomes, conn: Connection, beat: Callable[[], None]) -> None:
     """Write every hooked outcome held, in chunks (``HookedOutcomes.next_chunk``), each its
     own transaction; after a chunk is refused for a reason other than a lost connection,
     its outcomes one per transaction, so one bad row cannot block the rest. ``beat`` (the
@@ -493,59 +494,59 @@ def flush_hooked(hooks: HookedOutcomes, conn: Connection, beat: Callable[[], Non
     written yet still held, for the caller to retry.
     """
     try:
-        while hooks.items:
+        while hooked.items:
             beat()
-            chunk, started = hooks.next_chunk(), time.monotonic()
+            chunk, started = hooked.next_chunk(), time.monotonic()
             try:
-                record_hooked(hooks, conn, chunk)
-                hooks.took(len(chunk), time.monotonic() - started)
+                record_hooked(hooked, conn, chunk)
+                hooked.took(len(chunk), time.monotonic() - started)
                 continue
             except CONNECTION_ERRORS:
                 raise
             except psycopg.Error as exc:
                 _chunk_refused(exc)
-            for item in _still_held(hooks, chunk):
+            for item in _still_held(hooked, chunk):
                 beat()
                 try:
-                    record_hooked(hooks, conn, [item])
+                    record_hooked(hooked, conn, [item])
                 except CONNECTION_ERRORS:
                     raise
                 except psycopg.Error as exc:
-                    _refused_singly(hooks, item, exc)
+                    _refused_singly(hooked, item, exc)
     except CONNECTION_ERRORS:
         raise
     except BaseException as exc:
-        _drop_all(hooks, exc)
+        _drop_all(hooked, exc)
         raise
 
 
-async def flush_hooked_async(hooks: HookedOutcomes, conn: AsyncConnection,
+async def flush_hooked_async(hooked: HookedOutcomes, conn: AsyncConnection,
                              beat: Callable[[], Awaitable[None]]) -> None:
     """``flush_hooked`` for ``AsyncDispatcher`` (a cancellation drops nothing)."""
     try:
-        while hooks.items:
+        while hooked.items:
             await beat()
-            chunk, started = hooks.next_chunk(), time.monotonic()
+            chunk, started = hooked.next_chunk(), time.monotonic()
             try:
-                await record_hooked_async(hooks, conn, chunk)
-                hooks.took(len(chunk), time.monotonic() - started)
+                await record_hooked_async(hooked, conn, chunk)
+                hooked.took(len(chunk), time.monotonic() - started)
                 continue
             except CONNECTION_ERRORS:
                 raise
             except psycopg.Error as exc:
                 _chunk_refused(exc)
-            for item in _still_held(hooks, chunk):
+            for item in _still_held(hooked, chunk):
                 await beat()
                 try:
-                    await record_hooked_async(hooks, conn, [item])
+                    await record_hooked_async(hooked, conn, [item])
                 except CONNECTION_ERRORS:
                     raise
                 except psycopg.Error as exc:
-                    _refused_singly(hooks, item, exc)
+                    _refused_singly(hooked, item, exc)
     except (*CONNECTION_ERRORS, asyncio.CancelledError):
         raise
     except BaseException as exc:
-        _drop_all(hooks, exc)
+        _drop_all(hooked, exc)
         raise
 
 
@@ -554,15 +555,15 @@ def _chunk_refused(exc: psycopg.Error) -> None:
               exc.sqlstate or type(exc).__name__)
 
 
-def _still_held(hooks: HookedOutcomes, chunk: list[Hooked]) -> list[Hooked]:
+def _still_held(hooked: HookedOutcomes, chunk: list[Hooked]) -> list[Hooked]:
     """The items of a refused ``chunk`` not written yet: with ``AsyncDispatcher`` its
     async hooks' transaction may have committed before its sync hooks' was refused."""
-    held = set(map(id, hooks.items))
+    held = set(map(id, hooked.items))
     return [item for item in chunk if id(item) in held]
 
 
-def _drop_all(hooks: HookedOutcomes, exc: BaseException) -> None:
+def _drop_all(hooked: HookedOutcomes, exc: BaseException) -> None:
     """The recorder ends on ``exc``: every hooked outcome held is given up to its lease."""
-    items, hooks.items = hooks.items, []
+    items, hooked.items = hooked.items, []
     for item in items:
-        hooks.recorder.state.drop(item.held, exc)
+        hooked.recorder.state.drop(item.held, exc)
