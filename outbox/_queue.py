@@ -41,13 +41,18 @@ __all__ = [
     "SAMPLE_ROWS",
     "STATUSES",
     "Backlog",
+    "Counted",
     "Counts",
+    "Due",
     "EffectHealth",
     "Operator",
     "QueueQueries",
+    "Retried",
+    "Sampled",
     "Seen",
     "Selection",
     "Snapshot",
+    "TableSize",
     "Transition",
     "backlog",
     "bulk_retry",
@@ -86,12 +91,53 @@ def sample_percent(estimate: int) -> float:
     return min(100.0, 100.0 * SAMPLE_ROWS / max(estimate, 1))
 
 
-def with_done_estimated(unfinished: Iterable[tuple[str, str, int]],
-                        sample: Iterable[tuple[str, int]], estimate: int) -> CountMap:
+@dataclass(frozen=True, slots=True)
+class TableSize:
+    """The jobs table as the planner sees it (``table_size``)."""
+
+    estimate: int
+    dead_tuples: int
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """Jobs of one status and effect (``counts_exact``, ``counts_unfinished``)."""
+
+    status: str
+    effect: str
+    jobs: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """Done jobs of one effect seen in a block sample (``done_sample``)."""
+
+    effect: str
+    sampled: int
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """One effect's pending jobs that are due, and its live dispatchers (``due_by_effect``)."""
+
+    effect: str
+    due: int
+    dispatchers: int
+
+
+@dataclass(frozen=True, slots=True)
+class Retried:
+    """How many jobs a bulk retry sent back to pending (``bulk_retry``)."""
+
+    retried: int
+
+
+def with_done_estimated(unfinished: Iterable[Counted], sample: Iterable[Sampled],
+                        estimate: int) -> CountMap:
     """Exact counts of the unfinished states plus done jobs estimated: the table's row
     estimate less the unfinished jobs, split by effect as in the sample."""
-    counts = {(status, effect): int(n) for status, effect, n in unfinished}
-    sampled = {effect: int(n) for effect, n in sample}
+    counts = {(c.status, c.effect): int(c.jobs) for c in unfinished}
+    sampled = {s.effect: int(s.sampled) for s in sample}
     done_total = max(0, estimate - sum(counts.values()))
     seen = sum(sampled.values())
     for effect, n in sampled.items():
@@ -157,18 +203,20 @@ def snapshot(schema: str) -> Step[Snapshot]:
     """Read the counts and the health: four statements at most, none a full scan of
     the done history on a large table."""
     q = queue_queries(schema)
-    size = yield Statement(q.table_size, {"schema_name": schema})
-    estimate, dead = (int(size[0][0]), int(size[0][1])) if size else (0, 0)
+    sizes: list[TableSize] = yield Statement(q.table_size, {"schema_name": schema},
+                                             row=TableSize)
+    size = sizes[0] if sizes else TableSize(0, 0)
+    estimate, dead = int(size.estimate), int(size.dead_tuples)
     if exact(estimate):
-        found = yield Statement(q.counts_exact, {})
-        counts = Counts({(s, e): int(n) for s, e, n in found}, False, dead)
+        found: list[Counted] = yield Statement(q.counts_exact, {}, row=Counted)
+        counts = Counts({(c.status, c.effect): int(c.jobs) for c in found}, False, dead)
     else:
-        unfinished = yield Statement(q.counts_unfinished, {})
-        sample = yield Statement(q.done_sample, {"percent": sample_percent(estimate)})
+        unfinished = yield Statement(q.counts_unfinished, {}, row=Counted)
+        sample = yield Statement(q.done_sample, {"percent": sample_percent(estimate)},
+                                 row=Sampled)
         counts = Counts(with_done_estimated(unfinished, sample, estimate), True, dead)
-    health = yield Statement(q.effect_health, {})
-    return Snapshot(counts, {row[0]: EffectHealth(row[0], row[1], int(row[2]), row[3])
-                             for row in health})
+    health: list[EffectHealth] = yield Statement(q.effect_health, {}, row=EffectHealth)
+    return Snapshot(counts, {h.effect: h for h in health})
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +230,8 @@ class Backlog:
 
 def backlog(schema: str) -> Step[dict[str, Backlog]]:
     """Per effect with pending jobs, its ``Backlog`` (reads pending jobs only)."""
-    rows = yield Statement(queue_queries(schema).due_by_effect, {})
-    return {effect: Backlog(int(due), int(dispatchers)) for effect, due, dispatchers in rows}
+    rows: list[Due] = yield Statement(queue_queries(schema).due_by_effect, {}, row=Due)
+    return {d.effect: Backlog(int(d.due), int(d.dispatchers)) for d in rows}
 
 
 # -- the operator's transitions ---------------------------------------------------------
@@ -244,15 +292,12 @@ ACTIONS = ("retry", "cancel", "resolve_done", "resolve_failed")
 
 def _transition(schema: str, action: str, job_id: int, operator: Operator, seen: Seen,
                 note: str | None) -> Step[Transition]:
-    rows = yield Statement(getattr(queue_queries(schema), action), {
+    rows: list[Transition] = yield Statement(getattr(queue_queries(schema), action), {
         "id": job_id, "action": action, "actor": operator.actor, "via": operator.via,
         "seen_status": seen.status, "seen_version": seen.claim_version,
         "note": note or None, "channel": notify_channel(schema),
-    })
-    if not rows:
-        return Transition(False)
-    changed, status, key, effect = rows[0]
-    return Transition(bool(changed), status, key, effect)
+    }, row=Transition)
+    return rows[0] if rows else Transition(False)
 
 
 def retry(schema: str, job_id: int, operator: Operator, seen: Seen = Seen(),
@@ -290,8 +335,8 @@ def bulk_retry(schema: str, selection: Selection, operator: Operator, *, cap: in
         "described": json.dumps(dict(described) if described is not None
                                 else selection.describe()),
         "channel": notify_channel(schema),
-    })
-    return int(rows[0][0]) if rows else 0
+    }, row=Retried)
+    return int(rows[0].retried) if rows else 0
 
 
 # -- drivers ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ A step is a generator. It yields an instruction, is sent the answer, and returns
 result::
 
     rows = yield Statement(query, params)      # the rows (or the error, thrown in)
+    found = yield Statement(query, params, row=Found)   # the rows as records, by name
 
 Enqueue and receive (``_enqueue``), the reading of the queue (``_queue``), the claimer,
 the recorder, the completion hooks and the reconciler are all steps, so what they decide
@@ -26,13 +27,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg.rows import kwargs_row
 
 __all__ = ["Rows", "Statement", "Step", "execute", "execute_async", "run", "run_async"]
 
 T = TypeVar("T")
 I = TypeVar("I")  # noqa: E741  the instruction a step yields
 A = TypeVar("A")  # the answer it is sent
-Rows = list[tuple[Any, ...]]
+Rows = list[Any]
+"""What a statement answers: tuples, or the records its ``row`` makes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +43,15 @@ class Statement:
     """One statement to run (on a dispatcher connection: in its own transaction; in a
     business transaction: in that one). ``query`` is SQL text with ``%(name)s``
     parameters. With ``count``, the rows answered are ``[(rowcount,)]`` (for a DELETE
-    that returns nothing)."""
+    that returns nothing). With ``row`` (a frozen dataclass, or any callable taking the
+    columns as keyword arguments), each row is answered as ``row(**columns)``: a reader
+    names the columns it reads instead of counting them. Without it rows are tuples
+    (the claim's hot path, and the steps an ORM's cursor runs)."""
 
     query: str
     params: Mapping[str, Any]
     count: bool = False
+    row: Callable[..., Any] | None = None
 
 
 Step = Generator[Statement, Rows, T]
@@ -54,7 +61,11 @@ Step = Generator[Statement, Rows, T]
 def execute(conn: psycopg.Connection[Any], statement: Statement) -> Rows:
     """Run ``statement`` on ``conn`` (in its transaction, if one is open) and answer as a
     step expects: its rows, ``[(rowcount,)]`` with ``count``, ``[]`` for no result."""
-    cursor = conn.execute(statement.query, statement.params)
+    if statement.row is None:
+        cursor: psycopg.Cursor[Any] = conn.cursor()
+    else:
+        cursor = conn.cursor(row_factory=kwargs_row(statement.row))
+    cursor.execute(statement.query, statement.params)
     if statement.count:
         return [(cursor.rowcount,)]
     return cursor.fetchall() if cursor.description else []
@@ -62,7 +73,11 @@ def execute(conn: psycopg.Connection[Any], statement: Statement) -> Rows:
 
 async def execute_async(conn: psycopg.AsyncConnection[Any], statement: Statement) -> Rows:
     """``execute`` on an asyncio connection."""
-    cursor = await conn.execute(statement.query, statement.params)
+    if statement.row is None:
+        cursor: psycopg.AsyncCursor[Any] = conn.cursor()
+    else:
+        cursor = conn.cursor(row_factory=kwargs_row(statement.row))
+    await cursor.execute(statement.query, statement.params)
     if statement.count:
         return [(cursor.rowcount,)]
     return await cursor.fetchall() if cursor.description else []

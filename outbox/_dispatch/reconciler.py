@@ -52,6 +52,7 @@ from .hooked import (
     in_transaction,
     in_transaction_async,
 )
+from .records import Taken
 from .settings import Settings
 from .state import SharedState
 from .workers import result_json
@@ -128,11 +129,10 @@ class Reconciler:
     # -- take ------------------------------------------------------------------------------
 
     def take(self) -> Step[list[tuple[Job, int]]]:
-        rows = yield Statement(self.queries.reconcile_take, {
-            "effects": self.names, "limit": BATCH, "hold": self.hold})
-        return [(Job(id=r[0], effect=r[1], key=r[2], payload=r[3], attempt=r[4],
-                     claim_version=r[5], ordering_key=r[6], max_attempts=r[7],
-                     first_attempted_at=r[8] or r[10]), r[9]) for r in rows]
+        """Take the jobs due to be asked about: each with its checks so far."""
+        rows: list[Taken] = yield Statement(self.queries.reconcile_take, {
+            "effects": self.names, "limit": BATCH, "hold": self.hold}, row=Taken)
+        return [(taken.job(), taken.reconcile_checks) for taken in rows]
 
     # -- ask -------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
 from .hooked import HookedOutcomes, close_quietly, flush_hooked, flush_hooked_async
 from .limits import report
 from .reconciler import reconcilers
+from .records import Landed, Written
 from .settings import Settings
 from .state import (
     AsyncState,
@@ -124,8 +125,8 @@ class Recorder:
                 f'{{"id":{h.job.id},"version":{h.job.claim_version},"result":{o.result_json}}}'
                 for h, o in successes
             )
-            rows = yield Statement(self.complete, {"claims": f"[{claims}]"})
-            written = {r[0] for r in rows}
+            rows = yield Statement(self.complete, {"claims": f"[{claims}]"}, row=Written)
+            written = {w.id for w in rows}
             if self.retrying and len(written) < len(successes):
                 written |= yield from self.landed_before(
                     [h for h, _ in successes if h.job.id not in written])
@@ -152,8 +153,8 @@ class Recorder:
             {"id": h.job.id, "version": h.job.claim_version, "status": d.status,
              "delay": d.delay, "error": d.error, "refund": released}
             for h, released, d in settles
-        ])})
-        written = {r[0] for r in rows}
+        ])}, row=Written)
+        written = {w.id for w in rows}
         counts: Counter[AttemptOutcome] = Counter()
         for held, released, decision in settles:
             if held.job.id in written:
@@ -174,8 +175,9 @@ class Recorder:
         ledger (job id and claim version), which a completion writes whether it updates
         the job row or, with retention 0, deletes it."""
         claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in helds)
-        rows = yield Statement(self.queries.recorded_claims, {"claims": f"[{claims}]"})
-        return {r[0] for r in rows}
+        rows = yield Statement(self.queries.recorded_claims, {"claims": f"[{claims}]"},
+                               row=Landed)
+        return {landed.job_id for landed in rows}
 
     def record_singly(self, batch: list[tuple[Held, Outcome]],
                       decided: dict[int, Decision]) -> Step[None]:
@@ -252,8 +254,9 @@ class Recorder:
             return
         claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in held)
         rows = yield Statement(self.queries.heartbeat, {"claims": f"[{claims}]",
-                                                        "lease": self.settings.lease})
-        alive = {r[0] for r in rows}
+                                                        "lease": self.settings.lease},
+                               row=Written)
+        alive = {w.id for w in rows}
         lost = 0
         for h in held:
             if h.job.id not in alive and h.job.id in self.state.held:

@@ -207,4 +207,4 @@ WITH picked AS (
                 'via', %(via)s::text)),
             (SELECT count(*) FROM changed))
 )
-SELECT count(*) FROM changed c, pg_notify(%(channel)s::text, '');
+SELECT count(*) AS retried FROM changed c, pg_notify(%(channel)s::text, '');

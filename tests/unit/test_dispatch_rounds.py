@@ -27,6 +27,7 @@ from outbox import DispatchStats
 from outbox._dispatch import claimer as claimer_module
 from outbox._dispatch.claimer import IDLE_RECHECK, RETENTION_BATCH, RETENTION_INTERVAL, Claimer
 from outbox._dispatch.recorder import Recorder
+from outbox._dispatch.records import Landed, Written
 from outbox._dispatch.settings import Settings
 from outbox._dispatch.state import Held, Outcome, Release, SharedState, Success
 from outbox._steps import Rows, Statement, Step, run, run_async
@@ -93,6 +94,8 @@ class Script:
         self.asked.append((name, statement))
         if isinstance(answer, BaseException):
             raise answer
+        if answer and not isinstance(answer[0], tuple):  # records: the step asked for them
+            assert statement.row is type(answer[0]), f"{name}: rows asked as {statement.row}"
         return answer
 
     def drive(self, step: Step[Any]) -> Any:
@@ -274,6 +277,16 @@ def test_run_polls_with_jitter_when_nothing_was_claimed(clock: Clock) -> None:
 # -- Recorder.record -----------------------------------------------------------------------
 
 
+def written(*ids: int) -> Rows:
+    """What a fenced statement answers: the jobs it changed."""
+    return [Written(i) for i in ids]
+
+
+def landed(*ids: int) -> Rows:
+    """What ``recorded_claims`` answers: the claims the ledger has."""
+    return [Landed(i) for i in ids]
+
+
 def recorder(events: Events) -> tuple[Recorder, SharedState[Any]]:
     shared = state(events)
     return Recorder(settings(), shared), shared
@@ -290,8 +303,8 @@ def test_a_batch_splits_into_one_complete_and_one_settle() -> None:
     shared.hold(jobs)
     batch = outcomes(jobs, Success('{"a":1}'), Success("null"), outbox.Retry(after=30),
                      outbox.Permanent("no"), Release())
-    script = (Script(rec.queries).then("complete", [(1,), (2,)])
-              .then("settle", [(3,), (4,), (5,)]))
+    script = (Script(rec.queries).then("complete", written(1, 2))
+              .then("settle", written(3, 4, 5)))
     script.drive(rec.record(batch))
     assert json.loads(script.params("complete")["claims"]) == [
         {"id": 1, "version": 7, "result": {"a": 1}}, {"id": 2, "version": 7, "result": None}]
@@ -309,7 +322,7 @@ def test_only_failures_need_no_complete() -> None:
     rec, shared = recorder(Events())
     jobs = held(1)
     shared.hold(jobs)
-    Script(rec.queries).then("settle", [(1,)]).drive(
+    Script(rec.queries).then("settle", written(1)).drive(
         rec.record(outcomes(jobs, RuntimeError("boom"))))
     assert shared.stats.retried == 1
 
@@ -319,7 +332,7 @@ def test_fenced_writes_that_change_nothing_are_lost_claims() -> None:
     rec, shared = recorder(events)
     jobs = held(1, 2)
     shared.hold(jobs)
-    (Script(rec.queries).then("complete", []).then("settle", [])
+    (Script(rec.queries).then("complete", written()).then("settle", written())
      .drive(rec.record(outcomes(jobs, Success("null"), outbox.Retry()))))
     assert events.finished == Counter(lost=2) and events.fenced == 2
     assert shared.stats.stale_completions == 2 and shared.held == {}
@@ -331,8 +344,8 @@ def test_a_retried_batch_asks_the_ledger_about_completions_missing_from_the_repl
     rec.retrying = True  # the first send's reply was lost with the connection
     jobs = held(1, 2, 3)
     shared.hold(jobs)
-    script = (Script(rec.queries).then("complete", [(1,)])
-              .then("recorded_claims", [(2,)]))  # 2 landed the first time; 3 was lost
+    script = (Script(rec.queries).then("complete", written(1))
+              .then("recorded_claims", landed(2)))  # 2 landed the first time; 3 was lost
     script.drive(rec.record(outcomes(jobs, *(Success("null") for _ in jobs))))
     assert [c["id"] for c in json.loads(script.params("recorded_claims")["claims"])] == [2, 3]
     assert events.recorded_ == Counter(done=2, lost=1)
@@ -353,9 +366,9 @@ def test_a_batch_sent_again_after_a_lost_connection_counts_what_landed_the_first
     assert rec.retrying and len(pending) == 4 and events.recorded_ == Counter()
     # Sent again: 1 and 2 landed the first time (the ledger knows, though the reply said
     # only 3), and the settle, never sent before, goes now.
-    script = (Script(rec.queries).then("complete", [(3,)])
-              .then("recorded_claims", [(1,), (2,)])
-              .then("settle", [(4,)]))
+    script = (Script(rec.queries).then("complete", written(3))
+              .then("recorded_claims", landed(1, 2))
+              .then("settle", written(4)))
     script.drive(rec.flush(pending))
     assert [c["id"] for c in json.loads(script.params("recorded_claims")["claims"])] == [1, 2]
     assert pending == [] and shared.held == {}
@@ -367,7 +380,7 @@ def test_a_batch_that_is_not_retried_does_not_ask_the_ledger() -> None:
     rec, shared = recorder(events)
     jobs = held(1, 2)
     shared.hold(jobs)
-    Script(rec.queries).then("complete", [(1,)]).drive(
+    Script(rec.queries).then("complete", written(1)).drive(
         rec.record(outcomes(jobs, Success("null"), Success("null"))))
     assert events.recorded_ == Counter(done=1, lost=1)
 
@@ -380,7 +393,7 @@ def test_a_refused_batch_is_recorded_one_by_one_and_a_refused_row_dropped() -> N
     pending = outcomes(jobs, Success("null"), Success("null"))
     refused = psycopg.errors.CheckViolation("refused")
     (Script(rec.queries).then("complete", refused)   # the batch
-     .then("complete", [(1,)])                        # job 1 alone
+     .then("complete", written(1))                    # job 1 alone
      .then("complete", psycopg.errors.CheckViolation("refused"))  # job 2 alone
      .drive(rec.flush(pending)))
     assert pending == [] and shared.held == {}
@@ -424,7 +437,7 @@ def test_a_refused_write_of_the_limit_state_still_records_the_outcomes() -> None
     pending = outcomes(jobs, outbox.Retry())  # transient: counted toward the breaker
     (Script(rec.queries).then("limit_ensure", psycopg.errors.CheckViolation("refused"))
      .then("limit_failed", psycopg.errors.CheckViolation("refused"))
-     .then("settle", [(1,)]).drive(rec.flush(pending)))
+     .then("settle", written(1)).drive(rec.flush(pending)))
     assert pending == [] and events.recorded_ == Counter(retry=1)
 
 
@@ -432,7 +445,7 @@ def test_the_heartbeat_marks_the_claims_it_did_not_extend() -> None:
     events = Events()
     rec, shared = recorder(events)
     shared.hold(held(1, 2, 3))
-    script = Script(rec.queries).then("heartbeat", [(1,), (3,)])
+    script = Script(rec.queries).then("heartbeat", written(1, 3))
     script.drive(rec.heartbeat())
     assert [c["id"] for c in json.loads(script.params("heartbeat")["claims"])] == [1, 2, 3]
     assert [h.job.id for h in shared.held.values() if h.lost] == [2]
