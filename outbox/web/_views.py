@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
 Redactor = Callable[[str, Any], Any]
 """``redact(effect, payload)``: what the job page shows instead of the payload."""
@@ -99,10 +99,25 @@ class Chart:
         return self.failed / settled if settled else None
 
 
-def minute_chart(rows: Sequence[tuple[datetime, int, int]], since: datetime,
+class Minute(Protocol):
+    """Jobs settled in one minute (the dashboard's ``Settled`` rows)."""
+
+    @property
+    def minute(self) -> datetime: ...
+
+    @property
+    def done(self) -> int: ...
+
+    @property
+    def failed(self) -> int: ...
+
+
+def minute_chart(rows: Sequence[Minute], since: datetime,
                  minutes: int = 60, width: int = 600, height: int = 120) -> Chart:
-    """Bars for ``rows`` of (minute, done, failed); minutes without rows are empty."""
-    by_minute = {int((m - since).total_seconds() // 60): (d, f) for m, d, f in rows}
+    """Bars for ``rows`` (each a minute's done and failed); minutes without rows are
+    empty."""
+    by_minute = {int((row.minute - since).total_seconds() // 60): (row.done, row.failed)
+                 for row in rows}
     peak = max((d + f for d, f in by_minute.values()), default=0)
     scale = (height - 2) / peak if peak else 0.0
     slot = width / minutes

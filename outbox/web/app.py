@@ -13,14 +13,15 @@ import logging
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg.rows import AsyncRowFactory, class_row, dict_row, namedtuple_row
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -34,7 +35,23 @@ from .._enqueue import notify_channel
 from .._sql import check_schema_name
 from .._sql import queries as core_queries
 from ._filters import STATUSES, FilterError, JobFilter
-from ._queries import WebQueries, web_queries
+from ._queries import (
+    CappedCount,
+    FailedGroup,
+    Flow,
+    Followup,
+    Holder,
+    JobAudit,
+    LedgerRow,
+    Listed,
+    RecentAudit,
+    Reconciled,
+    SeenEffect,
+    Settled,
+    WebQueries,
+    Writable,
+    web_queries,
+)
 from ._security import (
     CSRF_COOKIE,
     CSRF_FIELD,
@@ -52,6 +69,8 @@ from ._views import Redactor, age, ago, minute_chart, seconds_text, shown_payloa
 from ._views import truncate_payload as default_redact
 
 log = logging.getLogger("outbox.web")
+
+R = TypeVar("R")
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
@@ -144,9 +163,23 @@ async def transaction(settings: Settings) -> AsyncIterator[psycopg.AsyncConnecti
 
 async def rows(conn: psycopg.AsyncConnection[Any], query: str,
                params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
-    """Every row of ``query``."""
+    """Every row of ``query``, as tuples: for statements run for their effect."""
     cur = await conn.execute(query, params or {})
     return await cur.fetchall()
+
+
+async def fetch(conn: psycopg.AsyncConnection[Any], query: str, row: AsyncRowFactory[R],
+                params: Mapping[str, Any] | None = None) -> list[R]:
+    """Every row of ``query``, made by ``row`` (``class_row(Record)``, ``dict_row``)."""
+    cur = conn.cursor(row_factory=row)
+    await cur.execute(query, params or {})
+    return await cur.fetchall()
+
+
+async def records(conn: psycopg.AsyncConnection[Any], query: str, record: type[R],
+                  params: Mapping[str, Any] | None = None) -> list[R]:
+    """Every row of ``query`` as a ``record``, its fields filled by column name."""
+    return await fetch(conn, query, class_row(record), params)
 
 
 async def writable(settings: Settings, conn: psycopg.AsyncConnection[Any]) -> bool:
@@ -154,9 +187,9 @@ async def writable(settings: Settings, conn: psycopg.AsyncConnection[Any]) -> bo
     if settings.read_only:
         return False
     q = settings.queries
-    found = await rows(conn, q.writable, {"jobs_table": q.jobs_table,
-                                          "audit_table": q.audit_table})
-    return bool(found[0][0])
+    [found] = await records(conn, q.writable, Writable, {"jobs_table": q.jobs_table,
+                                                         "audit_table": q.audit_table})
+    return found.writable
 
 
 async def authorized(request: Request, needed: Access) -> Access:
@@ -196,21 +229,23 @@ async def overview(request: Request) -> Response:
     since = (datetime.now(UTC) - timedelta(minutes=59)).replace(second=0, microsecond=0)
     async with transaction(settings) as conn:
         snapshot = await _queue.read_async(conn, settings.schema)
-        settled = await rows(conn, q.settled_per_minute, {"since": since})
-        dispatchers = await rows(conn, q.dispatchers)
-        audit = await rows(conn, q.recent_audit, {"limit": 10})
+        settled = await records(conn, q.settled_per_minute, Settled, {"since": since})
+        dispatchers = await records(conn, q.dispatchers, Holder)
+        audit = await records(conn, q.recent_audit, RecentAudit, {"limit": 10})
         can_act = access == "operate" and await writable(settings, conn)
         core = core_queries(settings.schema)
-        limits = await rows(conn, core.limits_overview)
-        failed_groups = await rows(conn, core.failed_groups, {"limit": 20})
-    health = {effect: (h.effect, h.oldest_due_age, h.expired_leases, h.oldest_reconcile_age)
-              for effect, h in snapshot.health.items()}
+        # Named, and indexable where the pause cells still read by position.
+        limits = await fetch(conn, core.limits_overview, namedtuple_row)
+        failed_groups = await records(conn, core.failed_groups, FailedGroup, {"limit": 20})
+    health = snapshot.health
     return render(request, "overview.html", {
-        "limits": limits, "failed_groups": [(*g, error_search(g[4])) for g in failed_groups],
+        "limits": limits,
+        "failed_groups": [replace(g, search=error_search(g.sample)) for g in failed_groups],
         "counts": snapshot.counts, "effects": sorted(snapshot.effects()), "health": health,
-        "chart": minute_chart([(m, d, f) for m, d, f in settled], since),
+        "chart": minute_chart(settled, since),
         "dispatchers": dispatchers, "audit": audit, "can_act": can_act,
-        "oldest_due": max((h[1] for h in health.values() if h[1] is not None), default=None),
+        "oldest_due": max((h.oldest_due_age for h in health.values()
+                           if h.oldest_due_age is not None), default=None),
     })
 
 
@@ -227,10 +262,11 @@ async def job_list(request: Request) -> Response:
     params = {**job_filter.params(), "before": before, "limit": PAGE_SIZE + 1}
     try:
         async with transaction(settings) as conn:
-            page = await rows(conn, q.job_page, params)
-            total = None if before else (await rows(
-                conn, q.job_count, {**job_filter.params(), "cap": COUNT_CAP + 1}))[0][0]
-            effects = [r[0] for r in await rows(conn, q.effects_seen)]
+            page = await records(conn, q.job_page, Listed, params)
+            total = None if before else (await records(
+                conn, q.job_count, CappedCount,
+                {**job_filter.params(), "cap": COUNT_CAP + 1}))[0].jobs
+            effects = [seen.effect for seen in await records(conn, q.effects_seen, SeenEffect)]
             can_act = access == "operate" and await writable(settings, conn)
     except pg_errors.QueryCanceled:
         return render(request, "error.html", {"message": (
@@ -241,7 +277,7 @@ async def job_list(request: Request) -> Response:
     template = "_rows.html" if request.headers.get("hx-request") and before else "jobs.html"
     return render(request, template, {
         "jobs": page, "filter": job_filter, "query": job_filter.query(), "total": total,
-        "count_cap": COUNT_CAP, "next_before": page[-1][0] if more else None,
+        "count_cap": COUNT_CAP, "next_before": page[-1].id if more else None,
         "effects": effects, "can_act": can_act, "bulk_cap": BULK_CAP, "message": None,
     })
 
@@ -262,12 +298,12 @@ async def job_detail(request: Request) -> Response:
     q = settings.queries
     job_id = request.path_params["job_id"]
     async with transaction(settings) as conn:
-        found = await rows(conn, q.job_detail, {"id": job_id})
+        found = await fetch(conn, q.job_detail, dict_row, {"id": job_id})
         if not found:
             return render(request, "error.html", {"message": f"No job {job_id}."}, 404)
         job = _job_dict(found[0], settings)
-        ledger = await rows(conn, q.job_ledger, {"key": job["key"]})
-        audit = await rows(conn, q.job_audit, {"id": job_id})
+        ledger = await records(conn, q.job_ledger, LedgerRow, {"key": job["key"]})
+        audit = await records(conn, q.job_audit, JobAudit, {"id": job_id})
         flow = await job_flow(conn, q, job_id, job["key"])
         can_act = access == "operate" and await writable(settings, conn)
     outcome = OUTCOMES.get(request.query_params.get("outcome", ""))
@@ -282,24 +318,18 @@ async def job_detail(request: Request) -> Response:
 async def job_flow(conn: psycopg.AsyncConnection[Any], q: Any, job_id: int,
                    key: str) -> dict[str, Any]:
     """The job's place in its flow (parent, follow-ups) and its reconciliation."""
-    flow = await rows(conn, q.job_flow, {"id": job_id})
+    flow = await records(conn, q.job_flow, Flow, {"id": job_id})
     return {
-        "flow": dict(zip(("parent_key", "parent_id", "parent_status", "kept_result",
-                          "reconcile_at", "reconcile_checks"), flow[0], strict=True))
-        if flow else None,
-        "followups": await rows(conn, q.job_followups, {"key": key}),
-        "reconciliation": await rows(conn, q.job_reconciliation, {"id": job_id}),
+        "flow": flow[0] if flow else None,
+        "followups": await records(conn, q.job_followups, Followup, {"key": key}),
+        "reconciliation": await records(conn, q.job_reconciliation, Reconciled,
+                                        {"id": job_id}),
     }
 
 
-_DETAIL_COLUMNS = ("id", "effect", "key", "status", "attempts", "max_attempts",
-                   "claim_version", "available_at", "lease_until", "claimed_by",
-                   "ordering_key", "last_error", "first_attempted_at", "created_at",
-                   "updated_at", "payload", "trace_context")
-
-
-def _job_dict(row: tuple[Any, ...], settings: Settings) -> dict[str, Any]:
-    job = dict(zip(_DETAIL_COLUMNS, row, strict=True))
+def _job_dict(row: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """The job detail's columns by name, the payload replaced by what may be shown."""
+    job = dict(row)
     job["payload_shown"] = shown_payload(settings.redact, job["effect"], job.pop("payload"))
     return job
 
@@ -358,10 +388,10 @@ async def job_action(request: Request) -> Response:
 async def _row_after_action(request: Request, job_id: int, outcome: str) -> Response:
     settings = settings_of(request)
     async with transaction(settings) as conn:
-        found = await rows(conn, settings.queries.job_page, {
+        found = await records(conn, settings.queries.job_page, Listed, {
             **JobFilter().params(), "before": job_id + 1, "limit": 1})
         can_act = await writable(settings, conn)
-    job_rows = [r for r in found if r[0] == job_id]
+    job_rows = [listed for listed in found if listed.id == job_id]
     return render(request, "_rows.html", {
         "jobs": job_rows, "can_act": can_act, "message": OUTCOMES[outcome],
         "moved": outcome == "moved", "next_before": None, "query": {},
@@ -381,8 +411,8 @@ async def bulk_retry(request: Request) -> Response:
         if not await writable(settings, conn):
             return PlainTextResponse("the database is read-only for the dashboard", 403)
         if form.get("confirm") != "yes":
-            count = (await rows(conn, q.job_count,
-                                {**job_filter.params(), "cap": BULK_CAP + 1}))[0][0]
+            count = (await records(conn, q.job_count, CappedCount,
+                                   {**job_filter.params(), "cap": BULK_CAP + 1}))[0].jobs
             return render(request, "confirm_bulk.html", {
                 "filter": job_filter, "query": job_filter.query(), "count": count,
                 "bulk_cap": BULK_CAP})

@@ -10,7 +10,7 @@
 -- to update the jobs and write the audit trail.
 SELECT NOT (current_setting('transaction_read_only')::boolean OR pg_is_in_recovery())
        AND has_table_privilege(%(jobs_table)s::text, 'UPDATE')
-       AND has_table_privilege(%(audit_table)s::text, 'INSERT');
+       AND has_table_privilege(%(audit_table)s::text, 'INSERT') AS writable;
 
 -- name: settled_per_minute
 -- Jobs that reached a final state, per minute over the window: throughput and failures.
@@ -54,7 +54,7 @@ LIMIT %(limit)s;
 
 -- name: job_count
 -- Matching jobs, counted up to a cap: beyond it the page says "more than".
-SELECT count(*) FROM (
+SELECT count(*) AS jobs FROM (
     SELECT 1 FROM {schema}.jobs j WHERE {job_filter} LIMIT %(cap)s
 ) AS capped;
 
