@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
+from psycopg.rows import class_row, dict_row
 
 from . import _queue
 from ._dispatch.presence import SCAN_LIMIT
@@ -75,32 +77,34 @@ class DatabaseCollector(Collector):
         yield _unhandled_family(unhandled, effects)
         yield from _limit_families(limits)
 
-    def _read(self) -> tuple[_queue.Snapshot, list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    def _read(self) -> tuple[_queue.Snapshot, list[Unserved], list[dict[str, Any]]]:
         with psycopg.connect(self.conninfo, connect_timeout=10) as conn:
             conn.read_only = True
             with conn.transaction():
                 conn.execute("SELECT set_config('statement_timeout', %s, true)",
                              (SCRAPE_TIMEOUT,))
                 snapshot = _queue.read(conn, self.schema)
-                unhandled = conn.execute(
+                unhandled = conn.cursor(row_factory=class_row(Unserved)).execute(
                     queries(self.schema).unhandled_due, {"limit": SCAN_LIMIT}).fetchall()
-                limits = conn.execute(queries(self.schema).limits_overview).fetchall()
+                limits = conn.cursor(row_factory=dict_row).execute(
+                    queries(self.schema).limits_overview).fetchall()
                 return snapshot, unhandled, limits
 
 
-def _unhandled_family(rows: list[tuple[Any, ...]], known: set[str]) -> Metric:
+def _unhandled_family(rows: list[Unserved], known: set[str]) -> Metric:
     """``outbox_unhandled_due_jobs{effect}``: due jobs of effects that no running
     dispatcher handles (``<schema>.dispatchers``), which wait until one does. Counted
     among the oldest and the newest ``SCAN_LIMIT`` due jobs, as the dispatchers' own
     warning does, so a scrape stays cheap behind any backlog."""
-    bounded = _bounded_effects(known | {row[0] for row in rows})
+    bounded = _bounded_effects(known | {unserved.effect for unserved in rows})
     family = GaugeMetricFamily(
         "outbox_unhandled_due_jobs",
         "Due pending jobs of an effect no running dispatcher handles (a typo in the "
         "effect name, or its dispatcher not running).", labels=["effect"])
     folded = {bounded(effect): 0 for effect in known}
-    for effect, due, _oldest in rows:
-        folded[bounded(effect)] = folded.get(bounded(effect), 0) + int(due)
+    for unserved in rows:
+        effect = bounded(unserved.effect)
+        folded[effect] = folded.get(effect, 0) + int(unserved.due)
     for effect, due in sorted(folded.items()):
         family.add_metric([effect], due)
     return family
@@ -128,29 +132,50 @@ def _families(snapshot: _queue.Snapshot, known: set[str]) -> Iterable[Metric]:
         "outbox_oldest_reconcile_job_age_seconds",
         "Seconds the oldest reconcile job has waited for a person (0 when none).",
         labels=["effect"])
-    merged = {effect: [0.0, 0, 0.0] for effect in effects}
+    merged = {effect: _Merged() for effect in effects}
     for health in snapshot.health.values():
-        row = merged[bounded(health.effect)]
-        row[0] = max(row[0], health.oldest_due_age or 0.0)
-        row[1] += health.expired_leases
-        row[2] = max(row[2], health.oldest_reconcile_age or 0.0)
-    for effect, (due_age, leases, reconcile_age) in sorted(merged.items()):
-        oldest.add_metric([effect], due_age)
-        expired.add_metric([effect], leases)
-        reconcile.add_metric([effect], reconcile_age)
+        merged[bounded(health.effect)].add(health)
+    for effect, folded_health in sorted(merged.items()):
+        oldest.add_metric([effect], folded_health.oldest_due_age)
+        expired.add_metric([effect], folded_health.expired_leases)
+        reconcile.add_metric([effect], folded_health.oldest_reconcile_age)
     dead_tuples = GaugeMetricFamily(
         "outbox_jobs_dead_tuples", "Dead tuples in the jobs table (vacuum debt).",
         value=snapshot.counts.dead_tuples)
     return (jobs, oldest, expired, reconcile, dead_tuples)
 
 
+@dataclass(frozen=True, slots=True)
+class Unserved:
+    """Due jobs of an effect no live dispatcher serves (``unhandled_due``)."""
+
+    effect: str
+    due: int
+    oldest_age: float
+
+
+@dataclass(slots=True)
+class _Merged:
+    """The health of the effects folded into one label (``other`` past MAX_EFFECTS)."""
+
+    oldest_due_age: float = 0.0
+    expired_leases: int = 0
+    oldest_reconcile_age: float = 0.0
+
+    def add(self, health: _queue.EffectHealth) -> None:
+        self.oldest_due_age = max(self.oldest_due_age, health.oldest_due_age or 0.0)
+        self.expired_leases += health.expired_leases
+        self.oldest_reconcile_age = max(self.oldest_reconcile_age,
+                                        health.oldest_reconcile_age or 0.0)
+
+
 PAUSE_REASONS = ("throttled", "outage", "operator")
 
 
-def _limit_families(limits: Sequence[tuple[Any, ...]]) -> Iterable[Metric]:
+def _limit_families(limits: Sequence[dict[str, Any]]) -> Iterable[Metric]:
     """From the shared limit state (``limits_overview``): which effects are paused and
     why, and how often each was throttled, across every dispatcher."""
-    bounded = _bounded_effects({row[0] for row in limits})
+    bounded = _bounded_effects({row["effect"] for row in limits})
     paused = GaugeMetricFamily(
         "outbox_effect_paused", "1 while the effect is paused for every dispatcher, by "
         "reason (throttled, outage: its breaker is open, operator).",
@@ -161,12 +186,12 @@ def _limit_families(limits: Sequence[tuple[Any, ...]]) -> Iterable[Metric]:
     reasons: dict[str, str | None] = {}
     totals: dict[str, float] = {}
     for row in limits:
-        effect, is_paused, reason, total = bounded(row[0]), row[7], row[8], row[13]
-        if is_paused:
-            reasons[effect] = reason
+        effect = bounded(row["effect"])
+        if row["paused"]:
+            reasons[effect] = row["pause_reason"]
         else:
             reasons.setdefault(effect, None)
-        totals[effect] = totals.get(effect, 0) + total
+        totals[effect] = totals.get(effect, 0) + row["throttled_total"]
     for effect in sorted(reasons):
         for reason in PAUSE_REASONS:
             paused.add_metric([effect, reason], 1.0 if reasons[effect] == reason else 0.0)

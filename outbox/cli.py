@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import click
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import dict_row
 
 from . import _queue, _sql
 from ._devserver import dev_server
@@ -330,9 +331,9 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
         with conn.transaction():  # one snapshot for every figure
             snapshot = _queue.read(conn, schema)
             backlog = _queue.on(conn, _queue.backlog(schema))
-            recent = conn.execute(queries.recent_failures, {"limit": failures}).fetchall()
+            recent = _named(conn, queries.recent_failures, {"limit": failures})
             paused = conn.execute(queries.paused_effects).fetchall()
-            live = conn.execute(queries.live_dispatchers).fetchall()
+            live = _named(conn, queries.live_dispatchers)
     health = snapshot.health.values()
     report = {
         "schema": schema,
@@ -344,8 +345,9 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
         "expired_leases": sum(h.expired_leases for h in health),
         "dead_tuples": snapshot.counts.dead_tuples,
         "recent_failures": [
-            {"id": r[0], "effect": r[1], "key": r[2], "status": r[3], "attempts": r[4],
-             "last_error": r[5], "at": r[6].isoformat()} for r in recent
+            {"id": f["id"], "effect": f["effect"], "key": f["key"], "status": f["status"],
+             "attempts": f["attempts"], "last_error": f["last_error"],
+             "at": f["updated_at"].isoformat()} for f in recent
         ],
         **_served(snapshot, backlog, live),
         # Effects no dispatcher claims now: throttled, their breaker open, or an operator's.
@@ -362,8 +364,14 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
     _print_status(report)
 
 
+def _named(conn: psycopg.Connection[Any], query: str,
+           params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every row of ``query``, each a dict by column name."""
+    return conn.cursor(row_factory=dict_row).execute(query, params or {}).fetchall()
+
+
 def _served(snapshot: _queue.Snapshot, backlog: dict[str, _queue.Backlog],
-            live: list[tuple[Any, ...]]) -> dict[str, Any]:
+            live: list[dict[str, Any]]) -> dict[str, Any]:
     """The backlog per effect, the running dispatchers, and the effects with due jobs
     that no running dispatcher handles (they would wait forever)."""
     ages = {effect: h.oldest_due_age for effect, h in snapshot.health.items()}
@@ -375,9 +383,9 @@ def _served(snapshot: _queue.Snapshot, backlog: dict[str, _queue.Backlog],
             for effect, b in backlog.items()},
         "unhandled_effects": [effect for effect, b in backlog.items()
                               if b.due and not b.dispatchers],
-        "dispatchers": [{"worker_id": w, "effects": list(effects),
-                         "started_at": started.isoformat(), "heartbeat_age_seconds": age}
-                        for w, effects, started, age in live],
+        "dispatchers": [{"worker_id": d["worker_id"], "effects": list(d["effects"]),
+                         "started_at": d["started_at"].isoformat(),
+                         "heartbeat_age_seconds": d["heartbeat_age"]} for d in live],
     }
 
 

@@ -195,7 +195,7 @@ class PrometheusObserver(DispatchObserver, Collector):
             attempts = {k: sum(h.counts) for k, h in self._durations.items()}
             durations = {k: (h.buckets(), h.total) for k, h in self._durations.items()}
             waits = {k: (h.buckets(), h.total) for k, h in self._waits.items()}
-            claims = (self._claims.buckets(), self._claims.total)
+            claim_buckets, claim_seconds = self._claims.buckets(), self._claims.total
             fences, rescues = dict(self._fences), self._rescues
             in_flight = {e: n - self._ended.get(e, 0) for e, n in self._started.items()}
             last_claim = self._last_claim
@@ -218,7 +218,7 @@ class PrometheusObserver(DispatchObserver, Collector):
         yield family
         yield HistogramMetricFamily("outbox_claim_duration_seconds",
                                     "Seconds one claim statement took.",
-                                    buckets=claims[0], sum_value=claims[1])
+                                    buckets=claim_buckets, sum_value=claim_seconds)
         family = CounterMetricFamily(
             "outbox_fence_rejections", "Fenced writes that changed 0 rows (claim lost).",
             labels=["effect"])

@@ -191,7 +191,7 @@ class Recorder:
             except CONNECTION_ERRORS:
                 raise
             except psycopg.Error as exc:
-                held = item[0]
+                held, _ = item
                 self.state.drop(held, exc)
                 log.error("job %s (key %s): outcome could not be recorded (%s); the lease "
                           "will expire and the job be retried", held.job.id, held.job.key,
