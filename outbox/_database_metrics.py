@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from psycopg.rows import class_row, dict_row
 
 from . import _queue
-from ._dispatch.presence import SCAN_LIMIT
+from ._dispatch.presence import SCAN_LIMIT, Unserved
 from ._sql import check_schema_name, queries
 
 __all__ = ["MAX_EFFECTS", "SCRAPE_TIMEOUT", "DatabaseCollector", "render_database_metrics"]
@@ -143,15 +143,6 @@ def _families(snapshot: _queue.Snapshot, known: set[str]) -> Iterable[Metric]:
         "outbox_jobs_dead_tuples", "Dead tuples in the jobs table (vacuum debt).",
         value=snapshot.counts.dead_tuples)
     return (jobs, oldest, expired, reconcile, dead_tuples)
-
-
-@dataclass(frozen=True, slots=True)
-class Unserved:
-    """Due jobs of an effect no live dispatcher serves (``unhandled_due``)."""
-
-    effect: str
-    due: int
-    oldest_age: float
 
 
 @dataclass(slots=True)

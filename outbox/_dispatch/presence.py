@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import psycopg
 
@@ -37,6 +36,16 @@ REPEAT_INTERVAL = 600.0
 SCAN_LIMIT = 10_000
 """The oldest and the newest due jobs the check looks at, this many of each (see the
 ``unhandled_due`` query)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unserved:
+    """Due jobs of an effect no live dispatcher serves (``unhandled_due``): how many,
+    and how long the oldest has waited, in seconds."""
+
+    effect: str
+    due: int
+    oldest_age: float
 
 
 @dataclass
@@ -62,7 +71,8 @@ class Presence:
         except psycopg.errors.InsufficientPrivilege as exc:
             self._refused(exc)
             return
-        rows = yield Statement(settings.queries.unhandled_due, {"limit": SCAN_LIMIT})
+        rows = yield Statement(settings.queries.unhandled_due, {"limit": SCAN_LIMIT},
+                               row=Unserved)
         self.warn(rows, time.monotonic())
 
     def leave(self) -> Step[None]:
@@ -71,13 +81,13 @@ class Presence:
             yield Statement(self.settings.queries.dispatcher_leave,
                             {"worker": self.settings.worker_id}, count=True)
 
-    def warn(self, rows: Sequence[tuple[Any, ...]], now: float) -> list[str]:
+    def warn(self, rows: Sequence[Unserved], now: float) -> list[str]:
         """Log a warning for each unserved effect not warned about lately; return the
         effects warned about."""
         warned = []
         waiting = set()
-        for effect, count, oldest in rows:
-            name = str(effect)
+        for unserved in rows:
+            name = str(unserved.effect)
             waiting.add(name)
             last = self.warned_at.get(name)
             if last is not None and now - last < REPEAT_INTERVAL:
@@ -88,7 +98,8 @@ class Presence:
                 "%s due job(s) of effect %r have waited %.0fs and no running dispatcher "
                 "handles %r (this one handles %s): a typo in the effect name, or a "
                 "dispatcher with that effect not running?",
-                count, name, float(oldest), name, ", ".join(sorted(self.settings.effects)))
+                unserved.due, name, float(unserved.oldest_age), name,
+                ", ".join(sorted(self.settings.effects)))
         for name in set(self.warned_at) - waiting:  # served or gone: warn afresh next time
             del self.warned_at[name]
         return warned
