@@ -57,7 +57,6 @@ from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .flowsql import flow_queries
 from .hook_lookup import is_async_hook
-from .records import Written
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, guarded
 
@@ -212,8 +211,8 @@ class HookedOutcomes:
                 f'{{"id":{i.held.job.id},"version":{i.held.job.claim_version},'
                 f'"result":{i.outcome.result_json}}}' for i in done)  # type: ignore[union-attr]
             rows = yield Statement(self.recorder.complete, {"claims": f"[{claims}]"},
-                                   row=Written)
-            written = {w.id for w in rows}
+                                   scalar=True)  # the ids of the jobs completed
+            written = set(rows)
             landed: set[int] = set()
             if self.recorder.retrying and len(written) < len(done):
                 landed = yield from self.recorder.landed_before(
@@ -228,8 +227,8 @@ class HookedOutcomes:
             rows = yield Statement(self.recorder.queries.settle, {"claims": json.dumps([
                 {"id": i.held.job.id, "version": i.held.job.claim_version, "status": "failed",
                  "delay": 0.0, "error": i.decision.error if i.decision else None,
-                 "refund": False} for i in failed])}, row=Written)
-            written = {w.id for w in rows}
+                 "refund": False} for i in failed])}, scalar=True)  # the ids settled
+            written = set(rows)
             for item in failed:
                 if item.held.job.id in written:
                     yield from self._fast_hook(item, item.outcome)

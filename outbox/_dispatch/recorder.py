@@ -31,7 +31,6 @@ from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
 from .hooked import HookedOutcomes, close_quietly, flush_hooked, flush_hooked_async
 from .limits import report
 from .reconciler import reconcilers
-from .records import Landed, Written
 from .settings import Settings
 from .state import (
     AsyncState,
@@ -125,8 +124,9 @@ class Recorder:
                 f'{{"id":{h.job.id},"version":{h.job.claim_version},"result":{o.result_json}}}'
                 for h, o in successes
             )
-            rows = yield Statement(self.complete, {"claims": f"[{claims}]"}, row=Written)
-            written = {w.id for w in rows}
+            rows = yield Statement(self.complete, {"claims": f"[{claims}]"},
+                                   scalar=True)  # the ids of the jobs completed
+            written = set(rows)
             if self.retrying and len(written) < len(successes):
                 written |= yield from self.landed_before(
                     [h for h, _ in successes if h.job.id not in written])
@@ -153,8 +153,8 @@ class Recorder:
             {"id": h.job.id, "version": h.job.claim_version, "status": d.status,
              "delay": d.delay, "error": d.error, "refund": released}
             for h, released, d in settles
-        ])}, row=Written)
-        written = {w.id for w in rows}
+        ])}, scalar=True)  # the ids of the jobs settled
+        written = set(rows)
         counts: Counter[AttemptOutcome] = Counter()
         for held, released, decision in settles:
             if held.job.id in written:
@@ -176,8 +176,8 @@ class Recorder:
         the job row or, with retention 0, deletes it."""
         claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in helds)
         rows = yield Statement(self.queries.recorded_claims, {"claims": f"[{claims}]"},
-                               row=Landed)
-        return {landed.job_id for landed in rows}
+                               scalar=True)  # the ids of the jobs whose claim recorded
+        return set(rows)
 
     def record_singly(self, batch: list[tuple[Held, Outcome]],
                       decided: dict[int, Decision]) -> Step[None]:
@@ -255,8 +255,8 @@ class Recorder:
         claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in held)
         rows = yield Statement(self.queries.heartbeat, {"claims": f"[{claims}]",
                                                         "lease": self.settings.lease},
-                               row=Written)
-        alive = {w.id for w in rows}
+                               scalar=True)  # the ids of the leases extended
+        alive = set(rows)
         lost = 0
         for h in held:
             if h.job.id not in alive and h.job.id in self.state.held:

@@ -1,5 +1,6 @@
 """The records the dispatcher's statements answer (``Statement(..., row=...)``): each
-reader names the columns it reads. The claim's own rows are the claimer's."""
+reader names the columns it reads. Statements that return only ids answer them as
+values (``scalar``); the claim's own rows are the claimer's."""
 
 from __future__ import annotations
 
@@ -9,22 +10,7 @@ from typing import Any
 
 from ..effect import Job
 
-__all__ = ["Landed", "Taken", "Written"]
-
-
-@dataclass(frozen=True, slots=True)
-class Written:
-    """A job a fenced statement changed (``RETURNING j.id``): absent, the fence held
-    another claim."""
-
-    id: int
-
-
-@dataclass(frozen=True, slots=True)
-class Landed:
-    """A claim whose completion is in the ledger already (``recorded_claims``)."""
-
-    job_id: int
+__all__ = ["Taken"]
 
 
 @dataclass(frozen=True, slots=True)

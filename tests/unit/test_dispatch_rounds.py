@@ -27,7 +27,6 @@ from outbox import DispatchStats
 from outbox._dispatch import claimer as claimer_module
 from outbox._dispatch.claimer import IDLE_RECHECK, RETENTION_BATCH, RETENTION_INTERVAL, Claimer
 from outbox._dispatch.recorder import Recorder
-from outbox._dispatch.records import Landed, Written
 from outbox._dispatch.settings import Settings
 from outbox._dispatch.state import Held, Outcome, Release, SharedState, Success
 from outbox._steps import Rows, Statement, Step, run, run_async
@@ -94,8 +93,8 @@ class Script:
         self.asked.append((name, statement))
         if isinstance(answer, BaseException):
             raise answer
-        if answer and not isinstance(answer[0], tuple):  # records: the step asked for them
-            assert statement.row is type(answer[0]), f"{name}: rows asked as {statement.row}"
+        if answer and isinstance(answer[0], int):  # values: the step asked for them
+            assert statement.scalar, f"{name}: ids answered to a statement not scalar"
         return answer
 
     def drive(self, step: Step[Any]) -> Any:
@@ -278,13 +277,13 @@ def test_run_polls_with_jitter_when_nothing_was_claimed(clock: Clock) -> None:
 
 
 def written(*ids: int) -> Rows:
-    """What a fenced statement answers: the jobs it changed."""
-    return [Written(i) for i in ids]
+    """What a fenced statement answers (``scalar``): the ids of the jobs it changed."""
+    return list(ids)
 
 
 def landed(*ids: int) -> Rows:
-    """What ``recorded_claims`` answers: the claims the ledger has."""
-    return [Landed(i) for i in ids]
+    """What ``recorded_claims`` answers (``scalar``): the ids whose claim is recorded."""
+    return list(ids)
 
 
 def recorder(events: Events) -> tuple[Recorder, SharedState[Any]]:
