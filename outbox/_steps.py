@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
-from psycopg.rows import kwargs_row, scalar_row
+from psycopg.rows import BaseRowFactory, kwargs_row, scalar_row, tuple_row
 
 __all__ = ["Rows", "Statement", "Step", "execute", "execute_async", "run", "run_async"]
 
@@ -65,13 +65,7 @@ Step = Generator[Statement, Rows, T]
 def execute(conn: psycopg.Connection[Any], statement: Statement) -> Rows:
     """Run ``statement`` on ``conn`` (in its transaction, if one is open) and answer as a
     step expects: its rows, ``[(rowcount,)]`` with ``count``, ``[]`` for no result."""
-    cursor: psycopg.Cursor[Any]
-    if statement.scalar:
-        cursor = conn.cursor(row_factory=scalar_row)
-    elif statement.row is not None:
-        cursor = conn.cursor(row_factory=kwargs_row(statement.row))
-    else:
-        cursor = conn.cursor()
+    cursor = conn.cursor(row_factory=_row_factory(statement))
     cursor.execute(statement.query, statement.params)
     if statement.count:
         return [(cursor.rowcount,)]
@@ -80,17 +74,21 @@ def execute(conn: psycopg.Connection[Any], statement: Statement) -> Rows:
 
 async def execute_async(conn: psycopg.AsyncConnection[Any], statement: Statement) -> Rows:
     """``execute`` on an asyncio connection."""
-    cursor: psycopg.AsyncCursor[Any]
-    if statement.scalar:
-        cursor = conn.cursor(row_factory=scalar_row)
-    elif statement.row is not None:
-        cursor = conn.cursor(row_factory=kwargs_row(statement.row))
-    else:
-        cursor = conn.cursor()
+    cursor = conn.cursor(row_factory=_row_factory(statement))
     await cursor.execute(statement.query, statement.params)
     if statement.count:
         return [(cursor.rowcount,)]
     return await cursor.fetchall() if cursor.description else []
+
+
+def _row_factory(statement: Statement) -> BaseRowFactory[Any]:
+    """How ``statement``'s rows are made: tuples unless it asks otherwise, whatever row
+    factory the caller's connection has."""
+    if statement.scalar:
+        return scalar_row
+    if statement.row is not None:
+        return kwargs_row(statement.row)
+    return tuple_row
 
 
 def run(step: Generator[I, A, T], execute: Callable[[I], A]) -> T:
