@@ -14,7 +14,7 @@
     hook_lookup which effects have completion hooks and reconcilers (build time)
     reconciler  ask the provider about jobs in ``reconcile``, write its answer
     flowsql     the named blocks of ``sql/flows.sql`` (hooks and reconciler)
-    records     the records their statements' rows are read as
+    presence    this dispatcher's heartbeat row, and warnings for effects nobody serves
     listener    LISTEN for enqueue notifications, wake the claimer
     counting    ``DispatchStats``, counted from the observer events the parts report
 

@@ -34,6 +34,7 @@ import logging
 import random
 import threading
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 from .. import _state
@@ -52,7 +53,6 @@ from .hooked import (
     in_transaction,
     in_transaction_async,
 )
-from .records import Taken
 from .settings import Settings
 from .state import SharedState
 from .workers import result_json
@@ -79,6 +79,31 @@ class Answer:
     kind: Kind
     result_json: str = "null"
     error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A job in ``reconcile`` the reconciler took to ask about (``reconcile_take``)."""
+
+    id: int
+    effect: str
+    key: str
+    payload: dict[str, Any]
+    attempts: int
+    claim_version: int
+    ordering_key: str | None
+    max_attempts: int
+    first_attempted_at: datetime | None
+    reconcile_checks: int
+    created_at: datetime
+
+    def job(self) -> Job:
+        """The job as ``reconcile`` is given it (its window from the first attempt, or
+        from its creation when none is recorded)."""
+        return Job(id=self.id, effect=self.effect, key=self.key, payload=self.payload,
+                   attempt=self.attempts, claim_version=self.claim_version,
+                   ordering_key=self.ordering_key, max_attempts=self.max_attempts,
+                   first_attempted_at=self.first_attempted_at or self.created_at)
 
 
 def next_ask(interval: float, answered: int, rng: random.Random) -> float | None:
