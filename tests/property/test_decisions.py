@@ -139,3 +139,31 @@ def test_any_requested_delay_becomes_one_the_database_can_store(
     assert decision.status == "pending"
     assert math.isfinite(decision.delay)
     assert 0.0 <= decision.delay <= MAX_STORABLE_DELAY
+
+
+@FAST
+@given(
+    outcome=st.none() | _outcomes(),
+    hook_error=_outcomes(),
+    attempt=st.integers(min_value=1, max_value=50),
+    max_attempts=st.integers(min_value=1, max_value=50),
+    reconciles=st.booleans(),
+    seed=seeds,
+)
+def test_a_hook_that_raised_is_retried_or_failed_never_reconciled(
+    outcome: BaseException | None, hook_error: BaseException, attempt: int,
+    max_attempts: int, reconciles: bool, seed: int,
+) -> None:
+    """The provider's outcome is known when a hook raises: whatever either raised, the job
+    is retried with the backoff until its attempts run out (a ``Permanent`` from the
+    hook: at once), then failed; and the error names the hook that raised."""
+    job = Job(id=1, effect="e", key="k", payload={}, attempt=attempt, claim_version=1,
+              max_attempts=max_attempts, first_attempted_at=NOW - timedelta(days=30))
+    rules = Rules(window=60.0, backoff=Backoff(base=1.0, cap=60.0), reconciles=reconciles)
+    decision = settle(outcome, job, rules, now=NOW, rng=random.Random(seed),
+                      hook_error=hook_error)
+    gives_up = isinstance(hook_error, Permanent) or attempt >= max_attempts
+    assert decision.status == ("failed" if gives_up else "pending")
+    assert 0.0 <= decision.delay <= (0.0 if gives_up else 60.0)
+    hook = "on_done" if outcome is None else "on_failed"
+    assert decision.error is not None and f"{hook} raised " in decision.error
