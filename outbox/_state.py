@@ -23,8 +23,9 @@ from typing import Literal, Protocol
 
 from .errors import Permanent, Retry, Throttled, UnknownOutcome
 
-__all__ = ["RELEASED", "Answered", "Attempted", "Backoff", "Decision", "Released", "Rules",
-           "Settled", "heartbeat_interval", "seconds", "settle", "settle_answer"]
+__all__ = ["MAX_ASK_DELAY", "MAX_UNKNOWN_PASSES", "NEVER", "RELEASED", "Answered", "Attempted",
+           "Backoff", "Decision", "Released", "Rules", "Settled", "heartbeat_interval",
+           "next_ask", "seconds", "settle", "settle_answer"]
 
 Status = Literal["pending", "running", "done", "failed", "reconcile"]
 MAX_ERROR_LENGTH = 2000
@@ -217,20 +218,45 @@ def _after_hook(outcome: Settled, hook_error: BaseException, job: Attempted, rul
     return Decision("pending", delay=rules.backoff.delay(job.attempt, rng), error=text)
 
 
-Answered = Literal["performed", "not_performed", "failed"]
-"""The answers of a reconciler that settle a job (the others ask again later)."""
+Answered = Literal["performed", "not_performed", "failed", "unknown", "unreachable"]
+"""What a reconciler learnt about a job in reconcile: the provider did act, did not, the
+job can never succeed (``Permanent``), the provider does not know yet (``None``), or it
+could not be asked (anything else raised)."""
+
+MAX_UNKNOWN_PASSES = 8
+"""Answers of "still unknown" before the reconciler gives up and a person decides."""
+MAX_ASK_DELAY = 6 * 3600.0
+"""The longest wait between two asks about one job."""
+NEVER = math.inf
+"""The delay of a job the reconciler gave up on: it is not asked about again."""
+
+
+def next_ask(interval: float, answered: int, rng: random.Random) -> float | None:
+    """Seconds until the next ask after ``answered`` answers of "still unknown" (None:
+    never again). Doubling from ``interval``, capped, with jitter so that a backlog
+    spreads out."""
+    if answered >= MAX_UNKNOWN_PASSES:
+        return None
+    return min(MAX_ASK_DELAY, interval * 2.0 ** answered) * rng.uniform(0.75, 1.0)
 
 
 def settle_answer(answer: Answered, *, error: BaseException | None = None,
-                  hook_error: BaseException | None = None) -> Decision:
+                  hook_error: BaseException | None = None, checks: int = 0,
+                  interval: float = 60.0, rng: random.Random | None = None) -> Decision:
     """The next state of a job in ``reconcile`` once its provider answered ``answer``
-    (``error``: what ``reconcile`` raised for ``failed``), and its hook, if any, ran.
+    (``error``: what ``reconcile`` raised), and its hook, if any, ran; ``checks``: the
+    answers of "still unknown" before this one; ``interval``: the first wait between
+    asks. The one settlement of a reconciler's answer.
 
     - performed: done with the provider's result; if ``on_done`` raised, pending with
       the answer kept (the next attempt runs the hook, not the effect).
     - not performed: pending, same key, a fresh window.
     - failed (``Permanent`` raised by ``reconcile``): failed; an ``on_failed`` that
       raised is noted in the error, the failure stands.
+    - unknown: still reconcile, asked again after ``next_ask``; after
+      ``MAX_UNKNOWN_PASSES`` such answers, given up (delay ``NEVER``): a person decides.
+    - unreachable: still reconcile, asked again the same way, the pass not counted
+      toward giving up.
     """
     if answer == "performed":
         if hook_error is None:
@@ -239,10 +265,18 @@ def settle_answer(answer: Answered, *, error: BaseException | None = None,
     if answer == "not_performed":
         return Decision("pending", error="reconciler: the provider has no trace of this "
                                          "key; performing again")
-    text = describe(error) if error is not None else "reconciler: failed"
-    if hook_error is not None:
-        text = f"{text}; on_failed raised {describe(hook_error)}"
-    return Decision("failed", error=text)
+    if answer == "failed":
+        text = describe(error) if error is not None else "reconciler: failed"
+        if hook_error is not None:
+            text = f"{text}; on_failed raised {describe(hook_error)}"
+        return Decision("failed", error=text)
+    answered = checks + (answer == "unknown")
+    delay = next_ask(interval, answered, rng or random.Random())
+    if delay is not None:
+        return Decision("reconcile", delay=delay)
+    note = (describe(error) if error is not None
+            else f"reconciler: still unknown after {checks + 1} answer(s)")
+    return Decision("reconcile", delay=NEVER, error=f"reconciler gave up: {note}")
 
 
 def _delay(after: float | None, attempt: int, backoff: Backoff, rng: random.Random) -> float:

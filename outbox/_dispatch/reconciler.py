@@ -15,7 +15,8 @@ pass before claiming). Each pass::
                  NotPerformed()     reconcile -> pending, same key, fresh window
                  Permanent raised   reconcile -> failed + on_failed
                  None               asked again later, with backoff; after
-                                    MAX_UNKNOWN_PASSES answers of None, left to a person
+                                    _state.MAX_UNKNOWN_PASSES answers of None, left to
+                                    a person
                  anything else      the provider could not be reached: asked again,
                  raised             the pass not counted toward giving up
 
@@ -35,7 +36,7 @@ import random
 import threading
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 from .. import _state
 from .._steps import Statement, Step, run, run_async
@@ -57,17 +58,12 @@ from .settings import Settings
 from .state import SharedState
 from .workers import result_json
 
-__all__ = ["MAX_UNKNOWN_PASSES", "Answer", "Reconciler", "next_ask", "read_reply",
-           "run_reconciler", "run_reconciler_async"]
+__all__ = ["Answer", "Reconciler", "read_reply", "run_reconciler", "run_reconciler_async"]
 
 log = logging.getLogger("outbox.reconciler")
 
 BATCH = 100  # jobs taken per statement
 MAX_BATCHES = 10  # per pass: a large backlog is worked through over several passes
-MAX_UNKNOWN_PASSES = 8  # answers of "still unknown" before a person must decide
-MAX_DELAY = 6 * 3600.0  # the longest wait between two asks
-
-Kind = Literal["performed", "not_performed", "failed", "unknown", "unreachable"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +72,7 @@ class Answer:
 
     job: Job
     checks: int  # passes answered "still unknown" before this one
-    kind: Kind
+    kind: _state.Answered
     result_json: str = "null"
     error: BaseException | None = None
 
@@ -104,15 +100,6 @@ class Taken:
                    attempt=self.attempts, claim_version=self.claim_version,
                    ordering_key=self.ordering_key, max_attempts=self.max_attempts,
                    first_attempted_at=self.first_attempted_at or self.created_at)
-
-
-def next_ask(interval: float, answered: int, rng: random.Random) -> float | None:
-    """Seconds until the next ask after ``answered`` answers of "still unknown" (None:
-    never again). Doubling from ``interval``, capped, with jitter so that a backlog
-    spreads out."""
-    if answered >= MAX_UNKNOWN_PASSES:
-        return None
-    return min(MAX_DELAY, interval * 2.0 ** answered) * rng.uniform(0.75, 1.0)
 
 
 def read_reply(job: Job, checks: int, reply: object, error: BaseException | None) -> Answer:
@@ -199,15 +186,14 @@ class Reconciler:
             rows = yield Statement(q.reconcile_not_performed, {
                 **fence, "error": _state.settle_answer("not_performed").error})
         else:
-            answered = answer.kind == "unknown"
-            delay = next_ask(self.settings.reconcile_interval,
-                             answer.checks + answered, self.rng)
-            decision = answer.kind if delay is not None else "gave_up"
-            note = (_state.describe(answer.error) if answer.error is not None
-                    else f"reconciler: still unknown after {answer.checks + 1} answer(s)")
+            settled = _state.settle_answer(
+                answer.kind, error=answer.error, checks=answer.checks,
+                interval=self.settings.reconcile_interval, rng=self.rng)
+            gave_up = settled.delay == _state.NEVER
+            decision = "gave_up" if gave_up else answer.kind
             rows = yield Statement(q.reconcile_later, {
-                **fence, "delay": delay, "answered": answered,
-                "error": f"reconciler gave up: {note}" if delay is None else None})
+                **fence, "delay": None if gave_up else settled.delay,
+                "answered": answer.kind == "unknown", "error": settled.error})
             if answer.kind == "unreachable":
                 log.warning("job %s (key %s): reconcile could not reach the provider (%s)",
                             job.id, job.key, type(answer.error).__name__)

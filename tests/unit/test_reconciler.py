@@ -6,11 +6,8 @@ from __future__ import annotations
 import random
 
 import outbox
-from outbox._dispatch.reconciler import (
-    MAX_UNKNOWN_PASSES,
-    next_ask,
-    read_reply,
-)
+from outbox._dispatch.reconciler import read_reply
+from outbox._state import MAX_UNKNOWN_PASSES, next_ask
 
 JOB = outbox.Job(id=1, effect="payment.charge", key="k", payload={}, attempt=2,
                  claim_version=2)

@@ -9,7 +9,15 @@ from datetime import UTC, datetime, timedelta
 
 import outbox
 from outbox import Backoff, Permanent, Throttled, UnknownOutcome
-from outbox._state import RELEASED, Decision, Rules, settle, settle_answer
+from outbox._state import (
+    MAX_UNKNOWN_PASSES,
+    NEVER,
+    RELEASED,
+    Decision,
+    Rules,
+    settle,
+    settle_answer,
+)
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 BACKOFF = Backoff(base=10.0, cap=10.0)
@@ -95,3 +103,25 @@ def test_the_reconcilers_answers() -> None:
     assert failed == Decision("failed", error="Permanent: closed")
     stands = settle_answer("failed", error=Permanent("closed"), hook_error=OSError("x"))
     assert stands == Decision("failed", error="Permanent: closed; on_failed raised OSError: x")
+
+
+def test_a_reconcile_answer_of_unknown_is_asked_again_until_a_person_must_decide() -> None:
+    rng = random.Random(5)
+    asked = settle_answer("unknown", checks=0, interval=60.0, rng=rng)
+    assert asked.status == "reconcile" and 90.0 <= asked.delay <= 120.0  # 2 x 60 s, jitter
+    assert asked.error is None
+    last = settle_answer("unknown", checks=MAX_UNKNOWN_PASSES - 1, interval=60.0, rng=rng)
+    assert last.status == "reconcile" and last.delay == NEVER
+    assert last.error == (f"reconciler gave up: reconciler: still unknown after "
+                          f"{MAX_UNKNOWN_PASSES} answer(s)")
+
+
+def test_an_unreachable_provider_is_asked_again_without_counting_the_pass() -> None:
+    down = ConnectionError("refused")
+    again = settle_answer("unreachable", error=down, checks=MAX_UNKNOWN_PASSES - 1,
+                          interval=60.0, rng=random.Random(5))
+    assert again.status == "reconcile" and again.delay != NEVER and again.error is None
+    over = settle_answer("unreachable", error=down, checks=MAX_UNKNOWN_PASSES,
+                         interval=60.0, rng=random.Random(5))
+    assert over.delay == NEVER
+    assert over.error == "reconciler gave up: ConnectionError: refused"
