@@ -11,6 +11,12 @@ here is tested without a database. The state machine these decisions drive::
        |                  |  \\--UnknownOutcome past window------> reconcile
        +--Retry/backoff---+
        +--lease expired (rescuer, fenced)
+
+    reconcile --asked: performed (+ledger)--> done
+              --asked: not performed-------> pending (same key, fresh window)
+              --asked: Permanent-----------> failed
+              --asked: unknown-------------> reconcile (asked again later, or left to a
+                                             person after MAX_UNKNOWN_PASSES answers)
 """
 
 from __future__ import annotations
