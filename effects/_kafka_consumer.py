@@ -144,11 +144,19 @@ class InboxConsumer:
         return self._consume(idle_timeout=idle_timeout)
 
     def stop(self) -> None:
-        """Ask ``run`` to return after the batch in hand; safe from any thread."""
+        """Ask ``run`` to return after the batch in hand; safe from any thread, before or
+        during a run (a stop before ``run()`` makes it return at once)."""
         self._stopping.set()
 
     def _consume(self, idle_timeout: float | None) -> KafkaConsumerStats:
-        self._stopping.clear()
+        try:
+            if self._stopping.is_set():
+                return self.stats
+            return self._consume_until_stopped(idle_timeout)
+        finally:
+            self._stopping.clear()  # honoured: the next run starts afresh
+
+    def _consume_until_stopped(self, idle_timeout: float | None) -> KafkaConsumerStats:
         consumer = Consumer(self._settings, logger=log)
         consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke)
         quiet_since = time.monotonic()

@@ -38,12 +38,13 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
 import nats.js.errors
 import psycopg
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -51,6 +52,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 import outbox
 
 from ._consumer_stats import ConsumerStats
+
+T = TypeVar("T")
 
 __all__ = ["ConsumerStats", "InboxConsumer", "InboxEvent"]
 
@@ -161,13 +164,17 @@ class InboxConsumer:
         self._adb: psycopg.AsyncConnection[Any] | None = None
         self._stopping: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_early = False  # stop() came before a run had its event
         self.stats = ConsumerStats()
 
     # -- running ---------------------------------------------------------------------
 
     async def run(self) -> ConsumerStats:
-        """Consume until ``stop()``; reconnects to NATS and PostgreSQL as needed."""
-        self._stopping, self._loop = asyncio.Event(), asyncio.get_running_loop()
+        """Consume until ``stop()``; reconnects to NATS and PostgreSQL as needed.
+
+        A ``stop()`` made before ``run()`` makes it return at once; a ``stop()`` while
+        the broker is unreachable (connecting or reconnecting) makes it return promptly.
+        """
         return await self._consume(until_idle=False, idle_timeout=1.0)
 
     async def run_until_idle(self, idle_timeout: float = 0.5) -> ConsumerStats:
@@ -176,14 +183,14 @@ class InboxConsumer:
         Messages nak'ed with a delay count as outstanding: this returns once each was
         handled, skipped or parked (for tests and batch jobs).
         """
-        self._stopping, self._loop = asyncio.Event(), asyncio.get_running_loop()
         return await self._consume(until_idle=True, idle_timeout=idle_timeout)
 
     def stop(self) -> None:
-        """Ask ``run`` to return after the batch in hand; safe from any thread. A batch
-        already fetched ahead is nak'ed, to be redelivered at once."""
+        """Ask ``run`` to return after the batch in hand; safe from any thread, before or
+        during a run. A batch already fetched ahead is nak'ed, to be redelivered at once."""
         stopping, loop = self._stopping, self._loop
         if stopping is None or loop is None:
+            self._stop_early = True
             return
         try:
             running = asyncio.get_running_loop()
@@ -195,14 +202,53 @@ class InboxConsumer:
             loop.call_soon_threadsafe(stopping.set)
 
     async def _consume(self, *, until_idle: bool, idle_timeout: float) -> ConsumerStats:
+        stopping = self._stopping = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        if self._stop_early:
+            stopping.set()
+        try:
+            client = await self._until_stopped(nats.connect(
+                servers=self._servers, max_reconnect_attempts=-1, error_cb=self._on_error,
+                **self._options))
+            if client is None:
+                return self.stats
+            return await self._consume_on(client, until_idle=until_idle,
+                                          idle_timeout=idle_timeout)
+        finally:
+            self._stopping = self._loop = None
+            self._stop_early = False
+
+    async def _until_stopped(self, pending: Awaitable[T]) -> T | None:
+        """``pending``'s result, or None as soon as ``stop()`` is asked (it is then
+        cancelled): a broker that cannot be reached does not hold a stop."""
+        assert self._stopping is not None
+        if self._stopping.is_set():
+            if inspect.iscoroutine(pending):
+                pending.close()
+            return None
+        task = asyncio.ensure_future(pending)
+        stopped = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        return None
+
+    async def _consume_on(self, client: NATS, *, until_idle: bool,
+                          idle_timeout: float) -> ConsumerStats:
         stopping = self._stopping
         assert stopping is not None
-        client = await nats.connect(servers=self._servers, max_reconnect_attempts=-1,
-                                    error_cb=self._on_error, **self._options)
         prefetch: asyncio.Future[list[Msg]] | None = None
         try:
             js = client.jetstream()
-            subscription = await self._subscribe(js)
+            subscription = await self._until_stopped(self._subscribe(js))
+            if subscription is None:
+                return self.stats
 
             def fetch() -> asyncio.Future[list[Msg]]:
                 return asyncio.ensure_future(subscription.fetch(self.batch,
@@ -259,8 +305,6 @@ class InboxConsumer:
                 return await self._pull_subscribe(js)
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
                     nats.js.errors.ServiceUnavailableError) as exc:
-                if self._stopping.is_set():
-                    raise
                 log.info("%s: JetStream not ready (%s); retrying", self.name,
                          type(exc).__name__)
                 await asyncio.sleep(_RECONNECT_PAUSE)

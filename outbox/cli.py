@@ -10,6 +10,7 @@ imports them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import getpass
 import importlib
@@ -238,16 +239,24 @@ def _describe(exc: BaseException) -> str:
               help="A provider limit shared by every dispatcher on the schema, e.g. "
                    "email.send=2/s, email.send=10/s,burst=5, payment.charge=concurrency=4; "
                    "repeatable.")
+@click.option("--stop-timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="After SIGTERM or SIGINT, how long performs in flight may run before the "
+                   "command exits and leaves the jobs still held to their leases "
+                   "(default: the dispatcher's stop_timeout, 30).")
 @_one_line_errors
 def run_command(target: str, dsn: str | None, metrics_port: int | None,
-                metrics_host: str, limits: tuple[str, ...]) -> None:
-    """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work."""
+                metrics_host: str, limits: tuple[str, ...], stop_timeout: float | None) -> None:
+    """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work within its
+    stop timeout."""
     added = _limits(limits)  # refused before anything is imported
     if dsn is not None:
         os.environ["OUTBOX_DATABASE_URL"] = dsn
     dispatcher = load_dispatcher(target)
     if added:
         dispatcher.add_limits(added)
+    if stop_timeout is not None:
+        dispatcher.settings = dataclasses.replace(dispatcher.settings, stop_timeout=stop_timeout)
+        dispatcher.stop_timeout = stop_timeout
     _preflight(dispatcher)
     click.echo(start_line(dispatcher), err=True)
     if metrics_port is not None:

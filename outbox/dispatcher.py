@@ -50,6 +50,7 @@ from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_r
 from ._dispatch.recorder import Recorder, run_recorder, run_recorder_async
 from ._dispatch.settings import Settings, text_array
 from ._dispatch.state import (
+    CLOSE_GRACE,
     AsyncState,
     LoopEvent,
     SharedState,
@@ -70,11 +71,12 @@ log = logging.getLogger("outbox.dispatcher")
 
 _text_array = text_array  # the claim's effects parameter, for tests that claim by hand
 DRAIN_CHECK = 0.05  # seconds between checks that every held job is recorded
+
 # The checked options readable as attributes of a dispatcher (``d.lease``, ...).
 PUBLIC_OPTIONS = (
     "schema", "concurrency", "lease", "batch_size", "prefetch", "max_prefetch",
     "poll_interval", "rescue_interval", "backoff", "unknown_outcome_window", "retention",
-    "ledger_retention", "inbox_retention", "worker_id", "reconcile_interval",
+    "ledger_retention", "inbox_retention", "worker_id", "reconcile_interval", "stop_timeout",
 )
 
 
@@ -104,6 +106,7 @@ class _Options:
     inbox_retention: float | None
     worker_id: str
     reconcile_interval: float
+    stop_timeout: float
 
     def __init__(
         self,
@@ -132,6 +135,7 @@ class _Options:
         reconcile_interval: float | timedelta = 60.0,
         limits: Mapping[str, Limit] | None = None,
         breaker_threshold: int | None = 5,
+        stop_timeout: float | timedelta = 30.0,
     ) -> None:
         if metrics:
             from .metrics import with_metrics  # prometheus-client is an optional extra
@@ -146,7 +150,7 @@ class _Options:
             worker_id=worker_id,
             listen_conninfo=listen_conninfo, observer=observer,
             on_done=on_done, on_failed=on_failed, reconcile_interval=reconcile_interval,
-            limits=limits, breaker_threshold=breaker_threshold,
+            limits=limits, breaker_threshold=breaker_threshold, stop_timeout=stop_timeout,
         )
         for name in PUBLIC_OPTIONS:
             setattr(self, name, getattr(self.settings, name))
@@ -282,6 +286,16 @@ class Dispatcher(_Options):
     ``None`` turns the breaker off. An operator pauses and resumes an effect with
     ``outbox pause`` / ``outbox resume`` (or the dashboard).
 
+    ``stop_timeout`` (seconds or a timedelta, 30): a stop always ends. After ``stop()``,
+    SIGTERM or SIGINT, performs in flight get this long to finish and be recorded; then
+    ``run`` returns anyway. Each job still held is logged (one warning line a job) and
+    left to its lease: never marked done, never handed back as if not started (its
+    perform may have acted), so another dispatcher performs it again once the lease
+    expires (at least once, with the same key). Worker threads are daemon threads: a
+    perform that never returns does not keep the process alive, and what it returns
+    after the stop is not recorded. Set an orchestrator's grace period (Kubernetes'
+    ``terminationGracePeriodSeconds``) above ``stop_timeout`` plus a few seconds.
+
     ``observer`` (an ``outbox.observe.DispatchObserver``) receives every claim, attempt,
     fence rejection and rescue, for metrics and tracing; an exception it raises is
     logged and ignored. ``metrics=True`` adds the Prometheus metrics of
@@ -342,7 +356,9 @@ class Dispatcher(_Options):
         """Dispatch until ``stop()``, SIGTERM or SIGINT; then finish in-flight work.
 
         Wakes on LISTEN/NOTIFY when jobs are enqueued and also polls with jitter.
-        Survives connection loss and database restarts: reconnects with backoff.
+        Survives connection loss and database restarts: reconnects with backoff. Returns
+        within ``stop_timeout`` seconds (plus a moment to close) of the stop, whatever
+        the performs in flight do; a ``stop()`` before ``run()`` makes it return at once.
         """
         with self._signals_stop():
             return self._serve(until_idle=False, timeout=None)
@@ -412,12 +428,14 @@ class Dispatcher(_Options):
                     self._drain()
         finally:
             state.workers_ended()
-            recorder.join()
+            # After stop_timeout the recorder has nothing left to write, but it may be
+            # waiting on an unreachable database: the stop does not wait for it.
+            _join(recorder, CLOSE_GRACE if state.abandoned else None)
             state.drop_unrecorded()  # a part died: what it will never write still counts
             if listener.is_alive():
-                listener.join()
+                _join(listener, CLOSE_GRACE)
             if reconciler is not None:
-                reconciler.join()
+                _join(reconciler, CLOSE_GRACE)
 
     def _reconciler(self, until_idle: bool) -> threading.Thread | None:
         """Where an effect reconciles: under ``run_until_idle`` one pass now, before
@@ -438,13 +456,26 @@ class Dispatcher(_Options):
 
     def _drain(self) -> None:
         """Stop claiming; release queued jobs; wait until every held job is recorded
-        (unless a part died: then what it held is left to the rescuer)."""
+        (unless a part died: then what it held is left to the rescuer), for at most
+        ``stop_timeout``: what is still held then is left to its lease."""
         state = self._state
         state.start_draining()
-        while state.held and state.failure is None:
+        deadline = time.monotonic() + self.settings.stop_timeout
+        while state.held and state.failure is None and time.monotonic() < deadline:
             state.outcome_ready.set()
             state.wake.wait(DRAIN_CHECK)
             state.wake.clear()
+        if state.held and state.failure is None:
+            state.abandon(self.settings.stop_timeout, self.settings.lease)
+
+
+def _join(thread: threading.Thread, seconds: float | None) -> None:
+    """Join ``thread``; with ``seconds``, give up after that long (the parts are daemon
+    threads: one stuck on a provider or a dead connection does not hold the stop)."""
+    thread.join(seconds)
+    if thread.is_alive():
+        log.warning("dispatcher %s did not end within %gs of the stop; left behind",
+                    thread.name, seconds)
 
 
 class AsyncDispatcher(_Options):
@@ -497,7 +528,9 @@ class AsyncDispatcher(_Options):
         """Dispatch until ``stop()`` or cancellation; then finish in-flight work.
 
         Wakes on LISTEN/NOTIFY and polls with jitter; reconnects with backoff after a
-        connection loss or a database restart.
+        connection loss or a database restart. As with ``Dispatcher``, returns within
+        ``stop_timeout`` seconds (plus a moment to close) of the stop: jobs still held
+        then are left to their leases and their async performs cancelled.
         """
         return await self._serve(until_idle=False, deadline=None)
 
@@ -599,12 +632,24 @@ class AsyncDispatcher(_Options):
         self, state: AsyncState, workers: TaskWorkers, recorder: asyncio.Task[None]
     ) -> None:
         """Stop claiming; hand back what has not started; wait until in-flight work is
-        recorded (unless a part died: then what it held is left to the rescuer)."""
+        recorded (unless a part died: then what it held is left to the rescuer), for at
+        most ``stop_timeout``: what is still held then is left to its lease."""
         state.start_draining()
-        while state.held and state.failure is None:
+        deadline = time.monotonic() + self.settings.stop_timeout
+        while state.held and state.failure is None and time.monotonic() < deadline:
             state.outcome_ready.set()
             await state.wake.wait(DRAIN_CHECK)
             state.wake.clear()
+        if state.held and state.failure is None:
+            # stop_timeout passed: what is still held is left to its lease; async
+            # performs are cancelled, sync ones on the pool are left to finish unheard.
+            state.abandon(self.settings.stop_timeout, self.settings.lease)
+            workers.cancel()
         await workers.join()
         state.workers_ended()
-        await recorder
+        if state.abandoned:
+            # The recorder has nothing left to write; it may be waiting on an
+            # unreachable database: the stop does not wait for it.
+            await asyncio.wait({recorder}, timeout=CLOSE_GRACE)
+        else:
+            await recorder

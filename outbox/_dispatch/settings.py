@@ -67,6 +67,9 @@ class Settings:
     done_hooks: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     failed_hooks: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     reconcile_interval: float = 60.0
+    # After a stop: how long performs in flight may still run before ``run`` returns and
+    # leaves the jobs still held to their leases.
+    stop_timeout: float = 30.0
 
     @classmethod
     def build(
@@ -95,6 +98,7 @@ class Settings:
         reconcile_interval: float | timedelta = 60.0,
         limits: Mapping[str, Limit] | None = None,
         breaker_threshold: int | None = 5,
+        stop_timeout: float | timedelta = 30.0,
     ) -> Settings:
         """Check every option; raise ``ConfigurationError`` naming the first bad one."""
         indexed = _index_effects(effects)
@@ -151,6 +155,7 @@ class Settings:
             done_hooks=hooks_for(indexed, "on_done", on_done),
             failed_hooks=hooks_for(indexed, "on_failed", on_failed),
             reconcile_interval=_seconds(reconcile_interval, "reconcile_interval", minimum=0.01),
+            stop_timeout=_seconds(stop_timeout, "stop_timeout", minimum=0.0),
         )
 
     @property

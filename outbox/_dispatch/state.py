@@ -43,6 +43,7 @@ from .held import Held, Outcome, Release, Success
 from .limits import LimitView, is_transient
 
 __all__ = [
+    "CLOSE_GRACE",
     "AsyncState",
     "Held",
     "LoopEvent",
@@ -60,6 +61,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("outbox.dispatcher")
+# Seconds a part gets to end once the drain is over (after stop_timeout: once what was
+# held is left to its lease), before the stop goes on without it.
+CLOSE_GRACE = 5.0
 
 
 @dataclass
@@ -210,6 +214,9 @@ class SharedState(Generic[E]):
         self.releasing = False
         # Set by workers_ended(): nothing more to record after what is queued.
         self.workers_done = False
+        # Set once by abandon(): stop_timeout passed with jobs still held; they are left
+        # to their leases and whatever their performs return later is not recorded.
+        self.abandoned = False
         # Set once by fail(): the first side part that died of an unexpected error.
         self.failure: BaseException | None = None
         # The concurrency limit, taken by workers around each perform.
@@ -280,6 +287,8 @@ class SharedState(Generic[E]):
     def finish(self, held: Held, outcome: Outcome, *, signal: bool = True) -> None:
         """A worker is done with ``held``; the recorder will write ``outcome``. Threads
         running a run of fast jobs signal once per run (``signal=False`` before)."""
+        if self.abandoned:
+            return  # left to its lease at stop_timeout: the next claim decides
         if type(outcome) is not Success:
             self._pushed_back(held.job.effect, outcome)
         elif self.limits.local_failures:
@@ -345,6 +354,25 @@ class SharedState(Generic[E]):
                 # would replace that report; the rest are dropped without it.
                 self.observing = False
 
+    def abandon(self, stop_timeout: float, lease: float) -> None:
+        """``stop_timeout`` passed after a stop with jobs still held: leave each to its
+        lease, saying so in one line a job. Never recorded as done nor handed back as
+        unstarted (its perform may have acted): once the lease expires the rescuer gives
+        it to another dispatcher, which performs it again with the same key."""
+        self.abandoned = True
+        self.outcomes.clear()  # nothing more is written: the recorder ends with what it has
+        for held in list(self.held.values()):
+            job = held.job
+            log.warning(
+                "stop_timeout (%gs) passed: job %s (%s, key %r, claim %s) %s; left to its "
+                "lease, which ends within %gs of its last heartbeat; another dispatcher "
+                "will perform it again", stop_timeout, job.id, job.effect, job.key,
+                job.claim_version, "still performing" if held.started else "not started",
+                lease)
+            self.drop(held, TimeoutError(f"stop_timeout ({stop_timeout}s) passed"))
+        self.outcome_ready.set()
+        self.wake.set()
+
     def lose(self, held: Held) -> None:
         """A heartbeat found ``held``'s claim gone: it must not start, and its outcome
         will be refused by the fence (the heartbeat reports ``claims_lost`` per batch)."""
@@ -367,6 +395,7 @@ class SharedState(Generic[E]):
         self.outcome_ready.clear()
         self.releasing = False
         self.workers_done = False
+        self.abandoned = False
         self.failure = None
         self.held.clear()
         self.outcomes.clear()

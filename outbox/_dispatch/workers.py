@@ -30,7 +30,7 @@ from .._enqueue import jsonb_problem
 from ..effect import Job
 from ..errors import Permanent
 from .settings import Settings
-from .state import Held, Outcome, SharedState, Success, supervised
+from .state import CLOSE_GRACE, Held, Outcome, SharedState, Success, supervised
 
 __all__ = ["LoopRunner", "Performer", "TaskWorkers", "ThreadWorkers"]
 
@@ -143,10 +143,13 @@ class ThreadWorkers:
         finally:
             for _ in threads:
                 queue.put(None)
+            # After stop_timeout a perform that never returns keeps its (daemon) thread:
+            # the stop does not wait for it, and its outcome is not recorded.
+            grace = CLOSE_GRACE if self.state.abandoned else None
             for thread in threads:
-                thread.join()
+                thread.join(grace)
             if runner is not None:
-                runner.close()
+                runner.close(grace)
 
     def _work(self, queue: SimpleQueue[list[Held] | None]) -> None:
         # With no async effects, the ``concurrency`` threads are the limit by themselves.
@@ -197,10 +200,13 @@ class LoopRunner:
         """Schedule a batch from any thread: one wake-up of the loop per batch."""
         self._loop.call_soon_threadsafe(self.workers.submit, batch)
 
-    def close(self) -> None:
-        """Stop the loop once every task has finished."""
+    def close(self, grace: float | None = None) -> None:
+        """Stop the loop once every task has finished; after stop_timeout (``grace``
+        given) cancel what still runs, and wait at most ``grace`` for the loop."""
 
         async def finish() -> None:
+            if self._state.abandoned:
+                self.workers.cancel()
             await self.workers.join()
             # As asyncio.run does: what effects hold open for the loop's lifetime (their
             # connections) is closed on the loop, before it closes.
@@ -208,8 +214,9 @@ class LoopRunner:
             self._loop.stop()
 
         asyncio.run_coroutine_threadsafe(finish(), self._loop)
-        self._thread.join()
-        self._loop.close()
+        self._thread.join(grace)
+        if not self._thread.is_alive():
+            self._loop.close()
 
 
 class TaskWorkers:

@@ -15,7 +15,8 @@ The job's payload steers the effect, so one worker process serves every scenario
 as ``{"1": "before", "2": "after"}`` by attempt) records a checkpoint and blocks until
 that attempt is released or the process is killed; ``trace`` records checkpoints without
 blocking; ``sleep`` is a slow provider; ``reject`` a permanent refusal; ``switch`` makes
-the effect obey ``provider_mode``; ``crash`` kills the worker process (kill -9) on the spot.
+the effect obey ``provider_mode``; ``crash`` kills the worker process (kill -9) on the spot;
+``hang`` (an attempt number) acts, records the checkpoint ``hang`` and never returns.
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ class TableEffect(outbox.Effect):
         self._released = _bind(
             "SELECT 1 FROM {schema}.releases WHERE key = %s AND attempt = %s", schema)
         self._mode = _bind("SELECT mode FROM {schema}.provider_mode", schema)
+        # ``hang``: the attempt (a number in the payload) whose perform acts, then never
+        # returns. A wrapper that hangs in its own way (the async one) turns it off.
+        self.hangs = True
         self._local = threading.local()
         self._lock = threading.Lock()
         self._opened: list[Conn] = []
@@ -129,6 +133,9 @@ class TableEffect(outbox.Effect):
             raise outbox.UnknownOutcome("provider timed out after the request was sent",
                                         after=0.05)
         self._at(job, "after")
+        if payload.get("hang") == job.attempt and self.hangs:
+            self.checkpoint(job, "hang")
+            threading.Event().wait()  # a perform that never returns (the stop must not wait)
         return {"key": job.key, "attempt": job.attempt, "claim_version": job.claim_version}
 
     def _at(self, job: outbox.Job, point: str) -> None:
@@ -139,16 +146,21 @@ class TableEffect(outbox.Effect):
         pause = pauses.get(str(job.attempt)) == point
         if not (pause or payload.get("trace")):
             return
-        conn = self._connection()
-        conn.execute(self._checkpoint, {
-            "key": job.key, "point": point, "attempt": job.attempt,
-            "version": job.claim_version, "pid": os.getpid(),
-        })
+        conn = self.checkpoint(job, point)
         deadline = time.monotonic() + PAUSE_LIMIT
         while pause and conn.execute(self._released, (job.key, job.attempt)).fetchone() is None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{job.key}: paused {point} the provider call, never released")
             time.sleep(0.02)  # this is the effect being held, not a test waiting
+
+    def checkpoint(self, job: outbox.Job, point: str) -> Conn:
+        """Record that ``job`` got to ``point``; return this thread's connection."""
+        conn = self._connection()
+        conn.execute(self._checkpoint, {
+            "key": job.key, "point": point, "attempt": job.attempt,
+            "version": job.claim_version, "pid": os.getpid(),
+        })
+        return conn
 
     def _provider_mode(self) -> str:
         row = self._connection().execute(self._mode).fetchone()

@@ -127,3 +127,34 @@ def test_sigterm_while_the_claimer_is_busy_starts_no_waiting_job(
     assert (stats["done"], stats["released"]) == (1, 1)
     after = jobs(db, schema)[waiting]
     assert (after["status"], after["attempts"]) == ("pending", 0)
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_perform_that_never_returns_holds_the_stop_no_longer_than_stop_timeout(
+    schema: str, db: Conn, provider: Provider, workers: Workers, flavour: str,
+) -> None:
+    enqueue(db, schema, ["stuck"], {"hang": 1})
+    hung = workers.start("run", lease=2.0, concurrency=2, stop_timeout=1.0, flavour=flavour)
+    wait_until(lambda: provider.checkpoints("hang"), "the effect to act, then hang")
+
+    hung.signal(signal.SIGTERM)
+    stats = hung.finish(timeout=30)  # exits 0, its perform still hanging
+    log = hung.log()
+    assert "stop_timeout (1s) passed: job" in log and "'stuck'" in log, log
+    assert "still performing" in log
+    assert stats["done"] == 0 and stats["released"] == 0
+    left = job(db, schema, "stuck")
+    assert (left["status"], left["attempts"], left["claim_version"]) == ("running", 1, 1), (
+        "left to its lease: neither done nor handed back as unstarted")
+    assert "stuck" not in ledger(db, schema)
+
+    # The next dispatcher takes it back once the lease expires and performs it again.
+    successor = workers.start("run", lease=2.0, rescue_interval=0.1, poll_interval=0.05,
+                              flavour=flavour)
+    wait_until(lambda: job(db, schema, "stuck")["status"] == "done", "the job to be redone")
+    successor.stop()
+    done = job(db, schema, "stuck")
+    assert (done["attempts"], done["claim_version"]) == (2, 2)
+    assert ledger(db, schema)["stuck"]["claim_version"] == 2
+    assert provider.performed() == {"stuck": 2}, "at least once to the adapter: twice here"
+    assert provider.acted() == {"stuck": 1}, "the idempotent provider acted once"

@@ -56,13 +56,20 @@ class AsyncTableEffect(outbox.Effect):
 
     def __init__(self, inner: TableEffect) -> None:
         self.inner = inner
+        inner.hangs = False  # a hang here is a coroutine that never returns, not a thread
 
     async def perform(self, job: outbox.Job) -> dict[str, Any]:
-        return await asyncio.to_thread(self.inner.perform, job)
+        result = await asyncio.to_thread(self.inner.perform, job)
+        if job.payload.get("hang") == job.attempt:
+            await asyncio.to_thread(self.inner.checkpoint, job, "hang")
+            await asyncio.Event().wait()  # never returns: the stop must not wait for it
+        return result
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {} if args.prefetch is None else {"prefetch": args.prefetch}
+    if args.stop_timeout is not None:
+        extra["stop_timeout"] = args.stop_timeout
     return dict(
         schema=args.schema, lease=args.lease, concurrency=args.concurrency,
         poll_interval=args.poll_interval, rescue_interval=args.rescue_interval,
@@ -134,6 +141,7 @@ def main() -> None:
     parser.add_argument("--backoff-base", type=float, default=0.05)
     parser.add_argument("--backoff-cap", type=float, default=0.2)
     parser.add_argument("--prefetch", type=int, default=None)
+    parser.add_argument("--stop-timeout", type=float, default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--order", type=int, default=1)
     parser.add_argument("--flavour", choices=["sync", "async"], default="sync")
