@@ -13,7 +13,6 @@ from psycopg import sql
 import outbox
 from outbox import SchemaError
 from outbox.migrate import current_version, latest_version, migrations, require_current
-from outbox.sql import queries
 
 JOBS_COLUMNS = {
     "id": "bigint", "effect": "text", "key": "text", "payload": "jsonb", "status": "text",
@@ -67,25 +66,6 @@ def test_applying_every_migration_gives_the_contract_schema(dsn: str, fresh_sche
             "WHERE n.nspname = %s AND c.relname = 'jobs'", (fresh_schema,)).fetchone()
         assert options is not None and any("autovacuum" in o for o in options[0])
         assert current_version(conn, fresh_schema) == latest_version()
-
-
-def test_every_named_query_is_valid_sql_against_the_schema(dsn: str, schema: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for name, text in vars(queries(schema))["_bound"].items():
-            # PREPARE parses and plans without running: a typo or a wrong column fails here.
-            statement = psycopg.sql.SQL("PREPARE {} AS ").format(sql.Identifier(f"check_{name}"))
-            conn.execute(statement.as_string(conn) + _numbered(text))
-
-
-def _numbered(text: str) -> str:
-    import re
-
-    names: dict[str, int] = {}
-
-    def number(match: re.Match[str]) -> str:
-        return f"${names.setdefault(match[1], len(names) + 1)}"
-
-    return re.sub(r"%\((\w+)\)s", number, text)
 
 
 def test_migrate_is_idempotent(dsn: str, fresh_schema: str) -> None:
