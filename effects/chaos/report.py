@@ -14,7 +14,7 @@ What the figures mean:
   fakes withheld: a worker killed meanwhile never sees its timeout), for decline the
   jobs failed by a declined card. An enabled kind with nothing injected fails the
   run: a schedule that injected nothing proves nothing.
-- ``windows``: per failure window of DESIGN.md, the kills aimed at it, those that saw
+- ``windows``: per failure window (``schedule.KILL_WINDOWS``), the kills aimed at it, those that saw
   the worker in it just before the kill, the kills that hit it (judged after the kill)
   and the jobs or statements caught in it (see ``effects.chaos.windows``); the
   ``anytime`` row counts plain kills, those that hit any window and the jobs they left.

@@ -35,7 +35,7 @@ EFFECTS = {"email.send": "email", "payment.charge": "stripe", "webhook.post": "w
            "nats.publish": "nats", "kafka.produce": "kafka"}
 # The HTTP fakes, where provider faults are armed (the broker has faults of its own).
 PROVIDERS = ("email", "stripe", "webhook")
-# What a kill aims at (see DESIGN.md, "Failure windows"); "anytime" is a plain random kill.
+# What a kill aims at: a failure window (see ``windows``); "anytime" is a plain random kill.
 KILL_WINDOWS = ("during_claim", "after_claim", "after_provider", "during_done", "anytime")
 
 # The events share is split between NATS and Kafka, so that the HTTP providers see the

@@ -1,4 +1,6 @@
-"""Aiming a kill at a failure window of DESIGN.md, and telling afterwards what it hit.
+"""Aiming a kill at a failure window (a moment of a job's life where a crash must lose
+nothing: during or after the claim, after the provider answered, during the record), and
+telling afterwards what it hit.
 
 Every dispatcher connection of a chaos worker is named ``outbox <role> <tag>`` and every
 job it holds has ``claimed_by = <tag>``, so one worker's backends and jobs can be told

@@ -1,6 +1,6 @@
 """What the provider answers decides the job: outages retry, refusals fail, once each.
 
-Windows of DESIGN.md: provider down, slow or 5xx (retries with backoff, done when it
+Failure windows: provider down, slow or 5xx (retries with backoff, done when it
 returns); provider rejects permanently (failed with the reason, no retry); payload invalid
 for the effect (failed with a clear message); effect unknown to the dispatcher (pending).
 """

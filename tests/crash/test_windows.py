@@ -1,4 +1,5 @@
-"""The failure windows of DESIGN.md, one by one, with real processes and kill -9.
+"""The failure windows (crashes between two steps of a job's life), one by one, with real
+processes and kill -9.
 
 Each test stops a worker at a chosen point: the effect records a checkpoint row and blocks,
 the test waits for that row (no blind sleeps), then kills, stops or blocks the worker. Lease
