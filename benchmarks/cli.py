@@ -17,7 +17,19 @@ from typing import Any
 
 from rich.console import Console
 
-from . import asyncdispatch, bloat, drain, enqueue, events, flows, latency, limits, memory, wake
+from . import (
+    asyncdispatch,
+    bloat,
+    drain,
+    enqueue,
+    events,
+    flows,
+    latency,
+    limits,
+    memory,
+    soak,
+    wake,
+)
 from ._db import Server, server
 from ._drain_workers import OutboxSettings
 from ._results import Section, environment, render, write_json
@@ -25,7 +37,7 @@ from ._results import Section, environment, render, write_json
 log = logging.getLogger("benchmarks")
 
 SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory", "flows",
-            "events", "limits")
+            "events", "limits", "soak")
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVER_SETTINGS = ("shared_buffers", "max_connections", "fsync", "synchronous_commit",
                    "wal_level", "max_wal_size", "autovacuum")
@@ -61,6 +73,9 @@ class Sizes:
     flows_jobs: int = 20_000
     limits_jobs: int = 200
     limits_outage: float = 30.0
+    # The soak: minutes of steady load (a run, not repeats).
+    soak_seconds: float = 600.0
+    soak_rate: float = 4000.0
 
 
 FULL = Sizes(drain_sizes=(20_000, 100_000), drain_procs=(1, 2), procrastinate_jobs=20_000,
@@ -73,7 +88,8 @@ QUICK = Sizes(drain_sizes=(5_000,), drain_procs=(1, 2), procrastinate_jobs=300,
               latency_seconds_of_work=0.1, latency_concurrencies=(64,),
               latency_async_concurrencies=(64,), bloat_history=50_000, bloat_jobs=2_000,
               claim_samples=20, memory_jobs=100_000, async_sizes=(1000,), memory_runs=1,
-              flows_jobs=2_000, events_messages=2000, limits_jobs=40, limits_outage=5.0)
+              flows_jobs=2_000, events_messages=2000, limits_jobs=40, limits_outage=5.0,
+              soak_seconds=40.0, soak_rate=500.0)
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
@@ -167,6 +183,9 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
             runs, publish_events=sizes.events_messages, inbox_messages=sizes.events_messages)),
         "limits": lambda srv: limits.run(srv, limits.LimitsConfig(
             runs, jobs=sizes.limits_jobs, outage=sizes.limits_outage)),
+        "soak": lambda srv: soak.run(srv, soak.SoakConfig(
+            seconds=sizes.soak_seconds, rate=sizes.soak_rate,
+            retention=min(60.0, sizes.soak_seconds / 4))),
     }
 
 

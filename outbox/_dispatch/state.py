@@ -355,20 +355,28 @@ class SharedState(Generic[E]):
                 self.observing = False
 
     def abandon(self, stop_timeout: float, lease: float) -> None:
-        """``stop_timeout`` passed after a stop with jobs still held: leave each to its
-        lease, saying so in one line a job. Never recorded as done nor handed back as
-        unstarted (its perform may have acted): once the lease expires the rescuer gives
-        it to another dispatcher, which performs it again with the same key."""
+        """``stop_timeout`` passed after a stop with jobs still held. A job whose perform
+        is still running is left to its lease, one line a job: never recorded as done
+        nor handed back as unstarted (its perform may have acted); once the lease
+        expires the rescuer gives it to another dispatcher, which performs it again with
+        the same key. A job that never started (queued behind stuck performs: the drain
+        lets none start) is handed back, and outcomes already queued are still written:
+        the recorder gets a moment (``CLOSE_GRACE``) for both. What a perform returns
+        from now on is not recorded."""
         self.abandoned = True
-        self.outcomes.clear()  # nothing more is written: the recorder ends with what it has
+        queued = {id(held) for held, _ in list(self.outcomes)}
         for held in list(self.held.values()):
             job = held.job
+            if id(held) in queued:
+                continue  # performed: the recorder writes it
+            if not held.started:
+                self.outcomes.append((held, Release()))
+                continue
             log.warning(
-                "stop_timeout (%gs) passed: job %s (%s, key %r, claim %s) %s; left to its "
-                "lease, which ends within %gs of its last heartbeat; another dispatcher "
-                "will perform it again", stop_timeout, job.id, job.effect, job.key,
-                job.claim_version, "still performing" if held.started else "not started",
-                lease)
+                "stop_timeout (%gs) passed: job %s (%s, key %r, claim %s) still performing; "
+                "left to its lease, which ends within %gs of its last heartbeat; another "
+                "dispatcher will perform it again", stop_timeout, job.id, job.effect, job.key,
+                job.claim_version, lease)
             self.drop(held, TimeoutError(f"stop_timeout ({stop_timeout}s) passed"))
         self.outcome_ready.set()
         self.wake.set()

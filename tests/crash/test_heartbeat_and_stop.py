@@ -134,15 +134,23 @@ def test_a_perform_that_never_returns_holds_the_stop_no_longer_than_stop_timeout
     schema: str, db: Conn, provider: Provider, workers: Workers, flavour: str,
 ) -> None:
     enqueue(db, schema, ["stuck"], {"hang": 1})
-    hung = workers.start("run", lease=2.0, concurrency=2, stop_timeout=1.0, flavour=flavour)
+    enqueue(db, schema, ["queued"])
+    # One worker, one job waiting for it: "queued" is claimed but can never start.
+    hung = workers.start("run", lease=2.0, concurrency=1, prefetch=1, stop_timeout=1.0,
+                         flavour=flavour)
     wait_until(lambda: provider.checkpoints("hang"), "the effect to act, then hang")
+    wait_until(lambda: job(db, schema, "queued")["status"] == "running",
+               "the second job to be claimed, waiting for the worker")
 
     hung.signal(signal.SIGTERM)
     stats = hung.finish(timeout=30)  # exits 0, its perform still hanging
     log = hung.log()
     assert "stop_timeout (1s) passed: job" in log and "'stuck'" in log, log
     assert "still performing" in log
-    assert stats["done"] == 0 and stats["released"] == 0
+    assert stats["done"] == 0 and stats["released"] == 1
+    assert "'queued'" not in log, "a job that never started is handed back, not left"
+    back = job(db, schema, "queued")
+    assert (back["status"], back["attempts"]) == ("pending", 0), "handed back, refunded"
     left = job(db, schema, "stuck")
     assert (left["status"], left["attempts"], left["claim_version"]) == ("running", 1, 1), (
         "left to its lease: neither done nor handed back as unstarted")
@@ -151,10 +159,12 @@ def test_a_perform_that_never_returns_holds_the_stop_no_longer_than_stop_timeout
     # The next dispatcher takes it back once the lease expires and performs it again.
     successor = workers.start("run", lease=2.0, rescue_interval=0.1, poll_interval=0.05,
                               flavour=flavour)
-    wait_until(lambda: job(db, schema, "stuck")["status"] == "done", "the job to be redone")
+    wait_until(lambda: {job(db, schema, k)["status"] for k in ("stuck", "queued")} == {"done"},
+               "the job to be redone, and the one handed back to be done")
     successor.stop()
     done = job(db, schema, "stuck")
     assert (done["attempts"], done["claim_version"]) == (2, 2)
     assert ledger(db, schema)["stuck"]["claim_version"] == 2
-    assert provider.performed() == {"stuck": 2}, "at least once to the adapter: twice here"
-    assert provider.acted() == {"stuck": 1}, "the idempotent provider acted once"
+    assert provider.performed() == {"stuck": 2, "queued": 1}, (
+        "at least once to the adapter: twice here for the one left to its lease")
+    assert set(provider.acted()) == {"stuck", "queued"}, "the provider acted once a key"
