@@ -61,11 +61,14 @@ _decode_payload = json.JSONDecoder().raw_decode
 class Round:
     """What one round of the claimer got, and what the loop does next: hand ``batch``
     to the workers, then wait ``wait`` seconds for a wake-up (0: go on at once), or
-    return when ``idle`` (``run_until_idle`` found nothing left anywhere)."""
+    return when ``idle`` (``run_until_idle`` found nothing left anywhere). ``failure``:
+    a statement failed after ``batch`` was held; the loop hands the batch over first,
+    then handles the failure as that of a failed round."""
 
     batch: list[Held]
     wait: float = 0.0
     idle: bool = False
+    failure: psycopg.Error | None = None
 
 
 class Claimer:
@@ -102,7 +105,15 @@ class Claimer:
         if free > 0 and (self.limited.gated or self.room() > 0):
             yield from self.limited.refresh()
             batch = yield from self.claim_limited()
-            batch += yield from self.claim()
+            try:
+                batch += yield from self.claim()
+            except psycopg.Error as exc:
+                if not batch:
+                    raise
+                # The limited jobs are held already. Raised, the error would leave them
+                # held with no worker to perform them, their leases kept alive by the
+                # heartbeat, and a stop waiting for them without end.
+                return Round(batch, failure=exc)
         if batch:
             return Round(batch)
         # A budget that will allow more soon: ask again then, not at the next poll.
@@ -324,9 +335,13 @@ def run_claimer(
                 wait = conn.backoff()
             else:
                 submit(result.batch)
-                if result.idle:
+                if result.failure is not None:
+                    claimer.failed(result.failure, lost=conn.lost)
+                    wait = conn.backoff()
+                elif result.idle:
                     return
-                wait = result.wait
+                else:
+                    wait = result.wait
             if wait:
                 state.wake.wait(wait)
                 state.wake.clear()
@@ -359,9 +374,13 @@ async def run_claimer_async(
                 wait = conn.backoff()
             else:
                 submit(result.batch)
-                if result.idle:
+                if result.failure is not None:
+                    claimer.failed(result.failure, lost=conn.lost)
+                    wait = conn.backoff()
+                elif result.idle:
                     return
-                wait = result.wait
+                else:
+                    wait = result.wait
             if wait:
                 await state.wake.wait(wait)
                 state.wake.clear()
