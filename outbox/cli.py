@@ -355,7 +355,7 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
             snapshot = _queue.read(conn, schema)
             backlog = _queue.on(conn, _queue.backlog(schema))
             recent = _named(conn, queries.recent_failures, {"limit": failures})
-            paused = conn.execute(queries.paused_effects).fetchall()
+            paused = _named(conn, queries.paused_effects)
             live = _named(conn, queries.live_dispatchers)
     health = snapshot.health.values()
     report = {
@@ -375,10 +375,10 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
         **_served(snapshot, backlog, live),
         # Effects no dispatcher claims now: throttled, their breaker open, or an operator's.
         "paused_effects": [
-            {"effect": r[0], "reason": r[1], "by": r[2],
-             "until": None if r[4] > _UNTIL_RESUMED else r[3].isoformat(),
-             "seconds_left": None if r[4] > _UNTIL_RESUMED else round(float(r[4]), 1)}
-            for r in paused
+            {**p, "until": None if p["until"] is None else p["until"].isoformat(),
+             "seconds_left": None if p["seconds_left"] is None
+             else round(float(p["seconds_left"]), 1)}
+            for p in paused
         ],
     }
     if as_json:
@@ -442,8 +442,6 @@ def _print_status(report: dict[str, Any]) -> None:
                        f"attempts={f['attempts']}: {f['last_error']}")
 
 
-# A pause "until resumed" is stored a century ahead: shown as such past a decade.
-_UNTIL_RESUMED = 10 * 365 * 86400.0
 BULK_RETRY_CAP = 1000  # as the dashboard's bulk retry
 VIA = "command line"  # the surface, in the audit trail
 actor_option = click.option(
@@ -635,10 +633,10 @@ def resume_command(dsn: str, schema: str, effect: str, actor: str | None) -> Non
     queries = _sql.queries(schema)
     with _connect(dsn) as conn:
         require_current(conn, schema)
-        row = conn.execute(queries.limit_resume, {
+        [row] = _named(conn, queries.limit_resume, {
             "effect": effect, "actor": _actor(actor), "channel": notify_channel(schema),
-        }).fetchone()
-    if row and row[0]:
+        })
+    if row["resumed"]:
         click.echo(f"effect {effect} resumed")
     else:
         click.echo(f"effect {effect} was not paused")

@@ -41,28 +41,6 @@ NOT_YET: dict[str, str] = {
     "outbox/migrate.py": "schema version rows: converted with the storage layout",
 }
 
-# Positional reads of the pause rows, left to the change that stores an indefinite pause
-# as such (decoded once in the queue model): the exact lines, so nothing else hides here.
-PAUSE_ROWS: dict[str, frozenset[str]] = {
-    "outbox/cli.py": frozenset({
-        '{"effect": r[0], "reason": r[1], "by": r[2],',
-        '"until": None if r[4] > _UNTIL_RESUMED else r[3].isoformat(),',
-        '"seconds_left": None if r[4] > _UNTIL_RESUMED else round(float(r[4]), 1)}',
-        "if row and row[0]:",
-    }),
-    "outbox/web/templates/overview.html": frozenset({
-        '<td>{% if l[7] %}<strong>{{ l[8] }}</strong>{% if l[9] %} by {{ l[9] }}{% endif %}, '
-        'until {% if l[10].year > 2100 %}resumed{% else %}{{ l[10] | ts }}{% endif %}'
-        '{% else %}no{% endif %}</td>',
-        '{% if l[7] %}<form method="post" action="{{ base }}/effects/resume">',
-        '<input type="hidden" name="{{ csrf_field }}" value="{{ csrf }}"><input type="hidden" '
-        'name="effect" value="{{ l[0] }}"><button>Resume</button></form>',
-        '<input type="hidden" name="{{ csrf_field }}" value="{{ csrf }}"><input type="hidden" '
-        'name="effect" value="{{ l[0] }}">',
-    }),
-}
-
-
 def positional_reads(source: str) -> list[int]:
     """The lines of Python ``source`` that read a query's row by position."""
     found = set()
@@ -155,9 +133,7 @@ def _offenders() -> dict[str, list[str]]:
         lines = text.splitlines()
         numbers = (positional_reads(text) if path.suffix == ".py"
                    else template_positional_reads(text))
-        allowed = PAUSE_ROWS.get(name, frozenset())
         found = [lines[n - 1].strip() for n in numbers]
-        found = [line for line in found if line not in allowed]
         if found:
             offenders[name] = found
     return offenders

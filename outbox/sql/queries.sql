@@ -631,7 +631,7 @@ WITH resumed AS (
     VALUES (%(actor)s::text, 'resume', jsonb_build_object('effect', %(effect)s::text),
             (SELECT count(*) FROM resumed))
 )
-SELECT count(*) FROM resumed, pg_notify(%(channel)s::text, '');
+SELECT count(*) AS resumed FROM resumed, pg_notify(%(channel)s::text, '');
 
 -- name: limits_overview
 -- Per effect with a limit row: the declared limit, the effective rate now, what was
@@ -651,7 +651,8 @@ SELECT l.effect, l.rate, l.burst, l.concurrency,
        l.paused_until > now() AS paused,
        CASE WHEN l.paused_until > now() THEN l.pause_reason END AS pause_reason,
        CASE WHEN l.paused_until > now() THEN l.paused_by END AS paused_by,
-       CASE WHEN l.paused_until > now() THEN l.paused_until END AS paused_until,
+       CASE WHEN l.paused_until > now() AND NOT {until_resumed} THEN l.paused_until END
+           AS paused_until,
        l.failures, l.opened, l.throttled_total, l.throttled_at
 FROM {schema}.effect_limits l
 ORDER BY l.effect;
@@ -674,11 +675,20 @@ GROUP BY g.effect, g.fingerprint
 ORDER BY count(*) DESC, g.effect
 LIMIT %(limit)s;
 
+-- fragment: until_resumed
+-- Whether the pause of effect_limits row l lasts until an operator resumes it. Such a
+-- pause is stored a century ahead (date arithmetic on 'infinity' fails before PostgreSQL
+-- 17, and psycopg cannot load it); this is the one rule that reads it back, for every
+-- reader (outbox status, the dashboard), which get NULL as its end.
+coalesce(l.paused_until > now() + interval '50 years', false)
+
 -- name: paused_effects
 -- Effects paused now, for every dispatcher: why (throttled, outage, operator), by whom
--- and until when.
-SELECT l.effect, l.pause_reason, l.paused_by, l.paused_until,
-       date_part('epoch', l.paused_until - now()) AS seconds_left
+-- and until when (NULL: until resumed).
+SELECT l.effect, l.pause_reason AS reason, l.paused_by AS by,
+       CASE WHEN NOT {until_resumed} THEN l.paused_until END AS until,
+       CASE WHEN NOT {until_resumed} THEN date_part('epoch', l.paused_until - now()) END
+           AS seconds_left
 FROM {schema}.effect_limits l
 WHERE l.paused_until > now()
 ORDER BY l.effect;

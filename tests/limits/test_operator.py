@@ -61,6 +61,9 @@ def test_pause_without_end_lasts_until_resumed(dsn: str, schema: str) -> None:
     cli(dsn, schema, "pause", "email.send")
     [paused] = json.loads(cli(dsn, schema, "status", "--json"))["paused_effects"]
     assert paused["until"] is None and paused["by"].startswith("cli")
+    assert paused["seconds_left"] is None
+    assert "email.send: operator by cli" in (text := cli(dsn, schema, "status"))
+    assert "until resumed" in text
 
 
 def test_a_bad_duration_is_refused_with_its_reason(dsn: str, schema: str) -> None:

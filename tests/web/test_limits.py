@@ -33,6 +33,15 @@ async def test_pause_and_resume_an_effect_from_the_overview(
     assert [e["action"] for e in audit(dsn, schema)] == ["pause", "resume"]
 
 
+async def test_a_pause_without_end_shows_until_resumed(
+        client: httpx.AsyncClient, dsn: str, schema: str) -> None:
+    response = await client.post("/effects/pause", data={"effect": "email.send", "minutes": ""},
+                                 headers=SAME_ORIGIN)
+    assert response.status_code == 303
+    page = (await client.get("/")).text
+    assert "<strong>operator</strong> by anonymous@127.0.0.1, until resumed" in page
+
+
 async def test_effect_actions_are_refused_cross_site_and_checked(
         client: httpx.AsyncClient, dsn: str, schema: str) -> None:
     refused = await client.post("/effects/pause", data={"effect": "email.send"},
