@@ -45,7 +45,7 @@ DEFAULT_MAX_ATTEMPTS = 25
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 Payload = Mapping[str, Any] | BaseModel
-Row = tuple[Any, ...]
+Row = Any  # a named tuple of a statement asked with named=True
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,10 +323,11 @@ def _single_result(job: PreparedJob, rows: Sequence[Row]) -> EnqueueResult | Non
     """Interpret the enqueue query's rows; None when a concurrent insert hid the key."""
     if not rows:
         return None
-    if rows[0][1]:
-        return EnqueueResult(job_id=rows[0][0], created=True)
-    existing = next((r for r in rows if r[0] is not None), rows[0])
-    return existing_result(job, existing[0], existing[2], existing[3])
+    first = rows[0]
+    if first.created:
+        return EnqueueResult(job_id=first.id, created=True)
+    existing = next((known for known in rows if known.id is not None), first)
+    return existing_result(job, existing.id, existing.effect, existing.fingerprint)
 
 
 def _many_results(
@@ -338,8 +339,8 @@ def _many_results(
         if job.key in created:
             by_key[job.key] = EnqueueResult(job_id=created[job.key], created=True)
         else:
-            row = found[job.key]
-            by_key[job.key] = existing_result(job, row[1], row[2], row[3])
+            known = found[job.key]
+            by_key[job.key] = existing_result(job, known.id, known.effect, known.fingerprint)
     results = []
     reported: set[str] = set()
     for job in jobs:
@@ -356,12 +357,11 @@ def enqueue_steps(job: PreparedJob, queries: Queries) -> Step[EnqueueResult]:
     """Insert one prepared job unless its key is known; the result or the conflict."""
     with tracing.producer_span(job.effect) as send:
         params = single_params(job, notify_channel(queries.schema), send.context)
-        rows = yield Statement(queries.enqueue, params)
+        rows = yield Statement(queries.enqueue, params, named=True)
         result = _single_result(job, rows)
         if result is None:  # inserted concurrently, committed after our snapshot
-            found = yield Statement(queries.lookup_keys, {"keys": [job.key]})
-            row = found[0]
-            result = existing_result(job, row[1], row[2], row[3])
+            [known] = yield Statement(queries.lookup_keys, {"keys": [job.key]}, named=True)
+            result = existing_result(job, known.id, known.effect, known.fingerprint)
         send.enqueued(result.job_id, result.created)
         return result
 
@@ -382,13 +382,13 @@ def enqueue_many_steps(jobs: Sequence[PreparedJob],
         return []
     with tracing.producer_span(_batch_name(unique), len(unique)) as send:
         params = many_params(unique, notify_channel(queries.schema), send.context)
-        rows = yield Statement(queries.enqueue_many, params)
-        created = {row[0]: row[1] for row in rows if row[0] is not None}
+        inserted = yield Statement(queries.enqueue_many, params, named=True)
+        created = {new.key: new.id for new in inserted if new.key is not None}
         found: dict[str, Row] = {}
         missing = [job.key for job in unique if job.key not in created]
         if missing:
-            looked_up = yield Statement(queries.lookup_keys, {"keys": missing})
-            found = {row[0]: row for row in looked_up}
+            looked_up = yield Statement(queries.lookup_keys, {"keys": missing}, named=True)
+            found = {known.key: known for known in looked_up}
         send.enqueued_many(len(created), len(unique))
         return _many_results(jobs, unique, created, found)
 
@@ -410,9 +410,10 @@ def receive_many_steps(consumer: str, message_ids: Sequence[str],
         validate_key(message_id, what="message_id")
     if not message_ids:
         return []
-    rows = yield Statement(queries.receive_many,
-                           {"consumer": consumer, "message_ids": list(message_ids)})
-    new = {row[0] for row in rows}
+    recorded = yield Statement(queries.receive_many,
+                               {"consumer": consumer, "message_ids": list(message_ids)},
+                               scalar=True)  # the message ids recorded now
+    new = set(recorded)
     first = []
     for message_id in message_ids:
         first.append(message_id in new)
@@ -426,8 +427,9 @@ def resolve_steps(key: str, result: Mapping[str, Any] | None, source: str,
     None (see ``Operations.resolve_performed``)."""
     validate_key(key)
     text = "null" if result is None else canonical_json(result)
-    rows = yield Statement(queries.resolve_by_event, {
+    resolved = yield Statement(queries.resolve_by_event, {
         "key": key, "result": text,
         "note": f"resolved as performed by the provider ({source[:200]})",
-        "source": source[:200], "channel": notify_channel(queries.schema)})
-    return int(rows[0][0]) if rows else None
+        "source": source[:200], "channel": notify_channel(queries.schema)},
+        scalar=True)  # the id of the job resolved
+    return int(resolved[0]) if resolved else None

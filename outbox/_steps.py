@@ -6,6 +6,7 @@ result::
 
     rows = yield Statement(query, params)      # the rows (or the error, thrown in)
     found = yield Statement(query, params, row=Found)   # the rows as records, by name
+    claimed = yield Statement(query, params, named=True)  # named tuples, as cheap
     ids = yield Statement(query, params, scalar=True)   # each row's one column
 
 Enqueue and receive (``_enqueue``), the reading of the queue (``_queue``), the claimer,
@@ -23,14 +24,17 @@ thrown in; it propagates from the driver at once.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Generator, Mapping
+from collections import namedtuple
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, TypeVar
 
 import psycopg
-from psycopg.rows import BaseRowFactory, kwargs_row, scalar_row, tuple_row
+from psycopg.rows import BaseRowFactory, kwargs_row, namedtuple_row, scalar_row, tuple_row
 
-__all__ = ["Rows", "Statement", "Step", "execute", "execute_async", "run", "run_async"]
+__all__ = ["Rows", "Statement", "Step", "execute", "execute_async", "row_factory", "run",
+           "run_async", "shaped"]
 
 T = TypeVar("T")
 I = TypeVar("I")  # noqa: E741  the instruction a step yields
@@ -48,14 +52,16 @@ class Statement:
     columns as keyword arguments), each row is answered as ``row(**columns)``: a reader
     names the columns it reads instead of counting them. With ``scalar``, each row is
     answered as the value of its one column (``RETURNING j.id``), as cheaply as a tuple:
-    the fenced writes of the recorder's hot path. Without either, rows are tuples (the
-    claim's hot path, and the steps an ORM's cursor runs)."""
+    the fenced writes of the recorder's hot path. With ``named``, each row is a named
+    tuple (psycopg's ``namedtuple_row``: columns by name at nearly a tuple's cost): the
+    claim's hot path. Without any, rows are tuples (the steps an ORM's cursor runs)."""
 
     query: str
     params: Mapping[str, Any]
     count: bool = False
     row: Callable[..., Any] | None = None
     scalar: bool = False
+    named: bool = False
 
 
 Step = Generator[Statement, Rows, T]
@@ -65,7 +71,7 @@ Step = Generator[Statement, Rows, T]
 def execute(conn: psycopg.Connection[Any], statement: Statement) -> Rows:
     """Run ``statement`` on ``conn`` (in its transaction, if one is open) and answer as a
     step expects: its rows, ``[(rowcount,)]`` with ``count``, ``[]`` for no result."""
-    cursor = conn.cursor(row_factory=_row_factory(statement))
+    cursor = conn.cursor(row_factory=row_factory(statement))
     cursor.execute(statement.query, statement.params)
     if statement.count:
         return [(cursor.rowcount,)]
@@ -74,21 +80,43 @@ def execute(conn: psycopg.Connection[Any], statement: Statement) -> Rows:
 
 async def execute_async(conn: psycopg.AsyncConnection[Any], statement: Statement) -> Rows:
     """``execute`` on an asyncio connection."""
-    cursor = conn.cursor(row_factory=_row_factory(statement))
+    cursor = conn.cursor(row_factory=row_factory(statement))
     await cursor.execute(statement.query, statement.params)
     if statement.count:
         return [(cursor.rowcount,)]
     return await cursor.fetchall() if cursor.description else []
 
 
-def _row_factory(statement: Statement) -> BaseRowFactory[Any]:
-    """How ``statement``'s rows are made: tuples unless it asks otherwise, whatever row
-    factory the caller's connection has."""
+def row_factory(statement: Statement) -> BaseRowFactory[Any]:
+    """How ``statement``'s rows are made on a psycopg cursor: tuples unless it asks
+    otherwise, whatever row factory the caller's connection has."""
     if statement.scalar:
         return scalar_row
     if statement.row is not None:
         return kwargs_row(statement.row)
+    if statement.named:
+        return namedtuple_row
     return tuple_row
+
+
+def shaped(statement: Statement, names: Sequence[str], rows: Iterable[Sequence[Any]]) -> Rows:
+    """``rows`` (plain sequences of the columns ``names``) as ``statement`` asks for them:
+    the shaping ``row_factory`` gives on a psycopg cursor, for an executor whose cursor
+    is not one (an ORM's)."""
+    if statement.scalar:
+        return [value for value, in rows]
+    if statement.row is not None:
+        make = statement.row
+        return [make(**dict(zip(names, row, strict=True))) for row in rows]
+    if statement.named:
+        record = _named_tuple(tuple(names))
+        return [record._make(row) for row in rows]
+    return [tuple(row) for row in rows]
+
+
+@cache
+def _named_tuple(names: tuple[str, ...]) -> Any:
+    return namedtuple("Row", names)
 
 
 def run(step: Generator[I, A, T], execute: Callable[[I], A]) -> T:

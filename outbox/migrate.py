@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
+from psycopg.rows import scalar_row
 
 from ._pg import configuration_error
 from ._sql import bind_schema, check_schema_name
@@ -77,16 +78,17 @@ def _versions_table(schema: str) -> sql.Composed:
 def current_version(conn: psycopg.Connection[Any], schema: str = "outbox") -> int | None:
     """The schema's applied version, or None when outbox was never migrated there."""
     check_schema_name(schema)
-    exists = conn.execute(
+    cursor = conn.cursor(row_factory=scalar_row)
+    exists = cursor.execute(
         "SELECT to_regclass(%s) IS NOT NULL",
         (_versions_table(schema).as_string(conn),),
     ).fetchone()
-    if not exists or not exists[0]:
+    if not exists:
         return None
-    row = conn.execute(
+    applied = cursor.execute(
         sql.SQL("SELECT coalesce(max(version), 0) FROM {}").format(_versions_table(schema))
     ).fetchone()
-    return int(row[0]) if row else 0
+    return int(applied) if applied is not None else 0
 
 
 def require_current(conn: psycopg.Connection[Any], schema: str) -> None:
@@ -185,9 +187,9 @@ def apply_through(execute: Execute, schema: str) -> list[int]:
                         " version integer PRIMARY KEY,"
                         " name text NOT NULL,"
                         " applied_at timestamptz NOT NULL DEFAULT now())", schema), None)
-    row = execute(bind_schema(
+    [(current,)] = execute(bind_schema(
         "SELECT coalesce(max(version), 0) FROM {schema}.schema_migrations", schema), None)
-    version = int(row[0][0])
+    version = int(current)
     if version > latest_version():
         raise SchemaError(
             f"schema {schema!r} is at version {version}, newer than this code knows "

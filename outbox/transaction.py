@@ -17,13 +17,12 @@ from types import TracebackType
 from typing import Any, NoReturn, TypeVar, overload
 
 import psycopg
-from psycopg.rows import tuple_row
 
 from . import _enqueue, tracing
 from ._enqueue import EnqueueResult, NewJob, Payload
 from ._pg import unmigrated
 from ._sql import Queries, queries
-from ._steps import Rows, Statement, Step, run, run_async
+from ._steps import Rows, Statement, Step, row_factory, run, run_async
 
 T = TypeVar("T")
 
@@ -247,7 +246,7 @@ class Transaction(Operations):
 
     def _execute(self, statement: Statement) -> Rows:
         # Our own row factory: the caller's connection may use dict rows or others.
-        cur = self.connection.cursor(row_factory=tuple_row)
+        cur = self.connection.cursor(row_factory=row_factory(statement))
         if self.connection.pgconn.pipeline_status:
             # In the caller's pipeline a statement's answer comes only at a sync point:
             # a nested block syncs, so the rows (or the error) are known here.
@@ -292,7 +291,7 @@ class AsyncTransaction(AsyncOperations):
         self._trace: Any = None  # the block's producer spans (outbox.tracing)
 
     async def _execute(self, statement: Statement) -> Rows:
-        cur = self.connection.cursor(row_factory=tuple_row)
+        cur = self.connection.cursor(row_factory=row_factory(statement))
         if self.connection.pgconn.pipeline_status:  # as in Transaction._execute
             async with self.connection.pipeline():
                 await cur.execute(statement.query, statement.params)

@@ -8,7 +8,7 @@ templates: a row indexed by a number (``row[0]``, ``rows[0][1]``,
 ``cursor.fetchone()[0]``, ``{{ j[3] }}``) and a wide row unpacked by position
 (``for a, b, c in rows``).
 
-The modules listed in ``NOT_YET`` still read rows by position; each says why.
+``NOT_YET`` would list a module still reading rows by position, saying why: none does.
 """
 
 from __future__ import annotations
@@ -29,16 +29,6 @@ ROWS_NAMES = frozenset({"rows", "found", "result", "results", "fetched"})
 WIDE = 3  # unpacking this many columns by position is counting them
 
 NOT_YET: dict[str, str] = {
-    # The claim and the provider budget: rewritten for per-group claiming, rows included.
-    "outbox/_dispatch/claimer.py": "claim rows: converted with per-group claiming",
-    "outbox/_dispatch/counting.py": "claim rows: converted with per-group claiming",
-    "outbox/_dispatch/limits.py": "budget rows: converted with per-group claiming",
-    "outbox/limits.py": "budget rows: converted with per-group claiming",
-    # Rewritten for group and priority with their own readers.
-    "outbox/_enqueue.py": "enqueue rows: converted with groups and priorities",
-    "outbox/contrib/django/__init__.py": "Django cursor rows: converted with the ORM routes",
-    "outbox/contrib/django/_schema.py": "Django cursor rows: converted with the ORM routes",
-    "outbox/migrate.py": "schema version rows: converted with the storage layout",
 }
 
 def positional_reads(source: str) -> list[int]:

@@ -29,9 +29,9 @@ from ..effect import Job
 from ..errors import ConfigurationError
 from ..migrate import require_current
 from ..observe import PurgedTable
+from .budget import LimitedClaims
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, Reconnects, connect
 from .counting import Waits
-from .limits import LimitedClaims
 from .presence import Presence
 from .settings import Settings
 from .state import AsyncState, Held, SharedState, ThreadState, Timer, guarded
@@ -176,7 +176,7 @@ class Claimer:
         rows = yield Statement(self.queries.claim, {
             "effects": self.limited.free_names, "limit": limit, "lease": settings.lease,
             "worker": settings.worker_id,
-        })
+        }, named=True)
         elapsed = time.monotonic() - started
         traced = tracing.enabled()
         batch = [self._held(row, traced) for row in rows]
@@ -200,28 +200,31 @@ class Claimer:
         guarded(self.state.events.claimed, time.monotonic() - started, Waits(rows))
         return batch
 
-    def _held(self, row: tuple[Any, ...], traced: bool) -> Held:
-        job = Job(id=row[0], effect=row[1], key=row[2], payload=_decode_payload(row[3])[0],
-                  attempt=row[4], claim_version=row[5], ordering_key=row[6],
-                  max_attempts=row[7], first_attempted_at=row[8])
+    def _held(self, row: Any, traced: bool) -> Held:
+        """A claimed row (a named tuple: the columns of ``claim_taken``'s RETURNING)."""
+        job = Job(id=row.id, effect=row.effect, key=row.key,
+                  payload=_decode_payload(row.payload)[0], attempt=row.attempts,
+                  claim_version=row.claim_version, ordering_key=row.ordering_key,
+                  max_attempts=row.max_attempts, first_attempted_at=row.first_attempted_at)
         return Held(job, self.settings.effects[job.effect], job.effect in self.settings.async_names,
-                    traced=traced, trace_context=row[10] if traced else None,
-                    kept_result=row[11])
+                    traced=traced, trace_context=row.trace_context if traced else None,
+                    kept_result=row.performed_result)
 
     def has_due_work(self) -> Step[bool]:
         # Effects an operator paused are not waited for: they resume when told to.
-        rows = yield Statement(self.queries.has_due_work, {"effects": self.limited.due_names})
-        return bool(rows[0][0])
+        due = yield Statement(self.queries.has_due_work, {"effects": self.limited.due_names},
+                              scalar=True)
+        return bool(due[0])
 
     def rescue(self) -> Step[None]:
         rows = yield Statement(self.queries.rescue, {
             "limit": RESCUE_BATCH, "unknown_window": self.settings.unknown_outcome_window,
             # Per effect, read each time: an effect may learn its window late.
             "windows": self.settings.windows_json(),
-        })
-        for job_id, key, status, version in rows:
+        }, named=True)
+        for job in rows:
             log.warning("rescued job %s (key %s, version %s) after its lease expired: now %s",
-                        job_id, key, version, status)
+                        job.id, job.key, job.claim_version, job.status)
         if rows:
             guarded(self.state.events.rescued, len(rows))
 
@@ -242,7 +245,7 @@ class Claimer:
                                            count=True)
                 except psycopg.errors.InsufficientPrivilege as exc:
                     raise _purge_refused(what, exc, settings) from exc
-                deleted = rows[0][0]
+                [(deleted,)] = rows  # the statement's row count (count=True)
                 if deleted > 0:
                     guarded(self.state.events.purged, table, deleted)
                 if deleted < RETENTION_BATCH:

@@ -101,7 +101,7 @@ class Waits(Sequence[tuple[str, float]]):
 
     __slots__ = ("_rows",)
 
-    def __init__(self, rows: Sequence[tuple[Any, ...]]) -> None:
+    def __init__(self, rows: Sequence[Any]) -> None:  # named tuples of the claim
         self._rows = rows
 
     def __len__(self) -> int:
@@ -115,9 +115,9 @@ class Waits(Sequence[tuple[str, float]]):
 
     def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
-            return [(row[1], float(row[9])) for row in self._rows[index]]
+            return [(row.effect, float(row.waited)) for row in self._rows[index]]
         row = self._rows[index]
-        return (row[1], float(row[9]))
+        return (row.effect, float(row.waited))
 
     def __iter__(self) -> Iterator[tuple[str, float]]:
-        return ((row[1], float(row[9])) for row in self._rows)
+        return ((row.effect, float(row.waited)) for row in self._rows)

@@ -27,9 +27,9 @@ from .._state import Decision
 from .._steps import Statement, Step, run, run_async
 from ..errors import ConfigurationError, Throttled
 from ..observe import AttemptOutcome
+from .budget import report
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
 from .hooked import HookedOutcomes, close_quietly, flush_hooked, flush_hooked_async
-from .limits import report
 from .reconciler import reconcilers
 from .settings import Settings
 from .state import (

@@ -38,9 +38,9 @@ from typing import Any, Generic, Protocol, TypeVar
 from .. import tracing
 from ..errors import Throttled
 from ..observe import AttemptOutcome, DispatchObserver, MultiObserver
+from .budget import LimitView, is_transient
 from .counting import DispatchStats, StatsObserver
 from .held import Held, Outcome, Release, Success
-from .limits import LimitView, is_transient
 
 __all__ = [
     "CLOSE_GRACE",

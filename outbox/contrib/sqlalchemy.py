@@ -38,7 +38,7 @@ from sqlalchemy.ext.asyncio.session import AsyncSessionTransaction
 from sqlalchemy.orm import Session, SessionTransaction, scoped_session
 
 from .._sql import queries
-from .._steps import Rows, Statement
+from .._steps import Rows, Statement, shaped
 from ..transaction import AsyncOperations, Operations
 
 __all__ = ["AsyncTransaction", "Transaction", "colon_params", "transaction"]
@@ -75,7 +75,7 @@ def _text(query: str) -> TextClause:
 def _rows(result: Any, statement: Statement) -> Rows:
     if statement.count:
         return [(result.rowcount,)]
-    return [tuple(row) for row in result] if result.returns_rows else []
+    return shaped(statement, list(result.keys()), result) if result.returns_rows else []
 
 
 class Transaction(Operations):

@@ -465,8 +465,9 @@ WHERE l.effect = ANY(%(effects)s::text[]);
 -- limit_budget allows and stamped with its clock, between the budget and limit_spend
 -- (migration 0009), all in this statement's transaction. The budget is taken before
 -- the candidates are scanned (their LIMIT needs it), and it locks the effect's row
--- until the commit. When the budget (not the queue) stopped the claim, one more row
--- comes back with a NULL id and, in waited, the seconds until it is worth asking again.
+-- until the commit. Every row answered carries budget_wait: when the budget (not the
+-- queue) stopped the claim, the seconds until it is worth asking again, else NULL. When
+-- no job was claimed, the one row answered holds budget_wait alone (its job columns NULL).
 WITH budget AS MATERIALIZED (
     SELECT {schema}.limit_budget(%(effect)s::text, %(limit)s::integer, %(rate)s::float8,
                                  %(burst)s::float8, %(concurrency)s::integer) AS b
@@ -488,11 +489,8 @@ WITH budget AS MATERIALIZED (
                                 (SELECT max(c.id) FROM claimed c)) AS wait
     FROM budget x
 )
-SELECT * FROM claimed
-UNION ALL
-SELECT NULL, %(effect)s::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, s.wait, NULL, NULL
-FROM spent s
-WHERE s.wait IS NOT NULL;
+SELECT c.*, s.wait AS budget_wait
+FROM spent s LEFT JOIN claimed c ON true;
 
 -- name: limit_ensure
 -- The effect's limit row, made when it has none yet (the statements below update it).

@@ -29,7 +29,7 @@ from outbox._dispatch.claimer import IDLE_RECHECK, RETENTION_BATCH, RETENTION_IN
 from outbox._dispatch.recorder import Recorder
 from outbox._dispatch.settings import Settings
 from outbox._dispatch.state import Held, Outcome, Release, SharedState, Success
-from outbox._steps import Rows, Statement, Step, run, run_async
+from outbox._steps import Rows, Statement, Step, run, run_async, shaped
 from outbox.observe import AttemptOutcome, DispatchObserver, PurgedTable
 
 
@@ -95,7 +95,10 @@ class Script:
             raise answer
         if answer and isinstance(answer[0], int):  # values: the step asked for them
             assert statement.scalar, f"{name}: ids answered to a statement not scalar"
-        return answer
+            return answer
+        # Rows scripted as tuples, shaped as the drivers shape a cursor's: named, or a
+        # scalar statement's one column.
+        return shaped(statement, COLUMNS.get(name, ()), answer)
 
     def drive(self, step: Step[Any]) -> Any:
         if self.driver == "run":
@@ -140,6 +143,16 @@ def settings(**options: Any) -> Settings:
 def state(events: DispatchObserver | None = None, concurrency: int = 4) -> SharedState[Any]:
     return SharedState(DispatchStats(), events or DispatchObserver(), concurrency,
                        threading.Event)
+
+
+CLAIMED = ("id", "effect", "key", "payload", "attempts", "claim_version", "ordering_key",
+           "max_attempts", "first_attempted_at", "waited", "trace_context", "performed_result")
+# The columns of the statements answered by name, as their blocks name them.
+COLUMNS = {"claim": CLAIMED, "limit_claim": (*CLAIMED, "budget_wait"),
+           "rescue": ("id", "key", "status", "claim_version"),
+           "limit_states": ("effect", "gated", "pause_left", "pause_reason", "troubled"),
+           "limit_throttled": ("effect", "pause_left", "pause_reason"),
+           "limit_failed": ("effect", "pause_left", "pause_reason")}
 
 
 def claimed_rows(*ids: int) -> Rows:

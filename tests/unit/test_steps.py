@@ -16,12 +16,16 @@ from outbox._enqueue import (
     receive_steps,
     resolve_steps,
 )
-from outbox._steps import Rows, Statement, run, run_async
+from outbox._steps import Rows, Statement, run, run_async, shaped
 from outbox.sql import queries
 
 Q = queries("outbox")
 NAMES = {getattr(Q, name): name for name in ("enqueue", "enqueue_many", "lookup_keys",
                                              "receive", "resolve_by_event")}
+# The columns each block answers, as PostgreSQL names them (the scripted rows' order).
+COLUMNS = {"enqueue": ("id", "created", "effect", "fingerprint"),
+           "enqueue_many": ("key", "id"), "lookup_keys": ("key", "id", "effect", "fingerprint"),
+           "receive": ("message_id",), "resolve_by_event": ("id",)}
 
 
 class Scripted:
@@ -33,8 +37,10 @@ class Scripted:
         self.asked: list[tuple[str, Any]] = []
 
     def __call__(self, statement: Statement) -> Rows:
-        self.asked.append((NAMES[statement.query], statement.params))
-        return self.answers.pop(0)
+        name = NAMES[statement.query]
+        self.asked.append((name, statement.params))
+        # Shaped as a driver shapes a cursor's rows: named, scalar or plain, as asked.
+        return shaped(statement, COLUMNS[name], self.answers.pop(0))
 
 
 JOB = prepare("email.send", "k1", {"to": "a"})

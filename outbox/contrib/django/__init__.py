@@ -53,7 +53,7 @@ from django.db import transaction as django_transaction
 from psycopg.conninfo import make_conninfo
 
 from ..._sql import queries
-from ..._steps import Rows, Statement
+from ..._steps import Rows, Statement, shaped
 from ...transaction import Operations
 from ._schema import flush
 
@@ -84,7 +84,9 @@ class Transaction(Operations):
             cursor.execute(statement.query, statement.params)
             if statement.count:
                 return [(cursor.rowcount,)]
-            return [tuple(row) for row in cursor.fetchall()] if cursor.description else []
+            if not cursor.description:
+                return []
+            return shaped(statement, [c[0] for c in cursor.description], cursor.fetchall())
 
     def __enter__(self) -> Transaction:
         atomic = django_transaction.atomic(using=self.using)
@@ -120,12 +122,9 @@ def jobs(using: str = "default", *, schema: str | None = None) -> list[dict[str,
     schema = default_schema() if schema is None else schema
     with connections[using].cursor() as cursor:
         cursor.execute(queries(schema).jobs_in_transaction)
-        rows = cursor.fetchall()
-    return [
-        {"id": id_, "effect": effect, "key": key, "payload": json.loads(payload),
-         "status": status}
-        for id_, effect, key, payload, status in rows
-    ]
+        names = [column[0] for column in cursor.description]
+        found = [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
+    return [{**job, "payload": json.loads(job["payload"])} for job in found]
 
 
 def _libpq_keywords() -> frozenset[str]:

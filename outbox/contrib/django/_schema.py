@@ -67,10 +67,12 @@ def version(connection: BaseDatabaseWrapper, schema: str) -> int | None:
     versions = sql.SQL("{}.schema_migrations").format(sql.Identifier(schema)).as_string(None)
     with connection.cursor() as cursor:
         cursor.execute(queries.has_versions, {"versions": versions})
-        if not cursor.fetchone()[0]:
+        (migrated,) = cursor.fetchone()  # the one column, by its one name
+        if not migrated:
             return None
         cursor.execute(queries.version)
-        return int(cursor.fetchone()[0])
+        (applied,) = cursor.fetchone()
+        return int(applied)
 
 
 def run_sql_migrations(apps: Any, schema_editor: Any) -> None:
@@ -91,7 +93,7 @@ def flush(using: str = "default", schema: str | None = None) -> None:
     connection = connections[using]
     with connection.cursor() as cursor:
         cursor.execute(_queries(schema).data_tables, {"schema_name": schema})
-        tables = [row[0] for row in cursor.fetchall()]
+        tables = [table for table, in cursor.fetchall()]
         if tables:
             cursor.execute(sql.SQL("TRUNCATE {}").format(sql.SQL(", ").join(
                 sql.Identifier(schema, table) for table in tables)).as_string(None))

@@ -1,8 +1,9 @@
-"""Provider limits in the dispatcher: budgeted claims, throttles, the breaker.
+"""Provider limits in the dispatcher (``outbox.limits`` declares them; this is how they
+are spent): budgeted claims, throttles, the breaker.
 
 The state is shared through the table ``effect_limits`` (migration 0006), so every
 dispatcher process on the schema counts the same budget and sees the same pauses. This
-module holds the dispatcher's side of it, written once as steps (see ``steps``):
+module holds the dispatcher's side of it, written once as steps (``outbox._steps``):
 
     claimer   ``LimitedClaims.refresh`` reads the state of its effects each round;
               effects with no row gating them are claimed by the core claim as before,
@@ -136,23 +137,25 @@ class LimitedClaims:
 
     def refresh(self) -> Step[None]:
         """Read the shared state of this dispatcher's effects (one small query)."""
-        rows = yield Statement(self.queries.limit_states, {"effects": self.all_names})
+        rows = yield Statement(self.queries.limit_states, {"effects": self.all_names},
+                               named=True)
         gated = set(self.settings.limits)
         operator: list[str] = []
         seen: set[str] = set()
-        for effect, is_gated, pause_left, reason, troubled in rows:
+        for state in rows:
+            effect = state.effect
             seen.add(effect)
-            if is_gated:
+            if state.gated:
                 gated.add(effect)
-            if pause_left is not None and pause_left > 0:
+            if state.pause_left is not None and state.pause_left > 0:
                 # The database is the authority: an operator's resume shortens a pause.
-                self.view.paused_until[effect] = time.monotonic() + pause_left
-                self.view.reasons[effect] = reason
-                if reason == "operator":
+                self.view.paused_until[effect] = time.monotonic() + state.pause_left
+                self.view.reasons[effect] = state.pause_reason
+                if state.pause_reason == "operator":
                     operator.append(effect)
             else:
                 self.view.unpause(effect)
-            if troubled:
+            if state.troubled:
                 self.view.troubled.add(effect)
             else:
                 self.view.troubled.discard(effect)
@@ -195,13 +198,11 @@ class LimitedClaims:
                 "rate": None if declared is None else declared.rate,
                 "burst": None if declared is None else declared.burst,
                 "concurrency": None if declared is None else declared.concurrency,
-            })
-            for row in rows:
-                if row[0] is None:  # the budget's marker: when to ask again
-                    wait = float(row[9])
-                    self.wake_in = wait if self.wake_in is None else min(self.wake_in, wait)
-                else:
-                    claimed.append(row)
+            }, named=True)
+            claimed += [row for row in rows if row.id is not None]
+            wait = rows[0].budget_wait if rows else None
+            if wait is not None:  # the budget (not the queue) stopped the claim
+                self.wake_in = wait if self.wake_in is None else min(self.wake_in, wait)
         return claimed
 
 
@@ -264,7 +265,8 @@ def report(settings: Settings, view: LimitView,
         if t.throttles:
             yield from _guarded(Statement(q.limit_ensure, {"effect": effect}, count=True))
             rows = yield from _guarded(Statement(q.limit_throttled, {
-                "effect": effect, "count": t.throttles, "after": t.after, "hint": t.hint}))
+                "effect": effect, "count": t.throttles, "after": t.after, "hint": t.hint},
+                named=True))
             _learn(view, rows)
             log.info("effect %s throttled by its provider (%d refusals); paused for every "
                      "dispatcher", effect, t.throttles)
@@ -273,7 +275,7 @@ def report(settings: Settings, view: LimitView,
             rows = yield from _guarded(Statement(q.limit_failed, {
                 "effect": effect, "count": t.failures, "jobs": t.failed_jobs,
                 "threshold": settings.breaker_threshold,
-                "pause": BREAKER_PAUSE, "max_pause": BREAKER_MAX_PAUSE}))
+                "pause": BREAKER_PAUSE, "max_pause": BREAKER_MAX_PAUSE}, named=True))
             view.troubled.add(effect)
             opened = _learn(view, rows)
             if opened == "outage":
@@ -284,10 +286,10 @@ def report(settings: Settings, view: LimitView,
 
 def _learn(view: LimitView, rows: Rows) -> str | None:
     """Take a pause the database decided into the view; its reason, if paused."""
-    for effect, pause_left, reason in rows:
-        if pause_left is not None and pause_left > 0 and reason is not None:
-            view.pause(effect, pause_left, reason)
-            return str(reason)
+    for state in rows:  # the effect, pause_left and pause_reason the statement returns
+        if state.pause_left is not None and state.pause_left > 0 and state.pause_reason:
+            view.pause(state.effect, state.pause_left, state.pause_reason)
+            return str(state.pause_reason)
     return None
 
 
