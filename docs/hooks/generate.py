@@ -14,6 +14,9 @@ import click
 
 ROOT = Path(__file__).resolve().parents[2]
 _MARKER = re.compile(r"^<!-- generate: (?P<name>[a-z-]+) -->$", re.M)
+# A tutorial file shown whole, as the tests run it (tests/docs/test_tutorial.py).
+_INCLUDE = re.compile(r"^<!-- include: (?P<path>[a-z_/]+\.py) -->$", re.M)
+TUTORIAL_CODE = ROOT / "docs" / "tutorial" / "code"
 
 
 Found = tuple[click.Context, click.Command]
@@ -82,5 +85,10 @@ def spans() -> str:
 GENERATORS: dict[str, Callable[[], str]] = {"cli": cli, "metrics": metrics, "spans": spans}
 
 
+def _include(path: str) -> str:
+    return f"```python title=\"{path}\"\n{(TUTORIAL_CODE / path).read_text()}```"
+
+
 def on_page_markdown(markdown: str, **_: Any) -> str:
+    markdown = _INCLUDE.sub(lambda m: _include(m["path"]), markdown)
     return _MARKER.sub(lambda m: GENERATORS[m["name"]](), markdown)
