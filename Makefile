@@ -12,7 +12,7 @@ export XDG_RUNTIME_DIR ?= $(CURDIR)/.runtime
 # suite mostly waits on real servers, processes and leases. PYTEST_PARALLEL= runs it in one.
 PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
-.PHONY: demo test test-compat lint bench chaos clean docs docs-serve
+.PHONY: demo test test-compat lint bench chaos clean docs docs-serve docs-screenshots
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,10 @@ bench: $(STAMP) | $(XDG_RUNTIME_DIR)
 # The docs site (docs/, mkdocs.yml) into site/: offline, warnings are errors (about 5 s).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# Retake the tutorial's dashboard screenshot from the tutorial's own run, in chromium.
+docs-screenshots: $(STAMP) | $(XDG_RUNTIME_DIR)
+	OUTBOX_DOCS_SCREENSHOTS=1 $(BIN)/python -m pytest tests/docs/test_tutorial.py -q
 
 docs-serve: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict

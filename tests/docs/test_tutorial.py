@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +24,10 @@ from ..test_readme import ROOT
 database = test_readme.database  # a database of its own, migrated
 
 CODE = ROOT / "docs" / "tutorial" / "code"
+SCREENSHOT = ROOT / "docs" / "tutorial" / "dashboard.png"
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"]
 ORDERS = 6
 
 
@@ -68,3 +74,50 @@ def test_the_shop_survives_a_kill_9(database: str,
         charged = conn.execute("SELECT count(*) FROM orders WHERE charge_id LIKE 'pi_%'"
                                ).fetchone()
     assert charged == (ORDERS,)
+    _the_dashboard_shows_it(env)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _the_dashboard_shows_it(env: dict[str, str]) -> None:
+    """The tutorial's last step, in a real browser; with OUTBOX_DOCS_SCREENSHOTS set
+    (make docs-screenshots) its screenshot replaces the tutorial's."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip("needs Debian's chromium: apt-get update && apt-get install -y chromium")
+    from playwright.sync_api import sync_playwright
+
+    port = _free_port()
+    web = subprocess.Popen([str(Path(sys.executable).parent / "outbox"), "web", "--port",
+                            str(port)], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        _wait_until_listening(port, web)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            page = browser.new_page(viewport={"width": 1280, "height": 760})
+            page.goto(f"http://127.0.0.1:{port}/")
+            done = page.locator(".tile.status-done .n").inner_text()
+            limits = page.get_by_text("Provider limits").count()
+            if os.environ.get("OUTBOX_DOCS_SCREENSHOTS"):
+                page.screenshot(path=str(SCREENSHOT))
+            browser.close()
+    finally:
+        web.terminate()
+        web.wait(10)
+    assert done == str(2 * ORDERS)
+    assert limits == 1
+
+
+def _wait_until_listening(port: int, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"outbox web exited with {process.returncode}"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)  # polling a port: there is no event to wait on
+    pytest.fail("outbox web did not listen within 30 s")
