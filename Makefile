@@ -57,9 +57,11 @@ bench: $(STAMP) | $(XDG_RUNTIME_DIR)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# Retake the tutorial's dashboard screenshot from the tutorial's own run, in chromium.
+# Retake the dashboard screenshots of the docs in chromium, from the tests' own runs.
 docs-screenshots: $(STAMP) | $(XDG_RUNTIME_DIR)
 	OUTBOX_DOCS_SCREENSHOTS=1 $(BIN)/python -m pytest tests/docs/test_tutorial.py -q
+	OUTBOX_SCREENSHOTS=docs/images $(BIN)/python -m pytest tests/web/test_browser.py -q \
+	    -k test_the_overview_renders
 
 docs-serve: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
