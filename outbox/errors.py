@@ -95,10 +95,10 @@ class IdempotencyKeyConflict(EnqueueError):
 class SchemaError(OutboxError):
     """The outbox schema is missing, partly migrated, or newer than this code knows.
 
-    Raised by ``enqueue`` and the dispatchers when the schema has no outbox tables or is
-    older than this code (the message names the schema and the command to run), and by
-    ``migrate`` when the schema is newer than this code or its migration files are
-    incomplete."""
+    Raised by ``enqueue`` and the dispatchers when the schema has no outbox tables, is
+    older than this code (the message names the schema and the command to run) or newer;
+    by ``migrate`` when the schema is newer than this code, its migration files are
+    incomplete, or another process migrated it after this transaction's snapshot."""
 
 
 class ConfigurationError(OutboxError, ValueError):
