@@ -12,7 +12,7 @@ export XDG_RUNTIME_DIR ?= $(CURDIR)/.runtime
 # suite mostly waits on real servers, processes and leases. PYTEST_PARALLEL= runs it in one.
 PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
-.PHONY: demo test test-compat lint bench chaos clean
+.PHONY: demo test test-compat lint bench chaos clean docs docs-serve docs-screenshots
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,7 @@ test: $(STAMP) | $(XDG_RUNTIME_DIR)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
+	$(MAKE) --no-print-directory docs
 	$(MAKE) --no-print-directory test-compat
 
 # The ORM integrations on SQLAlchemy 2.0 and Django 4.2 LTS (the main suite has the newest).
@@ -52,8 +53,21 @@ bench: $(STAMP) | $(XDG_RUNTIME_DIR)
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python -m benchmarks $(ARGS)
 
+# The docs site (docs/, mkdocs.yml) into site/: offline, warnings are errors (about 5 s).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# Retake the dashboard screenshots of the docs in chromium, from the tests' own runs.
+docs-screenshots: $(STAMP) | $(XDG_RUNTIME_DIR)
+	OUTBOX_DOCS_SCREENSHOTS=1 $(BIN)/python -m pytest tests/docs/test_tutorial.py -q
+	OUTBOX_SCREENSHOTS=docs/images $(BIN)/python -m pytest tests/web/test_browser.py -q \
+	    -k test_the_overview_renders
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
+
 chaos: $(STAMP) | $(XDG_RUNTIME_DIR)
 	$(BIN)/outbox chaos
 
 clean:
-	rm -rf $(VENV) $(COMPAT) .runtime .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT) site .runtime .pytest_cache .mypy_cache .ruff_cache

@@ -93,11 +93,22 @@ class IdempotencyKeyConflict(EnqueueError):
 
 
 class SchemaError(OutboxError):
-    """The outbox schema is missing, partly migrated, or newer than this code knows."""
+    """The outbox schema is missing, partly migrated, or newer than this code knows.
+
+    Raised by ``enqueue`` and the dispatchers when the schema has no outbox tables, is
+    older than this code (the message names the schema and the command to run) or newer;
+    by ``migrate`` when the schema is newer than this code, its migration files are
+    incomplete, or another process migrated it after this transaction's snapshot."""
 
 
 class ConfigurationError(OutboxError, ValueError):
-    """An argument given to a Dispatcher, a migration or the command line is invalid."""
+    """An argument given to a Dispatcher, a migration or the command line is invalid, or a
+    setting that can never work: the database does not exist, the password is wrong, or
+    the role lacks a privilege on the schema or its tables.
+
+    Raised when a dispatcher or an adapter is built (a bad option), and at once by
+    ``run_until_idle()`` and ``run()`` for a setting that can never work (``outbox run``
+    then exits 1 with this one line). The message never contains the password."""
 
 
 class DispatcherFailed(OutboxError):

@@ -1,11 +1,11 @@
-"""Every Python snippet of the README runs as written.
+"""Every Python snippet of the README and of the docs site (docs/) runs as written.
 
 Each runs in a process of its own against a database of its own on the test PostgreSQL
 (the outbox tables migrated, as the README's set-up leaves them), given the one name the
 README says its snippets share: ``dsn``. The provider keys they read are dummies; no
 snippet reaches a provider (a dispatcher finds no due job, or none of its effect). A
-snippet the README marks ``<!-- illustrative: reason -->`` needs a service of its own
-and is only compiled; that list stays short and each one says why.
+snippet a page marks ``<!-- illustrative: reason -->`` (on the line before its fence)
+needs a service of its own and is only compiled; that list stays short and each one says why.
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted(p for p in (ROOT / "docs").rglob("*.md")
+                         if "tutorial/code" not in p.as_posix())]
 MAX_ILLUSTRATIVE = 7
 _BLOCK = re.compile(r"^(?P<indent> *)```python\n(?P<body>.*?)^(?P=indent)```", re.S | re.M)
 _ILLUSTRATIVE = re.compile(r"<!-- illustrative: (?P<reason>[^>]+) -->\s*$")
@@ -36,21 +39,26 @@ PRELUDE = "import os\ndsn = os.environ['OUTBOX_DATABASE_URL']\n"
 
 @dataclass(frozen=True)
 class Snippet:
+    page: Path
     line: int
     code: str
     illustrative: str | None
 
     def __str__(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
 
 
 def snippets() -> list[Snippet]:
-    text = README.read_text()
+    return [snippet for page in PAGES for snippet in _snippets_of(page)]
+
+
+def _snippets_of(page: Path) -> list[Snippet]:
+    text = page.read_text()
     found = []
     for match in _BLOCK.finditer(text):
         before = text[:match.start()].rstrip("\n ").rsplit("\n", 1)[-1]
         marked = _ILLUSTRATIVE.search(before)
-        found.append(Snippet(text.count("\n", 0, match.start()) + 1,
+        found.append(Snippet(page, text.count("\n", 0, match.start()) + 1,
                              textwrap.dedent(match["body"]),
                              marked["reason"] if marked else None))
     return found
@@ -59,8 +67,9 @@ def snippets() -> list[Snippet]:
 SNIPPETS = snippets()
 
 
-def test_the_readme_has_snippets_and_few_are_illustrative() -> None:
+def test_the_readme_and_docs_have_snippets_and_few_are_illustrative() -> None:
     assert len(SNIPPETS) >= 15
+    assert any(s.page == README for s in SNIPPETS)
     illustrative = [s for s in SNIPPETS if s.illustrative]
     assert len(illustrative) <= MAX_ILLUSTRATIVE, [str(s) for s in illustrative]
 

@@ -5,8 +5,8 @@ through real dispatcher processes pointed at the fake providers of ``effects.tes
 while a seeded fault schedule kills (SIGKILL) and freezes (SIGSTOP past the lease)
 dispatchers, restarts PostgreSQL, terminates dispatcher connections and makes the
 providers fail (5xx, 429 with Retry-After, latency spikes, success then timeout, dropped
-connections, declined cards). Then it checks the guarantees outbox states (README,
-"Guarantees, and their limits")::
+connections, declined cards). Then it checks the guarantees outbox states
+(docs/explanation/guarantees.md)::
 
     nothing lost              every committed job ends done, failed or reconcile
     once at the provider      no key performed twice by any fake; done jobs once

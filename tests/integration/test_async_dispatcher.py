@@ -423,8 +423,8 @@ def test_same_options_checked_the_same_way(dsn: str) -> None:
 def _readme_example() -> str:
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## AsyncDispatcher", 1)[1]
+    page = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "async.md"
+    section = page.read_text().split("# AsyncDispatcher", 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
@@ -436,7 +436,7 @@ def test_the_readme_fastapi_lifespan_drains_and_stops(
     monkeypatch.setenv("OUTBOX_DATABASE_URL", dsn)
     monkeypatch.setenv("RESEND_API_KEY", "re_test_key")
     namespace: dict[str, Any] = {}
-    exec(compile(_readme_example(), "README.md", "exec"), namespace)
+    exec(compile(_readme_example(), "docs/how-to/async.md", "exec"), namespace)
     assert isinstance(namespace["dispatcher"], AsyncDispatcher)
     # The same lifespan, with the dispatcher pointed at this test's schema and fake Resend.
     adapter = SendEmail(api_key="re_test_key", base_url=fake_email.url)
