@@ -44,7 +44,9 @@ __all__ = ["missing_faults", "run_chaos"]
 
 Progress = Callable[[str], None]
 
-_STOP_TIMEOUT = 30.0
+# A worker's dispatcher returns within its stop_timeout of SIGTERM plus the time to
+# close its connections; past this, the runner dumps its stacks and kills it.
+_STOP_TIMEOUT = WorkerSettings.stop_timeout + 20.0
 _JOIN_TIMEOUT = 90.0
 _CONSUMER_DRAIN = 60.0
 _PROGRESS_EVERY = 5.0
