@@ -36,8 +36,8 @@ log = logging.getLogger("effects.chaos")
 _RETIRE_TIMEOUT = 30.0
 # How long a terminate keeps asking for a worker backend to end.
 _TERMINATE_SECONDS = 3 * AIM_SECONDS
-# How long a throttle or outage window no request met stays in force past its end: it
-# stays armed until a request met it (a loaded machine sends fewer requests than the
+# How long a throttle, outage or latency window no request met stays in force past its
+# end: it stays armed until a request met it (a loaded machine sends fewer requests than the
 # rate admits; the effect may be paused), without holding up the rest of the schedule.
 _PUSH_BACK_LINGER = 60.0
 
@@ -105,6 +105,7 @@ class FaultInjector:
         self._push_backs: dict[tuple[str, str], tuple[int, int]] = {}
         # (kind, provider) -> until when a window past its end, unmet, stays in force
         self._lingering: dict[tuple[str, str], float] = {}
+        self._lingering_spikes: dict[int, float] = {}  # by ref, likewise
         self._retiring: list[threading.Thread] = []
         self._kafka_down: dict[int, int] = {}  # by the fault's ref: the broker set down
         self._lock = threading.Lock()
@@ -132,7 +133,7 @@ class FaultInjector:
         # one per probe interval, long after the provider's bad moment.
         for name in PROVIDERS:
             self._disarmed += self._providers.by_name(name).disarm_pending()
-        while self._lingering and not stop.wait(0.1):  # bounded by _PUSH_BACK_LINGER
+        while (self._lingering or self._lingering_spikes) and not stop.wait(0.1):
             self._settle_push_backs()
 
     def _wait_settling(self, until: float, stop: threading.Event) -> bool:
@@ -154,6 +155,7 @@ class FaultInjector:
         self._frozen.clear()
         for ref in list(self._spikes):
             self._end_latency(ref)
+        self._lingering_spikes.clear()
         for ref in list(self._kafka_down):
             self._kafka_up(FaultEvent(0.0, "kafka_up", ref=ref))
         self._providers.kafka.thaw_consumer()
@@ -173,7 +175,7 @@ class FaultInjector:
         handlers: dict[str, Callable[[FaultEvent], None]] = {
             "kill": self._kill, "stop": self._stop, "cont": self._cont,
             "retire": self._retire, "restart": self._restart, "terminate": self._terminate,
-            "latency": self._latency, "latency_end": lambda e: self._end_latency(e.ref),
+            "latency": self._latency, "latency_end": self._latency_ends,
             "broker": self._broker, "kafka": self._kafka, "consumer": self._consumer,
             "kafka_up": self._kafka_up, "consumer_cont": self._consumer_cont,
             "throttle": self._push_back, "outage": self._push_back,
@@ -386,6 +388,10 @@ class FaultInjector:
     def _settle_push_backs(self) -> None:
         """Close the lingering windows that a request met, or whose bound has passed."""
         now = time.monotonic()
+        for ref, until in list(self._lingering_spikes.items()):
+            if now >= until or self._spike_met(ref):
+                del self._lingering_spikes[ref]
+                self._end_latency(ref)
         for (kind, provider), until in list(self._lingering.items()):
             if now >= until or self._push_back_met(kind, provider):
                 del self._lingering[(kind, provider)]
@@ -414,6 +420,20 @@ class FaultInjector:
         self._spikes[event.ref] = (event.provider, fake.total_requests)
         fake.set_latency(event.seconds)
         self.log.armed["latency"] += 1
+
+    def _latency_ends(self, event: FaultEvent) -> None:
+        """End the spike if a request met it; otherwise it stays (bounded) until one
+        does, like a push-back window."""
+        if event.ref not in self._spikes:
+            return
+        if self._spike_met(event.ref):
+            self._end_latency(event.ref)
+        else:
+            self._lingering_spikes[event.ref] = time.monotonic() + _PUSH_BACK_LINGER
+
+    def _spike_met(self, ref: int) -> bool:
+        provider, requests = self._spikes[ref]
+        return self._providers.by_name(provider).total_requests > requests
 
     def _end_latency(self, ref: int) -> None:
         spike = self._spikes.pop(ref, None)
