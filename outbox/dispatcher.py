@@ -371,7 +371,9 @@ class Dispatcher(_Options):
 
         def handler(signum: int, frame: FrameType | None) -> None:
             log.info("signal %s: stopping after in-flight work", signum)
-            self.stop()
+            # Not here: the main thread may be inside wake.wait(), holding the lock that
+            # stop()'s wake.set() takes; setting it from the handler deadlocks.
+            threading.Thread(target=self.stop, name="outbox-stop", daemon=True).start()
 
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:

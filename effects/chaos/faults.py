@@ -36,8 +36,10 @@ log = logging.getLogger("effects.chaos")
 _RETIRE_TIMEOUT = 30.0
 # How long a terminate keeps asking for a worker backend to end.
 _TERMINATE_SECONDS = 3 * AIM_SECONDS
-# How long a throttle or outage window no request met is kept open past its end.
-_PUSH_BACK_GRACE = 10.0
+# How long a throttle, outage or latency window no request met stays in force past its
+# end: it stays armed until a request met it (a loaded machine sends fewer requests than the
+# rate admits; the effect may be paused), without holding up the rest of the schedule.
+_PUSH_BACK_LINGER = 60.0
 
 
 @dataclass
@@ -101,6 +103,9 @@ class FaultInjector:
         # (kind, provider) -> the fake's (throttled, outage_requests) when it began
         self._disarmed = 0  # unmet provider faults dropped when the next was armed
         self._push_backs: dict[tuple[str, str], tuple[int, int]] = {}
+        # (kind, provider) -> until when a window past its end, unmet, stays in force
+        self._lingering: dict[tuple[str, str], float] = {}
+        self._lingering_spikes: dict[int, float] = {}  # by ref, likewise
         self._retiring: list[threading.Thread] = []
         self._kafka_down: dict[int, int] = {}  # by the fault's ref: the broker set down
         self._lock = threading.Lock()
@@ -115,7 +120,7 @@ class FaultInjector:
         """Carry out ``events`` at their times (seconds after this call), until ``stop``."""
         self._started = time.monotonic()
         for event in events:
-            if stop.wait(max(0.0, self._started + event.at - time.monotonic())):
+            if self._wait_settling(self._started + event.at, stop):
                 return
             try:
                 self._execute(event)
@@ -128,6 +133,19 @@ class FaultInjector:
         # one per probe interval, long after the provider's bad moment.
         for name in PROVIDERS:
             self._disarmed += self._providers.by_name(name).disarm_pending()
+        while (self._lingering or self._lingering_spikes) and not stop.wait(0.1):
+            self._settle_push_backs()
+
+    def _wait_settling(self, until: float, stop: threading.Event) -> bool:
+        """Wait until ``until`` (a monotonic time), ending the lingering push-back windows
+        that a request met meanwhile; True if ``stop`` was set."""
+        while True:
+            self._settle_push_backs()
+            left = until - time.monotonic()
+            if left <= 0:
+                return stop.is_set()
+            if stop.wait(min(left, 0.1)):
+                return True
 
     def finish(self) -> None:
         """Undo what is still in force: thaw frozen workers, end latency spikes, wait
@@ -137,11 +155,13 @@ class FaultInjector:
         self._frozen.clear()
         for ref in list(self._spikes):
             self._end_latency(ref)
+        self._lingering_spikes.clear()
         for ref in list(self._kafka_down):
             self._kafka_up(FaultEvent(0.0, "kafka_up", ref=ref))
         self._providers.kafka.thaw_consumer()
         for kind, provider in list(self._push_backs):
-            self._end_push_back(FaultEvent(0.0, f"{kind}_end", provider=provider), grace=0.0)
+            self._close_push_back(kind, provider)
+        self._lingering.clear()
         if self._disarmed:
             self.log.notes.append(f"{self._disarmed} provider fault(s) no request met (before "
                                   "the next was armed, or by the schedule's end) were disarmed")
@@ -155,7 +175,7 @@ class FaultInjector:
         handlers: dict[str, Callable[[FaultEvent], None]] = {
             "kill": self._kill, "stop": self._stop, "cont": self._cont,
             "retire": self._retire, "restart": self._restart, "terminate": self._terminate,
-            "latency": self._latency, "latency_end": lambda e: self._end_latency(e.ref),
+            "latency": self._latency, "latency_end": self._latency_ends,
             "broker": self._broker, "kafka": self._kafka, "consumer": self._consumer,
             "kafka_up": self._kafka_up, "consumer_cont": self._consumer_cont,
             "throttle": self._push_back, "outage": self._push_back,
@@ -342,30 +362,50 @@ class FaultInjector:
 
     def _push_back(self, event: FaultEvent) -> None:
         """A rate limit (throttle) or an outage at one provider until its end event;
-        what it refused is counted at the fake when it ends."""
+        what it refused is counted at the fake when it ends. A window already in force
+        there goes on (from its own start) until this one's end."""
         fake = self._providers.by_name(event.provider)
         if event.kind == "throttle":
             fake.set_rate_limit(event.seconds)
         else:
             fake.set_outage(True)
-        self._push_backs[(event.kind, event.provider)] = (fake.throttled, fake.outage_requests)
+        self._push_backs.setdefault((event.kind, event.provider),
+                                    (fake.throttled, fake.outage_requests))
+        self._lingering.pop((event.kind, event.provider), None)
         self.log.armed[event.kind] += 1
 
-    def _end_push_back(self, event: FaultEvent, grace: float = _PUSH_BACK_GRACE) -> None:
+    def _end_push_back(self, event: FaultEvent) -> None:
+        """Close the window if a request met it; otherwise it stays armed (bounded) until
+        one does: ``_settle_push_backs`` closes it then."""
         kind = event.kind.removesuffix("_end")
-        started = self._push_backs.pop((kind, event.provider), None)
-        if started is None:
+        if (kind, event.provider) not in self._push_backs:
             return
-        fake = self._providers.by_name(event.provider)
-        # A window no request met shows nothing: keep it a while longer (bounded) until
-        # one did. The effect may have been paused when it opened (the provider's last
-        # push-back), or a loaded machine sent fewer requests than the rate admits.
-        def met() -> bool:
-            return (fake.throttled > started[0]) if kind == "throttle" \
-                else (fake.outage_requests > started[1])
-        deadline = time.monotonic() + grace
-        while not met() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if self._push_back_met(kind, event.provider):
+            self._close_push_back(kind, event.provider)
+        else:
+            self._lingering[(kind, event.provider)] = time.monotonic() + _PUSH_BACK_LINGER
+
+    def _settle_push_backs(self) -> None:
+        """Close the lingering windows that a request met, or whose bound has passed."""
+        now = time.monotonic()
+        for ref, until in list(self._lingering_spikes.items()):
+            if now >= until or self._spike_met(ref):
+                del self._lingering_spikes[ref]
+                self._end_latency(ref)
+        for (kind, provider), until in list(self._lingering.items()):
+            if now >= until or self._push_back_met(kind, provider):
+                del self._lingering[(kind, provider)]
+                self._close_push_back(kind, provider)
+
+    def _push_back_met(self, kind: str, provider: str) -> bool:
+        started = self._push_backs[(kind, provider)]
+        fake = self._providers.by_name(provider)
+        return (fake.throttled > started[0]) if kind == "throttle" \
+            else (fake.outage_requests > started[1])
+
+    def _close_push_back(self, kind: str, provider: str) -> None:
+        started = self._push_backs.pop((kind, provider))
+        fake = self._providers.by_name(provider)
         if kind == "throttle":
             fake.set_rate_limit(None)
             self.log.injected[kind] += fake.throttled - started[0]
@@ -380,6 +420,20 @@ class FaultInjector:
         self._spikes[event.ref] = (event.provider, fake.total_requests)
         fake.set_latency(event.seconds)
         self.log.armed["latency"] += 1
+
+    def _latency_ends(self, event: FaultEvent) -> None:
+        """End the spike if a request met it; otherwise it stays (bounded) until one
+        does, like a push-back window."""
+        if event.ref not in self._spikes:
+            return
+        if self._spike_met(event.ref):
+            self._end_latency(event.ref)
+        else:
+            self._lingering_spikes[event.ref] = time.monotonic() + _PUSH_BACK_LINGER
+
+    def _spike_met(self, ref: int) -> bool:
+        provider, requests = self._spikes[ref]
+        return self._providers.by_name(provider).total_requests > requests
 
     def _end_latency(self, ref: int) -> None:
         spike = self._spikes.pop(ref, None)

@@ -211,7 +211,10 @@ class WorkerPool:
             worker.proc.kill()
             worker.proc.communicate()
             self.problems.append(f"worker {worker.tag} did not stop within {timeout:.0f} s "
-                                 f"of SIGTERM: {worker.log_tail()}")
+                                 f"of SIGTERM (its dispatcher's stop_timeout is "
+                                 f"{self.template.stop_timeout:.0f} s); its threads' stacks, "
+                                 f"dumped before it was killed, end its log: "
+                                 f"{worker.log_tail()}")
             return None
         lines = [line for line in out.decode(errors="replace").splitlines() if line.startswith("{")]
         if worker.proc.returncode != 0 or not lines:

@@ -48,6 +48,14 @@ WHERE status = 'running' AND lease_until < now()
 ORDER BY lease_until
 LIMIT 1;
 
+-- name: schema_storage
+-- Bytes on disk of every relation of the outbox schema (tables with their indexes and
+-- TOAST; a partitioned parent counts 0, its partitions count themselves).
+SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)::bigint
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = %(schema)s::text AND c.relkind IN ('r', 'm');
+
 -- name: status_counts
 SELECT status, count(*)::int FROM {schema}.jobs GROUP BY status;
 

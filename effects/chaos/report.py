@@ -24,6 +24,8 @@ What the figures mean:
 - ``workers``: processes started, killed, and the ``DispatchStats`` summed over those
   that exited on SIGTERM (killed workers print none): ``stale_completions`` are fenced
   late writes (0 rows), ``lost_claims`` claims a heartbeat found gone.
+- ``storage_bytes``: the outbox schema's relations on disk once the run drained
+  (``pg_total_relation_size`` summed; None if the server could not be reached).
 - ``throughput``: jobs that ended per second, from the first enqueue to the last end.
   The trickle paces the later jobs over the chaos phase, so this is the rate the run
   sustained under its faults, not the dispatchers' ceiling.
@@ -82,6 +84,7 @@ class ChaosReport:
     kafka: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     log_dir: str | None = None
+    storage_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -135,6 +138,8 @@ class ChaosReport:
             table.add_row("events (Kafka)", _pairs(self.kafka), "handled = keys")
         table.add_row("workers", _pairs(self.workers), "")
         table.add_row("elapsed", f"{self.elapsed_seconds:.1f} s", "")
+        if self.storage_bytes is not None:
+            table.add_row("storage at the end", f"{self.storage_bytes / 2**20:.1f} MiB", "")
         return table
 
     def _fault_table(self) -> Table:

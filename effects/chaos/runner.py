@@ -44,7 +44,9 @@ __all__ = ["missing_faults", "run_chaos"]
 
 Progress = Callable[[str], None]
 
-_STOP_TIMEOUT = 30.0
+# A worker's dispatcher returns within its stop_timeout of SIGTERM plus the time to
+# close its connections; past this, the runner dumps its stacks and kills it.
+_STOP_TIMEOUT = WorkerSettings.stop_timeout + 20.0
 _JOIN_TIMEOUT = 90.0
 _CONSUMER_DRAIN = 60.0
 _PROGRESS_EVERY = 5.0
@@ -90,6 +92,7 @@ def run_chaos(config: ChaosConfig, progress: Progress | None = None) -> ChaosRep
         run.drain_consumer()
         findings = check(database.dsn, run.queries, plan, run.enqueuer.committed, providers)
         report = _report(config, run, plan, findings, time.monotonic() - started)
+        report.storage_bytes = run.storage_bytes()
     if report.ok and not config.keep_logs:
         shutil.rmtree(log_dir, ignore_errors=True)
     else:
@@ -206,15 +209,28 @@ class _Run:
             return None  # the server is restarting
         return Counter({str(status): int(n) for status, n in rows})
 
+    def storage_bytes(self) -> int | None:
+        """The outbox schema's relations on disk, in bytes; None if unreachable."""
+        try:
+            with connect(self.database.dsn, "chaos storage") as conn:
+                row = conn.execute(self.queries.schema_storage,
+                                   {"schema": self.database.schema}).fetchone()
+        except psycopg.OperationalError:
+            return None
+        return int(row[0]) if row is not None else None
+
     def _progress(self, counts: Counter[str] | None) -> None:
         if counts is None:
             self.say("database unreachable (restarting?)")
             return
         log = self.injector.log
+        storage = self.storage_bytes()
+        size = f"{storage / 2**20:.1f} MiB" if storage is not None else "?"
         self.say(f"done {counts['done']}, failed {counts['failed']}, running "
-                 f"{counts['running']}, pending {counts['pending']} | kills "
-                 f"{log.injected['kill']}, stops {log.armed['stop']}, restarts "
-                 f"{log.injected['restart']}, max overrun {self.monitor.max_overrun:.1f} s")
+                 f"{counts['running']}, pending {counts['pending']} | faults injected "
+                 f"{sum(log.injected.values())} (kills {log.injected['kill']}, stops "
+                 f"{log.armed['stop']}, restarts {log.injected['restart']}) | storage {size} "
+                 f"| max overrun {self.monitor.max_overrun:.1f} s")
 
 
 def _template(config: ChaosConfig, database: Database, providers: Providers) -> WorkerSettings:

@@ -42,6 +42,9 @@ class WorkerSettings:
     provider_timeout: float
     backoff_base: float = 0.05
     backoff_cap: float = 0.5
+    # The dispatcher's stop_timeout: after SIGTERM, performs in flight get this long,
+    # then run() returns and the jobs still held are left to their leases.
+    stop_timeout: float = 10.0
 
     def to_json(self) -> str:
         """The settings as the JSON the worker reads."""

@@ -194,6 +194,7 @@ def run(settings: WorkerSettings) -> dict[str, int | float]:
             rescue_interval=settings.rescue_interval, poll_interval=0.5,
             backoff=outbox.Backoff(base=settings.backoff_base, cap=settings.backoff_cap),
             retention=None, ledger_retention=None, worker_id=settings.tag,
+            stop_timeout=settings.stop_timeout,
         )
         return dispatcher.run().as_dict()
     finally:
