@@ -32,6 +32,7 @@ from .._steps import Rows, Statement, Step
 from ..errors import EffectOutcome, Retry, Throttled, UnknownOutcome
 from .held import Success
 from .settings import Settings, text_array
+from .turns import GroupTurns
 
 __all__ = [
     "BREAKER_MAX_PAUSE",
@@ -120,9 +121,10 @@ class LimitedClaims:
     """The claimer's side: which effects the core claim may take, and the budgeted
     claims of the others. Runs on the claimer only."""
 
-    def __init__(self, settings: Settings, view: LimitView) -> None:
+    def __init__(self, settings: Settings, view: LimitView, turns: GroupTurns) -> None:
         self.settings = settings
         self.view = view
+        self.turns = turns
         view.threshold = settings.breaker_threshold
         self.queries = settings.queries
         self.names = sorted(settings.effects)
@@ -191,7 +193,7 @@ class LimitedClaims:
             declared = self.settings.limits.get(effect)
             rows = yield Statement(self.queries.limit_claim, {
                 "effect": effect, "limit": limit, "lease": self.settings.lease,
-                "worker": self.settings.worker_id,
+                "worker": self.settings.worker_id, "after": self.turns.json(),
                 "rate": None if declared is None else declared.rate,
                 "burst": None if declared is None else declared.burst,
                 "concurrency": None if declared is None else declared.concurrency,
@@ -202,6 +204,7 @@ class LimitedClaims:
                     self.wake_in = wait if self.wake_in is None else min(self.wake_in, wait)
                 else:
                     claimed.append(row)
+            self.turns.served((row[1], row[12]) for row in rows if row[0] is not None)
         return claimed
 
 

@@ -145,7 +145,7 @@ def state(events: DispatchObserver | None = None, concurrency: int = 4) -> Share
 def claimed_rows(*ids: int) -> Rows:
     """Rows as the claim returns them (the payload as JSON text)."""
     return [(i, "test.noop", f"k{i}", "{}", 1, 7, None, 25, datetime.now(UTC), 0.5, None,
-             None)
+             None, None, 0)
             for i in ids]
 
 
