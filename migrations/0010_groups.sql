@@ -30,24 +30,3 @@ AS $fn$ SELECT date_part('epoch', available_at) - priority * 10.0 $fn$;
 CREATE INDEX jobs_fair ON {schema}.jobs
     (effect, (coalesce(group_key, '')), {schema}.claim_rank(available_at, priority), id)
     WHERE status = 'pending';
-
--- Per-group limits (Limit(per_group=True)): one row per (effect, group) while the group is
--- busy; the token bucket of that group. Rows are reclaimed by the claim itself: a row
--- whose bucket is full again and not touched for a minute is deleted (see limit_claim),
--- so idle groups cost nothing. The running count is not stored: it is counted from the
--- group's running jobs (jobs_group_running).
-CREATE TABLE {schema}.group_limits (
-    effect      text        NOT NULL,
-    group_key   text        COLLATE "C" NOT NULL,
-    tokens      float8      NOT NULL,
-    refilled_at timestamptz NOT NULL DEFAULT now(),
-    paused_until timestamptz,
-    pause_reason text,
-    paused_by   text,
-    updated_at  timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (effect, group_key)
-);
-
--- Serves a group's running count (per-group concurrency) and the backlog per group.
-CREATE INDEX jobs_group_running ON {schema}.jobs (effect, (coalesce(group_key, '')))
-    WHERE status = 'running';
