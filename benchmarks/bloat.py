@@ -43,7 +43,7 @@ class BloatConfig:
 def claim_params(query: str, limit: int) -> dict[str, Any]:
     """Parameters for the claim statement, by the names it uses."""
     known: dict[str, Any] = {"effects": [NOOP], "limit": limit, "lease": 30.0,
-                             "worker": "bench-claim-latency"}
+                             "worker": "bench-claim-latency", "after": "{}"}
     names = set(re.findall(r"%\((\w+)\)s", query))
     unknown = names - known.keys()
     if unknown:

@@ -70,6 +70,8 @@ class NewJob:
     run_at: datetime | timedelta | None = None
     ordering_key: str | None = None
     max_attempts: int | None = None
+    group: str | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,43 @@ class PreparedJob:
     run_at: datetime | None
     ordering_key: str | None
     max_attempts: int
+    group: str | None = None
+    priority: int = 0
+
+
+MAX_GROUP_LENGTH = 255
+MAX_PRIORITY = 1000  # claim_rank (migration 0010): 10 s of ageing per level
+
+
+def validate_group(group: object) -> str | None:
+    """Return ``group`` if it is None or 1..255 characters PostgreSQL text can hold,
+    else raise InvalidArgument saying what is wrong."""
+    if group is None:
+        return None
+    if not isinstance(group, str):
+        raise InvalidArgument(
+            f"group must be a string (a tenant, customer or account) or None, "
+            f"got {type(group).__name__}")
+    if not group:
+        raise InvalidArgument("group must not be empty (None means no group)")
+    if len(group) > MAX_GROUP_LENGTH:
+        raise InvalidArgument(
+            f"group is {len(group)} characters long; at most {MAX_GROUP_LENGTH} are allowed")
+    problem = jsonb_problem(group)
+    if problem:
+        raise InvalidArgument(f"group {group[:40]!r} holds {problem}".replace("jsonb", "text"))
+    return group
+
+
+def validate_priority(priority: object) -> int:
+    """Return ``priority`` if it is an int in -1000..1000, else raise InvalidArgument."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidArgument(
+            f"priority must be an integer (higher first, default 0), got {priority!r}"[:200])
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidArgument(
+            f"priority is {priority}; it must be between {-MAX_PRIORITY} and {MAX_PRIORITY}")
+    return priority
 
 
 def validate_key(key: object, *, what: str = "key") -> str:
@@ -215,6 +254,8 @@ def prepare(
     run_at: datetime | timedelta | None = None,
     ordering_key: str | None = None,
     max_attempts: int | None = None,
+    group: str | None = None,
+    priority: int = 0,
 ) -> PreparedJob:
     """Validate one enqueue request; raise an EnqueueError naming what is wrong."""
     if not isinstance(effect, str) or not effect.strip():
@@ -228,6 +269,8 @@ def prepare(
     elif isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
         raise InvalidArgument(
             f"max_attempts must be a positive integer, got {max_attempts!r}"[:200])
+    validate_group(group)
+    validate_priority(priority)
     payload_json = canonical_json(payload)
     return PreparedJob(
         effect=effect,
@@ -237,6 +280,8 @@ def prepare(
         run_at=_resolve_run_at(run_at),
         ordering_key=ordering_key,
         max_attempts=max_attempts,
+        group=group,
+        priority=priority,
     )
 
 
@@ -252,6 +297,8 @@ def single_params(job: PreparedJob, channel: str,
         "run_at": job.run_at,
         "ordering_key": job.ordering_key,
         "max_attempts": job.max_attempts,
+        "group_key": job.group,
+        "priority": job.priority,
         "channel": channel,
     }
 
@@ -267,10 +314,12 @@ def many_params(jobs: Sequence[PreparedJob], channel: str,
     for job in jobs:
         run_at = "null" if job.run_at is None else _json_string(job.run_at.isoformat())
         ordering = "null" if job.ordering_key is None else _json_string(job.ordering_key)
+        group = "null" if job.group is None else _json_string(job.group)
         rows.append(
             f'{{"effect":{_json_string(job.effect)},"key":{_json_string(job.key)},'
             f'"payload":{job.payload_json},"fingerprint":"{job.fingerprint}",'
-            f'"run_at":{run_at},"ordering_key":{ordering},"max_attempts":{job.max_attempts}}}'
+            f'"run_at":{run_at},"ordering_key":{ordering},"max_attempts":{job.max_attempts},'
+            f'"group_key":{group},"priority":{job.priority}}}'
         )
     return {"jobs": "[" + ",".join(rows) + "]", "channel": channel,
             "trace_context": trace_context}
@@ -312,9 +361,9 @@ def prepare_many(jobs: Iterable[NewJob]) -> list[PreparedJob]:
         try:
             prepared.append(
                 prepare(job.effect, job.key, job.payload, job.run_at, job.ordering_key,
-                        job.max_attempts)
+                        job.max_attempts, job.group, job.priority)
             )
-        except (InvalidKey, InvalidPayload, UnknownEffect) as exc:
+        except (InvalidKey, InvalidPayload, UnknownEffect, InvalidArgument) as exc:
             raise type(exc)(f"job #{index} ({job.key!r}): {exc}") from None
     return prepared
 

@@ -69,11 +69,19 @@ def parse_blocks(text: str) -> dict[str, str]:
 def bind_blocks(blocks: Mapping[str, str], schema: str,
                 fragments: Mapping[str, str] | None = None) -> dict[str, str]:
     """``blocks`` with ``{schema}`` (the quoted identifier) and every ``{fragment}``
-    substituted; a fragment may itself name ``{schema}``, not another fragment."""
+    substituted; a fragment may itself name ``{schema}`` and fragments that name no
+    other fragment (one level: the claim's fair candidates bind {claimable})."""
     identifier = sql.Identifier(check_schema_name(schema))
-    bound = {name: sql.SQL(body).format(schema=identifier)
-             for name, body in (fragments or {}).items()}
+    leaves: dict[str, sql.Composable] = {}
+    inner: dict[str, str] = {}
+    for name, body in (fragments or {}).items():
+        try:
+            leaves[name] = sql.SQL(body).format(schema=identifier)
+        except KeyError:
+            inner[name] = body
     try:
+        bound = leaves | {name: sql.SQL(body).format(schema=identifier, **leaves)
+                          for name, body in inner.items()}
         return {name: sql.SQL(body).format(schema=identifier, **bound).as_string(None)
                 for name, body in blocks.items()}
     except KeyError as exc:

@@ -73,11 +73,12 @@ class HookTransaction(Transaction):
     def enqueue(
         self, effect: str, *, key: str, payload: Payload,
         run_at: datetime | timedelta | None = None, ordering_key: str | None = None,
-        max_attempts: int | None = None,
+        max_attempts: int | None = None, group: str | None = None, priority: int = 0,
     ) -> EnqueueResult:
         """As ``outbox.Transaction.enqueue``, in the hook's transaction."""
         result = super().enqueue(effect, key=key, payload=payload, run_at=run_at,
-                                 ordering_key=ordering_key, max_attempts=max_attempts)
+                                 ordering_key=ordering_key, max_attempts=max_attempts,
+                                 group=group, priority=priority)
         self._adopt([result])
         return result
 
@@ -106,11 +107,12 @@ class AsyncHookTransaction(AsyncTransaction):
     async def enqueue(
         self, effect: str, *, key: str, payload: Payload,
         run_at: datetime | timedelta | None = None, ordering_key: str | None = None,
-        max_attempts: int | None = None,
+        max_attempts: int | None = None, group: str | None = None, priority: int = 0,
     ) -> EnqueueResult:
         """As ``outbox.AsyncTransaction.enqueue``, in the hook's transaction."""
         result = await super().enqueue(effect, key=key, payload=payload, run_at=run_at,
-                                       ordering_key=ordering_key, max_attempts=max_attempts)
+                                       ordering_key=ordering_key, max_attempts=max_attempts,
+                                       group=group, priority=priority)
         self.created.extend([result.job_id] if result.created and result.job_id else [])
         return result
 

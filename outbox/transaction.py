@@ -52,7 +52,7 @@ class Operations:
     def enqueue(
         self, effect: str, *, key: str, payload: Payload,
         run_at: datetime | timedelta | None = None, ordering_key: str | None = None,
-        max_attempts: int | None = None,
+        max_attempts: int | None = None, group: str | None = None, priority: int = 0,
     ) -> EnqueueResult:
         """Record that ``effect`` must be performed once for ``key``, with ``payload``.
 
@@ -61,9 +61,14 @@ class Operations:
         nothing is written and ``created`` is False. The same key with another effect or
         payload raises ``IdempotencyKeyConflict``. ``run_at`` (aware datetime or delay)
         defers the first attempt; jobs sharing an ``ordering_key`` run one at a time, in
-        enqueue order. Invalid input raises an ``EnqueueError`` before anything is sent.
+        enqueue order. ``group`` (a tenant, customer or account; at most 255 characters)
+        makes claims fair: an effect's due jobs are claimed across groups in turn.
+        ``priority`` (-1000..1000, higher first) lets a job overtake lower ones of its
+        group, each level counting as 10 seconds of waiting, so lower ones still run.
+        Invalid input raises an ``EnqueueError`` before anything is sent.
         """
-        job = _enqueue.prepare(effect, key, payload, run_at, ordering_key, max_attempts)
+        job = _enqueue.prepare(effect, key, payload, run_at, ordering_key, max_attempts,
+                               group, priority)
         return self._run(_enqueue.enqueue_steps(job, self._queries))
 
     def _run(self, step: Step[T]) -> T:
@@ -142,17 +147,20 @@ class AsyncOperations:
     def enqueue(
         self, effect: str, *, key: str, payload: Payload,
         run_at: datetime | timedelta | None = None, ordering_key: str | None = None,
-        max_attempts: int | None = None,
+        max_attempts: int | None = None, group: str | None = None, priority: int = 0,
     ) -> Coroutine[Any, Any, EnqueueResult]:
         """As ``Operations.enqueue``; await it."""
-        call = self._enqueue_one(effect, key, payload, run_at, ordering_key, max_attempts)
+        call = self._enqueue_one(effect, key, payload, run_at, ordering_key, max_attempts,
+                                 group, priority)
         return self._issued(call, f"tx.enqueue({effect!r}, key={key!r}, ...)")
 
     async def _enqueue_one(
         self, effect: str, key: str, payload: Payload, run_at: datetime | timedelta | None,
-        ordering_key: str | None, max_attempts: int | None,
+        ordering_key: str | None, max_attempts: int | None, group: str | None = None,
+        priority: int = 0,
     ) -> EnqueueResult:
-        job = _enqueue.prepare(effect, key, payload, run_at, ordering_key, max_attempts)
+        job = _enqueue.prepare(effect, key, payload, run_at, ordering_key, max_attempts,
+                               group, priority)
         return await self._run(_enqueue.enqueue_steps(job, self._queries))
 
     async def _run(self, step: Step[T]) -> T:

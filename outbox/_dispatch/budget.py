@@ -33,6 +33,7 @@ from .._steps import Rows, Statement, Step
 from ..errors import EffectOutcome, Retry, Throttled, UnknownOutcome
 from .held import Success
 from .settings import Settings, text_array
+from .turns import GroupTurns
 
 __all__ = [
     "BREAKER_MAX_PAUSE",
@@ -121,9 +122,10 @@ class LimitedClaims:
     """The claimer's side: which effects the core claim may take, and the budgeted
     claims of the others. Runs on the claimer only."""
 
-    def __init__(self, settings: Settings, view: LimitView) -> None:
+    def __init__(self, settings: Settings, view: LimitView, turns: GroupTurns) -> None:
         self.settings = settings
         self.view = view
+        self.turns = turns
         view.threshold = settings.breaker_threshold
         self.queries = settings.queries
         self.names = sorted(settings.effects)
@@ -194,12 +196,14 @@ class LimitedClaims:
             declared = self.settings.limits.get(effect)
             rows = yield Statement(self.queries.limit_claim, {
                 "effect": effect, "limit": limit, "lease": self.settings.lease,
-                "worker": self.settings.worker_id,
+                "worker": self.settings.worker_id, "after": self.turns.json(),
                 "rate": None if declared is None else declared.rate,
                 "burst": None if declared is None else declared.burst,
                 "concurrency": None if declared is None else declared.concurrency,
             }, named=True)
-            claimed += [row for row in rows if row.id is not None]
+            taken = [row for row in rows if row.id is not None]
+            claimed += taken
+            self.turns.served((row.effect, row.group_key) for row in taken)
             wait = rows[0].budget_wait if rows else None
             if wait is not None:  # the budget (not the queue) stopped the claim
                 self.wake_in = wait if self.wake_in is None else min(self.wake_in, wait)

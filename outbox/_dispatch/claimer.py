@@ -35,6 +35,7 @@ from .counting import Waits
 from .presence import Presence
 from .settings import Settings
 from .state import AsyncState, Held, SharedState, ThreadState, Timer, guarded
+from .turns import GroupTurns
 
 __all__ = [
     "Claimer",
@@ -83,7 +84,8 @@ class Claimer:
         self.rescue_timer = Timer(settings.rescue_interval)
         self.retention_timer = Timer(RETENTION_INTERVAL)
         self.presence = Presence(settings)
-        self.limited = LimitedClaims(settings, state.limits)
+        self.turns = GroupTurns()
+        self.limited = LimitedClaims(settings, state.limits, self.turns)
 
     def round(self) -> Step[Round]:
         """One round: rescue and retention when due, a claim, and what to do next."""
@@ -175,8 +177,9 @@ class Claimer:
         started = time.monotonic()
         rows = yield Statement(self.queries.claim, {
             "effects": self.limited.free_names, "limit": limit, "lease": settings.lease,
-            "worker": settings.worker_id,
+            "worker": settings.worker_id, "after": self.turns.json(),
         }, named=True)
+        self.turns.served((row.effect, row.group_key) for row in rows)
         elapsed = time.monotonic() - started
         traced = tracing.enabled()
         batch = [self._held(row, traced) for row in rows]

@@ -15,11 +15,12 @@
 -- dispatchers when the transaction commits (PostgreSQL folds repeats into one).
 WITH inserted AS (
     INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts,
-                               trace_context)
+                               trace_context, group_key, priority)
     SELECT CAST(%(effect)s AS text), CAST(%(key)s AS text), CAST(%(payload)s AS jsonb),
            CAST(%(fingerprint)s AS text), coalesce(CAST(%(run_at)s AS timestamptz), now()),
            CAST(%(ordering_key)s AS text), CAST(%(max_attempts)s AS integer),
-           CAST(%(trace_context)s AS jsonb)
+           CAST(%(trace_context)s AS jsonb), CAST(%(group_key)s AS text),
+           CAST(%(priority)s AS integer)
     WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = CAST(%(key)s AS text))
     ON CONFLICT (key) DO NOTHING
     RETURNING id
@@ -44,14 +45,16 @@ WITH wanted AS (
     SELECT *
     FROM ROWS FROM (jsonb_to_recordset(CAST(%(jobs)s AS jsonb))
                     AS (effect text, key text, payload jsonb, fingerprint text,
-                        run_at timestamptz, ordering_key text, max_attempts integer))
+                        run_at timestamptz, ordering_key text, max_attempts integer,
+                        group_key text, priority integer))
          WITH ORDINALITY
-         AS w(effect, key, payload, fingerprint, run_at, ordering_key, max_attempts, ord)
+         AS w(effect, key, payload, fingerprint, run_at, ordering_key, max_attempts, group_key,
+              priority, ord)
 ), inserted AS (
     INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts,
-                               trace_context)
+                               trace_context, group_key, priority)
     SELECT w.effect, w.key, w.payload, w.fingerprint, coalesce(w.run_at, now()), w.ordering_key, w.max_attempts,
-           CAST(%(trace_context)s AS jsonb)
+           CAST(%(trace_context)s AS jsonb), w.group_key, w.priority
     FROM wanted w
     WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = w.key)
     ORDER BY w.ord
@@ -109,21 +112,83 @@ RETURNING j.id, j.effect, j.key, j.payload::text, j.attempts, j.claim_version, j
           -- the enqueue's span, for the attempt's span to link to (NULL when not traced)
           j.trace_context,
           -- the provider's answer kept after a completion hook raised: reused, not re-performed
-          CAST(j.performed_result AS text) AS performed_result
+          CAST(j.performed_result AS text) AS performed_result,
+          j.group_key, j.priority
+
+-- fragment: fair_busy
+-- The busy groups of each effect in served (effect, after: where this dispatcher's last
+-- claim of the effect stopped, '' at first), in turn: the groups after it in "C" order,
+-- then from the first group around to it again, at most allowance.n per effect. Each
+-- step is one probe of the index jobs_fair (a loose index scan), whatever the size of
+-- a group; the NULL group walks as ''. The first row of an effect (n = 0) is the
+-- starting point, not a group.
+busy(effect, after, g, wrapped, n) AS (
+    SELECT s.effect, s.after, s.after, false, 0 FROM served s
+    UNION ALL
+    SELECT b.effect, b.after, y.g, y.wrapped, b.n + 1
+    FROM busy b
+    CROSS JOIN LATERAL (
+        SELECT (SELECT coalesce(j.group_key, '') FROM {schema}.jobs j
+                WHERE j.status = 'pending' AND j.effect = b.effect
+                  AND coalesce(j.group_key, '') > b.g
+                ORDER BY coalesce(j.group_key, '') LIMIT 1) AS nxt
+    ) x
+    CROSS JOIN LATERAL (
+        SELECT CASE WHEN x.nxt IS NOT NULL OR b.wrapped THEN x.nxt
+                    ELSE (SELECT coalesce(j.group_key, '') FROM {schema}.jobs j
+                          WHERE j.status = 'pending' AND j.effect = b.effect
+                          ORDER BY coalesce(j.group_key, '') LIMIT 1) END AS g,
+               b.wrapped OR x.nxt IS NULL AS wrapped
+    ) y
+    WHERE b.n < (SELECT a.n FROM allowance a) AND y.g IS NOT NULL
+      AND (NOT y.wrapped OR y.g <= b.after)
+)
+
+-- fragment: fair_candidates
+-- Fair claiming: the head of each busy group's claimable jobs (fragment claimable), in
+-- claim_rank order (priority with ageing, migration 0010), a share of the claim each,
+-- at most capped.cap of a group (NULL: no cap); then taken in turns: every group's first
+-- job before any group's second, so a group's backlog delays another group's jobs by at
+-- most one turn. Needs the CTEs clock, served, allowance, busy (fair_busy) and capped
+-- (effect, g, cap) before it.
+shares AS (
+    SELECT greatest(1, ceil((SELECT a.n FROM allowance a)::float8
+                            / greatest(1, count(*))))::integer AS n
+    FROM busy b WHERE b.n > 0
+), heads AS (
+    SELECT c.effect, c.g, c.cap, h.id, h.rank
+    FROM capped c CROSS JOIN LATERAL (
+        SELECT j.id, {schema}.claim_rank(j.available_at, j.priority) AS rank
+        FROM {schema}.jobs j
+        WHERE {claimable} AND j.effect = c.effect AND coalesce(j.group_key, '') = c.g
+        ORDER BY {schema}.claim_rank(j.available_at, j.priority), j.id
+        LIMIT (SELECT s.n FROM shares s)
+        FOR UPDATE SKIP LOCKED
+    ) h
+), candidates AS (
+    SELECT t.id
+    FROM (SELECT hd.id, hd.rank, hd.cap,
+                 row_number() OVER (PARTITION BY hd.effect, hd.g ORDER BY hd.rank, hd.id) AS turn
+          FROM heads hd) t
+    WHERE t.cap IS NULL OR t.turn <= t.cap
+    ORDER BY t.turn, t.rank, t.id
+    LIMIT (SELECT a.n FROM allowance a)
+)
 
 -- name: claim
--- Claim up to %(limit)s due jobs of %(effects)s. The locking clause sits inside the CTE
--- (it does not reach into a WITH from outside).
-WITH clock AS (
+-- Claim up to %(limit)s due jobs of %(effects)s, fairly across their groups (fragments
+-- fair_busy and fair_candidates); %(after)s (a JSON object effect -> group) says where
+-- this dispatcher's previous claim of each effect stopped.
+WITH RECURSIVE clock AS (
     SELECT now() AS at
-), candidates AS (
-    SELECT j.id
-    FROM {schema}.jobs j
-    WHERE {claimable} AND j.effect = ANY(%(effects)s::text[])
-    ORDER BY j.available_at, j.id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
+), served AS (
+    SELECT e.effect, coalesce(CAST(%(after)s AS jsonb) ->> e.effect, '') COLLATE "C" AS after
+    FROM unnest(%(effects)s::text[]) AS e(effect)
+), allowance AS (
+    SELECT %(limit)s::integer AS n
+), {fair_busy}, capped AS (
+    SELECT b.effect, b.g, NULL::integer AS cap FROM busy b WHERE b.n > 0
+), {fair_candidates}
 {claim_taken};
 
 -- name: heartbeat
@@ -468,19 +533,19 @@ WHERE l.effect = ANY(%(effects)s::text[]);
 -- until the commit. Every row answered carries budget_wait: when the budget (not the
 -- queue) stopped the claim, the seconds until it is worth asking again, else NULL. When
 -- no job was claimed, the one row answered holds budget_wait alone (its job columns NULL).
-WITH budget AS MATERIALIZED (
+WITH RECURSIVE budget AS MATERIALIZED (
     SELECT {schema}.limit_budget(%(effect)s::text, %(limit)s::integer, %(rate)s::float8,
                                  %(burst)s::float8, %(concurrency)s::integer) AS b
 ), clock AS (
     SELECT (x.b).at AS at FROM budget x
-), candidates AS (
-    SELECT j.id
-    FROM {schema}.jobs j
-    WHERE {claimable} AND j.effect = %(effect)s::text
-    ORDER BY j.available_at, j.id
-    LIMIT (SELECT (x.b).allowed FROM budget x)
-    FOR UPDATE SKIP LOCKED
-), claimed AS (
+), served AS (
+    SELECT %(effect)s::text AS effect,
+           coalesce(CAST(%(after)s AS jsonb) ->> %(effect)s::text, '') COLLATE "C" AS after
+), allowance AS (
+    SELECT (x.b).allowed AS n FROM budget x
+), {fair_busy}, capped AS (
+    SELECT b.effect, b.g, NULL::integer AS cap FROM busy b WHERE b.n > 0
+), {fair_candidates}, claimed AS (
     {claim_taken}
 ), spent AS (
     SELECT {schema}.limit_spend(%(effect)s::text, x.b, %(limit)s::integer, %(lease)s::float8,

@@ -119,7 +119,7 @@ class Racer:
 
 
 def _params(worker: str) -> dict[str, Any]:
-    return {"effects": [EFFECT], "limit": 1, "lease": 30.0, "worker": worker}
+    return {"effects": [EFFECT], "limit": 1, "lease": 30.0, "worker": worker, "after": "{}"}
 
 
 @pytest.mark.parametrize("name", list(CLAIMS))

@@ -108,7 +108,7 @@ def test_repeatable_read_default_turns_skip_locked_into_40001(repeatable_read_ds
         isolation = late.execute("SELECT current_setting('transaction_isolation')").fetchone()
         assert isolation == ("repeatable read",)
         # ...another worker claims the job and commits...
-        params = {"effects": [EFFECT], "limit": 10, "lease": 30.0, "worker": "w"}
+        params = {"effects": [EFFECT], "limit": 10, "lease": 30.0, "worker": "w", "after": "{}"}
         assert len(db.execute(queries("outbox").claim, params).fetchall()) == 1
         # ...and ``late``'s claim, still seeing the job pending, cannot skip it: 40001.
         with pytest.raises(psycopg.errors.SerializationFailure):

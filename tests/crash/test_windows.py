@@ -106,7 +106,7 @@ def test_worker_dead_before_its_claim_commits_is_reclaimed_at_once(
     # Not committed: others still see it pending, but its row lock keeps them off it.
     assert (claimed["status"], claimed["attempts"], claimed["claim_version"]) == ("pending", 0, 0)
     others = db.execute(queries(schema).claim, {
-        "effects": [EFFECT], "limit": 10, "lease": 30.0, "worker": "other",
+        "effects": [EFFECT], "limit": 10, "lease": 30.0, "worker": "other", "after": "{}",
     }).fetchall()
     assert others == []
 

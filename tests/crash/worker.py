@@ -115,6 +115,7 @@ def _hold_claim(dsn: str, args: argparse.Namespace) -> None:
     conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
     rows = conn.execute(queries(args.schema).claim, {
         "effects": [EFFECT], "limit": 1, "lease": args.lease, "worker": f"hold:{os.getpid()}",
+        "after": "{}",
     }).fetchall()
     _emit({"ids": [r[0] for r in rows], "backend_pid": conn.info.backend_pid})
     _hang()

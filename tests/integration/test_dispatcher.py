@@ -248,7 +248,7 @@ def test_expired_lease_is_rescued_and_performed(dsn: str, schema: str) -> None:
     enqueue(dsn, schema, NewJob("test.record", "k", {}))
     with psycopg.connect(dsn, autocommit=True) as conn:  # a worker that claimed, then died
         conn.execute(outbox.sql.queries(schema).claim, {
-            "effects": ["test.record"], "limit": 10, "lease": 1.0, "worker": "dead"})
+            "effects": ["test.record"], "limit": 10, "lease": 1.0, "worker": "dead", "after": "{}"})
     effect = Recorder()
     stats = Dispatcher(dsn, [effect], schema=schema, lease=1).run_until_idle(timeout=30)
     assert (stats.rescued, stats.done) == (1, 1)
@@ -261,7 +261,7 @@ def test_crashing_worker_jobs_reach_failed(dsn: str, schema: str) -> None:
     enqueue(dsn, schema, NewJob("test.record", "k", {}, max_attempts=1))
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(outbox.sql.queries(schema).claim, {
-            "effects": ["test.record"], "limit": 10, "lease": 1.0, "worker": "dead"})
+            "effects": ["test.record"], "limit": 10, "lease": 1.0, "worker": "dead", "after": "{}"})
     effect = Recorder()
     Dispatcher(dsn, [effect], schema=schema, lease=1).run_until_idle(timeout=30)
     job = jobs(dsn, schema)["k"]

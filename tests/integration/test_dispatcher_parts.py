@@ -105,7 +105,8 @@ def test_observer_hears_rescues_and_fence_rejections(dsn: str, schema: str) -> N
     enqueue(dsn, schema, NewJob("test.by_payload", "k", {}))
     with psycopg.connect(dsn, autocommit=True) as conn:  # a worker that claimed, then died
         conn.execute(outbox.sql.queries(schema).claim, {
-            "effects": "{test.by_payload}", "limit": 1, "lease": 1.0, "worker": "dead"})
+            "effects": "{test.by_payload}", "limit": 1, "lease": 1.0, "worker": "dead",
+            "after": "{}"})
     events = Events()
     Dispatcher(dsn, [ByPayload()], schema=schema, lease=1,
                observer=events).run_until_idle(timeout=30)
@@ -301,7 +302,8 @@ def test_a_retried_completion_whose_first_reply_was_lost_counts_as_done(
         other.execute(outbox.sql.queries(schema).rescue, {"limit": 10, "unknown_window": 1e6,
                                                            "windows": "{}"})
         other.execute(outbox.sql.queries(schema).claim, {
-            "effects": settings.effect_names, "limit": 10, "lease": 30.0, "worker": "other"})
+            "effects": settings.effect_names, "limit": 10, "lease": 30.0, "worker": "other",
+            "after": "{}"})
     recorder = Recorder(settings, state)
     pending: list[tuple[Held, Outcome]] = [(h, Success('{"ok":true}')) for h in held.values()]
 
@@ -349,7 +351,8 @@ def _staged_with_stolen_claim(dsn: str, schema: str) -> tuple[
         other.execute(outbox.sql.queries(schema).rescue, {"limit": 10, "unknown_window": 1e6,
                                                            "windows": "{}"})
         other.execute(outbox.sql.queries(schema).claim, {
-            "effects": settings.effect_names, "limit": 10, "lease": 30.0, "worker": "other"})
+            "effects": settings.effect_names, "limit": 10, "lease": 30.0, "worker": "other",
+            "after": "{}"})
     return settings, state, events, conn, held
 
 

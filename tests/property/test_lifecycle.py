@@ -205,10 +205,11 @@ class Lifecycle(RuleBasedStateMachine):
         before = self.rows()
         rows = self.conn.execute(self.q.claim, {
             "effects": CLAIMED_EFFECTS, "limit": limit, "lease": LEASE, "worker": worker,
+            "after": "{}",
         }).fetchall()
         assert len(rows) == min(limit, len(claimable)), (rows, claimable)
         for job_id, effect, key, payload, attempt, version, ordering_key, max_attempts, \
-                first_attempted_at, _waited, _trace_context, _kept in rows:
+                first_attempted_at, _waited, _trace_context, _kept, _group, _priority in rows:
             job = self.model[job_id]
             assert job_id in claimable
             # The claim returns the payload as text (the dispatcher decodes it).

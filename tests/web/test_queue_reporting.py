@@ -74,7 +74,7 @@ def test_the_oldest_due_job_is_the_oldest_a_claim_takes(dsn: str, schema: str) -
         # The dispatcher's own claim, for every effect, rolled back: what it would take.
         claimed = conn.execute(outbox.sql.queries(schema).claim, {
             "effects": ["email.send", "charge.card"], "limit": 1000, "lease": 30.0,
-            "worker": "probe"}).fetchall()
+            "worker": "probe", "after": "{}"}).fetchall()
         conn.rollback()
     assert sorted(row[2] for row in claimed) == ["o6-2", "o9-1", "plain"]
     oldest_wait: dict[str, float] = {}

@@ -1,0 +1,115 @@
+"""Groups and priorities against real PostgreSQL: claims go round the busy groups of an
+effect, a priority overtakes a backlog of its group, and ageing keeps lower ones going."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+
+import outbox
+from outbox import Dispatcher, Effect, Job, NewJob
+from outbox.errors import InvalidArgument
+from outbox.testing import jobs
+
+
+class Ordered(Effect):
+    """Remembers the order in which keys were performed."""
+
+    name = "test.ordered"
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+        self.lock = threading.Lock()
+
+    def perform(self, job: Job) -> None:
+        with self.lock:
+            self.order.append(job.key)
+
+
+def enqueue(dsn: str, schema: str, items: list[NewJob]) -> None:
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        tx.enqueue_many(items)
+
+
+def drain(dsn: str, schema: str, effect: Ordered, batch_size: int) -> None:
+    Dispatcher(dsn, [effect], schema=schema, concurrency=1, batch_size=batch_size,
+               prefetch=0).run_until_idle(timeout=60)
+
+
+def test_a_small_group_is_not_queued_behind_a_large_one(dsn: str, schema: str) -> None:
+    enqueue(dsn, schema, [NewJob("test.ordered", f"a-{i}", {}, group="tenant-a")
+                          for i in range(300)])
+    enqueue(dsn, schema, [NewJob("test.ordered", f"b-{i}", {}, group="tenant-b")
+                          for i in range(5)])
+    effect = Ordered()
+    drain(dsn, schema, effect, batch_size=4)
+    assert len(effect.order) == 305
+    last_b = max(effect.order.index(f"b-{i}") for i in range(5))
+    # claims of 4 go round both groups: B's 5 jobs are among the first 3 claims
+    assert last_b < 12, effect.order[:20]
+
+
+def test_every_busy_group_gets_turns_when_there_are_more_groups_than_a_claim(
+    dsn: str, schema: str,
+) -> None:
+    # 30 groups of 10 jobs, claims of 4: a walk restarting at the first group each
+    # claim would serve groups 0..3 until they are empty
+    enqueue(dsn, schema, [NewJob("test.ordered", f"g{g:02d}-{i}", {}, group=f"g{g:02d}")
+                          for i in range(10) for g in range(30)])
+    effect = Ordered()
+    drain(dsn, schema, effect, batch_size=4)
+    first_round = {key.split("-")[0] for key in effect.order[:30]}
+    assert len(first_round) == 30, effect.order[:30]
+
+
+def test_jobs_without_a_group_are_a_group_of_their_own(dsn: str, schema: str) -> None:
+    enqueue(dsn, schema, [NewJob("test.ordered", f"n-{i}", {}) for i in range(100)])
+    enqueue(dsn, schema, [NewJob("test.ordered", "g-0", {}, group="g")])
+    effect = Ordered()
+    drain(dsn, schema, effect, batch_size=2)
+    assert effect.order.index("g-0") < 4
+    with psycopg.connect(dsn) as conn:
+        stored = jobs(conn, schema)
+    assert stored["g-0"]["group_key"] == "g" and stored["n-0"]["group_key"] is None
+    assert stored["g-0"]["priority"] == 0
+
+
+def test_a_priority_overtakes_the_backlog_of_its_group(dsn: str, schema: str) -> None:
+    enqueue(dsn, schema, [NewJob("test.ordered", f"low-{i}", {}) for i in range(200)])
+    enqueue(dsn, schema, [NewJob("test.ordered", f"high-{i}", {}, priority=10)
+                          for i in range(5)])
+    effect = Ordered()
+    drain(dsn, schema, effect, batch_size=5)
+    assert sorted(effect.order[:5]) == [f"high-{i}" for i in range(5)]
+    assert len(effect.order) == 205  # the lower ones still finish
+
+
+def test_ageing_a_lower_job_due_long_enough_ago_goes_first(dsn: str, schema: str) -> None:
+    # priority 10 counts as 100 s of waiting: a priority 0 job due 200 s ago precedes it
+    past = datetime.now(UTC) - timedelta(seconds=200)
+    enqueue(dsn, schema, [NewJob("test.ordered", "old-low", {}, run_at=past),
+                          NewJob("test.ordered", "new-high", {}, priority=10)])
+    effect = Ordered()
+    drain(dsn, schema, effect, batch_size=1)
+    assert effect.order == ["old-low", "new-high"]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"group": ""}, "group must not be empty"),
+    ({"group": "x" * 256}, "at most 255"),
+    ({"group": 7}, "group must be a string"),
+    ({"priority": 1001}, "between -1000 and 1000"),
+    ({"priority": "high"}, "priority must be an integer"),
+    ({"priority": True}, "priority must be an integer"),
+])
+def test_a_bad_group_or_priority_is_refused_before_anything_is_sent(
+    dsn: str, schema: str, kwargs: dict[str, object], message: str,
+) -> None:
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        with pytest.raises(InvalidArgument, match=message):
+            tx.enqueue("test.ordered", key="k", payload={}, **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match=r"job #0 \('k'\).*" + message):
+            tx.enqueue_many([NewJob("test.ordered", "k", {}, **kwargs)])  # type: ignore[arg-type]
