@@ -2,10 +2,17 @@
 
     settings    the options, validated once (frozen), shared by both dispatchers
     held        a claimed job in hand, and the outcome of its attempt
-    state       what the parts share, with named transitions and a stated owner per field;
-                the signals of each flavour, and the supervision of every part
+    state       what the parts share (``SharedState``), with named transitions and a stated
+                owner per field; the stop and its ``stop_timeout`` (``abandon``)
+    signals     how parts wait and limit: ``Timer``, the signal of each flavour
+                (``threading.Event``, ``LoopEvent``), ``Slots`` (the concurrency limit)
+    supervision every part supervised (its death stops the dispatcher loudly), and
+                ``guarded`` observer calls
     connection  how connections are opened (one function) and replaced when they break
     claimer     claim batches, rescue expired leases, retention
+    turns       where this dispatcher's last claim stopped among each effect's groups
+    budget      provider limits as the dispatcher spends them (``outbox.limits`` declares
+                them): budgeted claims, throttles, the breaker
     workers     run ``perform`` within the one concurrency limit
     recorder    complete / settle batches (fenced), heartbeat held leases; the
                 settlement itself is ``outbox._state.settle``

@@ -20,20 +20,20 @@ the GIL, and every decision that depends on them is re-checked by a fenced state
 the database.
 
 The signals are ``threading.Event`` in ``Dispatcher`` (``ThreadState``) and ``LoopEvent``
-in ``AsyncDispatcher`` (``AsyncState``). Every part runs supervised (``supervised`` for a
-thread, ``supervised_async`` for a task): its unexpected death stops the dispatcher
-loudly (``fail``). ``Held`` and the outcomes (``held``) are re-exported here.
+in ``AsyncDispatcher`` (``AsyncState``), from ``signals`` with ``Slots`` and ``Timer``.
+Every part runs supervised (``supervision``: ``supervised`` for a thread,
+``supervised_async`` for a task): its unexpected death stops the dispatcher loudly
+(``fail``). ``Held`` and the outcomes (``held``), the signals and the supervision are
+re-exported here for the parts that take them all with the state.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from .. import tracing
 from ..errors import Throttled
@@ -41,6 +41,8 @@ from ..observe import AttemptOutcome, DispatchObserver, MultiObserver
 from .budget import LimitView, is_transient
 from .counting import DispatchStats, StatsObserver
 from .held import Held, Outcome, Release, Success
+from .signals import LoopEvent, Signal, Slots, Timer
+from .supervision import guarded, supervised, supervised_async
 
 __all__ = [
     "CLOSE_GRACE",
@@ -66,123 +68,7 @@ log = logging.getLogger("outbox.dispatcher")
 CLOSE_GRACE = 5.0
 
 
-@dataclass
-class Timer:
-    """Due every ``interval`` seconds of the monotonic clock."""
-
-    interval: float
-    next_at: float = field(default=0.0)
-
-    def due(self, now: float) -> bool:
-        if now < self.next_at:
-            return False
-        self.next_at = now + self.interval
-        return True
-
-
-class Signal(Protocol):
-    """An event one part sets and another waits on (``threading.Event``, or the event
-    loop's equivalent in ``AsyncDispatcher``)."""
-
-    def set(self) -> None: ...
-
-    def clear(self) -> None: ...
-
-    def is_set(self) -> bool: ...
-
-
-class LoopEvent:
-    """A ``threading.Event`` look-alike for one event loop (``AsyncDispatcher``'s
-    ``Signal``): ``set`` from any thread (so ``stop()`` and sync effects' threads can
-    signal), waited on by tasks."""
-
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.get_ident()
-        self._event = asyncio.Event()
-        self._flag = False
-
-    def set(self) -> None:
-        if self._flag:  # already set (workers set it once per job: keep that cheap)
-            return
-        self._flag = True
-        if threading.get_ident() == self._thread:
-            self._event.set()
-        elif not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._event.set)
-
-    def clear(self) -> None:
-        self._flag = False
-        self._event.clear()
-
-    def is_set(self) -> bool:
-        return self._flag
-
-    async def wait(self, seconds: float) -> bool:
-        """Wait until set or ``seconds`` passed; return whether it is set."""
-        if not self._event.is_set():
-            try:
-                async with asyncio.timeout(seconds):
-                    await self._event.wait()
-            except TimeoutError:
-                pass
-        return self._flag
-
-
 E = TypeVar("E", bound=Signal)
-
-
-class Slots:
-    """The one concurrency limit: at most ``limit`` performs at once, sync and async
-    together. A thread blocks in ``acquire``; a job for the event loop is started by
-    ``when_free`` once it holds a slot (no task exists while it waits). Waiters are
-    served in arrival order whichever kind they are, so neither starves the other."""
-
-    def __init__(self, limit: int) -> None:
-        self._lock = threading.Lock()
-        self._free = limit  # under _lock
-        self._waiters: deque[Callable[[], None]] = deque()  # under _lock; each takes a slot
-
-    @property
-    def waiting(self) -> int:
-        """How many performs wait for a slot now."""
-        return len(self._waiters)
-
-    def acquire(self) -> None:
-        """Take a slot, blocking the calling thread until one is free."""
-        handed = threading.Event()
-        if not self._take_or_queue(handed.set):
-            handed.wait()
-
-    def when_free(self, start: Callable[[], None]) -> None:
-        """Call ``start`` holding a slot: now if one is free, else from the ``release``
-        that frees one (on the releasing thread: ``start`` must be thread-safe)."""
-        if self._take_or_queue(start):
-            start()
-
-    def _take_or_queue(self, waiter: Callable[[], None]) -> bool:
-        with self._lock:
-            if self._free and not self._waiters:
-                self._free -= 1
-                return True
-            self._waiters.append(waiter)
-            return False
-
-    def release(self) -> None:
-        """Give a slot back: to the longest waiter, else to the pool."""
-        waiter = self.pass_on()
-        if waiter is not None:
-            waiter()
-
-    def pass_on(self) -> Callable[[], None] | None:
-        """Give a slot back as ``release`` does, except that the longest waiter is
-        returned instead of called: the caller hands it the slot it holds (by calling it,
-        or by running that waiter's job itself)."""
-        with self._lock:
-            if not self._waiters:
-                self._free += 1
-                return None
-            return self._waiters.popleft()
 
 
 class SharedState(Generic[E]):
@@ -431,47 +317,3 @@ class SharedState(Generic[E]):
 # ``threading.Event``, ``AsyncDispatcher``'s tasks with ``LoopEvent``.
 ThreadState = SharedState[threading.Event]
 AsyncState = SharedState[LoopEvent]
-
-
-_reported: set[str] = set()
-
-
-def guarded(method: Callable[..., None], *args: object) -> None:
-    """Call an observer method; an ``Exception`` it raises is logged and ignored (the
-    first time per method with its traceback), so observing never changes what happens
-    to a job. A ``BaseException`` (SystemExit, KeyboardInterrupt) is not swallowed: it
-    ends the part that called, which the dispatcher's supervision reports."""
-    try:
-        method(*args)
-    except Exception:
-        name = getattr(method, "__qualname__", repr(method))
-        if name not in _reported:
-            _reported.add(name)
-            log.exception("observer %s raised; ignored (further errors of it logged once "
-                          "per event at debug level)", name)
-        else:
-            log.debug("observer %s raised; ignored", name, exc_info=True)
-
-
-def supervised(state: SharedState[Any], part: str, body: Callable[[], None]) -> Callable[[], None]:
-    """``body`` as a thread target whose unexpected death stops the dispatcher loudly
-    (``run`` and ``run_until_idle`` then raise) instead of leaving it silently degraded."""
-
-    def target() -> None:
-        try:
-            body()
-        except BaseException as exc:
-            state.fail(part, exc)
-
-    return target
-
-
-async def supervised_async(state: AsyncState, part: str, body: Awaitable[None]) -> None:
-    """Await ``body`` (a part's task); its unexpected death stops the dispatcher loudly,
-    as ``supervised`` does for a thread. Cancellation is not a death: it is re-raised."""
-    try:
-        await body
-    except asyncio.CancelledError:
-        raise
-    except BaseException as exc:  # reported, then the dispatcher stops
-        state.fail(part, exc)
