@@ -7,14 +7,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
-if TYPE_CHECKING:  # the state imports guarded from here
-    from .state import AsyncState, SharedState
-
-__all__ = ["guarded", "supervised", "supervised_async"]
+__all__ = ["Failing", "guarded", "supervised", "supervised_async"]
 
 log = logging.getLogger("outbox.dispatcher")
+
+
+class Failing(Protocol):
+    """What a supervised part reports its death to (the dispatcher's ``SharedState``)."""
+
+    def fail(self, part: str, error: BaseException) -> None: ...
 
 _reported: set[str] = set()
 
@@ -36,7 +39,7 @@ def guarded(method: Callable[..., None], *args: object) -> None:
             log.debug("observer %s raised; ignored", name, exc_info=True)
 
 
-def supervised(state: SharedState[Any], part: str, body: Callable[[], None]) -> Callable[[], None]:
+def supervised(state: Failing, part: str, body: Callable[[], None]) -> Callable[[], None]:
     """``body`` as a thread target whose unexpected death stops the dispatcher loudly
     (``run`` and ``run_until_idle`` then raise) instead of leaving it silently degraded."""
 
@@ -49,7 +52,7 @@ def supervised(state: SharedState[Any], part: str, body: Callable[[], None]) -> 
     return target
 
 
-async def supervised_async(state: AsyncState, part: str, body: Awaitable[None]) -> None:
+async def supervised_async(state: Failing, part: str, body: Awaitable[None]) -> None:
     """Await ``body`` (a part's task); its unexpected death stops the dispatcher loudly,
     as ``supervised`` does for a thread. Cancellation is not a death: it is re-raised."""
     try:
