@@ -165,7 +165,7 @@ shares AS (
         LIMIT (SELECT s.n FROM shares s)
         FOR UPDATE SKIP LOCKED
     ) h
-), candidates AS (
+), fair_picks AS (
     SELECT t.id
     FROM (SELECT hd.id, hd.rank, hd.cap,
                  row_number() OVER (PARTITION BY hd.effect, hd.g ORDER BY hd.rank, hd.id) AS turn
@@ -173,6 +173,22 @@ shares AS (
     WHERE t.cap IS NULL OR t.turn <= t.cap
     ORDER BY t.turn, t.rank, t.id
     LIMIT (SELECT a.n FROM allowance a)
+), topped_up AS (
+    -- A busy group is one with pending jobs, not necessarily claimable ones (a retry not
+    -- due yet, an ordering key's later job): its share may go unused. What the turns left
+    -- of the allowance is filled in claim_rank order, so a claim is never short while
+    -- claimable jobs wait.
+    SELECT j.id
+    FROM {schema}.jobs j
+    WHERE {claimable} AND j.effect IN (SELECT s.effect FROM served s)
+      AND j.id <> ALL (ARRAY(SELECT f.id FROM fair_picks f))
+    ORDER BY {schema}.claim_rank(j.available_at, j.priority), j.id
+    LIMIT greatest(0, (SELECT a.n FROM allowance a) - (SELECT count(*) FROM fair_picks))
+    FOR UPDATE SKIP LOCKED
+), candidates AS (
+    SELECT f.id FROM fair_picks f
+    UNION ALL
+    SELECT u.id FROM topped_up u
 )
 
 -- name: claim
