@@ -84,7 +84,7 @@ def _one_line_errors(command: F) -> F:
                 raise click.ClickException(str(exc)) from None
             raise click.ClickException(
                 f"{exc.name} is not installed: pip install 'outbox[{extra}]'") from None
-        except (OutboxError, psycopg.OperationalError, psycopg.DatabaseError) as exc:
+        except (OutboxError, psycopg.DatabaseError) as exc:  # OperationalError among them
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise click.ClickException(message) from None
         except Exception:

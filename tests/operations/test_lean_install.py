@@ -8,15 +8,13 @@ missing."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._installs import PIP, build_wheel, empty_venv, run_in
 
 
 @dataclass(frozen=True)
@@ -25,23 +23,15 @@ class Lean:
     elsewhere: Path  # a working directory outside the checkout
 
     def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        return subprocess.run([str(self.bin / args[0]), *args[1:]], cwd=self.elsewhere, env=env,
-                              capture_output=True, text=True, timeout=120, check=False)
+        return run_in(self.bin, self.elsewhere, *args)
 
 
 @pytest.fixture(scope="module")
 def lean(tmp_path_factory: pytest.TempPathFactory) -> Lean:
     base = tmp_path_factory.mktemp("lean")
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", str(base / "dist"), str(ROOT)],
-                   check=True, capture_output=True, text=True, timeout=300)
-    (wheel,) = (base / "dist").glob("outbox-*.whl")
-    venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=120)
-    installed = subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install",
+    wheel = build_wheel(base)
+    venv = empty_venv(base)
+    installed = subprocess.run([*PIP, "--python", str(venv / "bin" / "python"), "install",
                                 "--quiet", str(wheel)],
                                capture_output=True, text=True, timeout=600, check=False)
     assert installed.returncode == 0, installed.stderr

@@ -6,7 +6,6 @@ a plain path (so that the editable checkout installed there is not)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._installs import build_wheel, empty_venv, run_in
 
 
 @dataclass(frozen=True)
@@ -31,9 +30,7 @@ class Installed:
     elsewhere: Path  # a working directory outside the checkout
 
     def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        return subprocess.run([str(self.bin / args[0]), *args[1:]], cwd=self.elsewhere, env=env,
-                              capture_output=True, text=True, timeout=120, check=False)
+        return run_in(self.bin, self.elsewhere, *args)
 
 
 def _pip(*args: str) -> None:
@@ -44,12 +41,8 @@ def _pip(*args: str) -> None:
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     base = tmp_path_factory.mktemp("wheel")
-    _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(base / "dist"),
-         str(ROOT))
-    (wheel,) = (base / "dist").glob("outbox-*.whl")
-    venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=120)
+    wheel = build_wheel(base)
+    venv = empty_venv(base)
     python = venv / "bin" / "python"
     _pip("--python", str(python), "install", "--no-deps", "--no-index", str(wheel))
     site = Path(subprocess.run(
