@@ -26,7 +26,10 @@ RETURNS float8 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $fn$ SELECT date_part('epoch', available_at) - priority * 10.0 $fn$;
 
 -- Serves the fair claim: per effect, the busy groups (one probe each, walked in order)
--- and the head of each group's pending jobs.
-CREATE INDEX jobs_fair ON {schema}.jobs
+-- and the head of each group's pending jobs. Built concurrently after the run commits:
+-- building it reads the whole table, done history included, and a plain CREATE INDEX
+-- would block every enqueue and claim for as long.
+-- outbox: built concurrently, after commit
+CREATE INDEX IF NOT EXISTS jobs_fair ON {schema}.jobs
     (effect, (coalesce(group_key, '')), {schema}.claim_rank(available_at, priority), id)
     WHERE status = 'pending';

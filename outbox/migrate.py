@@ -4,11 +4,20 @@ Safe to run from several processes at once: the whole run holds a transaction-le
 advisory lock derived from the schema name, so concurrent starts queue up and find the
 work done. Migrations are forward-only; a database that records a version this code does
 not know is refused rather than touched.
+
+Online: a live system is migrated while business transactions enqueue and dispatchers
+run. Every lock the run takes is waited for at most ``lock_timeout``, so it never queues
+business transactions behind it for longer (a lock it cannot get in time rolls the run
+back and it tries again), and an index on a large table is built ``CONCURRENTLY`` after
+the run commits (the part of a file after the ``-- outbox: built concurrently, after
+commit`` line), so no write waits for the build.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -26,19 +35,62 @@ from ._pg import configuration_error
 from ._sql import bind_schema, check_schema_name
 from .errors import SchemaError
 
-__all__ = ["Migration", "current_version", "latest_version", "migrate", "migrations"]
+__all__ = ["Index", "Migration", "build_indexes", "current_version", "latest_version", "migrate",
+           "migrations"]
+
+log = logging.getLogger("outbox.migrate")
 
 _FILE_NAME = re.compile(r"^(\d{4})_(\w+)\.sql$")
 _LOCK_NAMESPACE = "outbox.migrate:"
+_INDEX_LOCK_NAMESPACE = "outbox.migrate.indexes:"
+# What follows this line in a migration file is built after the run commits, each index
+# CONCURRENTLY (outside any transaction), when migrate() owns the transaction.
+AFTER_COMMIT = "-- outbox: built concurrently, after commit"
+_INDEX = re.compile(r"^CREATE (?:UNIQUE )?INDEX IF NOT EXISTS (\w+) ON ", re.IGNORECASE)
+LOCK_TIMEOUT = 1.0
+LOCK_ATTEMPTS = 60
+_RETRY_PAUSE = (0.2, 2.0)  # first and longest pause between attempts, seconds
+
+
+@dataclass(frozen=True)
+class Index:
+    """An index a migration builds after its run commits: its name and its statement
+    (``CREATE [UNIQUE] INDEX IF NOT EXISTS name ON ...``, without CONCURRENTLY)."""
+
+    name: str
+    sql: str
+
+    def concurrently(self) -> str:
+        return re.sub(r"^CREATE (UNIQUE )?INDEX ", r"CREATE \1INDEX CONCURRENTLY ", self.sql,
+                      count=1, flags=re.IGNORECASE)
 
 
 @dataclass(frozen=True)
 class Migration:
-    """One forward-only migration file."""
+    """One forward-only migration file: the statements of its run, and the indexes built
+    after the run commits."""
 
     version: int
     name: str
     sql: str
+    indexes: tuple[Index, ...] = ()
+
+
+def _parse(version: int, name: str, text: str) -> Migration:
+    body, marker, after = text.partition(AFTER_COMMIT)
+    indexes = []
+    for statement in (part.strip() for part in after.split(";")) if marker else ():
+        code = "\n".join(line for line in statement.splitlines()
+                         if not line.lstrip().startswith("--")).strip()
+        if not code:
+            continue
+        match = _INDEX.match(code)
+        if match is None:
+            raise SchemaError(
+                f"migration {version:04d}_{name}: only CREATE INDEX IF NOT EXISTS statements "
+                f"may follow {AFTER_COMMIT!r}, found: {code.splitlines()[0]}")
+        indexes.append(Index(match[1], code))
+    return Migration(version, name, body, tuple(indexes))
 
 
 def _migrations_dir() -> Traversable:
@@ -56,7 +108,7 @@ def migrations() -> tuple[Migration, ...]:
     for entry in _migrations_dir().iterdir():
         match = _FILE_NAME.match(entry.name)
         if match:
-            found.append(Migration(int(match[1]), match[2], entry.read_text("utf-8")))
+            found.append(_parse(int(match[1]), match[2], entry.read_text("utf-8")))
     found.sort(key=lambda m: m.version)
     for expected, migration in enumerate(found, start=1):
         if migration.version != expected:
@@ -119,7 +171,8 @@ def require_current(conn: psycopg.Connection[Any], schema: str) -> None:
         )
 
 
-def migrate(conn: psycopg.Connection[Any], schema: str = "outbox") -> list[int]:
+def migrate(conn: psycopg.Connection[Any], schema: str = "outbox", *,
+            lock_timeout: float | None = LOCK_TIMEOUT) -> list[int]:
     """Create or upgrade the outbox tables in ``schema``; return the versions applied.
 
     Idempotent, and safe when several processes run it at once (an advisory lock on the
@@ -131,6 +184,15 @@ def migrate(conn: psycopg.Connection[Any], schema: str = "outbox") -> list[int]:
     that transaction's snapshot may predate a concurrent run, which is then reported as
     a ``SchemaError`` (run it again) rather than applied twice. Needs a direct
     connection, not one through a transaction-pooling PgBouncer.
+
+    Online, on an idle connection: each lock is waited for at most ``lock_timeout``
+    seconds (None: without bound), so business transactions never queue behind the run
+    for longer; a lock not granted in time rolls the run back and it is tried again, up
+    to ``LOCK_ATTEMPTS`` times, then ``SchemaError``. Indexes of large tables are then
+    built ``CONCURRENTLY``, outside any transaction (writes go on meanwhile), and every
+    run checks them again: one a crash left unbuilt or invalid is built now. Joined to the
+    caller's transaction, the run waits for its locks like any statement there and builds
+    those indexes in that transaction.
     """
     check_schema_name(schema)
     if conn.info.transaction_status != TransactionStatus.IDLE:
@@ -141,14 +203,16 @@ def migrate(conn: psycopg.Connection[Any], schema: str = "outbox") -> list[int]:
     previous = conn.isolation_level
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
     try:
-        return _apply(conn, schema)
+        applied = _apply(conn, schema, lock_timeout)
     finally:
         conn.isolation_level = previous
+    build_indexes(conn, schema)
+    return applied
 
 
 def _joined(conn: psycopg.Connection[Any], schema: str) -> list[int]:
     try:
-        return _apply(conn, schema)
+        return _apply_once(conn, schema, None, indexes_in_run=True)
     except (psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable,
             psycopg.errors.DuplicateSchema, psycopg.errors.UniqueViolation,
             psycopg.errors.SerializationFailure) as exc:
@@ -158,21 +222,88 @@ def _joined(conn: psycopg.Connection[Any], schema: str) -> list[int]:
         ) from exc
 
 
-def _apply(conn: psycopg.Connection[Any], schema: str) -> list[int]:
+def _apply(conn: psycopg.Connection[Any], schema: str, lock_timeout: float | None) -> list[int]:
+    pause = _RETRY_PAUSE[0]
+    for attempt in range(1, LOCK_ATTEMPTS + 1):
+        try:
+            return _apply_once(conn, schema, lock_timeout, indexes_in_run=False)
+        except psycopg.errors.LockNotAvailable as exc:
+            if attempt == LOCK_ATTEMPTS:
+                raise SchemaError(
+                    f"could not migrate schema {schema!r}: a lock it needs was not granted "
+                    f"within {lock_timeout:g} s in {attempt} attempts (a long transaction "
+                    "holds one of its tables; see pg_stat_activity); nothing was changed"
+                ) from exc
+            log.warning("migrating schema %r: a lock was not granted within %g s (attempt "
+                        "%d of %d, rolled back); trying again in %.1f s", schema,
+                        lock_timeout, attempt, LOCK_ATTEMPTS, pause)
+            time.sleep(pause)
+            pause = min(pause * 2, _RETRY_PAUSE[1])
+    raise AssertionError("unreachable")
+
+
+def _apply_once(conn: psycopg.Connection[Any], schema: str, lock_timeout: float | None, *,
+                indexes_in_run: bool) -> list[int]:
     def execute(statement: str, params: tuple[Any, ...] | None) -> list[tuple[Any, ...]]:
         cursor = conn.execute(statement.encode() if params is None else statement, params)
         return cursor.fetchall() if cursor.description else []
 
     with conn.transaction():
-        return apply_through(execute, schema)
+        if lock_timeout is not None:
+            conn.execute("SELECT set_config('lock_timeout', %s, true)",
+                         (f"{max(1, round(lock_timeout * 1000))}ms",))
+        return apply_through(execute, schema, indexes_in_run=indexes_in_run)
+
+
+def build_indexes(conn: psycopg.Connection[Any], schema: str) -> list[str]:
+    """Build, ``CONCURRENTLY`` and outside any transaction, the after-commit indexes of
+    every migration ``schema`` has applied that are missing or invalid (a build that was
+    interrupted leaves an invalid index: it is dropped and built again). Runs on an idle
+    connection; one process at a time per schema (a session advisory lock), so a second
+    finds the first's work done. Returns the names built."""
+    version = current_version(conn, schema) or 0
+    wanted = [index for m in migrations() if m.version <= version for index in m.indexes]
+    if not wanted:
+        return []
+    autocommit = conn.autocommit
+    conn.autocommit = True
+    lock = (_INDEX_LOCK_NAMESPACE + schema,)
+    built = []
+    try:
+        # Polled, not waited for: a session waiting on the lock would be a transaction
+        # the holder's CONCURRENTLY build waits to end, a deadlock.
+        while conn.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))",
+                           lock).fetchone() != (True,):
+            time.sleep(0.2)
+        try:
+            for index in wanted:
+                valid = conn.execute(
+                    "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+                    " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                    " WHERE n.nspname = %s AND c.relname = %s", (schema, index.name)).fetchone()
+                if valid is not None and valid[0]:
+                    continue
+                if valid is not None:  # an interrupted build's leftover
+                    conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}.{}").format(
+                        sql.Identifier(schema), sql.Identifier(index.name)))
+                log.info("building index %s of schema %r concurrently", index.name, schema)
+                conn.execute(bind_schema(index.concurrently(), schema).encode())
+                built.append(index.name)
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", lock)
+    finally:
+        conn.autocommit = autocommit
+    return built
 
 
 Execute = Callable[[str, "tuple[Any, ...] | None"], list[tuple[Any, ...]]]
 
 
-def apply_through(execute: Execute, schema: str) -> list[int]:
+def apply_through(execute: Execute, schema: str, *, indexes_in_run: bool = True) -> list[int]:
     """Apply the pending migrations of ``schema`` with ``execute(statement, params)``, in
-    the caller's transaction; return the versions applied.
+    the caller's transaction; return the versions applied. Their after-commit indexes are
+    built in that transaction too unless ``indexes_in_run`` is False (``migrate`` builds
+    them concurrently once the run commits).
 
     The one sequence every route runs (``migrate`` on a psycopg connection, Django's
     migrations on a Django cursor, on psycopg 3 or psycopg2): the advisory lock, the
@@ -200,6 +331,9 @@ def apply_through(execute: Execute, schema: str) -> list[int]:
         if migration.version <= version:
             continue
         execute(bind_schema(migration.sql, schema), None)
+        if indexes_in_run:
+            for index in migration.indexes:
+                execute(bind_schema(index.sql, schema), None)
         execute(bind_schema("INSERT INTO {schema}.schema_migrations (version, name) "
                             "VALUES (%s, %s)", schema), (migration.version, migration.name))
         applied.append(migration.version)

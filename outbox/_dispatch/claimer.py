@@ -26,8 +26,8 @@ from .. import tracing
 from .._pg import configuration_error, unreachable
 from .._steps import Statement, Step, run, run_async
 from ..effect import Job
-from ..errors import ConfigurationError
-from ..migrate import require_current
+from ..errors import ConfigurationError, SchemaError
+from ..migrate import latest_version, require_current
 from ..observe import PurgedTable
 from .budget import LimitedClaims
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, Reconnects, connect
@@ -51,7 +51,14 @@ log = logging.getLogger("outbox.dispatcher")
 RETENTION_INTERVAL = 60.0
 RETENTION_BATCH = 1000
 PURGE_BATCHES = 10  # per table and round
+# A round that hit PURGE_BATCHES left rows behind: the next one comes this soon instead
+# of a RETENTION_INTERVAL later, so retention keeps up with any steady rate (10,000 rows
+# a round a second per dispatcher) while one round stays short enough not to starve claims.
+RETENTION_CATCH_UP = 1.0
 RESCUE_BATCH = 1000
+# How often a running dispatcher looks at the schema's version: one migrated past what
+# its code knows stops it (the release that migrated it replaces it).
+SCHEMA_CHECK_INTERVAL = 10.0
 IDLE_RECHECK = 0.05  # run_until_idle: how soon to look again while others hold jobs
 # A payload arrives as jsonb's own text: one value, no whitespace around it, so the
 # decoder's scanner alone reads it (``json.loads`` adds checks and two regex scans a job).
@@ -83,6 +90,9 @@ class Claimer:
         self.rng = random.Random()
         self.rescue_timer = Timer(settings.rescue_interval)
         self.retention_timer = Timer(RETENTION_INTERVAL)
+        # Checked at start (wait_for_schema): the first look is an interval later.
+        self.schema_timer = Timer(SCHEMA_CHECK_INTERVAL,
+                                  time.monotonic() + SCHEMA_CHECK_INTERVAL)
         self.presence = Presence(settings)
         self.turns = GroupTurns()
         self.limited = LimitedClaims(settings, state.limits, self.turns)
@@ -90,11 +100,15 @@ class Claimer:
     def round(self) -> Step[Round]:
         """One round: rescue and retention when due, a claim, and what to do next."""
         now = time.monotonic()
+        if self.schema_timer.due(now):
+            yield from self.check_schema()
         if self.rescue_timer.due(now):
             yield from self.rescue()
         # Retention under run_until_idle too: cron deployments never call run().
         if self.retention_timer.due(now):
-            yield from self.purge()
+            behind = yield from self.purge()
+            if behind:
+                self.retention_timer.again_in(now, RETENTION_CATCH_UP)
         if self.presence.due(now):  # the heartbeat, and warnings for unserved effects
             yield from self.presence.beat()
         # Limited, throttled and paused effects first, each within its budget; then the
@@ -213,6 +227,18 @@ class Claimer:
                     traced=traced, trace_context=row.trace_context if traced else None,
                     kept_result=row.performed_result)
 
+    def check_schema(self) -> Step[None]:
+        """Raise ``SchemaError`` once the schema is migrated past this code's version:
+        the dispatcher then stops as it does on ``stop()`` (its jobs in flight finish
+        or are left to their leases) and ``run()`` raises it."""
+        [version] = yield Statement(self.queries.schema_version, {}, scalar=True)
+        latest = latest_version()
+        if int(version) > latest:
+            raise SchemaError(
+                f"schema {self.settings.schema!r} was migrated to version {version}, newer "
+                f"than this code knows ({latest}): this dispatcher stops; run the release "
+                "that migrated it")
+
     def has_due_work(self) -> Step[bool]:
         # Effects an operator paused are not waited for: they resume when told to.
         due = yield Statement(self.queries.has_due_work, {"effects": self.limited.due_names},
@@ -231,9 +257,11 @@ class Claimer:
         if rows:
             guarded(self.state.events.rescued, len(rows))
 
-    def purge(self) -> Step[None]:
+    def purge(self) -> Step[bool]:
         """Retention: done jobs, ledger rows and inbox rows older than their periods, a
-        batch at a time, at most ``PURGE_BATCHES`` batches of each per round."""
+        batch at a time, at most ``PURGE_BATCHES`` batches of each per round. True when
+        a table had more to purge than one round takes (retention is behind)."""
+        behind = False
         settings, q = self.settings, self.queries
         purges: tuple[tuple[str, PurgedTable, str, float | None], ...] = (
             ("done jobs", "jobs", q.purge_done, settings.retention),
@@ -253,6 +281,9 @@ class Claimer:
                     guarded(self.state.events.purged, table, deleted)
                 if deleted < RETENTION_BATCH:
                     break
+            else:
+                behind = True
+        return behind
 
 
 def _sooner(wait: float, soon: float | None) -> float:

@@ -28,6 +28,10 @@ class Timer:
         self.next_at = now + self.interval
         return True
 
+    def again_in(self, now: float, delay: float) -> None:
+        """Be due ``delay`` seconds from ``now`` (sooner than the interval would say)."""
+        self.next_at = min(self.next_at, now + delay)
+
 
 class Signal(Protocol):
     """An event one part sets and another waits on (``threading.Event``, or the event

@@ -316,6 +316,11 @@ WHERE j.id = e.id AND j.status = 'running' AND j.claim_version = e.claim_version
   AND j.lease_until < now()
 RETURNING j.id, j.key, j.status, j.claim_version;
 
+-- name: schema_version
+-- The version the schema is migrated to, checked by a running dispatcher now and then:
+-- a newer one than its code knows stops it (deploy the release that migrated it).
+SELECT coalesce(max(version), 0) AS version FROM {schema}.schema_migrations;
+
 -- name: has_due_work
 -- Whether this dispatcher may still have work: a claimable job, or a running job of its
 -- effects (another worker's, which may fail back to pending or be rescued if its lease

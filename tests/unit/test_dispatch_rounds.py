@@ -23,13 +23,22 @@ import psycopg
 import pytest
 
 import outbox
-from outbox import DispatchStats
+from outbox import DispatchStats, SchemaError
 from outbox._dispatch import claimer as claimer_module
-from outbox._dispatch.claimer import IDLE_RECHECK, RETENTION_BATCH, RETENTION_INTERVAL, Claimer
+from outbox._dispatch.claimer import (
+    IDLE_RECHECK,
+    PURGE_BATCHES,
+    RETENTION_BATCH,
+    RETENTION_CATCH_UP,
+    RETENTION_INTERVAL,
+    SCHEMA_CHECK_INTERVAL,
+    Claimer,
+)
 from outbox._dispatch.recorder import Recorder
 from outbox._dispatch.settings import Settings
 from outbox._dispatch.state import Held, Outcome, Release, SharedState, Success
 from outbox._steps import Rows, Statement, Step, run, run_async, shaped
+from outbox.migrate import latest_version
 from outbox.observe import AttemptOutcome, DispatchObserver, PurgedTable
 
 
@@ -204,14 +213,46 @@ def test_rescue_and_retention_wait_for_their_timers(clock: Clock) -> None:
     clock.now += 0.2  # the rescue timer (5 s) is due, retention (60 s) is not
     Script(queries).then("rescue", []).claiming([]).drive(claimer.round())
     clock.now += RETENTION_INTERVAL  # the heartbeat (every 15 s) is due again too
-    (Script(queries).then("rescue", []).then("purge_done", [(0,)])
+    assert RETENTION_INTERVAL > SCHEMA_CHECK_INTERVAL  # and the look at the schema's version
+    (Script(queries).then("schema_version", [(latest_version(),)])
+     .then("rescue", []).then("purge_done", [(0,)])
      .then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
      .then("unhandled_due", []).claiming([])).drive(claimer.round())
+
+
+def test_retention_that_is_behind_comes_back_soon_until_it_has_caught_up(
+        clock: Clock) -> None:
+    claimer = Claimer(settings(prefetch=0, inbox_retention=None), state(), until_idle=False)
+    claimer.rescue_timer.next_at = claimer.schema_timer.next_at = float("inf")
+    claimer.presence.timer.next_at = float("inf")
+    queries = claimer.queries
+    behind = Script(queries)
+    for _ in range(PURGE_BATCHES):  # a round's worth of full batches: rows are left
+        behind.then("purge_done", [(RETENTION_BATCH,)])
+    behind.then("purge_ledger", [(0,)]).claiming([]).drive(claimer.round())
+    clock.now += RETENTION_CATCH_UP / 2
+    Script(queries).claiming([]).drive(claimer.round())
+    clock.now += RETENTION_CATCH_UP / 2  # due again long before RETENTION_INTERVAL
+    (Script(queries).then("purge_done", [(7,)]).then("purge_ledger", [(0,)])
+     .claiming([]).drive(claimer.round()))
+    clock.now += RETENTION_CATCH_UP  # caught up: back to the interval
+    Script(queries).claiming([]).drive(claimer.round())
+    assert claimer.retention_timer.next_at > clock.now + RETENTION_INTERVAL / 2
+
+
+def test_a_schema_migrated_past_this_code_stops_the_claimer(clock: Clock) -> None:
+    claimer = Claimer(settings(prefetch=0), state(), until_idle=False)
+    first_round_done(claimer)
+    claimer.schema_timer.next_at = 0.0
+    with pytest.raises(SchemaError, match=r"migrated to version \d+, newer than this code"):
+        Script(claimer.queries).then(
+            "schema_version", [(latest_version() + 1,)]).drive(claimer.round())
 
 
 def first_round_done(claimer: Claimer) -> None:
     """Past the first round's rescue and retention, so later rounds only claim."""
     claimer.rescue_timer.next_at = claimer.retention_timer.next_at = float("inf")
+    claimer.schema_timer.next_at = float("inf")
     claimer.presence.timer.next_at = float("inf")
 
 

@@ -1,0 +1,235 @@
+"""Migrating a live schema: the run waits for a lock at most ``lock_timeout`` and tries
+again (business writes never queue behind it for longer), and indexes of large tables are
+built CONCURRENTLY after the run commits, rebuilt by the next run when a build was cut
+short."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import outbox
+from outbox import SchemaError
+from outbox._sql import bind_schema
+from outbox.migrate import AFTER_COMMIT, _parse, latest_version, migrations
+from outbox.testing import job
+
+# outbox.migrate is also the name of the function the package exports.
+migrate_module = importlib.import_module("outbox.migrate")
+GROUPS = 10  # the migration that added jobs_fair, built after commit
+
+
+@pytest.fixture
+def old_schema(dsn: str) -> Iterator[str]:
+    """A schema migrated only as far as the version before GROUPS, with a job in it."""
+    name = f"old_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate_to(conn, name, GROUPS - 1)
+        conn.execute(bind_schema(
+            "INSERT INTO {schema}.jobs (effect, key, payload, fingerprint) "
+            "VALUES ('email.send', 'before', '{{}}', 'f')", name).encode())
+    yield name
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+def migrate_to(conn: psycopg.Connection[Any], schema: str, version: int) -> None:
+    """What a release that knew migrations up to ``version`` left behind."""
+    with conn.transaction():
+        conn.execute(bind_schema("CREATE SCHEMA {schema}", schema).encode())
+        conn.execute(bind_schema(
+            "CREATE TABLE {schema}.schema_migrations (version integer PRIMARY KEY, "
+            "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
+            schema).encode())
+        for migration in migrations()[:version]:
+            conn.execute(bind_schema(migration.sql, schema).encode())
+            for index in migration.indexes:
+                conn.execute(bind_schema(index.sql, schema).encode())
+            conn.execute(bind_schema(
+                "INSERT INTO {schema}.schema_migrations (version, name) VALUES (%s, %s)",
+                schema), (migration.version, migration.name))
+
+
+class Warnings(logging.Handler):
+    """Collects outbox.migrate's warnings; ``seen`` is set at the first."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen = threading.Event()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+        self.seen.set()
+
+
+@pytest.fixture
+def migrate_warnings() -> Iterator[Warnings]:
+    handler = Warnings()
+    logger = logging.getLogger("outbox.migrate")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+def _index_valid(conn: psycopg.Connection[Any], schema: str, name: str) -> bool | None:
+    row = conn.execute(
+        "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
+        (schema, name)).fetchone()
+    return None if row is None else bool(row[0])
+
+
+def test_a_migration_waiting_for_a_lock_lets_business_writes_through_and_applies_later(
+        dsn: str, old_schema: str, migrate_warnings: Warnings) -> None:
+    jobs = sql.SQL("{}.jobs").format(sql.Identifier(old_schema))
+    applied: list[list[int]] = []
+    failed: list[BaseException] = []
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as business:
+        # A long business transaction that read the jobs table: ALTER TABLE must wait for it.
+        holder.execute(sql.SQL("SELECT count(*) FROM {}").format(jobs))
+
+        def run() -> None:
+            try:
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    applied.append(outbox.migrate(conn, schema=old_schema, lock_timeout=0.05))
+            except BaseException as exc:  # reported by the assertion below
+                failed.append(exc)
+
+        migrating = threading.Thread(target=run)
+        migrating.start()
+        assert migrate_warnings.seen.wait(30), "the migration never gave up waiting for its lock"
+        # Without the lock timeout this insert would queue behind the migration's
+        # ACCESS EXCLUSIVE request until the holder commits: it would never return here.
+        business.execute("SET statement_timeout = '20s'")
+        business.execute(sql.SQL(
+            "INSERT INTO {} (effect, key, payload, fingerprint) "
+            "VALUES ('email.send', 'during', '{{}}', 'f')").format(jobs))
+        holder.commit()
+        migrating.join(60)
+    assert not migrating.is_alive() and failed == []
+    assert applied == [list(range(GROUPS, latest_version() + 1))]
+    assert "not granted within 0.05 s" in migrate_warnings.messages[0]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        keys = conn.execute(sql.SQL("SELECT key, group_key, priority FROM {} ORDER BY key")
+                            .format(jobs)).fetchall()
+        assert keys == [("before", None, 0), ("during", None, 0)]
+        assert _index_valid(conn, old_schema, "jobs_fair") is True
+
+
+def test_a_lock_never_granted_leaves_the_schema_as_it_was(
+        dsn: str, old_schema: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(migrate_module, "LOCK_ATTEMPTS", 2)
+    jobs = sql.SQL("{}.jobs").format(sql.Identifier(old_schema))
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as conn:
+        holder.execute(sql.SQL("SELECT count(*) FROM {}").format(jobs))
+        with pytest.raises(SchemaError, match=r"not granted within 0.05 s in 2 attempts.*"
+                                              r"nothing was changed"):
+            outbox.migrate(conn, schema=old_schema, lock_timeout=0.05)
+        holder.rollback()
+        assert migrate_module.current_version(conn, old_schema) == GROUPS - 1
+
+
+def test_an_index_build_cut_short_is_built_again_by_the_next_run(
+        dsn: str, schema: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(bind_schema("DROP INDEX {schema}.jobs_fair", schema).encode())
+        for n in range(2):
+            conn.execute(bind_schema(
+                "INSERT INTO {schema}.jobs (effect, key, payload, fingerprint) "
+                "VALUES ('email.send', %s, '{{}}', 'f')", schema), (f"k{n}",))
+        # A concurrent build that fails (here: not unique) leaves an INVALID index behind,
+        # as a build interrupted by a crash or a cancel does.
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            conn.execute(bind_schema(
+                "CREATE UNIQUE INDEX CONCURRENTLY jobs_fair ON {schema}.jobs (effect)",
+                schema).encode())
+        assert _index_valid(conn, schema, "jobs_fair") is False
+        assert outbox.migrate(conn, schema=schema) == []
+        assert _index_valid(conn, schema, "jobs_fair") is True
+        definition = conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE schemaname = %s AND indexname = 'jobs_fair'",
+            (schema,)).fetchone()
+        assert definition is not None and "claim_rank" in definition[0]
+
+
+def test_a_migration_joined_to_a_transaction_builds_its_indexes_there(
+        dsn: str, old_schema: str) -> None:
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SELECT 1")  # opens a transaction: migrate joins it
+        assert outbox.migrate(conn, schema=old_schema)[0] == GROUPS
+        assert _index_valid(conn, old_schema, "jobs_fair") is True
+        conn.rollback()
+        assert _index_valid(conn, old_schema, "jobs_fair") is None
+
+
+def test_only_index_builds_may_follow_the_after_commit_line() -> None:
+    text = f"CREATE TABLE {{schema}}.t (a int);\n{AFTER_COMMIT}\nDROP TABLE {{schema}}.t;\n"
+    with pytest.raises(SchemaError, match=r"0042_bad: only CREATE INDEX IF NOT EXISTS .*"
+                                          r"found: DROP TABLE"):
+        _parse(42, "bad", text)
+    parsed = _parse(43, "good", f"SELECT 1;\n{AFTER_COMMIT}\n-- why\n"
+                                "CREATE INDEX IF NOT EXISTS t_a ON {schema}.t (a);\n")
+    assert [i.name for i in parsed.indexes] == ["t_a"]
+    assert parsed.indexes[0].concurrently().startswith("CREATE INDEX CONCURRENTLY IF NOT EXISTS")
+
+
+class Held(outbox.Effect):
+    """Blocks in perform until released; says when it started."""
+
+    name = "test.held"
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def perform(self, job: outbox.Job) -> None:
+        self.started.set()
+        assert self.release.wait(60), "never released"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_running_dispatcher_that_meets_a_newer_schema_finishes_its_jobs_and_stops(
+        dsn: str, schema: str, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    claimer_module = importlib.import_module("outbox._dispatch.claimer")
+    monkeypatch.setattr(claimer_module, "SCHEMA_CHECK_INTERVAL", 0.1)
+    effect = Held()
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        tx.enqueue("test.held", key="in-flight", payload={})
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            if kind == "sync":
+                outbox.Dispatcher(dsn, [effect], schema=schema).run()
+            else:
+                import asyncio
+                asyncio.run(outbox.AsyncDispatcher(dsn, [effect], schema=schema).run())
+        except BaseException as exc:  # the assertion below says what it was
+            raised.append(exc)
+
+    running = threading.Thread(target=run)
+    running.start()
+    assert effect.started.wait(30)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("INSERT INTO {}.schema_migrations (version, name) VALUES (%s, 'x')")
+                     .format(sql.Identifier(schema)), (latest_version() + 1,))
+    effect.release.set()
+    running.join(60)
+    assert not running.is_alive(), "the dispatcher did not stop"
+    assert len(raised) == 1 and isinstance(raised[0], SchemaError), raised
+    assert f"migrated to version {latest_version() + 1}, newer than this code knows" in str(
+        raised[0])
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        done = job(conn, "in-flight", schema)
+        assert done is not None and done["status"] == "done"
