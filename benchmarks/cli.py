@@ -27,6 +27,7 @@ from . import (
     latency,
     limits,
     memory,
+    retention,
     soak,
     wake,
 )
@@ -37,7 +38,7 @@ from ._results import Section, environment, render, write_json
 log = logging.getLogger("benchmarks")
 
 SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory", "flows",
-            "events", "limits", "soak")
+            "events", "limits", "retention", "soak")
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVER_SETTINGS = ("shared_buffers", "max_connections", "fsync", "synchronous_commit",
                    "wal_level", "max_wal_size", "autovacuum")
@@ -76,6 +77,9 @@ class Sizes:
     # The soak: minutes of steady load (a run, not repeats).
     soak_seconds: float = 600.0
     soak_rate: float = 4000.0
+    # Retention: done jobs (and as many ledger rows) retired while drains run.
+    retention_history: int = 2_000_000
+    retention_jobs: int = 50_000
 
 
 FULL = Sizes(drain_sizes=(20_000, 100_000), drain_procs=(1, 2), procrastinate_jobs=20_000,
@@ -89,7 +93,8 @@ QUICK = Sizes(drain_sizes=(5_000,), drain_procs=(1, 2), procrastinate_jobs=300,
               latency_async_concurrencies=(64,), bloat_history=50_000, bloat_jobs=2_000,
               claim_samples=20, memory_jobs=100_000, async_sizes=(1000,), memory_runs=1,
               flows_jobs=2_000, events_messages=2000, limits_jobs=40, limits_outage=5.0,
-              soak_seconds=40.0, soak_rate=500.0)
+              soak_seconds=40.0, soak_rate=500.0, retention_history=50_000,
+              retention_jobs=2_000)
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
@@ -121,6 +126,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="JSON results file "
                    "(default benchmarks/results/<timestamp>.json)")
     p.add_argument("--drain-sizes", type=_csv(int), help="jobs per drain, e.g. 20000,100000")
+    p.add_argument("--retention-history", type=int,
+                   help="done jobs the retention section retires (default 2,000,000)")
     p.add_argument("--drain-procs", type=_csv(int), help="worker processes, e.g. 1,2")
     p.add_argument("--systems", type=_csv(str), default=drain.SYSTEMS,
                    help=f"drain systems among {','.join(drain.SYSTEMS)}")
@@ -151,6 +158,8 @@ def _sizes(args: argparse.Namespace) -> Sizes:
     sizes = QUICK if args.quick else FULL
     if args.drain_sizes:
         sizes = replace(sizes, drain_sizes=args.drain_sizes)
+    if args.retention_history:
+        sizes = replace(sizes, retention_history=args.retention_history)
     if args.drain_procs:
         sizes = replace(sizes, drain_procs=args.drain_procs)
     if args.slow_peers:
@@ -183,6 +192,8 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
             runs, publish_events=sizes.events_messages, inbox_messages=sizes.events_messages)),
         "limits": lambda srv: limits.run(srv, limits.LimitsConfig(
             runs, jobs=sizes.limits_jobs, outage=sizes.limits_outage)),
+        "retention": lambda srv: retention.run(srv, retention.RetentionConfig(
+            runs, sizes.retention_history, sizes.retention_jobs, outbox=best)),
         "soak": lambda srv: soak.run(srv, soak.SoakConfig(
             seconds=sizes.soak_seconds, rate=sizes.soak_rate,
             retention=min(60.0, sizes.soak_seconds / 4))),
