@@ -35,6 +35,7 @@ from .counting import Waits
 from .presence import Presence
 from .settings import Settings
 from .state import AsyncState, Held, SharedState, ThreadState, Timer, guarded
+from .statistics import FirstStatistics
 from .turns import GroupTurns
 
 __all__ = [
@@ -94,23 +95,13 @@ class Claimer:
         self.schema_timer = Timer(SCHEMA_CHECK_INTERVAL,
                                   time.monotonic() + SCHEMA_CHECK_INTERVAL)
         self.presence = Presence(settings)
+        self.statistics = FirstStatistics(settings)
         self.turns = GroupTurns()
         self.limited = LimitedClaims(settings, state.limits, self.turns)
 
     def round(self) -> Step[Round]:
-        """One round: rescue and retention when due, a claim, and what to do next."""
-        now = time.monotonic()
-        if self.schema_timer.due(now):
-            yield from self.check_schema()
-        if self.rescue_timer.due(now):
-            yield from self.rescue()
-        # Retention under run_until_idle too: cron deployments never call run().
-        if self.retention_timer.due(now):
-            behind = yield from self.purge()
-            if behind:
-                self.retention_timer.again_in(now, RETENTION_CATCH_UP)
-        if self.presence.due(now):  # the heartbeat, and warnings for unserved effects
-            yield from self.presence.beat()
+        """One round: the chores that are due, a claim, and what to do next."""
+        yield from self.chores(time.monotonic())
         # Limited, throttled and paused effects first, each within its budget; then the
         # rest in one claim, which never waits for theirs.
         batch: list[Held] = []
@@ -143,6 +134,23 @@ class Claimer:
             return Round(batch, wait=_sooner(IDLE_RECHECK, soon))
         return Round(batch, wait=_sooner(
             self.settings.poll_interval * self.rng.uniform(0.5, 1.0), soon))
+
+    def chores(self, now: float) -> Step[None]:
+        """What a round does when its timer says so, before it claims: the look at the
+        schema's version, the rescue, retention (under run_until_idle too: cron
+        deployments never call run()), the heartbeat, the queue tables' first statistics."""
+        if self.schema_timer.due(now):
+            yield from self.check_schema()
+        if self.rescue_timer.due(now):
+            yield from self.rescue()
+        if self.retention_timer.due(now):
+            behind = yield from self.purge()
+            if behind:
+                self.retention_timer.again_in(now, RETENTION_CATCH_UP)
+        if self.presence.due(now):  # the heartbeat, and warnings for unserved effects
+            yield from self.presence.beat()
+        if self.statistics.due(now):  # once: the queue tables' first statistics
+            yield from self.statistics.analyze()
 
     def failed(self, exc: psycopg.Error, *, lost: bool) -> None:
         """A round failed: count a lost connection as a reconnect, log either way; raise

@@ -321,6 +321,14 @@ RETURNING j.id, j.key, j.status, j.claim_version;
 -- a newer one than its code knows stops it (deploy the release that migrated it).
 SELECT coalesce(max(version), 0) AS version FROM {schema}.schema_migrations;
 
+-- name: unanalyzed_tables
+-- The queue tables never analyzed (by anyone), and whether each has had %(rows)s changes
+-- (outbox._dispatch.statistics). No row: every one has statistics.
+SELECT s.relname AS name, s.n_mod_since_analyze >= %(rows)s::bigint AS ready
+FROM pg_stat_user_tables s
+WHERE s.schemaname = %(schema_name)s::text AND s.relname = ANY(%(tables)s::text[])
+  AND s.last_analyze IS NULL AND s.last_autoanalyze IS NULL;
+
 -- name: has_due_work
 -- Whether this dispatcher may still have work: a claimable job, or a running job of its
 -- effects (another worker's, which may fail back to pending or be rescued if its lease

@@ -16,6 +16,7 @@ import pytest
 import outbox
 import outbox.sql
 from outbox import Dispatcher, DispatcherFailed, DispatchStats, Effect, Job, NewJob
+from outbox._dispatch import statistics
 from outbox._dispatch.claimer import Claimer
 from outbox._dispatch.connection import Connection, connect
 from outbox._dispatch.recorder import Recorder
@@ -388,3 +389,29 @@ def test_settings_never_show_the_connection_string() -> None:
     secret = "postgresql://app:s3cret-pw@db/app"
     settings = Settings.build(secret, [ByPayload()], listen_conninfo=secret)
     assert "s3cret" not in repr(settings)
+
+
+def test_a_dispatcher_gives_new_queue_tables_their_first_statistics(
+        dsn: str, schema: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # Autovacuum must not get there first: this test is about the dispatcher.
+        conn.execute(f'ALTER TABLE "{schema}".jobs SET (autovacuum_enabled = false)')
+        conn.execute(f'INSERT INTO "{schema}".jobs (effect, key, payload, fingerprint, status) '
+                     "SELECT 'test.elsewhere', 'k' || g, '{}', 'f', 'failed' "
+                     "FROM generate_series(1, %s) AS g", (statistics.ROWS + 100,))
+
+        def changes() -> int:
+            conn.execute("SELECT pg_stat_clear_snapshot()")
+            row = conn.execute(
+                "SELECT n_mod_since_analyze, last_analyze FROM pg_stat_user_tables "
+                "WHERE schemaname = %s AND relname = 'jobs'", (schema,)).fetchone()
+            assert row is not None and row[1] is None
+            return int(row[0])
+
+        wait_until(lambda: changes() >= statistics.ROWS, what="the inserts counted")
+        outbox.Dispatcher(dsn, [ByPayload()], schema=schema).run_until_idle(timeout=30)
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        analyzed = conn.execute(
+            "SELECT last_analyze IS NOT NULL FROM pg_stat_user_tables "
+            "WHERE schemaname = %s AND relname = 'jobs'", (schema,)).fetchone()
+        assert analyzed == (True,)

@@ -193,6 +193,7 @@ def test_the_first_round_rescues_purges_and_claims(clock: Clock) -> None:
               .then("purge_inbox", [(2,)])
               .then("dispatcher_beat", [(1,)])  # the heartbeat: effects served
               .then("unhandled_due", [])  # and due jobs nobody serves
+              .then("unanalyzed_tables", [])  # every queue table has statistics
               .claiming(claimed_rows(10, 11)))
     result = script.drive(claimer.round())
     assert [h.job.id for h in result.batch] == [10, 11] and result.wait == 0
@@ -207,7 +208,8 @@ def test_rescue_and_retention_wait_for_their_timers(clock: Clock) -> None:
     queries = claimer.queries
     (Script(queries).then("rescue", []).then("purge_done", [(0,)])
      .then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
-     .then("unhandled_due", []).claiming([])).drive(claimer.round())
+     .then("unhandled_due", []).then("unanalyzed_tables", []).claiming([])
+     ).drive(claimer.round())
     clock.now += 4.9  # neither timer due: only the claim
     Script(queries).claiming([]).drive(claimer.round())
     clock.now += 0.2  # the rescue timer (5 s) is due, retention (60 s) is not
@@ -225,6 +227,7 @@ def test_retention_that_is_behind_comes_back_soon_until_it_has_caught_up(
     claimer = Claimer(settings(prefetch=0, inbox_retention=None), state(), until_idle=False)
     claimer.rescue_timer.next_at = claimer.schema_timer.next_at = float("inf")
     claimer.presence.timer.next_at = float("inf")
+    claimer.statistics.done = True
     queries = claimer.queries
     behind = Script(queries)
     for _ in range(PURGE_BATCHES):  # a round's worth of full batches: rows are left
@@ -253,6 +256,7 @@ def first_round_done(claimer: Claimer) -> None:
     """Past the first round's rescue and retention, so later rounds only claim."""
     claimer.rescue_timer.next_at = claimer.retention_timer.next_at = float("inf")
     claimer.schema_timer.next_at = float("inf")
+    claimer.statistics.done = True
     claimer.presence.timer.next_at = float("inf")
 
 
