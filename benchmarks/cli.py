@@ -29,6 +29,7 @@ from . import (
     memory,
     retention,
     soak,
+    upgrade,
     wake,
 )
 from ._db import Server, server
@@ -38,7 +39,7 @@ from ._results import Section, environment, render, write_json
 log = logging.getLogger("benchmarks")
 
 SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory", "flows",
-            "events", "limits", "retention", "soak")
+            "events", "limits", "retention", "upgrade", "soak")
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVER_SETTINGS = ("shared_buffers", "max_connections", "fsync", "synchronous_commit",
                    "wal_level", "max_wal_size", "autovacuum")
@@ -80,6 +81,7 @@ class Sizes:
     # Retention: done jobs (and as many ledger rows) retired while drains run.
     retention_history: int = 2_000_000
     retention_jobs: int = 50_000
+    upgrade_history: int = 1_000_000
 
 
 FULL = Sizes(drain_sizes=(20_000, 100_000), drain_procs=(1, 2), procrastinate_jobs=20_000,
@@ -94,7 +96,7 @@ QUICK = Sizes(drain_sizes=(5_000,), drain_procs=(1, 2), procrastinate_jobs=300,
               claim_samples=20, memory_jobs=100_000, async_sizes=(1000,), memory_runs=1,
               flows_jobs=2_000, events_messages=2000, limits_jobs=40, limits_outage=5.0,
               soak_seconds=40.0, soak_rate=500.0, retention_history=50_000,
-              retention_jobs=2_000)
+              retention_jobs=2_000, upgrade_history=20_000)
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
@@ -194,6 +196,8 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
             runs, jobs=sizes.limits_jobs, outage=sizes.limits_outage)),
         "retention": lambda srv: retention.run(srv, retention.RetentionConfig(
             runs, sizes.retention_history, sizes.retention_jobs, outbox=best)),
+        "upgrade": lambda srv: upgrade.run(srv, upgrade.UpgradeConfig(
+            runs, sizes.upgrade_history)),
         "soak": lambda srv: soak.run(srv, soak.SoakConfig(
             seconds=sizes.soak_seconds, rate=sizes.soak_rate,
             retention=min(60.0, sizes.soak_seconds / 4))),

@@ -39,7 +39,7 @@ from ._steps import Step
 from .dispatcher import AsyncDispatcher, Dispatcher
 from .errors import OutboxError
 from .limits import Limit, parse_limit
-from .migrate import current_version, latest_version, migrate, require_current
+from .migrate import LOCK_TIMEOUT, current_version, latest_version, migrate, require_current
 
 __all__ = ["main"]
 
@@ -159,11 +159,16 @@ def main(log_level: str) -> None:
 @main.command("migrate")
 @dsn_option
 @schema_option
+@click.option("--lock-timeout", type=click.FloatRange(min=0.001), default=LOCK_TIMEOUT,
+              show_default=True,
+              help="Seconds the migration waits for each lock before it rolls back and "
+              "tries again (business transactions never queue behind it for longer).")
 @_one_line_errors
-def migrate_command(dsn: str, schema: str) -> None:
-    """Create or upgrade the outbox tables (idempotent, safe to run concurrently)."""
+def migrate_command(dsn: str, schema: str, lock_timeout: float) -> None:
+    """Create or upgrade the outbox tables (idempotent, safe to run concurrently, online:
+    large tables' indexes are built concurrently once the run commits)."""
     with _connect(dsn) as conn:
-        applied = migrate(conn, schema=schema)
+        applied = migrate(conn, schema=schema, lock_timeout=lock_timeout)
     if applied:
         click.echo(f"schema {schema!r}: applied {', '.join(f'{v:04d}' for v in applied)}")
     else:
