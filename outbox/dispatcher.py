@@ -27,7 +27,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
 from types import FrameType
@@ -58,7 +57,7 @@ from ._dispatch.state import (
     supervised,
     supervised_async,
 )
-from ._dispatch.workers import TaskWorkers, ThreadWorkers
+from ._dispatch.workers import DaemonPool, TaskWorkers, ThreadWorkers
 from ._state import Backoff
 from .effect import Effect
 from .errors import ConfigurationError, DispatcherFailed
@@ -577,7 +576,10 @@ class AsyncDispatcher(_Options):
     ) -> None:
         settings = self.settings
         loop = asyncio.get_running_loop()
-        pool = (ThreadPoolExecutor(settings.concurrency, thread_name_prefix="outbox-worker")
+        # Daemon threads: a sync perform that never returns must not keep the process
+        # alive once run() has returned after stop_timeout (ThreadPoolExecutor's threads
+        # are joined at interpreter exit).
+        pool = (DaemonPool(settings.concurrency, "outbox-worker")
                 if settings.has_sync else None)
         workers = TaskWorkers(state, pool)
         recorder = loop.create_task(supervised_async(state, "recorder", run_recorder_async(

@@ -18,10 +18,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from queue import SimpleQueue
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -32,7 +32,7 @@ from ..errors import Permanent
 from .settings import Settings
 from .state import CLOSE_GRACE, Held, Outcome, SharedState, Success, supervised
 
-__all__ = ["LoopRunner", "Performer", "TaskWorkers", "ThreadWorkers"]
+__all__ = ["DaemonPool", "LoopRunner", "Performer", "TaskWorkers", "ThreadWorkers"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -379,3 +379,67 @@ def describe_validation(effect: str, error: ValidationError) -> str:
         where = ".".join(str(part) for part in item["loc"]) or "(payload)"
         problems.append(f"{where}: {item['msg']}")
     return f"payload invalid for effect {effect!r}: " + "; ".join(problems)
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class DaemonPool(Executor):
+    """``AsyncDispatcher``'s threads for sync effects: at most ``size`` daemon threads,
+    started as calls come, serving calls in order. Unlike ``ThreadPoolExecutor``,
+    whose threads the interpreter joins at exit, a ``perform`` that never returns does
+    not keep the process alive once ``run`` has returned after its stop timeout."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self._size = size
+        self._name = name
+        self._lock = threading.Lock()
+        self._queue: SimpleQueue[tuple[Future[Any], Callable[[], None]] | None] = SimpleQueue()
+        self._threads: list[threading.Thread] = []  # under _lock
+        self._shut = False  # under _lock
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        """Run ``fn(*args, **kwargs)`` on one of the threads; its future."""
+        future: Future[T] = Future()
+
+        def call() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot submit to a pool that was shut down")
+            self._queue.put((future, call))
+            if len(self._threads) < self._size:
+                thread = threading.Thread(target=self._serve, daemon=True,
+                                          name=f"{self._name}-{len(self._threads)}")
+                self._threads.append(thread)
+                thread.start()
+        return future
+
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            item[1]()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """End the threads once the calls queued are served (``cancel_futures``: those
+        not started are dropped, their futures cancelled)."""
+        with self._lock:
+            self._shut = True
+            threads = list(self._threads)
+        if cancel_futures:
+            while not self._queue.empty():
+                if (item := self._queue.get_nowait()) is not None:
+                    item[0].cancel()
+        for _ in threads:
+            self._queue.put(None)
+        if wait:
+            for thread in threads:
+                thread.join()

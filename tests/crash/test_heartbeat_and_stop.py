@@ -129,7 +129,7 @@ def test_sigterm_while_the_claimer_is_busy_starts_no_waiting_job(
     assert (after["status"], after["attempts"]) == ("pending", 0)
 
 
-@pytest.mark.parametrize("flavour", ["sync", "async"])
+@pytest.mark.parametrize("flavour", ["sync", "async", "async-threads"])
 def test_a_perform_that_never_returns_holds_the_stop_no_longer_than_stop_timeout(
     schema: str, db: Conn, provider: Provider, workers: Workers, flavour: str,
 ) -> None:

@@ -10,7 +10,9 @@ Modes:
 ``idle``          ``Dispatcher.run_until_idle()``; prints stats.
 ``--hooks 1`` uses the table effect with an ``on_done`` hook (``flow_effect``).
 ``--flavour async`` runs the same modes on ``AsyncDispatcher`` (the table effect wrapped in
-an ``async def perform``; SIGTERM calls ``stop()`` through the event loop's handler).
+an ``async def perform``; SIGTERM calls ``stop()`` through the event loop's handler);
+``--flavour async-threads`` gives ``AsyncDispatcher`` the sync table effect itself (its
+performs on the dispatcher's threads).
 
 ``hold-claim``    opens a transaction, runs the shipped claim SQL for one job, prints
                   ``{"ids": [...], "backend_pid": n}`` and hangs, never committing.
@@ -79,9 +81,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _dispatch_async(dsn: str, args: argparse.Namespace,
                           effect: TableEffect) -> outbox.DispatchStats:
-    wrapped: outbox.Effect = (AsyncHookedTableEffect(effect)
-                              if isinstance(effect, HookedTableEffect)
-                              else AsyncTableEffect(effect))
+    wrapped: outbox.Effect = (
+        effect if args.flavour == "async-threads"  # sync perform on the dispatcher's threads
+        else AsyncHookedTableEffect(effect) if isinstance(effect, HookedTableEffect)
+        else AsyncTableEffect(effect))
     dispatcher = outbox.AsyncDispatcher(dsn, [wrapped], **_options(args))
     if args.mode == "idle":
         return await dispatcher.run_until_idle(timeout=args.timeout)
@@ -97,7 +100,7 @@ async def _dispatch_async(dsn: str, args: argparse.Namespace,
 def _dispatch(dsn: str, args: argparse.Namespace) -> None:
     effect = (HookedTableEffect if args.hooks else TableEffect)(dsn, args.schema)
     try:
-        if args.flavour == "async":
+        if args.flavour in ("async", "async-threads"):
             stats = asyncio.run(_dispatch_async(dsn, args, effect))
         elif args.mode == "run":
             stats = outbox.Dispatcher(dsn, [effect], **_options(args)).run()
@@ -145,7 +148,8 @@ def main() -> None:
     parser.add_argument("--stop-timeout", type=float, default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--order", type=int, default=1)
-    parser.add_argument("--flavour", choices=["sync", "async"], default="sync")
+    parser.add_argument("--flavour", choices=["sync", "async", "async-threads"],
+                        default="sync")
     parser.add_argument("--hooks", type=int, default=0)  # 1: the effect with on_done
     args = parser.parse_args()
     logging.basicConfig(
