@@ -261,15 +261,15 @@ def build_indexes(conn: psycopg.Connection[Any], schema: str) -> list[str]:
     interrupted leaves an invalid index: it is dropped and built again). Runs on an idle
     connection; one process at a time per schema (a session advisory lock), so a second
     finds the first's work done. Returns the names built."""
-    version = current_version(conn, schema) or 0
-    wanted = [index for m in migrations() if m.version <= version for index in m.indexes]
-    if not wanted:
-        return []
     autocommit = conn.autocommit
-    conn.autocommit = True
+    conn.autocommit = True  # CONCURRENTLY runs outside any transaction
     lock = (_INDEX_LOCK_NAMESPACE + schema,)
-    built = []
+    built: list[str] = []
     try:
+        version = current_version(conn, schema) or 0
+        wanted = [index for m in migrations() if m.version <= version for index in m.indexes]
+        if not wanted:
+            return built
         # Polled, not waited for: a session waiting on the lock would be a transaction
         # the holder's CONCURRENTLY build waits to end, a deadlock.
         while conn.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))",

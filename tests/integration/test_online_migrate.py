@@ -233,3 +233,11 @@ def test_a_running_dispatcher_that_meets_a_newer_schema_finishes_its_jobs_and_st
     with psycopg.connect(dsn, autocommit=True) as conn:
         done = job(conn, "in-flight", schema)
         assert done is not None and done["status"] == "done"
+
+
+def test_migrate_on_an_idle_connection_not_in_autocommit_leaves_it_as_it_was(
+        dsn: str, old_schema: str) -> None:
+    with psycopg.connect(dsn) as conn:  # autocommit off, no transaction open yet
+        assert outbox.migrate(conn, schema=old_schema)[0] == GROUPS
+        assert conn.autocommit is False
+        assert _index_valid(conn, old_schema, "jobs_fair") is True
