@@ -610,16 +610,26 @@ def _duration(text: str) -> float:
 @click.argument("effect")
 @click.option("--for", "duration", default=None, metavar="DURATION",
               help="How long (90s, 10m, 2h); default: until `outbox resume`.")
+@click.option("--force", is_flag=True,
+              help="Pause an effect that no unfinished job, dispatcher or limit names yet.")
 @actor_option
 @_one_line_errors
-def pause_command(dsn: str, schema: str, effect: str, duration: str | None,
+def pause_command(dsn: str, schema: str, effect: str, duration: str | None, force: bool,
                   actor: str | None) -> None:
     """Pause an effect for every dispatcher on the schema: its jobs stay pending, no
-    attempt counted, other effects go on. Audited."""
+    attempt counted, other effects go on. Audited. An effect nothing has named (a typo
+    would leave the real one running) is refused unless --force."""
     seconds = None if duration is None else _duration(duration)
     queries = _sql.queries(schema)
     with _connect(dsn) as conn:
         require_current(conn, schema)
+        [found] = _named(conn, queries.effect_named, {"effect": effect})
+        if not found["named"] and not force:
+            known = ", ".join(found["known"]) or "none"
+            raise click.UsageError(
+                f"no unfinished job, dispatcher or limit names effect {effect!r} (effects "
+                f"dispatchers serve or limits name: {known}): check the name, or pass "
+                "--force to pause it anyway")
         conn.execute(queries.limit_pause, {"effect": effect, "seconds": seconds,
                                            "actor": _actor(actor)})
     until = "until resumed" if seconds is None else f"for {duration}"

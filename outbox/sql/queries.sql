@@ -329,6 +329,20 @@ FROM pg_stat_user_tables s
 WHERE s.schemaname = %(schema_name)s::text AND s.relname = ANY(%(tables)s::text[])
   AND s.last_analyze IS NULL AND s.last_autoanalyze IS NULL;
 
+-- name: effect_named
+-- Whether anything has named %(effect)s: an unfinished job, a dispatcher's row, or a row of
+-- effect_limits (a limit declared, a pause, a throttle); and the effects those name, for
+-- an operator's typo to be told what exists. `outbox pause` asks before pausing.
+SELECT (EXISTS (SELECT 1 FROM {schema}.jobs j
+                WHERE j.status IN ('pending', 'running') AND j.effect = %(effect)s::text)
+        OR EXISTS (SELECT 1 FROM {schema}.dispatchers d WHERE %(effect)s::text = ANY(d.effects))
+        OR EXISTS (SELECT 1 FROM {schema}.effect_limits l WHERE l.effect = %(effect)s::text))
+           AS named,
+       ARRAY(SELECT n.effect FROM (
+                 SELECT unnest(d.effects) AS effect FROM {schema}.dispatchers d
+                 UNION SELECT l.effect FROM {schema}.effect_limits l) n
+             ORDER BY n.effect LIMIT 20) AS known;
+
 -- name: has_due_work
 -- Whether this dispatcher may still have work: a claimable job, or a running job of its
 -- effects (another worker's, which may fail back to pending or be rescued if its lease

@@ -36,6 +36,7 @@ def audit(dsn: str, schema: str) -> list[tuple[Any, ...]]:
 
 
 def test_pause_and_resume_are_audited_and_shown_by_status(dsn: str, schema: str) -> None:
+    enqueue(dsn, schema, "email.send", ["welcome-1"])  # an effect with a pending job
     out = cli(dsn, schema, "pause", "email.send", "--for", "10m", "--actor", "ada")
     assert "paused for 10m" in out
     state = limit_row(dsn, schema, "email.send")
@@ -58,12 +59,29 @@ def test_pause_and_resume_are_audited_and_shown_by_status(dsn: str, schema: str)
 
 
 def test_pause_without_end_lasts_until_resumed(dsn: str, schema: str) -> None:
-    cli(dsn, schema, "pause", "email.send")
+    cli(dsn, schema, "pause", "email.send", "--force")  # no job names it yet
     [paused] = json.loads(cli(dsn, schema, "status", "--json"))["paused_effects"]
     assert paused["until"] is None and paused["by"].startswith("cli")
     assert paused["seconds_left"] is None
     assert "email.send: operator by cli" in (text := cli(dsn, schema, "status"))
     assert "until resumed" in text
+
+
+def test_a_pause_of_an_effect_nothing_names_is_refused_unless_forced(
+        dsn: str, schema: str) -> None:
+    enqueue(dsn, schema, "email.send", ["welcome-1"])
+    with psycopg.connect(dsn, autocommit=True) as conn:  # a dispatcher serving another one
+        conn.execute(f'INSERT INTO "{schema}".dispatchers (worker_id, effects, expires_at) '
+                     "VALUES ('w1', ARRAY['payment.charge'], now() + interval '1 minute')")
+    typo = CliRunner().invoke(main, ["pause", "--dsn", dsn, "--schema", schema, "emial.send"])
+    assert typo.exit_code == 2, typo.output
+    assert "no unfinished job, dispatcher or limit names effect 'emial.send'" in typo.output
+    assert "payment.charge" in typo.output and "--force" in typo.output
+    assert limit_row(dsn, schema, "emial.send") is None, "nothing was paused"
+    assert audit(dsn, schema) == []
+    assert "paused until resumed" in cli(dsn, schema, "pause", "email.send")  # a pending job
+    assert "paused until resumed" in cli(dsn, schema, "pause", "payment.charge")  # served
+    assert "paused until resumed" in cli(dsn, schema, "pause", "emial.send", "--force")
 
 
 def test_a_bad_duration_is_refused_with_its_reason(dsn: str, schema: str) -> None:
