@@ -24,8 +24,8 @@ from typing import Any
 import psycopg
 
 import outbox
-from outbox._sql import bind_schema
 from outbox.migrate import migrations
+from outbox.sql import bind_schema
 
 from ._db import Server, fresh_database, settle
 from ._effects import NOOP

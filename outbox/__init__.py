@@ -15,7 +15,7 @@ refunded.
 """
 
 from ._enqueue import EnqueueResult, NewJob
-from ._state import Backoff
+from ._lifecycle import Backoff
 from .dispatcher import AsyncDispatcher, Dispatcher, DispatchStats
 from .effect import Effect, Job
 from .errors import (

@@ -58,7 +58,7 @@ from ._dispatch.state import (
     supervised_async,
 )
 from ._dispatch.workers import DaemonPool, TaskWorkers, ThreadWorkers
-from ._state import Backoff
+from ._lifecycle import Backoff
 from .effect import Effect
 from .errors import ConfigurationError, DispatcherFailed
 from .limits import Limit

@@ -15,7 +15,7 @@
                 them): budgeted claims, throttles, the breaker
     workers     run ``perform`` within the one concurrency limit
     recorder    complete / settle batches (fenced), heartbeat held leases; the
-                settlement itself is ``outbox._state.settle``
+                settlement itself is ``outbox._lifecycle.settle``
     hooked      the recorder's per-job path for outcomes with a completion hook, and
                 how a hook is called in a transaction
     hook_lookup which effects have completion hooks and reconcilers (build time)

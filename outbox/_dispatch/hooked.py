@@ -47,9 +47,9 @@ from typing import Any, Protocol, TypeVar
 
 import psycopg
 
-from .. import _state
+from .. import _lifecycle
+from .._lifecycle import Decision
 from .._sql import Queries
-from .._state import Decision
 from .._steps import Rows, Statement, Step, execute, execute_async, run, run_async
 from ..effect import Job
 from ..flows import AsyncHookTransaction, HookTransaction
@@ -143,7 +143,7 @@ class Recording(Protocol):
     retrying: bool
     rng: random.Random
 
-    def rules(self, held: Held) -> _state.Rules: ...
+    def rules(self, held: Held) -> _lifecycle.Rules: ...
 
     def landed_before(self, helds: list[Held]) -> Step[set[int]]: ...
 
@@ -161,7 +161,7 @@ class HookedOutcomes:
         self.sync_conn: Connection | None = None  # AsyncDispatcher's, for sync hooks
         # The recorder heartbeats only between transactions: a chunk taking at most half
         # an interval keeps every lease held at least half its length ahead.
-        self.chunk_seconds = _state.heartbeat_interval(recorder.settings.lease) / 2
+        self.chunk_seconds = _lifecycle.heartbeat_interval(recorder.settings.lease) / 2
         self.chunk_size = HOOKED_CHUNK_FIRST
 
     def next_chunk(self) -> list[Hooked]:
@@ -303,8 +303,8 @@ class HookedOutcomes:
 
     def _settle_hook_error(self, item: Hooked, outcome: BaseException | None,
                            error: Exception) -> Decision:
-        """Where the job goes after its hook raised ``error`` (``_state.settle``)."""
-        return _state.settle(outcome, item.held.job, self.recorder.rules(item.held),
+        """Where the job goes after its hook raised ``error`` (``_lifecycle.settle``)."""
+        return _lifecycle.settle(outcome, item.held.job, self.recorder.rules(item.held),
                              now=datetime.now(UTC), rng=self.recorder.rng, hook_error=error)
 
     def _hook(self, item: Hooked, value: Any) -> HookStep[Exception | None]:

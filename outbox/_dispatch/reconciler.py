@@ -15,13 +15,13 @@ pass before claiming). Each pass::
                  NotPerformed()     reconcile -> pending, same key, fresh window
                  Permanent raised   reconcile -> failed + on_failed
                  None               asked again later, with backoff; after
-                                    _state.MAX_UNKNOWN_PASSES answers of None, left to
+                                    _lifecycle.MAX_UNKNOWN_PASSES answers of None, left to
                                     a person
                  anything else      the provider could not be reached: asked again,
                  raised             the pass not counted toward giving up
 
 How a reply is read (``read_reply``), where an answer sends the job
-(``_state.settle_answer``) and the resolutions (``resolve``, a step that yields statements
+(``_lifecycle.settle_answer``) and the resolutions (``resolve``, a step that yields statements
 and hook calls) are written once; ``run_reconciler`` and ``run_reconciler_async`` drive
 them with the steps' two drivers (``outbox._steps``).
 """
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from .. import _state
+from .. import _lifecycle
 from .._steps import Statement, Step, run, run_async
 from ..effect import Effect, Job
 from ..errors import ConfigurationError, Permanent
@@ -72,7 +72,7 @@ class Answer:
 
     job: Job
     checks: int  # passes answered "still unknown" before this one
-    kind: _state.Answered
+    kind: _lifecycle.Answered
     result_json: str = "null"
     error: BaseException | None = None
 
@@ -184,12 +184,12 @@ class Reconciler:
         elif answer.kind == "not_performed":
             decision = "not_performed"
             rows = yield Statement(q.reconcile_not_performed, {
-                **fence, "error": _state.settle_answer("not_performed").error})
+                **fence, "error": _lifecycle.settle_answer("not_performed").error})
         else:
-            settled = _state.settle_answer(
+            settled = _lifecycle.settle_answer(
                 answer.kind, error=answer.error, checks=answer.checks,
                 interval=self.settings.reconcile_interval, rng=self.rng)
-            gave_up = settled.delay == _state.NEVER
+            gave_up = settled.delay == _lifecycle.NEVER
             decision = "gave_up" if gave_up else answer.kind
             rows = yield Statement(q.reconcile_later, {
                 **fence, "delay": None if gave_up else settled.delay,
@@ -218,7 +218,7 @@ class Reconciler:
                 log.warning("job %s (key %s): on_done raised %s after reconciliation; the "
                             "job is retried with the provider's answer kept", job.id,
                             job.key, type(error).__name__)
-                settled = _state.settle_answer("performed", hook_error=error)
+                settled = _lifecycle.settle_answer("performed", hook_error=error)
                 rows = yield Statement(self.queries.reconcile_keep, {
                     **fence, "error": settled.error})
         return "performed", rows
@@ -230,12 +230,12 @@ class Reconciler:
         fence = {"id": job.id, "version": job.claim_version}
         yield SAVEPOINT
         rows = yield Statement(self.queries.reconcile_fail, {
-            **fence, "error": _state.settle_answer("failed", error=error).error})
+            **fence, "error": _lifecycle.settle_answer("failed", error=error).error})
         if rows and hook is not None:
             hook_error = yield from call_hook(hook, job, error, self.queries)
             if hook_error is not None:  # the failure stands; only the hook's writes go
                 yield ROLLBACK
-                settled = _state.settle_answer("failed", error=error, hook_error=hook_error)
+                settled = _lifecycle.settle_answer("failed", error=error, hook_error=hook_error)
                 rows = yield Statement(self.queries.reconcile_fail, {
                     **fence, "error": settled.error})
         return "failed", rows

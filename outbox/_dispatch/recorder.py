@@ -21,9 +21,9 @@ from typing import Any
 
 import psycopg
 
-from .. import _state
+from .. import _lifecycle
+from .._lifecycle import Decision
 from .._pg import configuration_error
-from .._state import Decision
 from .._steps import Statement, Step, run, run_async
 from ..errors import ConfigurationError, Throttled
 from ..observe import AttemptOutcome
@@ -199,12 +199,12 @@ class Recorder:
             batch.remove(item)
 
     def settlement(self, held: Held, outcome: Outcome) -> Decision:
-        """Where a failed (or released) attempt sends the job (``_state.settle``)."""
-        settled = _state.RELEASED if isinstance(outcome, Release) else outcome
+        """Where a failed (or released) attempt sends the job (``_lifecycle.settle``)."""
+        settled = _lifecycle.RELEASED if isinstance(outcome, Release) else outcome
         assert not isinstance(settled, Success)
-        decision = _state.settle(settled, held.job, self.rules(held), now=datetime.now(UTC),
+        decision = _lifecycle.settle(settled, held.job, self.rules(held), now=datetime.now(UTC),
                                  rng=self.rng)
-        if settled is not _state.RELEASED and not isinstance(settled, Throttled):
+        if settled is not _lifecycle.RELEASED and not isinstance(settled, Throttled):
             log.log(
                 logging.WARNING if decision.status != "pending" else logging.INFO,
                 "job %s (key %s) attempt %s -> %s: %s",
@@ -214,10 +214,10 @@ class Recorder:
             )
         return decision
 
-    def rules(self, held: Held) -> _state.Rules:
+    def rules(self, held: Held) -> _lifecycle.Rules:
         """The rules that settle ``held``'s attempts (its window, the backoff, whether
         its effect reconciles)."""
-        return _state.Rules(window=self.settings.window_for(held.effect),
+        return _lifecycle.Rules(window=self.settings.window_for(held.effect),
                             backoff=self.settings.backoff,
                             reconciles=held.job.effect in self.reconciling)
 
@@ -374,7 +374,7 @@ async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
 def _heartbeat_timer(settings: Settings) -> Timer:
     """When the leases held are extended: first one interval after the recorder starts
     (the claim has just set them)."""
-    heartbeat = Timer(_state.heartbeat_interval(settings.lease))
+    heartbeat = Timer(_lifecycle.heartbeat_interval(settings.lease))
     heartbeat.next_at = time.monotonic() + heartbeat.interval
     return heartbeat
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from .. import _state
+from .. import _lifecycle
+from .._lifecycle import Backoff
 from .._sql import Queries, check_schema_name, queries
-from .._state import Backoff
 from ..effect import Effect, is_async_effect
 from ..errors import ConfigurationError
 from ..limits import Limit
@@ -198,7 +198,7 @@ class Settings:
 
 def _seconds(value: Any, what: str, minimum: float = 0.0) -> float:
     try:
-        return _state.seconds(value, what=what, minimum=minimum)
+        return _lifecycle.seconds(value, what=what, minimum=minimum)
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(str(exc)) from None
 
@@ -209,7 +209,7 @@ def declared_window(effect: Effect) -> float | None:
     value = getattr(effect, "unknown_outcome_window", None)
     if value is None:
         return None
-    return _state.seconds(value, what=f"effect {effect.name!r}: unknown_outcome_window")
+    return _lifecycle.seconds(value, what=f"effect {effect.name!r}: unknown_outcome_window")
 
 
 def _limits(given: Mapping[str, Limit] | None, effects: Mapping[str, Effect]) -> dict[str, Limit]:

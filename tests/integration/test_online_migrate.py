@@ -18,8 +18,8 @@ from psycopg import sql
 
 import outbox
 from outbox import SchemaError
-from outbox._sql import bind_schema
 from outbox.migrate import AFTER_COMMIT, _parse, latest_version, migrations
+from outbox.sql import bind_schema
 from outbox.testing import job
 
 # outbox.migrate is also the name of the function the package exports.

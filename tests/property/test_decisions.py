@@ -1,4 +1,4 @@
-"""Properties of the pure lifecycle decisions (``outbox._state``), without a database."""
+"""Properties of the pure lifecycle decisions (``outbox._lifecycle``), without a database."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from outbox import Backoff, Job, Permanent, Retry, UnknownOutcome
-from outbox._state import MAX_ERROR_LENGTH, Decision, Rules, settle
+from outbox._lifecycle import MAX_ERROR_LENGTH, Decision, Rules, settle
 
 FAST = settings(max_examples=300, deadline=None, database=None)
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)

@@ -42,7 +42,7 @@ from psycopg import sql
 
 import outbox
 from outbox import Permanent, Retry, UnknownOutcome, _queue
-from outbox._state import Backoff, Rules, settle
+from outbox._lifecycle import Backoff, Rules, settle
 from outbox.dispatcher import _text_array
 from outbox.sql import queries
 

@@ -7,7 +7,7 @@ import random
 
 import outbox
 from outbox._dispatch.reconciler import read_reply
-from outbox._state import MAX_UNKNOWN_PASSES, next_ask
+from outbox._lifecycle import MAX_UNKNOWN_PASSES, next_ask
 
 JOB = outbox.Job(id=1, effect="payment.charge", key="k", payload={}, attempt=2,
                  claim_version=2)

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import outbox
 from outbox import Backoff, Permanent, Throttled, UnknownOutcome
-from outbox._state import (
+from outbox._lifecycle import (
     MAX_UNKNOWN_PASSES,
     NEVER,
     RELEASED,

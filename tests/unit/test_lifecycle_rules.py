@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from outbox import Backoff, Job, Permanent, Retry, UnknownOutcome
-from outbox._state import Decision, Rules, heartbeat_interval, seconds, settle
+from outbox._lifecycle import Decision, Rules, heartbeat_interval, seconds, settle
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 DAY = 86400.0
