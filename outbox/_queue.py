@@ -234,6 +234,28 @@ def backlog(schema: str) -> Step[dict[str, Backlog]]:
     return {d.effect: Backlog(int(d.due), int(d.dispatchers)) for d in rows}
 
 
+@dataclass(frozen=True, slots=True)
+class GroupBacklog:
+    """One group's pending jobs of one effect (``busiest_groups``); ``group_key`` None:
+    the jobs enqueued without a group."""
+
+    effect: str
+    group_key: str | None
+    pending: int
+
+
+def busiest_groups(schema: str, top: int) -> Step[dict[str, list[GroupBacklog]]]:
+    """Per effect with pending jobs, its ``top`` groups by pending jobs, most first."""
+    rows: list[GroupBacklog] = yield Statement(
+        queue_queries(schema).busiest_groups, {"top": top},
+        row=lambda effect, group_key, pending: GroupBacklog(
+            effect, group_key or None, int(pending)))
+    found: dict[str, list[GroupBacklog]] = {}
+    for row in rows:
+        found.setdefault(row.effect, []).append(row)
+    return found
+
+
 # -- the operator's transitions ---------------------------------------------------------
 
 

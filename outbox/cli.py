@@ -359,6 +359,7 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
         with conn.transaction():  # one snapshot for every figure
             snapshot = _queue.read(conn, schema)
             backlog = _queue.on(conn, _queue.backlog(schema))
+            groups = _queue.on(conn, _queue.busiest_groups(schema, BUSIEST_GROUPS))
             recent = _named(conn, queries.recent_failures, {"limit": failures})
             paused = _named(conn, queries.paused_effects)
             live = _named(conn, queries.live_dispatchers)
@@ -378,6 +379,10 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
              "at": f["updated_at"].isoformat()} for f in recent
         ],
         **_served(snapshot, backlog, live),
+        # Per effect, the groups (tenants) with the longest backlogs: top N, not all.
+        "busiest_groups": {
+            effect: [{"group": g.group_key, "pending": g.pending} for g in found]
+            for effect, found in groups.items()},
         # Effects no dispatcher claims now: throttled, their breaker open, or an operator's.
         "paused_effects": [
             {**p, "until": None if p["until"] is None else p["until"].isoformat(),
@@ -434,6 +439,13 @@ def _print_status(report: dict[str, Any]) -> None:
         click.echo(f"  {effect:<24} pending {row['pending']:>8}, due {row['due']:>8}, "
                    f"oldest due {'-' if age is None else f'{age:.1f}s'}, "
                    f"dispatchers {row['dispatchers']}{flag}")
+    grouped = {effect: found for effect, found in report["busiest_groups"].items()
+               if any(g["group"] is not None for g in found)}
+    if grouped:
+        click.echo(f"busiest groups (top {BUSIEST_GROUPS} by pending jobs):")
+        for effect, found in grouped.items():
+            listed = ", ".join(f"{g['group'] or '(no group)'} {g['pending']}" for g in found)
+            click.echo(f"  {effect:<24} {listed}")
     if report["paused_effects"]:
         click.echo("paused effects:")
         for p in report["paused_effects"]:
@@ -448,6 +460,7 @@ def _print_status(report: dict[str, Any]) -> None:
 
 
 BULK_RETRY_CAP = 1000  # as the dashboard's bulk retry
+BUSIEST_GROUPS = 5  # groups shown per effect by outbox status
 VIA = "command line"  # the surface, in the audit trail
 actor_option = click.option(
     "--actor", default=None, metavar="NAME",

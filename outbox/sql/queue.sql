@@ -75,6 +75,20 @@ WHERE j.status = 'pending'
 GROUP BY j.effect
 ORDER BY j.effect;
 
+-- name: busiest_groups
+-- Per effect with pending jobs, the %(top)s groups with the most pending jobs (the backlog
+-- per tenant; '' is the jobs with no group). Reads the pending jobs only, in the fair
+-- claim's index (jobs_fair), never the history: as costly as the backlog is long.
+SELECT t.effect, t.g AS group_key, t.pending
+FROM (SELECT j.effect, coalesce(j.group_key, '') AS g, count(*) AS pending,
+             row_number() OVER (PARTITION BY j.effect
+                                ORDER BY count(*) DESC, coalesce(j.group_key, '')) AS place
+      FROM {schema}.jobs j
+      WHERE j.status = 'pending'
+      GROUP BY j.effect, coalesce(j.group_key, '')) t
+WHERE t.place <= %(top)s
+ORDER BY t.effect, t.place;
+
 -- ---------------------------------------------------------------------------------------
 -- The operator's transitions. Each is one statement: fenced like the dispatcher's writes
 -- (conditional on the status the transition starts from and, when given, on the status

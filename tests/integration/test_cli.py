@@ -60,6 +60,27 @@ def test_status_shows_counts_and_recent_failures(dsn: str, schema: str) -> None:
     assert "failed" in table.output and "email-order-7" in table.output
 
 
+def test_status_shows_the_busiest_groups_of_each_effect(dsn: str, schema: str) -> None:
+    sizes = {"acme": 30, "beta": 12, None: 9, "delta": 7, "echo": 5, "fox": 4, "golf": 1}
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        tx.enqueue_many([outbox.NewJob("email.send", key=f"{group}-{n}", payload={},
+                                       group=group)
+                         for group, size in sizes.items() for n in range(size)])
+        tx.enqueue("sms.send", key="sms-1", payload={})
+    result = CliRunner().invoke(main, ["status", "--dsn", dsn, "--schema", schema, "--json"])
+    assert result.exit_code == 0, result.output
+    busiest = json.loads(result.output)["busiest_groups"]
+    assert busiest == {
+        "email.send": [{"group": "acme", "pending": 30}, {"group": "beta", "pending": 12},
+                       {"group": None, "pending": 9}, {"group": "delta", "pending": 7},
+                       {"group": "echo", "pending": 5}],
+        "sms.send": [{"group": None, "pending": 1}]}
+    table = CliRunner().invoke(main, ["status", "--dsn", dsn, "--schema", schema]).output
+    assert "busiest groups (top 5 by pending jobs):" in table
+    assert "acme 30, beta 12, (no group) 9, delta 7, echo 5" in table
+    assert "sms.send" not in table.split("busiest groups")[1], "an effect without groups"
+
+
 def test_status_on_a_large_table_estimates_done_jobs_as_the_dashboard_does(
         dsn: str, schema: str, monkeypatch: pytest.MonkeyPatch) -> None:
     table = sql.Identifier(schema, "jobs")
