@@ -23,6 +23,7 @@ from . import (
     drain,
     enqueue,
     events,
+    fairness,
     flows,
     latency,
     limits,
@@ -39,7 +40,7 @@ from ._results import Section, environment, render, write_json
 log = logging.getLogger("benchmarks")
 
 SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory", "flows",
-            "events", "limits", "retention", "upgrade", "soak")
+            "events", "limits", "fairness", "retention", "upgrade", "soak")
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVER_SETTINGS = ("shared_buffers", "max_connections", "fsync", "synchronous_commit",
                    "wal_level", "max_wal_size", "autovacuum")
@@ -196,6 +197,9 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
             runs, jobs=sizes.limits_jobs, outage=sizes.limits_outage)),
         "retention": lambda srv: retention.run(srv, retention.RetentionConfig(
             runs, sizes.retention_history, sizes.retention_jobs, outbox=best)),
+        "fairness": lambda srv: fairness.run(srv, (
+            fairness.FairnessConfig(runs, backlog=400, few=5, priority_backlog=300)
+            if args.quick else fairness.FairnessConfig(runs))),
         "upgrade": lambda srv: upgrade.run(srv, upgrade.UpgradeConfig(
             runs, sizes.upgrade_history)),
         "soak": lambda srv: soak.run(srv, soak.SoakConfig(
