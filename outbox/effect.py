@@ -26,7 +26,9 @@ class Job:
 
     ``attempt`` counts claims, starting at 1; ``claim_version`` is the fencing token of
     this claim. ``model`` holds the payload validated against the effect's
-    ``payload_model`` when it declares one, else None.
+    ``payload_model`` when it declares one, else None. ``group`` and ``priority`` are
+    what the job was enqueued with (``group=``, ``priority=``): an adapter may route by
+    the group, e.g. to a tenant's provider account.
     """
 
     id: int
@@ -39,6 +41,8 @@ class Job:
     max_attempts: int = 1
     first_attempted_at: datetime | None = None
     model: Any = field(default=None, compare=False)
+    group: str | None = None
+    priority: int = 0
 
 
 class Effect:

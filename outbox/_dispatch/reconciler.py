@@ -92,6 +92,8 @@ class Taken:
     first_attempted_at: datetime | None
     reconcile_checks: int
     created_at: datetime
+    group_key: str | None
+    priority: int
 
     def job(self) -> Job:
         """The job as ``reconcile`` is given it (its window from the first attempt, or
@@ -99,7 +101,8 @@ class Taken:
         return Job(id=self.id, effect=self.effect, key=self.key, payload=self.payload,
                    attempt=self.attempts, claim_version=self.claim_version,
                    ordering_key=self.ordering_key, max_attempts=self.max_attempts,
-                   first_attempted_at=self.first_attempted_at or self.created_at)
+                   first_attempted_at=self.first_attempted_at or self.created_at,
+                   group=self.group_key, priority=self.priority)
 
 
 def read_reply(job: Job, checks: int, reply: object, error: BaseException | None) -> Answer:

@@ -72,7 +72,8 @@ SET claim_version = j.claim_version + 1,
 FROM due
 WHERE j.id = due.id AND j.status = 'reconcile'
 RETURNING j.id, j.effect, j.key, j.payload, j.attempts, j.claim_version, j.ordering_key,
-          j.max_attempts, j.first_attempted_at, j.reconcile_checks, j.created_at;
+          j.max_attempts, j.first_attempted_at, j.reconcile_checks, j.created_at,
+          j.group_key, j.priority;
 
 -- name: reconcile_done
 -- The provider did act: reconcile -> done with the ledger row, fenced.

@@ -113,3 +113,20 @@ def test_a_bad_group_or_priority_is_refused_before_anything_is_sent(
             tx.enqueue("test.ordered", key="k", payload={}, **kwargs)  # type: ignore[arg-type]
         with pytest.raises(InvalidArgument, match=r"job #0 \('k'\).*" + message):
             tx.enqueue_many([NewJob("test.ordered", "k", {}, **kwargs)])  # type: ignore[arg-type]
+
+
+def test_perform_is_told_the_group_and_priority_the_job_was_enqueued_with(
+        dsn: str, schema: str) -> None:
+    seen: dict[str, tuple[str | None, int]] = {}
+
+    class Routing(Effect):
+        name = "test.ordered"
+
+        def perform(self, job: Job) -> None:
+            seen[job.key] = (job.group, job.priority)
+
+    enqueue(dsn, schema, [NewJob("test.ordered", key="acme-1", payload={}, group="acme",
+                                 priority=7),
+                          NewJob("test.ordered", key="plain-1", payload={})])
+    Dispatcher(dsn, [Routing()], schema=schema).run_until_idle(timeout=60)
+    assert seen == {"acme-1": ("acme", 7), "plain-1": (None, 0)}
