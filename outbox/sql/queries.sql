@@ -454,7 +454,7 @@ WHERE i.consumer = d.consumer AND i.message_id = d.message_id;
 -- name: jobs_in_transaction
 -- Every job in enqueue order as the caller's transaction sees them: tests that run inside
 -- a transaction which never commits (Django's TestCase) assert on what it enqueued.
-SELECT id, effect, key, CAST(payload AS text) AS payload, status
+SELECT id, effect, key, CAST(payload AS text) AS payload, status, group_key, priority
 FROM {schema}.jobs
 ORDER BY id;
 

@@ -248,8 +248,10 @@ def test_inside_a_testcase_transaction_jobs_are_visible_to_the_test_only(
     with django_transaction.atomic():
         with outbox_atomic() as tx:
             tx.enqueue("email.send", key="in-testcase", payload={"n": 1})
-        assert [(j["key"], j["payload"], j["status"]) for j in enqueued()] == [
-            ("in-testcase", {"n": 1}, "pending")]
+            tx.enqueue("email.send", key="for-acme", payload={}, group="acme", priority=3)
+        assert [(j["key"], j["payload"], j["status"], j["group_key"], j["priority"])
+                for j in enqueued()] == [("in-testcase", {"n": 1}, "pending", None, 0),
+                                         ("for-acme", {}, "pending", "acme", 3)]
         stats = Dispatcher(conninfo(), [effect], schema=project).run_until_idle(timeout=30)
         assert (stats.done, effect.seen) == (0, [])
         django_transaction.set_rollback(True)

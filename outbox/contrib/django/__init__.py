@@ -117,7 +117,8 @@ def jobs(using: str = "default", *, schema: str | None = None) -> list[dict[str,
     """The jobs as ``using``'s current transaction sees them, in enqueue order.
 
     For tests inside Django's ``TestCase``, whose transaction no dispatcher can see: each
-    job is a dict with ``id``, ``effect``, ``key``, ``payload`` (decoded) and ``status``.
+    job is a dict with ``id``, ``effect``, ``key``, ``payload`` (decoded), ``status``,
+    ``group_key`` and ``priority``.
     """
     schema = default_schema() if schema is None else schema
     with connections[using].cursor() as cursor:
