@@ -303,7 +303,7 @@ def apply_through(execute: Execute, schema: str, *, indexes_in_run: bool = True)
     """Apply the pending migrations of ``schema`` with ``execute(statement, params)``, in
     the caller's transaction; return the versions applied. Their after-commit indexes are
     built in that transaction too unless ``indexes_in_run`` is False (``migrate`` builds
-    them concurrently once the run commits).
+    them concurrently once the run commits) and the schema already existed.
 
     The one sequence every route runs (``migrate`` on a psycopg connection, Django's
     migrations on a Django cursor, on psycopg 3 or psycopg2): the advisory lock, the
@@ -327,6 +327,9 @@ def apply_through(execute: Execute, schema: str, *, indexes_in_run: bool = True)
             f"({latest_version()}): refusing to migrate"
         )
     applied: list[int] = []
+    # A schema created by this run has empty tables: its indexes are built in the run
+    # (CONCURRENTLY would only wait for every older transaction of the database to end).
+    indexes_in_run = indexes_in_run or version == 0
     for migration in migrations():
         if migration.version <= version:
             continue
