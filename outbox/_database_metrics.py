@@ -44,7 +44,9 @@ class DatabaseCollector(Collector):
     (due as the claim decides it: ordering keys respected),
     ``outbox_expired_leases{effect}``, ``outbox_oldest_reconcile_job_age_seconds
     {effect}``, ``outbox_jobs_dead_tuples``, ``outbox_unhandled_due_jobs{effect}`` (due
-    jobs of an effect no running dispatcher handles) and ``outbox_database_up``.
+    jobs of an effect no running dispatcher handles), ``outbox_busiest_group_pending
+    {effect}`` (the pending jobs of the effect's largest group: a noisy tenant's backlog,
+    with no group label, whose values are unbounded) and ``outbox_database_up``.
 
     A database error never fails the scrape: it is logged (by type only) and reported as
     ``outbox_database_up 0``. Effects past ``MAX_EFFECTS`` fold into ``other``."""
@@ -61,7 +63,7 @@ class DatabaseCollector(Collector):
         up = GaugeMetricFamily("outbox_database_up",
                                "1 when the last scrape read the outbox tables, else 0.")
         try:
-            snapshot, unhandled, limits = self._read()
+            snapshot, unhandled, limits, groups = self._read()
         except psycopg.Error as exc:
             log.error("database metrics: cannot read the outbox tables (%s)",
                       getattr(exc, "sqlstate", None) or type(exc).__name__)
@@ -75,9 +77,11 @@ class DatabaseCollector(Collector):
             effects = set(self._seen)
         yield from _families(snapshot, effects)
         yield _unhandled_family(unhandled, effects)
+        yield _busiest_group_family(groups, effects)
         yield from _limit_families(limits)
 
-    def _read(self) -> tuple[_queue.Snapshot, list[Unserved], list[dict[str, Any]]]:
+    def _read(self) -> tuple[_queue.Snapshot, list[Unserved], list[dict[str, Any]],
+                             dict[str, list[_queue.GroupBacklog]]]:
         with psycopg.connect(self.conninfo, connect_timeout=10) as conn:
             conn.read_only = True
             with conn.transaction():
@@ -88,7 +92,8 @@ class DatabaseCollector(Collector):
                     queries(self.schema).unhandled_due, {"limit": SCAN_LIMIT}).fetchall()
                 limits = conn.cursor(row_factory=dict_row).execute(
                     queries(self.schema).limits_overview).fetchall()
-                return snapshot, unhandled, limits
+                groups = _queue.on(conn, _queue.busiest_groups(self.schema, 1))
+                return snapshot, unhandled, limits, groups
 
 
 def _unhandled_family(rows: list[Unserved], known: set[str]) -> Metric:
@@ -107,6 +112,25 @@ def _unhandled_family(rows: list[Unserved], known: set[str]) -> Metric:
         folded[effect] = folded.get(effect, 0) + int(unserved.due)
     for effect, due in sorted(folded.items()):
         family.add_metric([effect], due)
+    return family
+
+
+def _busiest_group_family(groups: dict[str, list[_queue.GroupBacklog]],
+                          known: set[str]) -> Metric:
+    """``outbox_busiest_group_pending{effect}``: the pending jobs of each effect's largest
+    group (jobs without a group count as one group), 0 with none pending. The group's
+    name is no label: tenants are unbounded, a Prometheus label set must not be."""
+    bounded = _bounded_effects(known | set(groups))
+    family = GaugeMetricFamily(
+        "outbox_busiest_group_pending", "Pending jobs of the effect's largest group "
+        "(tenant): one tenant's backlog (outbox status names the group).",
+        labels=["effect"])
+    folded = {bounded(effect): 0 for effect in known}
+    for effect, found in groups.items():
+        label = bounded(effect)
+        folded[label] = max(folded.get(label, 0), found[0].pending if found else 0)
+    for effect, pending in sorted(folded.items()):
+        family.add_metric([effect], pending)
     return family
 
 

@@ -221,6 +221,9 @@ def render(request: Request, name: str, context: dict[str, Any],
     return response
 
 
+BUSIEST_GROUPS = 5  # per effect, on the overview (as outbox status)
+
+
 async def overview(request: Request) -> Response:
     """Counts, backlog age, the last hour's throughput and failures, dispatchers."""
     access = await authorized(request, "read")
@@ -229,6 +232,8 @@ async def overview(request: Request) -> Response:
     since = (datetime.now(UTC) - timedelta(minutes=59)).replace(second=0, microsecond=0)
     async with transaction(settings) as conn:
         snapshot = await _queue.read_async(conn, settings.schema)
+        groups = await _queue.on_async(conn, _queue.busiest_groups(settings.schema,
+                                                                   BUSIEST_GROUPS))
         settled = await records(conn, q.settled_per_minute, Settled, {"since": since})
         dispatchers = await records(conn, q.dispatchers, Holder)
         audit = await records(conn, q.recent_audit, RecentAudit, {"limit": 10})
@@ -240,6 +245,10 @@ async def overview(request: Request) -> Response:
     health = snapshot.health
     return render(request, "overview.html", {
         "limits": limits,
+        # Only effects whose jobs name groups: a table of "(no group)" alone says nothing.
+        "groups": {effect: found for effect, found in groups.items()
+                   if any(g.group_key is not None for g in found)},
+        "top_groups": BUSIEST_GROUPS,
         "failed_groups": [replace(g, search=error_search(g.sample)) for g in failed_groups],
         "counts": snapshot.counts, "effects": sorted(snapshot.effects()), "health": health,
         "chart": minute_chart(settled, since),

@@ -184,3 +184,20 @@ def test_a_fresh_typo_behind_a_large_older_backlog_is_found(dsn: str, schema: st
     text = generate_latest(registry).decode()
     assert 'outbox_unhandled_due_jobs{effect="email.sned"} 1.0' in text
     assert 'outbox_unhandled_due_jobs{effect="email.send"} 0.0' in text  # served
+
+
+def test_the_metrics_give_each_effects_largest_group_without_naming_it(
+        dsn: str, schema: str) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from outbox.metrics import DatabaseCollector
+
+    enqueue(dsn, schema, *[NewJob("email.send", f"acme-{n}", {}, group="acme") for n in range(3)],
+            NewJob("email.send", "beta-1", {}, group="beta"),
+            NewJob("sms.send", "plain-1", {}), NewJob("sms.send", "plain-2", {}))
+    registry = CollectorRegistry()
+    registry.register(DatabaseCollector(dsn, schema))
+    text = generate_latest(registry).decode()
+    assert 'outbox_busiest_group_pending{effect="email.send"} 3.0' in text
+    assert 'outbox_busiest_group_pending{effect="sms.send"} 2.0' in text  # no group: one
+    assert "acme" not in text, "a group's name is no label"

@@ -27,7 +27,7 @@ def seed(dsn: str, schema: str, *jobs: dict[str, Any]) -> list[int]:
                    "status": "pending", "attempts": 0, "claim_version": 0,
                    "last_error": None, "lease_until": None, "claimed_by": None,
                    "available_at": None, "created_at": None, "updated_at": None,
-                   "ordering_key": None, **job}
+                   "ordering_key": None, "group_key": None, **job}
             if row["status"] == "running":
                 if row["lease_until"] is None:
                     row["lease_until"] = datetime.now(UTC) + timedelta(hours=1)
@@ -36,13 +36,14 @@ def seed(dsn: str, schema: str, *jobs: dict[str, Any]) -> list[int]:
             query = sql.SQL(
                 "INSERT INTO {}.jobs (effect, key, payload, fingerprint, status, attempts,"
                 " claim_version, last_error, lease_until, claimed_by, available_at,"
-                " created_at, updated_at, ordering_key)"
+                " created_at, updated_at, ordering_key, group_key)"
                 " VALUES (%(effect)s, %(key)s, %(payload)s::jsonb,"
                 " 'seeded', %(status)s, %(attempts)s, %(claim_version)s, %(last_error)s,"
                 " %(lease_until)s::timestamptz, %(claimed_by)s,"
                 " coalesce(%(available_at)s::timestamptz, now()),"
                 " coalesce(%(created_at)s::timestamptz, now()),"
-                " coalesce(%(updated_at)s::timestamptz, now()), %(ordering_key)s)"
+                " coalesce(%(updated_at)s::timestamptz, now()), %(ordering_key)s,"
+                " %(group_key)s)"
                 " RETURNING id"
             ).format(sql.Identifier(schema))
             found = conn.execute(query, row).fetchone()

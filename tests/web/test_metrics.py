@@ -124,7 +124,8 @@ def exported_names() -> set[str]:
     names = {m.name for m in registry.collect()}
     names |= {"outbox_jobs", "outbox_oldest_due_job_age_seconds", "outbox_expired_leases",
               "outbox_oldest_reconcile_job_age_seconds", "outbox_jobs_dead_tuples",
-              "outbox_database_up", "outbox_unhandled_due_jobs"}
+              "outbox_database_up", "outbox_unhandled_due_jobs",
+              "outbox_busiest_group_pending"}
     suffixes = ("_total", "_bucket", "_sum", "_count", "_created")
     return names | {n + s for n in names for s in suffixes}
 

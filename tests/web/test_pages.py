@@ -32,6 +32,22 @@ async def test_overview_shows_counts_per_status_and_effect(
     assert "failure rate 66.7 %" in page
 
 
+async def test_overview_shows_the_busiest_groups_of_effects_with_groups(
+        client: httpx.AsyncClient, dsn: str, schema: str) -> None:
+    seed(dsn, schema,
+         *[{"key": f"acme-{n}", "group_key": "acme"} for n in range(3)],
+         {"key": "beta-1", "group_key": "beta"}, {"key": "plain-1"},
+         {"key": "sms-1", "effect": "sms.send"},
+         {"key": "<b>x</b>", "group_key": "<b>evil</b>"})
+    page = (await client.get("/")).text
+    assert "<h2>Busiest groups</h2>" in page
+    # Ties in byte order, the jobs without a group ('') first.
+    assert ("<td>email.send</td><td>acme 3, <em>(no group)</em> 1, "
+            "&lt;b&gt;evil&lt;/b&gt; 1, beta 1</td>") in page
+    assert "<td>sms.send</td>" not in page, "an effect whose jobs name no group"
+    assert "<b>evil</b>" not in page, "a group's name is escaped"
+
+
 async def test_every_page_carries_a_content_security_policy(client: httpx.AsyncClient) -> None:
     for path in ("/", "/jobs", "/jobs/999999"):
         response = await client.get(path)
