@@ -362,6 +362,7 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
             groups = _queue.on(conn, _queue.busiest_groups(schema, BUSIEST_GROUPS))
             recent = _named(conn, queries.recent_failures, {"limit": failures})
             paused = _named(conn, queries.paused_effects)
+            paused_groups = _named(conn, queries.paused_groups)
             live = _named(conn, queries.live_dispatchers)
     health = snapshot.health.values()
     report = {
@@ -389,6 +390,10 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
              "seconds_left": None if p["seconds_left"] is None
              else round(float(p["seconds_left"]), 1)}
             for p in paused
+        ],
+        "paused_groups": [
+            {**p, "until": None if p["until"] is None else p["until"].isoformat()}
+            for p in paused_groups
         ],
     }
     if as_json:
@@ -452,6 +457,12 @@ def _print_status(report: dict[str, Any]) -> None:
             left = "until resumed" if p["until"] is None else f"{p['seconds_left']}s left"
             by = f" by {p['by']}" if p["by"] else ""
             click.echo(f"  {p['effect']}: {p['reason']}{by}, {left}")
+    if report["paused_groups"]:
+        click.echo("paused groups:")
+        for p in report["paused_groups"]:
+            left = "until resumed" if p["until"] is None else f"until {p['until']}"
+            by = f" by {p['by']}" if p["by"] else ""
+            click.echo(f"  {p['effect']} group {p['group']}{by}, {left}")
     if report["recent_failures"]:
         click.echo("recent failures:")
         for f in report["recent_failures"]:
@@ -623,51 +634,81 @@ def _duration(text: str) -> float:
 @click.argument("effect")
 @click.option("--for", "duration", default=None, metavar="DURATION",
               help="How long (90s, 10m, 2h); default: until `outbox resume`.")
+@click.option("--group", default=None, metavar="GROUP",
+              help="Pause only this group (tenant) of the effect; its other groups go on.")
 @click.option("--force", is_flag=True,
-              help="Pause an effect that no unfinished job, dispatcher or limit names yet.")
+              help="Pause an effect (or group) that no unfinished job, dispatcher or limit "
+              "names yet.")
 @actor_option
 @_one_line_errors
-def pause_command(dsn: str, schema: str, effect: str, duration: str | None, force: bool,
-                  actor: str | None) -> None:
-    """Pause an effect for every dispatcher on the schema: its jobs stay pending, no
-    attempt counted, other effects go on. Audited. An effect nothing has named (a typo
-    would leave the real one running) is refused unless --force."""
+def pause_command(dsn: str, schema: str, effect: str, duration: str | None,
+                  group: str | None, force: bool, actor: str | None) -> None:
+    """Pause an effect, or one group of it, for every dispatcher on the schema: its jobs
+    stay pending, no attempt counted, everything else goes on. Audited. An effect or a
+    group nothing has named (a typo would leave the real one running) is refused unless
+    --force."""
     seconds = None if duration is None else _duration(duration)
     queries = _sql.queries(schema)
     with _connect(dsn) as conn:
         require_current(conn, schema)
-        [found] = _named(conn, queries.effect_named, {"effect": effect})
-        if not found["named"] and not force:
-            known = ", ".join(found["known"]) or "none"
-            raise click.UsageError(
-                f"no unfinished job, dispatcher or limit names effect {effect!r} (effects "
-                f"dispatchers serve or limits name: {known}): check the name, or pass "
-                "--force to pause it anyway")
-        conn.execute(queries.limit_pause, {"effect": effect, "seconds": seconds,
-                                           "actor": _actor(actor)})
+        if group is not None:
+            _check_group(group)
+            [found] = _named(conn, queries.group_named, {"effect": effect, "group_key": group})
+            if not found["named"] and not force:
+                raise click.UsageError(
+                    f"effect {effect!r} has no unfinished job in group {group!r}: check "
+                    "both names, or pass --force to pause the group anyway")
+            conn.execute(queries.group_pause, {"effect": effect, "group_key": group,
+                                               "seconds": seconds, "actor": _actor(actor)})
+        else:
+            [found] = _named(conn, queries.effect_named, {"effect": effect})
+            if not found["named"] and not force:
+                known = ", ".join(found["known"]) or "none"
+                raise click.UsageError(
+                    f"no unfinished job, dispatcher or limit names effect {effect!r} "
+                    f"(effects dispatchers serve or limits name: {known}): check the name, "
+                    "or pass --force to pause it anyway")
+            conn.execute(queries.limit_pause, {"effect": effect, "seconds": seconds,
+                                               "actor": _actor(actor)})
     until = "until resumed" if seconds is None else f"for {duration}"
-    click.echo(f"effect {effect} paused {until} for every dispatcher")
+    what = f"effect {effect}" if group is None else f"group {group} of effect {effect}"
+    click.echo(f"{what} paused {until} for every dispatcher")
+
+
+def _check_group(group: str) -> None:
+    if not 1 <= len(group) <= 255:
+        raise click.BadParameter("a group is 1 to 255 characters", param_hint="--group")
 
 
 @main.command("resume")
 @dsn_option
 @schema_option
 @click.argument("effect")
+@click.option("--group", default=None, metavar="GROUP",
+              help="Resume only this group of the effect (paused with --group).")
 @actor_option
 @_one_line_errors
-def resume_command(dsn: str, schema: str, effect: str, actor: str | None) -> None:
+def resume_command(dsn: str, schema: str, effect: str, group: str | None,
+                   actor: str | None) -> None:
     """End an effect's pause (an operator's, a throttle's or an open breaker's: the next
-    claim then probes). Audited; listening dispatchers are woken."""
+    claim then probes), or one group's. Audited; listening dispatchers are woken."""
     queries = _sql.queries(schema)
+    what = f"effect {effect}" if group is None else f"group {group} of effect {effect}"
     with _connect(dsn) as conn:
         require_current(conn, schema)
-        [row] = _named(conn, queries.limit_resume, {
-            "effect": effect, "actor": _actor(actor), "channel": notify_channel(schema),
-        })
+        if group is not None:
+            _check_group(group)
+            [row] = _named(conn, queries.group_resume, {
+                "effect": effect, "group_key": group, "actor": _actor(actor),
+                "channel": notify_channel(schema)})
+        else:
+            [row] = _named(conn, queries.limit_resume, {
+                "effect": effect, "actor": _actor(actor), "channel": notify_channel(schema),
+            })
     if row["resumed"]:
-        click.echo(f"effect {effect} resumed")
+        click.echo(f"{what} resumed")
     else:
-        click.echo(f"effect {effect} was not paused")
+        click.echo(f"{what} was not paused")
 
 
 @main.command("web")

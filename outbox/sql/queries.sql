@@ -74,12 +74,17 @@ LEFT JOIN {schema}.jobs j ON j.key = k.key
 LEFT JOIN {schema}.effect_results r ON r.key = k.key;
 
 -- fragment: claimable
--- Whether the job j is one a claim takes now, whatever its effect: pending, due, and not
--- held back by its ordering key (a job with a key is claimable only when no earlier job
--- of that key is pending and none is running). Written once: the claims (claim,
--- limit_claim), has_due_work and the queue model's "due" (queue.sql) all bind it.
+-- Whether the job j is one a claim takes now, whatever its effect: pending, due, not in
+-- a group an operator paused (group_pauses), and not held back by its ordering key (a
+-- job with a key is claimable only when no earlier job of that key is pending and none
+-- is running). Written once: the claims (claim, limit_claim), has_due_work and the queue
+-- model's "due" (queue.sql) all bind it.
 (j.status = 'pending'
  AND j.available_at <= now()
+ AND NOT EXISTS (
+       SELECT 1 FROM {schema}.group_pauses gp
+       WHERE gp.effect = j.effect AND gp.group_key = coalesce(j.group_key, '')
+         AND gp.paused_until > now())
  AND (j.ordering_key IS NULL OR NOT EXISTS (
        SELECT 1 FROM {schema}.jobs o
        WHERE o.ordering_key = j.ordering_key
@@ -787,6 +792,56 @@ LIMIT %(limit)s;
 -- 17, and psycopg cannot load it); this is the one rule that reads it back, for every
 -- reader (outbox status, the dashboard), which get NULL as its end.
 coalesce(l.paused_until > now() + interval '50 years', false)
+
+-- name: group_pause
+-- An operator pauses one group of an effect for every dispatcher, until %(seconds)s from
+-- now (NULL: until resumed, stored a century ahead), audited in the same transaction.
+WITH paused AS (
+    INSERT INTO {schema}.group_pauses AS p (effect, group_key, paused_until, paused_by)
+    VALUES (%(effect)s::text, %(group_key)s::text,
+            now() + coalesce(%(seconds)s::float8 * interval '1 second', interval '100 years'),
+            %(actor)s::text)
+    ON CONFLICT (effect, group_key) DO UPDATE
+    SET paused_until = EXCLUDED.paused_until, paused_by = EXCLUDED.paused_by,
+        paused_at = now()
+    RETURNING p.effect
+), audited AS (
+    INSERT INTO {schema}.dashboard_audit (actor, action, detail, affected)
+    SELECT %(actor)s::text, 'pause',
+           jsonb_build_object('effect', p.effect, 'group', %(group_key)s::text,
+                              'seconds', %(seconds)s::float8), 1
+    FROM paused p
+)
+SELECT count(*) AS paused FROM paused;
+
+-- name: group_resume
+-- An operator resumes one group of an effect; audited, and the dispatchers are woken.
+WITH resumed AS (
+    DELETE FROM {schema}.group_pauses p
+    WHERE p.effect = %(effect)s::text AND p.group_key = %(group_key)s::text
+      AND p.paused_until > now()
+    RETURNING p.effect
+), audited AS (
+    INSERT INTO {schema}.dashboard_audit (actor, action, detail, affected)
+    VALUES (%(actor)s::text, 'resume',
+            jsonb_build_object('effect', %(effect)s::text, 'group', %(group_key)s::text),
+            (SELECT count(*) FROM resumed))
+)
+SELECT count(*) AS resumed FROM resumed, pg_notify(%(channel)s::text, '');
+
+-- name: group_named
+-- Whether the effect has unfinished jobs in the group (`outbox pause --group` asks first).
+SELECT EXISTS (SELECT 1 FROM {schema}.jobs j
+               WHERE j.status IN ('pending', 'running') AND j.effect = %(effect)s::text
+                 AND j.group_key = %(group_key)s::text) AS named;
+
+-- name: paused_groups
+-- Groups paused now: by whom and until when (NULL: until resumed).
+SELECT p.effect, p.group_key AS "group", p.paused_by AS by,
+       CASE WHEN p.paused_until < now() + interval '50 years' THEN p.paused_until END AS until
+FROM {schema}.group_pauses p
+WHERE p.paused_until > now()
+ORDER BY p.effect, p.group_key;
 
 -- name: paused_effects
 -- Effects paused now, for every dispatcher: why (throttled, outage, operator), by whom
