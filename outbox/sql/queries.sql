@@ -787,10 +787,10 @@ ORDER BY count(*) DESC, g.effect
 LIMIT %(limit)s;
 
 -- fragment: until_resumed
--- Whether the pause of effect_limits row l lasts until an operator resumes it. Such a
--- pause is stored a century ahead (date arithmetic on 'infinity' fails before PostgreSQL
--- 17, and psycopg cannot load it); this is the one rule that reads it back, for every
--- reader (outbox status, the dashboard), which get NULL as its end.
+-- Whether the pause of row l (effect_limits, group_pauses) lasts until an operator
+-- resumes it. Such a pause is stored a century ahead (date arithmetic on 'infinity' fails
+-- before PostgreSQL 17, and psycopg cannot load it); this is the one rule that reads it
+-- back, for every reader (outbox status, the dashboard), which get NULL as its end.
 coalesce(l.paused_until > now() + interval '50 years', false)
 
 -- name: group_pause
@@ -836,12 +836,13 @@ SELECT EXISTS (SELECT 1 FROM {schema}.jobs j
                  AND j.group_key = %(group_key)s::text) AS named;
 
 -- name: paused_groups
--- Groups paused now: by whom and until when (NULL: until resumed).
-SELECT p.effect, p.group_key AS "group", p.paused_by AS by,
-       CASE WHEN p.paused_until < now() + interval '50 years' THEN p.paused_until END AS until
-FROM {schema}.group_pauses p
-WHERE p.paused_until > now()
-ORDER BY p.effect, p.group_key;
+-- Groups paused now: by whom and until when (NULL: until resumed, the one rule of
+-- until_resumed, which reads the pause as l).
+SELECT l.effect, l.group_key AS "group", l.paused_by AS by,
+       CASE WHEN NOT {until_resumed} THEN l.paused_until END AS until
+FROM {schema}.group_pauses l
+WHERE l.paused_until > now()
+ORDER BY l.effect, l.group_key;
 
 -- name: paused_effects
 -- Effects paused now, for every dispatcher: why (throttled, outage, operator), by whom
