@@ -24,7 +24,6 @@ from typing import Any
 import psycopg
 
 import outbox
-from outbox.migrate import migrations
 from outbox.sql import bind_schema
 
 from ._db import Server, fresh_database, settle
@@ -41,23 +40,6 @@ PREVIOUS_VERSION = 9
 class UpgradeConfig:
     runs: int
     history: int
-
-
-def migrate_to(dsn: str, version: int) -> None:
-    """The schema as the release that knew migrations up to ``version`` left it."""
-    with psycopg.connect(dsn) as conn, conn.transaction():
-        conn.execute(bind_schema("CREATE SCHEMA {schema}", SCHEMA).encode())
-        conn.execute(bind_schema(
-            "CREATE TABLE {schema}.schema_migrations (version integer PRIMARY KEY, "
-            "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
-            SCHEMA).encode())
-        for migration in migrations()[:version]:
-            conn.execute(bind_schema(migration.sql, SCHEMA).encode())
-            for index in migration.indexes:
-                conn.execute(bind_schema(index.sql, SCHEMA).encode())
-            conn.execute(bind_schema(
-                "INSERT INTO {schema}.schema_migrations (version, name) VALUES (%s, %s)",
-                SCHEMA), (migration.version, migration.name))
 
 
 # The previous release's business code enqueues with its own statement: this one's
@@ -110,7 +92,8 @@ class Business:
 
 def _one(server: Server, config: UpgradeConfig, how: str) -> dict[str, Any]:
     with fresh_database(server, f"upgrade-{how.split(maxsplit=1)[0]}") as dsn:
-        migrate_to(dsn, PREVIOUS_VERSION)
+        with psycopg.connect(dsn, autocommit=True) as conn:  # the previous release's schema
+            outbox.migrate(conn, schema=SCHEMA, target=PREVIOUS_VERSION)
         seed_history(dsn, config.history)
         settle(dsn)
         business = Business(dsn)

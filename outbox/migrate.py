@@ -172,7 +172,7 @@ def require_current(conn: psycopg.Connection[Any], schema: str) -> None:
 
 
 def migrate(conn: psycopg.Connection[Any], schema: str = "outbox", *,
-            lock_timeout: float | None = LOCK_TIMEOUT) -> list[int]:
+            lock_timeout: float | None = LOCK_TIMEOUT, target: int | None = None) -> list[int]:
     """Create or upgrade the outbox tables in ``schema``; return the versions applied.
 
     Idempotent, and safe when several processes run it at once (an advisory lock on the
@@ -193,26 +193,29 @@ def migrate(conn: psycopg.Connection[Any], schema: str = "outbox", *,
     run checks them again: one a crash left unbuilt or invalid is built now. Joined to the
     caller's transaction, the run waits for its locks like any statement there and builds
     those indexes in that transaction.
+
+    ``target`` stops at that version (None: the latest): the schema an older release
+    left, for testing an upgrade from it.
     """
     check_schema_name(schema)
     if conn.info.transaction_status != TransactionStatus.IDLE:
-        return _joined(conn, schema)
+        return _joined(conn, schema, target)
     # Under REPEATABLE READ or SERIALIZABLE the snapshot is taken by the first statement,
     # the lock request, before the lock is granted: a run that waited would not see the
     # versions the holder just applied and would apply them again.
     previous = conn.isolation_level
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
     try:
-        applied = _apply(conn, schema, lock_timeout)
+        applied = _apply(conn, schema, lock_timeout, target)
     finally:
         conn.isolation_level = previous
     build_indexes(conn, schema)
     return applied
 
 
-def _joined(conn: psycopg.Connection[Any], schema: str) -> list[int]:
+def _joined(conn: psycopg.Connection[Any], schema: str, target: int | None) -> list[int]:
     try:
-        return _apply_once(conn, schema, None, indexes_in_run=True)
+        return _apply_once(conn, schema, None, target, indexes_in_run=True)
     except (psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable,
             psycopg.errors.DuplicateSchema, psycopg.errors.UniqueViolation,
             psycopg.errors.SerializationFailure) as exc:
@@ -222,11 +225,12 @@ def _joined(conn: psycopg.Connection[Any], schema: str) -> list[int]:
         ) from exc
 
 
-def _apply(conn: psycopg.Connection[Any], schema: str, lock_timeout: float | None) -> list[int]:
+def _apply(conn: psycopg.Connection[Any], schema: str, lock_timeout: float | None,
+           target: int | None) -> list[int]:
     pause = _RETRY_PAUSE[0]
     for attempt in range(1, LOCK_ATTEMPTS + 1):
         try:
-            return _apply_once(conn, schema, lock_timeout, indexes_in_run=False)
+            return _apply_once(conn, schema, lock_timeout, target, indexes_in_run=False)
         except psycopg.errors.LockNotAvailable as exc:
             if attempt == LOCK_ATTEMPTS:
                 raise SchemaError(
@@ -242,8 +246,8 @@ def _apply(conn: psycopg.Connection[Any], schema: str, lock_timeout: float | Non
     raise AssertionError("unreachable")
 
 
-def _apply_once(conn: psycopg.Connection[Any], schema: str, lock_timeout: float | None, *,
-                indexes_in_run: bool) -> list[int]:
+def _apply_once(conn: psycopg.Connection[Any], schema: str, lock_timeout: float | None,
+                target: int | None, *, indexes_in_run: bool) -> list[int]:
     def execute(statement: str, params: tuple[Any, ...] | None) -> list[tuple[Any, ...]]:
         cursor = conn.execute(statement.encode() if params is None else statement, params)
         return cursor.fetchall() if cursor.description else []
@@ -252,7 +256,7 @@ def _apply_once(conn: psycopg.Connection[Any], schema: str, lock_timeout: float 
         if lock_timeout is not None:
             conn.execute("SELECT set_config('lock_timeout', %s, true)",
                          (f"{max(1, round(lock_timeout * 1000))}ms",))
-        return apply_through(execute, schema, indexes_in_run=indexes_in_run)
+        return apply_through(execute, schema, indexes_in_run=indexes_in_run, target=target)
 
 
 def build_indexes(conn: psycopg.Connection[Any], schema: str) -> list[str]:
@@ -299,7 +303,8 @@ def build_indexes(conn: psycopg.Connection[Any], schema: str) -> list[str]:
 Execute = Callable[[str, "tuple[Any, ...] | None"], list[tuple[Any, ...]]]
 
 
-def apply_through(execute: Execute, schema: str, *, indexes_in_run: bool = True) -> list[int]:
+def apply_through(execute: Execute, schema: str, *, indexes_in_run: bool = True,
+                  target: int | None = None) -> list[int]:
     """Apply the pending migrations of ``schema`` with ``execute(statement, params)``, in
     the caller's transaction; return the versions applied. Their after-commit indexes are
     built in that transaction too unless ``indexes_in_run`` is False (``migrate`` builds
@@ -307,8 +312,9 @@ def apply_through(execute: Execute, schema: str, *, indexes_in_run: bool = True)
 
     The one sequence every route runs (``migrate`` on a psycopg connection, Django's
     migrations on a Django cursor, on psycopg 3 or psycopg2): the advisory lock, the
-    schema and its ``schema_migrations``, then each pending file recorded as it applies.
-    Statements are plain strings with ``%s`` placeholders, so any DB-API cursor runs them.
+    schema and its ``schema_migrations``, then each pending file recorded as it applies
+    (up to ``target``, when given). Statements are plain strings with ``%s``
+    placeholders, so any DB-API cursor runs them.
     """
     check_schema_name(schema)
     execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
@@ -331,7 +337,7 @@ def apply_through(execute: Execute, schema: str, *, indexes_in_run: bool = True)
     # (CONCURRENTLY would only wait for every older transaction of the database to end).
     indexes_in_run = indexes_in_run or version == 0
     for migration in migrations():
-        if migration.version <= version:
+        if migration.version <= version or (target is not None and migration.version > target):
             continue
         execute(bind_schema(migration.sql, schema), None)
         if indexes_in_run:

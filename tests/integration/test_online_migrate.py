@@ -18,7 +18,7 @@ from psycopg import sql
 
 import outbox
 from outbox import SchemaError
-from outbox.migrate import AFTER_COMMIT, _parse, latest_version, migrations
+from outbox.migrate import AFTER_COMMIT, _parse, latest_version
 from outbox.sql import bind_schema
 from outbox.testing import job
 
@@ -32,30 +32,13 @@ def old_schema(dsn: str) -> Iterator[str]:
     """A schema migrated only as far as the version before GROUPS, with a job in it."""
     name = f"old_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(dsn, autocommit=True) as conn:
-        migrate_to(conn, name, GROUPS - 1)
+        assert outbox.migrate(conn, schema=name, target=GROUPS - 1) == list(range(1, GROUPS))
         conn.execute(bind_schema(
             "INSERT INTO {schema}.jobs (effect, key, payload, fingerprint) "
             "VALUES ('email.send', 'before', '{{}}', 'f')", name).encode())
     yield name
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
-
-
-def migrate_to(conn: psycopg.Connection[Any], schema: str, version: int) -> None:
-    """What a release that knew migrations up to ``version`` left behind."""
-    with conn.transaction():
-        conn.execute(bind_schema("CREATE SCHEMA {schema}", schema).encode())
-        conn.execute(bind_schema(
-            "CREATE TABLE {schema}.schema_migrations (version integer PRIMARY KEY, "
-            "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
-            schema).encode())
-        for migration in migrations()[:version]:
-            conn.execute(bind_schema(migration.sql, schema).encode())
-            for index in migration.indexes:
-                conn.execute(bind_schema(index.sql, schema).encode())
-            conn.execute(bind_schema(
-                "INSERT INTO {schema}.schema_migrations (version, name) VALUES (%s, %s)",
-                schema), (migration.version, migration.name))
 
 
 class Warnings(logging.Handler):
