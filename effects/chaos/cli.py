@@ -39,10 +39,14 @@ def _faults(ctx: click.Context, param: click.Parameter, value: str) -> frozenset
 @click.option("--lease", default=2.0, show_default=True, help="Dispatcher lease, seconds.")
 @click.option("--slack", default=8.0, show_default=True,
               help="Allowed seconds past lease + rescue interval for a job to stay running.")
+@click.option("--fault-spacing", default=1.0, show_default=True,
+              help="Seconds between faults of each kind, as a multiple of CI intensity (a "
+              "kill every 4 s): 10 for a soak of an hour or a million jobs.")
 @click.option("--keep-logs", is_flag=True, help="Keep worker logs even when all is well.")
 def command(workers: int, jobs: int, duration: float, deadline: float | None,
             seed: int | None, dsn: str | None, json_path: str | None,
-            faults: frozenset[str], lease: float, slack: float, keep_logs: bool) -> None:
+            faults: frozenset[str], lease: float, slack: float, fault_spacing: float,
+            keep_logs: bool) -> None:
     """Drain jobs through dispatchers that are killed, frozen and cut off, against
     providers that fail, and check that every effect happened once and none was lost.
 
@@ -60,7 +64,7 @@ def command(workers: int, jobs: int, duration: float, deadline: float | None,
         config = ChaosConfig(workers=workers, jobs=jobs, duration=duration,
                              deadline=deadline if deadline is not None else duration + 200,
                              seed=seed, dsn=dsn, faults=faults, lease=lease, slack=slack,
-                             keep_logs=keep_logs)
+                             fault_spacing=fault_spacing, keep_logs=keep_logs)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     console = Console(stderr=False)

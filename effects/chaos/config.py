@@ -64,6 +64,11 @@ class ChaosConfig:
     lease: float = 2.0
     rescue_interval: float = 1.0
     slack: float = 8.0
+    # Seconds between faults of each kind, as a multiple of the CI intensity (_RATES in
+    # schedule.py: a kill every 4 s, a restart every 20 s, ...). A soak of an hour or a
+    # million jobs runs sparser faults (10: a kill every 40 s) so that work gets done
+    # between them; every kind still comes at least its minimum number of times.
+    fault_spacing: float = 1.0
     concurrency: int = 8
     provider_timeout: float = 1.0
     provider_latency: float = 0.01
@@ -81,6 +86,8 @@ class ChaosConfig:
             raise ValueError("duration must be positive and deadline longer than duration")
         if self.lease < 1.0:
             raise ValueError("lease must be at least 1 second")
+        if not 0.1 <= self.fault_spacing <= 1000:
+            raise ValueError("fault spacing must be between 0.1 and 1000")
         unknown = self.faults - set(FAULT_KINDS)
         if unknown:
             raise ValueError(f"unknown fault kind(s): {', '.join(sorted(unknown))}")

@@ -230,7 +230,7 @@ def build_schedule(config: ChaosConfig, rng: random.Random) -> list[FaultEvent]:
     for kind, (every, minimum) in _RATES.items():
         if kind not in config.faults:
             continue
-        count = max(minimum, round(config.duration / every))
+        count = max(minimum, round(config.duration / (every * config.fault_spacing)))
         end = _PROCESS_END if kind in PROCESS_FAULTS + BROKER_FAULTS else _PROVIDER_END
         for _ in range(count):
             at = rng.uniform(_FAULTS_START * config.duration, end * config.duration)

@@ -60,6 +60,17 @@ def test_every_enabled_kind_is_scheduled_and_kills_aim_at_every_window() -> None
     assert all(e.at <= 0.85 * config.duration for e in events if e.kind in PROCESS_FAULTS)
 
 
+def test_fault_spacing_thins_the_schedule_but_keeps_every_kind() -> None:
+    dense = Counter(e.kind for e in build_schedule(
+        ChaosConfig(duration=400.0, deadline=500.0), random.Random(3)))
+    sparse = Counter(e.kind for e in build_schedule(
+        ChaosConfig(duration=400.0, deadline=500.0, fault_spacing=10.0), random.Random(3)))
+    assert dense["kill"] == 100 and sparse["kill"] == 10  # one every 4 s, then every 40 s
+    assert sparse["restart"] >= 1 and set(sparse) == set(dense)
+    with pytest.raises(ValueError, match="fault spacing must be between 0.1 and 1000"):
+        ChaosConfig(fault_spacing=0.0)
+
+
 def test_only_the_chosen_faults_are_scheduled() -> None:
     config = ChaosConfig(jobs=500, duration=40, seed=3, faults=parse_faults("kill,5xx"))
     assert {e.kind for e in build_schedule(config, random.Random(3))} == {"kill", "5xx"}
