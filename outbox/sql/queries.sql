@@ -81,10 +81,12 @@ LEFT JOIN {schema}.effect_results r ON r.key = k.key;
 -- model's "due" (queue.sql) all bind it.
 (j.status = 'pending'
  AND j.available_at <= now()
- AND NOT EXISTS (
-       SELECT 1 FROM {schema}.group_pauses gp
-       WHERE gp.effect = j.effect AND gp.group_key = coalesce(j.group_key, '')
-         AND gp.paused_until > now())
+ -- A scalar subquery (one primary-key probe per candidate), not NOT EXISTS: the planner
+ -- would make that an anti join, which costs the claims their index-ordered scans (a
+ -- sort of a whole group's backlog per claim, measured).
+ AND NOT coalesce((SELECT gp.paused_until > now() FROM {schema}.group_pauses gp
+                   WHERE gp.effect = j.effect AND gp.group_key = coalesce(j.group_key, '')),
+                  false)
  AND (j.ordering_key IS NULL OR NOT EXISTS (
        SELECT 1 FROM {schema}.jobs o
        WHERE o.ordering_key = j.ordering_key
