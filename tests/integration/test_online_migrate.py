@@ -224,3 +224,25 @@ def test_migrate_on_an_idle_connection_not_in_autocommit_leaves_it_as_it_was(
         assert outbox.migrate(conn, schema=old_schema)[0] == GROUPS
         assert conn.autocommit is False
         assert _index_valid(conn, old_schema, "jobs_fair") is True
+
+
+def test_a_role_that_reads_the_jobs_may_read_the_group_pauses_once_migrated(
+        dsn: str, old_schema: str) -> None:
+    reader, other = f"reader_{uuid.uuid4().hex[:8]}", f"other_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        try:
+            for role in (reader, other):
+                conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("GRANT SELECT ON {}.jobs TO {}").format(
+                sql.Identifier(old_schema), sql.Identifier(reader)))
+            outbox.migrate(conn, schema=old_schema)
+            allowed = conn.execute(
+                "SELECT has_table_privilege(%s, %s, 'SELECT'), "
+                "has_table_privilege(%s, %s, 'SELECT')",
+                (reader, f'"{old_schema}".group_pauses',
+                 other, f'"{old_schema}".group_pauses')).fetchone()
+            assert allowed == (True, False)
+        finally:
+            for role in (reader, other):
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
