@@ -232,15 +232,17 @@ def _apply(conn: psycopg.Connection[Any], schema: str, lock_timeout: float | Non
         try:
             return _apply_once(conn, schema, lock_timeout, target, indexes_in_run=False)
         except psycopg.errors.LockNotAvailable as exc:
+            # None: the server's own lock_timeout (or a NOWAIT) gave up, not ours.
+            waited = "in time" if lock_timeout is None else f"within {lock_timeout:g} s"
             if attempt == LOCK_ATTEMPTS:
                 raise SchemaError(
                     f"could not migrate schema {schema!r}: a lock it needs was not granted "
-                    f"within {lock_timeout:g} s in {attempt} attempts (a long transaction "
-                    "holds one of its tables; see pg_stat_activity); nothing was changed"
+                    f"{waited} in {attempt} attempts (a long transaction holds one of its "
+                    "tables; see pg_stat_activity); nothing was changed"
                 ) from exc
-            log.warning("migrating schema %r: a lock was not granted within %g s (attempt "
-                        "%d of %d, rolled back); trying again in %.1f s", schema,
-                        lock_timeout, attempt, LOCK_ATTEMPTS, pause)
+            log.warning("migrating schema %r: a lock was not granted %s (attempt %d of %d, "
+                        "rolled back); trying again in %.1f s", schema, waited, attempt,
+                        LOCK_ATTEMPTS, pause)
             time.sleep(pause)
             pause = min(pause * 2, _RETRY_PAUSE[1])
     raise AssertionError("unreachable")
