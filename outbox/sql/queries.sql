@@ -87,11 +87,18 @@ LEFT JOIN {schema}.effect_results r ON r.key = k.key;
  AND NOT coalesce((SELECT gp.paused_until > now() FROM {schema}.group_pauses gp
                    WHERE gp.effect = j.effect AND gp.group_key = coalesce(j.group_key, '')),
                   false)
- AND (j.ordering_key IS NULL OR NOT EXISTS (
-       SELECT 1 FROM {schema}.jobs o
-       WHERE o.ordering_key = j.ordering_key
-         AND o.id <> j.id
-         AND (o.status = 'running' OR (o.status = 'pending' AND o.id < j.id)))))
+ -- The ordering key: j heads its key's line (the lowest id among the key's pending and
+ -- running jobs: one probe of jobs_ordering, whose predicate this matches) and none of
+ -- the key's jobs runs (looked at for the heads only). Written as a NOT EXISTS over
+ -- "earlier or running" rows, the planner chose a scan of the table per candidate
+ -- whenever the statistics showed a long line behind one key: quadratic in the line.
+ AND (j.ordering_key IS NULL OR (
+       (SELECT o.id FROM {schema}.jobs o
+        WHERE o.ordering_key = j.ordering_key AND o.status IN ('pending', 'running')
+        ORDER BY o.id LIMIT 1) = j.id
+       AND NOT EXISTS (
+           SELECT 1 FROM {schema}.jobs o
+           WHERE o.ordering_key = j.ordering_key AND o.status = 'running'))))
 
 -- fragment: claim_taken
 -- The locked candidates (a CTE of ids) to running, at the time in the CTE clock (one row,
