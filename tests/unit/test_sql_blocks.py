@@ -50,7 +50,7 @@ def test_fragments_are_bound_into_the_blocks_that_name_them_and_are_no_query() -
 
 
 def test_the_claimable_rule_is_written_once_in_the_products_sql() -> None:
-    rule = "o.status = 'pending' AND o.id < j.id"
+    rule = "WHERE o.ordering_key = j.ordering_key AND o.status IN ('pending', 'running')"
     sql_files = [p for p in (REPO / "outbox").rglob("*.sql")]
     assert sum(p.read_text().count(rule) for p in sql_files) == 1
     claim_users = ("claim", "has_due_work", "limit_claim")
