@@ -244,6 +244,10 @@ class GroupBacklog:
     pending: int
 
 
+BUSIEST_GROUPS = 5
+"""Groups shown per effect by ``outbox status`` and the dashboard's overview."""
+
+
 def busiest_groups(schema: str, top: int) -> Step[dict[str, list[GroupBacklog]]]:
     """Per effect with pending jobs, its ``top`` groups by pending jobs, most first."""
     rows: list[GroupBacklog] = yield Statement(

@@ -33,11 +33,11 @@ from psycopg.rows import dict_row
 
 from . import _queue, _sql
 from ._devserver import dev_server
-from ._enqueue import notify_channel
+from ._enqueue import MAX_GROUP_LENGTH, notify_channel, validate_group
 from ._pg import configuration_error
 from ._steps import Step
 from .dispatcher import AsyncDispatcher, Dispatcher
-from .errors import OutboxError
+from .errors import InvalidArgument, OutboxError
 from .limits import Limit, parse_limit
 from .migrate import LOCK_TIMEOUT, current_version, latest_version, migrate, require_current
 
@@ -359,7 +359,7 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
         with conn.transaction():  # one snapshot for every figure
             snapshot = _queue.read(conn, schema)
             backlog = _queue.on(conn, _queue.backlog(schema))
-            groups = _queue.on(conn, _queue.busiest_groups(schema, BUSIEST_GROUPS))
+            groups = _queue.on(conn, _queue.busiest_groups(schema, _queue.BUSIEST_GROUPS))
             recent = _named(conn, queries.recent_failures, {"limit": failures})
             paused = _named(conn, queries.paused_effects)
             paused_groups = _named(conn, queries.paused_groups)
@@ -447,7 +447,7 @@ def _print_status(report: dict[str, Any]) -> None:
     grouped = {effect: found for effect, found in report["busiest_groups"].items()
                if any(g["group"] is not None for g in found)}
     if grouped:
-        click.echo(f"busiest groups (top {BUSIEST_GROUPS} by pending jobs):")
+        click.echo(f"busiest groups (top {_queue.BUSIEST_GROUPS} by pending jobs):")
         for effect, found in grouped.items():
             listed = ", ".join(f"{g['group'] or '(no group)'} {g['pending']}" for g in found)
             click.echo(f"  {effect:<24} {listed}")
@@ -471,7 +471,6 @@ def _print_status(report: dict[str, Any]) -> None:
 
 
 BULK_RETRY_CAP = 1000  # as the dashboard's bulk retry
-BUSIEST_GROUPS = 5  # groups shown per effect by outbox status
 VIA = "command line"  # the surface, in the audit trail
 actor_option = click.option(
     "--actor", default=None, metavar="NAME",
@@ -676,8 +675,13 @@ def pause_command(dsn: str, schema: str, effect: str, duration: str | None,
 
 
 def _check_group(group: str) -> None:
-    if not 1 <= len(group) <= 255:
-        raise click.BadParameter("a group is 1 to 255 characters", param_hint="--group")
+    """The enqueue's own rule for a group (outbox._enqueue.validate_group), as a usage
+    error naming the option."""
+    try:
+        validate_group(group)
+    except InvalidArgument as exc:
+        raise click.BadParameter(f"a group is 1 to {MAX_GROUP_LENGTH} characters: {exc}",
+                                 param_hint="--group") from None
 
 
 @main.command("resume")

@@ -221,9 +221,6 @@ def render(request: Request, name: str, context: dict[str, Any],
     return response
 
 
-BUSIEST_GROUPS = 5  # per effect, on the overview (as outbox status)
-
-
 async def overview(request: Request) -> Response:
     """Counts, backlog age, the last hour's throughput and failures, dispatchers."""
     access = await authorized(request, "read")
@@ -233,7 +230,7 @@ async def overview(request: Request) -> Response:
     async with transaction(settings) as conn:
         snapshot = await _queue.read_async(conn, settings.schema)
         groups = await _queue.on_async(conn, _queue.busiest_groups(settings.schema,
-                                                                   BUSIEST_GROUPS))
+                                                                   _queue.BUSIEST_GROUPS))
         settled = await records(conn, q.settled_per_minute, Settled, {"since": since})
         dispatchers = await records(conn, q.dispatchers, Holder)
         audit = await records(conn, q.recent_audit, RecentAudit, {"limit": 10})
@@ -248,7 +245,7 @@ async def overview(request: Request) -> Response:
         # Only effects whose jobs name groups: a table of "(no group)" alone says nothing.
         "groups": {effect: found for effect, found in groups.items()
                    if any(g.group_key is not None for g in found)},
-        "top_groups": BUSIEST_GROUPS,
+        "top_groups": _queue.BUSIEST_GROUPS,
         "failed_groups": [replace(g, search=error_search(g.sample)) for g in failed_groups],
         "counts": snapshot.counts, "effects": sorted(snapshot.effects()), "health": health,
         "chart": minute_chart(settled, since),
