@@ -28,6 +28,17 @@ class Limit:
     throttles anyway (``outbox.Throttled``), the effective rate is cut and grows back
     additively, never above ``rate``.
 
+    With ``per_group=True`` the rate, burst and concurrency apply to each group of the
+    effect on its own (``group=`` at enqueue: a tenant, store or provider account; the
+    jobs with no group are a group of their own), still counted in PostgreSQL and shared
+    by every dispatcher process: each group has its own token bucket (a row in
+    ``group_limits`` while the group is busy, swept a minute after it is idle) and no
+    more than ``concurrency`` of its jobs run at once (``Limit(concurrency=3,
+    per_group=True)`` is a concurrency of 3 per key). A ``Throttled`` then pauses and
+    slows only the group whose job the provider refused; the effect's other groups go
+    on. No limit applies to the effect as a whole: the fair claim shares the
+    dispatcher's capacity between the groups.
+
     Declare it on the dispatcher (``Dispatcher(..., limits={"email.send":
     Limit(rate=2.0)})``) or as the effect's own default (``limit = Limit(rate=2.0)`` on
     the ``Effect`` class); the dispatcher's wins. A dispatcher that does not declare the
@@ -38,6 +49,7 @@ class Limit:
     rate: float | None = None
     burst: float | None = None
     concurrency: int | None = None
+    per_group: bool = False
 
     def __post_init__(self) -> None:
         for name in ("rate", "burst"):
@@ -58,6 +70,8 @@ class Limit:
                 f"Limit(concurrency=...) must be a positive integer, got {self.concurrency!r}")
         if self.rate is None and self.concurrency is None:
             raise ValueError("a Limit needs a rate, a concurrency or both")
+        if not isinstance(self.per_group, bool):
+            raise ValueError(f"Limit(per_group=...) must be True or False, got {self.per_group!r}")
 
     def __str__(self) -> str:
         parts = []
@@ -67,6 +81,8 @@ class Limit:
             parts.append(f"burst={self.burst:g}")
         if self.concurrency is not None:
             parts.append(f"concurrency={self.concurrency}")
+        if self.per_group:
+            parts.append("per_group")
         return ",".join(parts)
 
 
@@ -77,15 +93,19 @@ _PER = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 6
 
 def parse_limit(text: str) -> Limit:
     """A ``Limit`` from its command-line form: comma-separated parts, a rate (``2/s``,
-    ``100/m``, ``1000/h``), ``burst=N`` and ``concurrency=N``. ``ValueError`` says
-    which part is wrong."""
+    ``100/m``, ``1000/h``), ``burst=N``, ``concurrency=N`` and ``per_group`` (the limit
+    applies to each group on its own). ``ValueError`` says which part is wrong."""
     rate: float | None = None
     burst: float | None = None
     concurrency: int | None = None
+    per_group = False
     for raw in text.split(","):
         part = raw.strip()
         if not part:
             raise ValueError(f"empty part in limit {text!r}")
+        if part == "per_group":
+            per_group = True
+            continue
         name, sep, value = part.partition("=")
         if sep:
             name = name.strip()
@@ -96,7 +116,8 @@ def parse_limit(text: str) -> Limit:
                     concurrency = int(value)
                 else:
                     raise ValueError(f"unknown limit part {name!r} in {text!r} "
-                                     "(expected a rate like 2/s, burst=N or concurrency=N)")
+                                     "(expected a rate like 2/s, burst=N, concurrency=N "
+                                     "or per_group)")
             except ValueError as exc:
                 if "unknown limit part" in str(exc):
                     raise
@@ -106,6 +127,6 @@ def parse_limit(text: str) -> Limit:
         match = _RATE.match(part)
         if match is None:
             raise ValueError(f"cannot read {part!r} in limit {text!r}: give a rate like "
-                             "2/s or 100/m, burst=N or concurrency=N")
+                             "2/s or 100/m, burst=N, concurrency=N or per_group")
         rate = float(match["n"]) / _PER[match["unit"]]
-    return Limit(rate=rate, burst=burst, concurrency=concurrency)
+    return Limit(rate=rate, burst=burst, concurrency=concurrency, per_group=per_group)

@@ -74,6 +74,28 @@ class LimitView:
     threshold: int | None = BREAKER_THRESHOLD
     # effects with transient failures counted or a breaker open: a success is reported
     troubled: set[str] = field(default_factory=set)
+    # Effects limited per group: a throttle pauses the refused job's group only, here
+    # until the monotonic time in group_until ((effect, group) -> time; '' for no group).
+    per_group: frozenset[str] = frozenset()
+    group_until: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def group_paused(self, effect: str, group: str | None) -> bool:
+        """Whether the group ``group`` of ``effect`` (limited per group) is paused as far
+        as this process knows."""
+        until = self.group_until.get((effect, group or ""))
+        return until is not None and time.monotonic() < until
+
+    def pause_group(self, effect: str, group: str | None, seconds: float) -> None:
+        """Pause one group of ``effect`` here for ``seconds`` (the longer of this and any
+        known one). Ended pauses are dropped as new ones come, so the map stays as small
+        as the set of groups throttled lately."""
+        now = time.monotonic()
+        until = now + max(0.0, seconds)
+        key = (effect, group or "")
+        if until > self.group_until.get(key, 0.0):
+            for ended in [k for k, t in self.group_until.items() if t <= now]:
+                del self.group_until[ended]
+            self.group_until[key] = until
 
     def paused(self, effect: str, now: float | None = None) -> bool:
         """Whether ``effect`` is paused as far as this process knows."""
@@ -109,10 +131,14 @@ class LimitView:
             if until > self.local_until.get(effect, 0.0):
                 self.local_until[effect] = until
 
-    def throttled_here(self, effect: str, error: Throttled) -> None:
-        """A worker saw ``error``: stop starting the effect's jobs at once, before the
-        recorder has written the pause for everyone."""
+    def throttled_here(self, effect: str, error: Throttled, group: str | None = None) -> None:
+        """A worker saw ``error``: stop starting the effect's jobs (of ``group`` only, for
+        an effect limited per group) at once, before the recorder has written the pause
+        for everyone."""
         seconds = LOCAL_THROTTLE_PAUSE if error.after is None else error.after
+        if effect in self.per_group:
+            self.pause_group(effect, group, seconds)
+            return
         until = time.monotonic() + seconds
         if until > self.local_until.get(effect, 0.0):
             self.local_until[effect] = until
@@ -127,6 +153,7 @@ class LimitedClaims:
         self.view = view
         self.turns = turns
         view.threshold = settings.breaker_threshold
+        view.per_group = frozenset(e for e, lim in settings.limits.items() if lim.per_group)
         self.queries = settings.queries
         self.names = sorted(settings.effects)
         self.all_names = settings.effect_names
@@ -194,16 +221,26 @@ class LimitedClaims:
             if limit <= 0:
                 break
             declared = self.settings.limits.get(effect)
+            whole = None if declared is None or declared.per_group else declared
+            each = declared if declared is not None and declared.per_group else None
             rows = yield Statement(self.queries.limit_claim, {
                 "effect": effect, "limit": limit, "lease": self.settings.lease,
                 "worker": self.settings.worker_id, "after": self.turns.json(),
-                "rate": None if declared is None else declared.rate,
-                "burst": None if declared is None else declared.burst,
-                "concurrency": None if declared is None else declared.concurrency,
+                "rate": None if whole is None else whole.rate,
+                "burst": None if whole is None else whole.burst,
+                "concurrency": None if whole is None else whole.concurrency,
+                "group_rate": None if each is None else each.rate,
+                "group_burst": None if each is None else each.burst,
+                "group_concurrency": None if each is None else each.concurrency,
             }, named=True)
             taken = [row for row in rows if row.id is not None]
             claimed += taken
-            self.turns.served((row.effect, row.group_key) for row in taken)
+            if rows and rows[0].walked_to is not None:
+                # Groups at their cap do not hold the turn: the next claim of the effect
+                # starts after the last group this one looked at.
+                self.turns.resume_after(effect, rows[0].walked_to)
+            else:
+                self.turns.served((row.effect, row.group_key) for row in taken)
             wait = rows[0].budget_wait if rows else None
             if wait is not None:  # the budget (not the queue) stopped the claim
                 self.wake_in = wait if self.wake_in is None else min(self.wake_in, wait)
@@ -226,6 +263,8 @@ class _Tally:
     failures: int = 0
     failed_jobs: list[int] = field(default_factory=list)
     successes: int = 0
+    # group ('' for none) -> [throttles, longest Retry-After]: for effects limited per group
+    group_throttles: dict[str, list[Any]] = field(default_factory=dict)
 
 
 def tally(outcomes: Sequence[tuple[Any, object]], troubled: set[str]) -> dict[str, _Tally]:
@@ -246,6 +285,10 @@ def tally(outcomes: Sequence[tuple[Any, object]], troubled: set[str]) -> dict[st
                 t.after = outcome.after if t.after is None else max(t.after, outcome.after)
             if outcome.rate is not None:
                 t.hint = outcome.rate if t.hint is None else min(t.hint, outcome.rate)
+            g = t.group_throttles.setdefault(held.job.group or "", [0, None])
+            g[0] += 1
+            if outcome.after is not None:
+                g[1] = outcome.after if g[1] is None else max(g[1], outcome.after)
         elif is_transient(outcome):
             t = tallies.setdefault(effect, _Tally())
             t.failures += 1
@@ -266,7 +309,18 @@ def report(settings: Settings, view: LimitView,
             view.troubled.discard(effect)
             if view.reasons.get(effect) == "outage":
                 view.unpause(effect)
-        if t.throttles:
+        if t.throttles and effect in view.per_group:
+            # The group's provider account pushed back: that group pauses, the others go on.
+            for group, (count, after) in t.group_throttles.items():
+                rows = yield from _guarded(Statement(q.limit_group_throttled, {
+                    "effect": effect, "group": group, "count": count, "after": after},
+                    named=True))
+                for state in rows:
+                    if state.pause_left is not None and state.pause_left > 0:
+                        view.pause_group(effect, group, state.pause_left)
+                log.info("group %r of effect %s throttled by its provider (%d refusals); "
+                         "that group is paused for every dispatcher", group, effect, count)
+        elif t.throttles:
             yield from _guarded(Statement(q.limit_ensure, {"effect": effect}, count=True))
             rows = yield from _guarded(Statement(q.limit_throttled, {
                 "effect": effect, "count": t.throttles, "after": t.after, "hint": t.hint},

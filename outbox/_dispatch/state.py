@@ -157,7 +157,8 @@ class SharedState(Generic[E]):
             return False
         limits = self.limits
         if self.releasing or ((limits.paused_until or limits.local_until)
-                              and limits.paused(held.job.effect)):
+                              and limits.paused(held.job.effect)) or (
+                limits.group_until and limits.group_paused(held.job.effect, held.job.group)):
             # Stopping, or the effect is paused (throttled, its breaker open, an
             # operator): hand the job back unstarted, its attempt refunded.
             self.finish(held, Release())
@@ -176,7 +177,7 @@ class SharedState(Generic[E]):
         if self.abandoned:
             return  # left to its lease at stop_timeout: the next claim decides
         if type(outcome) is not Success:
-            self._pushed_back(held.job.effect, outcome)
+            self._pushed_back(held.job.effect, held.job.group, outcome)
         elif self.limits.local_failures:
             self.limits.local_failures.pop(held.job.effect, None)
         if held.span is not None and not isinstance(outcome, Success | Release):
@@ -185,11 +186,12 @@ class SharedState(Generic[E]):
         if signal:
             self.outcome_ready.set()
 
-    def _pushed_back(self, effect: str, outcome: Outcome) -> None:
-        """Stop starting ``effect``'s jobs here at once on a throttle, or on failures in a
-        row past the breaker's threshold (the recorder then writes it for everyone)."""
+    def _pushed_back(self, effect: str, group: str | None, outcome: Outcome) -> None:
+        """Stop starting ``effect``'s jobs (of ``group`` only, for an effect limited per
+        group) here at once on a throttle, or on failures in a row past the breaker's
+        threshold (the recorder then writes it for everyone)."""
         if isinstance(outcome, Throttled):
-            self.limits.throttled_here(effect, outcome)
+            self.limits.throttled_here(effect, outcome, group)
         elif is_transient(outcome):
             self.limits.failed_here(effect)
 

@@ -24,6 +24,11 @@ class GroupTurns:
         """The claims' ``after`` parameter: a JSON object effect -> group."""
         return json.dumps(self._after, ensure_ascii=False)
 
+    def resume_after(self, effect: str, group: str) -> None:
+        """The next claim of ``effect`` starts after ``group`` (the last group a claim
+        looked at, whether it took a job of it or not)."""
+        self._after[effect] = group
+
     def served(self, claimed: Iterable[tuple[str, str | None]]) -> None:
         """Note the (effect, group) of each job a claim took: the next claim of the
         effect starts after the last of them in walk order. Python's str order is the

@@ -161,7 +161,7 @@ busy(effect, after, g, wrapped, n) AS (
 -- fragment: fair_candidates
 -- Fair claiming: the head of each busy group's claimable jobs (fragment claimable), in
 -- claim_rank order (priority with ageing, migration 0010), a share of the claim each,
--- at most capped.cap of a group (NULL: no cap); then taken in turns: every group's first
+-- at most capped.cap of a group (NULL: no cap; 0: none, and no scan); then taken in turns: every group's first
 -- job before any group's second, so a group's backlog delays another group's jobs by at
 -- most one turn. Needs the CTEs clock, served, allowance, busy (fair_busy) and capped
 -- (effect, g, cap) before it.
@@ -176,7 +176,7 @@ shares AS (
         FROM {schema}.jobs j
         WHERE {claimable} AND j.effect = c.effect AND coalesce(j.group_key, '') = c.g
         ORDER BY {schema}.claim_rank(j.available_at, j.priority), j.id
-        LIMIT (SELECT s.n FROM shares s)
+        LIMIT least((SELECT s.n FROM shares s), c.cap)
         FOR UPDATE SKIP LOCKED
     ) h
 ), fair_picks AS (
@@ -196,6 +196,8 @@ shares AS (
     FROM {schema}.jobs j
     WHERE {claimable} AND j.effect IN (SELECT s.effect FROM served s)
       AND j.id <> ALL (ARRAY(SELECT f.id FROM fair_picks f))
+      -- groups capped by a limit per group are never topped up past their cap
+      AND NOT EXISTS (SELECT 1 FROM capped c WHERE c.cap IS NOT NULL)
     ORDER BY {schema}.claim_rank(j.available_at, j.priority), j.id
     LIMIT greatest(0, (SELECT a.n FROM allowance a) - (SELECT count(*) FROM fair_picks))
     FOR UPDATE SKIP LOCKED
@@ -572,6 +574,7 @@ SELECT l.effect,
        (l.declared_at > now() - interval '60 seconds'
         AND (l.rate IS NOT NULL OR l.concurrency IS NOT NULL))
        OR (l.learned_rate IS NOT NULL AND l.throttled_at > now() - interval '60 seconds')
+       OR l.group_declared_at > now() - interval '60 seconds'
        OR l.opened > 0
        OR l.paused_until > now() AS gated,
        CASE WHEN l.paused_until > now()
@@ -587,9 +590,14 @@ WHERE l.effect = ANY(%(effects)s::text[]);
 -- limit_budget allows and stamped with its clock, between the budget and limit_spend
 -- (migration 0009), all in this statement's transaction. The budget is taken before
 -- the candidates are scanned (their LIMIT needs it), and it locks the effect's row
--- until the commit. Every row answered carries budget_wait: when the budget (not the
--- queue) stopped the claim, the seconds until it is worth asking again, else NULL. When
--- no job was claimed, the one row answered holds budget_wait alone (its job columns NULL).
+-- until the commit. A limit per group (%(group_rate)s, %(group_burst)s,
+-- %(group_concurrency)s; migration 0012) caps what the fair claim takes of each group
+-- walked (capped, from limit_group_caps after the lock) and spends the groups' buckets;
+-- with caps, no top-up passes them. Every row answered carries budget_wait: when a
+-- budget (not the queue) stopped the claim, the seconds until it is worth asking again,
+-- else NULL; and walked_to, the last group the claim looked at, where the next claim of
+-- the effect starts (so groups at their cap do not hold the turn). When no job was
+-- claimed, the one row answered holds those alone (its job columns NULL).
 WITH RECURSIVE budget AS MATERIALIZED (
     SELECT {schema}.limit_budget(%(effect)s::text, %(limit)s::integer, %(rate)s::float8,
                                  %(burst)s::float8, %(concurrency)s::integer) AS b
@@ -600,18 +608,41 @@ WITH RECURSIVE budget AS MATERIALIZED (
            coalesce(CAST(%(after)s AS jsonb) ->> %(effect)s::text, '') COLLATE "C" AS after
 ), allowance AS (
     SELECT (x.b).allowed AS n FROM budget x
-), {fair_busy}, capped AS (
-    SELECT b.effect, b.g, NULL::integer AS cap FROM busy b WHERE b.n > 0
+), {fair_busy}, group_caps AS MATERIALIZED (
+    SELECT gc.g, gc.cap, gc.wait
+    FROM {schema}.limit_group_caps(%(effect)s::text,
+                                   ARRAY(SELECT b.g FROM busy b WHERE b.n > 0),
+                                   %(group_rate)s::float8, %(group_burst)s::float8,
+                                   %(group_concurrency)s::integer,
+                                   (SELECT at FROM clock)) gc
+), capped AS (
+    SELECT b.effect, b.g, gc.cap
+    FROM busy b JOIN group_caps gc ON gc.g = b.g
+    WHERE b.n > 0
 ), {fair_candidates}, claimed AS (
     {claim_taken}
 ), spent AS (
     SELECT {schema}.limit_spend(%(effect)s::text, x.b, %(limit)s::integer, %(lease)s::float8,
                                 %(rate)s::float8, %(burst)s::float8, %(concurrency)s::integer,
                                 (SELECT count(*)::integer FROM claimed),
-                                (SELECT max(c.id) FROM claimed c)) AS wait
+                                (SELECT max(c.id) FROM claimed c)) AS wait,
+           (SELECT min(gc.wait) FROM group_caps gc) AS group_wait,
+           (SELECT count(*) FROM claimed) AS taken,
+           -- the groups' buckets spent (an output column, so that it is computed)
+           {schema}.limit_group_spend(%(effect)s::text,
+               (SELECT jsonb_object_agg(t.g, t.n)
+                FROM (SELECT coalesce(c.group_key, '') AS g, count(*) AS n
+                      FROM claimed c GROUP BY 1) t),
+               (SELECT at FROM clock)) AS groups_spent
     FROM budget x
 )
-SELECT c.*, s.wait AS budget_wait
+SELECT c.*,
+       CASE WHEN s.taken < %(limit)s::integer
+            THEN least(s.wait, CASE WHEN s.group_wait IS NOT NULL
+                                    THEN greatest(0.005, s.group_wait) END)
+            ELSE s.wait END AS budget_wait,
+       (SELECT b.g FROM busy b ORDER BY b.n DESC LIMIT 1) AS walked_to,
+       s.groups_spent
 FROM spent s LEFT JOIN claimed c ON true;
 
 -- name: limit_ensure
@@ -668,6 +699,37 @@ SET learned_rate = CASE
 FROM current c
 WHERE l.effect = c.effect
 RETURNING l.effect, date_part('epoch', l.paused_until - now()) AS pause_left, l.pause_reason;
+
+-- name: limit_group_throttled
+-- The provider account of one group (%(group)s, '' for no group) of an effect limited
+-- per group refused %(count)s performs for load: pause that group only, for every
+-- dispatcher, until %(after)s seconds from now (NULL: an adaptive pause growing with
+-- throttles in a row, as an effect's), empty its bucket and cut its rate factor (at
+-- most once a second); the effect's other groups go on (migration 0012).
+INSERT INTO {schema}.group_limits AS gl
+    (effect, group_key, tokens, refilled_at, factor, throttled_at, throttles,
+     throttled_total, paused_until, updated_at)
+VALUES (%(effect)s::text, %(group)s::text, 0, now(), 0.7, now(), 1, %(count)s::integer,
+        now() + coalesce(%(after)s::float8, 1.0) * interval '1 second', now())
+ON CONFLICT (effect, group_key) DO UPDATE
+SET factor = CASE WHEN gl.throttled_at > now() - interval '1 second' THEN gl.factor
+                  ELSE greatest(0.05, least(1.0, gl.factor + 0.1 * coalesce(date_part('epoch',
+                           now() - greatest(gl.throttled_at, gl.paused_until)), 1e9)) * 0.7)
+             END,
+    throttles = CASE WHEN gl.throttled_at > now() - interval '1 second' THEN gl.throttles
+                     WHEN gl.throttled_at > now() - interval '10 seconds' THEN gl.throttles + 1
+                     ELSE 1 END,
+    throttled_at = CASE WHEN gl.throttled_at > now() - interval '1 second' THEN gl.throttled_at
+                        ELSE now() END,
+    throttled_total = gl.throttled_total + %(count)s::integer,
+    tokens = 0,
+    refilled_at = now(),
+    paused_until = greatest(CASE WHEN gl.paused_until > now() THEN gl.paused_until END,
+        now() + coalesce(%(after)s::float8, least(30.0, power(2.0, least(
+            CASE WHEN gl.throttled_at > now() - interval '10 seconds' THEN gl.throttles
+                 ELSE 0 END, 5)))) * interval '1 second'),
+    updated_at = now()
+RETURNING gl.effect, gl.group_key, date_part('epoch', gl.paused_until - now()) AS pause_left;
 
 -- name: limit_failed
 -- %(count)s performs of the effect (jobs %(jobs)s) failed transiently (connection
