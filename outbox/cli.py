@@ -257,7 +257,8 @@ def _describe(exc: BaseException) -> str:
 @click.option("--limit", "limits", multiple=True, metavar="EFFECT=LIMIT",
               help="A provider limit shared by every dispatcher on the schema, e.g. "
                    "email.send=2/s, email.send=10/s,burst=5, payment.charge=concurrency=4; "
-                   "repeatable.")
+                   "add ,per_group for a limit of each group on its own "
+                   "(email.send=2/s,per_group); repeatable.")
 @click.option("--stop-timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="After SIGTERM or SIGINT, how long performs in flight may run before the "
                    "command exits and leaves the jobs still held to their leases "
@@ -363,6 +364,8 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
             recent = _named(conn, queries.recent_failures, {"limit": failures})
             paused = _named(conn, queries.paused_effects)
             paused_groups = _named(conn, queries.paused_groups)
+            throttled_groups = _named(conn, queries.throttled_groups,
+                                      {"limit": _queue.BUSIEST_GROUPS})
             live = _named(conn, queries.live_dispatchers)
     health = snapshot.health.values()
     report = {
@@ -394,6 +397,12 @@ def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
         "paused_groups": [
             {**p, "until": None if p["until"] is None else p["until"].isoformat()}
             for p in paused_groups
+        ],
+        # Groups of an effect limited per group that their provider account throttled
+        # and that wait out its pause now (the longest pauses, top N).
+        "throttled_groups": [
+            {**t, "seconds_left": round(float(t["seconds_left"]), 1)}
+            for t in throttled_groups
         ],
     }
     if as_json:
@@ -451,18 +460,7 @@ def _print_status(report: dict[str, Any]) -> None:
         for effect, found in grouped.items():
             listed = ", ".join(f"{g['group'] or '(no group)'} {g['pending']}" for g in found)
             click.echo(f"  {effect:<24} {listed}")
-    if report["paused_effects"]:
-        click.echo("paused effects:")
-        for p in report["paused_effects"]:
-            left = "until resumed" if p["until"] is None else f"{p['seconds_left']}s left"
-            by = f" by {p['by']}" if p["by"] else ""
-            click.echo(f"  {p['effect']}: {p['reason']}{by}, {left}")
-    if report["paused_groups"]:
-        click.echo("paused groups:")
-        for p in report["paused_groups"]:
-            left = "until resumed" if p["until"] is None else f"until {p['until']}"
-            by = f" by {p['by']}" if p["by"] else ""
-            click.echo(f"  {p['effect']} group {p['group']}{by}, {left}")
+    _print_pauses(report)
     if report["recent_failures"]:
         click.echo("recent failures:")
         for f in report["recent_failures"]:
@@ -475,6 +473,29 @@ VIA = "command line"  # the surface, in the audit trail
 actor_option = click.option(
     "--actor", default=None, metavar="NAME",
     help="Who acts, for the audit trail (default: cli:<your user name>).")
+
+
+
+def _print_pauses(report: dict[str, Any]) -> None:
+    """The pauses of ``outbox status``: effects, groups an operator paused, groups their
+    provider account throttled."""
+    if report["paused_effects"]:
+        click.echo("paused effects:")
+        for p in report["paused_effects"]:
+            left = "until resumed" if p["until"] is None else f"{p['seconds_left']}s left"
+            by = f" by {p['by']}" if p["by"] else ""
+            click.echo(f"  {p['effect']}: {p['reason']}{by}, {left}")
+    if report["paused_groups"]:
+        click.echo("paused groups:")
+        for p in report["paused_groups"]:
+            left = "until resumed" if p["until"] is None else f"until {p['until']}"
+            by = f" by {p['by']}" if p["by"] else ""
+            click.echo(f"  {p['effect']} group {p['group']}{by}, {left}")
+    if report["throttled_groups"]:
+        click.echo("groups throttled by their provider account:")
+        for t in report["throttled_groups"]:
+            click.echo(f"  {t['effect']} group {t['group'] or '(no group)'}: "
+                       f"{t['seconds_left']}s left ({t['throttled_total']} refusals)")
 
 
 def _actor(actor: str | None) -> str:

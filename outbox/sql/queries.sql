@@ -820,6 +820,11 @@ SELECT count(*) AS resumed FROM resumed, pg_notify(%(channel)s::text, '');
 -- completed in the last minute, the pause (why, by whom, until when) and the counters.
 SELECT l.effect, l.rate, l.burst, l.concurrency,
        l.declared_at > now() - interval '60 seconds' AS declared,
+       -- a limit per group (migration 0012), and how many groups it holds paused now
+       l.group_rate, l.group_burst, l.group_concurrency,
+       coalesce(l.group_declared_at > now() - interval '60 seconds', false) AS per_group,
+       (SELECT count(*) FROM {schema}.group_limits g
+        WHERE g.effect = l.effect AND g.paused_until > now()) AS groups_throttled,
        CASE WHEN l.declared_at > now() - interval '60 seconds' AND l.rate IS NOT NULL
                 THEN l.rate * least(1.0, l.factor + 0.1 * coalesce(date_part('epoch',
                      now() - greatest(l.throttled_at, l.paused_until)), 1e9))
@@ -914,6 +919,17 @@ SELECT l.effect, l.group_key AS "group", l.paused_by AS by,
 FROM {schema}.group_pauses l
 WHERE l.paused_until > now()
 ORDER BY l.effect, l.group_key;
+
+-- name: throttled_groups
+-- Groups of effects limited per group whose provider account pushed back and that are
+-- paused now for every dispatcher (migration 0012), the longest pause first, at most
+-- %(limit)s: one row per group throttled lately, never a scan of the jobs.
+SELECT g.effect, g.group_key AS "group", g.throttled_total,
+       date_part('epoch', g.paused_until - now()) AS seconds_left
+FROM {schema}.group_limits g
+WHERE g.paused_until > now()
+ORDER BY g.paused_until DESC, g.effect, g.group_key
+LIMIT %(limit)s;
 
 -- name: paused_effects
 -- Effects paused now, for every dispatcher: why (throttled, outage, operator), by whom

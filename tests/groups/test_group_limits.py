@@ -134,9 +134,10 @@ class ThrottledFor(Effect):
 
     name = "test.throttled_for"
 
-    def __init__(self, refused: str, times: int) -> None:
+    def __init__(self, refused: str, times: int, after: float = 2.0) -> None:
         self.refused = refused
         self.times = times
+        self.after = after
         self.lock = threading.Lock()
         self.performed: list[tuple[str, float]] = []
         self.throttled_at: float | None = None
@@ -146,7 +147,7 @@ class ThrottledFor(Effect):
             if job.group == self.refused and self.times > 0:
                 self.times -= 1
                 self.throttled_at = time.monotonic()
-                raise outbox.Throttled(2.0, "429 from the tenant's account")
+                raise outbox.Throttled(self.after, "429 from the tenant's account")
             self.performed.append((job.group or "", time.monotonic()))
 
 
@@ -226,3 +227,35 @@ def test_the_command_line_form(text: str, expected: Limit) -> None:
 def test_per_group_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="per_group"):
         Limit(rate=1.0, per_group="yes")  # type: ignore[arg-type]
+
+
+def test_outbox_status_shows_the_groups_a_throttle_paused(dsn: str, schema: str) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from outbox.cli import main
+
+    enqueue(dsn, schema, [NewJob(ThrottledFor.name, f"acme-{i}", {}, group="acme")
+                          for i in range(2)])
+    effect = ThrottledFor(refused="acme", times=1, after=600.0)
+    dispatcher = Dispatcher(dsn, [effect], schema=schema,
+                            limits={ThrottledFor.name: Limit(rate=5.0, per_group=True)})
+    runner = threading.Thread(target=dispatcher.run)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not query(dsn, schema, "SELECT 1 FROM {schema}.group_limits "
+                        "WHERE paused_until > now()") and time.monotonic() < deadline:
+            time.sleep(0.02)  # polling the shared state the recorder writes
+    finally:
+        dispatcher.stop()
+        runner.join()
+    result = CliRunner().invoke(main, ["status", "--dsn", dsn, "--schema", schema, "--json"])
+    assert result.exit_code == 0, result.output
+    [throttled] = json.loads(result.output)["throttled_groups"]
+    assert (throttled["effect"], throttled["group"], throttled["throttled_total"]) == (
+        ThrottledFor.name, "acme", 1)
+    assert 500 < throttled["seconds_left"] <= 600
+    text = CliRunner().invoke(main, ["status", "--dsn", dsn, "--schema", schema]).output
+    assert f"{ThrottledFor.name} group acme: " in text and "(1 refusals)" in text

@@ -97,3 +97,18 @@ async def test_metrics_show_paused_effects_and_throttles(
     assert 'outbox_effect_paused{effect="email.send",reason="operator"} 0.0' in body
     assert 'outbox_effect_paused{effect="payment.charge",reason="operator"} 1.0' in body
     assert 'outbox_effect_throttled_total{effect="email.send"} 3.0' in body
+
+
+async def test_a_limit_per_group_and_its_throttled_groups_are_shown(
+        client: httpx.AsyncClient, dsn: str, schema: str) -> None:
+    # As dispatchers leave them (migration 0012): the declaration on the effect's row,
+    # one group of the effect paused by its provider account's throttle.
+    with psycopg.connect(dsn) as conn:
+        conn.execute(f'INSERT INTO "{schema}".effect_limits (effect, tokens, group_rate, '
+                     "group_concurrency, group_declared_at) "
+                     "VALUES ('email.send', 1e9, 2, 3, now())")
+        conn.execute(f'INSERT INTO "{schema}".group_limits (effect, group_key, tokens, '
+                     "refilled_at, throttled_total, paused_until) "
+                     "VALUES ('email.send', 'acme', 0, now(), 4, now() + interval '1 hour')")
+    page = (await client.get("/")).text
+    assert "per group: 2/s, 3 in flight; <strong>1 group throttled</strong>" in page
