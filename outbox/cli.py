@@ -468,14 +468,6 @@ def _print_status(report: dict[str, Any]) -> None:
                        f"attempts={f['attempts']}: {f['last_error']}")
 
 
-BULK_RETRY_CAP = 1000  # as the dashboard's bulk retry
-VIA = "command line"  # the surface, in the audit trail
-actor_option = click.option(
-    "--actor", default=None, metavar="NAME",
-    help="Who acts, for the audit trail (default: cli:<your user name>).")
-
-
-
 def _print_pauses(report: dict[str, Any]) -> None:
     """The pauses of ``outbox status``: effects, groups an operator paused, groups their
     provider account throttled."""
@@ -496,6 +488,14 @@ def _print_pauses(report: dict[str, Any]) -> None:
         for t in report["throttled_groups"]:
             click.echo(f"  {t['effect']} group {t['group'] or '(no group)'}: "
                        f"{t['seconds_left']}s left ({t['throttled_total']} refusals)")
+
+
+BULK_RETRY_CAP = 1000  # as the dashboard's bulk retry
+VIA = "command line"  # the surface, in the audit trail
+actor_option = click.option(
+    "--actor", default=None, metavar="NAME",
+    help="Who acts, for the audit trail (default: cli:<your user name>).")
+
 
 
 def _actor(actor: str | None) -> str:
