@@ -24,6 +24,7 @@ from . import (
     enqueue,
     events,
     fairness,
+    fairness_scale,
     flows,
     latency,
     limits,
@@ -40,7 +41,7 @@ from ._results import Section, environment, render, write_json
 log = logging.getLogger("benchmarks")
 
 SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory", "flows",
-            "events", "limits", "fairness", "retention", "upgrade", "soak")
+            "events", "limits", "fairness", "fairness-scale", "retention", "upgrade", "soak")
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVER_SETTINGS = ("shared_buffers", "max_connections", "fsync", "synchronous_commit",
                    "wal_level", "max_wal_size", "autovacuum")
@@ -83,6 +84,9 @@ class Sizes:
     retention_history: int = 2_000_000
     retention_jobs: int = 50_000
     upgrade_history: int = 1_000_000
+    # fairness-scale: one group of scale_big jobs, then scale_small groups of one job.
+    scale_big: int = 100_000
+    scale_small: int = 10_000
 
 
 FULL = Sizes(drain_sizes=(20_000, 100_000), drain_procs=(1, 2), procrastinate_jobs=20_000,
@@ -97,7 +101,8 @@ QUICK = Sizes(drain_sizes=(5_000,), drain_procs=(1, 2), procrastinate_jobs=300,
               claim_samples=20, memory_jobs=100_000, async_sizes=(1000,), memory_runs=1,
               flows_jobs=2_000, events_messages=2000, limits_jobs=40, limits_outage=5.0,
               soak_seconds=40.0, soak_rate=500.0, retention_history=50_000,
-              retention_jobs=2_000, upgrade_history=20_000)
+              retention_jobs=2_000, upgrade_history=20_000, scale_big=10_000,
+              scale_small=1_000)
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
@@ -131,6 +136,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-sizes", type=_csv(int), help="jobs per drain, e.g. 20000,100000")
     p.add_argument("--retention-history", type=int,
                    help="done jobs the retention section retires (default 2,000,000)")
+    p.add_argument("--scale-big", type=int,
+                   help="fairness-scale: jobs in the one big group (default 100,000)")
+    p.add_argument("--scale-small", type=int,
+                   help="fairness-scale: small groups of one job each (default 10,000)")
     p.add_argument("--drain-procs", type=_csv(int), help="worker processes, e.g. 1,2")
     p.add_argument("--systems", type=_csv(str), default=drain.SYSTEMS,
                    help=f"drain systems among {','.join(drain.SYSTEMS)}")
@@ -163,6 +172,10 @@ def _sizes(args: argparse.Namespace) -> Sizes:
         sizes = replace(sizes, drain_sizes=args.drain_sizes)
     if args.retention_history:
         sizes = replace(sizes, retention_history=args.retention_history)
+    if args.scale_big:
+        sizes = replace(sizes, scale_big=args.scale_big)
+    if args.scale_small:
+        sizes = replace(sizes, scale_small=args.scale_small)
     if args.drain_procs:
         sizes = replace(sizes, drain_procs=args.drain_procs)
     if args.slow_peers:
@@ -200,6 +213,8 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
         "fairness": lambda srv: fairness.run(srv, (
             fairness.FairnessConfig(runs, backlog=400, few=5, priority_backlog=300)
             if args.quick else fairness.FairnessConfig(runs))),
+        "fairness-scale": lambda srv: fairness_scale.run(srv, fairness_scale.FairnessScaleConfig(
+            runs, big=sizes.scale_big, small=sizes.scale_small, outbox=best)),
         "upgrade": lambda srv: upgrade.run(srv, upgrade.UpgradeConfig(
             runs, sizes.upgrade_history)),
         "soak": lambda srv: soak.run(srv, soak.SoakConfig(
