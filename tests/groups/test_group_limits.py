@@ -259,3 +259,31 @@ def test_outbox_status_shows_the_groups_a_throttle_paused(dsn: str, schema: str)
     assert 500 < throttled["seconds_left"] <= 600
     text = CliRunner().invoke(main, ["status", "--dsn", dsn, "--schema", schema]).output
     assert f"{ThrottledFor.name} group acme: " in text and "(1 refusals)" in text
+
+
+def test_the_async_dispatcher_caps_each_group_too(dsn: str, schema: str) -> None:
+    import asyncio
+
+    class AsyncInFlight(Effect):
+        name = "test.async_in_flight"
+
+        def __init__(self) -> None:
+            self.now: Counter[str] = Counter()
+            self.most: Counter[str] = Counter()
+
+        async def perform(self, job: Job) -> None:
+            group = job.group or ""
+            self.now[group] += 1
+            self.most[group] = max(self.most[group], self.now[group])
+            await asyncio.sleep(0.02)  # the provider call's duration
+            self.now[group] -= 1
+
+    enqueue(dsn, schema, [NewJob(AsyncInFlight.name, f"{g}-{i}", {}, group=f"g{g}")
+                          for i in range(10) for g in range(3)])
+    effect = AsyncInFlight()
+    dispatcher = outbox.AsyncDispatcher(
+        dsn, [effect], schema=schema, concurrency=32,
+        limits={AsyncInFlight.name: Limit(concurrency=2, per_group=True)})
+    stats = asyncio.run(dispatcher.run_until_idle(timeout=60))
+    assert stats.done == 30
+    assert effect.most == Counter({"g0": 2, "g1": 2, "g2": 2}), effect.most
