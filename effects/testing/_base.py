@@ -49,11 +49,21 @@ class FakeProvider:
     format, before anything else is looked at, by a token bucket holding one second of
     requests (``throttled`` counts them); ``set_outage(True)`` answers every request 503
     without performing it until ``set_outage(False)`` (``outage_requests`` counts them).
+
+    Per-tenant limits: a provider whose requests name the tenant they count against (the
+    account at Stripe) can also give each tenant a bucket of its own, the same token
+    bucket at a rate of its own (``FakeStripe``'s ``rate_limit_per_account``, passed on
+    as ``group_rate_limit``, which a provider naming no tenant ignores). A
+    request is admitted only when every bucket it counts against (the server's and its
+    tenants') holds a token, and then takes one from each; one refused takes none, so a
+    tenant refused does not spend the server's budget nor the other way round. A tenant's
+    bucket is made full when its first request arrives and kept for the fake's life (one
+    per tenant ever seen: memory is not bounded, which a test fake can afford).
     """
 
     def __init__(
         self, *, retention: float = DAY, latency: float = 0.0, max_stall: float = 60.0,
-        rate_limit: float | None = None,
+        rate_limit: float | None = None, group_rate_limit: float | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -65,11 +75,16 @@ class FakeProvider:
         self._total_performed = 0
         self._total_requests = 0
         self._limiter: _TokenBucket | None = None
+        self._group_rate: float | None = None  # each tenant's own limit, if any
+        self._group_limiters: dict[str, _TokenBucket] = {}
+        self._group_requests: Counter[str] = Counter()
+        self._group_throttled: Counter[str] = Counter()
         self._outage: float | None = None  # None: up; else the outage's Retry-After (or nan)
         self._throttled = 0
         self._outage_requests = 0
         if rate_limit is not None:
             self.set_rate_limit(rate_limit)
+        self._set_group_rate_limit(group_rate_limit)
         self._server = LocalServer(self._answer, name=type(self).__name__)
         self._closed = False
 
@@ -110,6 +125,8 @@ class FakeProvider:
             self._outage = None
             self._performed.clear()
             self._requests.clear()
+            self._group_requests.clear()
+            self._group_throttled.clear()
             self._total_performed = 0
             self._total_requests = 0
         self._forget_records()
@@ -150,10 +167,9 @@ class FakeProvider:
         """Admit at most ``rate`` requests per second (a token bucket holding one second
         of requests, full at first); the rest are answered 429 as the provider does.
         None lifts the limit."""
-        if rate is not None and not (isinstance(rate, int | float) and rate > 0):
-            raise ValueError(f"rate_limit must be a positive number, got {rate!r}")
+        rate = _checked_rate("rate_limit", rate)
         with self._lock:
-            self._limiter = None if rate is None else _TokenBucket(float(rate), time.monotonic())
+            self._limiter = None if rate is None else _TokenBucket(rate, time.monotonic())
 
     def set_outage(self, down: bool = True, *, retry_after: float | None = None) -> None:
         """Start (``down=True``) or end an outage: meanwhile every request is answered
@@ -164,7 +180,7 @@ class FakeProvider:
 
     @property
     def throttled(self) -> int:
-        """How many requests were answered 429 by ``rate_limit``."""
+        """How many requests were answered 429 by ``rate_limit`` or a per-tenant limit."""
         with self._lock:
             return self._throttled
 
@@ -262,7 +278,8 @@ class FakeProvider:
         return reply
 
     def _rate_limited(self, limit: float, remaining: int, retry_after: int, reset: int) -> Reply:
-        """The provider's 429 for a request past ``rate_limit``."""
+        """The provider's 429 for a request past ``rate_limit`` or a tenant's limit
+        (``limit`` is the rate of the bucket that refused it)."""
         return self._error(429, None, "Too many requests", retry_after)
 
     def _key_mismatch(self, key: str) -> Reply:
@@ -273,6 +290,28 @@ class FakeProvider:
 
     def _forget_records(self) -> None:
         """Drop the subclass's records of what was performed (on ``reset()``)."""
+
+    def _rate_groups(self, request: Request) -> tuple[str, ...]:
+        """The tenants ``request`` counts against for per-tenant limits and counts (none:
+        only the server's limit applies); read before anything else, so it must accept
+        any request, however malformed."""
+        return ()
+
+    # The public name of the per-tenant limit's setting, for its errors.
+    _group_limit_name = "group_rate_limit"
+
+    def _set_group_rate_limit(self, rate: float | None) -> None:
+        """Give each tenant a bucket of ``rate`` requests per second (None: no per-tenant
+        limit); every tenant's bucket starts full again."""
+        rate = _checked_rate(self._group_limit_name, rate)
+        with self._lock:
+            self._group_rate = rate
+            self._group_limiters.clear()
+
+    def _group_counts(self, *, throttled: bool) -> dict[str, int]:
+        """Requests (or those answered 429 by a rate limit) per tenant, since ``reset()``."""
+        with self._lock:
+            return dict(self._group_throttled if throttled else self._group_requests)
 
     def _perform_once(
         self, key: str | None, fingerprint: str, operation: Callable[[], Performed]
@@ -320,11 +359,12 @@ class FakeProvider:
         return reply
 
     def _answer(self, request: Request) -> Reply | None:
-        self._count_request(self._request_key(request))
+        groups = tuple(dict.fromkeys(self._rate_groups(request)))
+        self._count_request(self._request_key(request), groups)
         latency = self._faults.latency
         if latency:
             self._closing.wait(latency)
-        pushed_back = self._push_back()
+        pushed_back = self._push_back(groups)
         if pushed_back is not None:
             return pushed_back
         fault = self._faults.take_pre()
@@ -334,17 +374,17 @@ class FakeProvider:
             return self._error(fault.status, fault.error, "injected failure", fault.retry_after)
         return self._route(request)
 
-    def _push_back(self) -> Reply | None:
-        """The outage's 503 or the rate limit's 429, when one applies to this request."""
+    def _push_back(self, groups: tuple[str, ...]) -> Reply | None:
+        """The outage's 503 or a rate limit's 429, when one applies to this request of
+        ``groups`` (its tenants)."""
         with self._lock:
             outage = self._outage
             if outage is not None:
                 self._outage_requests += 1
-            limiter = self._limiter
-            verdict = None if outage is not None or limiter is None else limiter.take(
-                time.monotonic())
+            verdict = None if outage is not None else self._take_tokens(groups)
             if verdict is not None:
                 self._throttled += 1
+                self._group_throttled.update(groups)
         if outage is not None:
             after = None if math.isnan(outage) else outage
             return self._error(503, None, "The service is unavailable.", after)
@@ -352,15 +392,34 @@ class FakeProvider:
             return self._rate_limited(*verdict)
         return None
 
+    def _take_tokens(self, groups: tuple[str, ...]) -> tuple[float, int, int, int] | None:
+        """A token from the server's bucket and each of ``groups``' (the caller holds the
+        lock): None when all had one and each gave it; else the first refusal's figures
+        for the 429, and no bucket gave a token."""
+        now = time.monotonic()
+        buckets = [] if self._limiter is None else [self._limiter]
+        if self._group_rate is not None:
+            rate = self._group_rate
+            buckets += [self._group_limiters.setdefault(group, _TokenBucket(rate, now))
+                        for group in groups]
+        for bucket in buckets:
+            verdict = bucket.refusal(now)
+            if verdict is not None:
+                return verdict
+        for bucket in buckets:
+            bucket.spend()
+        return None
+
     def _request_key(self, request: Request) -> str | None:
         """The header a request's idempotency key travels in (providers differ)."""
         return request.header("Idempotency-Key")
 
-    def _count_request(self, key: str | None) -> None:
+    def _count_request(self, key: str | None, groups: tuple[str, ...]) -> None:
         with self._lock:
             self._total_requests += 1
             if key is not None:
                 self._requests[key] += 1
+            self._group_requests.update(groups)
 
 
 class _TokenBucket:
@@ -373,14 +432,28 @@ class _TokenBucket:
         self.tokens = self.capacity
         self.at = now
 
-    def take(self, now: float) -> tuple[float, int, int, int] | None:
-        """None when a token was taken; else (limit, remaining, retry-after, reset) for
-        the 429, in whole seconds as providers send them."""
+    def refusal(self, now: float) -> tuple[float, int, int, int] | None:
+        """Refill up to ``now``; None when a token is there (``spend()`` takes it), else
+        (limit, remaining, retry-after, reset) for the 429, in whole seconds as providers
+        send them. Takes nothing, so a request checked against several buckets takes
+        from none of them when one refuses."""
         self.tokens = min(self.capacity, self.tokens + (now - self.at) * self.rate)
         self.at = now
         if self.tokens >= 1.0:
-            self.tokens -= 1.0
             return None
         retry_after = max(1, math.ceil((1.0 - self.tokens) / self.rate))
         reset = max(1, math.ceil((self.capacity - self.tokens) / self.rate))
         return self.rate, int(self.tokens), retry_after, reset
+
+    def spend(self) -> None:
+        """Take the token ``refusal`` found."""
+        self.tokens -= 1.0
+
+
+def _checked_rate(name: str, rate: float | None) -> float | None:
+    """``rate`` as a float, None kept; ValueError for anything but a positive number."""
+    if rate is None:
+        return None
+    if not (isinstance(rate, int | float) and rate > 0):
+        raise ValueError(f"{name} must be a positive number, got {rate!r}")
+    return float(rate)

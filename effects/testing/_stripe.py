@@ -99,7 +99,25 @@ class FakeStripe(FakeProvider):
     ``{"error": {"type": "invalid_request_error", "code": "rate_limit", ...}}`` with
     ``Stripe-Should-Retry: true`` and no ``Retry-After``; ``set_outage()`` answers every
     request 503 (``api_error``).
+
+    Stripe limits each account on its own, and so does ``rate_limit_per_account``
+    (requests per second, also ``set_rate_limit_per_account()``): every account gets a
+    token bucket of its own holding one second of requests, and a request past its
+    account's gets the same 429 ``rate_limit``. The account is the one the request acts
+    on: the connected account its ``Stripe-Account`` header names (stripe-python's
+    ``stripe_account``, e.g. ``acct_123``), or without one (or with an empty one) the
+    platform's own, ``PLATFORM_ACCOUNT``. Both limits may be set: a request is admitted
+    only when the server and its account both have room, and one refused spends
+    neither's. ``requests_by_account()`` and ``throttled_by_account()`` count per account
+    (every request counts, rate limits or not). An account's bucket is made on its first
+    request and kept while the fake lives: memory grows with the accounts seen, which a
+    test fake can afford.
     """
+
+    _group_limit_name = "rate_limit_per_account"
+    PLATFORM_ACCOUNT = "platform"
+    """The account a request without ``Stripe-Account`` acts on (not an ``acct_`` id, so
+    no connected account is mistaken for it) in the per-account limit and counts."""
 
     def __init__(
         self,
@@ -112,6 +130,7 @@ class FakeStripe(FakeProvider):
         webhook_url: str | None = None,
         webhook_secret: str = "whsec_fake_stripe",  # noqa: S107  (a test double's default)
         rate_limit: float | None = None,
+        rate_limit_per_account: float | None = None,
     ) -> None:
         self._api_key = api_key
         self.webhook_url = webhook_url
@@ -129,7 +148,34 @@ class FakeStripe(FakeProvider):
         self._lost: list[str | None] = []
         self._search_lag = 0.0
         super().__init__(retention=retention, latency=latency, max_stall=max_stall,
-                         rate_limit=rate_limit)
+                         rate_limit=rate_limit, group_rate_limit=rate_limit_per_account)
+
+    # -- per-account limits -------------------------------------------------------
+
+    def set_rate_limit_per_account(self, rate: float | None) -> None:
+        """Admit at most ``rate`` requests per second for each account (the
+        ``Stripe-Account`` header's, else ``PLATFORM_ACCOUNT``), each from a token bucket
+        of its own holding one second of requests, full at first (every account's full
+        again after this call); the rest get Stripe's 429 ``rate_limit``. Applies with
+        ``rate_limit``, not instead. None lifts the limit. ValueError unless ``rate`` is
+        a positive number or None."""
+        self._set_group_rate_limit(rate)
+
+    def requests_by_account(self) -> dict[str, int]:
+        """How many requests arrived per account since ``reset()``, whatever their answer
+        (``PLATFORM_ACCOUNT`` for those without ``Stripe-Account``); accounts that sent
+        none are absent. The values add up to ``total_requests``."""
+        return self._group_counts(throttled=False)
+
+    def throttled_by_account(self) -> dict[str, int]:
+        """How many requests were answered 429 by a rate limit (``rate_limit`` or
+        ``rate_limit_per_account``) per account since ``reset()``; accounts never refused
+        are absent. The values add up to ``throttled``."""
+        return self._group_counts(throttled=True)
+
+    def _rate_groups(self, request: Request) -> tuple[str, ...]:
+        account = (request.header("Stripe-Account") or "").strip()
+        return (account or self.PLATFORM_ACCOUNT,)
 
     def decline_card(self, payment_method: str, decline_code: str = "generic_decline") -> None:
         """Decline every later charge to ``payment_method`` with ``decline_code``."""
