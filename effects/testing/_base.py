@@ -51,9 +51,10 @@ class FakeProvider:
     without performing it until ``set_outage(False)`` (``outage_requests`` counts them).
 
     Per-tenant limits: a provider whose requests name the tenant they count against (the
-    account at Stripe) can also give each tenant a bucket of its own, the same token
-    bucket at a rate of its own (``FakeStripe``'s ``rate_limit_per_account``, passed on
-    as ``group_rate_limit``, which a provider naming no tenant ignores). A
+    account at Stripe, the sending domain at Resend) can also give each tenant a bucket
+    of its own, the same token bucket at a rate of its own (``FakeStripe``'s
+    ``rate_limit_per_account``, ``FakeEmailProvider``'s ``rate_limit_per_domain``; they
+    pass it on as ``group_rate_limit``, which a provider naming no tenant ignores). A
     request is admitted only when every bucket it counts against (the server's and its
     tenants') holds a token, and then takes one from each; one refused takes none, so a
     tenant refused does not spend the server's budget nor the other way round. A tenant's

@@ -8,6 +8,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from email.utils import parseaddr
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -60,6 +61,20 @@ class FakeEmailProvider(FakeProvider):
     - ``rate_limit`` (Resend's default is 2 requests per second per team): past it,
       429 ``rate_limit_exceeded`` with ``retry-after``, ``ratelimit-limit``,
       ``ratelimit-remaining`` and ``ratelimit-reset`` headers, as Resend answers.
+    - ``rate_limit_per_domain`` (also ``set_rate_limit_per_domain()``): each sending
+      domain, the lower-cased domain of a send's ``from`` (``"Shop <shop@Example.com>"``
+      is ``example.com``), gets a token bucket of its own holding one second of
+      requests; a send past its domain's gets the same 429 ``rate_limit_exceeded``, its
+      ``ratelimit-limit`` the domain's rate. Applies with ``rate_limit``, not instead: a
+      send is admitted only when the server and its domains all have room, and one
+      refused spends none of their tokens. A batch is one request to each distinct
+      domain among its emails' ``from`` (a batch of 100 emails from one domain takes
+      one token, as Resend counts requests, not emails; one from two domains takes one
+      from each and is refused whole if either has none). Requests with no domain to
+      read (``GET``, cancels, a ``from`` without ``@``, a body that is not JSON) are
+      not limited per domain. ``requests_by_domain()`` and ``throttled_by_domain()``
+      count per domain. A domain's bucket is made on its first send and kept while the
+      fake lives: memory grows with the domains seen, which a test fake can afford.
 
     Errors have Resend's shape: ``{"statusCode": 422, "name": "...", "message": "..."}``.
     Faults and counters: see ``FakeProvider``. ``sent_emails`` lists what was sent.
@@ -81,6 +96,8 @@ class FakeEmailProvider(FakeProvider):
       unknown one); ``{{{NAME}}}`` placeholders are filled from the variables.
     """
 
+    _group_limit_name = "rate_limit_per_domain"
+
     def __init__(
         self,
         *,
@@ -89,6 +106,7 @@ class FakeEmailProvider(FakeProvider):
         latency: float = 0.0,
         max_stall: float = 60.0,
         rate_limit: float | None = None,
+        rate_limit_per_domain: float | None = None,
     ) -> None:
         self._api_key = api_key
         self._sent: list[SentEmail] = []
@@ -96,7 +114,41 @@ class FakeEmailProvider(FakeProvider):
         self._records: dict[str, dict[str, Any]] = {}  # by id, in send order
         self._templates: dict[str, dict[str, str]] = {}
         super().__init__(retention=retention, latency=latency, max_stall=max_stall,
-                         rate_limit=rate_limit)
+                         rate_limit=rate_limit, group_rate_limit=rate_limit_per_domain)
+
+    def set_rate_limit_per_domain(self, rate: float | None) -> None:
+        """Admit at most ``rate`` sends per second from each sending domain (the
+        lower-cased domain of ``from``), each from a token bucket of its own holding one
+        second of requests, full at first (every domain's full again after this call);
+        the rest get Resend's 429 ``rate_limit_exceeded``. Applies with ``rate_limit``,
+        not instead. None lifts the limit. ValueError unless ``rate`` is a positive
+        number or None."""
+        self._set_group_rate_limit(rate)
+
+    def requests_by_domain(self) -> dict[str, int]:
+        """How many sends (``POST /emails`` and ``/emails/batch``) arrived per sending
+        domain since ``reset()``, whatever their answer; a batch counts once for each
+        distinct domain in it. Requests with no domain to read are not counted here
+        (``total_requests`` counts them)."""
+        return self._group_counts(throttled=False)
+
+    def throttled_by_domain(self) -> dict[str, int]:
+        """How many sends were answered 429 by a rate limit (``rate_limit`` or
+        ``rate_limit_per_domain``) per sending domain since ``reset()``; a batch counts
+        once for each distinct domain in it; domains never refused are absent."""
+        return self._group_counts(throttled=True)
+
+    def _rate_groups(self, request: Request) -> tuple[str, ...]:
+        path = request.path.rstrip("/")
+        if request.method != "POST" or path not in ("/emails", "/emails/batch"):
+            return ()
+        try:
+            document = json.loads(request.body)
+        except (ValueError, RecursionError):  # read before any check: any body may come
+            return ()
+        messages = document if isinstance(document, list) else [document]
+        domains = (_sending_domain(m.get("from")) for m in messages if isinstance(m, dict))
+        return tuple(d for d in domains if d is not None)
 
     @property
     def sent_emails(self) -> list[SentEmail]:
@@ -302,6 +354,17 @@ class FakeEmailProvider(FakeProvider):
         with self._sent_lock:
             self._sent.clear()
             self._records.clear()
+
+
+def _sending_domain(sender: object) -> str | None:
+    """The lower-cased domain of a ``from`` value (``"Shop <shop@Example.com>"`` and
+    ``"shop@example.com"`` are both ``example.com``), or None when it names none."""
+    if not isinstance(sender, str):
+        return None
+    _, address = parseaddr(sender)
+    local, at, domain = address.rpartition("@")
+    domain = domain.strip().lower()
+    return domain if at and local and domain else None
 
 
 def _problem_with(message: dict[str, Any]) -> tuple[str, str] | None:

@@ -1,4 +1,5 @@
-"""The fakes' per-tenant limits: FakeStripe per account, over real HTTP (stripe-python).
+"""The fakes' per-tenant limits: FakeStripe per account, FakeEmailProvider per sending
+domain, over real HTTP (stripe-python for Stripe).
 
 The rates are low (0.5/s: a bucket of one token, the next after 2 s) so that a burst of
 a few requests finds the bucket empty even on a loaded machine; assertions are about
@@ -15,11 +16,12 @@ import httpx
 import pytest
 import stripe
 
-from effects.testing import FakeStripe
+from effects.testing import FakeEmailProvider, FakeStripe
 
-from ._support import STRIPE_KEY, TIMEOUT
+from ._support import RESEND_KEY, STRIPE_KEY, TIMEOUT, email_payload
 
 SLOW = 0.5  # requests per second: one token, refilled after 2 s
+EMAIL_HEADERS = {"Authorization": f"Bearer {RESEND_KEY}"}
 PLATFORM = FakeStripe.PLATFORM_ACCOUNT
 
 
@@ -54,6 +56,16 @@ def create_intent(client: stripe.StripeClient, account: str | None) -> int:
         assert body["error"]["code"] == "rate_limit"
         return 429
     return 200
+
+
+def send_email(http: httpx.Client, fake: FakeEmailProvider, sender: str) -> httpx.Response:
+    return http.post(f"{fake.url}/emails", json=email_payload(**{"from": sender}),
+                     headers=EMAIL_HEADERS)
+
+
+def send_batch(http: httpx.Client, fake: FakeEmailProvider, *senders: str) -> httpx.Response:
+    batch = [email_payload(**{"from": sender}) for sender in senders]
+    return http.post(f"{fake.url}/emails/batch", json=batch, headers=EMAIL_HEADERS)
 
 
 # -- Stripe: per account -----------------------------------------------------------------
@@ -177,3 +189,90 @@ def test_without_a_per_account_limit_accounts_are_still_counted(http: httpx.Clie
         assert fake.requests_by_account() == {"acct_A": 2, PLATFORM: 1}
         assert fake.throttled_by_account() == {}
 
+
+# -- email: per sending domain -----------------------------------------------------------
+
+
+def test_two_sending_domains_are_limited_separately(http: httpx.Client) -> None:
+    with FakeEmailProvider(api_key=RESEND_KEY, rate_limit_per_domain=SLOW) as fake:
+        shop = [send_email(http, fake, "shop@shop.example").status_code for _ in range(5)]
+        news = send_email(http, fake, "news@news.example").status_code
+
+        assert shop[0] == 200
+        assert shop.count(429) >= 1
+        assert news == 200
+        assert fake.requests_by_domain() == {"shop.example": 5, "news.example": 1}
+        assert fake.throttled_by_domain() == {"shop.example": shop.count(429)}
+        assert fake.throttled == shop.count(429)
+        assert len(fake.sent_emails) == shop.count(200) + 1
+
+
+def test_the_name_and_address_form_is_read_for_its_lower_cased_domain(
+    http: httpx.Client,
+) -> None:
+    with FakeEmailProvider(api_key=RESEND_KEY, rate_limit_per_domain=SLOW) as fake:
+        senders = ["Shop <shop@Example.com>", "orders@EXAMPLE.COM",
+                   '"Shop, Inc." <a@example.com>']
+        answers = [send_email(http, fake, sender) for sender in senders]
+
+        assert answers[0].status_code == 200
+        assert [a.status_code for a in answers].count(429) >= 1  # one bucket for all three
+        assert fake.requests_by_domain() == {"example.com": 3}
+        refused = next(a for a in answers if a.status_code == 429)
+        assert refused.json()["name"] == "rate_limit_exceeded"
+        assert refused.headers["ratelimit-limit"] == "0.5"
+        assert int(refused.headers["retry-after"]) >= 1
+
+
+def test_a_batch_takes_one_token_from_each_of_its_domains(http: httpx.Client) -> None:
+    with FakeEmailProvider(api_key=RESEND_KEY, rate_limit_per_domain=SLOW) as fake:
+        one_domain = send_batch(http, fake, "a@one.example", "b@one.example", "c@one.example")
+        assert one_domain.status_code == 200  # one request: one token, not three
+        assert len(fake.sent_emails) == 3
+
+        spent = [send_email(http, fake, "a@one.example").status_code for _ in range(3)]
+        assert spent.count(429) >= 1
+        sent_before = len(fake.sent_emails)
+        mixed = [send_batch(http, fake, "x@two.example", "a@one.example").status_code
+                 for _ in range(3)]
+        assert mixed.count(429) >= 1
+        # a refused batch sends nothing and takes no token from two.example
+        assert len(fake.sent_emails) == sent_before + 2 * mixed.count(200)
+        if mixed.count(200) == 0:
+            assert send_email(http, fake, "x@two.example").status_code == 200
+
+        by_domain = fake.requests_by_domain()
+        assert by_domain["one.example"] == 1 + 3 + 3
+        assert by_domain["two.example"] in (3, 4)
+        throttled = fake.throttled_by_domain()
+        assert throttled["one.example"] == spent.count(429) + mixed.count(429)
+        assert throttled.get("two.example", 0) == mixed.count(429)
+
+
+def test_requests_with_no_sending_domain_are_not_limited_per_domain(
+    http: httpx.Client,
+) -> None:
+    with FakeEmailProvider(api_key=RESEND_KEY, rate_limit_per_domain=SLOW) as fake:
+        listed = [http.get(f"{fake.url}/emails", headers=EMAIL_HEADERS).status_code
+                  for _ in range(3)]
+        no_domain = [send_email(http, fake, "nobody").status_code for _ in range(3)]
+        not_json = http.post(f"{fake.url}/emails", content=b"{", headers=EMAIL_HEADERS)
+
+        assert listed == [200] * 3
+        assert no_domain == [200] * 3  # the fake sends it; no domain bucket to empty
+        assert not_json.status_code == 400
+        assert fake.requests_by_domain() == {}
+        assert fake.throttled == 0
+
+
+def test_a_per_domain_limit_can_be_lifted(http: httpx.Client) -> None:
+    with FakeEmailProvider(api_key=RESEND_KEY) as fake:
+        fake.set_rate_limit_per_domain(SLOW)
+        assert [send_email(http, fake, "a@x.example").status_code
+                for _ in range(4)].count(429) >= 1
+
+        fake.set_rate_limit_per_domain(None)
+        assert [send_email(http, fake, "a@x.example").status_code
+                for _ in range(4)] == [200] * 4
+        with pytest.raises(ValueError, match="rate_limit_per_domain must be a positive"):
+            fake.set_rate_limit_per_domain(0)
