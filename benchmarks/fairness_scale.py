@@ -18,7 +18,9 @@ read just before the release).
 
 Before the first run's drains, one claim of ``batch_size`` jobs at the full state (every
 group busy) is run under ``EXPLAIN (ANALYZE, BUFFERS)`` and rolled back, with groups and
-without; the plans go to the results file.
+without; with groups also one at the drain's tail (the big group and ``batch_size // 2``
+small ones left, fewer busy groups than the claim takes, so the claim tops up past the
+groups' shares). The plans go to the results file.
 """
 
 from __future__ import annotations
@@ -95,13 +97,19 @@ def _enqueue(dsn: str, jobs: list[outbox.NewJob]) -> float:
     return len(jobs) / (time.perf_counter() - started)
 
 
-def explain_claim(dsn: str, limit: int) -> dict[str, Any]:
+def explain_claim(dsn: str, limit: int, keep_small: int | None = None) -> dict[str, Any]:
     """The dispatcher's claim of ``limit`` jobs under EXPLAIN (ANALYZE, BUFFERS), rolled
-    back: its plan as text, the execution time (ms) and the busy groups then."""
+    back: its plan as text, the execution time (ms) and the busy groups then. With
+    ``keep_small``, the small jobs past the first ``keep_small`` are deleted first (in
+    the same rolled-back transaction): the state of the drain's tail, fewer busy groups
+    than the claim's limit."""
     query = queries(SCHEMA).claim
     params = claim_params(query, limit)
     with psycopg.connect(dsn) as conn:
         conn.execute("SET default_transaction_isolation = 'read committed'")
+        if keep_small is not None:
+            conn.execute("DELETE FROM outbox.jobs WHERE key LIKE 'small-%%' "
+                         "AND substr(key, 7)::integer >= %s", (keep_small,))
         groups = conn.execute(
             "SELECT count(DISTINCT coalesce(group_key, '')) FROM outbox.jobs "
             "WHERE status = 'pending'").fetchone()
@@ -122,7 +130,12 @@ def measure(server: Server, config: FairnessScaleConfig, *, grouped: bool,
         migrated(dsn)
         enqueue_rate = _enqueue(dsn, jobs)
         settle(dsn)
-        plan = (explain_claim(dsn, config.outbox.batch_size or 100) if explain else None)
+        plans: dict[str, Any] = {}
+        if explain:
+            limit = config.outbox.batch_size or 100
+            plans["full"] = explain_claim(dsn, limit)
+            if grouped and config.small > limit // 2:
+                plans["tail"] = explain_claim(dsn, limit, keep_small=limit // 2)
         timeout = config.timeout()
         starts: list[datetime] = []
         with psycopg.connect(dsn, autocommit=True) as clock:
@@ -151,7 +164,7 @@ def measure(server: Server, config: FairnessScaleConfig, *, grouped: bool,
         "claim_queries": int(stats["claim_queries"]),
         "claim_seconds": float(stats["claim_seconds"]),
         "small_last_done": float(row[0]), "big_last_done": float(row[1]),
-        "small_median_done": float(row[2]), "stats": stats, "explain": plan,
+        "small_median_done": float(row[2]), "stats": stats, "explain": plans,
     }
     log.info("fairness-scale %s: %.0f jobs/s, claim %.1f ms mean, small groups' last "
              "done at %.2f s", "grouped" if grouped else "ungrouped",
