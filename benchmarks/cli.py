@@ -207,7 +207,8 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
         "events": lambda srv: events.run(srv, events.EventsConfig(
             runs, publish_events=sizes.events_messages, inbox_messages=sizes.events_messages)),
         "limits": lambda srv: limits.run(srv, limits.LimitsConfig(
-            runs, jobs=sizes.limits_jobs, outage=sizes.limits_outage)),
+            runs, jobs=sizes.limits_jobs, outage=sizes.limits_outage,
+            group_jobs=sizes.limits_jobs // 4)),
         "retention": lambda srv: retention.run(srv, retention.RetentionConfig(
             runs, sizes.retention_history, sizes.retention_jobs, outbox=best)),
         "fairness": lambda srv: fairness.run(srv, (

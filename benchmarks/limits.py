@@ -8,6 +8,11 @@ the parent process; the dispatchers are real processes sending real HTTP):
   The ratio is the ideal drain time (jobs / rate) over the measured one; also failed
   jobs, the most attempts any job counted, and the share of requests answered 429.
 - burst, ``Limit(rate=rate)`` declared, ``procs`` dispatcher processes sharing it.
+- per group: ``groups`` tenants of ``group_jobs`` emails each, sending from their own
+  domains, against a provider admitting ``group_rate`` requests/s per sending domain
+  (``rate_limit_per_domain``), ``Limit(rate=group_rate, per_group=True)`` declared on
+  ``procs`` processes. The ideal is every tenant at its domain's rate at once
+  (``group_jobs / group_rate``); the ratio, failed jobs and the share of 429s as above.
 - outage: ``outage`` seconds of 503 to every request with ``jobs`` jobs waiting, then
   recovery: failed jobs, seconds from recovery to the last job done, and requests made
   during the outage per job.
@@ -43,6 +48,9 @@ class LimitsConfig:
     rate: float = 10.0
     procs: int = 3
     outage: float = 30.0
+    groups: int = 3
+    group_jobs: int = 50
+    group_rate: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -51,11 +59,13 @@ class EmailWorkerSpec:
     url: str
     rate: float | None  # the declared Limit's rate, or None
     timeout: float
+    per_group: bool = False
 
 
 def email_worker(spec: EmailWorkerSpec) -> Prepared:
     """A dispatcher process with ``SendEmail`` against the fake, default settings."""
-    limits = None if spec.rate is None else {"email.send": outbox.Limit(rate=spec.rate)}
+    limits = None if spec.rate is None else {
+        "email.send": outbox.Limit(rate=spec.rate, per_group=spec.per_group)}
     dispatcher = outbox.Dispatcher(spec.dsn, [SendEmail("re_bench", base_url=spec.url)],
                                    limits=limits)
 
@@ -68,6 +78,15 @@ def email_worker(spec: EmailWorkerSpec) -> Prepared:
 def _enqueue(dsn: str, jobs: int) -> None:
     with psycopg.connect(dsn) as conn, outbox.transaction(conn) as tx:
         tx.enqueue_many([outbox.NewJob("email.send", f"email-{i}", EMAIL) for i in range(jobs)])
+
+
+def _enqueue_groups(dsn: str, groups: int, jobs: int) -> None:
+    """``jobs`` emails for each of ``groups`` tenants, each from the tenant's own domain."""
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn) as tx:
+        tx.enqueue_many([outbox.NewJob("email.send", f"email-t{g}-{i}",
+                                       {**EMAIL, "from": f"Shop <shop@t{g}.example>"},
+                                       group=f"t{g}")
+                         for i in range(jobs) for g in range(groups)])
 
 
 def _outcome(dsn: str) -> dict[str, Any]:
@@ -102,6 +121,27 @@ def measure_burst(server: Server, config: LimitsConfig, *, declared: bool) -> di
             "max_attempts": outcome["max_attempts"], "requests": requests,
             "throttled": throttled, "share_429": throttled / requests if requests else 0.0,
             "stats": released.results}
+
+
+def measure_groups(server: Server, config: LimitsConfig) -> dict[str, Any]:
+    jobs = config.groups * config.group_jobs
+    with fresh_database(server, "limits") as dsn, FakeEmailProvider(
+            rate_limit_per_domain=config.group_rate) as fake:
+        migrated(dsn)
+        _enqueue_groups(dsn, config.groups, config.group_jobs)
+        timeout = 60.0 + 5 * config.group_jobs / config.group_rate
+        spec = EmailWorkerSpec(dsn, fake.url, config.group_rate, timeout, per_group=True)
+        released = run_released(email_worker, [spec] * config.procs, timeout=timeout + 30)
+        outcome = _outcome(dsn)
+        requests, throttled = fake.total_requests, fake.throttled
+    done = outcome["counts"].get("done", 0)
+    if done != jobs:
+        raise AssertionError(f"limits per group finished {done} of {jobs} jobs: {outcome}")
+    ideal = config.group_jobs / config.group_rate
+    return {"seconds": released.seconds, "ideal": ideal, "ratio": ideal / released.seconds,
+            "failed": outcome["counts"].get("failed", 0), "max_attempts": outcome["max_attempts"],
+            "requests": requests, "throttled": throttled,
+            "share_429": throttled / requests if requests else 0.0, "stats": released.results}
 
 
 def measure_outage(server: Server, config: LimitsConfig) -> dict[str, Any]:
@@ -155,6 +195,22 @@ def _burst_rows(config: LimitsConfig, runs: list[dict[str, Any]], declared: bool
     return rows
 
 
+def _group_rows(config: LimitsConfig, runs: list[dict[str, Any]]) -> list[Row]:
+    label = (f"{config.groups} tenants x {config.group_jobs} emails, provider "
+             f"{config.group_rate:g}/s per sending domain, Limit(rate={config.group_rate:g}, "
+             f"per_group=True) on {config.procs} processes")
+    return [
+        Row("limits", f"{label}: drain time", "s", Figure.of([r["seconds"] for r in runs]),
+            "ideal jobs per tenant/rate", Figure.of([r["ideal"] for r in runs]),
+            Figure.of([r["ratio"] for r in runs]), Target(">=", 0.85),
+            note="ratio is ideal over measured"),
+        Row("limits", f"{label}: failed jobs", "jobs", Figure.of([r["failed"] for r in runs]),
+            target=Target("<=", 0, on="value")),
+        Row("limits", f"{label}: share of requests answered 429", "share",
+            Figure.of([r["share_429"] for r in runs]), target=Target("<=", 0.05, on="value")),
+    ]
+
+
 def _outage_rows(config: LimitsConfig, runs: list[dict[str, Any]]) -> list[Row]:
     label = f"{config.outage:g} s outage (503), {config.jobs} jobs waiting"
     return [
@@ -171,15 +227,18 @@ def run(server: Server, config: LimitsConfig) -> Section:
     """Each figure ``config.runs`` times, interleaved."""
     bursts: list[dict[str, Any]] = []
     outages: list[dict[str, Any]] = []
+    grouped: list[dict[str, Any]] = []
     for _ in range(config.runs):
         bursts.append(measure_burst(server, config, declared=False))
         bursts.append(measure_burst(server, config, declared=True))
+        grouped.append(measure_groups(server, config))
         outages.append(measure_outage(server, config))
     rows = [*_burst_rows(config, bursts, False), *_burst_rows(config, bursts, True),
-            *_outage_rows(config, outages)]
+            *_group_rows(config, grouped), *_outage_rows(config, outages)]
     settings = {"dispatcher": "Dispatcher defaults (concurrency 16)",
                 "provider": f"FakeEmailProvider(rate_limit={config.rate:g}): a token bucket "
                             "holding one second of requests",
                 "effect": "effects.email.SendEmail over HTTP"}
     return Section("limits", rows, raw={"config": vars(config), "bursts": bursts,
-                                        "outages": outages}, settings=settings)
+                                        "per_group": grouped, "outages": outages},
+                   settings=settings)
