@@ -43,6 +43,7 @@ from ._dispatch.claimer import (
 )
 from ._dispatch.connection import AsyncConnection, Connection, connect
 from ._dispatch.counting import DispatchStats
+from ._dispatch.fleet import ENGINE_CONNECTIONS, Fleet, TargetsSource
 from ._dispatch.hook_lookup import require_sync_hooks
 from ._dispatch.listener import Listener, listen_async
 from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_reconciler_async
@@ -63,6 +64,7 @@ from .effect import Effect
 from .errors import ConfigurationError, DispatcherFailed
 from .limits import Limit
 from .observe import DispatchObserver, MultiObserver
+from .targets import Target
 
 __all__ = ["AsyncDispatcher", "DispatchStats", "Dispatcher"]
 
@@ -109,8 +111,8 @@ class _Options:
 
     def __init__(
         self,
-        conninfo: str,
-        effects: Sequence[Effect],
+        conninfo: str | None = None,
+        effects: Sequence[Effect] | None = None,
         *,
         schema: str = "outbox",
         concurrency: int = 16,
@@ -135,13 +137,27 @@ class _Options:
         limits: Mapping[str, Limit] | None = None,
         breaker_threshold: int | None = 5,
         stop_timeout: float | timedelta = 30.0,
+        targets: TargetsSource | None = None,
+        targets_interval: float | timedelta = 30.0,
+        max_connections: int = 16,
     ) -> None:
+        if effects is None:
+            raise ConfigurationError(f"{type(self).__name__} needs effects=[...], the "
+                                     "effects it performs")
+        if (conninfo is None) == (targets is None):
+            raise ConfigurationError(
+                f"{type(self).__name__} takes either a connection string (one database) "
+                "or targets=[outbox.Target(dsn, schema), ...] (several), "
+                + ("not both" if targets is not None else "and was given neither"))
+        if targets is not None and listen_conninfo is not None:
+            raise ConfigurationError("listen_conninfo is for one database; with targets, "
+                                     "each target's database is listened to directly")
         if metrics:
             from .metrics import with_metrics  # prometheus-client is an optional extra
 
             observer = with_metrics(observer or DispatchObserver())
         self.settings = Settings.build(
-            conninfo, effects, schema=schema, concurrency=concurrency, lease=lease,
+            conninfo or "", effects, schema=schema, concurrency=concurrency, lease=lease,
             batch_size=batch_size, prefetch=prefetch, max_prefetch=max_prefetch,
             poll_interval=poll_interval, rescue_interval=rescue_interval, backoff=backoff,
             unknown_outcome_window=unknown_outcome_window, retention=retention,
@@ -155,11 +171,53 @@ class _Options:
             setattr(self, name, getattr(self.settings, name))
         self.stats = DispatchStats()
         self._running = False
+        # The options an engine of the fleet gets (observer and limits are read from the
+        # settings when it is made: add_observer and add_limits change them).
+        self._engine_options: dict[str, Any] = {
+            "concurrency": concurrency, "lease": lease, "batch_size": batch_size,
+            "prefetch": prefetch, "max_prefetch": max_prefetch,
+            "poll_interval": poll_interval, "rescue_interval": rescue_interval,
+            "backoff": backoff, "unknown_outcome_window": unknown_outcome_window,
+            "retention": retention, "ledger_retention": ledger_retention,
+            "inbox_retention": inbox_retention, "on_done": on_done, "on_failed": on_failed,
+            "reconcile_interval": reconcile_interval,
+            "breaker_threshold": breaker_threshold, "stop_timeout": stop_timeout}
+        self._fleet: Fleet | None = None
+        if targets is not None:
+            self._fleet = self._make_fleet(targets, targets_interval, max_connections)
         self._setup()
         guarded(self.settings.observer.effects_registered, sorted(self.settings.effects))
 
     def _setup(self) -> None:
         """What a flavour prepares once, after the options are checked."""
+
+    def _make_fleet(self, targets: TargetsSource, interval: float | timedelta,
+                    max_connections: int) -> Fleet:
+        """The fleet serving ``targets``, each with an engine of this flavour."""
+        if not callable(targets) and (isinstance(targets, str | bytes | Target)
+                                      or not isinstance(targets, Sequence)):
+            raise ConfigurationError(
+                "targets must be a list of outbox.Target or a callable returning one, "
+                f"got {type(targets).__name__}")
+        engine_connections = ENGINE_CONNECTIONS + (1 if reconcilers(self.settings) else 0)
+        if (isinstance(max_connections, bool) or not isinstance(max_connections, int)
+                or max_connections < engine_connections + 1):
+            raise ConfigurationError(
+                f"max_connections must be an integer of at least {engine_connections + 1} "
+                f"(a look-out connection and one target's turn), got {max_connections!r}")
+        seconds = interval.total_seconds() if isinstance(interval, timedelta) else interval
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
+            raise ConfigurationError(
+                f"targets_interval must be a positive number of seconds, got {interval!r}")
+        return Fleet(targets, self._engine, settings=self.settings,
+                     targets_interval=float(seconds), max_connections=max_connections,
+                     engine_connections=engine_connections)
+
+    def _engine(self, target: Target) -> Any:
+        """A dispatcher of this flavour bound to ``target``: the fleet runs its turns."""
+        return type(self)(target.dsn, list(self.settings.effects.values()),
+                          schema=target.schema, observer=self.settings.observer,
+                          limits=dict(self.settings.limits), **self._engine_options)
 
     def add_observer(self, observer: DispatchObserver) -> None:
         """Add ``observer`` beside the dispatcher's own (``observer=``, ``metrics=True``):
@@ -338,6 +396,8 @@ class Dispatcher(_Options):
         released (jobs not started go back to ``pending`` with the attempt refunded).
         Safe to call from any thread or a signal handler."""
         self._state.request_stop()
+        if self._fleet is not None:
+            self._fleet.stop()
 
     def run_until_idle(self, timeout: float | None = None) -> DispatchStats:
         """Process every job that is due now, then return the counters of this call.
@@ -348,7 +408,12 @@ class Dispatcher(_Options):
         retried with a delay are not waited for. With ``timeout`` (seconds), stops
         claiming when it passes and returns once this dispatcher's in-flight work is
         recorded.
+
+        With ``targets``: every target is served until it is idle (a target that fails is
+        logged and left after its first failure), the counters summed over them.
         """
+        if self._fleet is not None:
+            return self._fleet.run(until_idle=True, timeout=timeout)
         return self._serve(until_idle=True, timeout=timeout)
 
     def run(self) -> DispatchStats:
@@ -360,6 +425,8 @@ class Dispatcher(_Options):
         the performs in flight do; a ``stop()`` before ``run()`` makes it return at once.
         """
         with self._signals_stop():
+            if self._fleet is not None:
+                return self._fleet.run(until_idle=False, timeout=None)
             return self._serve(until_idle=False, timeout=None)
 
     @contextlib.contextmanager
@@ -514,6 +581,8 @@ class AsyncDispatcher(_Options):
             self._stop_early = True
         else:
             state.request_stop()
+        if self._fleet is not None:
+            self._fleet.stop()
 
     async def run_until_idle(self, timeout: float | None = None) -> DispatchStats:  # noqa: ASYNC109 - the contract's name
         """Process every job that is due now, then return the counters of this call.
@@ -522,6 +591,8 @@ class AsyncDispatcher(_Options):
         rescued if its lease expires); with ``timeout`` (seconds), claiming stops when it
         passes and the call returns once in-flight work is recorded.
         """
+        if self._fleet is not None:
+            return await self._fleet.run_async(until_idle=True, timeout=timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         return await self._serve(until_idle=True, deadline=deadline)
 
@@ -533,6 +604,8 @@ class AsyncDispatcher(_Options):
         ``stop_timeout`` seconds (plus a moment to close) of the stop: jobs still held
         then are left to their leases and their async performs cancelled.
         """
+        if self._fleet is not None:
+            return await self._fleet.run_async(until_idle=False, timeout=None)
         return await self._serve(until_idle=False, deadline=None)
 
     async def __aenter__(self) -> AsyncDispatcher:

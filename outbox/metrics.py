@@ -118,6 +118,9 @@ class PrometheusObserver(DispatchObserver, Collector):
         self._started: dict[str, int] = {}
         self._ended: dict[str, int] = {}
         self._last_claim: float | None = None
+        # Targets of a dispatcher serving several (target name -> up): one series each,
+        # as many as the targets configured.
+        self._targets: dict[str, bool] = {}
         (REGISTRY if registry is None else registry).register(self)
 
     @classmethod
@@ -187,6 +190,11 @@ class PrometheusObserver(DispatchObserver, Collector):
         with self._lock:
             self._rescues += count
 
+    def target_state(self, target: str, up: bool) -> None:
+        """Whether a target of a dispatcher serving several is up."""
+        with self._lock:
+            self._targets[target] = up
+
     # -- scrape ------------------------------------------------------------------------
 
     def collect(self) -> Iterator[Metric]:
@@ -199,6 +207,7 @@ class PrometheusObserver(DispatchObserver, Collector):
             fences, rescues = dict(self._fences), self._rescues
             in_flight = {e: n - self._ended.get(e, 0) for e, n in self._started.items()}
             last_claim = self._last_claim
+            targets = dict(self._targets)
         family: Any = CounterMetricFamily(
             "outbox_job_attempts", "Attempts by how they ended.", labels=["effect", "outcome"])
         for labels, n in sorted(attempts.items()):
@@ -232,6 +241,14 @@ class PrometheusObserver(DispatchObserver, Collector):
         for effect, n in sorted(in_flight.items()):
             family.add_metric([effect], n)
         yield family
+        if targets:
+            family = GaugeMetricFamily(
+                "outbox_target_up", "1 while a target of this dispatcher is reachable and "
+                "served; 0 while it fails (refused, no schema or privilege, migrating).",
+                labels=["target"])
+            for target, up in sorted(targets.items()):
+                family.add_metric([target], 1 if up else 0)
+            yield family
         if last_claim is not None:
             yield GaugeMetricFamily("outbox_last_claim_timestamp_seconds",
                                     "Unix time of the last claim that returned jobs.",

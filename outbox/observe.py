@@ -92,6 +92,12 @@ class DispatchObserver:
     def purged(self, table: PurgedTable, count: int) -> None:
         """Retention deleted ``count`` rows of ``table`` (one batch)."""
 
+    def target_state(self, target: str, up: bool) -> None:
+        """A dispatcher serving several targets (``Dispatcher(targets=...)``) found the
+        target named ``target`` (``outbox.targets.Target.name``) reachable and served
+        (``up``) or failing: refusing connections, missing its schema or a privilege,
+        being migrated. Reported when it is first seen and at each change."""
+
 
 class MultiObserver(DispatchObserver):
     """Forwards every event to several observers, in order."""
@@ -138,3 +144,7 @@ class MultiObserver(DispatchObserver):
     def purged(self, table: PurgedTable, count: int) -> None:
         for observer in self.observers:
             observer.purged(table, count)
+
+    def target_state(self, target: str, up: bool) -> None:
+        for observer in self.observers:
+            observer.target_state(target, up)

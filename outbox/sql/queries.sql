@@ -374,6 +374,19 @@ SELECT EXISTS (
     WHERE j.status = 'running' AND j.effect = ANY(%(effects)s::text[])
 );
 
+-- name: target_due
+-- Whether a dispatcher serving several targets should give this one a turn: a job of
+-- %(effects)s claimable now (fragment claimable), or one whose lease expired (its worker
+-- died: a turn rescues it). Running jobs held by live workers elsewhere are theirs.
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.jobs j
+    WHERE {claimable} AND j.effect = ANY(%(effects)s::text[])
+) OR EXISTS (
+    SELECT 1 FROM {schema}.jobs j
+    WHERE j.status = 'running' AND j.lease_until < now()
+      AND j.effect = ANY(%(effects)s::text[])
+) AS due;
+
 -- name: purge_done
 -- Retention: delete done jobs older than %(age)s seconds, a batch at a time.
 WITH doomed AS (

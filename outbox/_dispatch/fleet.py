@@ -1,0 +1,566 @@
+"""The fleet: one dispatcher serving many targets (``outbox.targets``) within a connection
+budget.
+
+Each target has an engine: an ordinary dispatcher of the caller's flavour and options,
+bound to the target's DSN and schema, run in turns (``run_until_idle`` with a time
+limit). Every guarantee of a dispatcher therefore holds per target as it does alone:
+claims, fencing, the ledger row in the target's own database in the same transaction,
+limits (counted in each target's database), flows, reconciliation, retention.
+
+    targets   the list given, or the callable's answer re-read every targets_interval:
+              a new target is served from then on; a removed one is let go once its
+              turn has recorded what it held
+    scouts    one thread per database, up to the budget: a connection that LISTENs on
+              the channel of every target schema in it (an enqueue makes that target due
+              at once) and, every poll interval, asks each idle target whether it has
+              work (one small query). Databases past the budget share one scout that
+              opens a connection per look, and are polled only
+    turns     at most ``slots`` engines run at once (each holds ENGINE_CONNECTIONS, or
+              one more when an effect reconciles); a due target waits for a free slot,
+              the least recently served first, and a turn lasts at most TURN seconds: a
+              target's backlog delays another target by about one turn. Every target
+              gets a turn at least every CHORES_EVERY seconds, due or not, for its
+              rescue of expired leases and its retention
+    isolation a turn or a look that fails marks its target down: one log line, the
+              observer's target_state (metric outbox_target_up{target}), then retried
+              with backoff (RETRY_FIRST seconds doubling to RETRY_MAX); the other
+              targets go on. No target's failure stops the fleet.
+
+The scheduling decisions are in ``Schedule`` (no I/O, under one lock); ``Fleet`` runs
+the turns on threads. ``AsyncDispatcher`` runs its engines' turns as tasks of its loop
+(``Fleet.run_async``), with the same schedule and scouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .._enqueue import notify_channel
+from .._pg import configuration_error, is_pooled, unreachable
+from .._sql import queries
+from ..errors import ConfigurationError, DispatcherFailed, SchemaError
+from ..targets import Target
+from .counting import DispatchStats
+from .settings import Settings
+
+__all__ = ["CHORES_EVERY", "ENGINE_CONNECTIONS", "TURN", "Fleet", "Schedule"]
+
+log = logging.getLogger("outbox.dispatcher")
+
+TURN = 2.0  # seconds a target's turn lasts at most
+CHORES_EVERY = 60.0  # every target gets a turn this often, due or not (rescue, retention)
+ENGINE_CONNECTIONS = 2  # a turn's claimer and recorder (one more when an effect reconciles)
+RETRY_FIRST = 1.0  # seconds before a failed target is tried again, doubling ...
+RETRY_MAX = 60.0  # ... up to this
+
+TargetsSource = Sequence[Target] | Callable[[], Sequence[Target]]
+
+def read_targets(source: TargetsSource) -> list[Target]:
+    """The targets ``source`` gives now, checked: ``Target`` values, each once."""
+    given = source() if callable(source) else source
+    if isinstance(given, str | bytes) or not isinstance(given, Iterable):
+        raise ConfigurationError(
+            f"targets must be a list of outbox.Target (or a callable returning one), "
+            f"got {type(given).__name__}")
+    found: dict[Target, None] = {}
+    for target in given:
+        if not isinstance(target, Target):
+            raise ConfigurationError(f"targets must hold outbox.Target values, got {target!r}")
+        found[target] = None
+    return list(found)
+
+
+@dataclass
+class TargetState:
+    """What the fleet knows of one target."""
+
+    target: Target
+    engine: Any  # a Dispatcher or AsyncDispatcher bound to the target
+    due: bool = True  # a first turn at once
+    active: bool = False
+    removed: bool = False
+    up: bool | None = None  # None: not tried yet
+    failures: int = 0
+    retry_at: float = 0.0
+    last_turn: float = 0.0  # monotonic end of its last turn (0: never)
+    error: str = ""
+
+
+@dataclass
+class Schedule:
+    """Which targets get a turn, and what a turn's end says. No I/O; call under
+    ``lock``."""
+
+    max_connections: int
+    engine_connections: int
+    observer: Any
+    states: dict[Target, TargetState] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    scout_connections: int = 0  # reserved for the scouts
+
+    @property
+    def slots(self) -> int:
+        """How many turns may run at once within the budget (at least one)."""
+        free = self.max_connections - self.scout_connections
+        return max(1, free // self.engine_connections)
+
+    def active(self) -> int:
+        return sum(1 for s in self.states.values() if s.active)
+
+    def next_turns(self, now: float, *, until_idle: bool) -> list[TargetState]:
+        """The targets to start a turn for now: due (or owed their chores), not failing,
+        least recently served first, as many as the free slots."""
+        free = self.slots - self.active()
+        if free <= 0:
+            return []
+        waiting = [s for s in self.states.values()
+                   if not s.active and not s.removed and s.retry_at <= now
+                   and (s.due or (not until_idle and now - s.last_turn >= CHORES_EVERY))]
+        waiting.sort(key=lambda s: s.last_turn)
+        chosen = waiting[:free]
+        for state in chosen:
+            state.active = True
+        return chosen
+
+    def others_waiting(self) -> bool:
+        """Whether a due target waits for a slot (a turn then ends at TURN)."""
+        return any(s.due and not s.active and not s.removed for s in self.states.values())
+
+    def ended(self, state: TargetState, now: float, *, finished: bool,
+              error: BaseException | None) -> None:
+        """A turn of ``state`` ended: idle (``finished``), cut at TURN, or failed."""
+        state.active = False
+        state.last_turn = now
+        if error is None:
+            state.due = not finished
+            state.failures = 0
+            state.retry_at = 0.0
+            self.mark(state, up=True)
+            return
+        state.failures += 1
+        state.retry_at = now + min(RETRY_MAX, RETRY_FIRST * 2 ** (state.failures - 1))
+        state.due = True
+        self.mark(state, up=False, error=error)
+
+    def mark(self, state: TargetState, *, up: bool, error: BaseException | str | None = None,
+             ) -> None:
+        """Note whether ``state``'s target is up; log and tell the observer on a change."""
+        text = "" if error is None else describe_failure(error, state.target)
+        if up == state.up and (up or text == state.error):
+            return
+        state.up, state.error = up, text
+        name = state.target.name
+        if up:
+            log.info("target %s is served", name)
+        else:
+            log.warning("target %s failed (%s); the other targets go on, and it is retried "
+                        "with backoff", name, text)
+        try:
+            self.observer.target_state(name, up)
+        except Exception:
+            log.exception("observer failed on target_state; ignored")
+
+
+def describe_failure(error: BaseException | str, target: Target) -> str:
+    """One line saying why a target failed, never its password."""
+    if isinstance(error, str):
+        return error
+    if isinstance(error, psycopg.Error):
+        fatal = configuration_error(error, target.dsn, doing="serve the target")
+        if fatal is not None:
+            return str(fatal)
+        return f"unreachable: {unreachable(error, target.dsn)}"
+    if isinstance(error, ConfigurationError | SchemaError | DispatcherFailed):
+        return str(error).splitlines()[0] if str(error) else type(error).__name__
+    return type(error).__name__
+
+
+def add_stats(total: DispatchStats, turn: DispatchStats) -> None:
+    """Add one turn's counters into ``total``."""
+    for f in fields(DispatchStats):
+        if f.name == "claim_seconds_max":
+            total.claim_seconds_max = max(total.claim_seconds_max, turn.claim_seconds_max)
+        else:
+            setattr(total, f.name, getattr(total, f.name) + getattr(turn, f.name))
+
+
+class Scout:
+    """The look-out of some databases: a due check of each idle target every poll
+    interval. ``persistent`` (one database): keeps its connection and LISTENs on its
+    targets' channels, so an enqueue wakes its target at once; else (the databases past
+    the connection budget) one connection at a time, opened for a look and closed."""
+
+    def __init__(self, fleet: Fleet, databases: frozenset[str], *, persistent: bool) -> None:
+        self.fleet = fleet
+        self.databases = databases
+        self.persistent = persistent
+        self.stopping = threading.Event()
+        self.conn: psycopg.Connection[Any] | None = None
+        self.listening: set[str] = set()
+        label = next(iter(databases)) if persistent else f"{len(databases)} databases"
+        self.thread = threading.Thread(target=self.run, name=f"outbox-scout-{label}",
+                                       daemon=True)
+
+    def targets(self) -> list[TargetState]:
+        with self.fleet.schedule.lock:
+            return self.targets_unlocked()
+
+    def run(self) -> None:
+        failures = 0
+        while not self.stopping.is_set():
+            try:
+                self.look()
+                failures = 0
+            except psycopg.Error as exc:
+                self.close()
+                failures += 1
+                with self.fleet.schedule.lock:
+                    for state in self.targets_unlocked():
+                        if not state.active:
+                            self.fleet.schedule.mark(state, up=False, error=exc)
+                self.stopping.wait(min(RETRY_MAX, RETRY_FIRST * 2 ** (failures - 1)))
+            except Exception:
+                log.exception("the scout of %s failed unexpectedly; restarting it",
+                              ", ".join(sorted(self.databases)))
+                self.close()
+                self.stopping.wait(RETRY_FIRST)
+        self.close()
+
+    def targets_unlocked(self) -> list[TargetState]:
+        return [s for s in self.fleet.schedule.states.values()
+                if s.target.database in self.databases and not s.removed]
+
+    def look(self) -> None:
+        """Listen for a poll interval (or sleep it), then check the idle targets."""
+        states = self.targets()
+        if not states:
+            self.stopping.wait(self.fleet.poll_interval)
+            return
+        if not self.persistent:
+            self.stopping.wait(self.fleet.poll_interval)
+            by_database: dict[str, list[TargetState]] = {}
+            for state in states:
+                by_database.setdefault(state.target.database, []).append(state)
+            for found in by_database.values():
+                if self.stopping.is_set():
+                    return
+                try:
+                    self.check(self.connect(found[0].target.dsn), found)
+                except psycopg.Error as exc:  # this database only: the others go on
+                    with self.fleet.schedule.lock:
+                        for state in found:
+                            if not state.active:
+                                self.fleet.schedule.mark(state, up=False, error=exc)
+                finally:
+                    self.close()
+            return
+        conn = self.connect(states[0].target.dsn)
+        if not is_pooled(conn):
+            self.listen(conn, states)
+            woken = {n.channel for n in conn.notifies(timeout=self.fleet.poll_interval)}
+            if woken:
+                self.fleet.wake_targets(
+                    s for s in states if notify_channel(s.target.schema) in woken)
+        else:
+            self.stopping.wait(self.fleet.poll_interval)
+        self.check(conn, self.targets())
+
+    def connect(self, dsn: str) -> psycopg.Connection[Any]:
+        if self.conn is None or self.conn.closed:
+            self.conn = psycopg.connect(dsn, autocommit=True, connect_timeout=10,
+                                        application_name="outbox-scout")
+            self.listening = set()
+        return self.conn
+
+    def listen(self, conn: psycopg.Connection[Any], states: list[TargetState]) -> None:
+        for state in states:
+            channel = notify_channel(state.target.schema)
+            if channel not in self.listening:
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                self.listening.add(channel)
+
+    def check(self, conn: psycopg.Connection[Any], states: list[TargetState]) -> None:
+        """Ask each idle target that is not known due whether it has work."""
+        effects = self.fleet.effect_names
+        for state in states:
+            if state.active or state.due or state.retry_at > time.monotonic():
+                continue
+            try:
+                row = conn.execute(queries(state.target.schema).target_due,
+                                   {"effects": effects}).fetchone()
+            except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName,
+                    psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedColumn,
+                    ) as exc:
+                # This target's schema is missing or not readable: the others go on.
+                with self.fleet.schedule.lock:
+                    self.fleet.schedule.mark(state, up=False, error=exc)
+                continue
+            if row is not None and row[0]:
+                self.fleet.wake_targets([state])
+
+    def close(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self.conn.close()
+            self.conn = None
+            self.listening = set()
+
+
+class Fleet:
+    """Serves every target of ``source`` with engines made by ``make_engine``."""
+
+    def __init__(self, source: TargetsSource, make_engine: Callable[[Target], Any], *,
+                 settings: Settings, targets_interval: float, max_connections: int,
+                 engine_connections: int) -> None:
+        self.source = source
+        self.make_engine = make_engine
+        self.poll_interval = settings.poll_interval
+        self.effect_names = settings.effect_names
+        self.targets_interval = targets_interval
+        self.schedule = Schedule(max_connections, engine_connections, settings.observer)
+        self.scouts: dict[frozenset[str], Scout] = {}
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self.stats = DispatchStats()
+        self._stats_lock = threading.Lock()
+        self._targets_read_at = 0.0
+
+    # -- called from any thread ----------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop: no new turn starts; the turns running finish as a stopped dispatcher
+        does (within its stop_timeout)."""
+        self.stopping.set()
+        with self.schedule.lock:
+            for state in self.schedule.states.values():
+                if state.active:
+                    state.engine.stop()
+        self.wake.set()
+
+    def wake_targets(self, states: Iterable[TargetState]) -> None:
+        with self.schedule.lock:
+            for state in states:
+                state.due = True
+        self.wake.set()
+
+    # -- targets -------------------------------------------------------------------------
+
+    def refresh(self, *, scouting: bool) -> None:
+        """Read the targets again: new ones get an engine (and their database a scout),
+        removed ones are let go (at once when idle, else when their turn ends)."""
+        self._targets_read_at = time.monotonic()
+        try:
+            current = read_targets(self.source)
+        except ConfigurationError:
+            raise
+        except Exception as exc:  # the user's callable failed: keep serving what we have
+            if not self.schedule.states:
+                raise ConfigurationError(
+                    f"the targets callable failed: {type(exc).__name__}: {exc}") from exc
+            log.error("reading the targets failed (%s: %s); serving the previous list",
+                      type(exc).__name__, exc)
+            return
+        wanted = set(current)
+        with self.schedule.lock:
+            states = self.schedule.states
+            for target, state in list(states.items()):
+                if target not in wanted:
+                    state.removed = True
+                    if state.active:
+                        state.engine.stop()  # finishes and records what it holds
+                    else:
+                        del states[target]
+                    log.info("target %s removed; let go", target.name)
+            added = [t for t in current if t not in states]
+        for target in added:
+            engine = self.make_engine(target)  # checks the options: may raise
+            with self.schedule.lock:
+                self.schedule.states[target] = TargetState(target, engine)
+            log.info("target %s added", target.name)
+        if scouting:
+            self._place_scouts()
+
+    def _place_scouts(self) -> None:
+        """A scout per database with targets: persistent ones while the budget leaves a
+        slot for turns, one shared polling scout for the rest."""
+        with self.schedule.lock:
+            databases = sorted({s.target.database for s in self.schedule.states.values()
+                                if not s.removed})
+        # Reserve the scouts' connections first, so turns never push the total past
+        # the budget: persistent scouts for at most half of it, and one shared polling
+        # scout (one connection at a time) for the databases past that.
+        most = max(0, (self.schedule.max_connections - self.schedule.engine_connections) // 2)
+        persistent = set(databases[:most])
+        shared = len(databases) > len(persistent)
+        with self.schedule.lock:
+            self.schedule.scout_connections = len(persistent) + (1 if shared else 0)
+        wanted = {frozenset([d]): True for d in persistent}
+        if shared:
+            wanted[frozenset(d for d in databases if d not in persistent)] = False
+        for key, scout in list(self.scouts.items()):
+            if key not in wanted:
+                scout.stopping.set()
+                del self.scouts[key]
+        for key, is_persistent in wanted.items():
+            if key not in self.scouts:
+                scout = Scout(self, key, persistent=is_persistent)
+                self.scouts[key] = scout
+                scout.thread.start()
+
+    def _stop_scouts(self) -> None:
+        for scout in self.scouts.values():
+            scout.stopping.set()
+        for scout in self.scouts.values():
+            scout.thread.join(5.0)
+        self.scouts.clear()
+
+    # -- turns ---------------------------------------------------------------------------
+
+    def _turn_timeout(self) -> float:
+        return TURN
+
+    def _turn_ended(self, state: TargetState, turn: DispatchStats | None,
+                    error: BaseException | None, started: float) -> None:
+        now = time.monotonic()
+        if turn is not None:
+            with self._stats_lock:
+                add_stats(self.stats, turn)
+        # A turn that ended before its time limit found the target idle.
+        finished = error is None and now - started < TURN
+        with self.schedule.lock:
+            self.schedule.ended(state, now, finished=finished, error=error)
+            if state.removed:
+                self.schedule.states.pop(state.target, None)
+        self.wake.set()
+
+    def _run_turn(self, state: TargetState) -> None:
+        started = time.monotonic()
+        try:
+            turn = state.engine.run_until_idle(timeout=self._turn_timeout())
+        except Exception as exc:  # isolation: a target's failure stops only its turn
+            self._turn_ended(state, None, exc, started)
+            return
+        self._turn_ended(state, turn, None, started)
+
+    def _idle(self, now: float) -> bool:
+        """Under run_until_idle: every target served until idle (or failed once)."""
+        with self.schedule.lock:
+            return all(not s.active and (not s.due or s.failures > 0)
+                       for s in self.schedule.states.values())
+
+    def run(self, *, until_idle: bool, timeout: float | None) -> DispatchStats:
+        """Serve the targets on threads until stopped (or, ``until_idle``, until each
+        is idle or ``timeout`` passes)."""
+        self.stats = DispatchStats()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        threads: list[threading.Thread] = []
+        try:
+            self.refresh(scouting=not until_idle)
+            while not self.stopping.is_set():
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    break
+                if not until_idle and now - self._targets_read_at >= self.targets_interval:
+                    self.refresh(scouting=True)
+                with self.schedule.lock:
+                    chosen = self.schedule.next_turns(now, until_idle=until_idle)
+                for state in chosen:
+                    thread = threading.Thread(target=self._run_turn, args=(state,),
+                                              name=f"outbox-turn-{state.target.name}",
+                                              daemon=True)
+                    threads.append(thread)
+                    thread.start()
+                threads = [t for t in threads if t.is_alive()]
+                if until_idle and not chosen and self._idle(now):
+                    break
+                self.wake.wait(self._sleep(now, deadline))
+                self.wake.clear()
+        finally:
+            self.stop()
+            for thread in threads:
+                thread.join()
+            self._stop_scouts()
+            self.stopping.clear()
+        return self.stats
+
+    def _sleep(self, now: float, deadline: float | None) -> float:
+        """Until the next thing the loop must do by the clock."""
+        wait = min(self.poll_interval, self.targets_interval)
+        with self.schedule.lock:
+            retries = [s.retry_at - now for s in self.schedule.states.values()
+                       if s.retry_at > now]
+        if retries:
+            wait = min(wait, *retries)
+        if deadline is not None:
+            wait = min(wait, deadline - now)
+        return max(0.001, wait)
+
+    async def run_async(self, *, until_idle: bool,
+                        timeout: float | None) -> DispatchStats:  # noqa: ASYNC109
+        """``run`` for ``AsyncDispatcher``: the engines' turns are tasks of this loop;
+        the scouts are threads (blocking, one small query a look)."""
+        self.stats = DispatchStats()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tasks: set[asyncio.Task[None]] = set()
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        watcher = threading.Thread(target=self._forward_wake, args=(loop, wake),
+                                   name="outbox-fleet-wake", daemon=True)
+        watcher.start()
+        try:
+            await asyncio.to_thread(self.refresh, scouting=not until_idle)
+            while not self.stopping.is_set():
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    break
+                if not until_idle and now - self._targets_read_at >= self.targets_interval:
+                    await asyncio.to_thread(self.refresh, scouting=True)
+                with self.schedule.lock:
+                    chosen = self.schedule.next_turns(now, until_idle=until_idle)
+                for state in chosen:
+                    task = asyncio.create_task(self._turn_async(state))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if until_idle and not chosen and self._idle(now):
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), self._sleep(now, deadline))
+                wake.clear()
+        finally:
+            self.stop()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            self.stopping.set()  # ends the wake watcher
+            await asyncio.to_thread(self._stop_scouts)
+            watcher.join(1.0)
+            self.stopping.clear()
+        return self.stats
+
+    def _forward_wake(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
+        """Carry the scouts' wake-ups (a threading.Event) to the loop's event."""
+        while not self.stopping.is_set():
+            if self.wake.wait(0.25):
+                self.wake.clear()
+                try:
+                    loop.call_soon_threadsafe(wake.set)
+                except RuntimeError:  # the loop closed
+                    return
+
+    async def _turn_async(self, state: TargetState) -> None:
+        started = time.monotonic()
+        try:
+            turn = await state.engine.run_until_idle(timeout=self._turn_timeout())
+        except Exception as exc:  # isolation: a target's failure stops only its turn
+            self._turn_ended(state, None, exc, started)
+            return
+        self._turn_ended(state, turn, None, started)

@@ -1,0 +1,234 @@
+"""One dispatcher over many targets against real PostgreSQL: databases and schemas served
+together within a connection budget, a target added while running, and a database that
+refuses connections isolated from the others."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+import outbox
+from outbox import Dispatcher, Effect, Job, NewJob, Target
+from outbox.errors import ConfigurationError
+from outbox.targets import parse_target, schemas
+
+
+class Recorded(Effect):
+    """Counts each (target, key) it performs; keys are unique per target."""
+
+    name = "test.recorded"
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.performed: Counter[str] = Counter()
+
+    def perform(self, job: Job) -> None:
+        with self.lock:
+            self.performed[job.key] += 1
+
+
+class Databases:
+    """Databases made for one test, dropped after it."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.names: list[str] = []
+
+    def make(self, *schemas_in: str) -> str:
+        name = f"fleet_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(self.dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        self.names.append(name)
+        dsn = make_conninfo(self.dsn, dbname=name)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for schema in schemas_in:
+                outbox.migrate(conn, schema=schema)
+        return dsn
+
+    def drop(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as admin:
+            for name in self.names:
+                admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    sql.Identifier(name)))
+
+
+@pytest.fixture
+def databases(dsn: str) -> Iterator[Databases]:
+    made = Databases(dsn)
+    try:
+        yield made
+    finally:
+        made.drop()
+
+
+def enqueue(target: Target, count: int, first: int = 0) -> None:
+    prefix = target.name
+    with psycopg.connect(target.dsn) as conn, outbox.transaction(conn, schema=target.schema) as tx:
+        tx.enqueue_many([NewJob(Recorded.name, f"{prefix}/{i}", {})
+                         for i in range(first, first + count)])
+
+
+def statuses(target: Target) -> Counter[str]:
+    with psycopg.connect(target.dsn, autocommit=True) as conn:
+        rows = conn.execute(sql.SQL("SELECT status, count(*) FROM {}.jobs GROUP BY 1").format(
+            sql.Identifier(target.schema))).fetchall()
+    return Counter({status: n for status, n in rows})
+
+
+class ConnectionWatch:
+    """Samples the server's backends in the given databases, keeping the most seen."""
+
+    def __init__(self, dsn: str, databases: list[str]) -> None:
+        self.dsn = dsn
+        self.databases = databases
+        self.most = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self.stopping.is_set():
+                row = conn.execute("SELECT count(*) FROM pg_stat_activity "
+                                   "WHERE datname = ANY(%s) AND backend_type = 'client backend'",
+                                   (self.databases,)).fetchone()
+                self.most = max(self.most, row[0] if row else 0)
+                self.stopping.wait(0.01)
+
+    def __enter__(self) -> ConnectionWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.thread.join()
+
+
+def wait_for(predicate: object, what: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_one_dispatcher_serves_databases_and_schemas_within_its_budget(
+    dsn: str, databases: Databases,
+) -> None:
+    # Two databases, three schemas in a third; 200 jobs each.
+    first, second = databases.make("outbox"), databases.make("outbox")
+    shared = databases.make("tenant_a", "tenant_b", "tenant_c")
+    targets = [Target(first), Target(second), *(Target(shared, s) for s in
+                                                 ("tenant_a", "tenant_b", "tenant_c"))]
+    for target in targets:
+        enqueue(target, 200)
+    current = list(targets)
+    effect = Recorded()
+    dispatcher = Dispatcher(effects=[effect], targets=lambda: list(current),
+                            targets_interval=0.5, max_connections=16, poll_interval=0.2)
+    watched = list(databases.names)
+    with ConnectionWatch(dsn, watched) as watch:
+        runner = threading.Thread(target=dispatcher.run)
+        runner.start()
+        try:
+            wait_for(lambda: len(effect.performed) >= 1000, "the first 1,000 jobs")
+            # A sixth target, added through the callable while running.
+            with psycopg.connect(shared, autocommit=True) as conn:
+                outbox.migrate(conn, schema="tenant_d")
+            added = Target(shared, "tenant_d")
+            enqueue(added, 100)
+            current.append(added)
+            wait_for(lambda: statuses(added) == Counter(done=100), "the added target's jobs")
+            # The second database now refuses connections: the others go on.
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                name = databases.names[1]
+                admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(
+                    sql.Identifier(name)))
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                              "WHERE datname = %s", (name,))
+            enqueue(targets[0], 50, first=200)  # more work for a live target after it
+            late = {f"{targets[0].name}/{i}" for i in range(200, 250)}
+            wait_for(lambda: late <= set(effect.performed), "the live target's later jobs")
+        finally:
+            dispatcher.stop()
+            runner.join(60)
+    assert not runner.is_alive()
+    assert max(effect.performed.values()) == 1, "a job was performed twice"
+    for target in [targets[0], *targets[2:], added]:
+        assert statuses(target) == Counter(done=250 if target == targets[0] else
+                                           100 if target == added else 200), target
+    assert watch.most <= 16, watch.most
+
+
+def test_a_target_missing_its_schema_is_isolated(dsn: str, databases: Databases,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    good = databases.make("outbox")
+    missing = Target(good, "not_migrated")
+    enqueue(Target(good), 20)
+    effect = Recorded()
+    states: list[tuple[str, bool]] = []
+
+    class Watch(outbox.observe.DispatchObserver):
+        def target_state(self, target: str, up: bool) -> None:
+            states.append((target, up))
+
+    with caplog.at_level("WARNING", logger="outbox.dispatcher"):
+        stats = Dispatcher(effects=[effect], targets=[Target(good), missing],
+                           observer=Watch()).run_until_idle(timeout=60)
+    assert stats.done == 20 and len(effect.performed) == 20
+    assert (missing.name, False) in states and (Target(good).name, True) in states
+    assert any(missing.name in r.getMessage() and "failed" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_the_async_dispatcher_serves_targets_too(dsn: str, databases: Databases) -> None:
+    shared = databases.make("t1", "t2")
+    targets = [Target(shared, "t1"), Target(shared, "t2")]
+    for target in targets:
+        enqueue(target, 30)
+    effect = Recorded()
+    stats = asyncio.run(outbox.AsyncDispatcher(effects=[effect], targets=targets)
+                        .run_until_idle(timeout=60))
+    assert stats.done == 60 and max(effect.performed.values()) == 1
+
+
+def test_schemas_lists_every_outbox_of_a_database(dsn: str, databases: Databases) -> None:
+    shared = databases.make("b_tenant", "a_tenant")
+    with psycopg.connect(shared, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA unrelated")
+    assert [t.schema for t in schemas(shared)] == ["a_tenant", "b_tenant"]
+
+
+def test_a_target_never_shows_its_password() -> None:
+    target = Target("postgresql://shop:s3cret@db.example:5433/shop", "tenant_7")
+    assert target.name == "shop@db.example:5433#tenant_7"
+    assert "s3cret" not in repr(target) and "s3cret" not in target.name
+    assert parse_target("postgresql://shop:s3cret@db.example/shop#tenant_7") == Target(
+        "postgresql://shop:s3cret@db.example/shop", "tenant_7")
+    assert parse_target("host=db dbname=shop").schema == "outbox"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({}, "neither"),
+    ({"conninfo": "dbname=x", "targets": []}, "not both"),
+    ({"targets": "dbname=x"}, "list of outbox.Target"),
+    ({"targets": [Target("dbname=x")], "max_connections": 2}, "max_connections"),
+    ({"targets": [Target("dbname=x")], "targets_interval": 0}, "targets_interval"),
+])
+def test_wrong_target_options_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        Dispatcher(effects=[Recorded()], **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_connection_string_that_does_not_parse_is_not_repeated() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        Target("postgresql://u:s3cret@[bad/x")
+    assert "s3cret" not in str(raised.value)
