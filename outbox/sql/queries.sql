@@ -141,11 +141,15 @@ busy(effect, after, g, wrapped, n) AS (
     UNION ALL
     SELECT b.effect, b.after, y.g, y.wrapped, b.n + 1
     FROM busy b
+    -- OFFSET 0 keeps each probe a subquery of its own, run once a step: flattened,
+    -- the planner copied the probe into every reference to its result (six index
+    -- probes a step instead of one, measured).
     CROSS JOIN LATERAL (
         SELECT (SELECT coalesce(j.group_key, '') FROM {schema}.jobs j
                 WHERE j.status = 'pending' AND j.effect = b.effect
                   AND coalesce(j.group_key, '') > b.g
                 ORDER BY coalesce(j.group_key, '') LIMIT 1) AS nxt
+        OFFSET 0
     ) x
     CROSS JOIN LATERAL (
         SELECT CASE WHEN x.nxt IS NOT NULL OR b.wrapped THEN x.nxt
@@ -153,6 +157,7 @@ busy(effect, after, g, wrapped, n) AS (
                           WHERE j.status = 'pending' AND j.effect = b.effect
                           ORDER BY coalesce(j.group_key, '') LIMIT 1) END AS g,
                b.wrapped OR x.nxt IS NULL AS wrapped
+        OFFSET 0
     ) y
     WHERE b.n < (SELECT a.n FROM allowance a) AND y.g IS NOT NULL
       AND (NOT y.wrapped OR y.g <= b.after)
