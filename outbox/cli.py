@@ -40,6 +40,7 @@ from .dispatcher import AsyncDispatcher, Dispatcher
 from .errors import InvalidArgument, OutboxError
 from .limits import Limit, parse_limit
 from .migrate import LOCK_TIMEOUT, current_version, latest_version, migrate, require_current
+from .targets import parse_target
 
 __all__ = ["main"]
 
@@ -178,13 +179,9 @@ def migrate_command(dsn: str, schema: str, lock_timeout: float) -> None:
 AnyDispatcher = Dispatcher | AsyncDispatcher
 
 
-def load_dispatcher(target: str) -> AnyDispatcher:
-    """Resolve ``module:attribute`` to a Dispatcher or AsyncDispatcher, or to a function
-    returning one.
-
-    A class is never instantiated. Every way this can fail (the module does not import,
-    the attribute is missing, the target is something else) is one ``ClickException``
-    line naming the target."""
+def _import_attribute(target: str) -> Any:
+    """The value ``module:attribute`` names; one ``ClickException`` line when it cannot
+    be had."""
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise click.BadParameter(f"expected MODULE:ATTRIBUTE, got {target!r}")
@@ -198,6 +195,17 @@ def load_dispatcher(target: str) -> AnyDispatcher:
         if not hasattr(value, part):
             raise click.ClickException(f"{target}: {module_name!r} has no attribute {part!r}")
         value = getattr(value, part)
+    return value
+
+
+def load_dispatcher(target: str) -> AnyDispatcher:
+    """Resolve ``module:attribute`` to a Dispatcher or AsyncDispatcher, or to a function
+    returning one.
+
+    A class is never instantiated. Every way this can fail (the module does not import,
+    the attribute is missing, the target is something else) is one ``ClickException``
+    line naming the target."""
+    value = _import_attribute(target)
     if isinstance(value, AnyDispatcher):
         return value
     if inspect.isfunction(value) or inspect.ismethod(value):
@@ -263,15 +271,34 @@ def _describe(exc: BaseException) -> str:
               help="After SIGTERM or SIGINT, how long performs in flight may run before the "
                    "command exits and leaves the jobs still held to their leases "
                    "(default: the dispatcher's stop_timeout, 30).")
+@click.option("--target", "target_outboxes", multiple=True, metavar="DSN[#SCHEMA]",
+              help="Serve this outbox (a database, and its schema after #; default "
+                   "outbox) instead of the dispatcher's own; repeatable: one process "
+                   "serves them all, within --max-connections.")
+@click.option("--targets", "targets_from", default=None, metavar="MODULE:CALLABLE",
+              help="A function returning the list of outbox.Target to serve, re-read "
+                   "every 30 s (e.g. outbox.targets:schemas bound to your database).")
+@click.option("--max-connections", type=click.IntRange(min=3), default=16, show_default=True,
+              help="With --target or --targets: the connections the process may hold "
+                   "across every target.")
 @_one_line_errors
 def run_command(target: str, dsn: str | None, metrics_port: int | None,
-                metrics_host: str, limits: tuple[str, ...], stop_timeout: float | None) -> None:
+                metrics_host: str, limits: tuple[str, ...], stop_timeout: float | None,
+                target_outboxes: tuple[str, ...], targets_from: str | None,
+                max_connections: int) -> None:
     """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work within its
     stop timeout."""
     added = _limits(limits)  # refused before anything is imported
+    if target_outboxes and targets_from:
+        raise click.BadParameter("give --target (repeated) or --targets, not both",
+                                 param_hint="--targets")
+    outboxes = [parse_target(text) for text in target_outboxes]
     if dsn is not None:
         os.environ["OUTBOX_DATABASE_URL"] = dsn
     dispatcher = load_dispatcher(target)
+    if outboxes or targets_from:
+        source = outboxes or _targets_callable(targets_from or "")
+        dispatcher = dispatcher._with_targets(source, max_connections)
     if added:
         dispatcher.add_limits(added)
     if stop_timeout is not None:
@@ -291,10 +318,23 @@ def run_command(target: str, dsn: str | None, metrics_port: int | None,
     click.echo(json.dumps(stats.as_dict()), err=True)
 
 
+def _targets_callable(text: str) -> Any:
+    """The ``--targets`` function: a callable taking no argument."""
+    value = _import_attribute(text)
+    if not callable(value):
+        raise click.ClickException(f"{text} is {type(value).__name__}, not a function "
+                                   "returning a list of outbox.Target")
+    return value
+
+
 def _preflight(dispatcher: AnyDispatcher) -> None:
     """Refuse, before the start line, what the dispatcher would refuse at once (a wrong
     password, no such database, an unmigrated schema), so that such a start is one line;
-    a server that cannot be reached yet is left to the dispatcher, which waits for it."""
+    a server that cannot be reached yet is left to the dispatcher, which waits for it.
+    A dispatcher serving several targets checks each as it goes (one failing target
+    does not stop the others)."""
+    if dispatcher.serves_targets:
+        return
     settings = dispatcher.settings
     try:
         with psycopg.connect(settings.conninfo, autocommit=True, connect_timeout=10) as conn:
@@ -308,6 +348,12 @@ def _preflight(dispatcher: AnyDispatcher) -> None:
 def start_line(dispatcher: AnyDispatcher) -> str:
     """What ``outbox run`` says once, at start: where, what, how (never the password)."""
     settings = dispatcher.settings
+    if dispatcher.serves_targets:
+        return (f"outbox run: {type(dispatcher).__name__} serving several targets, "
+                f"effects {', '.join(sorted(settings.effects))}, concurrency "
+                f"{settings.concurrency} a target's turn, polling every "
+                f"{settings.poll_interval:g}s and woken by LISTEN where the connection "
+                "budget allows")
     try:
         params = conninfo_to_dict(settings.conninfo)
     except psycopg.Error:  # its text may quote the string, password and all

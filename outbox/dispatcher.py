@@ -217,7 +217,23 @@ class _Options:
         """A dispatcher of this flavour bound to ``target``: the fleet runs its turns."""
         return type(self)(target.dsn, list(self.settings.effects.values()),
                           schema=target.schema, observer=self.settings.observer,
-                          limits=dict(self.settings.limits), **self._engine_options)
+                          limits=dict(self.settings.limits),
+                          **{**self._engine_options,
+                             "stop_timeout": self.settings.stop_timeout})
+
+    def _with_targets(self, targets: TargetsSource, max_connections: int = 16) -> Any:
+        """A dispatcher of this flavour with the same effects and options serving
+        ``targets`` (``outbox run --target``, ``--targets``)."""
+        return type(self)(effects=list(self.settings.effects.values()), targets=targets,
+                          observer=self.settings.observer, limits=dict(self.settings.limits),
+                          max_connections=max_connections,
+                          **{**self._engine_options,
+                             "stop_timeout": self.settings.stop_timeout})
+
+    @property
+    def serves_targets(self) -> bool:
+        """Whether this dispatcher serves several targets (built with ``targets=``)."""
+        return self._fleet is not None
 
     def add_observer(self, observer: DispatchObserver) -> None:
         """Add ``observer`` beside the dispatcher's own (``observer=``, ``metrics=True``):
