@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from outbox import Target
 from outbox.cli import main
 
-from .test_fleet import Databases, databases, enqueue, statuses  # noqa: F401 - the fixture
+from .support import Databases, enqueue, statuses
 
 APP = '''
 import os
@@ -56,7 +56,7 @@ def test_outbox_run_serves_each_target_given(dsn: str, databases: Databases,
             assert time.monotonic() < deadline, [statuses(t) for t in targets]
             time.sleep(0.1)
         process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=60)
+        _, err = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
