@@ -169,3 +169,65 @@ def test_a_connection_string_that_does_not_parse_is_not_repeated() -> None:
     with pytest.raises(ConfigurationError) as raised:
         Target("postgresql://u:s3cret@[bad/x")
     assert "s3cret" not in str(raised.value)
+
+
+def test_a_target_behind_on_its_migrations_waits_and_is_served_once_migrated(
+    dsn: str, databases: Databases,
+) -> None:
+    shared = databases.make("current")
+    with psycopg.connect(shared, autocommit=True) as conn:
+        outbox.migrate(conn, schema="behind", target=11)  # one migration short
+    current, behind = Target(shared, "current"), Target(shared, "behind")
+    enqueue(current, 10)
+    effect = Recorded()
+    states: list[tuple[str, bool]] = []
+
+    class Watch(outbox.observe.DispatchObserver):
+        def target_state(self, target: str, up: bool) -> None:
+            states.append((target, up))
+
+    dispatcher = Dispatcher(effects=[effect], targets=[current, behind], observer=Watch(),
+                            poll_interval=0.1)
+    runner = threading.Thread(target=dispatcher.run)
+    runner.start()
+    try:
+        wait_for(lambda: (behind.name, False) in states and len(effect.performed) == 10,
+                 "the current target served and the one behind reported")
+        with psycopg.connect(shared, autocommit=True) as conn:
+            outbox.migrate(conn, schema="behind")
+        enqueue(behind, 5)
+        # retried with backoff (1 s, 2 s, 4 s ...): served once migrated
+        wait_for(lambda: statuses(behind) == Counter(done=5), "the migrated target's jobs")
+    finally:
+        dispatcher.stop()
+        runner.join(60)
+    assert (behind.name, True) in states[states.index((behind.name, False)):]
+
+
+def test_one_targets_backlog_does_not_starve_another(dsn: str, databases: Databases) -> None:
+    # One slot (the budget of a look-out and one turn): the targets take turns of at most
+    # TURN seconds, so the small target's jobs are not queued behind the big backlog.
+    shared = databases.make("big", "small")
+    big, small = Target(shared, "big"), Target(shared, "small")
+
+    class Slow(Recorded):
+        def perform(self, job: outbox.Job) -> None:
+            time.sleep(0.005)  # the provider call's duration
+            super().perform(job)
+
+    enqueue(big, 6000)  # about 8 s of work at 4 at a time: many turns
+    effect = Slow()
+    dispatcher = Dispatcher(effects=[effect], targets=[big, small], max_connections=3,
+                            concurrency=4, poll_interval=0.1)
+    runner = threading.Thread(target=dispatcher.run)
+    runner.start()
+    try:
+        wait_for(lambda: len(effect.performed) >= 100, "the big target's first jobs")
+        enqueue(small, 5)
+        wait_for(lambda: statuses(small) == Counter(done=5), "the small target's jobs")
+        left = statuses(big)["pending"]
+    finally:
+        dispatcher.stop()
+        runner.join(60)
+    # the big target still had a backlog when the small one was served
+    assert left > 0, "the small target waited for the whole backlog of the big one"
