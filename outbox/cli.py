@@ -33,6 +33,7 @@ from psycopg.rows import dict_row
 
 from . import _queue, _sql
 from ._devserver import dev_server
+from ._dispatch.fleet import describe_failure, read_targets
 from ._enqueue import MAX_GROUP_LENGTH, notify_channel, validate_group
 from ._pg import configuration_error
 from ._steps import Step
@@ -40,7 +41,7 @@ from .dispatcher import AsyncDispatcher, Dispatcher
 from .errors import InvalidArgument, OutboxError
 from .limits import Limit, parse_limit
 from .migrate import LOCK_TIMEOUT, current_version, latest_version, migrate, require_current
-from .targets import parse_target
+from .targets import Target, parse_target
 
 __all__ = ["main"]
 
@@ -391,14 +392,29 @@ async def _run_async(dispatcher: AsyncDispatcher) -> Any:
 
 
 @main.command("status")
-@dsn_option
+@click.option("--dsn", envvar="OUTBOX_DATABASE_URL", default=None, metavar="DSN",
+              help="PostgreSQL connection string (default: $OUTBOX_DATABASE_URL).")
 @schema_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--failures", default=10, show_default=True, help="Recent failures to list.")
+@click.option("--target", "target_outboxes", multiple=True, metavar="DSN[#SCHEMA]",
+              help="Instead: one line per outbox a dispatcher serving several targets "
+                   "serves (up or why not, its backlog); repeatable.")
+@click.option("--targets", "targets_from", default=None, metavar="MODULE:CALLABLE",
+              help="Instead: one line per target the function returns.")
 @_one_line_errors
-def status_command(dsn: str, schema: str, as_json: bool, failures: int) -> None:
+def status_command(dsn: str | None, schema: str, as_json: bool, failures: int,
+                   target_outboxes: tuple[str, ...], targets_from: str | None) -> None:
     """Jobs per status, oldest due age, backlog, and the most recent failures (counts
-    as the dashboard and the metrics read them: done jobs estimated on a large table)."""
+    as the dashboard and the metrics read them: done jobs estimated on a large table).
+    With --target or --targets: each target's state, one line each."""
+    if target_outboxes or targets_from:
+        source = ([parse_target(text) for text in target_outboxes]
+                  or _targets_callable(targets_from or "")())
+        _print_targets([_target_report(target) for target in read_targets(source)], as_json)
+        return
+    if dsn is None:
+        raise click.UsageError("give --dsn (or $OUTBOX_DATABASE_URL), or --target / --targets")
     queries = _sql.queries(schema)
     with _connect(dsn) as conn:
         require_current(conn, schema)
@@ -512,6 +528,46 @@ def _print_status(report: dict[str, Any]) -> None:
         for f in report["recent_failures"]:
             click.echo(f"  #{f['id']} {f['status']} {f['effect']} key={f['key']} "
                        f"attempts={f['attempts']}: {f['last_error']}")
+
+
+def _target_report(target: Target) -> dict[str, Any]:
+    """One target's state for ``outbox status --target``: reachable and migrated, its
+    jobs by status and due backlog; else why not (never the password)."""
+    found: dict[str, Any] = {"target": target.name, "up": False}
+    try:
+        with psycopg.connect(target.dsn, autocommit=True, connect_timeout=5) as conn:
+            require_current(conn, target.schema)
+            with conn.transaction():
+                snapshot = _queue.read(conn, target.schema)
+                backlog = _queue.on(conn, _queue.backlog(target.schema))
+                live = _named(conn, _sql.queries(target.schema).live_dispatchers)
+    except psycopg.Error as exc:
+        found["error"] = describe_failure(exc, target)
+        return found
+    except OutboxError as exc:  # the schema is missing, behind or ahead
+        found["error"] = describe_failure(exc, target)
+        return found
+    ages = [h.oldest_due_age for h in snapshot.health.values() if h.oldest_due_age is not None]
+    found.update(up=True, jobs={s: snapshot.counts.total(s) for s in _queue.STATUSES},
+                 due_backlog=sum(b.due for b in backlog.values()),
+                 oldest_pending_age_seconds=max(ages, default=None),
+                 dispatchers=len(live))
+    return found
+
+
+def _print_targets(reports: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(reports, indent=2))
+        return
+    for r in reports:
+        if not r["up"]:
+            click.echo(f"{r['target']}: DOWN, {r['error']}")
+            continue
+        age = r["oldest_pending_age_seconds"]
+        jobs = ", ".join(f"{status} {n}" for status, n in r["jobs"].items() if n)
+        click.echo(f"{r['target']}: up, {jobs or 'no jobs'}; due {r['due_backlog']}, "
+                   f"oldest due {'-' if age is None else f'{age:.1f}s'}, "
+                   f"{r['dispatchers']} dispatcher(s) registered")
 
 
 def _print_pauses(report: dict[str, Any]) -> None:

@@ -70,3 +70,19 @@ def test_outbox_run_refuses_both_target_options() -> None:
     result = CliRunner().invoke(main, ["run", "nowhere:d", "--target", "dbname=x",
                                        "--targets", "m:f"])
     assert result.exit_code != 0 and "not both" in result.output
+
+
+def test_outbox_status_reports_each_target(dsn: str, databases: Databases) -> None:
+    import json
+
+    shared = databases.make("served")
+    enqueue(Target(shared, "served"), 3)
+    result = CliRunner().invoke(main, ["status", "--target", f"{shared}#served",
+                                       "--target", f"{shared}#missing", "--json"])
+    assert result.exit_code == 0, result.output
+    served, missing = json.loads(result.output)
+    assert served["up"] and served["jobs"]["pending"] == 3 and served["due_backlog"] == 3
+    assert not missing["up"] and "missing" in missing["target"]
+    assert "migrate" in missing["error"] or "schema" in missing["error"], missing
+    text = CliRunner().invoke(main, ["status", "--target", f"{shared}#missing"]).output
+    assert "#missing: DOWN" in text
