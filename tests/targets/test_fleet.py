@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from collections import Counter
 
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 import outbox
 from outbox import Dispatcher, Target
@@ -231,3 +233,33 @@ def test_one_targets_backlog_does_not_starve_another(dsn: str, databases: Databa
         runner.join(60)
     # the big target still had a backlog when the small one was served
     assert left > 0, "the small target waited for the whole backlog of the big one"
+
+
+def test_a_target_whose_role_lacks_a_privilege_is_isolated(dsn: str,
+                                                           databases: Databases) -> None:
+    shared = databases.make("open", "closed")
+    role = f"fleet_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(shared, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        # USAGE on the schema, nothing on its tables: the look and the turn are refused
+        conn.execute(sql.SQL("GRANT USAGE ON SCHEMA closed TO {}").format(sql.Identifier(role)))
+    try:
+        closed = Target(make_conninfo(shared, user=role), "closed")
+        open_ = Target(shared, "open")
+        enqueue(open_, 10)
+        enqueue(Target(shared, "closed"), 3)
+        effect = Recorded()
+        states: list[tuple[str, bool]] = []
+
+        class Watch(outbox.observe.DispatchObserver):
+            def target_state(self, target: str, up: bool) -> None:
+                states.append((target, up))
+
+        stats = Dispatcher(effects=[effect], targets=[closed, open_],
+                           observer=Watch()).run_until_idle(timeout=60)
+        assert stats.done == 10 and statuses(Target(shared, "closed")) == Counter(pending=3)
+        assert (closed.name, False) in states and (open_.name, True) in states
+    finally:
+        with psycopg.connect(shared, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
