@@ -429,7 +429,8 @@ class Dispatcher(_Options):
         logged and left after its first failure), the counters summed over them.
         """
         if self._fleet is not None:
-            return self._fleet.run(until_idle=True, timeout=timeout)
+            self.stats = self._fleet.run(until_idle=True, timeout=timeout)
+            return self.stats
         return self._serve(until_idle=True, timeout=timeout)
 
     def run(self) -> DispatchStats:
@@ -442,7 +443,8 @@ class Dispatcher(_Options):
         """
         with self._signals_stop():
             if self._fleet is not None:
-                return self._fleet.run(until_idle=False, timeout=None)
+                self.stats = self._fleet.run(until_idle=False, timeout=None)
+                return self.stats
             return self._serve(until_idle=False, timeout=None)
 
     @contextlib.contextmanager
@@ -608,7 +610,8 @@ class AsyncDispatcher(_Options):
         passes and the call returns once in-flight work is recorded.
         """
         if self._fleet is not None:
-            return await self._fleet.run_async(until_idle=True, timeout=timeout)
+            self.stats = await self._fleet.run_async(until_idle=True, timeout=timeout)
+            return self.stats
         deadline = None if timeout is None else time.monotonic() + timeout
         return await self._serve(until_idle=True, deadline=deadline)
 
@@ -621,7 +624,8 @@ class AsyncDispatcher(_Options):
         then are left to their leases and their async performs cancelled.
         """
         if self._fleet is not None:
-            return await self._fleet.run_async(until_idle=False, timeout=None)
+            self.stats = await self._fleet.run_async(until_idle=False, timeout=None)
+            return self.stats
         return await self._serve(until_idle=False, deadline=None)
 
     async def __aenter__(self) -> AsyncDispatcher:

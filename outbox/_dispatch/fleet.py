@@ -334,6 +334,12 @@ class Fleet:
         self.stats = DispatchStats()
         self._stats_lock = threading.Lock()
         self._targets_read_at = 0.0
+        self._running = False
+
+    def _start(self) -> None:
+        if self._running:
+            raise ConfigurationError("this dispatcher is already running")
+        self._running = True
 
     # -- called from any thread ----------------------------------------------------------
 
@@ -461,6 +467,7 @@ class Fleet:
     def run(self, *, until_idle: bool, timeout: float | None) -> DispatchStats:
         """Serve the targets on threads until stopped (or, ``until_idle``, until each
         is idle or ``timeout`` passes)."""
+        self._start()
         self.stats = DispatchStats()
         deadline = None if timeout is None else time.monotonic() + timeout
         threads: list[threading.Thread] = []
@@ -491,6 +498,7 @@ class Fleet:
                 thread.join()
             self._stop_scouts()
             self.stopping.clear()
+            self._running = False
         return self.stats
 
     def _sleep(self, now: float, deadline: float | None) -> float:
@@ -509,6 +517,7 @@ class Fleet:
                         timeout: float | None) -> DispatchStats:  # noqa: ASYNC109
         """``run`` for ``AsyncDispatcher``: the engines' turns are tasks of this loop;
         the scouts are threads (blocking, one small query a look)."""
+        self._start()
         self.stats = DispatchStats()
         deadline = None if timeout is None else time.monotonic() + timeout
         tasks: set[asyncio.Task[None]] = set()
@@ -544,6 +553,7 @@ class Fleet:
             await asyncio.to_thread(self._stop_scouts)
             watcher.join(1.0)
             self.stopping.clear()
+            self._running = False
         return self.stats
 
     def _forward_wake(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
