@@ -156,7 +156,8 @@ class Schedule:
              ) -> None:
         """Note whether ``state``'s target is up; log and tell the observer on a change."""
         text = "" if error is None else describe_failure(error, state.target)
-        if up == state.up and (up or text == state.error):
+        if up == state.up:  # logged at each change only, not at each retry
+            state.error = text
             return
         state.up, state.error = up, text
         name = state.target.name
