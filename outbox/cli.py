@@ -839,7 +839,8 @@ def resume_command(dsn: str, schema: str, effect: str, group: str | None,
 
 
 @main.command("web")
-@dsn_option
+@click.option("--dsn", envvar="OUTBOX_DATABASE_URL", default=None, metavar="DSN",
+              help="PostgreSQL connection string (default: $OUTBOX_DATABASE_URL).")
 @schema_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback needs a password.")
@@ -848,14 +849,39 @@ def resume_command(dsn: str, schema: str, effect: str, group: str | None,
 @click.option("--password-file", type=click.Path(dir_okay=False),
               help="File whose first line is the HTTP Basic password "
                    "(default: $OUTBOX_WEB_PASSWORD; no password: no authentication).")
+@click.option("--target", "target_outboxes", multiple=True, metavar="DSN[#SCHEMA]",
+              help="Show this outbox (a database, and its schema after #; default outbox) "
+                   "instead of --dsn's; repeatable: a picker in every page switches "
+                   "between them.")
+@click.option("--targets", "targets_from", default=None, metavar="MODULE:CALLABLE",
+              help="A function returning the list of outbox.Target to show, read again "
+                   "when 5 s old (e.g. outbox.targets:schemas bound to your database).")
+@click.pass_context
 @_one_line_errors
-def web_command(dsn: str, schema: str, host: str, port: int, read_only: bool,
-                password_file: str | None) -> None:
-    """Serve the dashboard (and its /metrics) with uvicorn."""
+def web_command(ctx: click.Context, dsn: str | None, schema: str, host: str, port: int,
+                read_only: bool, password_file: str | None,
+                target_outboxes: tuple[str, ...], targets_from: str | None) -> None:
+    """Serve the dashboard (and its /metrics) with uvicorn; with --target or --targets,
+    one dashboard over several outboxes."""
     from .web._serve import serve  # the web extra is optional
 
+    targets = None
+    if target_outboxes or targets_from:
+        if target_outboxes and targets_from:
+            raise click.BadParameter("give --target (repeated) or --targets, not both",
+                                     param_hint="--targets")
+        for name in ("dsn", "schema"):
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+                raise click.BadParameter(
+                    f"give --{name} or --target / --targets, not both: each target names "
+                    "its database and schema", param_hint=f"--{name}")
+        targets = ([parse_target(text) for text in target_outboxes]
+                   or _targets_callable(targets_from or ""))
+        dsn = None
+    elif dsn is None:
+        raise click.UsageError("give --dsn (or $OUTBOX_DATABASE_URL), or --target / --targets")
     serve(dsn, schema=schema, host=host, port=port, read_only=read_only,
-          password_file=password_file)
+          password_file=password_file, targets=targets)
 
 
 main.add_command(dev_server)

@@ -2,7 +2,9 @@
 
 ``create_app(conninfo, schema=..., read_only=..., authorize=..., redact=...)`` returns a
 Starlette application: run it with ``outbox web`` (uvicorn, loopback by default) or
-mount it in your own application. See ``create_app`` for its guarantees.
+mount it in your own application. ``create_app(targets=[outbox.Target(dsn, schema),
+...])`` (or a function returning them) shows several outboxes, a picker switching
+between them. See ``create_app`` for its guarantees.
 """
 
 try:  # outbox[web]

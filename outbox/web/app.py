@@ -2,18 +2,22 @@
 
 ``create_app`` returns a Starlette application that can run on its own (``outbox web``)
 or be mounted in a host application (``Mount("/outbox", create_app(...))``). It opens its
-connection pool on first use, so a mounted app needs no lifespan events.
+connection pool on first use, so a mounted app needs no lifespan events. With
+``targets=[Target, ...]`` one app shows several outboxes, each under ``/t/<slug>/``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
+import math
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import InitVar, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,14 +30,17 @@ from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Mount, Route, Router
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
+from starlette.types import Message, Receive, Scope, Send
 
 from .. import _queue
 from .._enqueue import notify_channel
 from .._sql import check_schema_name
 from .._sql import queries as core_queries
+from ..errors import ConfigurationError
+from ..targets import Target
 from ._filters import STATUSES, FilterError, JobFilter
 from ._queries import (
     CappedCount,
@@ -65,6 +72,15 @@ from ._security import (
     new_token,
     token_matches,
 )
+from ._targets import (
+    PROBE_TIMEOUT,
+    TargetsSource,
+    checked_targets,
+    failure_reason,
+    is_connection_failure,
+    slugs,
+)
+from ._targets import check as check_target
 from ._views import Redactor, age, ago, minute_chart, seconds_text, shown_payload, timestamp
 from ._views import truncate_payload as default_redact
 
@@ -88,27 +104,30 @@ OUTCOMES = {
 
 
 @dataclass
-class Settings:
-    """One dashboard's configuration and its lazily opened pool."""
+class Database:
+    """A connection pool on one database, opened on first use (mounted apps get no
+    lifespan events); a dashboard over several outboxes shares one between the targets
+    (schemas) of a database."""
 
     conninfo: str
-    schema: str
-    read_only: bool
-    authorize: Authorizer | None
-    redact: Redactor
-    queries: WebQueries
-    channel: str
+    min_size: int = 1
+    max_size: int = 4
+    timeout: float = 30.0
+    max_idle: float = 600.0
+    kwargs: dict[str, Any] | None = None
     pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
     lock: asyncio.Lock | None = None
 
     async def get_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
-        """The pool, opened on first use (mounted apps get no lifespan events)."""
+        """The pool, opened on first use."""
         if self.pool is None:
             self.lock = self.lock or asyncio.Lock()
             async with self.lock:
                 if self.pool is None:
                     pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = (
-                        AsyncConnectionPool(self.conninfo, min_size=1, max_size=4,
+                        AsyncConnectionPool(self.conninfo, min_size=self.min_size,
+                                            max_size=self.max_size, timeout=self.timeout,
+                                            max_idle=self.max_idle, kwargs=self.kwargs,
                                             open=False, name="outbox-web"))
                     await pool.open()
                     self.pool = pool
@@ -117,8 +136,36 @@ class Settings:
     async def close(self) -> None:
         """Close the pool, if it was opened."""
         if self.pool is not None:
-            await self.pool.close()
-            self.pool = None
+            pool, self.pool = self.pool, None
+            await pool.close()
+
+
+@dataclass
+class Settings:
+    """One outbox's configuration and the pool of its database, opened on first use."""
+
+    conninfo: str
+    schema: str
+    read_only: bool
+    authorize: Authorizer | None
+    redact: Redactor
+    queries: WebQueries
+    channel: str
+    shared: InitVar[Database | None] = None
+    database: Database = field(init=False)
+    # Several outboxes: found reachable and migrated (else checked before it is shown).
+    checked: bool = False
+
+    def __post_init__(self, shared: Database | None) -> None:
+        self.database = shared or Database(self.conninfo)
+
+    async def get_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
+        """The pool, opened on first use (mounted apps get no lifespan events)."""
+        return await self.database.get_pool()
+
+    async def close(self) -> None:
+        """Close the pool, if it was opened."""
+        await self.database.close()
 
 
 class Denied(Exception):
@@ -142,9 +189,19 @@ TEMPLATES = _templates()
 
 
 def settings_of(request: Request) -> Settings:
-    """The dashboard settings of the app serving ``request``."""
+    """The settings of the outbox ``request`` is about: the app's, or those of the
+    target its URL chose (``/t/<slug>/...``)."""
+    chosen: Settings | None = request.scope.get(SETTINGS_KEY)
+    if chosen is not None:
+        return chosen
     settings: Settings = request.app.state.outbox
     return settings
+
+
+def board_of(request: Request) -> Board | None:
+    """The targets of a dashboard over several outboxes; None for a single outbox."""
+    state = request.app.state.outbox
+    return state if isinstance(state, Board) else None
 
 
 @asynccontextmanager
@@ -194,13 +251,13 @@ async def writable(settings: Settings, conn: psycopg.AsyncConnection[Any]) -> bo
 
 async def authorized(request: Request, needed: Access) -> Access:
     """The caller's access, or Denied (401 with a challenge, or 403)."""
-    settings = settings_of(request)
-    granted = await access_of(settings.authorize, request)
+    authorize = (board_of(request) or settings_of(request)).authorize
+    granted = await access_of(authorize, request)
     if granted is None:
-        if isinstance(settings.authorize, BasicAuth):
+        if isinstance(authorize, BasicAuth):
             raise Denied(PlainTextResponse(
                 "authentication required", status_code=401,
-                headers={"www-authenticate": settings.authorize.challenge}))
+                headers={"www-authenticate": authorize.challenge}))
         raise Denied(PlainTextResponse("forbidden", status_code=403))
     if needed == "operate" and granted != "operate":
         raise Denied(PlainTextResponse("read-only access: actions are not allowed", 403))
@@ -211,14 +268,35 @@ def render(request: Request, name: str, context: dict[str, Any],
            status_code: int = 200) -> Response:
     """A template with the common context, a CSRF cookie, and the security headers."""
     token = request.cookies.get(CSRF_COOKIE) or new_token()
+    # base: where this outbox's pages are; root: the dashboard's own (static files, the
+    # targets); the same but under /t/<slug> when a target is chosen.
     base = request.scope.get("root_path", "")
-    context = {"base": base, "csrf_field": CSRF_FIELD, "csrf": token, "statuses": STATUSES,
-               **context}
+    root = request.scope.get(ROOT_KEY, base)
+    context = {"base": base, "root": root, "csrf_field": CSRF_FIELD, "csrf": token,
+               "statuses": STATUSES, **_targets_context(request, base), **context}
     response = TEMPLATES.TemplateResponse(request, name, context, status_code=status_code)
     if request.cookies.get(CSRF_COOKIE) != token:
         response.set_cookie(CSRF_COOKIE, token, httponly=True, samesite="strict",
-                            path=base or "/")
+                            path=root or "/")
     return response
+
+
+def _targets_context(request: Request, base: str) -> dict[str, Any]:
+    """The header's target picker: shown when the dashboard has several targets."""
+    board = board_of(request)
+    chosen: Target | None = request.scope.get(TARGET_KEY)
+    picker = None
+    back: dict[str, str] = {}
+    if board is not None and len(board.entries) > 1:
+        picker = [{"slug": e.slug, "name": e.target.name, "selected": e.target == chosen}
+                  for e in board.entries]
+        # Switching targets from a job list opens the same list of the other target.
+        if chosen is not None and request.scope["path"] == f"{base}/jobs":
+            back["page"] = "jobs"
+            if request.query_params.get("status") in STATUSES:
+                back["status"] = request.query_params["status"]
+    return {"multi": board is not None, "picker": picker, "picker_return": back,
+            "current_target": None if chosen is None else chosen.name}
 
 
 async def overview(request: Request) -> Response:
@@ -479,6 +557,299 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=content_type)
 
 
+# -- several outboxes ---------------------------------------------------------------------
+# create_app(targets=...) serves each target's pages under /t/<slug>/ (the slug: its name,
+# see _targets.py); / lists the targets, /pick is the header's picker.
+
+ROOT_KEY = "outbox.root"  # scope keys set under /t/<slug>/: the dashboard's own root path,
+TARGET_KEY = "outbox.target"  # the chosen Target (an authorizer may read it),
+SETTINGS_KEY = "outbox.settings"  # and its Settings
+TARGETS_TTL = 5.0  # seconds a targets function's list is used before it is read again
+TARGETS_AT_ONCE = 10  # targets the targets page reads at the same time
+
+
+@dataclass
+class Entry:
+    """One target of a dashboard over several outboxes: its slug and settings."""
+
+    slug: str
+    target: Target
+    settings: Settings
+
+    async def ready(self) -> None:
+        """Check, once, that the target is reachable and migrated; raises why not."""
+        if not self.settings.checked:
+            await asyncio.to_thread(check_target, self.target)
+            self.settings.checked = True
+
+    async def failed(self, exc: BaseException, reason: str) -> None:
+        """Forget it was found ready: the next request checks again (and a database out
+        of reach has its pool closed, so it starts afresh once back)."""
+        log.warning("dashboard: target %s cannot be shown: %s", self.target.name, reason)
+        self.settings.checked = False
+        if is_connection_failure(exc):
+            await self.settings.close()
+
+
+@dataclass(frozen=True)
+class TargetState:
+    """A row of the targets page."""
+
+    slug: str
+    name: str
+    up: bool
+    due: int | None
+    reason: str | None
+
+
+class TargetsUnreadable(Exception):
+    """The targets function failed before any list was read."""
+
+
+class Board:
+    """The outboxes a dashboard shows (``create_app(targets=...)``): the list, re-read
+    from a function at most every TARGETS_TTL seconds, and each target's settings; the
+    targets of one database share its pool."""
+
+    def __init__(self, source: TargetsSource, *, read_only: bool,
+                 authorize: Authorizer | None, redact: Redactor) -> None:
+        self.source = source
+        self.read_only = read_only
+        self.authorize = authorize
+        self.redact = redact
+        self.entries: list[Entry] = []
+        self.by_slug: dict[str, Entry] = {}
+        self.databases: dict[str, Database] = {}
+        self.read_at: float | None = None
+        self.lock = asyncio.Lock()
+        if not callable(source):
+            self._install(checked_targets(source))
+            self.read_at = math.inf  # a list given once is never read again
+
+    async def current(self) -> list[Entry]:
+        """The targets now: a function's list is read again once TARGETS_TTL old."""
+        if self.read_at is not None and time.monotonic() - self.read_at < TARGETS_TTL:
+            return self.entries
+        async with self.lock:
+            if self.read_at is not None and time.monotonic() - self.read_at < TARGETS_TTL:
+                return self.entries
+            assert callable(self.source)
+            try:
+                given = await asyncio.to_thread(self.source)
+                if inspect.isawaitable(given):
+                    given = await given
+                targets = checked_targets(given)
+            except Exception as exc:  # the application's function: say which, go on
+                log.warning("dashboard: the targets function failed: %s", _describe(exc))
+                if self.read_at is None:
+                    raise TargetsUnreadable(type(exc).__name__) from exc
+                self.read_at = time.monotonic()  # the last list, until the next try
+                return self.entries
+            closing = self._install(targets)
+            self.read_at = time.monotonic()
+        for database in closing:
+            await database.close()
+        return self.entries
+
+    def _install(self, targets: list[Target]) -> list[Database]:
+        """Make ``targets`` current, keeping what is known of those already shown;
+        returns the databases no target uses any more."""
+        known = {e.target: e.settings for e in self.entries}
+        entries = []
+        for slug, target in zip(slugs(targets), targets, strict=True):
+            settings = known.get(target)
+            if settings is None:
+                database = self.databases.get(target.dsn)
+                if database is None:
+                    # Idle connections close after a minute: many databases, few held.
+                    database = Database(target.dsn, min_size=0, max_size=4, timeout=10.0,
+                                        max_idle=60.0,
+                                        kwargs={"connect_timeout": PROBE_TIMEOUT})
+                    self.databases[target.dsn] = database
+                settings = Settings(target.dsn, target.schema, self.read_only,
+                                    self.authorize, self.redact, web_queries(target.schema),
+                                    notify_channel(target.schema), shared=database)
+            entries.append(Entry(slug, target, settings))
+        self.entries = entries
+        self.by_slug = {e.slug: e for e in entries}
+        used = {e.target.dsn for e in entries}
+        gone = [dsn for dsn in self.databases if dsn not in used]
+        return [self.databases.pop(dsn) for dsn in gone]
+
+    async def states(self) -> list[TargetState]:
+        """Each target up (with its due backlog) or not (and why): one statement per
+        target reading its pending jobs, TARGETS_AT_ONCE targets at a time."""
+        at_once = asyncio.Semaphore(TARGETS_AT_ONCE)
+
+        async def state(entry: Entry) -> TargetState:
+            async with at_once:
+                try:
+                    await entry.ready()
+                    async with transaction(entry.settings) as conn:
+                        backlog = await _queue.on_async(
+                            conn, _queue.backlog(entry.target.schema))
+                except Exception as exc:  # one target's failure is its row's, not the page's
+                    reason = failure_reason(exc, entry.target)
+                    if reason is None:
+                        log.exception("dashboard: reading target %s failed", entry.target.name)
+                        reason = f"cannot be read ({type(exc).__name__})"
+                    await entry.failed(exc, reason)
+                    return TargetState(entry.slug, entry.target.name, False, None, reason)
+            return TargetState(entry.slug, entry.target.name, True,
+                               sum(b.due for b in backlog.values()), None)
+
+        return list(await asyncio.gather(*(state(e) for e in self.entries)))
+
+    async def close(self) -> None:
+        """Close every database's pool."""
+        for database in self.databases.values():
+            await database.close()
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+async def _entries(request: Request) -> list[Entry]:
+    """The dashboard's targets, or Denied (503) when the targets function fails."""
+    board = board_of(request)
+    assert board is not None
+    try:
+        return await board.current()
+    except TargetsUnreadable as exc:
+        raise Denied(render(request, "target.html", {
+            "heading": "The targets cannot be read", "reason": None, "listed": [],
+            "message": f"The function giving this dashboard's targets failed ({exc}); "
+                       "the dashboard's log says why."}, status_code=503)) from None
+
+
+def _no_such_target(request: Request, entries: list[Entry]) -> Response:
+    # Never the text asked for: it may be anything, a connection string included.
+    return render(request, "target.html", {
+        "heading": "No such target", "reason": None, "listed": entries,
+        "message": "This dashboard shows no target at that address. Its targets:"},
+        status_code=404)
+
+
+def _unavailable(request: Request, entry: Entry, reason: str) -> Response:
+    return render(request, "target.html", {
+        "heading": f"{entry.target.name} cannot be shown", "reason": reason, "listed": [],
+        "message": "The dashboard could not read this target; the others are not "
+                   "affected. It is tried again on the next request."},
+        status_code=503)
+
+
+async def targets_page(request: Request) -> Response:
+    """Every target, up with its due backlog, or why not."""
+    await authorized(request, "read")
+    entries = await _entries(request)
+    if len(entries) == 1:
+        return RedirectResponse(f"{_root(request)}/t/{entries[0].slug}/", status_code=303)
+    board = board_of(request)
+    assert board is not None
+    return render(request, "targets.html", {"states": await board.states()})
+
+
+async def pick(request: Request) -> Response:
+    """The header's picker: to the chosen target's overview, or its job list."""
+    await authorized(request, "read")
+    entries = await _entries(request)
+    board = board_of(request)
+    assert board is not None
+    entry = board.by_slug.get(request.query_params.get("target", ""))
+    if entry is None:
+        return _no_such_target(request, entries)
+    where = "/"
+    if request.query_params.get("page") == "jobs":
+        status = request.query_params.get("status")
+        where = f"/jobs?status={status}" if status in STATUSES else "/jobs"
+    return RedirectResponse(f"{_root(request)}/t/{entry.slug}{where}", status_code=303)
+
+
+async def no_such_target(request: Request) -> Response:
+    """/t/... that names no target (or /t/<slug> without its slash)."""
+    await authorized(request, "read")
+    entries = await _entries(request)
+    board = board_of(request)
+    assert board is not None
+    entry = board.by_slug.get(request.path_params["rest"])
+    if entry is not None and request.method in ("GET", "HEAD"):
+        return RedirectResponse(f"{_root(request)}/t/{entry.slug}/", status_code=307)
+    return _no_such_target(request, entries)
+
+
+def _root(request: Request) -> str:
+    root: str = request.scope.get("root_path", "")
+    return root
+
+
+class TargetRoutes:
+    """The pages and actions of one outbox under ``/t/<slug>/``: the caller is checked,
+    then the target is found (else 404) and, once, checked reachable and migrated (else
+    a page saying why, 503), then served by the routes of a single outbox; a target that
+    fails meanwhile answers the same page, not a 500."""
+
+    def __init__(self, routes: list[BaseRoute]) -> None:
+        self.router = Router(routes=routes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.router(scope, receive, send)
+            return
+        slug = scope["path_params"]["target"]
+        root_path = scope.get("root_path", "")
+        scope[ROOT_KEY] = root_path[:len(root_path) - len(f"/t/{slug}")]
+        request = Request(scope, receive)
+        try:
+            entry = await self._admit(request, slug)
+        except Denied as denied:
+            denied.response.headers.update(SECURITY_HEADERS)
+            await denied.response(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.router(scope, receive, tracked)
+        except Exception as exc:
+            reason = failure_reason(exc, entry.target)
+            if reason is None or started:
+                raise
+            await entry.failed(exc, reason)
+            response = _unavailable(request, entry, reason)
+            response.headers.update(SECURITY_HEADERS)
+            await response(scope, receive, send)
+
+    async def _admit(self, request: Request, slug: str) -> Entry:
+        """The chosen target, ready to be shown; else Denied with the page to send."""
+        entries = await _entries(request)
+        board = board_of(request)
+        assert board is not None
+        entry = board.by_slug.get(slug)
+        if entry is not None:
+            request.scope[TARGET_KEY] = entry.target
+        await authorized(request, "read")
+        if entry is None:
+            raise Denied(_no_such_target(request, entries))
+        request.scope[SETTINGS_KEY] = entry.settings
+        if request.scope["path"] != f"{request.scope['root_path']}/metrics":
+            # (/metrics answers outbox_database_up 0 for a target out of reach)
+            try:
+                await entry.ready()
+            except Exception as exc:
+                reason = failure_reason(exc, entry.target)
+                if reason is None:
+                    raise
+                await entry.failed(exc, reason)
+                raise Denied(_unavailable(request, entry, reason)) from None
+        return entry
+
+
 def _guarded(endpoint: Any) -> Any:
     async def guarded(request: Request) -> Response:
         try:
@@ -493,10 +864,12 @@ def _guarded(endpoint: Any) -> Any:
     return guarded
 
 
-def create_app(conninfo: str, *, schema: str = "outbox", read_only: bool = False,
+def create_app(conninfo: str | None = None, *, schema: str = "outbox", read_only: bool = False,
                authorize: Authorizer | None = None, redact: Redactor | None = None,
-               ) -> Starlette:
-    """The dashboard as an ASGI app for ``schema`` on the database at ``conninfo``.
+               targets: TargetsSource | None = None) -> Starlette:
+    """The dashboard as an ASGI app for ``schema`` on the database at ``conninfo``; or,
+    with ``targets=[outbox.Target(dsn, schema), ...]`` instead (or a function returning
+    them, read again when its list is 5 s old), for several outboxes.
 
     Guarantees: pages only read; every action is a POST, refused cross-site (403), and a
     single fenced statement conditional on the status and claim_version the operator saw,
@@ -508,9 +881,28 @@ def create_app(conninfo: str, *, schema: str = "outbox", read_only: bool = False
     binds loopback unless a password is set. Payloads pass through ``redact(effect,
     payload)`` before display (default: JSON cut at 2000 characters); everything shown
     is HTML-escaped.
+
+    With targets, ``/`` lists them (each up with its due backlog, or why not), each
+    target's pages and actions are under ``/t/<slug>/`` (its name, ``#`` written ``~``),
+    and a picker in every page's header switches between them. An action acts on the
+    target of its URL only. A target the URL does not name answers 404; one that is out
+    of reach or not migrated answers a page saying so (its name and why, never the
+    password) while the others go on. ``authorize`` sees the chosen target as
+    ``request.scope["outbox.target"]`` (None on the list of targets).
     """
+    redact = redact or default_redact
+    if targets is not None:
+        if conninfo is not None or schema != "outbox":
+            raise ConfigurationError(
+                "create_app(): give a connection string (and schema=) or targets=, not "
+                "both: each Target names its database and schema")
+        return _targets_app(Board(targets, read_only=read_only, authorize=authorize,
+                                  redact=redact))
+    if conninfo is None:
+        raise ConfigurationError(
+            "create_app() needs a connection string, or targets=[outbox.Target(...), ...]")
     check_schema_name(schema)
-    settings = Settings(conninfo, schema, read_only, authorize, redact or default_redact,
+    settings = Settings(conninfo, schema, read_only, authorize, redact,
                         web_queries(schema), notify_channel(schema))
 
     @asynccontextmanager
@@ -518,7 +910,16 @@ def create_app(conninfo: str, *, schema: str = "outbox", read_only: bool = False
         yield
         await settings.close()
 
-    routes = [
+    routes = [*_outbox_routes(),
+              Mount("/static", StaticFiles(directory=HERE / "static"), name="static")]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.outbox = settings
+    return app
+
+
+def _outbox_routes() -> list[BaseRoute]:
+    """The pages and actions of one outbox."""
+    return [
         Route("/", _guarded(overview), name="overview"),
         Route("/jobs", _guarded(job_list), name="jobs"),
         Route("/jobs/bulk-retry", _guarded(bulk_retry), methods=["POST"]),
@@ -526,8 +927,24 @@ def create_app(conninfo: str, *, schema: str = "outbox", read_only: bool = False
         Route("/jobs/{job_id:int}/{action:str}", _guarded(job_action), methods=["POST"]),
         Route("/effects/{action:str}", _guarded(effect_action), methods=["POST"]),
         Route("/metrics", _guarded(metrics), name="metrics"),
+    ]
+
+
+def _targets_app(board: Board) -> Starlette:
+    """The dashboard over the targets of ``board``."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await board.close()
+
+    routes = [
+        Route("/", _guarded(targets_page), name="targets"),
+        Route("/pick", _guarded(pick), name="pick"),
+        Mount("/t/{target}", app=TargetRoutes(_outbox_routes())),
+        Route("/t/{rest:path}", _guarded(no_such_target), methods=["GET", "POST"]),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.outbox = settings
+    app.state.outbox = board
     return app
