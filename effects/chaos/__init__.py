@@ -5,14 +5,16 @@ through real dispatcher processes pointed at the fake providers of ``effects.tes
 while a seeded fault schedule kills (SIGKILL) and freezes (SIGSTOP past the lease)
 dispatchers, restarts PostgreSQL, terminates dispatcher connections and makes the
 providers fail (5xx, 429 with Retry-After, latency spikes, success then timeout, dropped
-connections, declined cards). Then it checks the guarantees outbox states
-(docs/explanation/guarantees.md)::
+connections, declined cards). With ``--groups`` the jobs belong to tenants (one heavy),
+some carry a priority, and the workers declare limits per group. Then it checks the
+guarantees outbox states (docs/explanation/guarantees.md)::
 
     nothing lost              every committed job ends done, failed or reconcile
     once at the provider      no key performed twice by any fake; done jobs once
     no double claim           no (key, claim_version) delivered by two workers
     ledger = done             ledger rows exactly for done jobs, same claim_version
     bounded leases            no job running past lease + rescue interval + slack
+    bounded concurrency       never more running jobs of a group than its Limit allows
     permanent is final        declined cards end failed, with their decline code
     faults happened           every enabled fault kind was injected at least once
 

@@ -8,9 +8,19 @@ import sys
 import click
 from rich.console import Console
 
-from .config import FAULT_KINDS, ChaosConfig, parse_faults
+from outbox import Limit
+
+from .config import FAULT_KINDS, GROUP_LIMITS, ChaosConfig, parse_faults, parse_limits
 
 __all__ = ["command"]
+
+
+def _limits(ctx: click.Context, param: click.Parameter,
+            value: tuple[str, ...]) -> dict[str, Limit] | None:
+    try:
+        return parse_limits(value) if value else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _faults(ctx: click.Context, param: click.Parameter, value: str) -> frozenset[str]:
@@ -43,10 +53,18 @@ def _faults(ctx: click.Context, param: click.Parameter, value: str) -> frozenset
               help="Seconds between faults of each kind, as a multiple of CI intensity (a "
               "kill every 4 s): 10 for a soak of an hour or a million jobs.")
 @click.option("--keep-logs", is_flag=True, help="Keep worker logs even when all is well.")
+@click.option("--groups", default=0, show_default=True,
+              help="Spread the jobs over N groups (tenants): one takes half of them, a few "
+                   "have none; some get a priority (10 or -5). 0: no groups.")
+@click.option("--limit", "limits", multiple=True, callback=_limits, metavar="EFFECT=LIMIT",
+              help="A limit every worker declares, as outbox run --limit reads it "
+                   "(email.send=25/s,per_group); repeat for several effects, none for no "
+                   "limit. With --groups the default is "
+                   + "; ".join(f"{e}={limit}" for e, limit in GROUP_LIMITS.items()) + ".")
 def command(workers: int, jobs: int, duration: float, deadline: float | None,
             seed: int | None, dsn: str | None, json_path: str | None,
             faults: frozenset[str], lease: float, slack: float, fault_spacing: float,
-            keep_logs: bool) -> None:
+            keep_logs: bool, groups: int, limits: dict[str, Limit] | None) -> None:
     """Drain jobs through dispatchers that are killed, frozen and cut off, against
     providers that fail, and check that every effect happened once and none was lost.
 
@@ -64,7 +82,8 @@ def command(workers: int, jobs: int, duration: float, deadline: float | None,
         config = ChaosConfig(workers=workers, jobs=jobs, duration=duration,
                              deadline=deadline if deadline is not None else duration + 200,
                              seed=seed, dsn=dsn, faults=faults, lease=lease, slack=slack,
-                             fault_spacing=fault_spacing, keep_logs=keep_logs)
+                             fault_spacing=fault_spacing, keep_logs=keep_logs,
+                             groups=groups, limits=limits)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     console = Console(stderr=False)

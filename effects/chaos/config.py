@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["BROKER_FAULTS", "FAULT_KINDS", "PROCESS_FAULTS", "PROVIDER_FAULTS", "ChaosConfig",
-           "parse_faults"]
+from outbox import Limit
+from outbox.limits import parse_limit
+
+__all__ = ["BROKER_FAULTS", "FAULT_KINDS", "GROUP_LIMITS", "LIMITED_EFFECTS", "PROCESS_FAULTS",
+           "PROVIDER_FAULTS", "ChaosConfig", "parse_faults", "parse_limits"]
 
 # Faults against the dispatcher processes and the database.
 PROCESS_FAULTS = ("kill", "stop", "restart", "terminate")
@@ -18,6 +22,16 @@ PROVIDER_FAULTS = ("5xx", "429", "latency", "timeout", "drop", "decline", "throt
 # consumer process killed or frozen ("consumer").
 BROKER_FAULTS = ("broker", "kafka", "consumer")
 FAULT_KINDS = PROCESS_FAULTS + PROVIDER_FAULTS + BROKER_FAULTS
+# The effects a run may limit (``--limit``): those of the run's mix.
+LIMITED_EFFECTS = ("email.send", "payment.charge", "webhook.post", "nats.publish",
+                   "kafka.produce")
+# The workers' limits when a run has groups and no ``--limit``: at most 2 webhooks of a
+# group in flight, and 25 emails a second per group (the heavy group's half of the emails
+# is held back by it at the start of a run and catches up during it).
+GROUP_LIMITS: Mapping[str, Limit] = {
+    "email.send": Limit(rate=25.0, per_group=True),
+    "webhook.post": Limit(concurrency=2, per_group=True),
+}
 
 
 def parse_faults(text: str) -> frozenset[str]:
@@ -33,6 +47,25 @@ def parse_faults(text: str) -> frozenset[str]:
         raise ValueError(f"unknown fault kind(s) {', '.join(unknown)}; "
                          f"choose from {', '.join(FAULT_KINDS)}")
     return frozenset(names)
+
+
+def parse_limits(specs: tuple[str, ...] | list[str]) -> dict[str, Limit]:
+    """``["email.send=25/s,per_group", "webhook.post=concurrency=2,per_group"]`` as a map
+    of effect -> ``outbox.Limit`` (the form of ``outbox run --limit``); ``none`` alone
+    means no limit. ValueError names what is wrong."""
+    if list(specs) == ["none"]:
+        return {}
+    limits: dict[str, Limit] = {}
+    for spec in specs:
+        effect, sep, text = spec.partition("=")
+        effect = effect.strip()
+        if not sep or effect not in LIMITED_EFFECTS:
+            raise ValueError(f"give a limit as EFFECT=LIMIT with EFFECT one of "
+                             f"{', '.join(LIMITED_EFFECTS)}; got {spec!r}")
+        if effect in limits:
+            raise ValueError(f"{effect} is limited twice")
+        limits[effect] = parse_limit(text)
+    return limits
 
 
 @dataclass(frozen=True)
@@ -76,6 +109,8 @@ class ChaosConfig:
     enqueue_threads: int = 4
     work_dir: str | None = None
     keep_logs: bool = False
+    groups: int = 0
+    limits: Mapping[str, Limit] | None = None
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -91,6 +126,19 @@ class ChaosConfig:
         unknown = self.faults - set(FAULT_KINDS)
         if unknown:
             raise ValueError(f"unknown fault kind(s): {', '.join(sorted(unknown))}")
+        if not 0 <= self.groups <= 10_000:
+            raise ValueError("groups must be between 0 and 10000")
+        strange = sorted(set(self.limits or {}) - set(LIMITED_EFFECTS))
+        if strange:
+            raise ValueError(f"no such effect in the run to limit: {', '.join(strange)}")
+
+    @property
+    def effect_limits(self) -> dict[str, Limit]:
+        """The limits the workers declare: ``limits``, or by default ``GROUP_LIMITS`` in a
+        run with groups and none without."""
+        if self.limits is not None:
+            return dict(self.limits)
+        return dict(GROUP_LIMITS) if self.groups else {}
 
     @property
     def overrun_bound(self) -> float:

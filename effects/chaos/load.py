@@ -102,7 +102,8 @@ class Enqueuer:
             with outbox.transaction(conn, schema=self.schema) as tx:
                 conn.execute(self.queries.insert_order,
                              {"batch": batch.name, "jobs": len(batch.jobs)})
-                tx.enqueue_many(NewJob(j.effect, j.key, j.payload) for j in batch.jobs)
+                tx.enqueue_many(NewJob(j.effect, j.key, j.payload, group=j.group,
+                                   priority=j.priority) for j in batch.jobs)
                 if batch.rollback:
                     raise _RolledBack(batch.name)
         except _RolledBack:

@@ -7,15 +7,22 @@
 -- is called (its own autocommit connection), its outcome filled in afterwards. Two
 -- workers with one (key, claim_version) is a double claim. call_id makes the worker's
 -- own retry of the insert idempotent, so a repeat means two calls, never one retried.
+-- live_begin and live_end: whether the job was still running under the call's claim
+-- when the call began and when it ended (a claim never comes back once it has ended, so
+-- both mean the claim lasted the whole call, and a limit counted it meanwhile).
 CREATE TABLE {chaos}.deliveries (
     call_id       uuid        PRIMARY KEY,
     key           text        NOT NULL,
     claim_version bigint      NOT NULL,
     worker        text        NOT NULL,
     attempt       integer     NOT NULL,
+    effect        text        NOT NULL,
+    group_key     text,
     started_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    live_begin    boolean     NOT NULL,
     outcome       text,
-    finished_at   timestamptz
+    finished_at   timestamptz,
+    live_end      boolean
 );
 CREATE INDEX deliveries_claim ON {chaos}.deliveries (key, claim_version);
 -- orders: the business row each enqueue transaction writes next to its jobs.
@@ -26,15 +33,22 @@ CREATE TABLE {chaos}.orders (
 );
 
 -- name: delivery_begin
-INSERT INTO {chaos}.deliveries (call_id, key, claim_version, worker, attempt)
-VALUES (%(call_id)s::uuid, %(key)s::text, %(claim_version)s::bigint, %(worker)s::text,
-        %(attempt)s::integer)
+INSERT INTO {chaos}.deliveries (call_id, key, claim_version, worker, attempt, effect,
+                                group_key, live_begin)
+SELECT %(call_id)s::uuid, %(key)s::text, %(claim_version)s::bigint, %(worker)s::text,
+       %(attempt)s::integer, %(effect)s::text, %(group_key)s::text,
+       EXISTS (SELECT 1 FROM {schema}.jobs j
+               WHERE j.key = %(key)s::text AND j.status = 'running'
+                 AND j.claim_version = %(claim_version)s::bigint)
 ON CONFLICT (call_id) DO NOTHING;
 
 -- name: delivery_end
-UPDATE {chaos}.deliveries
-SET outcome = %(outcome)s::text, finished_at = clock_timestamp()
-WHERE call_id = %(call_id)s::uuid;
+UPDATE {chaos}.deliveries d
+SET outcome = %(outcome)s::text, finished_at = clock_timestamp(),
+    live_end = EXISTS (SELECT 1 FROM {schema}.jobs j
+                       WHERE j.key = d.key AND j.status = 'running'
+                         AND j.claim_version = d.claim_version)
+WHERE d.call_id = %(call_id)s::uuid;
 
 -- name: insert_order
 INSERT INTO {chaos}.orders (batch, jobs) VALUES (%(batch)s::text, %(jobs)s::integer)
@@ -55,6 +69,101 @@ SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)::bigint
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE n.nspname = %(schema)s::text AND c.relkind IN ('r', 'm');
+
+-- name: running_per_group
+-- The running jobs of each group of the effects in %(effects)s, with their keys: a
+-- concurrency (per group or for the whole effect) counts these at each claim. Served by
+-- the partial index jobs_leases (status = 'running'): a few dozen rows.
+SELECT effect, coalesce(group_key, ''), count(*)::int, array_agg(key ORDER BY key)
+FROM {schema}.jobs
+WHERE status = 'running' AND effect = ANY(%(effects)s::text[])
+GROUP BY 1, 2;
+
+-- name: calls_in_flight
+-- Per group of each effect in %(effects)s (g NULL for the effects in %(whole)s, counted
+-- as a whole), from the audit: the most provider calls in flight at once under claims
+-- that lasted the whole call (live_begin and live_end), with the instant the most were
+-- reached; the calls so counted, and those left out: begun outside their claim (a
+-- worker frozen past its lease, then thawed), whose claim ended during the call (its
+-- lease lost), or whose end was never recorded (the worker killed or cut off). A call
+-- counts from its begin to its end; at equal times an end counts before a begin.
+WITH calls AS (
+    SELECT d.*, CASE WHEN d.effect = ANY(%(whole)s::text[]) THEN NULL
+                     ELSE coalesce(d.group_key, '') END AS g,
+           d.live_begin AND coalesce(d.live_end, false) AS counted
+    FROM {chaos}.deliveries d
+    WHERE d.effect = ANY(%(effects)s::text[])
+), edges AS (
+    SELECT c.effect, c.g, e.at, e.delta
+    FROM calls c
+    CROSS JOIN LATERAL (VALUES (c.started_at, 1), (c.finished_at, -1)) AS e(at, delta)
+    WHERE c.counted
+), counted AS (
+    SELECT effect, g, at,
+           sum(delta) OVER (PARTITION BY effect, g ORDER BY at, delta
+                            ROWS UNBOUNDED PRECEDING) AS n
+    FROM edges
+), most AS (
+    SELECT DISTINCT ON (effect, g) effect, g, n::int, at
+    FROM counted
+    ORDER BY effect, g, n DESC, at
+), tallies AS (
+    SELECT effect, g,
+           count(*) FILTER (WHERE counted)::int AS counted,
+           count(*) FILTER (WHERE NOT live_begin)::int AS outside,
+           count(*) FILTER (WHERE live_begin AND NOT live_end)::int AS outlived,
+           count(*) FILTER (WHERE live_begin AND live_end IS NULL)::int AS unended
+    FROM calls
+    GROUP BY effect, g
+)
+SELECT t.effect, t.g, coalesce(m.n, 0), m.at, t.counted, t.outside, t.outlived, t.unended
+FROM tallies t
+LEFT JOIN most m ON m.effect = t.effect AND m.g IS NOT DISTINCT FROM t.g;
+
+-- name: calls_at
+-- The calls of one group of an effect (%(g)s NULL: any) in flight at an instant, as
+-- calls_in_flight counts them, with the claim and status their job ended with.
+SELECT d.key, d.claim_version, d.worker, d.started_at, d.finished_at, d.outcome,
+       j.claim_version, j.status
+FROM {chaos}.deliveries d
+LEFT JOIN {schema}.jobs j ON j.key = d.key
+WHERE d.effect = %(effect)s::text
+  AND (%(g)s::text IS NULL OR coalesce(d.group_key, '') = %(g)s::text)
+  AND d.live_begin AND d.live_end
+  AND d.started_at <= %(at)s::timestamptz AND d.finished_at > %(at)s::timestamptz
+ORDER BY d.started_at;
+
+-- name: calls_per_window
+-- The most calls of one group of an effect begun within ten seconds, from the audit; g
+-- is NULL for the effects in %(whole)s, counted as a whole.
+SELECT DISTINCT ON (effect, g) effect, g, n::int
+FROM (
+    SELECT effect, g, count(*) OVER (PARTITION BY effect, g ORDER BY started_at
+                                     RANGE BETWEEN CURRENT ROW
+                                               AND interval '9999 milliseconds' FOLLOWING) AS n
+    FROM (SELECT effect, started_at,
+                 CASE WHEN effect = ANY(%(whole)s::text[]) THEN NULL
+                      ELSE coalesce(group_key, '') END AS g
+          FROM {chaos}.deliveries
+          WHERE effect = ANY(%(effects)s::text[])) AS d
+) AS w
+ORDER BY effect, g, n DESC;
+
+-- name: seconds_to_end
+-- Seconds from commit to end of the jobs that ended: median and worst, for the heavy
+-- group (%(heavy)s), the other groups, the jobs with no group, and per priority.
+SELECT k.kind, count(*), percentile_cont(0.5) WITHIN GROUP (ORDER BY s.seconds),
+       max(s.seconds)
+FROM {schema}.jobs j
+CROSS JOIN LATERAL (SELECT extract(epoch FROM j.updated_at - j.created_at)::float8) AS s(seconds)
+CROSS JOIN LATERAL (VALUES
+    (CASE WHEN j.group_key IS NULL THEN 'no group'
+          WHEN j.group_key = %(heavy)s::text THEN 'heavy group'
+          ELSE 'other groups' END),
+    ('priority ' || j.priority)) AS k(kind)
+WHERE j.status IN ('done', 'failed', 'reconcile')
+GROUP BY k.kind
+ORDER BY k.kind;
 
 -- name: status_counts
 SELECT status, count(*)::int FROM {schema}.jobs GROUP BY status;

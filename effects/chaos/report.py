@@ -21,6 +21,16 @@ What the figures mean:
 - ``lease``: ``max_overrun`` the longest a job was seen ``running`` past its lease
   (sampled every ~100 ms), ``bound`` = lease + rescue interval + slack, which it must
   not exceed.
+- ``running``: under a concurrency limit (``--limit``, or the defaults of a run with
+  ``--groups``), per effect the ``most`` running jobs of one group seen at once (of the
+  whole effect when the limit is not per group), sampled with the lease every ~100 ms
+  in one snapshot each, against the ``limit``, which it must not exceed
+  (``samples_over`` counts the samples above it: ``concurrency_exceeded``, as are
+  more provider calls of a group in flight under live claims than the limit, found
+  in the audit: ``groups["calls_in_flight"]``).
+- ``groups``: a run with groups: how the jobs were spread (the heavy group, the others,
+  none), the priorities, the limits the workers declared, and figures read from the
+  audit and the jobs once the run drained (see ``effects.chaos.groups``).
 - ``workers``: processes started, killed, and the ``DispatchStats`` summed over those
   that exited on SIGTERM (killed workers print none): ``stale_completions`` are fenced
   late writes (0 rows), ``lost_claims`` claims a heartbeat found gone.
@@ -82,6 +92,8 @@ class ChaosReport:
     violation_counts: dict[str, int]
     events: dict[str, int] = field(default_factory=dict)
     kafka: dict[str, Any] = field(default_factory=dict)
+    running: dict[str, Any] = field(default_factory=dict)
+    groups: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     log_dir: str | None = None
     storage_bytes: int | None = None
@@ -104,6 +116,8 @@ class ChaosReport:
         console.print(self._summary())
         console.print(self._fault_table())
         console.print(self._window_table())
+        if self.groups:
+            console.print(self._group_table())
         if self.failed_reasons or self.reconcile_reasons:
             console.print(self._reason_table())
         for note in self.notes:
@@ -126,6 +140,11 @@ class ChaosReport:
             table.add_row(name.replace("_", " "), str(self.violation_counts.get(name, 0)), "0")
         overrun = f"{self.lease['max_overrun']:.2f} s"
         table.add_row("longest running past lease", overrun, f"<= {self.lease['bound']:.1f} s")
+        for effect, most in sorted(self.running.get("most", {}).items()):
+            per_group = str(self.settings.get("limits", {}).get(effect, "")).endswith(
+                "per_group")
+            table.add_row(f"most running{' of one group' if per_group else ''}, {effect}",
+                          str(most), f"<= {self.running['limit'][effect]}")
         table.add_row("throughput", f"{self.throughput:.1f} jobs/s", "")
         for effect, counts in sorted(self.per_effect.items()):
             table.add_row(f"  {effect}", _pairs(counts), "")
@@ -148,6 +167,33 @@ class ChaosReport:
             table.add_column(column, justify="left" if column == "kind" else "right")
         for kind, counts in self.faults.items():
             table.add_row(kind, str(counts["armed"]), str(counts["injected"]))
+        return table
+
+    def _group_table(self) -> Table:
+        groups = self.groups
+        table = Table(title=f"groups: {groups['groups']}, the heavy one "
+                            f"{groups['heavy_group']}")
+        table.add_column("figure")
+        table.add_column("value")
+        table.add_row("jobs", _pairs(groups["jobs"]))
+        table.add_row("priorities (jobs)", _pairs(groups["priorities"]))
+        table.add_row("limits", _pairs(groups["limits"]))
+        for effect, figure in groups.get("calls_in_flight", {}).items():
+            table.add_row(f"most calls of one group in flight, {effect}",
+                          f"{figure['most']} (group {figure['group']!r}, limit "
+                          f"{figure['limit']}; groups above it {figure['groups_over_limit']}; "
+                          f"calls counted {figure['calls_counted']}, left out: begun outside "
+                          f"their claim {figure['begun_outside_claim']}, claim ended during "
+                          f"{figure['claim_ended_during']}, end unrecorded "
+                          f"{figure['end_unrecorded']})")
+        for effect, figure in groups.get("calls_per_window", {}).items():
+            table.add_row(f"most calls of one group begun in {figure['window']} s, {effect}",
+                          f"{figure['most']} (group {figure['group']!r}; its bucket admits "
+                          f"{figure['bucket_admits']:g} claims in as long)")
+        for kind, figure in groups.get("seconds_to_end", {}).items():
+            table.add_row(f"seconds to end, {kind}", _pairs(figure))
+        if "unreadable" in groups:
+            table.add_row("not read", groups["unreadable"])
         return table
 
     def _window_table(self) -> Table:

@@ -4,9 +4,10 @@ The run, in order: plan the jobs and the fault schedule from the seed; start the
 providers and the database (embedded, or a database of its own on ``--dsn``); commit
 the bulk share of the jobs; start the dispatcher processes; then, for ``duration``
 seconds, trickle the rest of the jobs in from several threads while the fault schedule
-runs and a monitor samples lease overruns. Once the schedule is over and every job has
-ended (or the deadline passed), stop the dispatchers with SIGTERM, collect their
-counters, and check the invariants (``effects.chaos.checks``).
+runs and a monitor samples lease overruns (and the running jobs of each group under a
+concurrency limit). Once the schedule is over and every job has ended (or the deadline
+passed), stop the dispatchers with SIGTERM, collect their counters, and check the
+invariants (``effects.chaos.checks``, and the limits' in ``effects.chaos.groups``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .checks import VIOLATIONS, Findings, check
 from .config import FAULT_KINDS, ChaosConfig
 from .database import Database, connect, provision, release
 from .faults import FaultInjector
+from .groups import group_figures
 from .load import Enqueuer
 from .monitor import LeaseMonitor
 from .pool import WorkerPool, WorkerProcess
@@ -91,7 +93,9 @@ def run_chaos(config: ChaosConfig, progress: Progress | None = None) -> ChaosRep
         run.execute(plan, events)
         run.drain_consumer()
         findings = check(database.dsn, run.queries, plan, run.enqueuer.committed, providers)
-        report = _report(config, run, plan, findings, time.monotonic() - started)
+        groups, over = group_figures(config, plan, database.dsn, run.queries)
+        report = _report(config, run, plan, findings, time.monotonic() - started, over)
+        report.groups = groups
         report.storage_bytes = run.storage_bytes()
     if report.ok and not config.keep_logs:
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -121,7 +125,7 @@ class _Run:
                                log_dir, uuid.uuid4().hex[:6], ready=self._ready)
         self.deadline = time.monotonic() + config.deadline
         self.enqueuer = Enqueuer(database.dsn, database.schema, self.queries, self.deadline)
-        self.monitor = LeaseMonitor(database.dsn, self.queries)
+        self.monitor = LeaseMonitor(database.dsn, self.queries, limits=config.effect_limits)
         self.injector = FaultInjector(config, database, self.queries, self.pool, providers)
         self.stop = threading.Event()
         self.unfinished_threads: list[str] = []
@@ -242,6 +246,9 @@ def _template(config: ChaosConfig, database: Database, providers: Providers) -> 
         kafka_bootstrap=providers.kafka.bootstrap_servers, kafka_topic=KAFKA_TOPIC,
         lease=config.lease, rescue_interval=config.rescue_interval,
         concurrency=config.concurrency, provider_timeout=config.provider_timeout,
+        limits={effect: {"rate": limit.rate, "burst": limit.burst,
+                         "concurrency": limit.concurrency, "per_group": limit.per_group}
+                for effect, limit in config.effect_limits.items()},
     )
 
 
@@ -257,7 +264,7 @@ def _groups(batches: Sequence[Batch]) -> list[list[Batch]]:
 
 
 def _report(config: ChaosConfig, run: _Run, plan: JobPlan, findings: Findings,
-            elapsed: float) -> ChaosReport:
+            elapsed: float, calls_over: list[str]) -> ChaosReport:
     statuses = findings.statuses
     jobs = {
         "planned": len(plan.committed()),
@@ -269,7 +276,7 @@ def _report(config: ChaosConfig, run: _Run, plan: JobPlan, findings: Findings,
         "rolled_back": len(plan.rolled_back()),
     }
     faults = _faults(config, run, plan, findings)
-    violations, counts = _violations(config, run, findings, faults)
+    violations, counts = _violations(config, run, findings, faults, calls_over)
     return ChaosReport(
         seed=config.seed, settings=_settings(config), database=run.database.mode,
         elapsed_seconds=round(elapsed, 1), jobs=jobs,
@@ -282,6 +289,11 @@ def _report(config: ChaosConfig, run: _Run, plan: JobPlan, findings: Findings,
         lease={"max_overrun": round(run.monitor.max_overrun, 3),
                "bound": config.overrun_bound, "worst_key": run.monitor.worst_key,
                "samples": run.monitor.samples, "samples_lost": run.monitor.failed},
+        running={"most": dict(run.monitor.most_running),
+                 "limit": {effect: limit.concurrency
+                           for effect, limit in config.effect_limits.items()
+                           if limit.concurrency is not None},
+                 "samples_over": run.monitor.over_samples},
         throughput=round(findings.finished_jobs / findings.finished_seconds, 1)
         if findings.finished_seconds else 0.0,
         violations=violations, violation_counts=counts, events=findings.events,
@@ -296,7 +308,10 @@ def _settings(config: ChaosConfig) -> dict[str, Any]:
         "deadline": config.deadline, "lease": config.lease,
         "rescue_interval": config.rescue_interval, "slack": config.slack,
         "concurrency": config.concurrency, "provider_timeout": config.provider_timeout,
+        "fault_spacing": config.fault_spacing,
         "faults": sorted(config.faults, key=FAULT_KINDS.index),
+        "groups": config.groups,
+        "limits": {effect: str(limit) for effect, limit in sorted(config.effect_limits.items())},
     }
 
 
@@ -345,7 +360,8 @@ def _worker_figures(pool: WorkerPool) -> dict[str, int]:
 
 
 def _violations(config: ChaosConfig, run: _Run, findings: Findings,
-                faults: dict[str, dict[str, int]]) -> tuple[dict[str, list[str]], dict[str, int]]:
+                faults: dict[str, dict[str, int]],
+                calls_over: list[str]) -> tuple[dict[str, list[str]], dict[str, int]]:
     violations = {name: findings.violations[name] for name in VIOLATIONS
                   if findings.counts[name]}
     counts = {name: findings.counts[name] for name in VIOLATIONS}
@@ -353,6 +369,7 @@ def _violations(config: ChaosConfig, run: _Run, findings: Findings,
         "lease_overrun": [f"{run.monitor.worst_key}: {run.monitor.max_overrun:.2f} s past its "
                           f"lease (bound {config.overrun_bound:.1f} s)"]
         if run.monitor.max_overrun > config.overrun_bound else [],
+        "concurrency_exceeded": [*run.monitor.over, *calls_over],
         "faults_not_injected": missing_faults(faults, run.injector.log.skipped),
         "worker_problems": [*run.pool.problems, *run.providers.kafka.consumer_problems],
         "runner_errors": [*run.injector.log.errors, *run.enqueuer.errors,

@@ -26,6 +26,7 @@ __all__ = [
     "JobPlan",
     "PlannedJob",
     "build_schedule",
+    "group_name",
     "plan_jobs",
     "subject_for",
 ]
@@ -45,6 +46,11 @@ _DECLINE_SHARE = 0.05
 _BULK_SHARE = 0.4
 _BULK_BATCH = 100
 _ROLLBACK_EVERY = 15
+# With groups (``ChaosConfig.groups``): the heavy group's share of the jobs, the share
+# with no group (a group of its own to the limits), and the priorities some jobs get.
+_HEAVY_SHARE = 0.5
+_UNGROUPED_SHARE = 0.05
+_PRIORITIES = ((10, 0.05), (-5, 0.03))
 _APPROVED_CARD = "pm_card_visa"
 # Shares of the chaos phase: jobs trickle in until _TRICKLE_END; process faults land in
 # [_FAULTS_START, _PROCESS_END], provider faults in [_FAULTS_START, _PROVIDER_END], while
@@ -89,12 +95,15 @@ def subject_for(key: str) -> str:
 
 @dataclass(frozen=True)
 class PlannedJob:
-    """One job: its key, effect and payload; ``decline_code`` when its card is declined."""
+    """One job: its key, effect and payload; ``decline_code`` when its card is declined;
+    the ``group`` and ``priority`` it is enqueued with."""
 
     key: str
     effect: str
     payload: dict[str, Any]
     decline_code: str | None = None
+    group: str | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -188,6 +197,8 @@ def plan_jobs(config: ChaosConfig, rng: random.Random) -> JobPlan:
     extra batches that roll back."""
     decline = "decline" in config.faults
     jobs = [_job(n, rng, decline) for n in range(config.jobs)]
+    if config.groups:
+        jobs = _grouped(jobs, config)
     bulk_count = int(len(jobs) * _BULK_SHARE)
     bulk = tuple(
         Batch(f"bulk-{i // _BULK_BATCH}", 0.0, (i // _BULK_BATCH) % config.enqueue_threads,
@@ -198,6 +209,36 @@ def plan_jobs(config: ChaosConfig, rng: random.Random) -> JobPlan:
     keys = [job.key for batch in plan.batches() for job in batch.jobs]
     assert len(keys) == len(set(keys)), "a key planned twice"
     return plan
+
+
+def group_name(n: int) -> str:
+    """The name of the run's ``n``-th group; group 0 is the heavy one."""
+    return f"tenant-{n:04d}"
+
+
+def _grouped(jobs: list[PlannedJob], config: ChaosConfig) -> list[PlannedJob]:
+    """The jobs spread over ``config.groups`` groups, half of them in the heavy group 0,
+    a few in none, some with a priority. Drawn from a generator of their own, so a run
+    with groups has the same jobs, payloads and fault schedule as one without."""
+    rng = random.Random(f"chaos-groups-{config.seed}")
+    grouped = []
+    for job in jobs:
+        draw = rng.random()
+        group: str | None
+        if draw < _UNGROUPED_SHARE:
+            group = None
+        elif config.groups == 1 or draw < _UNGROUPED_SHARE + _HEAVY_SHARE:
+            group = group_name(0)
+        else:
+            group = group_name(rng.randrange(1, config.groups))
+        draw, priority = rng.random(), 0
+        for level, share in _PRIORITIES:
+            if draw < share:
+                priority = level
+                break
+            draw -= share
+        grouped.append(replace(job, group=group, priority=priority))
+    return grouped
 
 
 def _trickle(config: ChaosConfig, jobs: list[PlannedJob], rng: random.Random) -> tuple[Batch, ...]:

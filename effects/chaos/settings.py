@@ -7,7 +7,8 @@ importing the worker module (which runs as ``__main__`` in the worker process).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 __all__ = ["ENV_VARIABLE", "ROLES", "WorkerSettings", "application_name"]
 
@@ -21,7 +22,8 @@ class WorkerSettings:
     """Everything a worker process needs, passed as JSON in ``$OUTBOX_CHAOS_WORKER``.
 
     ``tag`` identifies the process: it is the dispatcher's ``worker_id`` (so the jobs'
-    ``claimed_by``) and the suffix of its connections' ``application_name``.
+    ``claimed_by``) and the suffix of its connections' ``application_name``. ``limits``
+    maps an effect to the fields of the ``outbox.Limit`` the dispatcher declares for it.
     """
 
     dsn: str
@@ -45,6 +47,7 @@ class WorkerSettings:
     # The dispatcher's stop_timeout: after SIGTERM, performs in flight get this long,
     # then run() returns and the jobs still held are left to their leases.
     stop_timeout: float = 10.0
+    limits: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The settings as the JSON the worker reads."""

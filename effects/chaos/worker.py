@@ -7,9 +7,10 @@ prints its ``DispatchStats`` as one JSON line on stdout. A worker killed with SI
 prints nothing.
 
 Every adapter is wrapped in an audit: before the provider is called, the worker commits
-``(key, claim_version, worker)`` to the ``deliveries`` table on a connection of its own,
-and afterwards the outcome. The runner reads it to find double claims (one claim version
-delivered by two workers) and to see which provider faults reached the adapters.
+``(key, claim_version, worker)`` (and the job's effect and group) to the ``deliveries``
+table on a connection of its own, and afterwards the outcome. The runner reads it to find
+double claims (one claim version delivered by two workers), to see which provider faults
+reached the adapters and how many calls of a group were in flight at once.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from effects.kafka import Produce
 from effects.nats import PublishEvent
 from effects.payments import ChargeCard
 from effects.webhook import PostWebhook
-from outbox import Effect, Job, Retry
+from outbox import Effect, Job, Limit, Retry
 from outbox.effect import is_async_effect
 
 from ._sql import chaos_queries
@@ -71,7 +72,8 @@ class AuditLog:
         """Record that ``job`` is about to reach its provider; return the call's id."""
         call_id = str(uuid.uuid4())
         params = {"call_id": call_id, "key": job.key, "claim_version": job.claim_version,
-                  "worker": self._worker, "attempt": job.attempt}
+                  "worker": self._worker, "attempt": job.attempt, "effect": job.effect,
+                  "group_key": job.group}
         if not self._execute(self._queries.delivery_begin, params):
             raise Retry(f"chaos audit unavailable for job {job.key}; nothing sent", after=0.2)
         return call_id
@@ -195,6 +197,7 @@ def run(settings: WorkerSettings) -> dict[str, int | float]:
             backoff=outbox.Backoff(base=settings.backoff_base, cap=settings.backoff_cap),
             retention=None, ledger_retention=None, worker_id=settings.tag,
             stop_timeout=settings.stop_timeout,
+            limits={effect: Limit(**fields) for effect, fields in settings.limits.items()},
         )
         return dispatcher.run().as_dict()
     finally:

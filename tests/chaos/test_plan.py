@@ -10,9 +10,11 @@ import pytest
 
 import effects.chaos
 from effects.chaos import ChaosConfig, parse_faults
-from effects.chaos.config import FAULT_KINDS, PROCESS_FAULTS
+from effects.chaos.config import FAULT_KINDS, GROUP_LIMITS, PROCESS_FAULTS, parse_limits
+from effects.chaos.monitor import LeaseMonitor
 from effects.chaos.runner import missing_faults
-from effects.chaos.schedule import KILL_WINDOWS, build_schedule, plan_jobs
+from effects.chaos.schedule import KILL_WINDOWS, build_schedule, group_name, plan_jobs
+from outbox import Limit
 
 
 def _plan_and_schedule(config: ChaosConfig) -> tuple[object, object]:
@@ -97,3 +99,54 @@ def test_the_package_surface_is_sorted_documented_and_a_click_command() -> None:
         assert getattr(effects.chaos, name).__doc__, name
     assert isinstance(effects.chaos.command, click.Command)
     assert effects.chaos.command.name == "chaos"
+
+
+def test_groups_spread_the_same_jobs_with_a_heavy_group_and_some_priorities() -> None:
+    plain = ChaosConfig(jobs=4000, duration=30, seed=9)
+    grouped = ChaosConfig(jobs=4000, duration=30, seed=9, groups=20)
+    without, with_groups = _plan_and_schedule(plain), _plan_and_schedule(grouped)
+    assert with_groups[1] == without[1], "the same fault schedule"
+    jobs = plan_jobs(grouped, random.Random(9)).committed()
+    assert [(j.key, j.effect, j.payload) for j in jobs] == [
+        (j.key, j.effect, j.payload) for j in plan_jobs(plain, random.Random(9)).committed()]
+    assert all(j.group is None and j.priority == 0
+               for j in plan_jobs(plain, random.Random(9)).committed())
+    groups = Counter(job.group for job in jobs)
+    assert 0.45 < groups[group_name(0)] / len(jobs) < 0.55
+    assert 0.03 < groups[None] / len(jobs) < 0.07
+    assert set(groups) == {None, *(group_name(n) for n in range(20))}
+    priorities = Counter(job.priority for job in jobs)
+    assert set(priorities) == {10, 0, -5}
+    assert 0.04 < priorities[10] / len(jobs) < 0.06
+    assert jobs == plan_jobs(grouped, random.Random(9)).committed(), "replayed by the seed"
+
+
+def test_the_workers_limits_default_with_groups_and_are_parsed_as_outbox_run_reads_them() -> None:
+    assert ChaosConfig().effect_limits == {}
+    assert ChaosConfig(groups=3).effect_limits == dict(GROUP_LIMITS)
+    assert ChaosConfig(groups=3, limits={}).effect_limits == {}
+    assert parse_limits(["webhook.post=concurrency=3,per_group", "email.send=5/s"]) == {
+        "webhook.post": Limit(concurrency=3, per_group=True), "email.send": Limit(rate=5.0)}
+    assert parse_limits(["none"]) == {}
+    with pytest.raises(ValueError, match="EFFECT=LIMIT"):
+        parse_limits(["sms.send=2/s"])
+    with pytest.raises(ValueError, match="limited twice"):
+        parse_limits(["email.send=2/s", "email.send=3/s"])
+    with pytest.raises(ValueError, match="no such effect"):
+        ChaosConfig(limits={"sms.send": Limit(rate=1.0)})
+
+
+def test_the_monitor_flags_a_sample_with_more_running_jobs_of_a_group_than_the_limit() -> None:
+    monitor = LeaseMonitor("", None, limits={  # type: ignore[arg-type]
+        "webhook.post": Limit(concurrency=2, per_group=True),
+        "email.send": Limit(concurrency=3)})
+    monitor._count([("webhook.post", "a", 2, ["w1", "w2"]), ("webhook.post", "b", 1, ["w3"]),
+                    ("email.send", "a", 2, ["e1", "e2"]), ("email.send", "", 1, ["e3"])])
+    assert monitor.most_running == {"webhook.post": 2, "email.send": 3}
+    assert monitor.over == [] and monitor.over_samples == 0
+    monitor._count([("webhook.post", "", 3, ["w4", "w5", "w6"]),
+                    ("email.send", "a", 2, ["e1", "e2"]), ("email.send", "b", 2, ["e4", "e5"])])
+    assert monitor.over_samples == 1
+    assert monitor.over == [
+        "webhook.post group '': 3 running at once, limit 2: w4, w5, w6",
+        "email.send in all: 4 running at once, limit 3: e1, e2, e4, e5"]
