@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,12 +46,14 @@ class Server:
 
 
 @contextlib.contextmanager
-def server(dsn: str | None) -> Iterator[Server]:
-    """The server at ``dsn``, or an embedded one in a temporary directory, removed after."""
+def server(dsn: str | None, settings: Mapping[str, str] | None = None) -> Iterator[Server]:
+    """The server at ``dsn``, or an embedded one in a temporary directory, removed after,
+    started with the server parameters ``settings`` (an embedded one only)."""
     if dsn:
         yield Server(dsn, embedded=False)
         return
-    with start_server() as embedded:  # also makes XDG_RUNTIME_DIR private (0700)
+    # start_server also makes XDG_RUNTIME_DIR private (0700)
+    with start_server(settings=settings or None) as embedded:
         yield Server(embedded.dsn, embedded=True)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 Tick = Callable[[list[int], float], None]
 
 _PRELOAD = ["benchmarks._drain_workers", "benchmarks.wake", "benchmarks.latency",
-            "benchmarks.asyncdispatch"]
+            "benchmarks.asyncdispatch", "benchmarks.targets"]
 _context: ForkServerContext | None = None
 
 
@@ -177,3 +177,41 @@ def service(setup: Setup, arg: Any, *, stop_event: EventType, timeout: float) ->
     finally:
         pipe.close()
         stop([process])
+
+
+@dataclass
+class Running:
+    """Workers released by ``services``: their ``info``; ``results`` once the block
+    has ended (each worker's return, in order)."""
+
+    infos: list[Any]
+    pids: list[int]
+    results: list[Any] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def services(setup: Setup, args: Sequence[Any], *, stop_event: EventType, timeout: float,
+             before_release: Callable[[list[int]], None] | None = None,
+             ) -> Iterator[Running]:
+    """``service`` for one worker per arg, released together once all are ready
+    (``before_release(pids)`` just before). On leaving the block ``stop_event`` (which
+    every arg carries) is set and each worker's return awaited into ``results``."""
+    started = [start(setup, arg, timeout) for arg in args]
+    processes = [p for p, _ in started]
+    pipes = [pipe for _, pipe in started]
+    pids = [p.pid for p in processes if p.pid is not None]
+    try:
+        running = Running([_receive(pipe, "ready", timeout) for pipe in pipes], pids)
+        if before_release is not None:
+            before_release(pids)
+        for pipe in pipes:
+            pipe.send("go")
+        try:
+            yield running
+        finally:
+            stop_event.set()
+        running.results = [_receive(pipe, "done", timeout) for pipe in pipes]
+    finally:
+        for pipe in pipes:
+            pipe.close()
+        stop(processes)

@@ -31,6 +31,7 @@ from . import (
     memory,
     retention,
     soak,
+    targets,
     upgrade,
     wake,
 )
@@ -41,7 +42,8 @@ from ._results import Section, environment, render, write_json
 log = logging.getLogger("benchmarks")
 
 SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory", "flows",
-            "events", "limits", "fairness", "fairness-scale", "retention", "upgrade", "soak")
+            "events", "limits", "fairness", "fairness-scale", "targets", "retention",
+            "upgrade", "soak")
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVER_SETTINGS = ("shared_buffers", "max_connections", "fsync", "synchronous_commit",
                    "wal_level", "max_wal_size", "autovacuum")
@@ -87,6 +89,8 @@ class Sizes:
     # fairness-scale: one group of scale_big jobs, then scale_small groups of one job.
     scale_big: int = 100_000
     scale_small: int = 10_000
+    # targets: schemas in one database, a job each, one fleet against a process each.
+    targets_schemas: int = 200
 
 
 FULL = Sizes(drain_sizes=(20_000, 100_000), drain_procs=(1, 2), procrastinate_jobs=20_000,
@@ -102,7 +106,7 @@ QUICK = Sizes(drain_sizes=(5_000,), drain_procs=(1, 2), procrastinate_jobs=300,
               flows_jobs=2_000, events_messages=2000, limits_jobs=40, limits_outage=5.0,
               soak_seconds=40.0, soak_rate=500.0, retention_history=50_000,
               retention_jobs=2_000, upgrade_history=20_000, scale_big=10_000,
-              scale_small=1_000)
+              scale_small=1_000, targets_schemas=20)
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
@@ -140,6 +144,8 @@ def parser() -> argparse.ArgumentParser:
                    help="fairness-scale: jobs in the one big group (default 100,000)")
     p.add_argument("--scale-small", type=int,
                    help="fairness-scale: small groups of one job each (default 10,000)")
+    p.add_argument("--targets-schemas", type=int,
+                   help="targets: schemas (and baseline processes) (default 200)")
     p.add_argument("--drain-procs", type=_csv(int), help="worker processes, e.g. 1,2")
     p.add_argument("--systems", type=_csv(str), default=drain.SYSTEMS,
                    help=f"drain systems among {','.join(drain.SYSTEMS)}")
@@ -176,6 +182,8 @@ def _sizes(args: argparse.Namespace) -> Sizes:
         sizes = replace(sizes, scale_big=args.scale_big)
     if args.scale_small:
         sizes = replace(sizes, scale_small=args.scale_small)
+    if args.targets_schemas:
+        sizes = replace(sizes, targets_schemas=args.targets_schemas)
     if args.drain_procs:
         sizes = replace(sizes, drain_procs=args.drain_procs)
     if args.slow_peers:
@@ -216,12 +224,22 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
             if args.quick else fairness.FairnessConfig(runs))),
         "fairness-scale": lambda srv: fairness_scale.run(srv, fairness_scale.FairnessScaleConfig(
             runs, big=sizes.scale_big, small=sizes.scale_small, outbox=best)),
+        "targets": lambda srv: targets.run(srv, targets.TargetsConfig(
+            runs, schemas=sizes.targets_schemas)),
         "upgrade": lambda srv: upgrade.run(srv, upgrade.UpgradeConfig(
             runs, sizes.upgrade_history)),
         "soak": lambda srv: soak.run(srv, soak.SoakConfig(
             seconds=sizes.soak_seconds, rate=sizes.soak_rate,
             retention=min(60.0, sizes.soak_seconds / 4))),
     }
+
+
+def _server_settings(args: argparse.Namespace, sizes: Sizes) -> dict[str, str]:
+    """Server parameters the selected sections need (an embedded server only): the
+    targets section's baseline holds a few connections per process."""
+    if "targets" in args.only:
+        return targets.server_settings(sizes.targets_schemas)
+    return {}
 
 
 def _git(*args: str) -> str | None:
@@ -283,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or RESULTS / f"{started_at.strftime('%Y%m%dT%H%M%SZ')}.json"
     sections: list[Section] = []
     _warn_if_busy(console)
-    with server(args.dsn) as srv:
+    with server(args.dsn, _server_settings(args, sizes)) as srv:
         env = environment(srv.version(), srv.settings(SERVER_SETTINGS))
         for name in SECTIONS:
             if name in args.only:
