@@ -362,6 +362,26 @@ def test_enqueue_into_an_unmigrated_schema_says_to_migrate(dsn: str, project: st
         tx.enqueue("email.send", key="k", payload={})
 
 
+def test_an_outbox_per_tenant_schema_needs_django_tenants(django_db: None) -> None:
+    # The project runs on Django's own backend: a tenant's schema is nowhere to be read.
+    from django.core.exceptions import ImproperlyConfigured
+    from django.test import override_settings
+
+    from outbox.contrib.django import default_schema, tenant_targets
+    from outbox.contrib.django import transaction as outbox_atomic
+
+    assert default_schema() == "outbox"
+    with override_settings(OUTBOX_SCHEMA_PER_TENANT=True):
+        with pytest.raises(ImproperlyConfigured,
+                           match=r"needs django-tenants' backend on DATABASES\['default'\]"):
+            outbox_atomic()
+        with override_settings(OUTBOX_SCHEMA="outbox"), \
+                pytest.raises(ImproperlyConfigured, match="remove OUTBOX_SCHEMA"):
+            default_schema()
+    with pytest.raises(ImproperlyConfigured, match="set OUTBOX_SCHEMA_PER_TENANT = True"):
+        tenant_targets()
+
+
 def _drop(dsn: str, schema: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
@@ -383,4 +403,4 @@ def test_the_suite_passes_on_psycopg2(dsn: str) -> None:
         [sys.executable, "-m", "pytest", here, "-q", "-p", "no:cacheprovider", *deselect],
         cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
-    assert "12 passed, 2 deselected" in child.stdout, child.stdout[-3000:]
+    assert "13 passed, 2 deselected" in child.stdout, child.stdout[-3000:]

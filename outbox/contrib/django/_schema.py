@@ -7,10 +7,16 @@ either can run first. The app's one Django migration creates the schema; every l
 ``migrate`` upgrades it (``post_migrate``) to whatever SQL migrations the installed outbox
 ships. ``flush`` (which ``TransactionTestCase`` runs after each test) empties the outbox
 tables with the rest of the database.
+
+Under django-tenants with ``OUTBOX_SCHEMA_PER_TENANT``, the schema is the one the
+connection is set to: ``migrate_schemas`` sets it to each tenant's in turn (and the
+public schema), so every schema where the app is installed gets its own outbox tables,
+beside the tenant's own; ``flush`` there empties the outbox's tables only.
 """
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -21,7 +27,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from psycopg import sql
 
 from ..._sql import BoundQueries, bind_schema, check_schema_name, parse_blocks
-from ...migrate import apply_through, latest_version
+from ...migrate import apply_through, latest_version, migrations
 
 APP_LABEL = "outbox"
 
@@ -34,10 +40,27 @@ def _queries(schema: str) -> BoundQueries:
                         "outbox/contrib/django/queries.sql")
 
 
-def _schema() -> str:
+def _schema(using: str) -> str:
     from . import default_schema
 
-    return check_schema_name(default_schema())
+    return check_schema_name(default_schema(using))
+
+
+def _shares_its_schema() -> bool:
+    """Whether the outbox tables stand beside other tables in their schema (a tenant's)."""
+    from . import _per_tenant
+
+    return _per_tenant()
+
+
+_CREATE_TABLE = re.compile(r"CREATE TABLE (?:IF NOT EXISTS )?\{schema\}\.(\w+)")
+
+
+@cache
+def outbox_tables() -> frozenset[str]:
+    """The tables outbox's SQL migrations create (``schema_migrations`` aside)."""
+    return frozenset(name for migration in migrations()
+                     for name in _CREATE_TABLE.findall(migration.sql))
 
 
 def _is_outbox_database(connection: BaseDatabaseWrapper) -> bool:
@@ -79,7 +102,7 @@ def run_sql_migrations(apps: Any, schema_editor: Any) -> None:
     """The Django migration's operation (``RunPython``): create or upgrade the schema."""
     connection = schema_editor.connection
     if connection.vendor == "postgresql":
-        apply_migrations(connection, _schema())
+        apply_migrations(connection, _schema(connection.alias))
 
 
 def flush(using: str = "default", schema: str | None = None) -> None:
@@ -88,12 +111,16 @@ def flush(using: str = "default", schema: str | None = None) -> None:
     What ``manage.py flush`` and ``TransactionTestCase`` do for the outbox, called by
     the app on their ``post_migrate``; call it yourself where Django skips that signal
     (a ``TransactionTestCase`` with ``available_apps`` or ``serialized_rollback``).
+    With ``OUTBOX_SCHEMA_PER_TENANT`` the schema is shared with the tenant's tables: only
+    the outbox's own are emptied.
     """
-    schema = check_schema_name(_schema() if schema is None else schema)
+    schema = check_schema_name(_schema(using) if schema is None else schema)
     connection = connections[using]
     with connection.cursor() as cursor:
         cursor.execute(_queries(schema).data_tables, {"schema_name": schema})
         tables = [table for table, in cursor.fetchall()]
+        if _shares_its_schema():
+            tables = [table for table in tables if table in outbox_tables()]
         if tables:
             cursor.execute(sql.SQL("TRUNCATE {}").format(sql.SQL(", ").join(
                 sql.Identifier(schema, table) for table in tables)).as_string(None))
@@ -109,7 +136,7 @@ def after_migrate(sender: AppConfig, *, using: str, **kwargs: Any) -> None:
     connection = connections[using]
     if not _is_outbox_database(connection):
         return
-    schema = _schema()
+    schema = _schema(using)
     current = version(connection, schema)
     if current is None:
         return  # never migrated here (the app's migration did not run on this alias)

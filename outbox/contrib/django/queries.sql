@@ -13,3 +13,10 @@ SELECT to_regclass(%(versions)s) IS NOT NULL;
 SELECT tablename FROM pg_catalog.pg_tables
 WHERE schemaname = %(schema_name)s AND tablename <> 'schema_migrations'
 ORDER BY tablename;
+
+-- name: migrated_schemas
+-- Those of the schemas %(schemas)s (text[]) that hold an outbox: its jobs table and its
+-- migrations record, both made by the one transaction of its first migration.
+SELECT s FROM unnest(CAST(%(schemas)s AS text[])) AS s
+WHERE to_regclass(format('%%I.schema_migrations', s)) IS NOT NULL
+  AND to_regclass(format('%%I.jobs', s)) IS NOT NULL;

@@ -75,7 +75,9 @@ def django_group() -> click.Group:
         callback=main.callback, help=main.help,
         epilog="Django's options go before or after the command: --database ALIAS "
                "(default 'default'), --settings, --pythonpath. The schema is "
-               "settings.OUTBOX_SCHEMA (default 'outbox').",
+               "settings.OUTBOX_SCHEMA (default 'outbox'); with OUTBOX_SCHEMA_PER_TENANT "
+               "(django-tenants), the public schema: --schema NAME for a tenant's, "
+               "--targets outbox.contrib.django:tenant_targets for all of them.",
     )
 
 
@@ -98,7 +100,7 @@ class Command(BaseCommand):
 
     Every sub-command (``migrate``, ``run``, ``status``, ``retry``, ``web``) gets the
     connection string through ``OUTBOX_DATABASE_URL`` and the schema through
-    ``OUTBOX_SCHEMA`` (``settings.OUTBOX_SCHEMA``), so an explicit ``--dsn`` or
+    ``OUTBOX_SCHEMA`` (``default_schema()``), so an explicit ``--dsn`` or
     ``--schema`` still wins, and a dispatcher module can read them too. ``--database``
     goes before or after the sub-command; every error is one line.
     """
@@ -123,6 +125,7 @@ class Command(BaseCommand):
         if alias not in settings.DATABASES:
             known = ", ".join(sorted(settings.DATABASES)) or "none"
             raise CommandError(f"no database {alias!r} in DATABASES (known: {known})")
-        values = {"OUTBOX_DATABASE_URL": conninfo(alias), "OUTBOX_SCHEMA": default_schema()}
+        values = {"OUTBOX_DATABASE_URL": conninfo(alias),
+                  "OUTBOX_SCHEMA": default_schema(alias)}
         with _environment(values):
             _run(django_group(), arguments or ["--help"])
