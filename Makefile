@@ -61,7 +61,7 @@ docs: $(STAMP)
 docs-screenshots: $(STAMP) | $(XDG_RUNTIME_DIR)
 	OUTBOX_DOCS_SCREENSHOTS=1 $(BIN)/python -m pytest tests/docs/test_tutorial.py -q
 	OUTBOX_SCREENSHOTS=docs/images $(BIN)/python -m pytest tests/web/test_browser.py -q \
-	    -k test_the_overview_renders
+	    -k "test_the_overview_renders or test_the_picker_switches_between_targets"
 
 docs-serve: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,10 @@ from typing import Any
 import pytest
 import uvicorn
 
+from outbox import Target
+from outbox.testing import create_schema, drop_schema
 from outbox.web import create_app
+from outbox.web._targets import slug_of
 
 from .support import job, seed
 
@@ -58,8 +62,10 @@ def serve(dsn: str, schema: str) -> Iterator[Callable[..., str]]:
 
     def start(**options: Any) -> str:
         port = _free_port()
-        config = uvicorn.Config(create_app(dsn, schema=schema, **options), host="127.0.0.1",
-                                port=port, log_level="warning", lifespan="on")
+        app = (create_app(**options) if "targets" in options
+               else create_app(dsn, schema=schema, **options))
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                lifespan="on")
         server = _NotifyingServer(config)
 
         def run() -> None:
@@ -121,6 +127,42 @@ def test_the_overview_renders(serve: Callable[..., str], page: Any, dsn: str,
     assert page.get_by_text("web-1:4242").is_visible()
     _shot(page, "overview.png")
     assert page.csp_violations == []
+
+
+def test_the_picker_switches_between_targets(serve: Callable[..., str], page: Any,
+                                            dsn: str) -> None:
+    tag = uuid.uuid4().hex[:4]  # schemas named like tenants', unique to this run
+    acme, globex = create_schema(dsn, f"acme_{tag}"), create_schema(dsn, f"globex_{tag}")
+    try:
+        seed(dsn, acme, *({"key": f"d{i}", "status": "done"} for i in range(12)),
+             {"key": "p1"}, {"key": "p2"})
+        seed(dsn, globex, *({"key": f"d{i}", "status": "done"} for i in range(30)),
+             {"key": "f1", "status": "failed", "effect": "charge.card",
+              "last_error": "card declined"},
+             {"key": "r1", "status": "running", "claimed_by": "web-2:4242"}, {"key": "p1"})
+        targets = [Target(dsn, acme), Target(dsn, globex), Target(dsn, f"initech_{tag}")]
+        base = serve(targets=targets)
+        page.goto(base + "/")
+        assert page.title() == "outbox: targets"
+        assert page.locator("table.targets tbody tr").count() == 3
+        assert "has no outbox tables" in page.locator("tr.down").inner_text()
+        _shot(page, "targets.png")
+        page.select_option("form.picker select", slug_of(targets[1]))  # opens it (picker.js)
+        page.wait_for_url(f"**/t/{slug_of(targets[1])}/")
+        assert page.title() == "outbox: overview"
+        assert page.locator(".tile.status-done .n").inner_text() == "30"
+        assert page.get_by_text("web-2:4242").is_visible()
+        assert page.locator("form.picker select").input_value() == slug_of(targets[1])
+        _shot(page, "overview-targets.png")
+        page.click("header nav >> text=Jobs")
+        page.wait_for_url(f"**/t/{slug_of(targets[1])}/jobs")
+        page.select_option("form.picker select", slug_of(targets[0]))  # the same page there
+        page.wait_for_url(f"**/t/{slug_of(targets[0])}/jobs")
+        assert page.locator("td.key").count() == 14
+        assert page.csp_violations == []
+    finally:
+        drop_schema(dsn, acme)
+        drop_schema(dsn, globex)
 
 
 def test_a_filter_narrows_the_list(serve: Callable[..., str], page: Any, dsn: str,
