@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import dict_row
 
 from ._sql import check_schema_name
 from .errors import ConfigurationError
@@ -92,6 +93,6 @@ def schemas(dsn: str) -> list[Target]:
     ``schema_migrations`` tables), as targets, in name order: the schema-per-tenant
     layout in one call. Give it as a callable to re-read it while running:
     ``Dispatcher(effects=..., targets=lambda: outbox.targets.schemas(dsn))``."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        names = [row[0] for row in conn.execute(_OUTBOX_SCHEMAS).fetchall()]
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        names = [row["nspname"] for row in conn.execute(_OUTBOX_SCHEMAS).fetchall()]
     return [Target(dsn, name) for name in names]

@@ -25,6 +25,8 @@
     statistics  the queue tables' first ANALYZE, as soon as they hold rows (once)
     listener    LISTEN for enqueue notifications, wake the claimer
     counting    ``DispatchStats``, counted from the observer events the parts report
+    fleet       one dispatcher over many targets (``outbox.targets``): look-outs per
+                database, turns of each target's own engine, isolation of failing ones
 
 Their database work is written once as steps (``outbox._steps``). Each part's module
 holds both of its loops side by side: the one ``Dispatcher`` runs on a thread and the one

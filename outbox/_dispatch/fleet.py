@@ -44,6 +44,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import dict_row
 
 from .._enqueue import notify_channel
 from .._pg import configuration_error, is_pooled, unreachable
@@ -297,8 +298,9 @@ class Scout:
             if state.active or state.due or state.retry_at > time.monotonic():
                 continue
             try:
-                row = conn.execute(queries(state.target.schema).target_due,
-                                   {"effects": effects}).fetchone()
+                cursor = conn.cursor(row_factory=dict_row)
+                row = cursor.execute(queries(state.target.schema).target_due,
+                                     {"effects": effects}).fetchone()
             except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName,
                     psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedColumn,
                     ) as exc:
@@ -306,7 +308,7 @@ class Scout:
                 with self.fleet.schedule.lock:
                     self.fleet.schedule.mark(state, up=False, error=exc)
                 continue
-            if row is not None and row[0]:
+            if row is not None and row["due"]:
                 self.fleet.wake_targets([state])
 
     def close(self) -> None:
