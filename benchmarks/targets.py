@@ -502,6 +502,8 @@ def _section(server: Server, config: TargetsConfig,
             "conns", "most_connections", Target("<=", budget, on="value")),
         row("before", f"{what}, committed before: peak RSS (fleet: its process; "
             "processes: the sum of their peaks)", "MB", "peak_rss_total", scale=MB),
+        row("before", f"{what}, committed before: PSS at the end (the forked processes' "
+            "shared pages divided among them), summed", "MB", "pss_total", scale=MB),
     ]
     if "live" in results:
         rows += [
@@ -537,8 +539,8 @@ def _section(server: Server, config: TargetsConfig,
                        f"every {config.sample_interval * 1000:.0f} ms",
         "memory": "peak RSS is each process's VmHWM; the processes are forked from a "
                   "forkserver, so they share its pages and the machine held less than "
-                  "their sum (the sum of their PSS at the end is in the results file), "
-                  "but separate interpreters would each hold about their RSS",
+                  "their sum (about the sum of their PSS), but separate interpreters "
+                  "would each hold about their RSS",
         "server max_connections": str(_server_max_connections(server)),
         "targets": f"fleet's connections <= {budget} (its max_connections)",
     }
