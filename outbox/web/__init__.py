@@ -16,6 +16,8 @@ except ModuleNotFoundError as exc:
     raise missing_extra(exc, "outbox.web", "web") from exc
 
 from ._security import Access, Authorizer, BasicAuth, check_bind, is_loopback, password_from
+from ._targets import slug_of as target_slug
+from ._targets import slugs as target_slugs
 from ._views import Redactor, truncate_payload
 from .app import create_app
 
@@ -28,5 +30,7 @@ __all__ = [
     "create_app",
     "is_loopback",
     "password_from",
+    "target_slug",
+    "target_slugs",
     "truncate_payload",
 ]

@@ -35,7 +35,11 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._@:-]")
 
 
 def slug_of(target: Target) -> str:
-    """The URL segment of ``target`` (see the module's docstring)."""
+    """The URL segment under which ``create_app(targets=...)`` serves ``target``
+    (``/t/<slug>/``; ``outbox.web.target_slug``): its name with ``#`` written ``~``, or,
+    when the name holds characters a path segment must not, those replaced and a hash
+    of the whole name added, so the slug never carries a password and stays stable as
+    the list of targets changes (see the module's docstring)."""
     database, schema = target.database, target.schema
     if not _UNSAFE.search(database) and not _UNSAFE.search(schema):
         return f"{database}~{schema}"
@@ -44,7 +48,8 @@ def slug_of(target: Target) -> str:
 
 
 def slugs(targets: list[Target]) -> list[str]:
-    """Each target's slug, in order; a repeated name gets ``~2``, ``~3`` after the first."""
+    """Each target's slug (``target_slug``), in order; a repeated name gets ``~2``,
+    ``~3`` after the first (``outbox.web.target_slugs``)."""
     seen: dict[str, int] = {}
     found = []
     for target in targets:

@@ -20,7 +20,7 @@ import uvicorn
 from outbox import Target
 from outbox.testing import create_schema, drop_schema
 from outbox.web import create_app
-from outbox.web._targets import slug_of
+from outbox.web import target_slug as slug_of
 
 from .support import job, seed
 

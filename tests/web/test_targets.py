@@ -28,7 +28,8 @@ from outbox.errors import ConfigurationError
 from outbox.testing import create_schema, drop_schema
 from outbox.web import app as web_app
 from outbox.web import create_app
-from outbox.web._targets import slug_of, slugs
+from outbox.web import target_slug as slug_of
+from outbox.web import target_slugs as slugs
 
 from .conftest import SAME_ORIGIN
 from .support import audit, job, seed
