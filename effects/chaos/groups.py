@@ -18,10 +18,11 @@ table and the audit:
   meanwhile, rightly), calls whose claim ended during them (the lease lost) and calls
   whose end was never recorded (the worker killed).
 - ``calls_per_window``: per effect under a rate, the most calls of one group begun
-  within ``window`` (10) seconds, against the most claims the group's token bucket
-  admits in as long, ``rate`` x ``window`` + ``burst`` (retries are claims too). A call
-  begins a little after its claim, later still behind a frozen or cut-off worker, so
-  this is an estimate of what the bucket let through, not a check.
+  within ``window`` (10) seconds under a live claim, against the most claims the
+  group's token bucket admits in as long, ``rate`` x ``window`` + ``burst`` (retries
+  are claims too). A call begins a little after its claim (it waits for a worker
+  thread in its dispatcher), so this is an estimate of what the bucket let through,
+  not a check.
 - ``seconds_to_end``: from commit to the job's end (``updated_at - created_at``), median
   and worst, for the heavy group, the other groups and the jobs with no group, and per
   priority.

@@ -134,8 +134,10 @@ WHERE d.effect = %(effect)s::text
 ORDER BY d.started_at;
 
 -- name: calls_per_window
--- The most calls of one group of an effect begun within ten seconds, from the audit; g
--- is NULL for the effects in %(whole)s, counted as a whole.
+-- The most calls of one group of an effect begun within ten seconds, from the audit,
+-- counting the calls begun under a live claim (a worker frozen past its lease performs
+-- the claims it held when it thaws, claims whose tokens were spent long before); g is
+-- NULL for the effects in %(whole)s, counted as a whole.
 SELECT DISTINCT ON (effect, g) effect, g, n::int
 FROM (
     SELECT effect, g, count(*) OVER (PARTITION BY effect, g ORDER BY started_at
@@ -145,7 +147,7 @@ FROM (
                  CASE WHEN effect = ANY(%(whole)s::text[]) THEN NULL
                       ELSE coalesce(group_key, '') END AS g
           FROM {chaos}.deliveries
-          WHERE effect = ANY(%(effects)s::text[])) AS d
+          WHERE effect = ANY(%(effects)s::text[]) AND live_begin) AS d
 ) AS w
 ORDER BY effect, g, n DESC;
 
