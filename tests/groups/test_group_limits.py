@@ -287,3 +287,38 @@ def test_the_async_dispatcher_caps_each_group_too(dsn: str, schema: str) -> None
     stats = asyncio.run(dispatcher.run_until_idle(timeout=60))
     assert stats.done == 30
     assert effect.most == Counter({"g0": 2, "g1": 2, "g2": 2}), effect.most
+
+
+def test_a_limited_backlog_leaves_room_for_the_other_effects(dsn: str, schema: str) -> None:
+    # A limit per group over many groups rarely runs out of budget: claimed first with
+    # all the room, its backlog would hold back every other effect until it drained.
+    class Plain(Effect):
+        name = "test.plain"
+
+        def __init__(self) -> None:
+            self.done = 0
+
+        def perform(self, job: Job) -> None:
+            self.done += 1
+
+    enqueue(dsn, schema, [NewJob(InFlight.name, f"l-{i}", {}, group=f"g{i % 100}")
+                          for i in range(3000)])
+    enqueue(dsn, schema, [NewJob(Plain.name, f"p-{i}", {}) for i in range(20)])
+    # slow performs: the dispatcher holds little more than its workers (capacity well
+    # under a claim's batch), as with real provider calls
+    limited, plain = InFlight(hold=0.02), Plain()
+    dispatcher = Dispatcher(dsn, [limited, plain], schema=schema, concurrency=8,
+                            limits={InFlight.name: Limit(concurrency=50, per_group=True)})
+    runner = threading.Thread(target=dispatcher.run)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 120
+        while plain.done < 20 and time.monotonic() < deadline:
+            time.sleep(0.02)  # polling the effect's own count
+        left = query(dsn, schema, "SELECT count(*) FROM {schema}.jobs "
+                     "WHERE effect = %s AND status = 'pending'", (InFlight.name,))[0][0]
+    finally:
+        dispatcher.stop()
+        runner.join()
+    assert plain.done == 20
+    assert left > 0, "the other effect waited for the whole limited backlog"
