@@ -269,10 +269,11 @@ class Scout:
         conn = self.connect(states[0].target.dsn)
         if not is_pooled(conn):
             self.listen(conn, states)
-            woken = {n.channel for n in conn.notifies(timeout=self.fleet.poll_interval)}
-            if woken:
+            # Each notification wakes its target as it arrives; the generator ends when
+            # the poll interval is over.
+            for note in conn.notifies(timeout=self.fleet.poll_interval):
                 self.fleet.wake_targets(
-                    s for s in states if notify_channel(s.target.schema) in woken)
+                    s for s in states if notify_channel(s.target.schema) == note.channel)
         else:
             self.stopping.wait(self.fleet.poll_interval)
         self.check(conn, self.targets())

@@ -263,3 +263,37 @@ def test_a_target_whose_role_lacks_a_privilege_is_isolated(dsn: str,
         with psycopg.connect(shared, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_an_enqueue_wakes_its_target_at_once(dsn: str, databases: Databases) -> None:
+    # A poll interval far longer than the wait below: only the look-out's LISTEN can
+    # bring the job to a turn in time.
+    shared = databases.make("quiet")
+    target = Target(shared, "quiet")
+    effect = Recorded()
+    served = threading.Event()
+
+    class Watch(outbox.observe.DispatchObserver):
+        def target_state(self, name: str, up: bool) -> None:
+            if up:
+                served.set()  # its first turn, with nothing to do, has ended
+
+    dispatcher = Dispatcher(effects=[effect], targets=[target], poll_interval=60.0,
+                            observer=Watch())
+    runner = threading.Thread(target=dispatcher.run)
+    runner.start()
+    try:
+        def listening() -> bool:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                row = conn.execute("SELECT count(*) FROM pg_stat_activity "
+                                   "WHERE application_name = 'outbox-scout' "
+                                   "AND query LIKE 'LISTEN%%'").fetchone()
+            return bool(row and row[0])
+
+        wait_for(listening, "the look-out's LISTEN")
+        assert served.wait(60)
+        enqueue(target, 1)
+        wait_for(lambda: len(effect.performed) == 1, "the woken turn", timeout=20)
+    finally:
+        dispatcher.stop()
+        runner.join(60)
