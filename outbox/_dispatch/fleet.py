@@ -202,14 +202,17 @@ class Scout:
     targets' channels, so an enqueue wakes its target at once; else (the databases past
     the connection budget) one connection at a time, opened for a look and closed."""
 
-    def __init__(self, fleet: Fleet, databases: frozenset[str], *, persistent: bool) -> None:
+    def __init__(self, fleet: Fleet, dsns: frozenset[str], label: str, *,
+                 persistent: bool) -> None:
+        # Keyed by connection string, not by database: two targets of one database
+        # reached as different roles are looked at each with its own role's rights.
         self.fleet = fleet
-        self.databases = databases
+        self.dsns = dsns
+        self.label = label  # for logs: a database's name, never its connection string
         self.persistent = persistent
         self.stopping = threading.Event()
         self.conn: psycopg.Connection[Any] | None = None
         self.listening: set[str] = set()
-        label = next(iter(databases)) if persistent else f"{len(databases)} databases"
         self.thread = threading.Thread(target=self.run, name=f"outbox-scout-{label}",
                                        daemon=True)
 
@@ -233,14 +236,14 @@ class Scout:
                 self.stopping.wait(min(RETRY_MAX, RETRY_FIRST * 2 ** (failures - 1)))
             except Exception:
                 log.exception("the scout of %s failed unexpectedly; restarting it",
-                              ", ".join(sorted(self.databases)))
+                              self.label)
                 self.close()
                 self.stopping.wait(RETRY_FIRST)
         self.close()
 
     def targets_unlocked(self) -> list[TargetState]:
         return [s for s in self.fleet.schedule.states.values()
-                if s.target.database in self.databases and not s.removed]
+                if s.target.dsn in self.dsns and not s.removed]
 
     def look(self) -> None:
         """Listen for a poll interval (or sleep it), then check the idle targets."""
@@ -250,10 +253,10 @@ class Scout:
             return
         if not self.persistent:
             self.stopping.wait(self.fleet.poll_interval)
-            by_database: dict[str, list[TargetState]] = {}
+            by_dsn: dict[str, list[TargetState]] = {}
             for state in states:
-                by_database.setdefault(state.target.database, []).append(state)
-            for found in by_database.values():
+                by_dsn.setdefault(state.target.dsn, []).append(state)
+            for found in by_dsn.values():
                 if self.stopping.is_set():
                     return
                 try:
@@ -404,8 +407,9 @@ class Fleet:
         """A scout per database with targets: persistent ones while the budget leaves a
         slot for turns, one shared polling scout for the rest."""
         with self.schedule.lock:
-            databases = sorted({s.target.database for s in self.schedule.states.values()
-                                if not s.removed})
+            labels = {s.target.dsn: s.target.database for s in self.schedule.states.values()
+                      if not s.removed}
+        databases = sorted(labels)  # connection strings: one look-out connection each
         # Reserve the scouts' connections first, so turns never push the total past
         # the budget: persistent scouts for at most half of it, and one shared polling
         # scout (one connection at a time) for the databases past that.
@@ -414,16 +418,17 @@ class Fleet:
         shared = len(databases) > len(persistent)
         with self.schedule.lock:
             self.schedule.scout_connections = len(persistent) + (1 if shared else 0)
-        wanted = {frozenset([d]): True for d in persistent}
+        wanted = {frozenset([d]): (True, labels[d]) for d in persistent}
         if shared:
-            wanted[frozenset(d for d in databases if d not in persistent)] = False
+            rest = frozenset(d for d in databases if d not in persistent)
+            wanted[rest] = (False, f"{len(rest)} databases")
         for key, scout in list(self.scouts.items()):
             if key not in wanted:
                 scout.stopping.set()
                 del self.scouts[key]
-        for key, is_persistent in wanted.items():
+        for key, (is_persistent, label) in wanted.items():
             if key not in self.scouts:
-                scout = Scout(self, key, persistent=is_persistent)
+                scout = Scout(self, key, label, persistent=is_persistent)
                 self.scouts[key] = scout
                 scout.thread.start()
 
