@@ -290,15 +290,11 @@ def run_command(target: str, dsn: str | None, metrics_port: int | None,
     """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work within its
     stop timeout."""
     added = _limits(limits)  # refused before anything is imported
-    if target_outboxes and targets_from:
-        raise click.BadParameter("give --target (repeated) or --targets, not both",
-                                 param_hint="--targets")
-    outboxes = [parse_target(text) for text in target_outboxes]
     if dsn is not None:
         os.environ["OUTBOX_DATABASE_URL"] = dsn
+    source = _targets_given(target_outboxes, targets_from)  # before the dispatcher loads
     dispatcher = load_dispatcher(target)
-    if outboxes or targets_from:
-        source = outboxes or _targets_callable(targets_from or "")
+    if source is not None:
         dispatcher = dispatcher._with_targets(source, max_connections)
     if added:
         dispatcher.add_limits(added)
@@ -319,13 +315,23 @@ def run_command(target: str, dsn: str | None, metrics_port: int | None,
     click.echo(json.dumps(stats.as_dict()), err=True)
 
 
-def _targets_callable(text: str) -> Any:
-    """The ``--targets`` function: a callable taking no argument."""
-    value = _import_attribute(text)
+def _targets_given(outboxes: tuple[str, ...],
+                   targets_from: str | None) -> list[Target] | Callable[[], Any] | None:
+    """What ``--target`` (repeated) or ``--targets MODULE:CALLABLE`` name: the targets,
+    the function returning them, or None when neither is given; both is refused."""
+    if outboxes and targets_from:
+        raise click.BadParameter("give --target (repeated) or --targets, not both",
+                                 param_hint="--targets")
+    if outboxes:
+        return [parse_target(text) for text in outboxes]
+    if targets_from is None:
+        return None
+    value = _import_attribute(targets_from)
     if not callable(value):
-        raise click.ClickException(f"{text} is {type(value).__name__}, not a function "
-                                   "returning a list of outbox.Target")
-    return value
+        raise click.ClickException(f"{targets_from} is {type(value).__name__}, not a "
+                                   "function returning a list of outbox.Target")
+    function: Callable[[], Any] = value
+    return function
 
 
 def _preflight(dispatcher: AnyDispatcher) -> None:
@@ -408,9 +414,8 @@ def status_command(dsn: str | None, schema: str, as_json: bool, failures: int,
     """Jobs per status, oldest due age, backlog, and the most recent failures (counts
     as the dashboard and the metrics read them: done jobs estimated on a large table).
     With --target or --targets: each target's state, one line each."""
-    if target_outboxes or targets_from:
-        source = ([parse_target(text) for text in target_outboxes]
-                  or _targets_callable(targets_from or "")())
+    source = _targets_given(target_outboxes, targets_from)
+    if source is not None:
         _print_targets([_target_report(target) for target in read_targets(source)], as_json)
         return
     if dsn is None:
@@ -865,18 +870,13 @@ def web_command(ctx: click.Context, dsn: str | None, schema: str, host: str, por
     one dashboard over several outboxes."""
     from .web._serve import serve  # the web extra is optional
 
-    targets = None
-    if target_outboxes or targets_from:
-        if target_outboxes and targets_from:
-            raise click.BadParameter("give --target (repeated) or --targets, not both",
-                                     param_hint="--targets")
+    targets = _targets_given(target_outboxes, targets_from)
+    if targets is not None:
         for name in ("dsn", "schema"):
             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
                 raise click.BadParameter(
                     f"give --{name} or --target / --targets, not both: each target names "
                     "its database and schema", param_hint=f"--{name}")
-        targets = ([parse_target(text) for text in target_outboxes]
-                   or _targets_callable(targets_from or ""))
         dsn = None
     elif dsn is None:
         raise click.UsageError("give --dsn (or $OUTBOX_DATABASE_URL), or --target / --targets")
