@@ -213,22 +213,23 @@ class _Options:
                      targets_interval=float(seconds), max_connections=max_connections,
                      engine_connections=engine_connections)
 
+    def _same_options(self) -> dict[str, Any]:
+        """This dispatcher's effects and options as keyword arguments, as they stand now
+        (``add_observer``, ``add_limits`` and ``outbox run --stop-timeout`` change them
+        after it was built): for the dispatchers made from it."""
+        return {"effects": list(self.settings.effects.values()),
+                "observer": self.settings.observer, "limits": dict(self.settings.limits),
+                **self._engine_options, "stop_timeout": self.settings.stop_timeout}
+
     def _engine(self, target: Target) -> Any:
         """A dispatcher of this flavour bound to ``target``: the fleet runs its turns."""
-        return type(self)(target.dsn, list(self.settings.effects.values()),
-                          schema=target.schema, observer=self.settings.observer,
-                          limits=dict(self.settings.limits),
-                          **{**self._engine_options,
-                             "stop_timeout": self.settings.stop_timeout})
+        return type(self)(target.dsn, schema=target.schema, **self._same_options())
 
     def _with_targets(self, targets: TargetsSource, max_connections: int = 16) -> Any:
         """A dispatcher of this flavour with the same effects and options serving
         ``targets`` (``outbox run --target``, ``--targets``)."""
-        return type(self)(effects=list(self.settings.effects.values()), targets=targets,
-                          observer=self.settings.observer, limits=dict(self.settings.limits),
-                          max_connections=max_connections,
-                          **{**self._engine_options,
-                             "stop_timeout": self.settings.stop_timeout})
+        return type(self)(targets=targets, max_connections=max_connections,
+                          **self._same_options())
 
     @property
     def serves_targets(self) -> bool:

@@ -441,9 +441,6 @@ class Fleet:
 
     # -- turns ---------------------------------------------------------------------------
 
-    def _turn_timeout(self) -> float:
-        return TURN
-
     def _turn_ended(self, state: TargetState, turn: DispatchStats | None,
                     error: BaseException | None, started: float) -> None:
         now = time.monotonic()
@@ -461,13 +458,13 @@ class Fleet:
     def _run_turn(self, state: TargetState) -> None:
         started = time.monotonic()
         try:
-            turn = state.engine.run_until_idle(timeout=self._turn_timeout())
+            turn = state.engine.run_until_idle(timeout=TURN)
         except Exception as exc:  # isolation: a target's failure stops only its turn
             self._turn_ended(state, None, exc, started)
             return
         self._turn_ended(state, turn, None, started)
 
-    def _idle(self, now: float) -> bool:
+    def _idle(self) -> bool:
         """Under run_until_idle: every target served until idle (or failed once)."""
         with self.schedule.lock:
             return all(not s.active and (not s.due or s.failures > 0)
@@ -497,7 +494,7 @@ class Fleet:
                     threads.append(thread)
                     thread.start()
                 threads = [t for t in threads if t.is_alive()]
-                if until_idle and not chosen and self._idle(now):
+                if until_idle and not chosen and self._idle():
                     break
                 self.wake.wait(self._sleep(now, deadline))
                 self.wake.clear()
@@ -549,7 +546,7 @@ class Fleet:
                     task = asyncio.create_task(self._turn_async(state))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
-                if until_idle and not chosen and self._idle(now):
+                if until_idle and not chosen and self._idle():
                     break
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), self._sleep(now, deadline))
@@ -578,7 +575,7 @@ class Fleet:
     async def _turn_async(self, state: TargetState) -> None:
         started = time.monotonic()
         try:
-            turn = await state.engine.run_until_idle(timeout=self._turn_timeout())
+            turn = await state.engine.run_until_idle(timeout=TURN)
         except Exception as exc:  # isolation: a target's failure stops only its turn
             self._turn_ended(state, None, exc, started)
             return
