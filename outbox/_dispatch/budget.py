@@ -235,12 +235,10 @@ class LimitedClaims:
             }, named=True)
             taken = [row for row in rows if row.id is not None]
             claimed += taken
-            if rows and rows[0].walked_to is not None:
+            if rows:  # limit_claim answers a row always, its walk's end in walked_to
                 # Groups at their cap do not hold the turn: the next claim of the effect
                 # starts after the last group this one looked at.
                 self.turns.resume_after(effect, rows[0].walked_to)
-            else:
-                self.turns.served((row.effect, row.group_key) for row in taken)
             wait = rows[0].budget_wait if rows else None
             if wait is not None:  # the budget (not the queue) stopped the claim
                 self.wake_in = wait if self.wake_in is None else min(self.wake_in, wait)
