@@ -217,9 +217,12 @@ class _Options:
         """This dispatcher's effects and options as keyword arguments, as they stand now
         (``add_observer``, ``add_limits`` and ``outbox run --stop-timeout`` change them
         after it was built): for the dispatchers made from it."""
+        # One worker id for the process: the jobs its engines hold say who holds them
+        # (claimed_by, outbox status) the same in every target.
         return {"effects": list(self.settings.effects.values()),
                 "observer": self.settings.observer, "limits": dict(self.settings.limits),
-                **self._engine_options, "stop_timeout": self.settings.stop_timeout}
+                **self._engine_options, "stop_timeout": self.settings.stop_timeout,
+                "worker_id": self.settings.worker_id}
 
     def _engine(self, target: Target) -> Any:
         """A dispatcher of this flavour bound to ``target``: the fleet runs its turns."""

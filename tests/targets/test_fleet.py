@@ -297,3 +297,27 @@ def test_an_enqueue_wakes_its_target_at_once(dsn: str, databases: Databases) -> 
     finally:
         dispatcher.stop()
         runner.join(60)
+
+
+def test_every_engine_of_a_fleet_claims_under_the_dispatchers_worker_id(
+        dsn: str, databases: Databases) -> None:
+    shared = databases.make("w1", "w2")
+    targets = [Target(shared, "w1"), Target(shared, "w2")]
+    for target in targets:
+        enqueue(target, 5)
+    holders: set[str] = set()
+
+    class Holder(Recorded):
+        """Reads, while it performs, who holds its job (claimed_by is cleared at done)."""
+
+        def perform(self, job: outbox.Job) -> None:
+            with psycopg.connect(shared, autocommit=True) as conn:
+                for schema in ("w1", "w2"):
+                    row = conn.execute(sql.SQL("SELECT claimed_by FROM {}.jobs WHERE key = %s")
+                                       .format(sql.Identifier(schema)), (job.key,)).fetchone()
+                    if row is not None:
+                        holders.add(row[0])
+
+    Dispatcher(effects=[Holder()], targets=targets,
+               worker_id="fleet-7").run_until_idle(timeout=60)
+    assert holders == {"fleet-7"}
