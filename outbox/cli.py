@@ -267,7 +267,8 @@ def _describe(exc: BaseException) -> str:
               help="A provider limit shared by every dispatcher on the schema, e.g. "
                    "email.send=2/s, email.send=10/s,burst=5, payment.charge=concurrency=4; "
                    "add ,per_group for a limit of each group on its own "
-                   "(email.send=2/s,per_group); repeatable.")
+                   "(email.send=2/s,per_group), ,shared for a rate counted across targets "
+                   "in --limits-home (payment.charge=100/s,shared); repeatable.")
 @click.option("--stop-timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="After SIGTERM or SIGINT, how long performs in flight may run before the "
                    "command exits and leaves the jobs still held to their leases "
@@ -282,11 +283,16 @@ def _describe(exc: BaseException) -> str:
 @click.option("--max-connections", type=click.IntRange(min=3), default=16, show_default=True,
               help="With --target or --targets: the connections the process may hold "
                    "across every target.")
+@click.option("--limits-home", envvar="OUTBOX_LIMITS_HOME", default=None,
+              metavar="DSN[#SCHEMA]",
+              help="The outbox where limits declared shared are counted, for every "
+                   "target and process naming it (default: the dispatcher's "
+                   "limits_home; $OUTBOX_LIMITS_HOME).")
 @_one_line_errors
 def run_command(target: str, dsn: str | None, metrics_port: int | None,
                 metrics_host: str, limits: tuple[str, ...], stop_timeout: float | None,
                 target_outboxes: tuple[str, ...], targets_from: str | None,
-                max_connections: int) -> None:
+                max_connections: int, limits_home: str | None) -> None:
     """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work within its
     stop timeout."""
     added = _limits(limits)  # refused before anything is imported
@@ -296,6 +302,8 @@ def run_command(target: str, dsn: str | None, metrics_port: int | None,
     dispatcher = load_dispatcher(target)
     if source is not None:
         dispatcher = dispatcher._with_targets(source, max_connections)
+    if limits_home is not None:
+        dispatcher.settings = dispatcher.settings.with_limits_home(parse_target(limits_home))
     if added:
         dispatcher.add_limits(added)
     if stop_timeout is not None:

@@ -49,6 +49,7 @@ from ._dispatch.listener import Listener, listen_async
 from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_reconciler_async
 from ._dispatch.recorder import Recorder, run_recorder, run_recorder_async
 from ._dispatch.settings import Settings, text_array
+from ._dispatch.shared import held
 from ._dispatch.state import (
     CLOSE_GRACE,
     AsyncState,
@@ -140,6 +141,7 @@ class _Options:
         targets: TargetsSource | None = None,
         targets_interval: float | timedelta = 30.0,
         max_connections: int = 16,
+        limits_home: Target | str | None = None,
     ) -> None:
         if effects is None:
             raise ConfigurationError(f"{type(self).__name__} needs effects=[...], the "
@@ -166,6 +168,7 @@ class _Options:
             listen_conninfo=listen_conninfo, observer=observer,
             on_done=on_done, on_failed=on_failed, reconcile_interval=reconcile_interval,
             limits=limits, breaker_threshold=breaker_threshold, stop_timeout=stop_timeout,
+            limits_home=limits_home,
         )
         for name in PUBLIC_OPTIONS:
             setattr(self, name, getattr(self.settings, name))
@@ -222,7 +225,8 @@ class _Options:
         return {"effects": list(self.settings.effects.values()),
                 "observer": self.settings.observer, "limits": dict(self.settings.limits),
                 **self._engine_options, "stop_timeout": self.settings.stop_timeout,
-                "worker_id": self.settings.worker_id}
+                "worker_id": self.settings.worker_id,
+                "limits_home": self.settings.limits_home}
 
     def _engine(self, target: Target) -> Any:
         """A dispatcher of this flavour bound to ``target``: the fleet runs its turns."""
@@ -363,6 +367,12 @@ class Dispatcher(_Options):
     ``None`` turns the breaker off. An operator pauses and resumes an effect with
     ``outbox pause`` / ``outbox resume`` (or the dashboard).
 
+    ``limits_home`` (an ``outbox.Target``, or a connection string for schema ``outbox``)
+    is where the limits declared ``Limit(shared=True)`` are counted: one rate for a
+    provider account that many targets (tenant databases or schemas) share, held by every
+    dispatcher that names the same home. It is an outbox schema migrated to this version;
+    each process keeps one connection to it while it runs. Required when a limit is shared.
+
     ``stop_timeout`` (seconds or a timedelta, 30): a stop always ends. After ``stop()``,
     SIGTERM or SIGINT, performs in flight get this long to finish and be recorded; then
     ``run`` returns anyway. Each job still held is logged (one warning line a job) and
@@ -433,7 +443,8 @@ class Dispatcher(_Options):
         logged and left after its first failure), the counters summed over them.
         """
         if self._fleet is not None:
-            self.stats = self._fleet.run(until_idle=True, timeout=timeout)
+            with held(self.settings.limits_home):
+                self.stats = self._fleet.run(until_idle=True, timeout=timeout)
             return self.stats
         return self._serve(until_idle=True, timeout=timeout)
 
@@ -447,7 +458,8 @@ class Dispatcher(_Options):
         """
         with self._signals_stop():
             if self._fleet is not None:
-                self.stats = self._fleet.run(until_idle=False, timeout=None)
+                with held(self.settings.limits_home):
+                    self.stats = self._fleet.run(until_idle=False, timeout=None)
                 return self.stats
             return self._serve(until_idle=False, timeout=None)
 
@@ -481,8 +493,9 @@ class Dispatcher(_Options):
         claimer = Connection(self._connect, "claimer")
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            wait_for_schema(claimer, self.settings, state, deadline)
-            self._dispatch(claimer, until_idle, deadline)
+            with held(self.settings.limits_home):
+                wait_for_schema(claimer, self.settings, state, deadline)
+                self._dispatch(claimer, until_idle, deadline)
             failure = state.failure
         finally:
             claimer.discard()
@@ -614,7 +627,8 @@ class AsyncDispatcher(_Options):
         passes and the call returns once in-flight work is recorded.
         """
         if self._fleet is not None:
-            self.stats = await self._fleet.run_async(until_idle=True, timeout=timeout)
+            with held(self.settings.limits_home):
+                self.stats = await self._fleet.run_async(until_idle=True, timeout=timeout)
             return self.stats
         deadline = None if timeout is None else time.monotonic() + timeout
         return await self._serve(until_idle=True, deadline=deadline)
@@ -628,7 +642,8 @@ class AsyncDispatcher(_Options):
         then are left to their leases and their async performs cancelled.
         """
         if self._fleet is not None:
-            self.stats = await self._fleet.run_async(until_idle=False, timeout=None)
+            with held(self.settings.limits_home):
+                self.stats = await self._fleet.run_async(until_idle=False, timeout=None)
             return self.stats
         return await self._serve(until_idle=False, deadline=None)
 
@@ -656,8 +671,9 @@ class AsyncDispatcher(_Options):
         if self._stop_early:
             state.request_stop()
         try:
-            await wait_for_schema_async(settings, state, deadline)
-            await self._dispatch(state, until_idle, deadline)
+            with held(settings.limits_home):
+                await wait_for_schema_async(settings, state, deadline)
+                await self._dispatch(state, until_idle, deadline)
         finally:
             self._state = None
             self._stop_early = False

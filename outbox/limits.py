@@ -39,6 +39,17 @@ class Limit:
     on. No limit applies to the effect as a whole: the fair claim shares the
     dispatcher's capacity between the groups.
 
+    With ``shared=True`` the rate and burst are counted across databases: one provider
+    account used by many targets (tenant databases or schemas, ``outbox.Target``) is held
+    to one rate, whichever target and dispatcher process claims. The token bucket lives
+    in the dispatcher's ``limits_home`` (an ``outbox.Target``: an outbox schema every
+    dispatcher sharing the limit names, migrated with ``outbox migrate``); a claim in any
+    target takes its tokens there first, claims at most that many jobs, and gives back
+    what it did not use. A ``Throttled`` seen in any target pauses the shared bucket, so
+    every target backs off. A ``concurrency`` given with it is still counted in each
+    target on its own. If the home cannot be reached, no job of the effect is claimed
+    (anywhere it is shared) until it can: the other effects go on.
+
     Declare it on the dispatcher (``Dispatcher(..., limits={"email.send":
     Limit(rate=2.0)})``) or as the effect's own default (``limit = Limit(rate=2.0)`` on
     the ``Effect`` class); the dispatcher's wins. A dispatcher that does not declare the
@@ -50,6 +61,7 @@ class Limit:
     burst: float | None = None
     concurrency: int | None = None
     per_group: bool = False
+    shared: bool = False
 
     def __post_init__(self) -> None:
         for name in ("rate", "burst"):
@@ -72,6 +84,14 @@ class Limit:
             raise ValueError("a Limit needs a rate, a concurrency or both")
         if not isinstance(self.per_group, bool):
             raise ValueError(f"Limit(per_group=...) must be True or False, got {self.per_group!r}")
+        if not isinstance(self.shared, bool):
+            raise ValueError(f"Limit(shared=...) must be True or False, got {self.shared!r}")
+        if self.shared and self.rate is None:
+            raise ValueError("Limit(shared=True) needs a rate: what is shared across targets "
+                             "is a rate (a concurrency is counted in each target)")
+        if self.shared and self.per_group:
+            raise ValueError("Limit(shared=True) and per_group=True cannot be combined: a "
+                             "shared limit counts the effect as a whole across targets")
 
     def __str__(self) -> str:
         parts = []
@@ -83,6 +103,8 @@ class Limit:
             parts.append(f"concurrency={self.concurrency}")
         if self.per_group:
             parts.append("per_group")
+        if self.shared:
+            parts.append("shared")
         return ",".join(parts)
 
 
@@ -93,18 +115,23 @@ _PER = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 6
 
 def parse_limit(text: str) -> Limit:
     """A ``Limit`` from its command-line form: comma-separated parts, a rate (``2/s``,
-    ``100/m``, ``1000/h``), ``burst=N``, ``concurrency=N`` and ``per_group`` (the limit
-    applies to each group on its own). ``ValueError`` says which part is wrong."""
+    ``100/m``, ``1000/h``), ``burst=N``, ``concurrency=N``, ``per_group`` (the limit
+    applies to each group on its own) and ``shared`` (the rate is counted across targets,
+    in the dispatcher's limits home). ``ValueError`` says which part is wrong."""
     rate: float | None = None
     burst: float | None = None
     concurrency: int | None = None
     per_group = False
+    shared = False
     for raw in text.split(","):
         part = raw.strip()
         if not part:
             raise ValueError(f"empty part in limit {text!r}")
         if part == "per_group":
             per_group = True
+            continue
+        if part == "shared":
+            shared = True
             continue
         name, sep, value = part.partition("=")
         if sep:
@@ -116,8 +143,8 @@ def parse_limit(text: str) -> Limit:
                     concurrency = int(value)
                 else:
                     raise ValueError(f"unknown limit part {name!r} in {text!r} "
-                                     "(expected a rate like 2/s, burst=N, concurrency=N "
-                                     "or per_group)")
+                                     "(expected a rate like 2/s, burst=N, concurrency=N, "
+                                     "per_group or shared)")
             except ValueError as exc:
                 if "unknown limit part" in str(exc):
                     raise
@@ -127,6 +154,7 @@ def parse_limit(text: str) -> Limit:
         match = _RATE.match(part)
         if match is None:
             raise ValueError(f"cannot read {part!r} in limit {text!r}: give a rate like "
-                             "2/s or 100/m, burst=N, concurrency=N or per_group")
+                             "2/s or 100/m, burst=N, concurrency=N, per_group or shared")
         rate = float(match["n"]) / _PER[match["unit"]]
-    return Limit(rate=rate, burst=burst, concurrency=concurrency, per_group=per_group)
+    return Limit(rate=rate, burst=burst, concurrency=concurrency, per_group=per_group,
+                 shared=shared)

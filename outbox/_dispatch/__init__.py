@@ -13,6 +13,7 @@
     turns       where this dispatcher's last claim stopped among each effect's groups
     budget      provider limits as the dispatcher spends them (``outbox.limits`` declares
                 them): budgeted claims, throttles, the breaker
+    shared      limits shared across targets: the token buckets in the limits home
     workers     run ``perform`` within the one concurrency limit
     recorder    complete / settle batches (fenced), heartbeat held leases; the
                 settlement itself is ``outbox._lifecycle.settle``

@@ -22,23 +22,28 @@ the probe) is taken again by a locked statement in the database.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import psycopg
 
 from .._steps import Rows, Statement, Step
 from ..errors import EffectOutcome, Retry, Throttled, UnknownOutcome
+from ..limits import Limit
 from .held import Success
 from .settings import Settings, text_array
+from .shared import HOME_RETRY, Grant, HomeBudget, HomeCall, home_budget
 from .turns import GroupTurns
 
 __all__ = [
     "BREAKER_MAX_PAUSE",
     "BREAKER_PAUSE",
     "BREAKER_THRESHOLD",
+    "ClaimStep",
     "LimitView",
     "LimitedClaims",
     "is_transient",
@@ -53,6 +58,10 @@ log = logging.getLogger("outbox.dispatcher")
 BREAKER_THRESHOLD = 5
 BREAKER_PAUSE = 1.0
 BREAKER_MAX_PAUSE = 15.0
+T = TypeVar("T")
+ClaimStep = Generator[Statement | HomeCall, Any, T]
+"""A claimer's step: statements on its connection, and calls to the limits home."""
+
 # How long a worker keeps an effect paused on its own after a throttle with no Retry-After,
 # before the shared state (written by the recorder) says more.
 LOCAL_THROTTLE_PAUSE = 1.0
@@ -78,6 +87,12 @@ class LimitView:
     # until the monotonic time in group_until ((effect, group) -> time; '' for no group).
     per_group: frozenset[str] = frozenset()
     group_until: dict[tuple[str, str], float] = field(default_factory=dict)
+    # Effects whose limit is shared across targets, and their home: a throttle seen here
+    # is told to the home at once (on a thread of its own: a worker must not wait for
+    # it), so that every target sharing the provider account backs off, once per pause.
+    shared: frozenset[str] = frozenset()
+    home: HomeBudget | None = None
+    told_home: dict[str, float] = field(default_factory=dict)
 
     def group_paused(self, effect: str, group: str | None) -> bool:
         """Whether the group ``group`` of ``effect`` (limited per group) is paused as far
@@ -142,6 +157,18 @@ class LimitView:
         until = time.monotonic() + seconds
         if until > self.local_until.get(effect, 0.0):
             self.local_until[effect] = until
+        if effect in self.shared:
+            self.tell_home(effect, seconds, until)
+
+    def tell_home(self, effect: str, seconds: float, until: float) -> None:
+        """Pause ``effect``'s shared bucket in the home for ``seconds``, unless a pause
+        told already lasts as long (throttles come in bursts: one statement a pause)."""
+        home = self.home
+        if home is None or until <= self.told_home.get(effect, 0.0) + 0.05:
+            return
+        self.told_home[effect] = until
+        threading.Thread(target=home.pause, args=(effect, seconds), daemon=True,
+                         name="outbox-limits-home").start()
 
 
 class LimitedClaims:
@@ -163,6 +190,10 @@ class LimitedClaims:
         self.due_names = self.all_names
         self.wake_in: float | None = None  # seconds until a budget is worth asking again
         self._cache: dict[tuple[str, ...], str] = {}
+        home = settings.limits_home
+        self.home = home_budget(home) if home is not None else None
+        view.shared = frozenset(e for e, lim in settings.limits.items() if lim.shared)
+        view.home = self.home
 
     def refresh(self) -> Step[None]:
         """Read the shared state of this dispatcher's effects (one small query)."""
@@ -178,7 +209,8 @@ class LimitedClaims:
                 gated.add(effect)
             if state.pause_left is not None and state.pause_left > 0:
                 # The database is the authority: an operator's resume shortens a pause.
-                self.view.paused_until[effect] = time.monotonic() + state.pause_left
+                until = time.monotonic() + state.pause_left
+                self.view.paused_until[effect] = until
                 self.view.reasons[effect] = state.pause_reason
                 if state.pause_reason == "operator":
                     operator.append(effect)
@@ -207,20 +239,30 @@ class LimitedClaims:
     def any_free(self) -> bool:
         return self.free_names != "{}"
 
-    def claim(self, room: Callable[[], int]) -> Step[Rows]:
+    def claim(self, room: Callable[[], int]) -> ClaimStep[Rows]:
         """Claim the gated effects' jobs, each within its budget and ``room()``."""
         claimed: Rows = []
         self.wake_in = None
         now = time.monotonic()
         for effect in self.gated:
+            declared = self.settings.limits.get(effect)
+            shared = declared if declared is not None and declared.shared else None
             if self.view.paused(effect, now):
                 left = self.view.resumes_at(effect) - now
-                self.wake_in = left if self.wake_in is None else min(self.wake_in, left)
+                self._wake(left)
                 continue
             limit = room()
             if limit <= 0:
                 break
-            declared = self.settings.limits.get(effect)
+            grant: Grant | None = None
+            if shared is not None:
+                grant = yield from self.take_shared(effect, shared, limit)
+                if grant is None:
+                    continue
+                limit = grant.granted
+                # The rate is counted in the home; a concurrency still in this target.
+                declared = (None if shared.concurrency is None
+                            else Limit(concurrency=shared.concurrency))
             whole = None if declared is None or declared.per_group else declared
             each = declared if declared is not None and declared.per_group else None
             rows = yield Statement(self.queries.limit_claim, {
@@ -235,14 +277,38 @@ class LimitedClaims:
             }, named=True)
             taken = [row for row in rows if row.id is not None]
             claimed += taken
+            if grant is not None and self.home is not None and len(taken) < grant.granted:
+                yield HomeCall(partial(self.home.refund, effect, grant.granted - len(taken)))
             if rows:  # limit_claim answers a row always, its walk's end in walked_to
                 # Groups at their cap do not hold the turn: the next claim of the effect
                 # starts after the last group this one looked at.
                 self.turns.resume_after(effect, rows[0].walked_to)
             wait = rows[0].budget_wait if rows else None
             if wait is not None:  # the budget (not the queue) stopped the claim
-                self.wake_in = wait if self.wake_in is None else min(self.wake_in, wait)
+                self._wake(wait)
         return claimed
+
+    def _wake(self, seconds: float) -> None:
+        self.wake_in = seconds if self.wake_in is None else min(self.wake_in, seconds)
+
+    def take_shared(self, effect: str, shared: Limit, want: int) -> ClaimStep[Grant | None]:
+        """Tokens of ``effect``'s shared bucket for a claim of up to ``want`` jobs, or None
+        when there is nothing to claim here or nothing granted (the next ask is then
+        scheduled). Asked only when a job is claimable, so an idle target never holds
+        the budget."""
+        assert self.home is not None and shared.rate is not None  # checked in settings
+        claimable = yield Statement(self.queries.effect_claimable, {"effect": effect},
+                                    scalar=True)
+        if not claimable or not claimable[0]:
+            return None
+        grant: Grant = yield HomeCall(
+            partial(self.home.grant, effect, want, shared.rate, shared.burst))
+        if grant.granted < 1:
+            self._wake(grant.wait if grant.wait is not None else HOME_RETRY)
+            return None
+        if grant.granted < want:  # the budget, not the room, ended it: the next token
+            self._wake(1.0 / shared.rate)
+        return grant
 
 
 def is_transient(outcome: object) -> bool:

@@ -16,7 +16,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +29,12 @@ from ..effect import Job
 from ..errors import ConfigurationError, SchemaError
 from ..migrate import latest_version, require_current
 from ..observe import PurgedTable
-from .budget import LimitedClaims
+from .budget import ClaimStep, LimitedClaims
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, Reconnects, connect
 from .counting import Waits
 from .presence import Presence
 from .settings import Settings
+from .shared import HomeCall
 from .state import AsyncState, Held, SharedState, ThreadState, Timer, guarded
 from .statistics import FirstStatistics
 from .turns import GroupTurns
@@ -99,7 +100,7 @@ class Claimer:
         self.turns = GroupTurns()
         self.limited = LimitedClaims(settings, state.limits, self.turns)
 
-    def round(self) -> Step[Round]:
+    def round(self) -> ClaimStep[Round]:
         """One round: the chores that are due, a claim, and what to do next."""
         yield from self.chores(time.monotonic())
         # Limited, throttled and paused effects first, each within its budget; then the
@@ -209,7 +210,7 @@ class Claimer:
         guarded(self.state.events.claimed, elapsed, Waits(rows))
         return batch
 
-    def claim_limited(self) -> Step[list[Held]]:
+    def claim_limited(self) -> ClaimStep[list[Held]]:
         """The gated effects' jobs, each claimed within its shared budget."""
         if not self.limited.gated:
             return []
@@ -373,6 +374,27 @@ def _still_waiting(exc: BaseException, settings: Settings, deadline: float | Non
     return True
 
 
+def claim_executor(conn: Connection) -> Callable[[Statement | HomeCall], Any]:
+    """How the claimer's steps are run: statements on its connection, calls to the limits
+    home as they are."""
+    def execute(instruction: Statement | HomeCall) -> Any:
+        if isinstance(instruction, HomeCall):
+            return instruction.fn()
+        return conn.execute(instruction)
+    return execute
+
+
+def claim_executor_async(
+        conn: AsyncConnection) -> Callable[[Statement | HomeCall], Awaitable[Any]]:
+    """``claim_executor`` for the asyncio dispatcher: the home's blocking calls on a
+    thread, so the loop never waits for them."""
+    async def execute(instruction: Statement | HomeCall) -> Any:
+        if isinstance(instruction, HomeCall):
+            return await asyncio.to_thread(instruction.fn)
+        return await conn.execute(instruction)
+    return execute
+
+
 def run_claimer(
     claimer: Claimer, conn: Connection, submit: Callable[[list[Held]], None],
     deadline: float | None,
@@ -382,7 +404,7 @@ def run_claimer(
     try:
         while _claiming(state, deadline):
             try:
-                result = run(claimer.round(), conn.execute)
+                result = run(claimer.round(), claim_executor(conn))
             except psycopg.Error as exc:
                 claimer.failed(exc, lost=conn.lost)
                 wait = conn.backoff()
@@ -414,7 +436,7 @@ async def run_claimer_async(
         while _claiming(state, deadline):
             # A task of its own, shielded: a cancellation must not cut a claim off between
             # its commit and its reply, leaving claimed jobs that nobody holds.
-            step = asyncio.ensure_future(run_async(claimer.round(), conn.execute))
+            step = asyncio.ensure_future(run_async(claimer.round(), claim_executor_async(conn)))
             try:
                 result = await asyncio.shield(step)
             except asyncio.CancelledError:

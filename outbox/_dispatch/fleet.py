@@ -133,6 +133,13 @@ class Schedule:
             state.active = True
         return chosen
 
+    def fresh_run(self) -> None:
+        """A run starts: every target is looked at once more, whatever the last run
+        found (a target idle then may have work now; one failing then is tried again)."""
+        with self.lock:
+            for state in self.states.values():
+                state.due, state.failures, state.retry_at = True, 0, 0.0
+
     def others_waiting(self) -> bool:
         """Whether a due target waits for a slot (a turn then ends at TURN)."""
         return any(s.due and not s.active and not s.removed for s in self.states.values())
@@ -479,6 +486,7 @@ class Fleet:
         threads: list[threading.Thread] = []
         try:
             self.refresh(scouting=not until_idle)
+            self.schedule.fresh_run()
             while not self.stopping.is_set():
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
@@ -534,6 +542,7 @@ class Fleet:
         watcher.start()
         try:
             await asyncio.to_thread(self.refresh, scouting=not until_idle)
+            self.schedule.fresh_run()
             while not self.stopping.is_set():
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:

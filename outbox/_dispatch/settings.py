@@ -25,6 +25,7 @@ from ..effect import Effect, is_async_effect
 from ..errors import ConfigurationError
 from ..limits import Limit
 from ..observe import DispatchObserver
+from ..targets import Target
 from .hook_lookup import hooks_for
 
 __all__ = ["Settings", "declared_window", "text_array"]
@@ -57,6 +58,8 @@ class Settings:
     observer: DispatchObserver = field(default_factory=DispatchObserver)
     # Declared limits by effect: the dispatcher's own, else the effect's default.
     limits: Mapping[str, Limit] = field(default_factory=dict)
+    # Where the limits declared shared (Limit(shared=True)) are counted.
+    limits_home: Target | None = None
     # Transient failures of an effect in a row that open its breaker (None: no breaker).
     breaker_threshold: int | None = 5
     # Derived once: the effect names as a text[] literal, and which effects are async.
@@ -99,6 +102,7 @@ class Settings:
         limits: Mapping[str, Limit] | None = None,
         breaker_threshold: int | None = 5,
         stop_timeout: float | timedelta = 30.0,
+        limits_home: Target | str | None = None,
     ) -> Settings:
         """Check every option; raise ``ConfigurationError`` naming the first bad one."""
         indexed = _index_effects(effects)
@@ -147,7 +151,8 @@ class Settings:
             inbox_retention=inbox_kept,
             worker_id=worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}",
             observer=observer or DispatchObserver(),
-            limits=_limits(limits, indexed),
+            limits=_check_shared(_limits(limits, indexed), _home(limits_home)),
+            limits_home=_home(limits_home),
             breaker_threshold=(None if breaker_threshold is None
                                else _positive(breaker_threshold, "breaker_threshold")),
             effect_names=text_array(sorted(indexed)),
@@ -192,8 +197,15 @@ class Settings:
     def with_limits(self, added: Mapping[str, Limit]) -> Settings:
         """These settings with ``added`` over the limits in force, each replacing an
         effect's limit whole; checked as ``build`` checks ``limits``."""
-        return dataclasses.replace(
-            self, limits={**self.limits, **_given_limits(added, self.effects)})
+        return dataclasses.replace(self, limits=_check_shared(
+            {**self.limits, **_given_limits(added, self.effects)}, self.limits_home))
+
+    def with_limits_home(self, home: Target | str | None) -> Settings:
+        """These settings with shared limits counted in ``home`` (checked as ``build``
+        checks ``limits_home``)."""
+        found = _home(home)
+        return dataclasses.replace(self, limits=_check_shared(self.limits, found),
+                                   limits_home=found)
 
 
 def _seconds(value: Any, what: str, minimum: float = 0.0) -> float:
@@ -223,6 +235,29 @@ def _limits(given: Mapping[str, Limit] | None, effects: Mapping[str, Effect]) ->
         if declared is not None:
             found[name] = declared
     return {**found, **_given_limits(given, effects)}
+
+
+def _home(home: Target | str | None) -> Target | None:
+    """``limits_home`` checked: a Target, or a connection string (schema ``outbox``)."""
+    if home is None or isinstance(home, Target):
+        return home
+    if isinstance(home, str):
+        return Target(home)
+    raise ConfigurationError(
+        f"limits_home must be an outbox.Target (or a connection string), got "
+        f"{type(home).__name__}")
+
+
+def _check_shared(limits: Mapping[str, Limit], home: Target | None) -> dict[str, Limit]:
+    """``limits``, once sure that every limit declared shared has a home to count in."""
+    shared = sorted(name for name, limit in limits.items() if limit.shared)
+    if shared and home is None:
+        raise ConfigurationError(
+            f"the limit of {', '.join(shared)} is shared (Limit(shared=True)) but the "
+            "dispatcher has no limits_home: give limits_home=outbox.Target(dsn, schema) "
+            "(outbox run --limits-home DSN[#SCHEMA]), the outbox schema where every "
+            "dispatcher sharing the limit counts it")
+    return dict(limits)
 
 
 def _given_limits(given: Mapping[str, Limit] | None,

@@ -379,6 +379,15 @@ SELECT EXISTS (
     WHERE j.status = 'running' AND j.effect = ANY(%(effects)s::text[])
 );
 
+-- name: effect_claimable
+-- Whether a job of %(effect)s is claimable now (fragment claimable): a claim of an effect
+-- under a shared limit asks this before it takes tokens from the limits home, so that an
+-- idle target never holds the shared budget.
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.jobs j
+    WHERE {claimable} AND j.effect = %(effect)s::text
+) AS claimable;
+
 -- name: target_due
 -- Whether a dispatcher serving several targets should give this one a turn: a job of
 -- %(effects)s claimable now (fragment claimable), or one whose lease expired (its worker
@@ -962,3 +971,41 @@ SELECT l.effect, l.pause_reason AS reason, l.paused_by AS by,
 FROM {schema}.effect_limits l
 WHERE l.paused_until > now()
 ORDER BY l.effect;
+
+-- Limits shared across targets (migration 0013), run in the limits home's schema, each
+-- statement in its own short transaction on the home's connection.
+
+-- name: shared_grant
+-- Up to %(want)s tokens of the effect's shared bucket: how many were granted, and when
+-- none was, the seconds until asking again is worth it.
+SELECT g.granted, g.wait
+FROM {schema}.shared_grant(%(effect)s::text, %(want)s::integer, %(rate)s::float8,
+                           %(burst)s::float8) g;
+
+-- name: shared_refund
+-- Give back tokens granted and not used (the target had fewer jobs than it was granted).
+UPDATE {schema}.shared_limits s
+SET tokens = least(s.burst, s.tokens + %(count)s::integer),
+    granted_total = s.granted_total - %(count)s::integer, updated_at = now()
+WHERE s.effect = %(effect)s::text;
+
+-- name: shared_pause
+-- The provider throttled a job of the effect in some target: empty the shared bucket and
+-- grant nothing for %(seconds)s seconds (a longer pause already set is kept).
+UPDATE {schema}.shared_limits s
+SET tokens = 0, refilled_at = clock_timestamp(),
+    paused_until = greatest(s.paused_until,
+                            clock_timestamp() + %(seconds)s::float8 * interval '1 second'),
+    throttles = s.throttles + 1, updated_at = now()
+WHERE s.effect = %(effect)s::text;
+
+-- name: shared_overview
+-- The shared buckets kept in this schema, for outbox status: the declared rate and burst,
+-- the tokens as of the last grant, the pause left, and what was granted in all.
+SELECT s.effect, s.rate, s.burst, s.tokens,
+       CASE WHEN s.paused_until > now()
+            THEN extract(epoch FROM s.paused_until - now())::float8 END AS pause_left,
+       s.throttles, s.granted_total,
+       extract(epoch FROM now() - s.declared_at)::float8 AS declared_seconds_ago
+FROM {schema}.shared_limits s
+ORDER BY s.effect;

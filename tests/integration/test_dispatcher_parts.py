@@ -17,7 +17,7 @@ import outbox
 import outbox.sql
 from outbox import Dispatcher, DispatcherFailed, DispatchStats, Effect, Job, NewJob
 from outbox._dispatch import statistics
-from outbox._dispatch.claimer import Claimer
+from outbox._dispatch.claimer import Claimer, claim_executor
 from outbox._dispatch.connection import Connection, connect
 from outbox._dispatch.recorder import Recorder
 from outbox._dispatch.settings import Settings
@@ -294,7 +294,7 @@ def test_a_retried_completion_whose_first_reply_was_lost_counts_as_done(
     state: SharedState[threading.Event] = SharedState(DispatchStats(), events, 4,
                                                       threading.Event)
     conn = Connection(lambda role: connect(settings, role), "recorder")
-    round_ = run(Claimer(settings, state, until_idle=True).round(), conn.execute)
+    round_ = run(Claimer(settings, state, until_idle=True).round(), claim_executor(conn))
     held = {h.job.key: h for h in round_.batch}
     assert sorted(held) == ["landed", "stolen"]
     with psycopg.connect(dsn, autocommit=True) as other:  # "stolen": rescued, re-claimed
@@ -344,7 +344,7 @@ def _staged_with_stolen_claim(dsn: str, schema: str) -> tuple[
     state: SharedState[threading.Event] = SharedState(DispatchStats(), events, 4,
                                                       threading.Event)
     conn = Connection(lambda role: connect(settings, role), "recorder")
-    round_ = run(Claimer(settings, state, until_idle=True).round(), conn.execute)
+    round_ = run(Claimer(settings, state, until_idle=True).round(), claim_executor(conn))
     held = {h.job.key: h for h in round_.batch}
     with psycopg.connect(dsn, autocommit=True) as other:
         other.execute(f"UPDATE \"{schema}\".jobs SET lease_until = now() - interval '1 s' "

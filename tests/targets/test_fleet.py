@@ -321,3 +321,13 @@ def test_every_engine_of_a_fleet_claims_under_the_dispatchers_worker_id(
     Dispatcher(effects=[Holder()], targets=targets,
                worker_id="fleet-7").run_until_idle(timeout=60)
     assert holders == {"fleet-7"}
+
+
+def test_a_fleet_serves_its_targets_again_at_each_run(dsn: str, databases: Databases) -> None:
+    target = Target(databases.make("outbox"))
+    enqueue(target, 5)
+    dispatcher = Dispatcher(effects=[Recorded()], targets=[target])
+    assert dispatcher.run_until_idle(timeout=60).done == 5
+    enqueue(target, 5, first=5)  # found idle by the first run: looked at again
+    assert dispatcher.run_until_idle(timeout=60).done == 5
+    assert statuses(target) == Counter(done=10)

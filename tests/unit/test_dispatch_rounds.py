@@ -25,6 +25,7 @@ import pytest
 import outbox
 from outbox import DispatchStats, SchemaError
 from outbox._dispatch import claimer as claimer_module
+from outbox._dispatch.budget import ClaimStep
 from outbox._dispatch.claimer import (
     IDLE_RECHECK,
     PURGE_BATCHES,
@@ -36,8 +37,9 @@ from outbox._dispatch.claimer import (
 )
 from outbox._dispatch.recorder import Recorder
 from outbox._dispatch.settings import Settings
+from outbox._dispatch.shared import HomeCall
 from outbox._dispatch.state import Held, Outcome, Release, SharedState, Success
-from outbox._steps import Rows, Statement, Step, run, run_async, shaped
+from outbox._steps import Rows, Statement, run, run_async, shaped
 from outbox.migrate import latest_version
 from outbox.observe import AttemptOutcome, DispatchObserver, PurgedTable
 
@@ -94,7 +96,8 @@ class Script:
         limited or paused), then the claim."""
         return self.then("limit_states", []).then("claim", answer)
 
-    def execute(self, statement: Statement) -> Rows:
+    def execute(self, statement: Statement | HomeCall) -> Rows:
+        assert isinstance(statement, Statement), "no limit here is shared: no home to call"
         assert self.expected, f"unexpected statement after {[n for n, _ in self.asked]}"
         name, answer = self.expected.pop(0)
         assert statement.query == getattr(self.queries, name), (
@@ -109,11 +112,11 @@ class Script:
         # scalar statement's one column.
         return shaped(statement, COLUMNS.get(name, ()), answer)
 
-    def drive(self, step: Step[Any]) -> Any:
+    def drive(self, step: ClaimStep[Any]) -> Any:
         if self.driver == "run":
             result = run(step, self.execute)
         else:
-            async def execute(statement: Statement) -> Rows:
+            async def execute(statement: Statement | HomeCall) -> Rows:
                 return self.execute(statement)
 
             result = asyncio.run(run_async(step, execute))

@@ -1,0 +1,170 @@
+"""Limits shared across targets (``Limit(shared=True)``): the token buckets kept in the
+dispatcher's limits home (an outbox schema, migration 0013), and the claimer's calls to
+them.
+
+    grant   before a target's claim of a shared effect: up to the room's worth of tokens
+            (one short statement in the home; the target's claim then takes at most
+            that many jobs)
+    refund  after it: the tokens the claim did not use go back, so an idle target never
+            holds the budget
+    pause   a provider's throttle seen in any target empties the bucket for a while,
+            so every target backs off
+
+One ``HomeBudget`` per home in a process, whatever the number of dispatchers and
+engines using it: one connection, opened at the first call and closed when the last
+dispatcher holding it stops (``held``). A home that cannot be reached grants nothing (the
+effect waits, logged once when the home goes and once when it is back); a refund or a
+pause that cannot be written is logged and dropped (a lost refund under-uses the budget
+for a moment, never over-uses it).
+
+The claimer's steps ask for these calls by yielding ``HomeCall`` (the home is another
+connection than the claimer's): its executor runs them, on a thread for the asyncio
+dispatcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import namedtuple_row
+
+from .._pg import unreachable
+from .._sql import queries
+from ..targets import Target
+
+__all__ = ["HOME_RETRY", "Grant", "HomeBudget", "HomeCall", "held", "home_budget"]
+
+log = logging.getLogger("outbox.dispatcher")
+
+HOME_RETRY = 1.0  # seconds before asking an unreachable home again
+_CONNECT_TIMEOUT = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Tokens granted (``granted``), and when none were, the seconds until a token is
+    worth asking for (``wait``)."""
+
+    granted: int
+    wait: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HomeCall:
+    """An instruction of the claimer's steps: call ``fn`` (a call to the limits home, not
+    a statement on the claimer's connection) and send back what it returns."""
+
+    fn: Callable[[], Any]
+
+
+class HomeBudget:
+    """The shared buckets of one limits home, for every dispatcher of this process."""
+
+    def __init__(self, home: Target) -> None:
+        self.home = home
+        self.queries = queries(home.schema)
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._down = False
+        self.holders = 0
+
+    def grant(self, effect: str, want: int, rate: float, burst: float | None) -> Grant:
+        """Take up to ``want`` tokens of ``effect``'s shared bucket (``burst`` None: half a
+        second's worth, at least 1, as an unshared limit's)."""
+        params = {"effect": effect, "want": want, "rate": rate,
+                  "burst": max(1.0, rate / 2.0) if burst is None else burst}
+        rows = self._execute(self.queries.shared_grant, params, "take tokens")
+        if rows is None:
+            return Grant(0, HOME_RETRY)
+        row = rows[0]
+        return Grant(int(row.granted), row.wait)
+
+    def refund(self, effect: str, count: int) -> None:
+        """Give ``count`` unused tokens of ``effect`` back."""
+        self._execute(self.queries.shared_refund, {"effect": effect, "count": count},
+                      "give back tokens")
+
+    def pause(self, effect: str, seconds: float) -> None:
+        """Empty ``effect``'s shared bucket and grant nothing for ``seconds``."""
+        self._execute(self.queries.shared_pause, {"effect": effect, "seconds": seconds},
+                      "pause a shared limit")
+
+    def _execute(self, query: str, params: dict[str, Any], doing: str) -> list[Any] | None:
+        with self._lock:
+            try:
+                cursor = self._connection().execute(query, params)
+                rows = cursor.fetchall() if cursor.description else []
+            except psycopg.Error as exc:
+                self._discard()
+                if not self._down:
+                    self._down = True
+                    why = (unreachable(exc, self.home.dsn)
+                           if isinstance(exc, psycopg.OperationalError)
+                           else exc.sqlstate or type(exc).__name__)
+                    if exc.sqlstate in ("42P01", "42883", "3F000"):  # no table/function/schema
+                        why += (f": is schema {self.home.schema!r} there migrated? "
+                                "run outbox migrate on it")
+                    log.warning("limits home %s: cannot %s (%s); shared limits grant nothing "
+                                "until it answers", self.home.name, doing, why)
+                return None
+            if self._down:
+                self._down = False
+                log.warning("limits home %s answers again", self.home.name)
+            return rows
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(
+                self.home.dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT,
+                application_name="outbox limits home", row_factory=namedtuple_row)
+        return self._conn
+
+    def _discard(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
+        self._conn = None
+
+    def close(self) -> None:
+        """Close the connection (the next call opens another)."""
+        with self._lock:
+            self._discard()
+
+
+_homes: dict[Target, HomeBudget] = {}
+_homes_lock = threading.Lock()
+
+
+def home_budget(home: Target) -> HomeBudget:
+    """This process's ``HomeBudget`` for ``home``."""
+    with _homes_lock:
+        budget = _homes.get(home)
+        if budget is None:
+            budget = _homes[home] = HomeBudget(home)
+        return budget
+
+
+@contextlib.contextmanager
+def held(home: Target | None) -> Iterator[None]:
+    """Hold ``home``'s budget while a dispatcher runs; its connection is closed when the
+    last holder lets go. Nothing to hold without a home."""
+    if home is None:
+        yield
+        return
+    budget = home_budget(home)
+    with _homes_lock:
+        budget.holders += 1
+    try:
+        yield
+    finally:
+        with _homes_lock:
+            budget.holders -= 1
+            last = budget.holders == 0
+        if last:
+            budget.close()
