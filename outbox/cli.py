@@ -442,6 +442,7 @@ def status_command(dsn: str | None, schema: str, as_json: bool, failures: int,
             throttled_groups = _named(conn, queries.throttled_groups,
                                       {"limit": _queue.BUSIEST_GROUPS})
             live = _named(conn, queries.live_dispatchers)
+            shared = _named(conn, queries.shared_overview)
     health = snapshot.health.values()
     report = {
         "schema": schema,
@@ -478,6 +479,17 @@ def status_command(dsn: str | None, schema: str, as_json: bool, failures: int,
         "throttled_groups": [
             {**t, "seconds_left": round(float(t["seconds_left"]), 1)}
             for t in throttled_groups
+        ],
+        # When this schema is a limits home: the buckets of the limits shared across
+        # targets (Limit(shared=True)), counted here for every target naming it.
+        "shared_limits": [
+            {"effect": r["effect"], "rate": r["rate"], "burst": r["burst"],
+             "tokens": round(float(r["tokens"]), 2),
+             "pause_left_seconds": None if r["pause_left"] is None
+             else round(float(r["pause_left"]), 1),
+             "throttles": r["throttles"], "granted_total": r["granted_total"],
+             "declared_seconds_ago": round(float(r["declared_seconds_ago"]), 1)}
+            for r in shared
         ],
     }
     if as_json:
@@ -536,6 +548,14 @@ def _print_status(report: dict[str, Any]) -> None:
             listed = ", ".join(f"{g['group'] or '(no group)'} {g['pending']}" for g in found)
             click.echo(f"  {effect:<24} {listed}")
     _print_pauses(report)
+    if report["shared_limits"]:
+        click.echo("limits shared across targets, counted here:")
+        for r in report["shared_limits"]:
+            pause = ("" if r["pause_left_seconds"] is None
+                     else f", paused {r['pause_left_seconds']:.1f}s more")
+            click.echo(f"  {r['effect']:<24} {r['rate']:g}/s burst {r['burst']:g}, "
+                       f"{r['tokens']:g} tokens, {r['granted_total']} granted, "
+                       f"{r['throttles']} throttles{pause}")
     if report["recent_failures"]:
         click.echo("recent failures:")
         for f in report["recent_failures"]:

@@ -5,6 +5,7 @@ that cannot be reached holding back only the shared effect."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -145,10 +146,15 @@ def test_a_throttle_in_one_target_pauses_every_target(databases: Databases) -> N
                  if throttle + GRANT_TO_CLAIM < at < throttle + timedelta(seconds=1.5)
                  - GRANT_TO_CLAIM]
     assert not held_back, held_back
-    with psycopg.connect(home.dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT throttles FROM limits_home.shared_limits "
-                           "WHERE effect = %s", (QUICK_EFFECT,)).fetchone()
-    assert row is not None and row[0] >= 1
+    # outbox status on the home shows the shared bucket and the throttle it took.
+    result = CliRunner().invoke(cli, ["status", "--dsn", home.dsn, "--schema", home.schema,
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    [bucket] = json.loads(result.output)["shared_limits"]
+    assert (bucket["effect"], bucket["rate"], bucket["burst"]) == (QUICK_EFFECT, 5.0, 1.0)
+    assert bucket["throttles"] >= 1 and bucket["granted_total"] >= 16
+    text = CliRunner().invoke(cli, ["status", "--dsn", home.dsn, "--schema", home.schema])
+    assert f"{QUICK_EFFECT}" in text.output and "limits shared across targets" in text.output
 
 
 def test_a_home_out_of_reach_holds_back_only_the_shared_effect(
