@@ -23,7 +23,8 @@
     reconciler  ask the provider about jobs in ``reconcile``, write its answer
     flowsql     the named blocks of ``sql/flows.sql`` (hooks and reconciler)
     presence    this dispatcher's heartbeat row, and warnings for effects nobody serves
-    statistics  the queue tables' first ANALYZE, as soon as they hold rows (once)
+    statistics  the young queue tables' statistics, kept up with their growth until
+                autovacuum keeps them
     listener    LISTEN for enqueue notifications, wake the claimer
     counting    ``DispatchStats``, counted from the observer events the parts report
     fleet       one dispatcher over many targets (``outbox.targets``): look-outs per

@@ -50,7 +50,10 @@ __all__ = [
 
 log = logging.getLogger("outbox.dispatcher")
 
-RETENTION_INTERVAL = 60.0
+RETENTION_INTERVAL = 60.0  # at most, between two rounds of retention ...
+# ... and a sixth of the shortest retention: rows outlive their retention by at most
+# that much (a minute past a 60 s retention would keep twice the rows it says).
+RETENTION_SHARE = 6.0
 RETENTION_BATCH = 1000
 PURGE_BATCHES = 10  # per table and round
 # A round that hit PURGE_BATCHES left rows behind: the next one comes this soon instead
@@ -91,7 +94,7 @@ class Claimer:
         self.queries = settings.queries
         self.rng = random.Random()
         self.rescue_timer = Timer(settings.rescue_interval)
-        self.retention_timer = Timer(RETENTION_INTERVAL)
+        self.retention_timer = Timer(retention_interval(settings))
         # Checked at start (wait_for_schema): the first look is an interval later.
         self.schema_timer = Timer(SCHEMA_CHECK_INTERVAL,
                                   time.monotonic() + SCHEMA_CHECK_INTERVAL)
@@ -301,6 +304,16 @@ class Claimer:
             else:
                 behind = True
         return behind
+
+
+def retention_interval(settings: Settings) -> float:
+    """Seconds between two rounds of retention: RETENTION_INTERVAL, or a RETENTION_SHARE
+    of the shortest retention when that is less (at least RETENTION_CATCH_UP)."""
+    ages = [age for age in (settings.retention, settings.ledger_retention,
+                            settings.inbox_retention) if age]
+    if not ages:
+        return RETENTION_INTERVAL
+    return max(RETENTION_CATCH_UP, min(RETENTION_INTERVAL, min(ages) / RETENTION_SHARE))
 
 
 def _sooner(wait: float, soon: float | None) -> float:

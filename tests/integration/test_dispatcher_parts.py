@@ -415,3 +415,37 @@ def test_a_dispatcher_gives_new_queue_tables_their_first_statistics(
             "SELECT last_analyze IS NOT NULL FROM pg_stat_user_tables "
             "WHERE schemaname = %s AND relname = 'jobs'", (schema,)).fetchone()
         assert analyzed == (True,)
+
+
+def test_a_young_table_is_analyzed_again_as_it_grows_past_its_statistics(
+        dsn: str, schema: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'ALTER TABLE "{schema}".jobs SET (autovacuum_enabled = false)')
+        insert = (f'INSERT INTO "{schema}".jobs (effect, key, payload, fingerprint, status) '
+                  "SELECT 'test.elsewhere', %s || g, '{}', 'f', 'failed' "
+                  "FROM generate_series(1, %s) AS g")
+
+        def counted() -> tuple[int, int]:
+            """Changes since the last ANALYZE, and the rows it counted."""
+            conn.execute("SELECT pg_stat_clear_snapshot()")
+            row = conn.execute(
+                "SELECT s.n_mod_since_analyze, c.reltuples::bigint FROM pg_stat_user_tables s "
+                "JOIN pg_class c ON c.oid = s.relid "
+                "WHERE s.schemaname = %s AND s.relname = 'jobs'", (schema,)).fetchone()
+            assert row is not None
+            return int(row[0]), int(row[1])
+
+        conn.execute(insert, ("a", statistics.ROWS + 100))
+        wait_until(lambda: counted()[0] >= statistics.ROWS, what="the inserts counted")
+        outbox.Dispatcher(dsn, [ByPayload()], schema=schema).run_until_idle(timeout=30)
+        assert counted() == (0, statistics.ROWS + 100)
+        # Grown by less than twice what the statistics counted: left as it is.
+        conn.execute(insert, ("b", statistics.ROWS))
+        wait_until(lambda: counted()[0] >= statistics.ROWS, what="the inserts counted")
+        outbox.Dispatcher(dsn, [ByPayload()], schema=schema).run_until_idle(timeout=30)
+        assert counted() == (statistics.ROWS, statistics.ROWS + 100)
+        # Past twice: analyzed again, its statistics counting the table as it is now.
+        conn.execute(insert, ("c", 3 * statistics.ROWS))
+        wait_until(lambda: counted()[0] >= 4 * statistics.ROWS, what="the inserts counted")
+        outbox.Dispatcher(dsn, [ByPayload()], schema=schema).run_until_idle(timeout=30)
+        assert counted() == (0, 5 * statistics.ROWS + 100)

@@ -34,6 +34,7 @@ from outbox._dispatch.claimer import (
     RETENTION_INTERVAL,
     SCHEMA_CHECK_INTERVAL,
     Claimer,
+    retention_interval,
 )
 from outbox._dispatch.recorder import Recorder
 from outbox._dispatch.settings import Settings
@@ -556,3 +557,21 @@ def test_outcomes_dropped_with_no_part_dead_let_an_observer_interrupt_through() 
     shared.finish(jobs[0], Success("null"))
     with pytest.raises(_Fatal):
         shared.drop_unrecorded()
+
+
+@pytest.mark.parametrize(("options", "interval"), [
+    ({}, RETENTION_INTERVAL),  # 7 days: a round a minute
+    ({"retention": 60, "ledger_retention": None}, 10.0),  # rows outlive 60 s by 10 s at most
+    ({"retention": None, "ledger_retention": None, "inbox_retention": 120}, 20.0),
+    ({"retention": 3, "ledger_retention": None}, RETENTION_CATCH_UP),
+    ({"retention": 0, "ledger_retention": None, "inbox_retention": None}, RETENTION_INTERVAL),
+    ({"retention": None, "ledger_retention": None, "inbox_retention": None},
+     RETENTION_INTERVAL),
+])
+def test_retention_comes_often_enough_for_the_shortest_retention(
+        options: dict[str, Any], interval: float) -> None:
+    given = settings(**options)
+    assert retention_interval(given) == interval
+    claimer = Claimer(given, SharedState(DispatchStats(), DispatchObserver(), 4,
+                                         threading.Event), until_idle=False)
+    assert claimer.retention_timer.interval == interval
