@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,8 @@ __all__ = ["HOME_RETRY", "Grant", "HomeBudget", "HomeCall", "held", "home_budget
 log = logging.getLogger("outbox.dispatcher")
 
 HOME_RETRY = 1.0  # seconds before asking an unreachable home again
+CONNECTING_RETRY = 0.05  # seconds before asking again while the connection opens
+TCP_USER_TIMEOUT_MS = 5000  # a connection to the home that stops answering is given up
 _CONNECT_TIMEOUT = 5
 
 
@@ -64,13 +67,22 @@ class HomeCall:
 
 
 class HomeBudget:
-    """The shared buckets of one limits home, for every dispatcher of this process."""
+    """The shared buckets of one limits home, for every dispatcher of this process.
+
+    A claim never waits to connect: without a connection, a grant answers "nothing yet"
+    and a thread opens one (again HOME_RETRY seconds after a failure), so a home that is
+    slow to answer or gone holds back only the shared effects, never the claims of the
+    others. A connection that stops answering is given up after TCP_USER_TIMEOUT_MS.
+    """
 
     def __init__(self, home: Target) -> None:
         self.home = home
         self.queries = queries(home.schema)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the one connection runs one statement at a time
         self._conn: psycopg.Connection[Any] | None = None
+        self._connecting = False
+        self._retry_at = 0.0
+        self._generation = 0  # close() moves it on: a connection opened before is dropped
         self._down = False
         self.holders = 0
 
@@ -80,50 +92,89 @@ class HomeBudget:
         params = {"effect": effect, "want": want, "rate": rate,
                   "burst": max(1.0, rate / 2.0) if burst is None else burst}
         rows = self._execute(self.queries.shared_grant, params, "take tokens")
-        if rows is None:
-            return Grant(0, HOME_RETRY)
+        if rows is None:  # connecting (ask again soon), or down (ask after the retry)
+            return Grant(0, CONNECTING_RETRY if self._connecting else HOME_RETRY)
         row = rows[0]
         return Grant(int(row.granted), row.wait)
 
     def refund(self, effect: str, count: int) -> None:
-        """Give ``count`` unused tokens of ``effect`` back."""
+        """Give ``count`` unused tokens of ``effect`` back (dropped if the home does not
+        answer: the budget is under-used for a moment, never over-used)."""
         self._execute(self.queries.shared_refund, {"effect": effect, "count": count},
                       "give back tokens")
 
     def pause(self, effect: str, seconds: float) -> None:
-        """Empty ``effect``'s shared bucket and grant nothing for ``seconds``."""
+        """Empty ``effect``'s shared bucket and grant nothing for ``seconds``. Called on
+        a thread of its own: it connects and waits if it must."""
         self._execute(self.queries.shared_pause, {"effect": effect, "seconds": seconds},
-                      "pause a shared limit")
+                      "pause a shared limit", wait=True)
 
-    def _execute(self, query: str, params: dict[str, Any], doing: str) -> list[Any] | None:
+    def _execute(self, query: str, params: dict[str, Any], doing: str, *,
+                 wait: bool = False) -> list[Any] | None:
+        if wait and not self._connected():
+            self._connect(doing, self._generation)
         with self._lock:
+            conn = self._conn
+            if conn is None or conn.closed:
+                self._connect_in_background(doing)
+                return None
             try:
-                cursor = self._connection().execute(query, params)
+                cursor = conn.execute(query, params)
                 rows = cursor.fetchall() if cursor.description else []
             except psycopg.Error as exc:
                 self._discard()
-                if not self._down:
-                    self._down = True
-                    why = (unreachable(exc, self.home.dsn)
-                           if isinstance(exc, psycopg.OperationalError)
-                           else exc.sqlstate or type(exc).__name__)
-                    if exc.sqlstate in ("42P01", "42883", "3F000"):  # no table/function/schema
-                        why += (f": is schema {self.home.schema!r} there migrated? "
-                                "run outbox migrate on it")
-                    log.warning("limits home %s: cannot %s (%s); shared limits grant nothing "
-                                "until it answers", self.home.name, doing, why)
+                self._retry_at = time.monotonic() + HOME_RETRY
+                self._failed(exc, doing)
                 return None
-            if self._down:
-                self._down = False
-                log.warning("limits home %s answers again", self.home.name)
-            return rows
+        if self._down:
+            self._down = False
+            log.warning("limits home %s answers again", self.home.name)
+        return rows
 
-    def _connection(self) -> psycopg.Connection[Any]:
-        if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(
+    def _connected(self) -> bool:
+        with self._lock:
+            return self._conn is not None and not self._conn.closed
+
+    def _connect_in_background(self, doing: str) -> None:
+        """Under the lock: start opening the connection, unless under way or too soon."""
+        if self._connecting or time.monotonic() < self._retry_at:
+            return
+        self._connecting = True
+        threading.Thread(target=self._connect, args=(doing, self._generation), daemon=True,
+                         name="outbox-limits-home").start()
+
+    def _connect(self, doing: str, generation: int) -> None:
+        try:
+            conn = psycopg.connect(
                 self.home.dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT,
-                application_name="outbox limits home", row_factory=namedtuple_row)
-        return self._conn
+                application_name="outbox limits home", row_factory=namedtuple_row,
+                keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=2,
+                tcp_user_timeout=TCP_USER_TIMEOUT_MS)
+        except psycopg.Error as exc:
+            with self._lock:
+                self._connecting = False
+                self._retry_at = time.monotonic() + HOME_RETRY
+            self._failed(exc, doing)
+            return
+        with self._lock:
+            self._connecting = False
+            if generation != self._generation or (
+                    self._conn is not None and not self._conn.closed):
+                conn.close()  # closed meanwhile, or another opened first
+                return
+            self._conn = conn
+
+    def _failed(self, exc: psycopg.Error, doing: str) -> None:
+        """Say once that the home does not answer (and why), not at each retry."""
+        if self._down:
+            return
+        self._down = True
+        why = (unreachable(exc, self.home.dsn) if isinstance(exc, psycopg.OperationalError)
+               else exc.sqlstate or type(exc).__name__)
+        if exc.sqlstate in ("42P01", "42883", "3F000"):  # no such table, function, schema
+            why += f": is schema {self.home.schema!r} there migrated? run outbox migrate on it"
+        log.warning("limits home %s: cannot %s (%s); shared limits grant nothing until it "
+                    "answers", self.home.name, doing, why)
 
     def _discard(self) -> None:
         if self._conn is not None:
@@ -134,6 +185,7 @@ class HomeBudget:
     def close(self) -> None:
         """Close the connection (the next call opens another)."""
         with self._lock:
+            self._generation += 1
             self._discard()
 
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import threading
+import time
 import os
 import subprocess
 import sys
@@ -185,6 +188,60 @@ def test_a_home_out_of_reach_holds_back_only_the_shared_effect(
     with caplog.at_level(logging.WARNING, logger="outbox.dispatcher"):
         assert dispatcher.run_until_idle(timeout=60).done == 5
     assert statuses(tenant) == Counter(done=10)
+
+
+class SilentServer:
+    """Accepts connections and never answers (a host behind a firewall that drops
+    packets looks the same to a client waiting for connect_timeout); notes when each
+    client gives up and closes."""
+
+    def __init__(self) -> None:
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.socket.listen(16)
+        self.port = self.socket.getsockname()[1]
+        self.given_up: list[float] = []
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.socket.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.wait_for_close, args=(client,), daemon=True).start()
+
+    def wait_for_close(self, client: socket.socket) -> None:
+        with client:
+            while client.recv(1024):  # the startup packet, then nothing until it closes
+                pass
+        self.given_up.append(time.monotonic())
+
+
+def test_a_home_that_never_answers_holds_back_no_other_effect(databases: Databases) -> None:
+    silent = SilentServer()
+    tenant = Target(databases.make("outbox"))
+    enqueue(tenant, 5)
+    enqueue(tenant, 20, effect="other.effect")
+    performed: list[float] = []
+
+    class Other(Quick):
+        name = "other.effect"  # type: ignore[assignment]
+
+        def perform(self, job: outbox.Job) -> None:
+            performed.append(time.monotonic())
+
+    home = Target(f"host=127.0.0.1 port={silent.port} dbname=home user=nobody", "outbox")
+    dispatcher = Dispatcher(effects=[Quick(), Other()], targets=[tenant],
+                            limits={QUICK_EFFECT: Limit(rate=50.0, shared=True)},
+                            limits_home=home, poll_interval=0.1)
+    stats = dispatcher.run_until_idle(timeout=8)  # past the home's connect_timeout (5 s)
+    silent.socket.close()
+    assert stats.done == 20 and statuses(tenant) == Counter(done=20, pending=5)
+    assert silent.given_up, "the dispatcher never tried the home"
+    # Every job of the other effect was done while the first try to reach the home was
+    # still waiting for its answer: no claim waited for it.
+    assert max(performed) < silent.given_up[0]
 
 
 def test_the_async_dispatcher_takes_its_tokens_from_the_home(databases: Databases) -> None:
