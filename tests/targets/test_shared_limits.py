@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
-import threading
-import time
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
