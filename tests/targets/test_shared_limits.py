@@ -226,7 +226,7 @@ def test_a_home_that_never_answers_holds_back_no_other_effect(databases: Databas
     performed: list[float] = []
 
     class Other(Quick):
-        name = "other.effect"  # type: ignore[assignment]
+        name = "other.effect"
 
         def perform(self, job: outbox.Job) -> None:
             performed.append(time.monotonic())
