@@ -363,12 +363,15 @@ def _preflight(dispatcher: AnyDispatcher) -> None:
 def start_line(dispatcher: AnyDispatcher) -> str:
     """What ``outbox run`` says once, at start: where, what, how (never the password)."""
     settings = dispatcher.settings
+    shared = sorted(effect for effect, limit in settings.limits.items() if limit.shared)
+    home = (f", the limits of {', '.join(shared)} counted in {settings.limits_home.name}"
+            if shared and settings.limits_home is not None else "")
     if dispatcher.serves_targets:
         return (f"outbox run: {type(dispatcher).__name__} serving several targets, "
                 f"effects {', '.join(sorted(settings.effects))}, concurrency "
                 f"{settings.concurrency} a target's turn, polling every "
                 f"{settings.poll_interval:g}s and woken by LISTEN where the connection "
-                "budget allows")
+                f"budget allows{home}")
     try:
         params = conninfo_to_dict(settings.conninfo)
     except psycopg.Error:  # its text may quote the string, password and all
@@ -379,7 +382,7 @@ def start_line(dispatcher: AnyDispatcher) -> str:
             f", polling every {settings.poll_interval:g}s as well")
     return (f"outbox run: {type(dispatcher).__name__} {settings.worker_id} on {where}, "
             f"schema {settings.schema!r}, effects {', '.join(sorted(settings.effects))}, "
-            f"concurrency {settings.concurrency}, {wake}")
+            f"concurrency {settings.concurrency}, {wake}{home}")
 
 
 def _limits(given: tuple[str, ...]) -> dict[str, Limit]:

@@ -25,6 +25,7 @@ from psycopg import sql
 import outbox
 from outbox import Dispatcher, Limit, NewJob, Target, Throttled
 from outbox.cli import main as cli
+from outbox.cli import start_line
 from outbox.errors import ConfigurationError
 from outbox.limits import parse_limit
 
@@ -294,3 +295,12 @@ def test_outbox_run_takes_a_limits_home(tmp_path: Path, monkeypatch: pytest.Monk
     assert result.exit_code != 0, result.output
     assert "limits_home" not in result.output and "no_such_database" in result.output, (
         result.output)
+
+
+def test_the_start_line_names_the_home_and_never_its_password() -> None:
+    home = Target("postgresql://app:s3cret-pw@db-limits:5433/control", "limits")
+    dispatcher = Dispatcher("postgresql://app:s3cret-pw@db/app", [Quick()], limits_home=home,
+                            limits={QUICK_EFFECT: Limit(rate=5, shared=True)})
+    line = start_line(dispatcher)
+    assert f"the limits of {QUICK_EFFECT} counted in {home.name}" in line, line
+    assert "s3cret" not in line and "s3cret" not in home.name
