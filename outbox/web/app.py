@@ -316,10 +316,12 @@ async def overview(request: Request) -> Response:
         core = core_queries(settings.schema)
         # Named, and indexable where the pause cells still read by position.
         limits = await fetch(conn, core.limits_overview, namedtuple_row)
+        shared = await fetch(conn, core.shared_overview, namedtuple_row)
         failed_groups = await records(conn, core.failed_groups, FailedGroup, {"limit": 20})
     health = snapshot.health
     return render(request, "overview.html", {
         "limits": limits,
+        "shared": shared,  # when this schema is a limits home (Limit(shared=True))
         # Only effects whose jobs name groups: a table of "(no group)" alone says nothing.
         "groups": {effect: found for effect, found in groups.items()
                    if any(g.group_key is not None for g in found)},

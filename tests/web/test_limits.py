@@ -112,3 +112,19 @@ async def test_a_limit_per_group_and_its_throttled_groups_are_shown(
                      "VALUES ('email.send', 'acme', 0, now(), 4, now() + interval '1 hour')")
     page = (await client.get("/")).text
     assert "per group: 2/s, 3 in flight; <strong>1 group throttled</strong>" in page
+
+
+async def test_the_limits_shared_across_targets_counted_here_are_shown(
+        client: httpx.AsyncClient, dsn: str, schema: str) -> None:
+    page = (await client.get("/")).text
+    assert "Limits shared across targets" not in page  # not a limits home: no table
+    # As claims in other targets leave it (migration 0013): a bucket, throttled lately.
+    with psycopg.connect(dsn) as conn:
+        conn.execute(f'INSERT INTO "{schema}".shared_limits (effect, rate, burst, tokens, '
+                     "refilled_at, paused_until, throttles, granted_total, declared_at) "
+                     "VALUES ('payment.charge', 90, 10, 3.5, now(), now() + interval '30 s', "
+                     "2, 12345, now())")
+    page = (await client.get("/")).text
+    assert "Limits shared across targets, counted here" in page
+    assert "<td>payment.charge</td><td>90/s, burst 10</td>" in page
+    assert "12,345" in page and "<strong>throttled</strong>" in page
