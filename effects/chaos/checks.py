@@ -3,7 +3,8 @@ and the fake providers' own counts.
 
 Each entry of ``Findings.violations`` must be empty for the run to pass:
 
-``missing_jobs``             a planned, committed job that is not in the jobs table
+``missing_jobs``             a planned, committed job that is not in the jobs table (of
+                             the target its batch was enqueued in)
 ``rolled_back_present``      a job of a rolled-back business transaction that exists, or
                              that a provider performed
 ``orders_mismatch``          a business row without its jobs' transaction, or the reverse
@@ -37,13 +38,18 @@ the job's key (one subject per key), so ``performed_twice`` and ``done_not_once`
 the broker too. For ``kafka.produce`` jobs it is the number of messages the topic holds
 with the job's ``outbox-key``: at least once, so a repeat is no violation when an attempt
 explains it; the ledger row must name a message of the topic carrying the job's key.
+
+With several targets the jobs and ledger rows of every target are read at once (the
+views of ``effects.chaos.database``), a ledger row counting only in its job's target;
+``Findings.per_target`` breaks the final states down per target, with the jobs lost and
+performed more than once in each.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +96,7 @@ class JobRow:
     ledger_job_id: int | None
     ledger_version: int | None
     ledger_result: Any
+    target: str = ""  # the outbox schema holding the job
 
 
 @dataclass
@@ -102,7 +109,9 @@ class Findings:
     or the exception raised); ``observed_faults`` counts the calls whose outcome shows
     a provider fault of each kind (``decline``: jobs failed by a declined card);
     ``finished_jobs`` / ``finished_seconds`` give the throughput (jobs that ended,
-    over the seconds from the first enqueue to the last end). ``violations`` maps each
+    over the seconds from the first enqueue to the last end). ``per_target`` counts per
+    target schema its jobs (``committed``), their final states, ``lost`` and ``twice``
+    (performed more than once by an effect meant to happen once). ``violations`` maps each
     name of ``VIOLATIONS`` to examples; ``counts`` to how many.
     """
 
@@ -114,6 +123,7 @@ class Findings:
     observed_faults: Counter[str] = field(default_factory=Counter)
     events: dict[str, int] = field(default_factory=dict)
     kafka: dict[str, Any] = field(default_factory=dict)
+    per_target: dict[str, Counter[str]] = field(default_factory=dict)
     finished_jobs: int = 0
     finished_seconds: float = 0.0
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VIOLATIONS, 0))
@@ -128,8 +138,9 @@ class Findings:
 
 
 def check(dsn: str, queries: ChaosQueries, plan: JobPlan, committed_batches: set[str],
-          providers: Providers) -> Findings:
-    """Run every check; see the module docstring."""
+          providers: Providers, targets: Sequence[str]) -> Findings:
+    """Run every check; see the module docstring. ``targets`` are the outbox schemas, in
+    the order ``Batch.target`` numbers them."""
     findings = Findings()
     providers.kafka.settle()  # the producers have stopped: read the topic to its end once
     with connect(dsn, "chaos checks") as conn:
@@ -145,6 +156,7 @@ def check(dsn: str, queries: ChaosQueries, plan: JobPlan, committed_batches: set
         attempts = conn.execute(queries.kafka_attempts, {}).fetchall()
     by_key = {row.key: row for row in rows}
     _check_intent(findings, plan, committed_batches, by_key, orders, providers)
+    _check_targets(findings, plan, by_key, targets)
     _check_jobs(findings, rows, plan, providers)
     _check_ledger(findings, rows, orphans, providers)
     _check_claims(findings, repeats)
@@ -177,6 +189,20 @@ def _check_intent(findings: Findings, plan: JobPlan, committed_batches: set[str]
                                              f"rollback {batch.rollback}")
 
 
+def _check_targets(findings: Findings, plan: JobPlan, by_key: dict[str, JobRow],
+                   targets: Sequence[str]) -> None:
+    """Each committed job in the target its batch was enqueued in, and nowhere else."""
+    for batch in plan.batches():
+        if batch.rollback:
+            continue
+        findings.per_target.setdefault(targets[batch.target], Counter())
+        for job in batch.jobs:
+            row = by_key.get(job.key)
+            if row is not None and row.target != targets[batch.target]:
+                findings.flag("missing_jobs", f"{job.key}: enqueued in target "
+                                              f"{targets[batch.target]}, found in {row.target}")
+
+
 def _check_jobs(findings: Findings, rows: list[JobRow], plan: JobPlan,
                 providers: Providers) -> None:
     declines = {job.key: job for job in plan.committed() if job.decline_code}
@@ -184,6 +210,10 @@ def _check_jobs(findings: Findings, rows: list[JobRow], plan: JobPlan,
         findings.statuses[row.status] += 1
         findings.per_effect.setdefault(row.effect, Counter())[row.status] += 1
         performed = providers.for_effect(row.effect).performed(row.key)
+        in_target = findings.per_target.setdefault(row.target, Counter())
+        in_target["committed"] += 1
+        in_target[row.status if row.status in _TERMINAL else "lost"] += 1
+        in_target["twice"] += performed > 1 and row.effect not in _AT_LEAST_ONCE
         if row.status not in _TERMINAL:
             findings.flag("lost", f"{row.key}: still {row.status} after {row.attempts} attempts")
         elif row.status == "done" and row.effect in _AT_LEAST_ONCE:

@@ -10,7 +10,14 @@ from rich.console import Console
 
 from outbox import Limit
 
-from .config import FAULT_KINDS, GROUP_LIMITS, ChaosConfig, parse_faults, parse_limits
+from .config import (
+    FAULT_KINDS,
+    GROUP_LIMITS,
+    MAX_TARGETS,
+    ChaosConfig,
+    parse_faults,
+    parse_limits,
+)
 
 __all__ = ["command"]
 
@@ -56,6 +63,11 @@ def _faults(ctx: click.Context, param: click.Parameter, value: str) -> frozenset
 @click.option("--groups", default=0, show_default=True,
               help="Spread the jobs over N groups (tenants): one takes half of them, a few "
                    "have none; some get a priority (10 or -5). 0: no groups.")
+@click.option("--targets", default=1, show_default=True,
+              type=click.IntRange(1, MAX_TARGETS),
+              help="Outbox schemas in the run's database: above 1, each worker runs one "
+                   "fleet dispatcher (Dispatcher(targets=[...])) over them all, the jobs' "
+                   "batches spread over them, and every check holds in each.")
 @click.option("--limit", "limits", multiple=True, callback=_limits, metavar="EFFECT=LIMIT",
               help="A limit every worker declares, as outbox run --limit reads it "
                    "(email.send=25/s,per_group); repeat for several effects, none for no "
@@ -64,7 +76,8 @@ def _faults(ctx: click.Context, param: click.Parameter, value: str) -> frozenset
 def command(workers: int, jobs: int, duration: float, deadline: float | None,
             seed: int | None, dsn: str | None, json_path: str | None,
             faults: frozenset[str], lease: float, slack: float, fault_spacing: float,
-            keep_logs: bool, groups: int, limits: dict[str, Limit] | None) -> None:
+            keep_logs: bool, groups: int, targets: int,
+            limits: dict[str, Limit] | None) -> None:
     """Drain jobs through dispatchers that are killed, frozen and cut off, against
     providers that fail, and check that every effect happened once and none was lost.
 
@@ -83,7 +96,7 @@ def command(workers: int, jobs: int, duration: float, deadline: float | None,
                              deadline=deadline if deadline is not None else duration + 200,
                              seed=seed, dsn=dsn, faults=faults, lease=lease, slack=slack,
                              fault_spacing=fault_spacing, keep_logs=keep_logs,
-                             groups=groups, limits=limits)
+                             groups=groups, limits=limits, targets=targets)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     console = Console(stderr=False)

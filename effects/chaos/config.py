@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from outbox import Limit
 from outbox.limits import parse_limit
 
-__all__ = ["BROKER_FAULTS", "FAULT_KINDS", "GROUP_LIMITS", "LIMITED_EFFECTS", "PROCESS_FAULTS",
-           "PROVIDER_FAULTS", "ChaosConfig", "parse_faults", "parse_limits"]
+__all__ = ["BROKER_FAULTS", "FAULT_KINDS", "GROUP_LIMITS", "LIMITED_EFFECTS", "MAX_TARGETS",
+           "PROCESS_FAULTS", "PROVIDER_FAULTS", "ChaosConfig", "parse_faults", "parse_limits"]
 
 # Faults against the dispatcher processes and the database.
 PROCESS_FAULTS = ("kill", "stop", "restart", "terminate")
@@ -32,6 +32,11 @@ GROUP_LIMITS: Mapping[str, Limit] = {
     "email.send": Limit(rate=25.0, per_group=True),
     "webhook.post": Limit(concurrency=2, per_group=True),
 }
+
+# The most outbox schemas a run spreads its jobs over (``--targets``): each target's job
+# ids start at a distinct multiple of TARGET_ID_SPAN (effects.chaos.database), and a
+# fleet dispatcher runs a few turns at once within its default connection budget.
+MAX_TARGETS = 8
 
 
 def parse_faults(text: str) -> frozenset[str]:
@@ -85,6 +90,9 @@ class ChaosConfig:
     ``provider_retention`` is how long the fakes remember an idempotency key (24 hours,
     as Stripe and Resend): shorten it to see what a provider that forgets keys early
     does to "once" (the checks catch it).
+    ``targets`` above 1 makes each worker one fleet dispatcher
+    (``Dispatcher(effects=..., targets=[...])``) over that many outbox schemas of the
+    run's database, the jobs' batches spread over them.
     """
 
     workers: int = 3
@@ -111,6 +119,7 @@ class ChaosConfig:
     keep_logs: bool = False
     groups: int = 0
     limits: Mapping[str, Limit] | None = None
+    targets: int = 1
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -128,6 +137,8 @@ class ChaosConfig:
             raise ValueError(f"unknown fault kind(s): {', '.join(sorted(unknown))}")
         if not 0 <= self.groups <= 10_000:
             raise ValueError("groups must be between 0 and 10000")
+        if not 1 <= self.targets <= MAX_TARGETS:
+            raise ValueError(f"targets must be between 1 and {MAX_TARGETS}")
         strange = sorted(set(self.limits or {}) - set(LIMITED_EFFECTS))
         if strange:
             raise ValueError(f"no such effect in the run to limit: {', '.join(strange)}")

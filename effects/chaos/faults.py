@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ._sql import ChaosQueries
+from ._sql import ChaosQueries, chaos_queries
 from .config import ChaosConfig
 from .database import Database
 from .pool import WorkerPool, WorkerProcess
@@ -96,7 +96,11 @@ class FaultInjector:
         self._queries = queries
         self._pool = pool
         self._providers = providers
-        self._aimer = Aimer(database.dsn, queries, providers, config.concurrency)
+        # A fleet worker's engines each hold up to concurrency jobs, one per target.
+        self._aimer = Aimer(database.dsn, queries, providers,
+                            config.concurrency * len(database.targets),
+                            [chaos_queries(target, database.chaos)
+                             for target in database.targets])
         self._frozen: dict[int, tuple[WorkerProcess, float]] = {}  # by the stop's ref
         self._thawed: dict[int, WorkerProcess] = {}
         self._spikes: dict[int, tuple[str, int]] = {}  # by ref: (provider, requests then)

@@ -26,6 +26,10 @@ table and the audit:
 - ``seconds_to_end``: from commit to the job's end (``updated_at - created_at``), median
   and worst, for the heavy group, the other groups and the jobs with no group, and per
   priority.
+
+A limit is counted in each target's own tables, so with several targets
+(``ChaosConfig.targets``) the calls are counted per target and group; a group over its
+limit is named with its target.
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ def group_figures(config: ChaosConfig, plan: JobPlan, dsn: str,
     }
     try:
         with connect(dsn, "chaos groups") as conn:
-            figures["calls_in_flight"] = _calls_in_flight(conn, queries, limits, over)
+            figures["calls_in_flight"] = _calls_in_flight(conn, queries, limits, over,
+                                                          name_targets=config.targets > 1)
             figures["calls_per_window"] = _calls_per_window(conn, queries, limits)
             figures["seconds_to_end"] = _seconds_to_end(conn, queries, heavy)
     except psycopg.OperationalError as exc:
@@ -81,7 +86,8 @@ def group_figures(config: ChaosConfig, plan: JobPlan, dsn: str,
 
 
 def _calls_in_flight(conn: psycopg.Connection[Any], queries: ChaosQueries,
-                     limits: dict[str, Limit], over: list[str]) -> dict[str, Any]:
+                     limits: dict[str, Limit], over: list[str], *,
+                     name_targets: bool) -> dict[str, Any]:
     capped = {effect: limit for effect, limit in limits.items() if limit.concurrency}
     if not capped:
         return {}
@@ -89,7 +95,7 @@ def _calls_in_flight(conn: psycopg.Connection[Any], queries: ChaosQueries,
     rows = conn.execute(queries.calls_in_flight,
                         {"effects": sorted(capped), "whole": whole}).fetchall()
     figures: dict[str, Any] = {}
-    for effect, group, most, at, counted, outside, outlived, unended in rows:
+    for effect, group, most, at, counted, outside, outlived, unended, target in rows:
         limit = capped[effect].concurrency or 0
         figure = figures.setdefault(effect, {
             "most": 0, "group": None, "at": None, "limit": limit, "groups_over_limit": 0,
@@ -103,9 +109,11 @@ def _calls_in_flight(conn: psycopg.Connection[Any], queries: ChaosQueries,
         figure["claim_ended_during"] += outlived
         figure["end_unrecorded"] += unended
         if most > limit:
-            calls = conn.execute(queries.calls_at,
-                                 {"effect": effect, "g": group, "at": at}).fetchall()
+            calls = conn.execute(queries.calls_at, {"effect": effect, "g": group, "at": at,
+                                                    "target": target}).fetchall()
             where = f"group {group!r}" if group is not None else "in all"
+            if name_targets:
+                where += f" of target {target}"
             listed = "; ".join(
                 f"{key} v{version} by {worker} {started:%H:%M:%S.%f}-{finished:%H:%M:%S.%f} "
                 f"{str(outcome)[:40]} (job ended v{final} {status})"
@@ -126,7 +134,7 @@ def _calls_per_window(conn: psycopg.Connection[Any], queries: ChaosQueries,
     rows = conn.execute(queries.calls_per_window,
                         {"effects": sorted(rated), "whole": whole}).fetchall()
     figures: dict[str, Any] = {}
-    for effect, group, most in rows:
+    for effect, group, most, _target in rows:
         limit = rated[effect]
         if effect not in figures or most > figures[effect]["most"]:
             rate = limit.rate or 0.0

@@ -35,14 +35,15 @@ class _RolledBack(Exception):
 
 @dataclass
 class Enqueuer:
-    """Commits batches until ``deadline`` (a ``time.monotonic()`` value).
+    """Commits batches until ``deadline`` (a ``time.monotonic()`` value), each into the
+    outbox schema of its target (``schemas[batch.target]``).
 
     ``committed`` and ``rolled_back`` name the batches that ended each way; ``retries``
     counts transactions repeated after a connection loss; ``errors`` anything else.
     """
 
     dsn: str
-    schema: str
+    schemas: Sequence[str]
     queries: ChaosQueries
     deadline: float
     committed: set[str] = field(default_factory=set)
@@ -99,7 +100,7 @@ class Enqueuer:
 
     def _transaction(self, conn: psycopg.Connection[Any], batch: Batch) -> None:
         try:
-            with outbox.transaction(conn, schema=self.schema) as tx:
+            with outbox.transaction(conn, schema=self.schemas[batch.target]) as tx:
                 conn.execute(self.queries.insert_order,
                              {"batch": batch.name, "jobs": len(batch.jobs)})
                 tx.enqueue_many(NewJob(j.effect, j.key, j.payload, group=j.group,

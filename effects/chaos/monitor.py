@@ -30,13 +30,16 @@ class LeaseMonitor:
     jobs, per group under a limit per group (the jobs with no group are a group of their
     own), else for the whole effect: what the limit counts at each claim, read in one
     snapshot. ``most_running`` keeps the most seen per effect, ``over`` the samples that
-    saw more than the limit (``over_samples`` counts them).
+    saw more than the limit (``over_samples`` counts them). A limit is counted in each
+    target's own tables, so with several ``targets`` each target is counted apart (and
+    named in ``over``).
     """
 
     dsn: str
     queries: ChaosQueries
     interval: float = 0.1
     limits: Mapping[str, Limit] = field(default_factory=dict)
+    targets: int = 1
     max_overrun: float = 0.0
     worst_key: str | None = None
     samples: int = 0
@@ -81,19 +84,24 @@ class LeaseMonitor:
         return conn
 
     def _count(self, rows: list[tuple[Any, ...]]) -> None:
-        """Compare one sample's running jobs with each effect's concurrency."""
-        counted: dict[tuple[str, str | None], list[str]] = {}
-        for effect, group, _, keys in rows:
+        """Compare one sample's running jobs with each effect's concurrency. A row is
+        (effect, group, count, keys, target); the target may be left out (one target)."""
+        counted: dict[tuple[str, str, str | None], list[str]] = {}
+        for effect, group, _, keys, *rest in rows:
             per_group = self._capped[effect].per_group
-            counted.setdefault((effect, group if per_group else None), []).extend(keys)
+            in_target = str(rest[0]) if rest else ""
+            counted.setdefault((effect, in_target, group if per_group else None),
+                               []).extend(keys)
         over = False
-        for (effect, group), keys in counted.items():
+        for (effect, target, group), keys in counted.items():
             self.most_running[effect] = max(self.most_running[effect], len(keys))
             limit = self._capped[effect].concurrency
             if limit is not None and len(keys) > limit:
                 over = True
                 if len(self.over) < _EXAMPLES:
                     where = f"group {group!r}" if group is not None else "in all"
+                    if self.targets > 1:
+                        where += f" of target {target}"
                     self.over.append(f"{effect} {where}: {len(keys)} running at once, "
                                      f"limit {limit}: {', '.join(sorted(keys))}")
         self.over_samples += over

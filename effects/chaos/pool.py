@@ -91,7 +91,11 @@ class WorkerPool:
         with self._lock:
             generation = self._generations.get(slot, 0)
             self._generations[slot] = generation + 1
-            settings = replace(self.template, tag=f"{self.run_id}-{slot}.{generation}")
+            tag = f"{self.run_id}-{slot}.{generation}"
+            # A fleet worker tells it runs by a file (see WorkerSettings.ready_file).
+            ready_file = str(self.log_dir / f"worker-{tag}.ready") \
+                if self.template.targets else ""
+            settings = replace(self.template, tag=tag, ready_file=ready_file)
             worker = self._spawn(slot, settings)
             self._live[slot] = worker
             self._every.append(worker)

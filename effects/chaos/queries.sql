@@ -1,6 +1,9 @@
--- The chaos runner's statements, as named blocks. {schema} is the outbox schema and
--- {chaos} the runner's own schema (the audit and the business rows), both substituted
--- as quoted identifiers; values are bound parameters, by name.
+-- The chaos runner's statements, as named blocks. {schema} is the schema of views over
+-- every target's outbox (effects.chaos.database: jobs and effect_results, each row with
+-- its target), except in lock_jobs_table and lock_recorded_jobs, which lock and so are
+-- run against each target's own outbox schema; {chaos} is the runner's own schema (the
+-- audit and the business rows). Both are substituted as quoted identifiers; values are
+-- bound parameters, by name.
 
 -- name: create_tables
 -- deliveries: one row per call of an adapter, written by the worker BEFORE the provider
@@ -63,21 +66,23 @@ ORDER BY lease_until
 LIMIT 1;
 
 -- name: schema_storage
--- Bytes on disk of every relation of the outbox schema (tables with their indexes and
--- TOAST; a partitioned parent counts 0, its partitions count themselves).
+-- Bytes on disk of every relation of the outbox schemas in %(schemas)s (tables with
+-- their indexes and TOAST; a partitioned parent counts 0, its partitions count
+-- themselves).
 SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)::bigint
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE n.nspname = %(schema)s::text AND c.relkind IN ('r', 'm');
+WHERE n.nspname = ANY(%(schemas)s::text[]) AND c.relkind IN ('r', 'm');
 
 -- name: running_per_group
--- The running jobs of each group of the effects in %(effects)s, with their keys: a
--- concurrency (per group or for the whole effect) counts these at each claim. Served by
--- the partial index jobs_leases (status = 'running'): a few dozen rows.
-SELECT effect, coalesce(group_key, ''), count(*)::int, array_agg(key ORDER BY key)
+-- The running jobs of each group of the effects in %(effects)s, with their keys, per
+-- target: a concurrency (per group or for the whole effect) counts these at each claim,
+-- in its target's own tables. Served by the partial index jobs_leases (status =
+-- 'running'): a few dozen rows.
+SELECT effect, coalesce(group_key, ''), count(*)::int, array_agg(key ORDER BY key), target
 FROM {schema}.jobs
 WHERE status = 'running' AND effect = ANY(%(effects)s::text[])
-GROUP BY 1, 2;
+GROUP BY effect, coalesce(group_key, ''), target;
 
 -- name: calls_in_flight
 -- Per group of each effect in %(effects)s (g NULL for the effects in %(whole)s, counted
@@ -86,48 +91,54 @@ GROUP BY 1, 2;
 -- reached; the calls so counted, and those left out: begun outside their claim (a
 -- worker frozen past its lease, then thawed), whose claim ended during the call (its
 -- lease lost), or whose end was never recorded (the worker killed or cut off). A call
--- counts from its begin to its end; at equal times an end counts before a begin.
+-- counts from its begin to its end; at equal times an end counts before a begin. Per
+-- target (a limit is counted in its target's own tables), the call's target being its
+-- job's (keys are unique over the targets).
 WITH calls AS (
-    SELECT d.*, CASE WHEN d.effect = ANY(%(whole)s::text[]) THEN NULL
-                     ELSE coalesce(d.group_key, '') END AS g,
+    SELECT d.*, j.target, CASE WHEN d.effect = ANY(%(whole)s::text[]) THEN NULL
+                               ELSE coalesce(d.group_key, '') END AS g,
            d.live_begin AND coalesce(d.live_end, false) AS counted
     FROM {chaos}.deliveries d
+    JOIN {schema}.jobs j ON j.key = d.key
     WHERE d.effect = ANY(%(effects)s::text[])
 ), edges AS (
-    SELECT c.effect, c.g, e.at, e.delta
+    SELECT c.effect, c.target, c.g, e.at, e.delta
     FROM calls c
     CROSS JOIN LATERAL (VALUES (c.started_at, 1), (c.finished_at, -1)) AS e(at, delta)
     WHERE c.counted
 ), counted AS (
-    SELECT effect, g, at,
-           sum(delta) OVER (PARTITION BY effect, g ORDER BY at, delta
+    SELECT effect, target, g, at,
+           sum(delta) OVER (PARTITION BY effect, target, g ORDER BY at, delta
                             ROWS UNBOUNDED PRECEDING) AS n
     FROM edges
 ), most AS (
-    SELECT DISTINCT ON (effect, g) effect, g, n::int, at
+    SELECT DISTINCT ON (effect, target, g) effect, target, g, n::int, at
     FROM counted
-    ORDER BY effect, g, n DESC, at
+    ORDER BY effect, target, g, n DESC, at
 ), tallies AS (
-    SELECT effect, g,
+    SELECT effect, target, g,
            count(*) FILTER (WHERE counted)::int AS counted,
            count(*) FILTER (WHERE NOT live_begin)::int AS outside,
            count(*) FILTER (WHERE live_begin AND NOT live_end)::int AS outlived,
            count(*) FILTER (WHERE live_begin AND live_end IS NULL)::int AS unended
     FROM calls
-    GROUP BY effect, g
+    GROUP BY effect, target, g
 )
-SELECT t.effect, t.g, coalesce(m.n, 0), m.at, t.counted, t.outside, t.outlived, t.unended
+SELECT t.effect, t.g, coalesce(m.n, 0), m.at, t.counted, t.outside, t.outlived, t.unended,
+       t.target
 FROM tallies t
-LEFT JOIN most m ON m.effect = t.effect AND m.g IS NOT DISTINCT FROM t.g;
+LEFT JOIN most m ON m.effect = t.effect AND m.target = t.target
+                AND m.g IS NOT DISTINCT FROM t.g;
 
 -- name: calls_at
--- The calls of one group of an effect (%(g)s NULL: any) in flight at an instant, as
--- calls_in_flight counts them, with the claim and status their job ended with.
+-- The calls of one group of an effect (%(g)s NULL: any) in one target in flight at an
+-- instant, as calls_in_flight counts them, with the claim and status their job ended
+-- with.
 SELECT d.key, d.claim_version, d.worker, d.started_at, d.finished_at, d.outcome,
        j.claim_version, j.status
 FROM {chaos}.deliveries d
-LEFT JOIN {schema}.jobs j ON j.key = d.key
-WHERE d.effect = %(effect)s::text
+JOIN {schema}.jobs j ON j.key = d.key
+WHERE d.effect = %(effect)s::text AND j.target = %(target)s::text
   AND (%(g)s::text IS NULL OR coalesce(d.group_key, '') = %(g)s::text)
   AND d.live_begin AND d.live_end
   AND d.started_at <= %(at)s::timestamptz AND d.finished_at > %(at)s::timestamptz
@@ -137,19 +148,22 @@ ORDER BY d.started_at;
 -- The most calls of one group of an effect begun within ten seconds, from the audit,
 -- counting the calls begun under a live claim (a worker frozen past its lease performs
 -- the claims it held when it thaws, claims whose tokens were spent long before); g is
--- NULL for the effects in %(whole)s, counted as a whole.
-SELECT DISTINCT ON (effect, g) effect, g, n::int
+-- NULL for the effects in %(whole)s, counted as a whole. Per target, like
+-- calls_in_flight.
+SELECT DISTINCT ON (effect, target, g) effect, g, n::int, target
 FROM (
-    SELECT effect, g, count(*) OVER (PARTITION BY effect, g ORDER BY started_at
-                                     RANGE BETWEEN CURRENT ROW
-                                               AND interval '9999 milliseconds' FOLLOWING) AS n
-    FROM (SELECT effect, started_at,
-                 CASE WHEN effect = ANY(%(whole)s::text[]) THEN NULL
-                      ELSE coalesce(group_key, '') END AS g
-          FROM {chaos}.deliveries
-          WHERE effect = ANY(%(effects)s::text[]) AND live_begin) AS d
+    SELECT effect, target, g,
+           count(*) OVER (PARTITION BY effect, target, g ORDER BY started_at
+                          RANGE BETWEEN CURRENT ROW
+                                    AND interval '9999 milliseconds' FOLLOWING) AS n
+    FROM (SELECT d.effect, d.started_at, j.target,
+                 CASE WHEN d.effect = ANY(%(whole)s::text[]) THEN NULL
+                      ELSE coalesce(d.group_key, '') END AS g
+          FROM {chaos}.deliveries d
+          JOIN {schema}.jobs j ON j.key = d.key
+          WHERE d.effect = ANY(%(effects)s::text[]) AND d.live_begin) AS d
 ) AS w
-ORDER BY effect, g, n DESC;
+ORDER BY effect, target, g, n DESC;
 
 -- name: seconds_to_end
 -- Seconds from commit to end of the jobs that ended: median and worst, for the heavy
@@ -181,12 +195,14 @@ SET LOCAL lock_timeout = '200ms';
 
 -- name: lock_jobs_table
 -- Blocks every write to the jobs table (claims included) until this transaction ends;
--- reads go on. Held for at most a second, to catch a claim statement in flight.
+-- reads go on. Held for at most a second, to catch a claim statement in flight. Run
+-- against each target's own schema, in one transaction.
 LOCK TABLE {schema}.jobs IN SHARE MODE;
 
 -- name: lock_recorded_jobs
 -- Row-lock the jobs a worker holds whose provider call ended well under this claim: its
 -- next completion statement will wait on them, in flight, until this transaction ends.
+-- Run against each target's own schema (FOR UPDATE cannot lock through a UNION ALL).
 SELECT j.id
 FROM {schema}.jobs j
 WHERE j.status = 'running' AND j.claimed_by = %(worker)s::text
@@ -212,16 +228,25 @@ FROM {schema}.jobs j
 WHERE j.status = 'running' AND j.claimed_by = %(worker)s::text;
 
 -- name: final_jobs
+-- Every job with its ledger row, which must be in the job's own target.
 SELECT j.id, j.key, j.effect, j.status, j.attempts, j.claim_version, j.last_error,
-       r.job_id, r.claim_version, r.result
+       r.job_id, r.claim_version, r.result, j.target
 FROM {schema}.jobs j
-LEFT JOIN {schema}.effect_results r ON r.key = j.key
+LEFT JOIN {schema}.effect_results r ON r.key = j.key AND r.target = j.target
 ORDER BY j.id;
 
 -- name: orphan_ledger_rows
--- Ledger rows without a job (a job row is never deleted during a run: retention is off).
+-- Ledger rows without a job in their target (a job row is never deleted during a run:
+-- retention is off).
 SELECT r.key FROM {schema}.effect_results r
-WHERE NOT EXISTS (SELECT 1 FROM {schema}.jobs j WHERE j.key = r.key);
+WHERE NOT EXISTS (SELECT 1 FROM {schema}.jobs j WHERE j.key = r.key AND j.target = r.target);
+
+-- name: targets_per_worker
+-- For each worker process that called a provider, the targets of the jobs it called for.
+SELECT d.worker, count(DISTINCT j.target)::int
+FROM {chaos}.deliveries d
+JOIN {schema}.jobs j ON j.key = d.key
+GROUP BY d.worker;
 
 -- name: repeated_claims
 -- (key, claim_version) pairs delivered more than once: by several workers (a double

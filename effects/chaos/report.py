@@ -6,6 +6,11 @@ What the figures mean:
   ``done`` / ``failed`` / ``reconcile`` final states, ``lost`` committed jobs in none of
   them by the deadline (must be 0), ``rolled_back`` jobs of business transactions that
   rolled back (must never exist nor be performed).
+- ``targets``: per outbox schema (one per target, ``--targets``): its ``committed``
+  jobs, ``done`` / ``failed`` / ``reconcile``, ``lost`` and ``twice`` (jobs performed
+  more than once by an effect meant to happen once); both must be 0 in every target.
+  ``workers`` then also counts the worker processes that called providers for jobs of
+  several targets (``served_several_targets``: a fleet) and of one only.
 - ``faults``: per kind, ``armed`` (events carried out; for provider faults the number of
   requests armed to fail) and ``injected``: evidence the fault took effect. Kills sent,
   stops that outlasted the lease, restarts completed, terminate rounds that ended a
@@ -97,11 +102,15 @@ class ChaosReport:
     notes: list[str] = field(default_factory=list)
     log_dir: str | None = None
     storage_bytes: int | None = None
+    targets: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        """True when no invariant was violated."""
-        return not self.violations
+        """True when no invariant was violated: in particular no job lost and none
+        performed twice, in every target."""
+        return not self.violations and all(
+            counts.get("lost", 0) == 0 and counts.get("twice", 0) == 0
+            for counts in self.targets.values())
 
     def as_dict(self) -> dict[str, Any]:
         """The report as plain JSON-ready data (with ``ok``)."""
@@ -131,6 +140,9 @@ class ChaosReport:
         table.add_column("must be", justify="right")
         for name, value in self.jobs.items():
             table.add_row(f"jobs {name}", str(value), "0" if name == "lost" else "")
+        if len(self.targets) > 1:
+            for target, counts in self.targets.items():
+                table.add_row(f"  target {target}", _pairs(counts), "lost 0, twice 0")
         for name in ("performed_twice", "double_claims", "repeated_deliveries",
                      "ledger_missing", "ledger_not_done", "ledger_version_mismatch",
                      "ledger_result_mismatch", "done_not_once", "decline_mismatches",

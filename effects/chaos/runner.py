@@ -8,6 +8,11 @@ runs and a monitor samples lease overruns (and the running jobs of each group un
 concurrency limit). Once the schedule is over and every job has ended (or the deadline
 passed), stop the dispatchers with SIGTERM, collect their counters, and check the
 invariants (``effects.chaos.checks``, and the limits' in ``effects.chaos.groups``).
+
+With several targets (``ChaosConfig.targets``) the database holds one outbox schema per
+target, each batch is enqueued into its target's schema, and each worker runs one fleet
+dispatcher over all of them; the monitor, the fault aiming and the checks read every
+target at once through the views of ``effects.chaos.database``.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ def run_chaos(config: ChaosConfig, progress: Progress | None = None) -> ChaosRep
         providers = start_providers(config.provider_latency, config.provider_timeout + 1.0,
                                     config.provider_retention, log_dir)
         stack.callback(providers.close)
-        database = provision(config.dsn, work_dir)
+        database = provision(config.dsn, work_dir, config.targets)
         stack.callback(release, database)
         run = _Run(config, database, providers, log_dir, say)
         stack.callback(run.pool.cleanup)
@@ -92,11 +97,13 @@ def run_chaos(config: ChaosConfig, progress: Progress | None = None) -> ChaosRep
         stack.callback(providers.kafka.stop_consumer)
         run.execute(plan, events)
         run.drain_consumer()
-        findings = check(database.dsn, run.queries, plan, run.enqueuer.committed, providers)
+        findings = check(database.dsn, run.queries, plan, run.enqueuer.committed, providers,
+                         database.targets)
         groups, over = group_figures(config, plan, database.dsn, run.queries)
         report = _report(config, run, plan, findings, time.monotonic() - started, over)
         report.groups = groups
         report.storage_bytes = run.storage_bytes()
+        report.workers.update(_fleet_figures(database.dsn, run.queries))
     if report.ok and not config.keep_logs:
         shutil.rmtree(log_dir, ignore_errors=True)
     else:
@@ -118,14 +125,16 @@ class _Run:
                  log_dir: Path, say: Progress) -> None:
         self.config = config
         self.database = database
-        self.queries: ChaosQueries = chaos_queries(database.schema, database.chaos)
+        # Bound to the views over every target; the locks take each target's own.
+        self.queries: ChaosQueries = chaos_queries(database.view, database.chaos)
         self.say = say
         self.providers = providers
         self.pool = WorkerPool(_template(config, database, providers), config.workers,
                                log_dir, uuid.uuid4().hex[:6], ready=self._ready)
         self.deadline = time.monotonic() + config.deadline
-        self.enqueuer = Enqueuer(database.dsn, database.schema, self.queries, self.deadline)
-        self.monitor = LeaseMonitor(database.dsn, self.queries, limits=config.effect_limits)
+        self.enqueuer = Enqueuer(database.dsn, database.targets, self.queries, self.deadline)
+        self.monitor = LeaseMonitor(database.dsn, self.queries, limits=config.effect_limits,
+                                    targets=config.targets)
         self.injector = FaultInjector(config, database, self.queries, self.pool, providers)
         self.stop = threading.Event()
         self.unfinished_threads: list[str] = []
@@ -195,7 +204,10 @@ class _Run:
         return False
 
     def _ready(self, worker: WorkerProcess) -> bool:
-        """Whether the worker's dispatcher runs: its claimer connection is up."""
+        """Whether the worker's dispatcher runs: its claimer connection is up (a fleet's
+        engines connect only during their turns: a fleet worker writes a file)."""
+        if worker.settings.ready_file:
+            return Path(worker.settings.ready_file).exists()
         claimer = application_name("claimer", worker.tag)
         try:
             with connect(self.database.dsn, "chaos readiness") as conn:
@@ -214,11 +226,11 @@ class _Run:
         return Counter({str(status): int(n) for status, n in rows})
 
     def storage_bytes(self) -> int | None:
-        """The outbox schema's relations on disk, in bytes; None if unreachable."""
+        """The outbox schemas' relations on disk, in bytes; None if unreachable."""
         try:
             with connect(self.database.dsn, "chaos storage") as conn:
                 row = conn.execute(self.queries.schema_storage,
-                                   {"schema": self.database.schema}).fetchone()
+                                   {"schemas": list(self.database.targets)}).fetchone()
         except psycopg.OperationalError:
             return None
         return int(row[0]) if row is not None else None
@@ -240,6 +252,7 @@ class _Run:
 def _template(config: ChaosConfig, database: Database, providers: Providers) -> WorkerSettings:
     return WorkerSettings(
         dsn=database.dsn, schema=database.schema, chaos=database.chaos, tag="",
+        view=database.view, targets=list(database.targets) if config.targets > 1 else [],
         email_url=providers.email.url, stripe_url=providers.stripe.url,
         webhook_url=providers.webhook.url, webhook_secret=WEBHOOK_SECRET,
         nats_url=providers.broker.url, nats_stream=STREAM,
@@ -299,6 +312,7 @@ def _report(config: ChaosConfig, run: _Run, plan: JobPlan, findings: Findings,
         violations=violations, violation_counts=counts, events=findings.events,
         kafka=findings.kafka,
         notes=_notes(run),
+        targets=_target_figures(findings),
     )
 
 
@@ -310,7 +324,7 @@ def _settings(config: ChaosConfig) -> dict[str, Any]:
         "concurrency": config.concurrency, "provider_timeout": config.provider_timeout,
         "fault_spacing": config.fault_spacing,
         "faults": sorted(config.faults, key=FAULT_KINDS.index),
-        "groups": config.groups,
+        "groups": config.groups, "targets": config.targets,
         "limits": {effect: str(limit) for effect, limit in sorted(config.effect_limits.items())},
     }
 
@@ -346,6 +360,25 @@ def _windows(run: _Run) -> dict[str, dict[str, int]]:
                           "kills": sum(1 for kill in plain if kill.hit),
                           "caught": sum(kill.held for kill in plain)}
     return figures
+
+
+def _target_figures(findings: Findings) -> dict[str, dict[str, int]]:
+    """Per target schema: its jobs, their final states, lost and performed twice."""
+    return {target: {name: counts[name] for name in
+                     ("committed", "done", "failed", "reconcile", "lost", "twice")}
+            for target, counts in sorted(findings.per_target.items())}
+
+
+def _fleet_figures(dsn: str, queries: ChaosQueries) -> dict[str, int]:
+    """How many worker processes called providers for jobs of several targets (a fleet
+    serves them all) and of one only; empty if the database cannot be reached."""
+    try:
+        with connect(dsn, "chaos fleet figures") as conn:
+            rows = conn.execute(queries.targets_per_worker, {}).fetchall()
+    except psycopg.OperationalError:
+        return {}
+    served = Counter(min(int(targets), 2) for _, targets in rows)
+    return {"served_one_target": served[1], "served_several_targets": served[2]}
 
 
 def _provider_figures(run: _Run) -> dict[str, dict[str, int]]:

@@ -110,13 +110,15 @@ class PlannedJob:
 class Batch:
     """One business transaction: a business row plus its jobs, ``at`` seconds after the
     start, by enqueuer ``thread``. A ``rollback`` batch raises inside the transaction,
-    so neither its row nor its jobs may ever exist."""
+    so neither its row nor its jobs may ever exist. ``target`` is the index of the
+    outbox schema its jobs are enqueued in (0 in a run with one target)."""
 
     name: str
     at: float
     thread: int
     jobs: tuple[PlannedJob, ...]
     rollback: bool = False
+    target: int = 0
 
 
 @dataclass(frozen=True)
@@ -200,15 +202,30 @@ def plan_jobs(config: ChaosConfig, rng: random.Random) -> JobPlan:
     if config.groups:
         jobs = _grouped(jobs, config)
     bulk_count = int(len(jobs) * _BULK_SHARE)
+    # Smaller bulk batches with several targets, so that each target gets one at least.
+    size = min(_BULK_BATCH, max(1, -(-bulk_count // config.targets)))
     bulk = tuple(
-        Batch(f"bulk-{i // _BULK_BATCH}", 0.0, (i // _BULK_BATCH) % config.enqueue_threads,
-              tuple(jobs[i:min(i + _BULK_BATCH, bulk_count)]))
-        for i in range(0, bulk_count, _BULK_BATCH)
+        Batch(f"bulk-{i // size}", 0.0, (i // size) % config.enqueue_threads,
+              tuple(jobs[i:min(i + size, bulk_count)]))
+        for i in range(0, bulk_count, size)
     )
-    plan = JobPlan(bulk, _trickle(config, jobs[bulk_count:], rng))
+    plan = _spread(JobPlan(bulk, _trickle(config, jobs[bulk_count:], rng)), config.targets)
     keys = [job.key for batch in plan.batches() for job in batch.jobs]
     assert len(keys) == len(set(keys)), "a key planned twice"
     return plan
+
+
+def _spread(plan: JobPlan, targets: int) -> JobPlan:
+    """The batches dealt over ``targets`` outbox schemas in turn (bulk first, then the
+    trickle in time order): every target gets a share of each phase, and the same seed
+    gives the same targets. Batches keep their jobs, so the plan, its payloads and the
+    fault schedule are those of a run with one target."""
+    if targets == 1:
+        return plan
+    bulk = tuple(replace(batch, target=i % targets) for i, batch in enumerate(plan.bulk))
+    trickle = tuple(replace(batch, target=(len(bulk) + i) % targets)
+                    for i, batch in enumerate(plan.trickle))
+    return JobPlan(bulk, trickle)
 
 
 def group_name(n: int) -> str:

@@ -24,6 +24,11 @@ class WorkerSettings:
     ``tag`` identifies the process: it is the dispatcher's ``worker_id`` (so the jobs'
     ``claimed_by``) and the suffix of its connections' ``application_name``. ``limits``
     maps an effect to the fields of the ``outbox.Limit`` the dispatcher declares for it.
+    ``view`` is the schema of views over every target (the audit reads the jobs there).
+    ``targets``, when given, are the outbox schemas one fleet dispatcher serves instead
+    of a dispatcher of ``schema`` alone; such a worker writes ``ready_file`` once a
+    SIGTERM would stop its dispatcher gracefully (a fleet holds no connection of its
+    own that the runner could see, only its turns').
     """
 
     dsn: str
@@ -48,6 +53,9 @@ class WorkerSettings:
     # then run() returns and the jobs still held are left to their leases.
     stop_timeout: float = 10.0
     limits: dict[str, dict[str, Any]] = field(default_factory=dict)
+    view: str = ""
+    targets: list[str] = field(default_factory=list)
+    ready_file: str = ""
 
     def to_json(self) -> str:
         """The settings as the JSON the worker reads."""

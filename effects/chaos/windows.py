@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -71,12 +71,19 @@ Backend = tuple[int, str, str | None, Any, str | None, str | None]
 
 
 class Aimer:
-    """Looks at one worker through the database, aims kills and judges their hits."""
+    """Looks at one worker through the database, aims kills and judges their hits.
+
+    ``queries`` read every target at once (the views); ``target_queries`` are bound to
+    each target's own schema, for the locks (a worker of a fleet claims and completes
+    in whichever target has its turn, so every target's jobs are locked). ``concurrency``
+    is the most jobs a worker holds at once: a fleet's engines hold that many each.
+    """
 
     def __init__(self, dsn: str, queries: ChaosQueries, providers: Providers,
-                 concurrency: int) -> None:
+                 concurrency: int, target_queries: Sequence[ChaosQueries]) -> None:
         self._dsn = dsn
         self._queries = queries
+        self._target_queries = tuple(target_queries)
         self._providers = providers
         self._concurrency = concurrency
         self._conn: psycopg.Connection[Any] | None = None
@@ -166,7 +173,8 @@ class Aimer:
     def _lock_table(self, locker: psycopg.Connection[Any]) -> bool:
         try:
             locker.execute(self._queries.lock_timeout)
-            locker.execute(self._queries.lock_jobs_table)
+            for queries in self._target_queries:  # in one order: no deadlock among lockers
+                locker.execute(queries.lock_jobs_table)
         except psycopg.errors.LockNotAvailable:
             return False  # writes in flight held it past lock_timeout: not this time
         return True
@@ -179,8 +187,9 @@ class Aimer:
         for _ in range(1000):  # bounded in count as well as in time
             with self._locker() as locker:
                 locker.execute(self._queries.lock_timeout)
-                if locker.execute(self._queries.lock_recorded_jobs,
-                                  {"worker": worker.tag}).fetchall():
+                if [row for queries in self._target_queries
+                        for row in locker.execute(queries.lock_recorded_jobs,
+                                                  {"worker": worker.tag}).fetchall()]:
                     backends, seen = self._wait_for_statement(worker, "during_done", 0.5)
                     if seen or time.monotonic() > deadline:
                         yield backends, seen

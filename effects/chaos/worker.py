@@ -4,7 +4,9 @@ Its settings come as JSON in ``$OUTBOX_CHAOS_WORKER`` (the DSN may hold a passwo
 on the command line). It runs ``outbox.Dispatcher.run()`` with the email, payment,
 webhook, NATS and Kafka adapters pointed at the runner's fakes and brokers until SIGTERM, then
 prints its ``DispatchStats`` as one JSON line on stdout. A worker killed with SIGKILL
-prints nothing.
+prints nothing. Given several targets (``WorkerSettings.targets``) it runs one fleet
+dispatcher, ``outbox.Dispatcher(effects=..., targets=[...])``, over them instead: its
+engines are ``_ChaosDispatcher`` too, under the worker's tag.
 
 Every adapter is wrapped in an audit: before the provider is called, the worker commits
 ``(key, claim_version, worker)`` (and the job's effect and group) to the ``deliveries``
@@ -185,20 +187,47 @@ def _adapters(settings: WorkerSettings) -> list[Effect]:
     ]
 
 
+def _dispatcher(settings: WorkerSettings, effects: list[Effect]) -> _ChaosDispatcher:
+    """The worker's dispatcher: of ``settings.schema`` alone, or a fleet of the targets."""
+    options: dict[str, Any] = {
+        "concurrency": settings.concurrency, "lease": settings.lease,
+        "rescue_interval": settings.rescue_interval, "poll_interval": 0.5,
+        "backoff": outbox.Backoff(base=settings.backoff_base, cap=settings.backoff_cap),
+        "retention": None, "ledger_retention": None, "worker_id": settings.tag,
+        "stop_timeout": settings.stop_timeout,
+        "limits": {effect: Limit(**fields) for effect, fields in settings.limits.items()},
+    }
+    if settings.targets:
+        return _ChaosDispatcher(
+            effects=effects,
+            targets=[outbox.Target(settings.dsn, schema) for schema in settings.targets],
+            **options)
+    return _ChaosDispatcher(settings.dsn, effects, schema=settings.schema, **options)
+
+
+def _announce_ready(dispatcher: outbox.Dispatcher, ready_file: str) -> None:
+    """Make SIGTERM stop ``dispatcher`` from now on, then write ``ready_file``: the
+    runner may stop the worker as soon as it sees the file. ``run()`` installs its own
+    handler; one that lands before it makes ``run()`` return at once."""
+
+    def handler(signum: int, frame: Any) -> None:
+        # stop() takes locks the interrupted thread may hold: from a thread of its own
+        threading.Thread(target=dispatcher.stop, name="chaos-stop", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, handler)
+    with open(ready_file, "w", encoding="utf-8") as marker:
+        marker.write(f"{os.getpid()}\n")
+
+
 def run(settings: WorkerSettings) -> dict[str, int | float]:
     """Dispatch until SIGTERM; return the dispatcher's counters."""
-    audit = AuditLog(settings.dsn, settings.schema, settings.chaos, settings.tag)
+    audit = AuditLog(settings.dsn, settings.view or settings.schema, settings.chaos,
+                     settings.tag)
     adapters = _adapters(settings)
     try:
-        dispatcher = _ChaosDispatcher(
-            settings.dsn, [audited(a, audit) for a in adapters], schema=settings.schema,
-            concurrency=settings.concurrency, lease=settings.lease,
-            rescue_interval=settings.rescue_interval, poll_interval=0.5,
-            backoff=outbox.Backoff(base=settings.backoff_base, cap=settings.backoff_cap),
-            retention=None, ledger_retention=None, worker_id=settings.tag,
-            stop_timeout=settings.stop_timeout,
-            limits={effect: Limit(**fields) for effect, fields in settings.limits.items()},
-        )
+        dispatcher = _dispatcher(settings, [audited(a, audit) for a in adapters])
+        if settings.ready_file:
+            _announce_ready(dispatcher, settings.ready_file)
         return dispatcher.run().as_dict()
     finally:
         for adapter in adapters:
