@@ -173,3 +173,30 @@ def test_chaos_with_broker_faults_stores_and_consumes_each_event_once() -> None:
                                     kafka["keys_per_count"].items()) >= kafka["keys"]
     assert kafka["handled"] == kafka["keys"]
     assert kafka["dead_lettered"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_chaos_over_three_targets_loses_nothing_and_performs_nothing_twice_in_any() -> None:
+    # Every fault kind, the jobs' batches spread over three outbox schemas, each worker
+    # process one fleet dispatcher (Dispatcher(targets=[...])) over all three.
+    config = ChaosConfig(workers=3, jobs=600, duration=30.0, deadline=150.0, seed=SEED,
+                         groups=8, targets=3)
+    result = run_chaos(config)
+    assert result.ok, _explain(result)
+    assert result.settings["targets"] == 3
+    assert "3 targets (outbox, outbox_t2, outbox_t3)" in result.database
+    jobs = result.jobs
+    assert jobs["committed"] == jobs["planned"] == 600
+    assert jobs["lost"] == 0
+    assert set(result.targets) == {"outbox", "outbox_t2", "outbox_t3"}
+    for target, counts in result.targets.items():
+        assert counts["lost"] == 0 and counts["twice"] == 0, (target, _explain(result))
+        assert counts["done"] > 0, f"no job of {target} was done"
+        assert counts["done"] + counts["failed"] + counts["reconcile"] \
+            == counts["committed"] > 0, target
+    assert sum(counts["committed"] for counts in result.targets.values()) == 600
+    # Fleets: worker processes called providers for jobs of several targets.
+    assert result.workers["served_several_targets"] >= 2, _explain(result)
+    assert set(result.faults) == set(FAULT_KINDS)
+    assert all(counts["injected"] > 0 for counts in result.faults.values()), _explain(result)
