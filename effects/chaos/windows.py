@@ -62,9 +62,12 @@ _VANISH_SECONDS = 3.0
 JOB_WINDOWS = ("after_claim", "during_provider_call", "after_provider")
 WINDOWS = ("during_claim", "after_claim", "during_provider_call", "after_provider",
            "during_done")
-# role of the connection, and the start of its statement as pg_stat_activity shows it
-_STATEMENTS = {"during_claim": ("claimer", "WITH candidates"),
-               "during_done": ("recorder", "WITH finished")}
+# role of the connection, and the starts of its statements as pg_stat_activity shows
+# them: the claim of the effects free of limits (outbox/sql/queries.sql ``claim``) and
+# that of the limited ones (``limit_claim``); the completion (``complete``).
+_STATEMENTS = {"during_claim": ("claimer", ("WITH RECURSIVE clock AS",
+                                            "WITH RECURSIVE budget AS")),
+               "during_done": ("recorder", ("WITH finished",))}
 
 # pid, application_name, state, query_start, wait_event_type, query
 Backend = tuple[int, str, str | None, Any, str | None, str | None]
@@ -245,10 +248,10 @@ class Aimer:
 
 def executing(window: str, tag: str, backend: Backend) -> bool:
     """Whether ``backend`` is the worker's connection running the ``window`` statement."""
-    role, start = _STATEMENTS[window]
+    role, starts = _STATEMENTS[window]
     _, name, state, _, _, query = backend
     return (name == application_name(role, tag) and state == "active"
-            and (query or "").lstrip().startswith(start))
+            and (query or "").lstrip().startswith(starts))
 
 
 def died_inside(window: str, tag: str, before: list[Backend], after: list[Backend]) -> bool:
