@@ -103,7 +103,8 @@ def run_chaos(config: ChaosConfig, progress: Progress | None = None) -> ChaosRep
         report = _report(config, run, plan, findings, time.monotonic() - started, over)
         report.groups = groups
         report.storage_bytes = run.storage_bytes()
-        report.workers.update(_fleet_figures(database.dsn, run.queries))
+        if config.targets > 1:
+            report.workers.update(_fleet_figures(database.dsn, run.queries))
     if report.ok and not config.keep_logs:
         shutil.rmtree(log_dir, ignore_errors=True)
     else:
