@@ -14,7 +14,9 @@ __all__ = ["ENV_VARIABLE", "ROLES", "WorkerSettings", "application_name"]
 
 ENV_VARIABLE = "OUTBOX_CHAOS_WORKER"
 # The dispatcher's connections; each is named "outbox <role> <tag>" in a chaos worker.
-ROLES = ("claimer", "recorder", "listener")
+# A fleet's look-outs ("scout") are dispatcher connections too: the terminate fault cuts
+# them as it cuts the others.
+ROLES = ("claimer", "recorder", "listener", "scout")
 
 
 @dataclass(frozen=True)

@@ -290,8 +290,11 @@ class Scout:
 
     def connect(self, dsn: str) -> psycopg.Connection[Any]:
         if self.conn is None or self.conn.closed:
-            self.conn = psycopg.connect(dsn, autocommit=True, connect_timeout=10,
-                                        application_name="outbox-scout")
+            # Named as the dispatcher's own connections are ("outbox <role> <worker
+            # id>"): an operator (or a fault injector) tells whose look-out it is.
+            self.conn = psycopg.connect(
+                dsn, autocommit=True, connect_timeout=10,
+                application_name=f"outbox scout {self.fleet.worker_id}"[:63])
             self.listening = set()
         return self.conn
 
@@ -340,6 +343,7 @@ class Fleet:
         self.make_engine = make_engine
         self.poll_interval = settings.poll_interval
         self.effect_names = settings.effect_names
+        self.worker_id = settings.worker_id
         self.targets_interval = targets_interval
         self.schedule = Schedule(max_connections, engine_connections, settings.observer)
         self.scouts: dict[frozenset[str], Scout] = {}

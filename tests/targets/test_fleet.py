@@ -286,7 +286,7 @@ def test_an_enqueue_wakes_its_target_at_once(dsn: str, databases: Databases) -> 
         def listening() -> bool:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 row = conn.execute("SELECT count(*) FROM pg_stat_activity "
-                                   "WHERE application_name = 'outbox-scout' "
+                                   "WHERE application_name LIKE 'outbox scout %%' "
                                    "AND query LIKE 'LISTEN%%'").fetchone()
             return bool(row and row[0])
 
