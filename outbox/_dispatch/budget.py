@@ -13,6 +13,9 @@ module holds the dispatcher's side of it, written once as steps (``outbox._steps
               process knows to be paused (it is handed back, its attempt refunded)
     recorder  ``report`` writes what the outcomes say about the provider: throttles
               (pause, cut the rate) and transient failures in a row (the breaker)
+    home      a limit shared across targets (``Limit(shared=True)``) takes its tokens
+              from the limits home before the claim and gives back what it did not use;
+              a throttle seen here pauses it there (``outbox._dispatch.shared``)
 
 The view is this process's copy, refreshed each claim round and updated at once by what
 its own workers and recorder see; every decision that matters (the budget, the pause,
@@ -209,8 +212,7 @@ class LimitedClaims:
                 gated.add(effect)
             if state.pause_left is not None and state.pause_left > 0:
                 # The database is the authority: an operator's resume shortens a pause.
-                until = time.monotonic() + state.pause_left
-                self.view.paused_until[effect] = until
+                self.view.paused_until[effect] = time.monotonic() + state.pause_left
                 self.view.reasons[effect] = state.pause_reason
                 if state.pause_reason == "operator":
                     operator.append(effect)
