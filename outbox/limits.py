@@ -1,7 +1,9 @@
 """Provider limits: how fast, and how many at once, an effect may be performed.
 
 A limit belongs to the provider account, so it is counted in PostgreSQL (the table
-``effect_limits``) and shared by every dispatcher process on the schema; see ``Limit``.
+``effect_limits``) and shared by every dispatcher process on the schema, or, declared
+``shared``, in one limits home for every target (database or schema) that names it; see
+``Limit``.
 """
 
 from __future__ import annotations
