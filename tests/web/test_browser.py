@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import uvicorn
 
@@ -126,6 +127,23 @@ def test_the_overview_renders(serve: Callable[..., str], page: Any, dsn: str,
     assert page.locator("svg rect").count() > 60
     assert page.get_by_text("web-1:4242").is_visible()
     _shot(page, "overview.png")
+    assert page.csp_violations == []
+
+
+def test_a_limits_home_shows_its_shared_buckets(serve: Callable[..., str], page: Any,
+                                                dsn: str, schema: str) -> None:
+    seed(dsn, schema, {"key": "p1", "effect": "charge.card"})
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'INSERT INTO "{schema}".shared_limits (effect, rate, burst, tokens, '
+                     "refilled_at, paused_until, throttles, granted_total, declared_at) "
+                     "VALUES ('charge.card', 90, 10, 3.5, now(), now() + interval '30 s', "
+                     "2, 123456, now()), ('email.send', 2, 1, 1, now(), NULL, 0, 800, now())")
+    page.goto(serve() + "/")
+    heading = page.get_by_role("heading", name="Limits shared across targets, counted here")
+    assert heading.is_visible()
+    rows = page.locator("table:below(h2:has-text('Limits shared across targets')) tbody tr")
+    assert "90/s, burst 10" in rows.first.inner_text()
+    _shot(page, "shared-limits.png")
     assert page.csp_violations == []
 
 
