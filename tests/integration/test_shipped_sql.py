@@ -41,9 +41,28 @@ def _with_fragments(path: str) -> Callable[[str], dict[str, str]]:
     return bind
 
 
+# The chaos runner reads every target through views (schema <outbox>_all: each table of
+# the targets with a ``target`` column) and locks rows and tables in each target's own.
+CHAOS_PER_TARGET = frozenset({"lock_jobs_table", "lock_recorded_jobs"})
+CHAOS_VIEWS = ("jobs", "effect_results")
+
+
 def _chaos(schema: str) -> dict[str, str]:
-    bound = chaos_queries(schema, f"{schema}_chaos")
-    return {name: getattr(bound, name) for name in parse_sql(_text(CHAOS)).blocks}
+    on_views = chaos_queries(f"{schema}_all", f"{schema}_chaos")
+    on_target = chaos_queries(schema, f"{schema}_chaos")
+    return {name: getattr(on_target if name in CHAOS_PER_TARGET else on_views, name)
+            for name in parse_sql(_text(CHAOS)).blocks}
+
+
+def _chaos_schemas(conn: psycopg.Connection[object], schema: str) -> None:
+    """The runner's own schema and its views over one target, next to the outbox's."""
+    conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(f"{schema}_chaos")))
+    conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(f"{schema}_all")))
+    for table in CHAOS_VIEWS:
+        conn.execute(sql.SQL("CREATE VIEW {}.{} AS SELECT t.*, {}::text AS target "
+                             "FROM {}.{} t").format(
+            sql.Identifier(f"{schema}_all"), sql.Identifier(table), sql.Literal(schema),
+            sql.Identifier(schema), sql.Identifier(table)))
 
 
 CHAOS = "effects/chaos/queries.sql"
@@ -73,8 +92,8 @@ def test_every_statement_of_a_shipped_file_is_valid_against_the_schema(
     statements = BINDERS[path](schema)
     assert statements, f"{path} has no named statement"
     with psycopg.connect(dsn) as conn:
-        if path == CHAOS:  # the runner's own schema, next to the outbox's
-            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(f"{schema}_chaos")))
+        if path == CHAOS:
+            _chaos_schemas(conn, schema)
         for name, text in statements.items():
             try:
                 if PREPARABLE.match(text):
