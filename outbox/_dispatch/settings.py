@@ -128,6 +128,7 @@ class Settings:
                 f"got {type(observer).__name__}")
         if worker_id is not None and not isinstance(worker_id, str):
             raise ConfigurationError(f"worker_id must be a string, got {worker_id!r}")
+        home = _home(limits_home)
         return cls(
             conninfo=conninfo,
             listen_conninfo=listen_conninfo,
@@ -151,8 +152,8 @@ class Settings:
             inbox_retention=inbox_kept,
             worker_id=worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}",
             observer=observer or DispatchObserver(),
-            limits=_check_shared(_limits(limits, indexed), _home(limits_home)),
-            limits_home=_home(limits_home),
+            limits=_check_shared(_limits(limits, indexed), home),
+            limits_home=home,
             breaker_threshold=(None if breaker_threshold is None
                                else _positive(breaker_threshold, "breaker_threshold")),
             effect_names=text_array(sorted(indexed)),

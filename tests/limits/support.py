@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +104,15 @@ def max_overlap(intervals: Sequence[tuple[datetime, datetime]]) -> int:
         open_now += step
         most = max(most, open_now)
     return most
+
+
+def assert_within_rate(claims: list[datetime], rate: float, burst: float,
+                       slack: timedelta) -> None:
+    """The i-th claim (0-based) came no sooner than (i + 1 - burst) / rate after the first:
+    what a token bucket of ``rate`` holding ``burst`` allows, whoever claimed, less
+    ``slack`` (what the caller's clocks may add: the bucket's rounding, or the moment
+    between a grant and the claim it allows)."""
+    start = claims[0]
+    for i, at in enumerate(claims):
+        earliest = start + timedelta(seconds=max(0.0, (i + 1 - burst) / rate)) - slack
+        assert at >= earliest, f"claim {i} at {at - start} came before {earliest - start}"

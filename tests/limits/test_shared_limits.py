@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 import psycopg
 import pytest
@@ -19,6 +19,7 @@ from effects.testing import FakeEmailProvider
 
 from .support import (
     EMAIL,
+    assert_within_rate,
     enqueue,
     finish,
     first_claims,
@@ -52,15 +53,6 @@ def fake() -> Iterator[FakeEmailProvider]:
         yield provider
 
 
-def assert_within_rate(claims: list[datetime], rate: float, burst: float) -> None:
-    """The i-th claim (0-based) came no sooner than (i + 1 - burst) / rate after the first:
-    what a token bucket of ``rate`` holding ``burst`` allows, whoever claimed."""
-    start = claims[0]
-    for i, at in enumerate(claims):
-        earliest = start + timedelta(seconds=max(0.0, (i + 1 - burst) / rate)) - EPSILON
-        assert at >= earliest, f"claim {i} at {at - start} came before {earliest - start}"
-
-
 def test_three_processes_share_one_rate(dsn: str, schema: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         create_trace_table(conn, schema)
@@ -71,7 +63,7 @@ def test_three_processes_share_one_rate(dsn: str, schema: str) -> None:
                             "--concurrency", "6", "--limit", "10/s,burst=3", "--together", "3")
     finish(workers)
     assert status_counts(dsn, schema) == {"done": 30}
-    assert_within_rate(first_claims(dsn, schema, TRACE_EFFECT), rate=10.0, burst=3.0)
+    assert_within_rate(first_claims(dsn, schema, TRACE_EFFECT), rate=10.0, burst=3.0, slack=EPSILON)
     pids = {r[0] for r in rows(dsn, "SELECT DISTINCT pid FROM {schema}.limit_trace", schema)}
     assert len(pids) >= 2, "the budget was not shared: one process did all the work"
 
@@ -241,7 +233,7 @@ def test_async_dispatcher_claims_within_the_budget(dsn: str, schema: str) -> Non
                                         limits={"async.noop": outbox.Limit(rate=10.0, burst=2)})
     stats = asyncio.run(dispatcher.run_until_idle(timeout=60))
     assert stats.done == 15
-    assert_within_rate(first_claims(dsn, schema, "async.noop"), rate=10.0, burst=2.0)
+    assert_within_rate(first_claims(dsn, schema, "async.noop"), rate=10.0, burst=2.0, slack=EPSILON)
 
 
 def test_an_effects_declared_limit_applies(dsn: str, schema: str) -> None:
@@ -254,7 +246,7 @@ def test_an_effects_declared_limit_applies(dsn: str, schema: str) -> None:
 
     enqueue(dsn, schema, "declared", [f"d{i}" for i in range(8)])
     assert outbox.Dispatcher(dsn, [Declared()], schema=schema).run_until_idle(timeout=60).done == 8
-    assert_within_rate(first_claims(dsn, schema, "declared"), rate=10.0, burst=1.0)
+    assert_within_rate(first_claims(dsn, schema, "declared"), rate=10.0, burst=1.0, slack=EPSILON)
 
 
 def test_limits_naming_an_unknown_effect_are_refused(dsn: str) -> None:

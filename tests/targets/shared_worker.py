@@ -4,7 +4,8 @@
 
 Serves its targets (one: a plain dispatcher; several: a fleet) with one effect,
 ``shared.quick`` (returns at once), under the limit given, counted in the home. It waits
-until ``--together`` workers have signed in to the home's ``ready`` table, so that every
+until ``--together`` workers have signed in to the home's ``limit_ready`` table
+(``tests.limits.worker.wait_for_each_other``), so that every
 process claims while the others do, then runs ``run_until_idle`` and prints its stats as
 JSON.
 """
@@ -13,15 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import time
-
-import psycopg
-from psycopg import sql
 
 import outbox
 from outbox.limits import parse_limit
 from outbox.targets import parse_target
+from tests.limits.worker import wait_for_each_other
 
 QUICK_EFFECT = "shared.quick"
 
@@ -33,20 +30,6 @@ class Quick(outbox.Effect):
 
     def perform(self, job: outbox.Job) -> None:
         return None
-
-
-def sign_in_and_wait(home: outbox.Target, together: int) -> None:
-    table = sql.SQL("{}.ready").format(sql.Identifier(home.schema))
-    with psycopg.connect(home.dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("INSERT INTO {} VALUES (%s)").format(table), (os.getpid(),))
-        deadline = time.monotonic() + 60.0
-        while True:
-            row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()
-            if row is not None and row[0] >= together:
-                return
-            if time.monotonic() > deadline:
-                raise SystemExit(f"only {row[0] if row else 0} of {together} workers started")
-            time.sleep(0.01)
 
 
 def main() -> None:
@@ -66,7 +49,7 @@ def main() -> None:
     else:
         dispatcher = outbox.Dispatcher(effects=[Quick()], targets=targets,
                                        **options)  # type: ignore[arg-type]
-    sign_in_and_wait(home, args.together)
+    wait_for_each_other(home.dsn, home.schema, args.together)
     stats = dispatcher.run_until_idle(timeout=120)
     print(json.dumps(stats.as_dict()))
 
