@@ -35,10 +35,12 @@ def test_a_concurrency_per_group_is_counted_across_processes(dsn: str, schema: s
     with psycopg.connect(dsn, autocommit=True) as conn:
         create_trace_table(conn, schema)
     enqueue_groups(dsn, schema, TRACE_EFFECT, ["a", "b", "c"], per_group=6)
-    # Each process could run 3 at once: only a count shared by the three processes keeps
-    # each group to one at a time while the groups run side by side.
+    # One perform at a time per process, none claimed ahead: groups running side by side
+    # are different processes' (a process with room for three could take every group's
+    # one slot and keep them, each finished job re-claimed before another process looks),
+    # and only a count shared by the three processes keeps each group to one at a time.
     workers = start_workers(3, dsn, schema, "--effect", "trace", "--seconds", "0.2",
-                            "--concurrency", "3", "--prefetch", "0",
+                            "--concurrency", "1", "--prefetch", "0",
                             "--limit", "concurrency=1,per_group", "--together", "3")
     finish(workers)
     assert status_counts(dsn, schema) == {"done": 18}
