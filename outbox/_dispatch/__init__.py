@@ -25,6 +25,7 @@
     presence    this dispatcher's heartbeat row, and warnings for effects nobody serves
     statistics  the young queue tables' statistics, kept up with their growth until
                 autovacuum keeps them
+    vacuum      the queue tables' dead rows vacuumed between autovacuum's visits
     listener    LISTEN for enqueue notifications, wake the claimer
     counting    ``DispatchStats``, counted from the observer events the parts report
     fleet       one dispatcher over many targets (``outbox.targets``): look-outs per

@@ -38,6 +38,7 @@ from .shared import HomeCall
 from .state import AsyncState, Held, SharedState, ThreadState, Timer, guarded
 from .statistics import FirstStatistics
 from .turns import GroupTurns
+from .vacuum import QueueVacuum
 
 __all__ = [
     "Claimer",
@@ -100,6 +101,9 @@ class Claimer:
                                   time.monotonic() + SCHEMA_CHECK_INTERVAL)
         self.presence = Presence(settings)
         self.statistics = FirstStatistics(settings)
+        # Only a dispatcher that runs for long: run_until_idle (cron, a fleet's turns) ends
+        # before a vacuum would pay off, and leaves the tables to autovacuum.
+        self.vacuum = QueueVacuum(settings, enabled=not until_idle)
         self.turns = GroupTurns()
         self.limited = LimitedClaims(settings, state.limits, self.turns)
 
@@ -142,7 +146,8 @@ class Claimer:
     def chores(self, now: float) -> Step[None]:
         """What a round does when its timer says so, before it claims: the look at the
         schema's version, the rescue, retention (under run_until_idle too: cron
-        deployments never call run()), the heartbeat, the queue tables' first statistics."""
+        deployments never call run()), the heartbeat, the queue tables' first statistics,
+        the look for queue tables to vacuum."""
         if self.schema_timer.due(now):
             yield from self.check_schema()
         if self.rescue_timer.due(now):
@@ -155,6 +160,8 @@ class Claimer:
             yield from self.presence.beat()
         if self.statistics.due(now):  # once: the queue tables' first statistics
             yield from self.statistics.analyze()
+        if self.vacuum.due(now):  # dead rows reclaimed between autovacuum's visits
+            yield from self.vacuum.check()
 
     def failed(self, exc: psycopg.Error, *, lost: bool) -> None:
         """A round failed: count a lost connection as a reconnect, log either way; raise
@@ -434,6 +441,7 @@ def run_claimer(
                 state.wake.wait(wait)
                 state.wake.clear()
     finally:
+        claimer.vacuum.close()
         if not conn.lost:  # stopping: say so at once, if the database is there
             with contextlib.suppress(psycopg.Error):
                 run(claimer.presence.leave(), conn.execute)
@@ -473,6 +481,7 @@ async def run_claimer_async(
                 await state.wake.wait(wait)
                 state.wake.clear()
     finally:
+        await asyncio.to_thread(claimer.vacuum.close)
         if not conn.lost:  # stopping: say so at once, if the database is there
             with contextlib.suppress(psycopg.Error):
                 await run_async(claimer.presence.leave(), conn.execute)

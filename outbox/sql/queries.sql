@@ -359,6 +359,22 @@ WHERE s.schemaname = %(schema_name)s::text AND s.relname = ANY(%(tables)s::text[
   AND (pg_has_role(c.relowner, 'USAGE')
        OR (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user));
 
+-- name: vacuum_due
+-- The queue tables this role may VACUUM (it owns them, or is a superuser) whose dead rows
+-- reached %(rows)s and %(share)s of their live ones, and that nobody (a dispatcher,
+-- autovacuum) vacuumed in the last %(gap)s seconds (outbox._dispatch.vacuum). The most
+-- dead rows first.
+SELECT s.relname AS name
+FROM pg_stat_user_tables s
+JOIN pg_class c ON c.oid = s.relid
+WHERE s.schemaname = %(schema_name)s::text AND s.relname = ANY(%(tables)s::text[])
+  AND s.n_dead_tup >= greatest(%(rows)s::bigint, (%(share)s::float8 * s.n_live_tup)::bigint)
+  AND coalesce(greatest(s.last_vacuum, s.last_autovacuum), '-infinity'::timestamptz)
+      < now() - %(gap)s::float8 * interval '1 second'
+  AND (pg_has_role(c.relowner, 'USAGE')
+       OR (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user))
+ORDER BY s.n_dead_tup DESC;
+
 -- name: effect_named
 -- Whether anything has named %(effect)s: an unfinished job, a dispatcher's row, or a row of
 -- effect_limits (a limit declared, a pause, a throttle); and the effects those name, for

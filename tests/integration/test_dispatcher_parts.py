@@ -9,6 +9,7 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -16,7 +17,7 @@ import pytest
 import outbox
 import outbox.sql
 from outbox import Dispatcher, DispatcherFailed, DispatchStats, Effect, Job, NewJob
-from outbox._dispatch import statistics
+from outbox._dispatch import statistics, vacuum
 from outbox._dispatch.claimer import Claimer, claim_executor
 from outbox._dispatch.connection import Connection, connect
 from outbox._dispatch.recorder import Recorder
@@ -449,3 +450,63 @@ def test_a_young_table_is_analyzed_again_as_it_grows_past_its_statistics(
         wait_until(lambda: counted()[0] >= 4 * statistics.ROWS, what="the inserts counted")
         outbox.Dispatcher(dsn, [ByPayload()], schema=schema).run_until_idle(timeout=30)
         assert counted() == (0, 5 * statistics.ROWS + 100)
+
+
+def _dead_rows_in_jobs(conn: psycopg.Connection[tuple[Any, ...]], schema: str, rows: int) -> None:
+    """Leave ``rows`` dead row versions in the jobs table (autovacuum kept away), counted
+    by the statistics."""
+    conn.execute(f'ALTER TABLE "{schema}".jobs SET (autovacuum_enabled = false)')
+    conn.execute(f'INSERT INTO "{schema}".jobs (effect, key, payload, fingerprint, status) '
+                 "SELECT 'test.elsewhere', 'dead' || g, '{}', 'f', 'failed' "
+                 "FROM generate_series(1, %s) AS g", (rows,))
+    conn.execute(f"DELETE FROM \"{schema}\".jobs WHERE key LIKE 'dead%%'")
+    wait_until(lambda: _vacuum_state(conn, schema)[0] >= rows, what="the dead rows counted")
+
+
+def _vacuum_state(conn: psycopg.Connection[tuple[Any, ...]], schema: str,
+                  ) -> tuple[int, bool]:
+    """The jobs table's dead rows, and whether a VACUUM (not autovacuum) ran on it."""
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = conn.execute("SELECT n_dead_tup, last_vacuum IS NOT NULL FROM pg_stat_user_tables "
+                       "WHERE schemaname = %s AND relname = 'jobs'", (schema,)).fetchone()
+    assert row is not None
+    return int(row[0]), bool(row[1])
+
+
+def test_a_running_dispatcher_vacuums_a_queue_table_that_autovacuum_has_not_reached(
+        dsn: str, schema: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _dead_rows_in_jobs(conn, schema, vacuum.ROWS + 1000)
+        dispatcher = outbox.Dispatcher(dsn, [ByPayload()], schema=schema)
+        thread = threading.Thread(target=dispatcher.run)
+        thread.start()
+        try:
+            # Its first round looks: the vacuum runs on a thread of its own, and the
+            # statistics say so once it has ended.
+            wait_until(lambda: _vacuum_state(conn, schema)[1], what="the jobs table vacuumed")
+        finally:
+            dispatcher.stop()
+            thread.join(30)
+        assert not thread.is_alive()
+        dead, _ = _vacuum_state(conn, schema)
+        assert dead < vacuum.ROWS
+
+
+
+def test_an_async_dispatcher_vacuums_too_and_its_stop_ends_the_vacuum_thread(
+        dsn: str, schema: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _dead_rows_in_jobs(conn, schema, vacuum.ROWS + 1000)
+
+        async def main() -> None:
+            dispatcher = outbox.AsyncDispatcher(dsn, [ByPayload()], schema=schema)
+            running = asyncio.create_task(dispatcher.run())
+            try:
+                await asyncio.to_thread(wait_until, lambda: _vacuum_state(conn, schema)[1],
+                                        what="the jobs table vacuumed")
+            finally:
+                dispatcher.stop()
+                await asyncio.wait_for(running, 30)
+
+        asyncio.run(main())
+        assert not [t for t in threading.enumerate() if t.name.startswith("outbox-vacuum")]

@@ -198,6 +198,7 @@ def test_the_first_round_rescues_purges_and_claims(clock: Clock) -> None:
               .then("dispatcher_beat", [(1,)])  # the heartbeat: effects served
               .then("unhandled_due", [])  # and due jobs nobody serves
               .then("unanalyzed_tables", [])  # every queue table has statistics
+              .then("vacuum_due", [])  # and none has dead rows to vacuum
               .claiming(claimed_rows(10, 11)))
     result = script.drive(claimer.round())
     assert [h.job.id for h in result.batch] == [10, 11] and result.wait == 0
@@ -212,25 +213,25 @@ def test_rescue_and_retention_wait_for_their_timers(clock: Clock) -> None:
     queries = claimer.queries
     (Script(queries).then("rescue", []).then("purge_done", [(0,)])
      .then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
-     .then("unhandled_due", []).then("unanalyzed_tables", []).claiming([])
-     ).drive(claimer.round())
+     .then("unhandled_due", []).then("unanalyzed_tables", []).then("vacuum_due", [])
+     .claiming([])).drive(claimer.round())
     clock.now += 4.9  # neither timer due: only the claim
     Script(queries).claiming([]).drive(claimer.round())
-    clock.now += 0.2  # the rescue timer (5 s) is due, retention (60 s) is not
-    Script(queries).then("rescue", []).claiming([]).drive(claimer.round())
+    clock.now += 0.2  # the rescue timer (5 s) is due, and the look for dead rows; not retention
+    Script(queries).then("rescue", []).then("vacuum_due", []).claiming([]).drive(claimer.round())
     clock.now += RETENTION_INTERVAL  # the heartbeat (every 15 s) is due again too
     assert RETENTION_INTERVAL > SCHEMA_CHECK_INTERVAL  # and the look at the schema's version
     (Script(queries).then("schema_version", [(latest_version(),)])
      .then("rescue", []).then("purge_done", [(0,)])
      .then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
-     .then("unhandled_due", []).claiming([])).drive(claimer.round())
+     .then("unhandled_due", []).then("vacuum_due", []).claiming([])).drive(claimer.round())
 
 
 def test_retention_that_is_behind_comes_back_soon_until_it_has_caught_up(
         clock: Clock) -> None:
     claimer = Claimer(settings(prefetch=0, inbox_retention=None), state(), until_idle=False)
     claimer.rescue_timer.next_at = claimer.schema_timer.next_at = float("inf")
-    claimer.presence.timer.next_at = float("inf")
+    claimer.presence.timer.next_at = claimer.vacuum.timer.next_at = float("inf")
     claimer.statistics.done = True
     queries = claimer.queries
     behind = Script(queries)
@@ -261,7 +262,7 @@ def first_round_done(claimer: Claimer) -> None:
     claimer.rescue_timer.next_at = claimer.retention_timer.next_at = float("inf")
     claimer.schema_timer.next_at = float("inf")
     claimer.statistics.done = True
-    claimer.presence.timer.next_at = float("inf")
+    claimer.presence.timer.next_at = claimer.vacuum.timer.next_at = float("inf")
 
 
 @pytest.mark.parametrize(("held_now", "limit"), [(0, 6), (3, 3), (5, 1), (6, None)])
