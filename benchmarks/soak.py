@@ -10,13 +10,14 @@ reported apart). Every ``window`` seconds the parent samples:
   except the ledger, and of the ledger;
 - latency: p50 and p99 of commit-to-done (``updated_at - created_at``) of the jobs done
   in the window;
-- the jobs table's live and dead tuples, and its HOT ratio (``n_tup_hot_upd /
-  n_tup_upd``) so far;
+- the jobs table's live and dead tuples, its HOT ratio (``n_tup_hot_upd /
+  n_tup_upd``) so far, and how many times dispatchers and autovacuum vacuumed it;
 - jobs offered and done so far.
 
 Figures: storage at the end over storage at ``2 x retention`` (bounded: <= 1.3), p99 at
-the end over p99 at ``2 x retention`` (<= 3), the HOT ratio, and at the end every job
-offered done once (its ledger row there, no job left pending past the drain).
+the end over p99 at ``2 x retention`` (<= 3), the HOT ratio, the most dead tuples in a
+window after ``2 x retention``, the vacuums, and at the end every job offered done once
+(its ledger row there, no job left pending past the drain).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ WHERE n.nspname = %(schema)s AND c.relkind IN ('r', 'p', 'm')
 
 _TUPLES = """
 SELECT n_live_tup AS live, n_dead_tup AS dead, n_tup_upd AS updates,
-       n_tup_hot_upd AS hot_updates
+       n_tup_hot_upd AS hot_updates, vacuum_count AS vacuums,
+       autovacuum_count AS autovacuums
 FROM pg_stat_user_tables WHERE schemaname = %(schema)s AND relname = 'jobs'
 """
 
@@ -180,6 +182,7 @@ def run(server: Server, config: SoakConfig) -> Section:
         raise AssertionError(f"soak: {result['offered']} offered, {result['ledger']} ledger "
                              f"rows, {result['unfinished']} jobs not done at the end")
     hot = last["hot_updates"] / last["updates"] if last["updates"] else 0.0
+    deadliest = max((s for s in samples if s["at"] >= early["at"]), key=lambda s: s["dead"])
     name = (f"{config.seconds:g} s at {config.rate:g} jobs/s offered, {config.dispatchers} "
             f"dispatcher processes, retention {config.retention:g} s")
     rows = [
@@ -201,6 +204,12 @@ def run(server: Server, config: SoakConfig) -> Section:
         Row("soak", f"{name}: jobs offered a second, the last 60 s", "jobs/s",
             Figure.of([(last["offered"] - _at(samples, last["at"] - 60)["offered"]) / 60])),
         Row("soak", f"{name}: HOT updates of jobs", "share", Figure.of([hot])),
+        Row("soak", f"{name}: dead rows in jobs, the most in a window after "
+            f"{early['at']:g} s", "rows", Figure.of([float(deadliest["dead"])]),
+            "live rows then", Figure.of([float(deadliest["live"])])),
+        Row("soak", f"{name}: vacuums of jobs by dispatchers (autovacuum's beside)", "vacuums",
+            Figure.of([float(last["vacuums"])]), "autovacuum",
+            Figure.of([float(last["autovacuums"])])),
         Row("soak", f"{name}: jobs offered, each done once (ledger rows)", "jobs",
             Figure.of([float(result["ledger"])]), "offered",
             Figure.of([float(result["offered"])])),
