@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import signal
 import sys
 
 import click
@@ -101,6 +102,9 @@ def command(workers: int, jobs: int, duration: float, deadline: float | None,
         raise click.UsageError(str(exc)) from None
     console = Console(stderr=False)
     console.print(f"[bold]outbox chaos[/]: seed {seed} (replay with --seed {seed})")
+    # A SIGTERM (a timeout, an orchestrator) ends the run as Ctrl-C does: its workers,
+    # servers and database are cleaned up, not left running without their runner.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     report = run_chaos(config, progress=lambda line: console.print(f"  {line}", markup=False))
     report.print(console)
     if json_path:
