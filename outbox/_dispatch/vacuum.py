@@ -112,7 +112,12 @@ class QueueVacuum:
                     log.info("the dispatcher's role may not VACUUM %s.%s: autovacuum "
                              "alone keeps it", schema, table)
                 except psycopg.errors.QueryCanceled:
-                    return  # a stop (or the role's statement_timeout): next time, maybe
+                    if not self._closed:  # the role's statement_timeout, not a stop:
+                        self.refused.add(table)  # it would cut every vacuum short
+                        log.info("vacuum of %s.%s was cancelled (the role's "
+                                 "statement_timeout?): autovacuum alone keeps it",
+                                 schema, table)
+                    return
                 except psycopg.Error as exc:
                     log.warning("vacuum of %s.%s failed: %s", schema, table,
                                 exc.sqlstate or type(exc).__name__)
