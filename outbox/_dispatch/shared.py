@@ -215,8 +215,10 @@ def held(home: Target | None) -> Iterator[None]:
     try:
         yield
     finally:
+        # Closed under the lock, only while nobody holds it: closed after the lock was
+        # let go, it could cut off a holder that came in meanwhile (a fleet's next turn)
+        # between its grant and its refund, and the refund, dropped, leaked tokens.
         with _homes_lock:
             budget.holders -= 1
-            last = budget.holders == 0
-        if last:
-            budget.close()
+            if budget.holders == 0:
+                budget.close()
