@@ -35,6 +35,7 @@ from .._steps import Statement, Step
 from .connection import connect
 from .settings import Settings
 from .signals import Timer
+from .statistics import TABLES
 
 __all__ = ["CHECK_INTERVAL", "GAP", "ROWS", "SHARE", "QueueVacuum"]
 
@@ -44,7 +45,6 @@ CHECK_INTERVAL = 5.0
 ROWS = 10_000
 SHARE = 0.2
 GAP = 10.0
-TABLES = ("jobs", "effect_results", "inbox")
 CLOSE_WAIT = 5.0  # seconds a stop waits for a cancelled vacuum to end
 
 

@@ -345,6 +345,12 @@ RETURNING j.id, j.key, j.status, j.claim_version;
 -- a newer one than its code knows stops it (deploy the release that migrated it).
 SELECT coalesce(max(version), 0) AS version FROM {schema}.schema_migrations;
 
+-- fragment: may_maintain
+-- Whether this role may ANALYZE and VACUUM the table of pg_class row c: it owns it (or is
+-- a member of its owner), or is a superuser.
+(pg_has_role(c.relowner, 'USAGE')
+ OR (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user))
+
 -- name: unanalyzed_tables
 -- The queue tables autovacuum never analyzed that this role may ANALYZE (it owns them,
 -- or is a superuser), and whether each has changed by more than its statistics describe:
@@ -356,8 +362,7 @@ FROM pg_stat_user_tables s
 JOIN pg_class c ON c.oid = s.relid
 WHERE s.schemaname = %(schema_name)s::text AND s.relname = ANY(%(tables)s::text[])
   AND s.last_autoanalyze IS NULL
-  AND (pg_has_role(c.relowner, 'USAGE')
-       OR (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user));
+  AND {may_maintain};
 
 -- name: vacuum_due
 -- The queue tables this role may VACUUM (it owns them, or is a superuser) whose dead rows
@@ -371,8 +376,7 @@ WHERE s.schemaname = %(schema_name)s::text AND s.relname = ANY(%(tables)s::text[
   AND s.n_dead_tup >= greatest(%(rows)s::bigint, (%(share)s::float8 * s.n_live_tup)::bigint)
   AND coalesce(greatest(s.last_vacuum, s.last_autovacuum), '-infinity'::timestamptz)
       < now() - %(gap)s::float8 * interval '1 second'
-  AND (pg_has_role(c.relowner, 'USAGE')
-       OR (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user))
+  AND {may_maintain}
 ORDER BY s.n_dead_tup DESC;
 
 -- name: effect_named
