@@ -7,6 +7,8 @@ the clock times. Every loop is bounded by a deadline.
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -18,8 +20,10 @@ from pgqueuer import AsyncpgDriver, Queries, QueueManager
 from pgqueuer.models import Job as PgqJob
 from pgqueuer.types import QueueExecutionMode
 from psycopg import sql
+from psycopg.rows import namedtuple_row
 
 import outbox
+from outbox.sql import Queries as OutboxQueries
 
 from ._db import asyncpg_params, table
 from ._effects import AsyncNoop, Noop
@@ -65,6 +69,14 @@ class OutboxSettings:
 class OutboxSpec:
     dsn: str
     settings: OutboxSettings
+    timeout: float
+
+
+@dataclass(frozen=True)
+class SqlCeilingSpec:
+    dsn: str
+    batch: int
+    connections: int
     timeout: float
 
 
@@ -121,6 +133,42 @@ def probe_worker(spec: ProbeSpec) -> Prepared:
                 if not rows:
                     break
         return deleted
+
+    return Prepared(run)
+
+
+def sql_ceiling_worker(spec: SqlCeilingSpec) -> Prepared:
+    """Our dispatcher's own statements with no dispatcher: ``claim`` then
+    ``complete_delete`` (the ledger row written) in a loop on ``spec.connections``
+    connections at once, one thread each, nothing performed. What any dispatcher built
+    on these statements could reach on this server: the ceiling of the SQL."""
+    queries = OutboxQueries("outbox")
+    conns = [psycopg.connect(spec.dsn, autocommit=True, row_factory=namedtuple_row)
+             for _ in range(spec.connections)]
+    claim = {"effects": [Noop.name], "limit": spec.batch, "lease": 60.0,
+             "worker": "sql-ceiling", "after": "{}"}
+
+    def loop(conn: psycopg.Connection[Any], deadline: float, done: list[int]) -> None:
+        with conn:
+            while time.monotonic() < deadline:
+                rows = conn.execute(queries.claim, claim, prepare=True).fetchall()
+                if not rows:
+                    return
+                claims = json.dumps([{"id": row.id, "version": row.claim_version,
+                                      "result": None} for row in rows])
+                conn.execute(queries.complete_delete, {"claims": claims}, prepare=True)
+                done.append(len(rows))
+
+    def run() -> int:
+        deadline = time.monotonic() + spec.timeout
+        done: list[int] = []
+        threads = [threading.Thread(target=loop, args=(conn, deadline, done))
+                   for conn in conns]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return sum(done)
 
     return Prepared(run)
 

@@ -28,8 +28,10 @@ from ._stats import Figure, ratios
 log = logging.getLogger("benchmarks.drain")
 
 # "outbox" runs with the settings given (cli.BEST_OUTBOX: done jobs deleted at once);
-# "outbox-retained" with the same settings but the default retention, done rows kept.
-SYSTEMS = ("outbox", "outbox-retained", "probe", "pgqueuer", "procrastinate")
+# "outbox-retained" with the same settings but the default retention, done rows kept;
+# "outbox-sql" the dispatcher's claim and complete_delete statements alone, on two
+# connections at once: the ceiling of the SQL, which no dispatcher on it can pass.
+SYSTEMS = ("outbox", "outbox-retained", "outbox-sql", "probe", "pgqueuer", "procrastinate")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class DrainConfig:
     systems: tuple[str, ...] = SYSTEMS
     outbox: workers.OutboxSettings = field(default_factory=workers.OutboxSettings)
     probe_batch: int = 100
+    sql_ceiling_connections: int = 2
     pgqueuer_batch: int = 500
     pgqueuer_max_tasks: int | None = None
     procrastinate_concurrency: int = 10
@@ -160,6 +163,11 @@ _REGISTRY: dict[str, _System] = {
         _prepare_outbox, workers.outbox_worker,
         lambda c, dsn, t: workers.OutboxSpec(dsn, c.outbox.retained(), t),
         _verify_outbox),
+    "outbox-sql": _System(
+        _prepare_outbox, workers.sql_ceiling_worker,
+        lambda c, dsn, t: workers.SqlCeilingSpec(
+            dsn, c.outbox.batch_size or 1000, c.sql_ceiling_connections, t),
+        _verify_outbox),
     "probe": _System(
         _prepare_probe, workers.probe_worker,
         lambda c, dsn, t: workers.ProbeSpec(dsn, c.probe_batch, t), _verify_probe),
@@ -222,6 +230,11 @@ def _size_rows(config: DrainConfig, runs: list[DrainRun], size: int, procs: int)
         rows.append(Row("drain", f"outbox vs outbox-retained {_label(size)} x{procs}",
                         "jobs/s", Figure.of(ours), "outbox-retained", Figure.of(kept),
                         ratios(ours, kept)))
+    ceiling = _rates(runs, "outbox-sql", size, procs)
+    if ours and ceiling:
+        rows.append(Row("drain", f"outbox vs outbox-sql {_label(size)} x{procs}", "jobs/s",
+                        Figure.of(ours), "its SQL alone", Figure.of(ceiling),
+                        ratios(ours, ceiling)))
     peer = _rates(runs, "pgqueuer", size, procs)
     if ours and peer:
         rows.append(Row("drain", f"outbox vs pgqueuer {_label(size)} x{procs}", "jobs/s",
@@ -245,6 +258,9 @@ def run(server: Server, config: DrainConfig) -> Section:
                         results.append(measure(server, config, system, size, procs))
     settings = {"outbox": config.outbox.describe(),
                 "outbox-retained": config.outbox.retained().describe(),
+                "outbox-sql": f"claim + complete_delete, batch "
+                f"{config.outbox.batch_size or 1000}, {config.sql_ceiling_connections} "
+                "connections, no dispatcher",
                 "probe": f"batch {config.probe_batch}",
                 "pgqueuer": f"asyncpg batch_size={config.pgqueuer_batch} "
                 f"max_concurrent_tasks={config.pgqueuer_max_tasks}",
