@@ -8,6 +8,17 @@ never came); the checks demand at least one message per done job, no more messag
 the attempts that could have produced one, and exactly one handling per key by the
 consumer, which dedupes through the inbox and stores its offsets in PostgreSQL.
 
+One repeat is the mock's own: it does not deduplicate the idempotent producer's retried
+batches as a broker does (see ``effects.testing.KafkaMockCluster``), so a produce it
+stored while a broker went down with the acknowledgement unsent is stored again by the
+producer's retry, within one attempt that returns once. Such copies are the same
+batch: one partition, one producer timestamp (librdkafka stamps a message when it is
+handed over and resends it as it was), whereas every attempt hands over a message of
+its own, stamped when it does. ``produced_per_key`` counts them once, and the checks
+hold the attempts to that count (two attempts of one key handing over within one
+millisecond would count once as well: a job's attempts follow one another, and only a
+stale claim's can overlap the next).
+
 Faults here: a broker set down for a while (its partitions keep it as leader, so their
 produces wait or time out) and then up; and the consumer process killed (kill -9, then
 replaced) or frozen (SIGSTOP, then SIGCONT).
@@ -32,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psycopg
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import TIMESTAMP_CREATE_TIME, Consumer, TopicPartition
 from psycopg import sql
 
 import outbox
@@ -147,6 +158,7 @@ class ChaosKafka:
         self.consumer_stops = 0
         self.brokers_down = 0
         self._settled = False
+        self._stamps: dict[tuple[int, int], int | None] = {}  # (partition, offset) -> ms
         self._generation = 0
 
     @property
@@ -179,6 +191,7 @@ class ChaosKafka:
                            "group.id": "chaos-settle", "enable.auto.commit": False})
         per_key: Counter[str] = Counter()
         at: dict[tuple[int, int], str] = {}
+        stamps: dict[tuple[int, int], int | None] = {}
         try:
             reader.assign([TopicPartition(TOPIC, p, 0) for p, end in ends.items() if end])
             while len(at) < sum(ends.values()):
@@ -189,13 +202,17 @@ class ChaosKafka:
                     if message.error() is None:
                         raw = dict(message.headers() or []).get(_KEY_HEADER)
                         key = raw.decode() if isinstance(raw, bytes) else "(no outbox-key)"
-                        if (message.partition() or 0, message.offset() or 0) not in at:
+                        where = (message.partition() or 0, message.offset() or 0)
+                        if where not in at:
                             per_key[key] += 1
-                        at[(message.partition() or 0, message.offset() or 0)] = key
+                        at[where] = key
+                        kind, stamp = message.timestamp()
+                        stamps[where] = stamp if kind == TIMESTAMP_CREATE_TIME else None
         finally:
             reader.close()
         self._tail.stop()  # from now on the fresh read answers, and nothing adds to it
         self._tail.replace(per_key, at)
+        self._stamps = stamps
         self._settled = True
 
     def messages_per_key(self) -> dict[str, int]:
@@ -203,6 +220,20 @@ class ChaosKafka:
         if not self._settled:
             self.settle()
         return dict(self._tail.per_key)
+
+    def produced_per_key(self) -> dict[str, int]:
+        """Messages produced per job key: like ``messages_per_key``, with the copies of
+        one batch that the mock stored again (one partition, one producer timestamp: see
+        the module docstring) counted once. A message without its producer's timestamp
+        counts on its own."""
+        if not self._settled:
+            self.settle()
+        produced: set[tuple[str, int, int, bool]] = set()  # key, partition, stamp or offset
+        for (partition, offset), key in self._tail.at.items():
+            stamp = self._stamps.get((partition, offset))
+            produced.add((key, partition, offset, False) if stamp is None
+                         else (key, partition, stamp, True))
+        return dict(Counter(key for key, *_ in produced))
 
     def key_at(self, partition: int, offset: int) -> str | None:
         """The ``outbox-key`` of the message at (partition, offset), if it exists."""

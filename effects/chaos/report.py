@@ -52,7 +52,9 @@ What the figures mean:
 - ``kafka``: the Kafka half, counted per job key from the topic's ``outbox-key``
   headers: ``keys`` with a message, ``messages`` stored, ``keys_repeated`` (more than
   one message: at least once allows it), ``max_per_key``, ``keys_per_count`` (how many
-  keys hold 1, 2, ... messages), ``acked_not_done`` (attempts the broker acknowledged
+  keys hold 1, 2, ... messages), ``stored_again`` (copies of one batch, same partition
+  and producer timestamp: the mock cluster storing a producer's retry that a broker would
+  have dropped as a duplicate), ``acked_not_done`` (attempts the broker acknowledged
   whose ``done`` was never recorded under that claim: where repeats come from),
   ``handled`` by the consumer (must equal ``keys``), repeats its inbox skipped and
   handler retries (counted by the consumer process that stopped last), messages parked,

@@ -1,13 +1,20 @@
 """``KafkaMockCluster``: librdkafka's built-in mock Kafka cluster, held by a process of its
-own for tests, with its fault controls (brokers down and up, request errors pushed).
+own for tests, with its fault controls (brokers down and up, slow responses, request
+errors pushed).
 
 librdkafka's mock cluster (what ``test.mock.num.brokers`` starts inside a client) speaks
 the real protocol, idempotent producers and consumer groups included, auto-creates
-topics (4 partitions) and keeps everything in memory. Holding it in a child process lets
-a test kill -9 a producer or consumer process while the cluster (and what it stored)
-survives. The holder creates the cluster through librdkafka's C API (``ctypes``, on the
-library confluent-kafka ships), because that API is also the only way to reach the mock
-cluster's fault controls, which confluent-kafka does not expose in Python.
+topics (4 partitions) and keeps everything in memory. Unlike a real broker it does not
+deduplicate an idempotent producer's retried batches (it checks sequence numbers for
+transactional producers only): a batch it stored whose acknowledgement was lost (the
+broker set down with the response unsent) is stored again when librdkafka retries it,
+with the same bytes and timestamp, and the producer reports it delivered once.
+
+Holding it in a child process lets a test kill -9 a producer or consumer process while
+the cluster (and what it stored) survives. The holder creates the cluster through
+librdkafka's C API (``ctypes``, on the library confluent-kafka ships), because that API
+is also the only way to reach the mock cluster's fault controls, which confluent-kafka
+does not expose in Python.
 
 Run as ``python -m effects.testing._kafka BROKERS``: prints the bootstrap servers on one
 line, then reads commands on its standard input, one a line, answering each with
@@ -16,6 +23,8 @@ line, then reads commands on its standard input, one a line, answering each with
     down <broker id>                 the broker drops its connections and refuses new
                                      ones (its partitions get no new leader)
     up <broker id>                   it accepts connections again
+    rtt <broker id> <ms>             the broker holds each response that long (it
+                                     handles, and stores, the request at once)
     errors <api key> <code> ...      the next requests of that API (0 = Produce), one
                                      per code, fail with those Kafka error codes
 """
@@ -45,7 +54,8 @@ class KafkaMockCluster:
     ``bootstrap_servers`` is what clients put in ``bootstrap.servers``; brokers are
     numbered 1 to ``brokers``. Use as a context manager; ``stop()`` ends it (and forgets
     everything it stored). The fault controls (``set_broker_down``, ``set_broker_up``,
-    ``push_request_errors``) are thread-safe and return once the cluster applied them.
+    ``set_broker_rtt``, ``push_request_errors``) are thread-safe and return once the
+    cluster applied them.
     """
 
     def __init__(self, brokers: int = 3) -> None:
@@ -84,12 +94,21 @@ class KafkaMockCluster:
     def set_broker_down(self, broker_id: int) -> None:
         """Broker ``broker_id`` drops its connections and refuses new ones until
         ``set_broker_up``; its partitions keep it as leader (no failover), so what is
-        produced to them waits, or times out."""
+        produced to them waits, or times out. A response not yet sent is dropped: a
+        produce the broker stored unacknowledged is retried by the producer, and this
+        mock stores it again (see the module docstring)."""
         self._command(f"down {self._checked(broker_id)}")
 
     def set_broker_up(self, broker_id: int) -> None:
         """Broker ``broker_id`` accepts connections again."""
         self._command(f"up {self._checked(broker_id)}")
+
+    def set_broker_rtt(self, broker_id: int, milliseconds: int) -> None:
+        """Broker ``broker_id`` sends each response ``milliseconds`` after handling its
+        request (0: at once); what a request stores is stored meanwhile."""
+        if milliseconds < 0:
+            raise ValueError("a round-trip time cannot be negative")
+        self._command(f"rtt {self._checked(broker_id)} {int(milliseconds)}")
 
     def push_request_errors(self, api_key: int, errors: Sequence[int]) -> None:
         """The next ``len(errors)`` requests of ``api_key`` (``PRODUCE_API`` = 0), on
@@ -186,6 +205,9 @@ class _MockCluster:
         for name in ("rd_kafka_mock_broker_set_down", "rd_kafka_mock_broker_set_up"):
             getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_int32]
             getattr(lib, name).restype = ctypes.c_int
+        lib.rd_kafka_mock_broker_set_rtt.argtypes = [ctypes.c_void_p, ctypes.c_int32,
+                                                     ctypes.c_int]
+        lib.rd_kafka_mock_broker_set_rtt.restype = ctypes.c_int
         lib.rd_kafka_mock_push_request_errors_array.argtypes = [
             ctypes.c_void_p, ctypes.c_int16, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int)]
         errstr = ctypes.create_string_buffer(512)
@@ -208,6 +230,9 @@ class _MockCluster:
         if command in ("down", "up") and len(args) == 1:
             function = getattr(self._lib, f"rd_kafka_mock_broker_set_{command}")
             if function(self._cluster, args[0]) != 0:
+                raise ValueError(f"no broker {args[0]}")
+        elif command == "rtt" and len(args) == 2:
+            if self._lib.rd_kafka_mock_broker_set_rtt(self._cluster, args[0], args[1]) != 0:
                 raise ValueError(f"no broker {args[0]}")
         elif command == "errors" and len(args) >= 2:
             codes = (ctypes.c_int * (len(args) - 1))(*args[1:])

@@ -19,6 +19,7 @@ class Record:
     key: bytes | None
     value: bytes
     headers: dict[str, bytes]
+    timestamp: int = 0  # the producer's, in ms (CreateTime)
 
 
 def records(bootstrap: str, topic: str, partitions: int = 4) -> list[Record]:
@@ -39,7 +40,7 @@ def records(bootstrap: str, topic: str, partitions: int = 4) -> list[Record]:
             assert message.error() is None, message.error()
             found.append(Record(message.partition() or 0, message.offset() or 0,
                                 message.key(), message.value() or b"",
-                                _headers(message.headers())))
+                                _headers(message.headers()), message.timestamp()[1]))
         return sorted(found, key=lambda r: (r.partition, r.offset))
     finally:
         consumer.close()

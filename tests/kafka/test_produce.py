@@ -119,6 +119,39 @@ def test_a_delivery_that_times_out_after_the_handover_is_an_unknown_outcome(topi
     assert where[(again["partition"], again["offset"])] == b"evt-2"
 
 
+def test_the_mock_stores_a_retried_batch_again_when_its_ack_was_lost(topic: str) -> None:
+    # One attempt, acknowledged once, and two copies in the topic: the broker stored the
+    # message, went down before its response left, and the producer's own retry of the
+    # batch was stored again. A real broker drops that retry as a duplicate of the
+    # idempotent producer's sequence; librdkafka's mock checks sequences only for
+    # transactional producers. The copies are the same batch: same partition, same
+    # producer timestamp, which is how the chaos checks tell them from a second attempt.
+    with KafkaMockCluster(brokers=1) as cluster, \
+            Produce(cluster.bootstrap_servers, delivery_timeout=10.0) as produce:
+
+        async def attempt_losing_its_ack() -> dict[str, Any]:
+            await produce.perform(make_job("evt-0", {"topic": topic, "value": 0}))
+            cluster.set_broker_rtt(1, 3000)  # evt-1 is stored at once, its ack held
+            try:
+                performing = asyncio.create_task(
+                    produce.perform(make_job("evt-1", {"topic": topic, "value": 1})))
+                await asyncio.sleep(0.5)
+                cluster.set_broker_down(1)  # the held ack is dropped with the connection
+            finally:
+                cluster.set_broker_rtt(1, 0)
+                cluster.set_broker_up(1)
+            result: dict[str, Any] = await performing
+            return result
+
+        result = run(attempt_losing_its_ack())
+        stored = [r for r in records(cluster.bootstrap_servers, topic)
+                  if r.headers["outbox-key"] == b"evt-1"]
+    assert len(stored) == 2
+    assert {(r.partition, r.timestamp) for r in stored} == {(stored[0].partition,
+                                                              stored[0].timestamp)}
+    assert (result["partition"], result["offset"]) in {(r.partition, r.offset) for r in stored}
+
+
 @pytest.mark.parametrize("flavour", ["sync", "async"])
 def test_dispatchers_produce_every_job_once_in_order_per_ordering_key(
     dsn: str, schema: str, kafka: KafkaMockCluster, topic: str, flavour: str
