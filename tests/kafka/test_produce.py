@@ -131,11 +131,15 @@ def test_the_mock_stores_a_retried_batch_again_when_its_ack_was_lost(topic: str)
 
         async def attempt_losing_its_ack() -> dict[str, Any]:
             await produce.perform(make_job("evt-0", {"topic": topic, "value": 0}))
-            cluster.set_broker_rtt(1, 3000)  # evt-1 is stored at once, its ack held
+            cluster.set_broker_rtt(1, 6000)  # evt-1 is stored at once, its ack held
             try:
                 performing = asyncio.create_task(
                     produce.perform(make_job("evt-1", {"topic": topic, "value": 1})))
-                await asyncio.sleep(0.5)
+                # No event says "stored, ack held": the one broker answers every request,
+                # a watermark query included, only after the same delay. So a pause well
+                # inside the held 6 s, generous for the produce to reach the broker on a
+                # loaded machine; too short a pause fails the count below, never passes it.
+                await asyncio.sleep(1.5)
                 cluster.set_broker_down(1)  # the held ack is dropped with the connection
             finally:
                 cluster.set_broker_rtt(1, 0)
