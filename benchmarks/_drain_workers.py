@@ -75,7 +75,7 @@ class OutboxSpec:
 @dataclass(frozen=True)
 class SqlCeilingSpec:
     dsn: str
-    batch: int
+    settings: OutboxSettings  # claims as many jobs at a time as the dispatcher would
     connections: int
     timeout: float
 
@@ -105,16 +105,20 @@ class ProcrastinateSpec:
 def outbox_worker(spec: OutboxSpec) -> Prepared:
     """Our real dispatcher: ``run_until_idle`` with full semantics. Its result holds the
     dispatcher's counters and the process's peak RSS."""
-    settings = spec.settings
-    effect = AsyncNoop() if settings.async_effect else Noop()
-    dispatcher = outbox.Dispatcher(spec.dsn, [effect], concurrency=settings.concurrency,
-                                   batch_size=settings.batch_size, **settings.options)
+    dispatcher = _dispatcher(spec.dsn, spec.settings)
 
     def run() -> dict[str, Any]:
         stats = dispatcher.run_until_idle(timeout=spec.timeout).as_dict()
         return {**stats, "peak_rss_bytes": peak_rss(), "final_rss_bytes": rss()}
 
     return Prepared(run, info=rss())
+
+
+def _dispatcher(dsn: str, settings: OutboxSettings) -> outbox.Dispatcher:
+    """Our dispatcher with these settings (connecting only when it runs)."""
+    effect = AsyncNoop() if settings.async_effect else Noop()
+    return outbox.Dispatcher(dsn, [effect], concurrency=settings.concurrency,
+                             batch_size=settings.batch_size, **settings.options)
 
 
 def probe_worker(spec: ProbeSpec) -> Prepared:
@@ -145,7 +149,10 @@ def sql_ceiling_worker(spec: SqlCeilingSpec) -> Prepared:
     queries = OutboxQueries("outbox")
     conns = [psycopg.connect(spec.dsn, autocommit=True, row_factory=namedtuple_row)
              for _ in range(spec.connections)]
-    claim = {"effects": [Noop.name], "limit": spec.batch, "lease": 60.0,
+    # The batch the dispatcher claims with these settings: its own default when
+    # batch_size is None, read from a dispatcher that never runs.
+    batch = _dispatcher(spec.dsn, spec.settings).batch_size
+    claim = {"effects": [Noop.name], "limit": batch, "lease": 60.0,
              "worker": "sql-ceiling", "after": "{}"}
 
     def loop(conn: psycopg.Connection[Any], deadline: float, done: list[int]) -> None:

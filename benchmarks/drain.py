@@ -165,8 +165,7 @@ _REGISTRY: dict[str, _System] = {
         _verify_outbox),
     "outbox-sql": _System(
         _prepare_outbox, workers.sql_ceiling_worker,
-        lambda c, dsn, t: workers.SqlCeilingSpec(
-            dsn, c.outbox.batch_size or 1000, c.sql_ceiling_connections, t),
+        lambda c, dsn, t: workers.SqlCeilingSpec(dsn, c.outbox, c.sql_ceiling_connections, t),
         _verify_outbox),
     "probe": _System(
         _prepare_probe, workers.probe_worker,
@@ -258,9 +257,8 @@ def run(server: Server, config: DrainConfig) -> Section:
                         results.append(measure(server, config, system, size, procs))
     settings = {"outbox": config.outbox.describe(),
                 "outbox-retained": config.outbox.retained().describe(),
-                "outbox-sql": f"claim + complete_delete, batch "
-                f"{config.outbox.batch_size or 1000}, {config.sql_ceiling_connections} "
-                "connections, no dispatcher",
+                "outbox-sql": "claim + complete_delete, the batch_size of outbox, "
+                f"{config.sql_ceiling_connections} connections, no dispatcher",
                 "probe": f"batch {config.probe_batch}",
                 "pgqueuer": f"asyncpg batch_size={config.pgqueuer_batch} "
                 f"max_concurrent_tasks={config.pgqueuer_max_tasks}",
