@@ -10,6 +10,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,6 +38,44 @@ DELETE FROM {jobs} WHERE id IN (
     SELECT id FROM {jobs} ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
 ) RETURNING id
 """
+
+# The design floor: the leanest statements that still write what DESIGN.md requires of
+# every job (a claim persisting its lease and fencing token, a fenced completion writing a
+# ledger row), on a table built for nothing else. The jobs' own ids, keys and payloads are
+# copied into it; its claim changes no indexed column, so each claim is a HOT update that
+# adds no index entry, and its ledger holds the key alone. No feature of ours (fairness,
+# ordering, retries, results, timestamps) is in it: no design honouring the guarantees
+# writes less per job, so no dispatcher can drain faster than this on the same server.
+FLOOR_TABLES = """
+CREATE TABLE {floor} (
+    id bigint PRIMARY KEY, key text NOT NULL UNIQUE, payload jsonb NOT NULL,
+    available_at timestamptz NOT NULL, claim_version bigint NOT NULL DEFAULT 0,
+    lease_until timestamptz, claimed_by text
+) WITH (fillfactor = 50);
+CREATE INDEX ON {floor} (available_at, id);
+INSERT INTO {floor} (id, key, payload, available_at)
+    SELECT id, key, payload, available_at FROM {jobs};
+CREATE TABLE {floor_ledger} (key text PRIMARY KEY, job_id bigint NOT NULL,
+                             claim_version bigint NOT NULL)
+"""
+FLOOR_CLAIM = """
+UPDATE {floor} SET claim_version = claim_version + 1, claimed_by = %(worker)s,
+    lease_until = now() + make_interval(secs => %(lease)s)
+WHERE id IN (SELECT id FROM {floor} WHERE lease_until IS NULL ORDER BY available_at, id
+             LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
+RETURNING id, key, claim_version, payload
+"""
+FLOOR_COMPLETE = """
+WITH done AS (
+    DELETE FROM {floor} AS f
+    USING unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS c (id, version)
+    WHERE f.id = c.id AND f.claim_version = c.version
+    RETURNING f.id, f.key, f.claim_version)
+INSERT INTO {floor_ledger} (key, job_id, claim_version)
+SELECT key, id, claim_version FROM done
+"""
+FLOOR_TABLE = ("outbox", "floor_jobs")
+FLOOR_LEDGER = ("outbox", "floor_ledger")
 
 PGQUEUER_ENTRYPOINT = "noop"
 PROCRASTINATE_TASK = "noop"
@@ -74,6 +113,14 @@ class OutboxSpec:
 
 @dataclass(frozen=True)
 class SqlCeilingSpec:
+    dsn: str
+    settings: OutboxSettings  # claims as many jobs at a time as the dispatcher would
+    connections: int
+    timeout: float
+
+
+@dataclass(frozen=True)
+class FloorSpec:
     dsn: str
     settings: OutboxSettings  # claims as many jobs at a time as the dispatcher would
     connections: int
@@ -155,19 +202,67 @@ def sql_ceiling_worker(spec: SqlCeilingSpec) -> Prepared:
     claim = {"effects": [Noop.name], "limit": batch, "lease": 60.0,
              "worker": "sql-ceiling", "after": "{}"}
 
+    def one_round(conn: psycopg.Connection[Any]) -> int:
+        rows = conn.execute(queries.claim, claim, prepare=True).fetchall()
+        if rows:
+            claims = json.dumps([{"id": row.id, "version": row.claim_version,
+                                  "result": None} for row in rows])
+            conn.execute(queries.complete_delete, {"claims": claims}, prepare=True)
+        return len(rows)
+
+    return Prepared(_threads(conns, spec.timeout, one_round))
+
+
+def floor_tables(dsn: str) -> None:
+    """Build the design floor's table and ledger from the jobs enqueued in ``dsn``."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for statement in FLOOR_TABLES.split(";"):
+            conn.execute(_floor_sql(statement))
+
+
+def _floor_sql(statement: str) -> sql.Composed:
+    return sql.SQL(statement).format(jobs=table("outbox", "jobs"), floor=table(*FLOOR_TABLE),
+                                     floor_ledger=table(*FLOOR_LEDGER))
+
+
+def floor_worker(spec: FloorSpec) -> Prepared:
+    """The design floor's claim and fenced completion (see ``FLOOR_TABLES``) in a loop on
+    ``spec.connections`` connections at once, one thread each, nothing performed."""
+    conns = [psycopg.connect(spec.dsn, autocommit=True, row_factory=namedtuple_row)
+             for _ in range(spec.connections)]
+    claim_sql, complete_sql = _floor_sql(FLOOR_CLAIM), _floor_sql(FLOOR_COMPLETE)
+    claim = {"limit": _dispatcher(spec.dsn, spec.settings).batch_size, "lease": 60.0,
+             "worker": "floor"}
+    return Prepared(_threads(conns, spec.timeout, lambda conn: _floor_round(
+        conn, claim_sql, claim, complete_sql)))
+
+
+def _floor_round(conn: psycopg.Connection[Any], claim_sql: sql.Composed,
+                 claim: dict[str, Any], complete_sql: sql.Composed) -> int:
+    rows = conn.execute(claim_sql, claim, prepare=True).fetchall()
+    if rows:
+        conn.execute(complete_sql, {"ids": [row.id for row in rows],
+                                    "versions": [row.claim_version for row in rows]},
+                     prepare=True)
+    return len(rows)
+
+
+def _threads(conns: list[psycopg.Connection[Any]], timeout: float,
+             one_round: Callable[[psycopg.Connection[Any]], int]) -> Callable[[], int]:
+    """A run that repeats ``one_round`` (it returns the jobs it finished) on each
+    connection in a thread of its own until a round finds nothing or the deadline passes;
+    it returns the jobs finished by all."""
+
     def loop(conn: psycopg.Connection[Any], deadline: float, done: list[int]) -> None:
         with conn:
             while time.monotonic() < deadline:
-                rows = conn.execute(queries.claim, claim, prepare=True).fetchall()
-                if not rows:
+                finished = one_round(conn)
+                if not finished:
                     return
-                claims = json.dumps([{"id": row.id, "version": row.claim_version,
-                                      "result": None} for row in rows])
-                conn.execute(queries.complete_delete, {"claims": claims}, prepare=True)
-                done.append(len(rows))
+                done.append(finished)
 
     def run() -> int:
-        deadline = time.monotonic() + spec.timeout
+        deadline = time.monotonic() + timeout
         done: list[int] = []
         threads = [threading.Thread(target=loop, args=(conn, deadline, done))
                    for conn in conns]
@@ -177,7 +272,7 @@ def sql_ceiling_worker(spec: SqlCeilingSpec) -> Prepared:
             thread.join()
         return sum(done)
 
-    return Prepared(run)
+    return run
 
 
 def pgqueuer_worker(spec: PgqueuerSpec) -> Prepared:

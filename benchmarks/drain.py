@@ -30,8 +30,12 @@ log = logging.getLogger("benchmarks.drain")
 # "outbox" runs with the settings given (cli.BEST_OUTBOX: done jobs deleted at once);
 # "outbox-retained" with the same settings but the default retention, done rows kept;
 # "outbox-sql" the dispatcher's claim and complete_delete statements alone, on two
-# connections at once: the ceiling of the SQL, which no dispatcher on it can pass.
-SYSTEMS = ("outbox", "outbox-retained", "outbox-sql", "probe", "pgqueuer", "procrastinate")
+# connections at once: the ceiling of the SQL, which no dispatcher on it can pass;
+# "floor" the leanest statements that still write a lease, a fencing token and a ledger
+# row per job (_drain_workers.FLOOR_TABLES), on as many connections: the ceiling of any
+# design that keeps the guarantees.
+SYSTEMS = ("outbox", "outbox-retained", "outbox-sql", "floor", "probe", "pgqueuer",
+           "procrastinate")
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,12 @@ class DrainRun:
 def _prepare_outbox(dsn: str, jobs: int) -> float:
     migrated(dsn)
     return enqueue_outbox(dsn, jobs)
+
+
+def _prepare_floor(dsn: str, jobs: int) -> float:
+    rate = _prepare_outbox(dsn, jobs)
+    workers.floor_tables(dsn)
+    return rate
 
 
 def _prepare_probe(dsn: str, jobs: int) -> float:
@@ -133,6 +143,11 @@ def _verify_outbox(dsn: str, jobs: int) -> None:
     _check("outbox ledger rows", scalar(dsn, "SELECT count(*) FROM outbox.effect_results"), jobs)
 
 
+def _verify_floor(dsn: str, jobs: int) -> None:
+    _check("floor jobs left", scalar(dsn, "SELECT count(*) FROM outbox.floor_jobs"), 0)
+    _check("floor ledger rows", scalar(dsn, "SELECT count(*) FROM outbox.floor_ledger"), jobs)
+
+
 def _verify_probe(dsn: str, jobs: int) -> None:
     _check("probe rows left", scalar(dsn, "SELECT count(*) FROM outbox.jobs"), 0)
 
@@ -167,6 +182,10 @@ _REGISTRY: dict[str, _System] = {
         _prepare_outbox, workers.sql_ceiling_worker,
         lambda c, dsn, t: workers.SqlCeilingSpec(dsn, c.outbox, c.sql_ceiling_connections, t),
         _verify_outbox),
+    "floor": _System(
+        _prepare_floor, workers.floor_worker,
+        lambda c, dsn, t: workers.FloorSpec(dsn, c.outbox, c.sql_ceiling_connections, t),
+        _verify_floor),
     "probe": _System(
         _prepare_probe, workers.probe_worker,
         lambda c, dsn, t: workers.ProbeSpec(dsn, c.probe_batch, t), _verify_probe),
@@ -234,6 +253,15 @@ def _size_rows(config: DrainConfig, runs: list[DrainRun], size: int, procs: int)
         rows.append(Row("drain", f"outbox vs outbox-sql {_label(size)} x{procs}", "jobs/s",
                         Figure.of(ours), "its SQL alone", Figure.of(ceiling),
                         ratios(ours, ceiling)))
+    floor = _rates(runs, "floor", size, procs)
+    if ceiling and floor:
+        rows.append(Row("drain", f"outbox-sql vs floor {_label(size)} x{procs}", "jobs/s",
+                        Figure.of(ceiling), "the design floor", Figure.of(floor),
+                        ratios(ceiling, floor)))
+    if ours and floor:
+        rows.append(Row("drain", f"outbox vs floor {_label(size)} x{procs}", "jobs/s",
+                        Figure.of(ours), "the design floor", Figure.of(floor),
+                        ratios(ours, floor)))
     peer = _rates(runs, "pgqueuer", size, procs)
     if ours and peer:
         rows.append(Row("drain", f"outbox vs pgqueuer {_label(size)} x{procs}", "jobs/s",
@@ -258,6 +286,9 @@ def run(server: Server, config: DrainConfig) -> Section:
     settings = {"outbox": config.outbox.describe(),
                 "outbox-retained": config.outbox.retained().describe(),
                 "outbox-sql": "claim + complete_delete, the batch_size of outbox, "
+                f"{config.sql_ceiling_connections} connections, no dispatcher",
+                "floor": "HOT claim (lease + fencing token) + fenced delete + key-only "
+                f"ledger row on a lean table, the batch_size of outbox, "
                 f"{config.sql_ceiling_connections} connections, no dispatcher",
                 "probe": f"batch {config.probe_batch}",
                 "pgqueuer": f"asyncpg batch_size={config.pgqueuer_batch} "
