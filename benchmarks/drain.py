@@ -33,9 +33,10 @@ log = logging.getLogger("benchmarks.drain")
 # connections at once: the ceiling of the SQL, which no dispatcher on it can pass;
 # "floor" the leanest statements that still write a lease, a fencing token and a ledger
 # row per job (_drain_workers.FLOOR_TABLES), on as many connections: the ceiling of any
-# design that keeps the guarantees.
-SYSTEMS = ("outbox", "outbox-retained", "outbox-sql", "floor", "probe", "pgqueuer",
-           "procrastinate")
+# design that keeps the guarantees; "floor-indexed" the same with its lease indexed, so
+# that no claim is HOT, as none of ours is.
+SYSTEMS = ("outbox", "outbox-retained", "outbox-sql", "floor", "floor-indexed", "probe",
+           "pgqueuer", "procrastinate")
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ def _prepare_outbox(dsn: str, jobs: int) -> float:
 def _prepare_floor(dsn: str, jobs: int) -> float:
     rate = _prepare_outbox(dsn, jobs)
     workers.floor_tables(dsn)
+    return rate
+
+
+def _prepare_floor_indexed(dsn: str, jobs: int) -> float:
+    rate = _prepare_outbox(dsn, jobs)
+    workers.floor_tables(dsn, lease_index=True)
     return rate
 
 
@@ -186,6 +193,10 @@ _REGISTRY: dict[str, _System] = {
         _prepare_floor, workers.floor_worker,
         lambda c, dsn, t: workers.FloorSpec(dsn, c.outbox, c.sql_ceiling_connections, t),
         _verify_floor),
+    "floor-indexed": _System(
+        _prepare_floor_indexed, workers.floor_worker,
+        lambda c, dsn, t: workers.FloorSpec(dsn, c.outbox, c.sql_ceiling_connections, t),
+        _verify_floor),
     "probe": _System(
         _prepare_probe, workers.probe_worker,
         lambda c, dsn, t: workers.ProbeSpec(dsn, c.probe_batch, t), _verify_probe),
@@ -262,6 +273,11 @@ def _size_rows(config: DrainConfig, runs: list[DrainRun], size: int, procs: int)
         rows.append(Row("drain", f"outbox vs floor {_label(size)} x{procs}", "jobs/s",
                         Figure.of(ours), "the design floor", Figure.of(floor),
                         ratios(ours, floor)))
+    indexed = _rates(runs, "floor-indexed", size, procs)
+    if indexed and floor:
+        rows.append(Row("drain", f"floor-indexed vs floor {_label(size)} x{procs}", "jobs/s",
+                        Figure.of(indexed), "the design floor", Figure.of(floor),
+                        ratios(indexed, floor)))
     peer = _rates(runs, "pgqueuer", size, procs)
     if ours and peer:
         rows.append(Row("drain", f"outbox vs pgqueuer {_label(size)} x{procs}", "jobs/s",
@@ -290,6 +306,7 @@ def run(server: Server, config: DrainConfig) -> Section:
                 "floor": "HOT claim (lease + fencing token) + fenced delete + key-only "
                 f"ledger row on a lean table, the batch_size of outbox, "
                 f"{config.sql_ceiling_connections} connections, no dispatcher",
+                "floor-indexed": "floor with its lease indexed: no claim HOT",
                 "probe": f"batch {config.probe_batch}",
                 "pgqueuer": f"asyncpg batch_size={config.pgqueuer_batch} "
                 f"max_concurrent_tasks={config.pgqueuer_max_tasks}",
