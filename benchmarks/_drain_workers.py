@@ -217,13 +217,17 @@ def sql_ceiling_worker(spec: SqlCeilingSpec) -> Prepared:
     return Prepared(_threads(conns, spec.timeout, one_round))
 
 
-def floor_tables(dsn: str, *, lease_index: bool = False) -> None:
+def floor_tables(dsn: str, *, lease_index: bool = False, held: int = 0) -> None:
     """Build the design floor's table and ledger from the jobs enqueued in ``dsn``; with
-    ``lease_index``, index its lease too (``FLOOR_LEASE_INDEX``)."""
+    ``lease_index``, index its lease too (``FLOOR_LEASE_INDEX``); with ``held``, claim
+    that many of the oldest jobs for an hour, as a fleet holding them in flight would."""
     statements = FLOOR_TABLES.split(";") + ([FLOOR_LEASE_INDEX] if lease_index else [])
     with psycopg.connect(dsn, autocommit=True) as conn:
         for statement in statements:
             conn.execute(_floor_sql(statement))
+        if held:
+            conn.execute(_floor_sql(FLOOR_CLAIM),
+                         {"limit": held, "lease": 3600.0, "worker": "held"})
 
 
 def _floor_sql(statement: str) -> sql.Composed:

@@ -34,9 +34,12 @@ log = logging.getLogger("benchmarks.drain")
 # "floor" the leanest statements that still write a lease, a fencing token and a ledger
 # row per job (_drain_workers.FLOOR_TABLES), on as many connections: the ceiling of any
 # design that keeps the guarantees; "floor-indexed" the same with its lease indexed, so
-# that no claim is HOT, as none of ours is.
-SYSTEMS = ("outbox", "outbox-retained", "outbox-sql", "floor", "floor-indexed", "probe",
-           "pgqueuer", "procrastinate")
+# that no claim is HOT, as none of ours is; "floor-busy" the floor with FLOOR_HELD older
+# jobs claimed and held throughout (a HOT claim leaves claimed rows in the claim index, so
+# each claim walks past the jobs in flight: the price of a HOT claim in a busy fleet).
+SYSTEMS = ("outbox", "outbox-retained", "outbox-sql", "floor", "floor-indexed",
+           "floor-busy", "probe", "pgqueuer", "procrastinate")
+FLOOR_HELD = 10_000
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,12 @@ def _prepare_outbox(dsn: str, jobs: int) -> float:
 def _prepare_floor(dsn: str, jobs: int) -> float:
     rate = _prepare_outbox(dsn, jobs)
     workers.floor_tables(dsn)
+    return rate
+
+
+def _prepare_floor_busy(dsn: str, jobs: int) -> float:
+    rate = _prepare_outbox(dsn, jobs + FLOOR_HELD)
+    workers.floor_tables(dsn, held=FLOOR_HELD)
     return rate
 
 
@@ -150,9 +159,15 @@ def _verify_outbox(dsn: str, jobs: int) -> None:
     _check("outbox ledger rows", scalar(dsn, "SELECT count(*) FROM outbox.effect_results"), jobs)
 
 
-def _verify_floor(dsn: str, jobs: int) -> None:
-    _check("floor jobs left", scalar(dsn, "SELECT count(*) FROM outbox.floor_jobs"), 0)
+def _verify_floor(dsn: str, jobs: int, held: int = 0) -> None:
+    _check("floor jobs left", scalar(dsn, "SELECT count(*) FROM outbox.floor_jobs"), held)
+    _check("floor jobs left unclaimed", scalar(
+        dsn, "SELECT count(*) FROM outbox.floor_jobs WHERE claimed_by IS DISTINCT FROM 'held'"), 0)
     _check("floor ledger rows", scalar(dsn, "SELECT count(*) FROM outbox.floor_ledger"), jobs)
+
+
+def _verify_floor_busy(dsn: str, jobs: int) -> None:
+    _verify_floor(dsn, jobs, held=FLOOR_HELD)
 
 
 def _verify_probe(dsn: str, jobs: int) -> None:
@@ -193,6 +208,10 @@ _REGISTRY: dict[str, _System] = {
         _prepare_floor, workers.floor_worker,
         lambda c, dsn, t: workers.FloorSpec(dsn, c.outbox, c.sql_ceiling_connections, t),
         _verify_floor),
+    "floor-busy": _System(
+        _prepare_floor_busy, workers.floor_worker,
+        lambda c, dsn, t: workers.FloorSpec(dsn, c.outbox, c.sql_ceiling_connections, t),
+        _verify_floor_busy),
     "floor-indexed": _System(
         _prepare_floor_indexed, workers.floor_worker,
         lambda c, dsn, t: workers.FloorSpec(dsn, c.outbox, c.sql_ceiling_connections, t),
@@ -273,11 +292,12 @@ def _size_rows(config: DrainConfig, runs: list[DrainRun], size: int, procs: int)
         rows.append(Row("drain", f"outbox vs floor {_label(size)} x{procs}", "jobs/s",
                         Figure.of(ours), "the design floor", Figure.of(floor),
                         ratios(ours, floor)))
-    indexed = _rates(runs, "floor-indexed", size, procs)
-    if indexed and floor:
-        rows.append(Row("drain", f"floor-indexed vs floor {_label(size)} x{procs}", "jobs/s",
-                        Figure.of(indexed), "the design floor", Figure.of(floor),
-                        ratios(indexed, floor)))
+    for variant in ("floor-indexed", "floor-busy"):
+        theirs = _rates(runs, variant, size, procs)
+        if theirs and floor:
+            rows.append(Row("drain", f"{variant} vs floor {_label(size)} x{procs}", "jobs/s",
+                            Figure.of(theirs), "the design floor", Figure.of(floor),
+                            ratios(theirs, floor)))
     peer = _rates(runs, "pgqueuer", size, procs)
     if ours and peer:
         rows.append(Row("drain", f"outbox vs pgqueuer {_label(size)} x{procs}", "jobs/s",
@@ -307,6 +327,7 @@ def run(server: Server, config: DrainConfig) -> Section:
                 f"ledger row on a lean table, the batch_size of outbox, "
                 f"{config.sql_ceiling_connections} connections, no dispatcher",
                 "floor-indexed": "floor with its lease indexed: no claim HOT",
+                "floor-busy": f"floor with {FLOOR_HELD} older jobs claimed and held",
                 "probe": f"batch {config.probe_batch}",
                 "pgqueuer": f"asyncpg batch_size={config.pgqueuer_batch} "
                 f"max_concurrent_tasks={config.pgqueuer_max_tasks}",
