@@ -116,17 +116,13 @@ class OutboxSpec:
 
 
 @dataclass(frozen=True)
-class SqlCeilingSpec:
-    dsn: str
-    settings: OutboxSettings  # claims as many jobs at a time as the dispatcher would
-    connections: int
-    timeout: float
+class StatementsSpec:
+    """A loop of claim and completion statements with no dispatcher (``outbox-sql`` and
+    the floors): on ``connections`` connections at once, claiming as many jobs at a time
+    as a dispatcher with ``settings`` would."""
 
-
-@dataclass(frozen=True)
-class FloorSpec:
     dsn: str
-    settings: OutboxSettings  # claims as many jobs at a time as the dispatcher would
+    settings: OutboxSettings
     connections: int
     timeout: float
 
@@ -192,7 +188,7 @@ def probe_worker(spec: ProbeSpec) -> Prepared:
     return Prepared(run)
 
 
-def sql_ceiling_worker(spec: SqlCeilingSpec) -> Prepared:
+def sql_ceiling_worker(spec: StatementsSpec) -> Prepared:
     """Our dispatcher's own statements with no dispatcher: ``claim`` then
     ``complete_delete`` (the ledger row written) in a loop on ``spec.connections``
     connections at once, one thread each, nothing performed. What any dispatcher built
@@ -235,7 +231,7 @@ def _floor_sql(statement: str) -> sql.Composed:
                                      floor_ledger=table(*FLOOR_LEDGER))
 
 
-def floor_worker(spec: FloorSpec) -> Prepared:
+def floor_worker(spec: StatementsSpec) -> Prepared:
     """The design floor's claim and fenced completion (see ``FLOOR_TABLES``) in a loop on
     ``spec.connections`` connections at once, one thread each, nothing performed."""
     conns = [psycopg.connect(spec.dsn, autocommit=True, row_factory=namedtuple_row)

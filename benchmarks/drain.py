@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import asyncpg
@@ -40,6 +41,17 @@ log = logging.getLogger("benchmarks.drain")
 SYSTEMS = ("outbox", "outbox-retained", "outbox-sql", "floor", "floor-indexed",
            "floor-busy", "probe", "pgqueuer", "procrastinate")
 FLOOR_HELD = 10_000
+# The rows comparing two systems run in the same invocation: (system, baseline, what the
+# baseline is), each row shown when both ran.
+COMPARISONS = (
+    ("outbox", "outbox-retained", "outbox-retained"),
+    ("outbox", "outbox-sql", "its SQL alone"),
+    ("outbox-sql", "floor", "the design floor"),
+    ("outbox", "floor", "the design floor"),
+    ("floor-indexed", "floor", "the design floor"),
+    ("floor-busy", "floor", "the design floor"),
+    ("outbox", "pgqueuer", "pgqueuer"),
+)
 
 
 @dataclass(frozen=True)
@@ -88,21 +100,11 @@ def _prepare_outbox(dsn: str, jobs: int) -> float:
     return enqueue_outbox(dsn, jobs)
 
 
-def _prepare_floor(dsn: str, jobs: int) -> float:
-    rate = _prepare_outbox(dsn, jobs)
-    workers.floor_tables(dsn)
-    return rate
-
-
-def _prepare_floor_busy(dsn: str, jobs: int) -> float:
-    rate = _prepare_outbox(dsn, jobs + FLOOR_HELD)
-    workers.floor_tables(dsn, held=FLOOR_HELD)
-    return rate
-
-
-def _prepare_floor_indexed(dsn: str, jobs: int) -> float:
-    rate = _prepare_outbox(dsn, jobs)
-    workers.floor_tables(dsn, lease_index=True)
+def _prepare_floor(dsn: str, jobs: int, *, lease_index: bool = False, held: int = 0) -> float:
+    """Our jobs enqueued (``held`` more, claimed and held before the clock), copied into
+    the floor's table (``workers.floor_tables``)."""
+    rate = _prepare_outbox(dsn, jobs + held)
+    workers.floor_tables(dsn, lease_index=lease_index, held=held)
     return rate
 
 
@@ -159,15 +161,12 @@ def _verify_outbox(dsn: str, jobs: int) -> None:
     _check("outbox ledger rows", scalar(dsn, "SELECT count(*) FROM outbox.effect_results"), jobs)
 
 
-def _verify_floor(dsn: str, jobs: int, held: int = 0) -> None:
+def _verify_floor(dsn: str, jobs: int, *, held: int = 0) -> None:
     _check("floor jobs left", scalar(dsn, "SELECT count(*) FROM outbox.floor_jobs"), held)
     _check("floor jobs left unclaimed", scalar(
         dsn, "SELECT count(*) FROM outbox.floor_jobs WHERE claimed_by IS DISTINCT FROM 'held'"), 0)
     _check("floor ledger rows", scalar(dsn, "SELECT count(*) FROM outbox.floor_ledger"), jobs)
 
-
-def _verify_floor_busy(dsn: str, jobs: int) -> None:
-    _verify_floor(dsn, jobs, held=FLOOR_HELD)
 
 
 def _verify_probe(dsn: str, jobs: int) -> None:
@@ -191,6 +190,10 @@ class _System:
     verify: Callable[[str, int], None]
 
 
+def _statements_spec(config: DrainConfig, dsn: str, timeout: float) -> workers.StatementsSpec:
+    return workers.StatementsSpec(dsn, config.outbox, config.sql_ceiling_connections, timeout)
+
+
 _REGISTRY: dict[str, _System] = {
     "outbox": _System(
         _prepare_outbox, workers.outbox_worker,
@@ -200,21 +203,14 @@ _REGISTRY: dict[str, _System] = {
         _prepare_outbox, workers.outbox_worker,
         lambda c, dsn, t: workers.OutboxSpec(dsn, c.outbox.retained(), t),
         _verify_outbox),
-    "outbox-sql": _System(
-        _prepare_outbox, workers.sql_ceiling_worker,
-        lambda c, dsn, t: workers.SqlCeilingSpec(dsn, c.outbox, c.sql_ceiling_connections, t),
-        _verify_outbox),
-    "floor": _System(
-        _prepare_floor, workers.floor_worker,
-        lambda c, dsn, t: workers.FloorSpec(dsn, c.outbox, c.sql_ceiling_connections, t),
-        _verify_floor),
+    "outbox-sql": _System(_prepare_outbox, workers.sql_ceiling_worker, _statements_spec,
+                          _verify_outbox),
+    "floor": _System(_prepare_floor, workers.floor_worker, _statements_spec, _verify_floor),
     "floor-busy": _System(
-        _prepare_floor_busy, workers.floor_worker,
-        lambda c, dsn, t: workers.FloorSpec(dsn, c.outbox, c.sql_ceiling_connections, t),
-        _verify_floor_busy),
+        partial(_prepare_floor, held=FLOOR_HELD), workers.floor_worker, _statements_spec,
+        partial(_verify_floor, held=FLOOR_HELD)),
     "floor-indexed": _System(
-        _prepare_floor_indexed, workers.floor_worker,
-        lambda c, dsn, t: workers.FloorSpec(dsn, c.outbox, c.sql_ceiling_connections, t),
+        partial(_prepare_floor, lease_index=True), workers.floor_worker, _statements_spec,
         _verify_floor),
     "probe": _System(
         _prepare_probe, workers.probe_worker,
@@ -273,35 +269,12 @@ def _size_rows(config: DrainConfig, runs: list[DrainRun], size: int, procs: int)
         else:
             rows.append(Row("drain", name, "jobs/s", Figure.of(mine), "limit probe",
                             Figure.of(probe), ratios(mine, probe)))
-    ours, kept = _rates(runs, "outbox", size, procs), _rates(runs, "outbox-retained", size, procs)
-    if ours and kept:
-        rows.append(Row("drain", f"outbox vs outbox-retained {_label(size)} x{procs}",
-                        "jobs/s", Figure.of(ours), "outbox-retained", Figure.of(kept),
-                        ratios(ours, kept)))
-    ceiling = _rates(runs, "outbox-sql", size, procs)
-    if ours and ceiling:
-        rows.append(Row("drain", f"outbox vs outbox-sql {_label(size)} x{procs}", "jobs/s",
-                        Figure.of(ours), "its SQL alone", Figure.of(ceiling),
-                        ratios(ours, ceiling)))
-    floor = _rates(runs, "floor", size, procs)
-    if ceiling and floor:
-        rows.append(Row("drain", f"outbox-sql vs floor {_label(size)} x{procs}", "jobs/s",
-                        Figure.of(ceiling), "the design floor", Figure.of(floor),
-                        ratios(ceiling, floor)))
-    if ours and floor:
-        rows.append(Row("drain", f"outbox vs floor {_label(size)} x{procs}", "jobs/s",
-                        Figure.of(ours), "the design floor", Figure.of(floor),
-                        ratios(ours, floor)))
-    for variant in ("floor-indexed", "floor-busy"):
-        theirs = _rates(runs, variant, size, procs)
-        if theirs and floor:
-            rows.append(Row("drain", f"{variant} vs floor {_label(size)} x{procs}", "jobs/s",
-                            Figure.of(theirs), "the design floor", Figure.of(floor),
-                            ratios(theirs, floor)))
-    peer = _rates(runs, "pgqueuer", size, procs)
-    if ours and peer:
-        rows.append(Row("drain", f"outbox vs pgqueuer {_label(size)} x{procs}", "jobs/s",
-                        Figure.of(ours), "pgqueuer", Figure.of(peer), ratios(ours, peer)))
+    for system, baseline, described in COMPARISONS:
+        mine, theirs = _rates(runs, system, size, procs), _rates(runs, baseline, size, procs)
+        if mine and theirs:
+            rows.append(Row("drain", f"{system} vs {baseline} {_label(size)} x{procs}",
+                            "jobs/s", Figure.of(mine), described, Figure.of(theirs),
+                            ratios(mine, theirs)))
     return rows
 
 
