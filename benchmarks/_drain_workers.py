@@ -39,13 +39,14 @@ DELETE FROM {jobs} WHERE id IN (
 ) RETURNING id
 """
 
-# The design floor: the leanest statements that still write what DESIGN.md requires of
-# every job (a claim persisting its lease and fencing token, a fenced completion writing a
-# ledger row), on a table built for nothing else. The jobs' own ids, keys and payloads are
-# copied into it; its claim changes no indexed column, so each claim is a HOT update that
-# adds no index entry, and its ledger holds the key alone. No feature of ours (fairness,
-# ordering, retries, results, timestamps) is in it: no design honouring the guarantees
-# writes less per job, so no dispatcher can drain faster than this on the same server.
+# The design floor: the leanest statements we could write that still write what
+# DESIGN.md requires of every job (a claim persisting its lease and fencing token, a
+# fenced completion writing a ledger row), on a table built for nothing else. The jobs'
+# own ids, keys and payloads are copied into it; its claim changes no indexed column, so
+# each claim is a HOT update that adds no index entry, and its ledger holds the key
+# alone. No feature of ours (fairness, ordering, retries, results, timestamps) is in it,
+# nor any index to find expired leases by, which a real design needs: it is a ceiling to
+# measure against, not a design.
 FLOOR_TABLES = """
 CREATE TABLE {floor} (
     id bigint PRIMARY KEY, key text NOT NULL UNIQUE, payload jsonb NOT NULL,

@@ -33,8 +33,8 @@ log = logging.getLogger("benchmarks.drain")
 # "outbox-sql" the dispatcher's claim and complete_delete statements alone, on two
 # connections at once: the ceiling of the SQL, which no dispatcher on it can pass;
 # "floor" the leanest statements that still write a lease, a fencing token and a ledger
-# row per job (_drain_workers.FLOOR_TABLES), on as many connections: the ceiling of any
-# design that keeps the guarantees; "floor-indexed" the same with its lease indexed, so
+# row per job (_drain_workers.FLOOR_TABLES), on as many connections: a ceiling for designs
+# that keep the guarantees; "floor-indexed" the same with its lease indexed, so
 # that no claim is HOT, as none of ours is; "floor-busy" the floor with FLOOR_HELD older
 # jobs claimed and held throughout (a HOT claim leaves claimed rows in the claim index, so
 # each claim walks past the jobs in flight: the price of a HOT claim in a busy fleet).
@@ -168,7 +168,6 @@ def _verify_floor(dsn: str, jobs: int, *, held: int = 0) -> None:
     _check("floor ledger rows", scalar(dsn, "SELECT count(*) FROM outbox.floor_ledger"), jobs)
 
 
-
 def _verify_probe(dsn: str, jobs: int) -> None:
     _check("probe rows left", scalar(dsn, "SELECT count(*) FROM outbox.jobs"), 0)
 
@@ -297,7 +296,7 @@ def run(server: Server, config: DrainConfig) -> Section:
                 "outbox-sql": "claim + complete_delete, the batch_size of outbox, "
                 f"{config.sql_ceiling_connections} connections, no dispatcher",
                 "floor": "HOT claim (lease + fencing token) + fenced delete + key-only "
-                f"ledger row on a lean table, the batch_size of outbox, "
+                "ledger row on a lean table, the batch_size of outbox, "
                 f"{config.sql_ceiling_connections} connections, no dispatcher",
                 "floor-indexed": "floor with its lease indexed: no claim HOT",
                 "floor-busy": f"floor with {FLOOR_HELD} older jobs claimed and held",
