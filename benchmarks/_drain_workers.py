@@ -195,8 +195,6 @@ def sql_ceiling_worker(spec: StatementsSpec) -> Prepared:
     connections at once, one thread each, nothing performed. What any dispatcher built
     on these statements could reach on this server: the ceiling of the SQL."""
     queries = OutboxQueries("outbox")
-    conns = [psycopg.connect(spec.dsn, autocommit=True, row_factory=namedtuple_row)
-             for _ in range(spec.connections)]
     # The batch the dispatcher claims with these settings: its own default when
     # batch_size is None, read from a dispatcher that never runs.
     batch = _dispatcher(spec.dsn, spec.settings).batch_size
@@ -211,7 +209,7 @@ def sql_ceiling_worker(spec: StatementsSpec) -> Prepared:
             conn.execute(queries.complete_delete, {"claims": claims}, prepare=True)
         return len(rows)
 
-    return Prepared(_threads(conns, spec.timeout, one_round))
+    return _statement_loop(spec, one_round)
 
 
 def floor_tables(dsn: str, *, lease_index: bool = False, held: int = 0) -> None:
@@ -235,30 +233,28 @@ def _floor_sql(statement: str) -> sql.Composed:
 def floor_worker(spec: StatementsSpec) -> Prepared:
     """The design floor's claim and fenced completion (see ``FLOOR_TABLES``) in a loop on
     ``spec.connections`` connections at once, one thread each, nothing performed."""
-    conns = [psycopg.connect(spec.dsn, autocommit=True, row_factory=namedtuple_row)
-             for _ in range(spec.connections)]
     claim_sql, complete_sql = _floor_sql(FLOOR_CLAIM), _floor_sql(FLOOR_COMPLETE)
     claim = {"limit": _dispatcher(spec.dsn, spec.settings).batch_size, "lease": 60.0,
              "worker": "floor"}
-    return Prepared(_threads(conns, spec.timeout, lambda conn: _floor_round(
-        conn, claim_sql, claim, complete_sql)))
+
+    def one_round(conn: psycopg.Connection[Any]) -> int:
+        rows = conn.execute(claim_sql, claim, prepare=True).fetchall()
+        if rows:
+            conn.execute(complete_sql, {"ids": [row.id for row in rows],
+                                        "versions": [row.claim_version for row in rows]},
+                         prepare=True)
+        return len(rows)
+
+    return _statement_loop(spec, one_round)
 
 
-def _floor_round(conn: psycopg.Connection[Any], claim_sql: sql.Composed,
-                 claim: dict[str, Any], complete_sql: sql.Composed) -> int:
-    rows = conn.execute(claim_sql, claim, prepare=True).fetchall()
-    if rows:
-        conn.execute(complete_sql, {"ids": [row.id for row in rows],
-                                    "versions": [row.claim_version for row in rows]},
-                     prepare=True)
-    return len(rows)
-
-
-def _threads(conns: list[psycopg.Connection[Any]], timeout: float,
-             one_round: Callable[[psycopg.Connection[Any]], int]) -> Callable[[], int]:
-    """A run that repeats ``one_round`` (it returns the jobs it finished) on each
-    connection in a thread of its own until a round finds nothing or the deadline passes;
-    it returns the jobs finished by all."""
+def _statement_loop(spec: StatementsSpec,
+                    one_round: Callable[[psycopg.Connection[Any]], int]) -> Prepared:
+    """Open ``spec.connections`` connections now (before the clock); the run repeats
+    ``one_round`` (it returns the jobs it finished) on each in a thread of its own until
+    a round finds nothing or the deadline passes, and returns the jobs finished by all."""
+    conns = [psycopg.connect(spec.dsn, autocommit=True, row_factory=namedtuple_row)
+             for _ in range(spec.connections)]
 
     def loop(conn: psycopg.Connection[Any], deadline: float, done: list[int]) -> None:
         with conn:
@@ -269,7 +265,7 @@ def _threads(conns: list[psycopg.Connection[Any]], timeout: float,
                 done.append(finished)
 
     def run() -> int:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + spec.timeout
         done: list[int] = []
         threads = [threading.Thread(target=loop, args=(conn, deadline, done))
                    for conn in conns]
@@ -279,7 +275,7 @@ def _threads(conns: list[psycopg.Connection[Any]], timeout: float,
             thread.join()
         return sum(done)
 
-    return run
+    return Prepared(run)
 
 
 def pgqueuer_worker(spec: PgqueuerSpec) -> Prepared:
