@@ -63,7 +63,10 @@ def _child(pipe: Connection, setup: Setup, arg: Any, timeout: float) -> None:
         if not pipe.poll(timeout):
             return
         pipe.recv()
-        pipe.send(("done", prepared.run()))
+        # The CPU of the whole process (every thread) while it ran, beside its result.
+        cpu = time.process_time()
+        result = prepared.run()
+        pipe.send(("done", (result, time.process_time() - cpu)))
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
     finally:
@@ -72,11 +75,13 @@ def _child(pipe: Connection, setup: Setup, arg: Any, timeout: float) -> None:
 
 @dataclass
 class Released:
-    """What one released run measured: wall seconds from release to the last finish."""
+    """What one released run measured: wall seconds from release to the last finish;
+    each worker's result, its ``info`` and the CPU seconds its process used running."""
 
     seconds: float
     results: list[Any]
     infos: list[Any] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)
 
 
 def _receive(pipe: Connection, expected: str, timeout: float) -> Any:
@@ -110,8 +115,8 @@ def stop(processes: Sequence[BaseProcess], grace: float = 10.0) -> None:
 
 
 def _collect(pipes: list[Connection], deadline: float, tick: tuple[float, Tick] | None,
-             pids: list[int], started: float) -> tuple[list[Any], float]:
-    """Each worker's result, and the moment the last one arrived."""
+             pids: list[int], started: float) -> tuple[list[tuple[Any, float]], float]:
+    """Each worker's result and CPU seconds, and the moment the last one arrived."""
     position = {id(pipe): i for i, pipe in enumerate(pipes)}
     results: dict[int, Any] = {}
     finished = started
@@ -150,8 +155,9 @@ def run_released(setup: Setup, args: Sequence[Any], *, timeout: float,
         clock = time.perf_counter()
         for pipe in pipes:
             pipe.send("go")
-        results, finished = _collect(pipes, time.monotonic() + timeout, tick, pids, clock)
-        return Released(finished - clock, results, infos)
+        done, finished = _collect(pipes, time.monotonic() + timeout, tick, pids, clock)
+        return Released(finished - clock, [result for result, _ in done], infos,
+                        [cpu for _, cpu in done])
     finally:
         for pipe in pipes:
             pipe.close()
@@ -210,7 +216,7 @@ def services(setup: Setup, args: Sequence[Any], *, stop_event: EventType, timeou
             yield running
         finally:
             stop_event.set()
-        running.results = [_receive(pipe, "done", timeout) for pipe in pipes]
+        running.results = [_receive(pipe, "done", timeout)[0] for pipe in pipes]
     finally:
         for pipe in pipes:
             pipe.close()

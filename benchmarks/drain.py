@@ -20,6 +20,7 @@ import asyncpg
 from pgqueuer import AsyncpgDriver, Queries
 
 from . import _drain_workers as workers
+from ._cpu import ServerCpu, wait_for_clients_to_leave
 from ._db import Server, asyncpg_params, fresh_database, migrated, scalar, settle
 from ._procs import Setup, run_released
 from ._results import Row, Section
@@ -91,6 +92,17 @@ class DrainRun:
     jobs_per_second: float
     enqueue_per_second: float
     workers: list[Any]
+    # CPU seconds from release to the last return: the worker processes' together, and
+    # the server's (None when its processes cannot be read from here).
+    client_cpu_seconds: float = 0.0
+    server_cpu_seconds: float | None = None
+
+    def cpu_per_job(self) -> tuple[float, float] | None:
+        """Microseconds of CPU per job: (server, client), when the server's is known."""
+        if self.server_cpu_seconds is None:
+            return None
+        return (self.server_cpu_seconds / self.jobs * 1e6,
+                self.client_cpu_seconds / self.jobs * 1e6)
 
 
 # -- per-system preparation and checks ---------------------------------------------------
@@ -232,13 +244,23 @@ def measure(server: Server, config: DrainConfig, system: str, jobs: int, procs: 
         enqueue_rate = entry.prepare(dsn, jobs)
         settle(dsn)
         timeout = config.timeout(jobs)
-        released = run_released(entry.setup, [entry.spec(config, dsn, timeout)] * procs,
-                                timeout=timeout + 30)
+        server_cpu = ServerCpu.of(dsn)
+        marks: list[float] = []
+        released = run_released(
+            entry.setup, [entry.spec(config, dsn, timeout)] * procs, timeout=timeout + 30,
+            before_release=lambda _: marks.append(server_cpu.seconds() if server_cpu else 0.0))
+        server_seconds = None
+        if server_cpu is not None:
+            wait_for_clients_to_leave(dsn)
+            server_seconds = server_cpu.seconds() - marks[0]
         entry.verify(dsn, jobs)
     rate = jobs / released.seconds
-    log.info("drain %s %d jobs x%d: %.0f jobs/s", system, jobs, procs, rate)
-    return DrainRun(system, jobs, procs, released.seconds, rate, enqueue_rate,
-                    released.results)
+    drained = DrainRun(system, jobs, procs, released.seconds, rate, enqueue_rate,
+                       released.results, sum(released.cpu_seconds), server_seconds)
+    cpu = drained.cpu_per_job()
+    log.info("drain %s %d jobs x%d: %.0f jobs/s%s", system, jobs, procs, rate,
+             f", CPU {cpu[0]:.1f} us/job server + {cpu[1]:.1f} client" if cpu else "")
+    return drained
 
 
 # -- the section ---------------------------------------------------------------------------
@@ -250,6 +272,36 @@ def _label(jobs: int) -> str:
 def _rates(runs: list[DrainRun], system: str, jobs: int, procs: int) -> list[float]:
     return [r.jobs_per_second for r in runs
             if r.system == system and r.jobs == jobs and r.procs == procs]
+
+
+def _cpu(runs: list[DrainRun], system: str, jobs: int, procs: int) -> list[tuple[float, float]]:
+    """Each run's (server, client) CPU microseconds per job; empty unless all are known."""
+    found = [r.cpu_per_job() for r in runs
+             if r.system == system and r.jobs == jobs and r.procs == procs]
+    return [c for c in found if c is not None] if all(found) else []
+
+
+def _cpu_rows(config: DrainConfig, runs: list[DrainRun], size: int, procs: int) -> list[Row]:
+    """CPU per job, server and clients together, beside the probe's: the ratio (the probe's
+    over the system's) is the share of the probe's rate the system can reach wherever
+    CPU is what runs out."""
+    rows: list[Row] = []
+    probe = [server + client for server, client in _cpu(runs, "probe", size, procs)]
+    for system in config.systems:
+        mine = _cpu(runs, system, size, procs)
+        if not mine:
+            continue
+        totals = [server + client for server, client in mine]
+        split = (f"server {Figure.of([s for s, _ in mine]).median:.1f}"
+                 f" + client {Figure.of([c for _, c in mine]).median:.1f}")
+        name = f"{system} CPU {_label(size)} x{procs}"
+        if system == "probe" or not probe:
+            rows.append(Row("drain", name, "us/job", Figure.of(totals), note=split))
+        else:
+            rows.append(Row("drain", name, "us/job", Figure.of(totals),
+                            "limit probe (its CPU / this)", Figure.of(probe),
+                            ratios(probe, totals), note=split))
+    return rows
 
 
 def _size_rows(config: DrainConfig, runs: list[DrainRun], size: int, procs: int) -> list[Row]:
@@ -279,7 +331,7 @@ def _size_rows(config: DrainConfig, runs: list[DrainRun], size: int, procs: int)
 
 def _rows(config: DrainConfig, runs: list[DrainRun]) -> list[Row]:
     return [row for size in config.all_sizes() for procs in config.procs
-            for row in _size_rows(config, runs, size, procs)]
+            for row in _size_rows(config, runs, size, procs) + _cpu_rows(config, runs, size, procs)]
 
 
 def run(server: Server, config: DrainConfig) -> Section:
