@@ -55,7 +55,8 @@ class ServerCpu:
         """The server ``dsn`` reaches, when its processes can be read here; else None."""
         with psycopg.connect(dsn, autocommit=True) as conn:
             row = conn.execute("SELECT pg_backend_pid()").fetchone()
-        backend = _stat(int(row[0])) if row else None
+            # Read while connected: the backend exits when the connection closes.
+            backend = _stat(int(row[0])) if row else None
         if backend is None:
             return None
         postmaster = int(backend[_PPID])
