@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import threading
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 import outbox
+import outbox.sql
 from outbox import Dispatcher, Effect, Job, NewJob
 from outbox.errors import InvalidArgument
 from outbox.testing import jobs
@@ -130,3 +133,39 @@ def test_perform_is_told_the_group_and_priority_the_job_was_enqueued_with(
                           NewJob("test.ordered", key="plain-1", payload={})])
     Dispatcher(dsn, [Routing()], schema=schema).run_until_idle(timeout=60)
     assert seen == {"acme-1": ("acme", 7), "plain-1": (None, 0)}
+
+
+def _jobs_rows_read(node: dict[str, Any]) -> float:
+    """Rows the plan node and those under it read from ``jobs``: those returned plus those
+    removed by a filter, over all loops (EXPLAIN gives both per loop)."""
+    read = 0.0
+    if node.get("Relation Name") == "jobs":
+        read += (node.get("Actual Rows", 0) + node.get("Rows Removed by Filter", 0)) \
+            * node.get("Actual Loops", 1)
+    return read + sum(_jobs_rows_read(child) for child in node.get("Plans", []))
+
+
+@pytest.mark.parametrize("analyzed", [True, False], ids=["analyzed", "no-statistics"])
+def test_a_claim_of_an_effect_with_nothing_due_reads_no_other_effects_backlog(
+        dsn: str, schema: str, analyzed: bool) -> None:
+    # A dispatcher serving only "test.idle" (or a core claim while its other effects are
+    # limited) beside 3,000 due jobs of "test.busy": its claim, run every poll, must not
+    # walk them. It did: the top-up read every due job of every effect, filtering on the
+    # effect (0.1 s a claim behind 100,000).
+    enqueue(dsn, schema, [NewJob("test.busy", f"busy-{i}", {}) for i in range(3000)])
+    query = outbox.sql.queries(schema).claim
+    params = {"effects": ["test.idle"], "limit": 500, "lease": 60.0, "worker": "w",
+              "after": "{}"}
+    with psycopg.connect(dsn) as conn:
+        if analyzed:
+            conn.execute(sql.SQL("ANALYZE {}.jobs").format(sql.Identifier(schema)))
+        row = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + query, params).fetchone()
+        conn.rollback()  # EXPLAIN ANALYZE ran the claim: take nothing
+    assert row is not None
+    [explained] = row[0]
+    read = _jobs_rows_read(explained["Plan"])
+    assert read < 50, f"the claim read {read:.0f} rows of jobs to find none"
+    # the same claim of the busy effect takes its 500, the oldest first
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        claimed = conn.execute(query, {**params, "effects": ["test.busy"]}).fetchall()
+    assert sorted(int(key.split("-")[1]) for key in (r[2] for r in claimed)) == list(range(500))
