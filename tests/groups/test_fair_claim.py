@@ -169,3 +169,27 @@ def test_a_claim_of_an_effect_with_nothing_due_reads_no_other_effects_backlog(
     with psycopg.connect(dsn, autocommit=True) as conn:
         claimed = conn.execute(query, {**params, "effects": ["test.busy"]}).fetchall()
     assert sorted(int(key.split("-")[1]) for key in (r[2] for r in claimed)) == list(range(500))
+
+
+def test_the_top_up_takes_the_oldest_due_jobs_across_the_effects_claimed(
+        dsn: str, schema: str) -> None:
+    # Two groups of "test.a" hold only jobs not due yet: they are busy, take a share of
+    # the claim each and fill none of it. The groups' heads (a-1, b-2) leave two places,
+    # which the top-up fills with the oldest due jobs of either effect: a-3, then b-4.
+    start = datetime.now(UTC) - timedelta(minutes=10)
+    due = [NewJob(f"test.{e}", f"{e}-{n}", {}, run_at=start + timedelta(seconds=n))
+           for e, n in (("a", 1), ("b", 2), ("a", 3), ("b", 4), ("a", 5), ("b", 6))]
+    later = [NewJob("test.a", f"later-{g}", {}, run_at=timedelta(hours=1), group=f"g{g}")
+             for g in range(2)]
+    enqueue(dsn, schema, due + later)
+    query = outbox.sql.queries(schema).claim
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("ANALYZE {}.jobs").format(sql.Identifier(schema)))
+        claimed = conn.execute(query, {"effects": ["test.a", "test.b"], "limit": 4,
+                                       "lease": 60.0, "worker": "w", "after": "{}"}).fetchall()
+        # what the merge left out was locked only for the claim: the next claim takes it
+        following = conn.execute(query, {"effects": ["test.a", "test.b"], "limit": 4,
+                                         "lease": 60.0, "worker": "w",
+                                         "after": "{}"}).fetchall()
+    assert sorted(r[2] for r in claimed) == ["a-1", "a-3", "b-2", "b-4"]
+    assert sorted(r[2] for r in following) == ["a-5", "b-6"]
