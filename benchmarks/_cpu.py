@@ -29,6 +29,7 @@ _PROC = Path("/proc")
 # the state): the parent's pid and the user, system, children's user and children's
 # system times, in clock ticks.
 _PPID, _UTIME, _STIME, _CUTIME, _CSTIME = 1, 11, 12, 13, 14
+_READS = 100  # at most, for one steady reading
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -66,7 +67,7 @@ class ServerCpu:
         """CPU seconds of the postmaster and all its children, reaped or alive."""
         # A child reaped while the children are read would be counted twice or not at
         # all: read again until the reaped children's times did not move meanwhile.
-        while True:
+        for _ in range(_READS):
             before = self._own()
             children = 0
             for entry in _PROC.iterdir():
@@ -78,6 +79,8 @@ class ServerCpu:
             if _ticks(after, _CUTIME, _CSTIME) == _ticks(before, _CUTIME, _CSTIME):
                 return (children + _ticks(after, _UTIME, _STIME, _CUTIME, _CSTIME)
                         ) / _TICKS_PER_SECOND
+        raise RuntimeError(f"the server's children kept exiting: no steady reading in "
+                           f"{_READS} tries")
 
     def _own(self) -> list[str]:
         fields = _stat(self.postmaster)

@@ -92,8 +92,9 @@ class DrainRun:
     jobs_per_second: float
     enqueue_per_second: float
     workers: list[Any]
-    # CPU seconds from release to the last return: the worker processes' together, and
-    # the server's (None when its processes cannot be read from here).
+    # CPU seconds: the worker processes' together, from release to their return, and
+    # the server's, from release until their backends have left (None when its
+    # processes cannot be read from here).
     client_cpu_seconds: float = 0.0
     server_cpu_seconds: float | None = None
 
