@@ -270,16 +270,20 @@ def _label(jobs: int) -> str:
     return f"{jobs // 1000}k" if jobs % 1000 == 0 else str(jobs)
 
 
+def _runs_of(runs: list[DrainRun], system: str, jobs: int, procs: int) -> list[DrainRun]:
+    """The runs of ``system`` at this size and process count, in the order they ran."""
+    return [r for r in runs if r.system == system and r.jobs == jobs and r.procs == procs]
+
+
 def _rates(runs: list[DrainRun], system: str, jobs: int, procs: int) -> list[float]:
-    return [r.jobs_per_second for r in runs
-            if r.system == system and r.jobs == jobs and r.procs == procs]
+    return [r.jobs_per_second for r in _runs_of(runs, system, jobs, procs)]
 
 
 def _cpu(runs: list[DrainRun], system: str, jobs: int, procs: int) -> list[tuple[float, float]]:
     """Each run's (server, client) CPU microseconds per job; empty unless all are known."""
-    found = [r.cpu_per_job() for r in runs
-             if r.system == system and r.jobs == jobs and r.procs == procs]
-    return [c for c in found if c is not None] if all(found) else []
+    found = [r.cpu_per_job() for r in _runs_of(runs, system, jobs, procs)]
+    known = [c for c in found if c is not None]
+    return known if len(known) == len(found) else []
 
 
 def _cpu_rows(config: DrainConfig, runs: list[DrainRun], size: int, procs: int) -> list[Row]:
