@@ -1,0 +1,248 @@
+"""The scheduler: enqueues the due slots of the schedules (``outbox.Schedule``).
+
+A part of every dispatcher (a thread of ``Dispatcher``, a task of ``AsyncDispatcher``;
+under ``run_until_idle`` one pass on the claimer's connection before claiming), so that
+stored schedules run without any schedule declared in code. Each pass::
+
+    declare    (first pass of a run) upsert the schedules declared in code
+    round      one transaction: the due schedules (next_slot <= now, not paused; the
+               partial index schedules_due, so 10,000 schedules cost only the due ones)
+               locked FOR UPDATE SKIP LOCKED, so one dispatcher at a time does a
+               schedule; for each, the slots its catch-up policy keeps (``Schedule.plan``)
+               enqueued through the core's enqueue with the slot's key (the key's dedup
+               is the safety net: a slot is never enqueued twice), stamped with
+               ``scheduled_for``, and the schedule's next slot advanced, all committed
+               together
+    wait       until the next slot is due, at most ``TICK`` (a schedule stored meanwhile
+               is picked up within it)
+
+The decisions are steps (``outbox._steps``), written once; ``run_scheduler`` and
+``run_scheduler_async`` drive them, side by side as the other parts' drivers are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+
+from .._enqueue import enqueue_steps, prepare
+from .._schedule_store import declare, schedule_queries
+from .._steps import Statement, Step, execute, execute_async, run, run_async
+from ..errors import ConfigurationError, EnqueueError
+from ..schedules import Schedule, slot_key
+from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
+from .settings import Settings
+from .state import SharedState
+
+__all__ = ["Scheduler", "check_schedules", "run_scheduler", "run_scheduler_async",
+           "schedule_pass", "schedule_pass_async"]
+
+log = logging.getLogger("outbox.schedules")
+
+BATCH = 100  # due schedules per transaction
+MAX_BATCHES = 100  # per pass: 10,000 schedules due at once are done in one pass
+TICK = 1.0  # seconds, at most, between two passes
+LATE = 0.005  # seconds after a slot that the pass wakes (the slot is then surely due)
+BROKEN_RETRY = timedelta(minutes=1)  # a definition that cannot be read is looked at again
+
+
+def check_schedules(schedules: object, effects: Sequence[str]) -> tuple[Schedule, ...]:
+    """``schedules=`` checked: a list of ``outbox.Schedule`` with distinct names. A
+    schedule of an effect this dispatcher does not run is warned about (enqueued all the
+    same: a dispatcher that runs the effect performs it)."""
+    if schedules is None:
+        return ()
+    if isinstance(schedules, Schedule | str | bytes) or not isinstance(schedules, Sequence):
+        raise ConfigurationError(f"schedules must be a list of outbox.Schedule, got "
+                                 f"{type(schedules).__name__}")
+    seen: set[str] = set()
+    for schedule in schedules:
+        if not isinstance(schedule, Schedule):
+            raise ConfigurationError(f"schedules holds a {type(schedule).__name__}, not an "
+                                     "outbox.Schedule")
+        if schedule.name in seen:
+            raise ConfigurationError(f"two schedules are named {schedule.name!r}")
+        seen.add(schedule.name)
+        if schedule.effect not in effects:
+            log.warning("schedule %r enqueues effect %r, which this dispatcher does not run "
+                        "(its effects: %s): its jobs wait for a dispatcher that does",
+                        schedule.name, schedule.effect, ", ".join(sorted(effects)))
+    return tuple(schedules)
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """A schedule whose next slot is due, locked for this round (``schedule_due``)."""
+
+    name: str
+    definition: str
+    next_slot: datetime
+    at: datetime
+
+
+class Scheduler:
+    """The scheduler's decisions. Runs on one thread (or task) only."""
+
+    def __init__(self, settings: Settings, state: SharedState[Any],
+                 declared: Sequence[Schedule],
+                 clock: Callable[[], datetime] | None = None) -> None:
+        self.settings = settings
+        self.state = state
+        self.declared = tuple(declared)
+        # The time the rounds go by: the database's (None), or a test's clock.
+        self.clock = clock
+        self.queries = schedule_queries(settings.schema)
+        self.declared_done = False
+        self.enqueued = 0  # slots enqueued by this scheduler (for tests and logs)
+
+    def declare(self) -> Step[None]:
+        """Upsert the schedules declared in code (once per run)."""
+        if not self.declared_done:
+            yield from declare(self.declared, self.settings.schema, self._now())
+            self.declared_done = True
+
+    def _now(self) -> datetime | None:
+        return None if self.clock is None else self.clock()
+
+    def round(self) -> Step[bool]:
+        """One transaction's work: the due schedules' slots; whether more may be due."""
+        rows: list[Due] = yield Statement(self.queries.schedule_due, {
+            "now": self._now(), "limit": BATCH}, row=Due)
+        for due in rows:
+            yield from self._one(due)
+        return len(rows) == BATCH
+
+    def wait(self) -> Step[float]:
+        """Seconds until the next pass: the next slot due, at most ``TICK``."""
+        [(seconds,)] = yield Statement(self.queries.schedule_wait, {"now": self._now()})
+        if seconds is None:
+            return TICK
+        return max(0.0, min(TICK, float(seconds) + LATE))
+
+    def _one(self, due: Due) -> Step[None]:
+        try:
+            schedule = Schedule.from_definition(due.name, json.loads(due.definition))
+        except (ConfigurationError, ValueError, TypeError) as exc:
+            log.error("schedule %r: its stored definition cannot be used (%s); looked at "
+                      "again in a minute", due.name, exc)
+            yield Statement(self.queries.schedule_advance, {
+                "name": due.name, "next_slot": due.at + BROKEN_RETRY, "last_slot": None,
+                "job_id": None, "error": f"definition refused: {exc}"[:500]})
+            return
+        plan = schedule.plan(due.next_slot, due.at)
+        if plan.skipped:
+            log.warning("schedule %r: %d missed slot(s) skipped (catch_up=%r%s)", due.name,
+                        plan.skipped, schedule.catch_up,
+                        ", at most 1000 caught up" if schedule.catch_up == "all" else "")
+        job_id, error, stamps = None, None, []
+        for slot in plan.slots:
+            try:
+                job = prepare(schedule.effect, slot_key(due.name, slot),
+                              json.loads(schedule.payload_json), group=schedule.group,
+                              priority=schedule.priority)
+                result = yield from enqueue_steps(job, self.settings.queries)
+            except EnqueueError as exc:
+                # Refused by the registry, or the slot's key already holds another request
+                # (another release's definition enqueued it): not enqueued, said once.
+                error = f"slot {slot.isoformat()}: {exc}"[:500]
+                log.error("schedule %r: %s", due.name, error)
+                continue
+            job_id = result.job_id if result.job_id is not None else job_id
+            if result.created:
+                stamps.append({"id": result.job_id, "at": slot.isoformat()})
+        if stamps:
+            yield Statement(self.queries.schedule_stamp, {"stamps": json.dumps(stamps)})
+            self.enqueued += len(stamps)
+        yield Statement(self.queries.schedule_advance, {
+            "name": due.name, "next_slot": plan.next_slot,
+            "last_slot": plan.slots[-1] if plan.slots else None, "job_id": job_id,
+            "error": error})
+
+
+# -- drivers -----------------------------------------------------------------------------------
+
+
+def schedule_pass(scheduler: Scheduler, conn: Connection) -> float:
+    """One pass on a blocking connection (each round its own transaction); the seconds
+    until the next one is worth making."""
+    pg = conn.get()
+    run(scheduler.declare(), conn.execute)
+    for _ in range(MAX_BATCHES):
+        with pg.transaction():
+            more = run(scheduler.round(), lambda statement: execute(pg, statement))
+        if not more or scheduler.state.stopping.is_set():
+            break
+    conn.succeeded()
+    return run(scheduler.wait(), conn.execute)
+
+
+def run_scheduler(scheduler: Scheduler, conn: Connection, *, once: bool) -> None:
+    """The scheduler's loop on its own thread until the dispatcher stops; ``once``: one
+    pass. A database error is logged and the pass tried again after a backoff: a bad
+    schedule never stops the dispatcher."""
+    state: SharedState[threading.Event] = scheduler.state
+    try:
+        while True:
+            try:
+                wait = schedule_pass(scheduler, conn)
+            except psycopg.Error as exc:
+                if conn.lost:
+                    conn.discard()
+                _failed_pass(exc, once)
+                wait = conn.backoff()
+            if once or state.stopping.wait(wait):
+                return
+    finally:
+        if not once:
+            conn.discard()
+
+
+async def schedule_pass_async(scheduler: Scheduler, conn: AsyncConnection) -> float:
+    """``schedule_pass`` on an asyncio connection."""
+    pg = await conn.get()
+    await run_async(scheduler.declare(), conn.execute)
+    for _ in range(MAX_BATCHES):
+        async with pg.transaction():
+            more = await run_async(scheduler.round(),
+                                   lambda statement: execute_async(pg, statement))
+        if not more or scheduler.state.stopping.is_set():
+            break
+    conn.succeeded()
+    return await run_async(scheduler.wait(), conn.execute)
+
+
+async def run_scheduler_async(scheduler: Scheduler, conn: AsyncConnection, *,
+                              once: bool) -> None:
+    """``run_scheduler`` as a task of ``AsyncDispatcher``."""
+    state = scheduler.state
+    try:
+        while True:
+            try:
+                wait = await schedule_pass_async(scheduler, conn)
+            except psycopg.Error as exc:
+                if conn.lost:
+                    await conn.discard()
+                _failed_pass(exc, once)
+                wait = conn.backoff()
+            if once or await state.stopping.wait(wait):
+                return
+    finally:
+        if not once:
+            await conn.discard()
+
+
+def _failed_pass(exc: psycopg.Error, once: bool) -> None:
+    if isinstance(exc, CONNECTION_ERRORS):
+        log.warning("scheduler: database unreachable (%s); retrying", type(exc).__name__)
+    else:
+        log.error("scheduler: a pass failed (%s: %s); retrying", type(exc).__name__,
+                  str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+    if once:
+        log.warning("scheduler: the due slots are enqueued by the next pass")
