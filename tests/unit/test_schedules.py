@@ -14,12 +14,14 @@ from outbox.schedules import MAX_CATCH_UP, ON_TIME, Schedule, slot_key
 BERLIN = ZoneInfo("Europe/Berlin")
 
 
-def utc(*args: int) -> datetime:
-    return datetime(*args, tzinfo=UTC)  # type: ignore[misc]
+def utc(year: int, month: int, day: int, hour: int = 0, minute: int = 0, second: int = 0,
+        micro: int = 0) -> datetime:
+    return datetime(year, month, day, hour, minute, second, micro, tzinfo=UTC)
 
 
-def local(*args: int, fold: int = 0) -> datetime:
-    return datetime(*args, tzinfo=BERLIN, fold=fold)  # type: ignore[misc]
+def local(year: int, month: int, day: int, hour: int = 0, minute: int = 0, *,
+          fold: int = 0) -> datetime:
+    return datetime(year, month, day, hour, minute, tzinfo=BERLIN, fold=fold)
 
 
 # -- bad input, at construction, naming the schedule -------------------------------------------
