@@ -1,0 +1,222 @@
+"""Schedules run by in-process dispatchers on a real PostgreSQL: slots enqueued once,
+``job.scheduled_for``, a fake clock across a DST change, stored schedules picked up by a
+running dispatcher, code winning over the store."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import outbox
+from outbox import _schedule_store
+from outbox._steps import execute, run
+
+from .support import EFFECT, Recording
+
+
+def utc(*args: int) -> datetime:
+    year, month, day, *rest = args
+    return datetime(year, month, day, *rest, tzinfo=UTC)
+
+
+class Clock:
+    """A fake clock the scheduler goes by."""
+
+    def __init__(self, at: datetime) -> None:
+        self.at = at
+
+    def __call__(self) -> datetime:
+        return self.at
+
+
+def dispatcher(dsn: str, schema: str, effect: Recording, schedules: list[outbox.Schedule],
+               clock: Clock | None = None) -> outbox.Dispatcher:
+    d = outbox.Dispatcher(dsn, effects=[effect], schema=schema, lease=5.0,
+                          schedules=schedules)
+    d._schedule_clock = clock
+    return d
+
+
+def rows(dsn: str, query: str, schema: str, params: dict[str, object] | None = None,
+         ) -> list[tuple[object, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(sql.SQL(query).format(s=sql.Identifier(schema)),
+                            params).fetchall()
+
+
+def test_a_fake_clock_across_the_autumn_change_fires_each_slot_once(
+        dsn: str, schema: str) -> None:
+    """03:00 -> 02:00 in Berlin: the fixed-time nightly job runs once, the half-hourly one
+    every half hour of real time, each slot's job once, even with two dispatchers."""
+    clock = Clock(utc(2026, 10, 24, 22, 50))
+    schedules = [
+        outbox.Schedule("nightly", effect=EFFECT, cron="30 2 * * *", timezone="Europe/Berlin",
+                        catch_up="all", payload={"run": "nightly"}),
+        outbox.Schedule("half-hourly", effect=EFFECT, cron="*/30 * * * *",
+                        timezone="Europe/Berlin", catch_up="all", group="t1", priority=2),
+    ]
+    first, second = Recording(), Recording()
+    one = dispatcher(dsn, schema, first, schedules, clock)
+    two = dispatcher(dsn, schema, second, schedules, clock)
+    one.run_until_idle(timeout=30)  # declares: the first slots are after 22:50
+    assert first.jobs == []
+    clock.at = utc(2026, 10, 25, 2, 10)  # the night, caught up in one pass
+    one.run_until_idle(timeout=30)
+    two.run_until_idle(timeout=30)
+    clock.at = utc(2026, 10, 25, 3, 0)
+    two.run_until_idle(timeout=30)
+    one.run_until_idle(timeout=30)
+    jobs = first.jobs + second.jobs
+    slots = {name: sorted(j.scheduled_for for j in jobs if j.key.startswith(f"schedule:{name}:")
+                          if j.scheduled_for is not None)
+             for name in ("nightly", "half-hourly")}
+    # 02:30 CEST is 00:30 UTC; the second 02:30 (CET, 01:30 UTC) does not fire it again.
+    assert slots["nightly"] == [utc(2026, 10, 25, 0, 30)]
+    assert slots["half-hourly"] == [utc(2026, 10, 24, 23) + timedelta(minutes=30 * i)
+                                    for i in range(9)]
+    assert len(jobs) == len({j.key for j in jobs}) == 10
+    nightly = next(j for j in jobs if j.key.startswith("schedule:nightly:"))
+    assert nightly.key == "schedule:nightly:2026-10-25T00:30:00Z"
+    assert nightly.payload == {"run": "nightly"}
+    assert nightly.scheduled_for is not None and nightly.scheduled_for.utcoffset() is not None
+    half = next(j for j in jobs if j.key.startswith("schedule:half-hourly:"))
+    assert (half.group, half.priority, half.payload) == ("t1", 2, {})
+    [(last_slot, last_job, next_slot)] = rows(
+        dsn, "SELECT last_slot, last_job_id, next_slot FROM {s}.schedules WHERE name = "
+        "'half-hourly'", schema)
+    assert last_slot == utc(2026, 10, 25, 3)
+    assert last_job == max(j.id for j in jobs if j.key.startswith("schedule:half-hourly:"))
+    assert next_slot == utc(2026, 10, 25, 3, 30)
+
+
+def test_a_fake_clock_across_the_spring_change_fires_the_skipped_slot_after_the_jump(
+        dsn: str, schema: str) -> None:
+    clock = Clock(utc(2026, 3, 28, 12))
+    effect = Recording()
+    d = dispatcher(dsn, schema, effect, [outbox.Schedule(
+        "nightly", effect=EFFECT, cron="30 2 * * *", timezone="Europe/Berlin")], clock)
+    d.run_until_idle(timeout=30)
+    clock.at = utc(2026, 3, 29, 0, 59)  # 01:59 CET: not yet
+    d.run_until_idle(timeout=30)
+    assert effect.jobs == []
+    clock.at = utc(2026, 3, 29, 1, 0)  # 03:00 CEST, the first minute after the jump
+    d.run_until_idle(timeout=30)
+    assert [j.scheduled_for for j in effect.jobs] == [utc(2026, 3, 29, 1)]
+
+
+def test_a_running_dispatcher_fires_every_second_with_the_slot_and_the_payload(
+        dsn: str, schema: str) -> None:
+    effect = Recording()
+    d = dispatcher(dsn, schema, effect, [outbox.Schedule(
+        "tick", effect=EFFECT, every=1, payload={"sweep": "provider"})])
+    runner = threading.Thread(target=d.run)
+    runner.start()
+    try:
+        jobs = effect.wait_for(3)
+    finally:
+        d.stop()
+        runner.join(60)
+    slots = [j.scheduled_for for j in jobs]
+    assert all(s is not None and s.microsecond == 0 and s.utcoffset() == timedelta(0)
+               for s in slots)
+    assert len(set(slots)) == len(slots)
+    assert all(j.payload == {"sweep": "provider"} for j in jobs)
+    assert [j.key for j in jobs[:1]] == [
+        outbox.schedules.slot_key("tick", slots[0])]  # type: ignore[arg-type]
+
+
+def test_the_async_dispatcher_runs_schedules_too(dsn: str, schema: str) -> None:
+    effect = Recording()
+
+    async def main() -> None:
+        d = outbox.AsyncDispatcher(dsn, effects=[effect], schema=schema, lease=5.0,
+                                   schedules=[outbox.Schedule("tick", effect=EFFECT, every=1)])
+        async with d:
+            await asyncio.to_thread(effect.wait_for, 2)
+
+    asyncio.run(main())
+    assert len({j.scheduled_for for j in effect.jobs}) == len(effect.jobs) >= 2
+
+
+def test_a_slot_already_enqueued_is_not_enqueued_again(dsn: str, schema: str) -> None:
+    """The key is the safety net: a slot whose job exists (another dispatcher, a state
+    lost) is a no-op; the schedule still advances."""
+    clock = Clock(utc(2026, 12, 5, 2, 59))
+    effect = Recording()
+    schedule = outbox.Schedule("nightly", effect=EFFECT, cron="0 3 * * *")
+    d = dispatcher(dsn, schema, effect, [schedule], clock)
+    d.run_until_idle(timeout=30)
+    key = outbox.schedules.slot_key("nightly", utc(2026, 12, 5, 3))
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        tx.enqueue(EFFECT, key=key, payload={})
+    clock.at = utc(2026, 12, 5, 3, 0, 1)
+    d.run_until_idle(timeout=30)
+    assert [j.key for j in effect.jobs] == [key]
+    assert effect.jobs[0].scheduled_for is None  # the job enqueued by hand, not stamped
+    [(count, next_slot)] = rows(dsn, "SELECT (SELECT count(*) FROM {s}.jobs), next_slot "
+                                "FROM {s}.schedules", schema)
+    assert (count, next_slot) == (1, utc(2026, 12, 6, 3))
+
+
+def test_a_running_dispatcher_picks_up_a_stored_schedule(dsn: str, schema: str) -> None:
+    effect = Recording()
+    d = dispatcher(dsn, schema, effect, [])
+    runner = threading.Thread(target=d.run)
+    runner.start()
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+            outcome = run(_schedule_store.store(
+                outbox.Schedule("stored", effect=EFFECT, every=1), schema, "test", "test"),
+                lambda statement: execute(conn, statement))
+        assert outcome == "added"
+        jobs = effect.wait_for(2)
+    finally:
+        d.stop()
+        runner.join(60)
+    assert all(j.key.startswith("schedule:stored:") for j in jobs)
+    [(actor, action, affected)] = rows(
+        dsn, "SELECT actor, action, affected FROM {s}.dashboard_audit", schema)
+    assert (actor, action, affected) == ("test", "schedule_add", 1)
+
+
+def test_code_wins_over_a_stored_schedule_of_the_same_name(
+        dsn: str, schema: str, caplog: pytest.LogCaptureFixture) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        run(_schedule_store.store(outbox.Schedule("report", effect=EFFECT, every=3600),
+                                  schema, "ops", "test"),
+            lambda statement: execute(conn, statement))
+    effect = Recording()
+    code = outbox.Schedule("report", effect=EFFECT, cron="0 7 * * *")
+    with caplog.at_level(logging.WARNING, "outbox.schedules"):
+        dispatcher(dsn, schema, effect, [code]).run_until_idle(timeout=30)
+    assert "'report' is declared in the dispatcher's code and was also stored" in caplog.text
+    [(source, definition)] = rows(dsn, "SELECT source, definition FROM {s}.schedules", schema)
+    assert (source, definition["cron"]) == ("code", "0 7 * * *")  # type: ignore[index]
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        refused = run(_schedule_store.store(outbox.Schedule("report", effect=EFFECT, every=60),
+                                            schema, "ops", "test"),
+                      lambda statement: execute(conn, statement))
+    assert refused == "code"
+
+
+def test_a_schedule_for_an_effect_the_dispatcher_does_not_run_is_warned(
+        dsn: str, schema: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, "outbox.schedules"):
+        dispatcher(dsn, schema, Recording(), [
+            outbox.Schedule("typo", effect="sched.recrod", every=60)])
+    assert "schedule 'typo' enqueues effect 'sched.recrod', which this dispatcher does " \
+           "not run" in caplog.text
+
+
+def test_schedules_must_be_schedules_with_distinct_names(dsn: str, schema: str) -> None:
+    s = outbox.Schedule("a", effect=EFFECT, every=1)
+    with pytest.raises(outbox.ConfigurationError, match="two schedules are named 'a'"):
+        dispatcher(dsn, schema, Recording(), [s, s])
+    with pytest.raises(outbox.ConfigurationError, match="list of outbox.Schedule"):
+        dispatcher(dsn, schema, Recording(), s)  # type: ignore[arg-type]
