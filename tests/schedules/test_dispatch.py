@@ -20,9 +20,9 @@ from outbox._steps import execute, run
 from .support import EFFECT, Recording
 
 
-def utc(*args: int) -> datetime:
-    year, month, day, *rest = args
-    return datetime(year, month, day, *rest, tzinfo=UTC)
+def utc(year: int, month: int, day: int, hour: int = 0, minute: int = 0,
+        second: int = 0) -> datetime:
+    return datetime(year, month, day, hour, minute, second, tzinfo=UTC)
 
 
 class Clock:
