@@ -8,14 +8,15 @@ import asyncio
 import logging
 import threading
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg
 import pytest
+from click.testing import CliRunner
 from psycopg import sql
 
 import outbox
-from outbox import _schedule_store
-from outbox._steps import execute, run
+from outbox.cli import main
 
 from .support import EFFECT, Recording
 
@@ -41,6 +42,13 @@ def dispatcher(dsn: str, schema: str, effect: Recording, schedules: list[outbox.
                           schedules=schedules)
     d._schedule_clock = clock
     return d
+
+
+def cli(dsn: str, schema: str, *args: str, code: int = 0) -> Any:
+    """``outbox schedules ARGS`` on the test's schema; its exit code checked."""
+    result = CliRunner().invoke(main, ["schedules", "--dsn", dsn, "--schema", schema, *args])
+    assert result.exit_code == code, result.output
+    return result
 
 
 def rows(dsn: str, query: str, schema: str, params: dict[str, object] | None = None,
@@ -170,11 +178,9 @@ def test_a_running_dispatcher_picks_up_a_stored_schedule(dsn: str, schema: str) 
     runner = threading.Thread(target=d.run)
     runner.start()
     try:
-        with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
-            outcome = run(_schedule_store.store(
-                outbox.Schedule("stored", effect=EFFECT, every=1), schema, "test", "test"),
-                lambda statement: execute(conn, statement))
-        assert outcome == "added"
+        added = cli(dsn, schema, "add", "stored", "--effect", EFFECT, "--every", "1",
+                    "--actor", "test")
+        assert added.output == f"schedule stored added: every 1s, effect {EFFECT}\n"
         jobs = effect.wait_for(2)
     finally:
         d.stop()
@@ -187,10 +193,7 @@ def test_a_running_dispatcher_picks_up_a_stored_schedule(dsn: str, schema: str) 
 
 def test_code_wins_over_a_stored_schedule_of_the_same_name(
         dsn: str, schema: str, caplog: pytest.LogCaptureFixture) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
-        run(_schedule_store.store(outbox.Schedule("report", effect=EFFECT, every=3600),
-                                  schema, "ops", "test"),
-            lambda statement: execute(conn, statement))
+    cli(dsn, schema, "add", "report", "--effect", EFFECT, "--every", "3600")
     effect = Recording()
     code = outbox.Schedule("report", effect=EFFECT, cron="0 7 * * *")
     with caplog.at_level(logging.WARNING, "outbox.schedules"):
@@ -198,11 +201,10 @@ def test_code_wins_over_a_stored_schedule_of_the_same_name(
     assert "'report' is declared in the dispatcher's code and was also stored" in caplog.text
     [(source, definition)] = rows(dsn, "SELECT source, definition FROM {s}.schedules", schema)
     assert (source, definition["cron"]) == ("code", "0 7 * * *")  # type: ignore[index]
-    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
-        refused = run(_schedule_store.store(outbox.Schedule("report", effect=EFFECT, every=60),
-                                            schema, "ops", "test"),
-                      lambda statement: execute(conn, statement))
-    assert refused == "code"
+    refused = cli(dsn, schema, "add", "report", "--effect", EFFECT, "--every", "60", code=1)
+    assert "schedule 'report' is declared in a dispatcher's code, which wins" in refused.output
+    refused = cli(dsn, schema, "remove", "report", code=1)
+    assert "declared in a dispatcher's code and would come back" in refused.output
 
 
 def test_a_schedule_for_an_effect_the_dispatcher_does_not_run_is_warned(
