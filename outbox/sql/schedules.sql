@@ -139,3 +139,15 @@ WITH removed AS (
             (SELECT count(*) FROM removed))
 )
 SELECT count(*) AS removed FROM removed;
+
+-- name: schedule_gauges
+-- The schedules' metrics (outbox_schedule_*): at most %(limit)s of them, the unpaused
+-- most overdue first, and how many unpaused schedules are overdue by %(grace)s seconds.
+SELECT s.name, s.paused, date_part('epoch', s.next_slot) AS next_slot,
+       date_part('epoch', s.last_slot) AS last_slot,
+       count(*) FILTER (WHERE NOT s.paused
+                        AND s.next_slot < now() - make_interval(secs => %(grace)s))
+           OVER () AS overdue
+FROM {schema}.schedules s
+ORDER BY s.paused, s.next_slot, s.name
+LIMIT %(limit)s;
