@@ -39,11 +39,11 @@ POLL = 0.02  # seconds between two looks at the ledger while run() drains
 # ("due"), or a day's period whose next slot is a day away ("idle").
 _SEED_SCHEDULES = """
 INSERT INTO {schedules} (name, effect, definition, source, next_slot)
-SELECT 'bench-' || g, %(effect)s,
-       jsonb_build_object('effect', %(effect)s, 'every', %(every)s::float8,
+SELECT 'bench-' || g, %(effect)s::text,
+       jsonb_build_object('effect', %(effect)s::text, 'every', %(every)s::float8,
                           'payload', '{{}}'::jsonb, 'timezone', 'UTC', 'catch_up', 'latest',
                           'priority', 0),
-       'stored', CASE WHEN %(due)s THEN date_trunc('hour', now())
+       'stored', CASE WHEN %(due)s::boolean THEN date_trunc('hour', now())
                       ELSE now() + interval '1 day' END
 FROM generate_series(1, %(n)s) AS g
 """

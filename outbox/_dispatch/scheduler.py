@@ -32,11 +32,11 @@ from typing import Any
 
 import psycopg
 
-from .._enqueue import enqueue_steps, prepare
+from .._enqueue import EnqueueResult, PreparedJob, enqueue_many_steps, enqueue_steps, prepare
 from .._schedule_store import declare, schedule_queries
 from .._steps import Statement, Step, execute, execute_async, run, run_async
 from ..errors import ConfigurationError, EnqueueError
-from ..schedules import Schedule, slot_key
+from ..schedules import MAX_CATCH_UP, Schedule, slot_key
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
 from .settings import Settings
 from .state import SharedState
@@ -115,8 +115,30 @@ class Scheduler:
         """One transaction's work: the due schedules' slots; whether more may be due."""
         rows: list[Due] = yield Statement(self.queries.schedule_due, {
             "now": self._now(), "limit": BATCH}, row=Due)
+        if not rows:
+            return False
+        advanced: dict[str, Advanced] = {}
+        wanted: list[tuple[str, datetime, PreparedJob]] = []
         for due in rows:
-            yield from self._one(due)
+            advanced[due.name] = self._plan(due, wanted)
+        results = yield from self._enqueue([job for *_, job in wanted])
+        stamps = []
+        for (name, slot, _job), result in zip(wanted, results, strict=True):
+            state = advanced[name]
+            if isinstance(result, EnqueueError):
+                # The slot's key already holds another request (another release's
+                # definition enqueued it): not enqueued, said once.
+                state.error = f"slot {slot.isoformat()}: {result}"[:500]
+                log.error("schedule %r: %s", name, state.error)
+                continue
+            state.job_id = result.job_id if result.job_id is not None else state.job_id
+            if result.created:
+                stamps.append({"id": result.job_id, "at": slot.isoformat()})
+        if stamps:
+            yield Statement(self.queries.schedule_stamp, {"stamps": json.dumps(stamps)})
+            self.enqueued += len(stamps)
+        yield Statement(self.queries.schedule_advance, {"advanced": json.dumps(
+            [state.as_json() for state in advanced.values()])})
         return len(rows) == BATCH
 
     def wait(self) -> Step[float]:
@@ -126,44 +148,69 @@ class Scheduler:
             return TICK
         return max(0.0, min(TICK, float(seconds) + LATE))
 
-    def _one(self, due: Due) -> Step[None]:
+    def _plan(self, due: Due, wanted: list[tuple[str, datetime, PreparedJob]]) -> Advanced:
+        """The slots of ``due`` to enqueue (added to ``wanted``, prepared) and its state
+        after the round."""
         try:
             schedule = Schedule.from_definition(due.name, json.loads(due.definition))
         except (ConfigurationError, ValueError, TypeError) as exc:
             log.error("schedule %r: its stored definition cannot be used (%s); looked at "
                       "again in a minute", due.name, exc)
-            yield Statement(self.queries.schedule_advance, {
-                "name": due.name, "next_slot": due.at + BROKEN_RETRY, "last_slot": None,
-                "job_id": None, "error": f"definition refused: {exc}"[:500]})
-            return
+            return Advanced(due.name, due.at + BROKEN_RETRY,
+                            error=f"definition refused: {exc}"[:500])
         plan = schedule.plan(due.next_slot, due.at)
         if plan.skipped:
             log.warning("schedule %r: %d missed slot(s) skipped (catch_up=%r%s)", due.name,
                         plan.skipped, schedule.catch_up,
-                        ", at most 1000 caught up" if schedule.catch_up == "all" else "")
-        job_id, error, stamps = None, None, []
+                        f", at most {MAX_CATCH_UP} caught up" if schedule.catch_up == "all"
+                        else "")
+        state = Advanced(due.name, plan.next_slot, plan.slots[-1] if plan.slots else None)
+        payload = json.loads(schedule.payload_json)
         for slot in plan.slots:
             try:
-                job = prepare(schedule.effect, slot_key(due.name, slot),
-                              json.loads(schedule.payload_json), group=schedule.group,
-                              priority=schedule.priority)
-                result = yield from enqueue_steps(job, self.settings.queries)
-            except EnqueueError as exc:
-                # Refused by the registry, or the slot's key already holds another request
-                # (another release's definition enqueued it): not enqueued, said once.
-                error = f"slot {slot.isoformat()}: {exc}"[:500]
-                log.error("schedule %r: %s", due.name, error)
+                job = prepare(schedule.effect, slot_key(due.name, slot), payload,
+                              group=schedule.group, priority=schedule.priority)
+            except EnqueueError as exc:  # refused by the registry (outbox.register_effects)
+                state.error = f"slot {slot.isoformat()}: {exc}"[:500]
+                log.error("schedule %r: %s", due.name, state.error)
                 continue
-            job_id = result.job_id if result.job_id is not None else job_id
-            if result.created:
-                stamps.append({"id": result.job_id, "at": slot.isoformat()})
-        if stamps:
-            yield Statement(self.queries.schedule_stamp, {"stamps": json.dumps(stamps)})
-            self.enqueued += len(stamps)
-        yield Statement(self.queries.schedule_advance, {
-            "name": due.name, "next_slot": plan.next_slot,
-            "last_slot": plan.slots[-1] if plan.slots else None, "job_id": job_id,
-            "error": error})
+            wanted.append((due.name, slot, job))
+        return state
+
+    def _enqueue(self, jobs: list[PreparedJob]) -> Step[list[EnqueueResult | EnqueueError]]:
+        """Each job through the core's enqueue, in one statement; when a key holds another
+        request (the batch refused whole), one at a time after rolling the batch back."""
+        if not jobs:
+            return []
+        yield Statement("SAVEPOINT outbox_schedules", {})
+        try:
+            results: list[EnqueueResult | EnqueueError] = list(
+                (yield from enqueue_many_steps(jobs, self.settings.queries)))
+        except EnqueueError:
+            yield Statement("ROLLBACK TO SAVEPOINT outbox_schedules", {})
+            results = []
+            for job in jobs:
+                try:
+                    results.append((yield from enqueue_steps(job, self.settings.queries)))
+                except EnqueueError as exc:
+                    results.append(exc)
+        return results
+
+
+@dataclass(slots=True)
+class Advanced:
+    """A schedule's state after a round (``schedule_advance``)."""
+
+    name: str
+    next_slot: datetime
+    last_slot: datetime | None = None
+    job_id: int | None = None
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "next_slot": self.next_slot.isoformat(),
+                "last_slot": None if self.last_slot is None else self.last_slot.isoformat(),
+                "job_id": self.job_id, "error": self.error}
 
 
 # -- drivers -----------------------------------------------------------------------------------

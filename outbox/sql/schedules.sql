@@ -47,14 +47,17 @@ FROM jsonb_to_recordset(CAST(%(stamps)s AS jsonb)) AS s(id bigint, at timestampt
 WHERE j.id = s.id AND j.scheduled_for IS NULL;
 
 -- name: schedule_advance
--- The schedule's state after a round: in the transaction that enqueued its slots.
+-- The state of each schedule of a round after it (one JSON array of {name, next_slot,
+-- last_slot, job_id, error}), in the transaction that enqueued their slots.
 UPDATE {schema}.schedules s
-SET next_slot = CAST(%(next_slot)s AS timestamptz),
-    last_slot = coalesce(CAST(%(last_slot)s AS timestamptz), s.last_slot),
-    last_job_id = coalesce(CAST(%(job_id)s AS bigint), s.last_job_id),
-    last_error = CAST(%(error)s AS text),
+SET next_slot = a.next_slot,
+    last_slot = coalesce(a.last_slot, s.last_slot),
+    last_job_id = coalesce(a.job_id, s.last_job_id),
+    last_error = a.error,
     updated_at = now()
-WHERE s.name = CAST(%(name)s AS text);
+FROM jsonb_to_recordset(CAST(%(advanced)s AS jsonb))
+     AS a(name text, next_slot timestamptz, last_slot timestamptz, job_id bigint, error text)
+WHERE s.name = a.name;
 
 -- name: schedule_wait
 -- Seconds until the next unpaused slot is due (NULL: none), one probe of schedules_due.

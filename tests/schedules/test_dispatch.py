@@ -222,3 +222,31 @@ def test_schedules_must_be_schedules_with_distinct_names(dsn: str, schema: str) 
         dispatcher(dsn, schema, Recording(), [s, s])
     with pytest.raises(outbox.ConfigurationError, match="list of outbox.Schedule"):
         dispatcher(dsn, schema, Recording(), s)  # type: ignore[arg-type]
+
+
+def test_a_slot_key_holding_another_request_is_an_error_of_that_schedule_only(
+        dsn: str, schema: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The round's batch is refused whole by the conflict: rolled back to its savepoint
+    and enqueued one job at a time, so the other schedules of the round still fire."""
+    clock = Clock(utc(2026, 12, 5, 2, 59))
+    effect = Recording()
+    d = dispatcher(dsn, schema, effect, [
+        outbox.Schedule("nightly", effect=EFFECT, cron="0 3 * * *"),
+        outbox.Schedule("other", effect=EFFECT, cron="0 3 * * *")], clock)
+    d.run_until_idle(timeout=30)
+    key = outbox.schedules.slot_key("nightly", utc(2026, 12, 5, 3))
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        tx.enqueue(EFFECT, key=key, payload={"by": "hand"})
+    clock.at = utc(2026, 12, 5, 3, 0, 1)
+    with caplog.at_level(logging.ERROR, "outbox.schedules"):
+        d.run_until_idle(timeout=30)
+    assert sorted(j.key for j in effect.jobs) == [
+        key, outbox.schedules.slot_key("other", utc(2026, 12, 5, 3))]
+    stamped = {j.key: j.scheduled_for for j in effect.jobs}
+    assert stamped[key] is None and stamped[f"schedule:other:{key.split(':', 2)[2]}"] == utc(
+        2026, 12, 5, 3)
+    errors = dict(rows(dsn, "SELECT name, last_error FROM {s}.schedules", schema))
+    assert errors["other"] is None
+    assert "already used for" in str(errors["nightly"]) or "different payload" in str(
+        errors["nightly"])
+    assert "schedule 'nightly': slot 2026-12-05T03:00:00+00:00" in caplog.text
