@@ -245,7 +245,8 @@ def test_a_slot_key_holding_another_request_is_an_error_of_that_schedule_only(
     stamped = {j.key: j.scheduled_for for j in effect.jobs}
     assert stamped[key] is None and stamped[f"schedule:other:{key.split(':', 2)[2]}"] == utc(
         2026, 12, 5, 3)
-    errors = dict(rows(dsn, "SELECT name, last_error FROM {s}.schedules", schema))
+    errors = {name: error for name, error in rows(
+        dsn, "SELECT name, last_error FROM {s}.schedules", schema)}
     assert errors["other"] is None
     assert "already used for" in str(errors["nightly"]) or "different payload" in str(
         errors["nightly"])
