@@ -417,6 +417,13 @@ class Dispatcher(_Options):
     Jobs in ``reconcile`` of an effect that defines ``reconcile`` are asked about within
     ``reconcile_interval`` seconds (60), then with backoff.
 
+    ``schedules`` (a list of ``outbox.Schedule``): recurring effects, upserted into the
+    schema's schedules table when a run starts (a definition declared here replaces a
+    stored one of the same name, with a warning). Every dispatcher, with schedules
+    declared or not, enqueues the due slots of every schedule of its schema, stored ones
+    included: each slot once, whatever the number of dispatchers (its job key is derived
+    from the schedule's name and the slot). See ``outbox.schedules``.
+
     A part that dies of an unexpected error (the recorder, a worker) stops the
     dispatcher loudly: it is logged and ``run`` / ``run_until_idle`` raise
     ``outbox.DispatcherFailed``; the listener, only a hint, is restarted instead.
