@@ -51,6 +51,7 @@ MAX_BATCHES = 100  # per pass: 10,000 schedules due at once are done in one pass
 TICK = 1.0  # seconds, at most, between two passes
 LATE = 0.005  # seconds after a slot that the pass wakes (the slot is then surely due)
 BROKEN_RETRY = timedelta(minutes=1)  # a definition that cannot be read is looked at again
+PRIVILEGE_RETRY = 60.0  # seconds: a grant is looked for again this often
 
 
 def check_schedules(schedules: object, effects: Sequence[str]) -> tuple[Schedule, ...]:
@@ -101,6 +102,7 @@ class Scheduler:
         self.queries = schedule_queries(settings.schema)
         self.declared_done = False
         self.enqueued = 0  # slots enqueued by this scheduler (for tests and logs)
+        self.refused = False  # the role may not use the schedules table (said once)
 
     def declare(self) -> Step[None]:
         """Upsert the schedules declared in code (once per run)."""
@@ -242,8 +244,7 @@ def run_scheduler(scheduler: Scheduler, conn: Connection, *, once: bool) -> None
             except psycopg.Error as exc:
                 if conn.lost:
                     conn.discard()
-                _failed_pass(exc, once)
-                wait = conn.backoff()
+                wait = _failed_pass(scheduler, exc, once) or conn.backoff()
             if once or state.stopping.wait(wait):
                 return
     finally:
@@ -276,8 +277,7 @@ async def run_scheduler_async(scheduler: Scheduler, conn: AsyncConnection, *,
             except psycopg.Error as exc:
                 if conn.lost:
                     await conn.discard()
-                _failed_pass(exc, once)
-                wait = conn.backoff()
+                wait = _failed_pass(scheduler, exc, once) or conn.backoff()
             if once or await state.stopping.wait(wait):
                 return
     finally:
@@ -285,7 +285,17 @@ async def run_scheduler_async(scheduler: Scheduler, conn: AsyncConnection, *,
             await conn.discard()
 
 
-def _failed_pass(exc: psycopg.Error, once: bool) -> None:
+def _failed_pass(scheduler: Scheduler, exc: psycopg.Error, once: bool) -> float | None:
+    """Log a failed pass; the seconds to wait before the next one (None: a backoff)."""
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+        # The dispatcher still claims and performs: only the schedules wait. Said once a
+        # process, with the fix.
+        if not scheduler.refused:
+            scheduler.refused = True
+            log.warning("scheduler: the dispatcher's role may not use the schedules table "
+                        "(%s): no schedule is enqueued by this dispatcher; grant it SELECT, "
+                        "INSERT, UPDATE on <schema>.schedules", str(exc).splitlines()[0])
+        return PRIVILEGE_RETRY
     if isinstance(exc, CONNECTION_ERRORS):
         log.warning("scheduler: database unreachable (%s); retrying", type(exc).__name__)
     else:
@@ -293,3 +303,5 @@ def _failed_pass(exc: psycopg.Error, once: bool) -> None:
                   str(exc).strip().splitlines()[0] if str(exc).strip() else "")
     if once:
         log.warning("scheduler: the due slots are enqueued by the next pass")
+    return None
+

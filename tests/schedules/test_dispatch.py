@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -14,6 +15,7 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 import outbox
 from outbox.cli import main
@@ -251,3 +253,28 @@ def test_a_slot_key_holding_another_request_is_an_error_of_that_schedule_only(
     assert "already used for" in str(errors["nightly"]) or "different payload" in str(
         errors["nightly"])
     assert "schedule 'nightly': slot 2026-12-05T03:00:00+00:00" in caplog.text
+
+
+def test_a_role_that_may_not_use_the_schedules_table_still_dispatches_and_says_why(
+        dsn: str, schema: str, caplog: pytest.LogCaptureFixture) -> None:
+    role = f"no_schedules_{uuid.uuid4().hex[:8]}"
+    ident = {"s": sql.Identifier(schema), "r": sql.Identifier(role)}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for statement in ("CREATE ROLE {r} LOGIN", "GRANT USAGE ON SCHEMA {s} TO {r}",
+                          "GRANT ALL ON ALL TABLES IN SCHEMA {s} TO {r}",
+                          "REVOKE ALL ON {s}.schedules FROM {r}"):
+            conn.execute(sql.SQL(statement).format(**ident))
+        with outbox.transaction(conn, schema=schema) as tx:
+            tx.enqueue(EFFECT, key="k1", payload={})
+    try:
+        effect = Recording()
+        with caplog.at_level(logging.WARNING, "outbox.schedules"):
+            stats = outbox.Dispatcher(make_conninfo(dsn, user=role), effects=[effect],
+                                      schema=schema).run_until_idle(timeout=30)
+        assert stats.done == 1 and [j.key for j in effect.jobs] == ["k1"]
+        assert caplog.text.count("may not use the schedules table") == 1
+        assert "grant it SELECT, INSERT, UPDATE on <schema>.schedules" in caplog.text
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {r}").format(**ident))
+            conn.execute(sql.SQL("DROP ROLE {r}").format(**ident))
