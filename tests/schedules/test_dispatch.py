@@ -278,3 +278,13 @@ def test_a_role_that_may_not_use_the_schedules_table_still_dispatches_and_says_w
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP OWNED BY {r}").format(**ident))
             conn.execute(sql.SQL("DROP ROLE {r}").format(**ident))
+
+
+def test_a_dispatcher_serving_targets_declares_its_schedules_in_each(
+        dsn: str, schema: str) -> None:
+    d = outbox.Dispatcher(effects=[Recording()], targets=[outbox.Target(dsn, schema)],
+                          schedules=[outbox.Schedule("nightly", effect=EFFECT,
+                                                     cron="0 3 * * *")])
+    d.run_until_idle(timeout=30)
+    [(name, source)] = rows(dsn, "SELECT name, source FROM {s}.schedules", schema)
+    assert (name, source) == ("nightly", "code")
