@@ -747,10 +747,11 @@ class AsyncDispatcher(_Options):
             else:
                 reconciler = loop.create_task(supervised_async(state, "reconciler", run))
         claimer = AsyncConnection(settings, "claimer")
-        scheduler = await self._scheduler(state, claimer, until_idle)
+        scheduler: asyncio.Task[None] | None = None
         cancelled = abandon = False
         error: BaseException | None = None
         try:
+            scheduler = await self._scheduler(state, claimer, until_idle)
             await run_claimer_async(Claimer(settings, state, until_idle=until_idle),
                                     claimer, workers.submit, deadline)
         except asyncio.CancelledError:

@@ -115,7 +115,7 @@ class Schedule:
     _: KW_ONLY
     effect: str
     cron: str | None = None
-    every: float | timedelta | None = None
+    every: float | timedelta | None = field(default=None, compare=False)
     payload: Mapping[str, Any] | BaseModel | None = field(default=None, compare=False)
     timezone: str = "UTC"
     catch_up: str = "latest"
@@ -123,7 +123,7 @@ class Schedule:
     priority: int = 0
     # Derived once: the payload as canonical JSON, the period in microseconds, the zone.
     payload_json: str = field(init=False, repr=False)
-    period: int | None = field(init=False, repr=False, compare=False)
+    period: int | None = field(init=False, repr=False)
     zone: ZoneInfo = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -68,7 +68,9 @@ def test_the_definition_round_trips() -> None:
                         group="tenant-7", priority=3)
     assert Schedule.from_definition("invoices", schedule.definition()) == schedule
     assert schedule.describe() == "cron 0 6 1 * * Europe/Berlin"
-    assert Schedule("s", effect="e", every=timedelta(minutes=1)).describe() == "every 60s"
+    minutely = Schedule("s", effect="e", every=timedelta(minutes=1))
+    assert minutely.describe() == "every 60s"
+    assert Schedule.from_definition("s", minutely.definition()) == minutely  # every=60.0
 
 
 # -- slots ----------------------------------------------------------------------------------
