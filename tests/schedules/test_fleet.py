@@ -95,7 +95,7 @@ def test_three_dispatchers_a_kill_and_a_downtime_fire_each_slot_once(
         for worker in workers:
             worker.proc.terminate()
         for worker in workers:
-            _stop(worker)
+            assert worker.proc.wait(timeout=60) == 0, worker.log()
         [(stopped,)] = db.execute("SELECT now()").fetchall()
         time.sleep(DOWNTIME)
         [(restarted,)] = db.execute("SELECT now()").fetchall()

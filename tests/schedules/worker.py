@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import threading
 from typing import Any
 
@@ -65,6 +66,11 @@ def main() -> None:
     dispatcher = outbox.Dispatcher(dsn, effects=[Provider(dsn, args.schema)],
                                    schema=args.schema, lease=2.0, concurrency=2,
                                    schedules=schedules())
+    # A SIGTERM before run() installs its own handler (or after it restored ours) stops
+    # the dispatcher all the same: the process always ends with status 0.
+    # (On a thread, as run()'s own handler does: stop() may wait on a lock.)
+    signal.signal(signal.SIGTERM, lambda signum, frame: threading.Thread(
+        target=dispatcher.stop, daemon=True).start())
     dispatcher.run()
 
 
