@@ -51,6 +51,7 @@ MAX_BATCHES = 100  # per pass: 10,000 schedules due at once are done in one pass
 TICK = 1.0  # seconds, at most, between two passes
 LATE = 0.005  # seconds after a slot that the pass wakes (the slot is then surely due)
 BROKEN_RETRY = timedelta(minutes=1)  # a definition that cannot be read is looked at again
+MAX_PARSED = 50_000  # definitions kept checked (then forgotten all at once)
 PRIVILEGE_RETRY = 60.0  # seconds: a grant is looked for again this often
 
 
@@ -103,6 +104,7 @@ class Scheduler:
         self.declared_done = False
         self.enqueued = 0  # slots enqueued by this scheduler (for tests and logs)
         self.refused = False  # the role may not use the schedules table (said once)
+        self.parsed: dict[tuple[str, str], Schedule] = {}  # (name, definition) -> checked
 
     def declare(self) -> Step[None]:
         """Upsert the schedules declared in code (once per run)."""
@@ -154,7 +156,7 @@ class Scheduler:
         """The slots of ``due`` to enqueue (added to ``wanted``, prepared) and its state
         after the round."""
         try:
-            schedule = Schedule.from_definition(due.name, json.loads(due.definition))
+            schedule = self._schedule(due)
         except (ConfigurationError, ValueError, TypeError) as exc:
             log.error("schedule %r: its stored definition cannot be used (%s); looked at "
                       "again in a minute", due.name, exc)
@@ -178,6 +180,17 @@ class Scheduler:
                 continue
             wanted.append((due.name, slot, job))
         return state
+
+    def _schedule(self, due: Due) -> Schedule:
+        """The schedule ``due`` defines, parsed and checked once per definition and not
+        at each of its slots (it is a good part of a round's time in Python)."""
+        found = self.parsed.get((due.name, due.definition))
+        if found is None:
+            if len(self.parsed) >= MAX_PARSED:
+                self.parsed.clear()
+            found = Schedule.from_definition(due.name, json.loads(due.definition))
+            self.parsed[(due.name, due.definition)] = found
+        return found
 
     def _enqueue(self, jobs: list[PreparedJob]) -> Step[list[EnqueueResult | EnqueueError]]:
         """Each job through the core's enqueue, in one statement; when a key holds another
