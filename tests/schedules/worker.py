@@ -2,9 +2,11 @@
 ``python -m tests.schedules.worker --schema S``.
 
 Runs ``Dispatcher.run()`` (until SIGTERM) declaring two schedules of one second, ``all``
-(catch_up="all") and ``latest`` (catch_up="latest"), of an effect that records each
-delivery in the table ``performed`` from its own connection, as a provider would: one
-row per key (an idempotent provider acts once), ``deliveries`` counting the calls.
+(catch_up="all") and ``latest`` (catch_up="latest"), or with ``--dst`` two cron schedules
+in Berlin (``--clock``: a fake clock that runs through a DST night in seconds), of an
+effect that records each delivery in the table ``performed`` from its own connection, as
+a provider would: one row per key (an idempotent provider acts once), ``deliveries``
+counting the calls.
 The DSN comes from ``$OUTBOX_DATABASE_URL``; logs go to stderr.
 """
 
@@ -15,6 +17,9 @@ import logging
 import os
 import signal
 import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -52,20 +57,38 @@ class Provider(outbox.Effect):
         return {}
 
 
-def schedules() -> list[outbox.Schedule]:
+def schedules(dst: bool) -> list[outbox.Schedule]:
+    if dst:  # Berlin's autumn night: 03:00 CEST -> 02:00 CET
+        return [outbox.Schedule("nightly", effect=EFFECT, cron="30 2 * * *",
+                                timezone="Europe/Berlin", catch_up="all"),
+                outbox.Schedule("half", effect=EFFECT, cron="*/30 * * * *",
+                                timezone="Europe/Berlin", catch_up="all")]
     return [outbox.Schedule("all", effect=EFFECT, every=1, catch_up="all"),
             outbox.Schedule("latest", effect=EFFECT, every=1, catch_up="latest")]
+
+
+def fake_clock(start: str, anchor: float, speed: float) -> Callable[[], datetime]:
+    """A clock at ``start`` at the Unix time ``anchor``, running ``speed`` times as fast:
+    the same in every process given the same arguments."""
+    origin = datetime.fromisoformat(start)
+    return lambda: origin + timedelta(seconds=(time.time() - anchor) * speed)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--schema", required=True)
+    parser.add_argument("--dst", action="store_true", help="the cron schedules of a DST night")
+    parser.add_argument("--clock", nargs=3, metavar=("START", "ANCHOR", "SPEED"),
+                        help="the scheduler's fake clock (fake_clock)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     dsn = os.environ["OUTBOX_DATABASE_URL"]
     dispatcher = outbox.Dispatcher(dsn, effects=[Provider(dsn, args.schema)],
                                    schema=args.schema, lease=2.0, concurrency=2,
-                                   schedules=schedules())
+                                   schedules=schedules(args.dst))
+    if args.clock:
+        start, anchor, speed = args.clock
+        dispatcher._schedule_clock = fake_clock(start, float(anchor), float(speed))
     # A SIGTERM before run() installs its own handler (or after it restored ours) stops
     # the dispatcher all the same: the process always ends with status 0.
     # (On a thread, as run()'s own handler does: stop() may wait on a lock.)
