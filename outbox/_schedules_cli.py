@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from . import _schedule_store
+from . import _schedule_store, _sql
 from ._steps import Step, execute, run
 from .cli import VIA, _actor, _connect, _one_line_errors, actor_option, dsn_option, schema_option
 from .errors import ConfigurationError
@@ -118,12 +118,25 @@ def add_command(dsn: str, schema: str, name: str, effect: str, cron: str | None,
                             priority=priority)
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from None
+    _warn_if_unserved(dsn, schema, effect)
     outcome = _run(dsn, schema, _schedule_store.store(schedule, schema, _actor(actor), VIA))
     if outcome == "code":
         raise click.ClickException(
             f"schedule {name!r} is declared in a dispatcher's code, which wins: change it "
             "there (or pause it with outbox schedules pause)")
     click.echo(f"schedule {name} {outcome}: {schedule.describe()}, effect {effect}")
+
+
+def _warn_if_unserved(dsn: str, schema: str, effect: str) -> None:
+    """Warn (stderr) when nothing names ``effect``: no dispatcher serves it, no job or
+    limit names it (a typo?). Not refused: its dispatchers may be deployed later."""
+    with _connect(dsn) as conn:
+        require_current(conn, schema)
+        row = conn.execute(_sql.queries(schema).effect_named, {"effect": effect}).fetchone()
+    if row is not None and not row[0]:
+        known = ", ".join(row[1]) or "none"
+        click.echo(f"warning: no dispatcher serves effect {effect!r} (effects dispatchers "
+                   f"serve: {known}): the schedule's jobs wait until one does", err=True)
 
 
 @command.command("pause")

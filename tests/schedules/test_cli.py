@@ -94,8 +94,18 @@ def test_remove_and_bad_input(dsn: str, schema: str) -> None:
     assert "no schedule 'nope'" in cli(dsn, schema, "pause", "nope", code=1).output
     cli(dsn, schema, "add", "nightly", "--effect", EFFECT, "--cron", "0 3 * * *")
     assert cli(dsn, schema, "add", "nightly", "--effect", EFFECT, "--cron", "0 4 * * *"
-               ).output.startswith("schedule nightly changed")
+               ).stdout.startswith("schedule nightly changed")
     assert cli(dsn, schema, "remove", "nightly").output == "schedule nightly removed\n"
     assert cli(dsn, schema).output == "no schedules\n"
     assert [a[0] for a in audit(dsn, schema)] == ["schedule_add", "schedule_change",
                                                   "schedule_remove"]
+
+
+def test_adding_a_schedule_of_an_effect_nothing_serves_is_warned(dsn: str, schema: str) -> None:
+    added = cli(dsn, schema, "add", "typo", "--effect", "sched.recrod", "--every", "60")
+    assert "warning: no dispatcher serves effect 'sched.recrod'" in added.stderr
+    assert "schedule typo added" in added.stdout
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        tx.enqueue(EFFECT, key="k1", payload={})  # an unfinished job names the effect
+    served = cli(dsn, schema, "add", "fine", "--effect", EFFECT, "--every", "60")
+    assert served.stderr == ""

@@ -182,7 +182,7 @@ def test_a_running_dispatcher_picks_up_a_stored_schedule(dsn: str, schema: str) 
     try:
         added = cli(dsn, schema, "add", "stored", "--effect", EFFECT, "--every", "1",
                     "--actor", "test")
-        assert added.output == f"schedule stored added: every 1s, effect {EFFECT}\n"
+        assert added.stdout == f"schedule stored added: every 1s, effect {EFFECT}\n"
         jobs = effect.wait_for(2)
     finally:
         d.stop()
