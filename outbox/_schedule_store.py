@@ -87,6 +87,8 @@ def declare(schedules: Sequence[Schedule], schema: str,
             now: datetime | None = None) -> Step[list[str]]:
     """Upsert the schedules a dispatcher declares (source 'code'); the names whose stored
     definition was replaced (each also logged as a warning)."""
+    if not schedules:
+        return []
     q = schedule_queries(schema)
     at = yield from _now(now)
     replaced = []
