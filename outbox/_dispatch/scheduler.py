@@ -14,7 +14,8 @@ stored schedules run without any schedule declared in code. Each pass::
                ``scheduled_for``, and the schedule's next slot advanced, all committed
                together
     wait       until the next slot is due, at most ``TICK`` (a schedule stored meanwhile
-               is picked up within it)
+               is picked up within it); the pass begins with that probe, so an idle pass
+               is one statement on the index, and no transaction
 
 The decisions are steps (``outbox._steps``), written once; ``run_scheduler`` and
 ``run_scheduler_async`` drive them, side by side as the other parts' drivers are.
@@ -28,6 +29,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -49,6 +51,9 @@ log = logging.getLogger("outbox.schedules")
 BATCH = 100  # due schedules per transaction
 MAX_BATCHES = 100  # per pass: 10,000 schedules due at once are done in one pass
 TICK = 1.0  # seconds, at most, between two passes
+# After a pass that enqueued, at least this long before the next: slots still due then are
+# held by another dispatcher's round (SKIP LOCKED), not worth asking for in a tight loop.
+RECHECK = 0.05
 LATE = 0.005  # seconds after a slot that the pass wakes (the slot is then surely due)
 BROKEN_RETRY = timedelta(minutes=1)  # a definition that cannot be read is looked at again
 MAX_PARSED = 50_000  # definitions kept checked (then forgotten all at once)
@@ -146,11 +151,12 @@ class Scheduler:
         return len(rows) == BATCH
 
     def wait(self) -> Step[float]:
-        """Seconds until the next pass: the next slot due, at most ``TICK``."""
+        """Seconds until the next slot is due (0: one is due now), at most ``TICK``: one
+        probe of the index, so an idle pass costs one statement and no transaction."""
         [(seconds,)] = yield Statement(self.queries.schedule_wait, {"now": self._now()})
         if seconds is None:
             return TICK
-        return max(0.0, min(TICK, float(seconds) + LATE))
+        return 0.0 if seconds <= 0 else min(TICK, float(seconds) + LATE)
 
     def _plan(self, due: Due, wanted: list[tuple[str, datetime, PreparedJob]]) -> Advanced:
         """The slots of ``due`` to enqueue (added to ``wanted``, prepared) and its state
@@ -234,15 +240,18 @@ class Advanced:
 def schedule_pass(scheduler: Scheduler, conn: Connection) -> float:
     """One pass on a blocking connection (each round its own transaction); the seconds
     until the next one is worth making."""
-    pg = conn.get()
     run(scheduler.declare(), conn.execute)
     for _ in range(MAX_BATCHES):
+        wait = run(scheduler.wait(), conn.execute)
+        if wait > 0 or scheduler.state.stopping.is_set():
+            return wait
+        pg = conn.get()
         with pg.transaction():
-            more = run(scheduler.round(), lambda statement: execute(pg, statement))
-        if not more or scheduler.state.stopping.is_set():
+            more = run(scheduler.round(), partial(execute, pg))
+        if not more:
             break
     conn.succeeded()
-    return run(scheduler.wait(), conn.execute)
+    return max(RECHECK, run(scheduler.wait(), conn.execute))
 
 
 def run_scheduler(scheduler: Scheduler, conn: Connection, *, once: bool) -> None:
@@ -267,16 +276,18 @@ def run_scheduler(scheduler: Scheduler, conn: Connection, *, once: bool) -> None
 
 async def schedule_pass_async(scheduler: Scheduler, conn: AsyncConnection) -> float:
     """``schedule_pass`` on an asyncio connection."""
-    pg = await conn.get()
     await run_async(scheduler.declare(), conn.execute)
     for _ in range(MAX_BATCHES):
+        wait = await run_async(scheduler.wait(), conn.execute)
+        if wait > 0 or scheduler.state.stopping.is_set():
+            return wait
+        pg = await conn.get()
         async with pg.transaction():
-            more = await run_async(scheduler.round(),
-                                   lambda statement: execute_async(pg, statement))
-        if not more or scheduler.state.stopping.is_set():
+            more = await run_async(scheduler.round(), partial(execute_async, pg))
+        if not more:
             break
     conn.succeeded()
-    return await run_async(scheduler.wait(), conn.execute)
+    return max(RECHECK, await run_async(scheduler.wait(), conn.execute))
 
 
 async def run_scheduler_async(scheduler: Scheduler, conn: AsyncConnection, *,
