@@ -93,7 +93,7 @@ class Sizes:
     # targets: schemas in one database, a job each, one fleet against a process each.
     targets_schemas: int = 200
     # schedules: no-op jobs drained beside 10,000 schedules.
-    schedules_jobs: int = 20_000
+    schedules_jobs: int = 50_000
 
 
 FULL = Sizes(drain_sizes=(20_000, 100_000), drain_procs=(1, 2), procrastinate_jobs=20_000,
