@@ -70,6 +70,7 @@ MAX_NAME_LENGTH = 200  # the key adds "schedule:" and the slot; keys stop at 255
 # How far before an instant the cron iteration starts, so that it enters a repeated
 # hour from before it (an iteration started inside one would miss its second pass).
 _CRON_RUN_UP = timedelta(hours=3)
+_LOOKBACK = timedelta(days=1)  # how far back a cron catch-up looks first (see _due)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICRO = timedelta(microseconds=1)
 
@@ -91,6 +92,9 @@ class Plan:
     slots: tuple[datetime, ...]
     skipped: int
     next_slot: datetime
+    # True when more slots than ``skipped`` were missed, uncounted: a cron schedule's
+    # catch-up looks back only as far as it needs (see ``Schedule.plan``).
+    more_skipped: bool = False
 
 
 @dataclass(frozen=True, eq=True)
@@ -186,7 +190,7 @@ class Schedule:
     def plan(self, next_slot: datetime, now: datetime) -> Plan:
         """What to do at ``now`` with the slots from ``next_slot`` (the slot due) on:
         the slots to enqueue, under ``catch_up``, and the next slot to wait for."""
-        due, count = self._due(next_slot, now)
+        due, count, exact = self._due(next_slot, now)
         if not due:
             return Plan((), 0, self.next_after(max(now, next_slot - _MICRO)))
         if self.catch_up == "latest":
@@ -196,24 +200,37 @@ class Schedule:
             taken = (due[-1],) if late <= ON_TIME else ()
         else:
             taken = tuple(due)
-        return Plan(taken, count - len(taken), self.next_after(now))
+        return Plan(taken, count - len(taken), self.next_after(now), not exact)
 
-    def _due(self, first: datetime, now: datetime) -> tuple[list[datetime], int]:
-        """The due slots in [first, now]: at most the last MAX_CATCH_UP, and how many."""
+    def _due(self, first: datetime, now: datetime) -> tuple[list[datetime], int, bool]:
+        """The due slots in [first, now]: at most the last MAX_CATCH_UP, how many, and
+        whether that count is all of them.
+
+        With ``every`` it is arithmetic. A cron expression is iterated, so a long outage
+        is not walked slot by slot (a year of a minutely schedule is half a million): the
+        iteration starts a day back, then eight times further back each time, until the
+        window holds what the policy keeps (MAX_CATCH_UP slots for "all", one otherwise)
+        or reaches ``first``; the slots before the window are skipped, uncounted."""
         if self.period is not None:
             k_first = -(-_micros(first) // self.period)
             k_last = _micros(now) // self.period
             count = max(0, k_last - k_first + 1)
             start = max(k_first, k_last - MAX_CATCH_UP + 1)
-            return [_at(k * self.period) for k in range(start, k_last + 1)], count
-        kept: deque[datetime] = deque(maxlen=MAX_CATCH_UP)
-        count = 0
-        for slot in self._slots_after(first - _MICRO):
-            if slot > now:
-                break
-            kept.append(slot)
-            count += 1
-        return list(kept), count
+            return [_at(k * self.period) for k in range(start, k_last + 1)], count, True
+        wanted = MAX_CATCH_UP if self.catch_up == "all" else 1
+        lookback = _LOOKBACK
+        while True:
+            window = max(first, now - lookback)
+            kept: deque[datetime] = deque(maxlen=MAX_CATCH_UP)
+            count = 0
+            for slot in self._slots_after(window - _MICRO):
+                if slot > now:
+                    break
+                kept.append(slot)
+                count += 1
+            if window == first or count >= wanted:
+                return list(kept), count, window == first
+            lookback *= 8
 
     def _slots_after(self, instant: datetime) -> Iterator[datetime]:
         """The slots strictly after ``instant``, in UTC, increasing."""

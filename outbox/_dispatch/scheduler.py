@@ -169,9 +169,10 @@ class Scheduler:
             return Advanced(due.name, due.at + BROKEN_RETRY,
                             error=f"definition refused: {exc}"[:500])
         plan = schedule.plan(due.next_slot, due.at)
-        if plan.skipped:
-            log.warning("schedule %r: %d missed slot(s) skipped (catch_up=%r%s)", due.name,
-                        plan.skipped, schedule.catch_up,
+        if plan.skipped or plan.more_skipped:
+            log.warning("schedule %r: %s%d missed slot(s) skipped (catch_up=%r%s)", due.name,
+                        "at least " if plan.more_skipped else "", plan.skipped,
+                        schedule.catch_up,
                         f", at most {MAX_CATCH_UP} caught up" if schedule.catch_up == "all"
                         else "")
         state = Advanced(due.name, plan.next_slot, plan.slots[-1] if plan.slots else None)

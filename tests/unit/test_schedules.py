@@ -175,3 +175,23 @@ def test_every_ignores_the_time_zone_and_its_changes() -> None:
     hourly = Schedule("h", effect="e", every=3600, timezone="Europe/Berlin", catch_up="all")
     plan = hourly.plan(utc(2026, 10, 24, 23), utc(2026, 10, 25, 3))
     assert plan.slots == tuple(utc(2026, 10, 24, 23) + timedelta(hours=i) for i in range(5))
+
+
+def test_a_cron_catch_up_after_a_long_outage_looks_back_only_as_far_as_it_needs() -> None:
+    """A year of a minutely schedule is not walked slot by slot: "all" keeps the latest
+    thousand of the last day, "latest" the last slot; the older are skipped, uncounted."""
+    start, now = utc(2025, 1, 1), utc(2026, 1, 1, 12, 0, 30)
+    every_minute = Schedule("m", effect="e", cron="* * * * *", catch_up="all")
+    plan = every_minute.plan(start, now)
+    assert plan.slots == tuple(utc(2026, 1, 1, 12) - timedelta(minutes=999 - i)
+                               for i in range(1000))
+    assert plan.more_skipped and plan.skipped == 1440 - 1000
+    assert plan.next_slot == utc(2026, 1, 1, 12, 1)
+    latest = Schedule("l", effect="e", cron="* * * * *").plan(start, now)
+    assert latest.slots == (utc(2026, 1, 1, 12),) and latest.more_skipped
+    # A yearly slot four years back is still found, its window growing eightfold.
+    yearly = Schedule("y", effect="e", cron="0 0 1 1 *", catch_up="all")
+    plan = yearly.plan(utc(2022, 1, 1), utc(2025, 6, 1))
+    assert plan.slots[-1] == utc(2025, 1, 1) and plan.slots[0] >= utc(2022, 1, 1)
+    exact = yearly.plan(utc(2022, 1, 1), utc(2022, 6, 1))
+    assert (exact.slots, exact.skipped, exact.more_skipped) == ((utc(2022, 1, 1),), 0, False)
