@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 import click
+from psycopg.rows import dict_row
 
 from . import _schedule_store, _sql
 from ._steps import Step, execute, run
@@ -132,9 +133,10 @@ def _warn_if_unserved(dsn: str, schema: str, effect: str) -> None:
     limit names it (a typo?). Not refused: its dispatchers may be deployed later."""
     with _connect(dsn) as conn:
         require_current(conn, schema)
-        row = conn.execute(_sql.queries(schema).effect_named, {"effect": effect}).fetchone()
-    if row is not None and not row[0]:
-        known = ", ".join(row[1]) or "none"
+        found = conn.cursor(row_factory=dict_row).execute(
+            _sql.queries(schema).effect_named, {"effect": effect}).fetchone()
+    if found is not None and not found["named"]:
+        known = ", ".join(found["known"]) or "none"
         click.echo(f"warning: no dispatcher serves effect {effect!r} (effects dispatchers "
                    f"serve: {known}): the schedule's jobs wait until one does", err=True)
 
