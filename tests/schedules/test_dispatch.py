@@ -288,3 +288,18 @@ def test_a_dispatcher_serving_targets_declares_its_schedules_in_each(
     d.run_until_idle(timeout=30)
     [(name, source)] = rows(dsn, "SELECT name, source FROM {s}.schedules", schema)
     assert (name, source) == ("nightly", "code")
+
+
+def test_the_async_dispatcher_enqueues_the_due_slots_in_run_until_idle(
+        dsn: str, schema: str) -> None:
+    clock = Clock(utc(2026, 12, 5, 2, 59))
+    effect = Recording()
+    d = outbox.AsyncDispatcher(dsn, effects=[effect], schema=schema, schedules=[
+        outbox.Schedule("nightly", effect=EFFECT, cron="0 3 * * *", catch_up="all")])
+    d._schedule_clock = clock
+    asyncio.run(d.run_until_idle(timeout=30))
+    clock.at = utc(2026, 12, 7, 3, 0, 1)  # three nights: the 5th, the 6th, the 7th
+    stats = asyncio.run(d.run_until_idle(timeout=30))
+    assert stats.done == 3
+    assert sorted(j.scheduled_for for j in effect.jobs if j.scheduled_for) == [
+        utc(2026, 12, day, 3) for day in (5, 6, 7)]
