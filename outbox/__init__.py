@@ -39,6 +39,7 @@ from .flows import AsyncHookTransaction, HookTransaction, NotPerformed, Performe
 from .limits import Limit
 from .migrate import migrate
 from .registry import register_effects
+from .schedules import Schedule
 from .targets import Target
 from .transaction import AsyncTransaction, Transaction, transaction
 
@@ -68,6 +69,7 @@ __all__ = [
     "Performed",
     "Permanent",
     "Retry",
+    "Schedule",
     "SchemaError",
     "Target",
     "Throttled",

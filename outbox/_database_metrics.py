@@ -27,6 +27,7 @@ from psycopg.rows import class_row, dict_row
 
 from . import _queue
 from ._dispatch.presence import SCAN_LIMIT, Unserved
+from ._schedule_metrics import read_schedules, schedule_families
 from ._sql import check_schema_name, queries
 
 __all__ = ["MAX_EFFECTS", "SCRAPE_TIMEOUT", "DatabaseCollector", "render_database_metrics"]
@@ -46,7 +47,8 @@ class DatabaseCollector(Collector):
     {effect}``, ``outbox_jobs_dead_tuples``, ``outbox_unhandled_due_jobs{effect}`` (due
     jobs of an effect no running dispatcher handles), ``outbox_busiest_group_pending
     {effect}`` (the pending jobs of the effect's largest group: a noisy tenant's backlog,
-    with no group label, whose values are unbounded) and ``outbox_database_up``.
+    with no group label, whose values are unbounded), the schedules' gauges
+    (``outbox._schedule_metrics``) and ``outbox_database_up``.
 
     A database error never fails the scrape: it is logged (by type only) and reported as
     ``outbox_database_up 0``. Effects past ``MAX_EFFECTS`` fold into ``other``."""
@@ -63,7 +65,7 @@ class DatabaseCollector(Collector):
         up = GaugeMetricFamily("outbox_database_up",
                                "1 when the last scrape read the outbox tables, else 0.")
         try:
-            snapshot, unhandled, limits, groups = self._read()
+            snapshot, unhandled, limits, groups, schedules = self._read()
         except psycopg.Error as exc:
             log.error("database metrics: cannot read the outbox tables (%s)",
                       getattr(exc, "sqlstate", None) or type(exc).__name__)
@@ -79,9 +81,10 @@ class DatabaseCollector(Collector):
         yield _unhandled_family(unhandled, effects)
         yield _busiest_group_family(groups, effects)
         yield from _limit_families(limits)
+        yield from schedule_families(schedules)
 
     def _read(self) -> tuple[_queue.Snapshot, list[Unserved], list[dict[str, Any]],
-                             dict[str, list[_queue.GroupBacklog]]]:
+                             dict[str, list[_queue.GroupBacklog]], list[dict[str, Any]]]:
         with psycopg.connect(self.conninfo, connect_timeout=10) as conn:
             conn.read_only = True
             with conn.transaction():
@@ -93,7 +96,8 @@ class DatabaseCollector(Collector):
                 limits = conn.cursor(row_factory=dict_row).execute(
                     queries(self.schema).limits_overview).fetchall()
                 groups = _queue.on(conn, _queue.busiest_groups(self.schema, 1))
-                return snapshot, unhandled, limits, groups
+                schedules = read_schedules(conn, self.schema)
+                return snapshot, unhandled, limits, groups, schedules
 
 
 def _unhandled_family(rows: list[Unserved], known: set[str]) -> Metric:

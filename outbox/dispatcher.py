@@ -48,6 +48,12 @@ from ._dispatch.hook_lookup import require_sync_hooks
 from ._dispatch.listener import Listener, listen_async
 from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_reconciler_async
 from ._dispatch.recorder import Recorder, run_recorder, run_recorder_async
+from ._dispatch.scheduler import (
+    Scheduler,
+    check_schedules,
+    run_scheduler,
+    run_scheduler_async,
+)
 from ._dispatch.settings import Settings, text_array
 from ._dispatch.shared import held
 from ._dispatch.state import (
@@ -65,6 +71,7 @@ from .effect import Effect
 from .errors import ConfigurationError, DispatcherFailed
 from .limits import Limit
 from .observe import DispatchObserver, MultiObserver
+from .schedules import Schedule
 from .targets import Target
 
 __all__ = ["AsyncDispatcher", "DispatchStats", "Dispatcher"]
@@ -142,6 +149,7 @@ class _Options:
         targets_interval: float | timedelta = 30.0,
         max_connections: int = 16,
         limits_home: Target | str | None = None,
+        schedules: Sequence[Schedule] | None = None,
     ) -> None:
         if effects is None:
             raise ConfigurationError(f"{type(self).__name__} needs effects=[...], the "
@@ -172,6 +180,10 @@ class _Options:
         )
         for name in PUBLIC_OPTIONS:
             setattr(self, name, getattr(self.settings, name))
+        # Recurring effects (outbox.Schedule), upserted when a run starts; the clock the
+        # scheduler goes by (None: the database's).
+        self.schedules = check_schedules(schedules, list(self.settings.effects))
+        self._schedule_clock: Callable[[], Any] | None = None
         self.stats = DispatchStats()
         self._running = False
         # The options an engine of the fleet gets (observer and limits are read from the
@@ -184,7 +196,8 @@ class _Options:
             "retention": retention, "ledger_retention": ledger_retention,
             "inbox_retention": inbox_retention, "on_done": on_done, "on_failed": on_failed,
             "reconcile_interval": reconcile_interval,
-            "breaker_threshold": breaker_threshold, "stop_timeout": stop_timeout}
+            "breaker_threshold": breaker_threshold, "stop_timeout": stop_timeout,
+            "schedules": schedules}
         self._fleet: Fleet | None = None
         if targets is not None:
             self._fleet = self._make_fleet(targets, targets_interval, max_connections)
@@ -404,6 +417,13 @@ class Dispatcher(_Options):
     Jobs in ``reconcile`` of an effect that defines ``reconcile`` are asked about within
     ``reconcile_interval`` seconds (60), then with backoff.
 
+    ``schedules`` (a list of ``outbox.Schedule``): recurring effects, upserted into the
+    schema's schedules table when a run starts (a definition declared here replaces a
+    stored one of the same name, with a warning). Every dispatcher, with schedules
+    declared or not, enqueues the due slots of every schedule of its schema, stored ones
+    included: each slot once, whatever the number of dispatchers (its job key is derived
+    from the schedule's name and the slot). See ``outbox.schedules``.
+
     A part that dies of an unexpected error (the recorder, a worker) stops the
     dispatcher loudly: it is logged and ``run`` / ``run_until_idle`` raise
     ``outbox.DispatcherFailed``; the listener, only a hint, is restarted instead.
@@ -519,6 +539,7 @@ class Dispatcher(_Options):
             target=supervised(state, "listener", Listener(settings, state, self._connect).run),
             name="outbox-listener", daemon=True)
         reconciler = self._reconciler(until_idle)
+        scheduler = self._scheduler(claimer, until_idle)
         recorder.start()
         if not until_idle:
             listener.start()
@@ -539,6 +560,23 @@ class Dispatcher(_Options):
                 _join(listener, CLOSE_GRACE)
             if reconciler is not None:
                 _join(reconciler, CLOSE_GRACE)
+            if scheduler is not None:
+                _join(scheduler, CLOSE_GRACE)
+
+    def _scheduler(self, claimer: Connection, until_idle: bool) -> threading.Thread | None:
+        """The schedules' part: under ``run_until_idle`` one pass now, on the claimer's
+        connection, before claiming (the slots due are then performed in this run);
+        under ``run`` a thread of its own with its own connection."""
+        scheduler = Scheduler(self.settings, self._state, self.schedules, self._schedule_clock)
+        if until_idle:
+            run_scheduler(scheduler, claimer, once=True)
+            return None
+        body = partial(run_scheduler, scheduler, Connection(self._connect, "scheduler"),
+                       once=False)
+        thread = threading.Thread(target=supervised(self._state, "scheduler", body),
+                                  name="outbox-scheduler", daemon=True)
+        thread.start()
+        return thread
 
     def _reconciler(self, until_idle: bool) -> threading.Thread | None:
         """Where an effect reconciles: under ``run_until_idle`` one pass now, before
@@ -709,9 +747,11 @@ class AsyncDispatcher(_Options):
             else:
                 reconciler = loop.create_task(supervised_async(state, "reconciler", run))
         claimer = AsyncConnection(settings, "claimer")
+        scheduler: asyncio.Task[None] | None = None
         cancelled = abandon = False
         error: BaseException | None = None
         try:
+            scheduler = await self._scheduler(state, claimer, until_idle)
             await run_claimer_async(Claimer(settings, state, until_idle=until_idle),
                                     claimer, workers.submit, deadline)
         except asyncio.CancelledError:
@@ -733,7 +773,8 @@ class AsyncDispatcher(_Options):
             # Only left after a second cancellation (or a failure while winding down):
             # what still runs is abandoned; its jobs come back when their leases expire.
             leftovers = [*workers.cancel(), recorder, *([listener] if listener else []),
-                         *([reconciler] if reconciler else [])]
+                         *([reconciler] if reconciler else []),
+                         *([scheduler] if scheduler else [])]
             for task in leftovers:
                 task.cancel()
             await asyncio.gather(*leftovers, return_exceptions=True)
@@ -744,6 +785,17 @@ class AsyncDispatcher(_Options):
             raise error
         if cancelled:
             raise asyncio.CancelledError
+
+    async def _scheduler(self, state: AsyncState, claimer: AsyncConnection,
+                         until_idle: bool) -> asyncio.Task[None] | None:
+        """As ``Dispatcher``'s: one pass now on the claimer's connection, or a task."""
+        scheduler = Scheduler(self.settings, state, self.schedules, self._schedule_clock)
+        if until_idle:
+            await run_scheduler_async(scheduler, claimer, once=True)
+            return None
+        return asyncio.get_running_loop().create_task(supervised_async(
+            state, "scheduler", run_scheduler_async(
+                scheduler, AsyncConnection(self.settings, "scheduler"), once=False)))
 
     async def _wind_down(
         self, state: AsyncState, workers: TaskWorkers, recorder: asyncio.Task[None]

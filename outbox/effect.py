@@ -28,7 +28,8 @@ class Job:
     this claim. ``model`` holds the payload validated against the effect's
     ``payload_model`` when it declares one, else None. ``group`` and ``priority`` are
     what the job was enqueued with (``group=``, ``priority=``): an adapter may route by
-    the group, e.g. to a tenant's provider account.
+    the group, e.g. to a tenant's provider account. ``scheduled_for`` is the slot of the
+    ``outbox.Schedule`` that enqueued the job (None for other jobs).
     """
 
     id: int
@@ -43,6 +44,9 @@ class Job:
     model: Any = field(default=None, compare=False)
     group: str | None = None
     priority: int = 0
+    #: The slot (an aware datetime) of the schedule that enqueued the job
+    #: (``outbox.Schedule``); None for a job not enqueued by a schedule.
+    scheduled_for: datetime | None = None
 
 
 class Effect:

@@ -22,6 +22,7 @@
     hook_lookup which effects have completion hooks and reconcilers (build time)
     reconciler  ask the provider about jobs in ``reconcile``, write its answer
     flowsql     the named blocks of ``sql/flows.sql`` (hooks and reconciler)
+    scheduler   enqueue the due slots of the schedules (``outbox.schedules``), each once
     presence    this dispatcher's heartbeat row, and warnings for effects nobody serves
     statistics  the young queue tables' statistics, kept up with their growth until
                 autovacuum keeps them

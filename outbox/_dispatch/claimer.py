@@ -249,7 +249,8 @@ class Claimer:
                   payload=_decode_payload(row.payload)[0], attempt=row.attempts,
                   claim_version=row.claim_version, ordering_key=row.ordering_key,
                   max_attempts=row.max_attempts, first_attempted_at=row.first_attempted_at,
-                  group=row.group_key, priority=row.priority)
+                  group=row.group_key, priority=row.priority,
+                  scheduled_for=row.scheduled_for)
         return Held(job, self.settings.effects[job.effect], job.effect in self.settings.async_names,
                     traced=traced, trace_context=row.trace_context if traced else None,
                     kept_result=row.performed_result)

@@ -127,7 +127,9 @@ RETURNING j.id, j.effect, j.key, j.payload::text, j.attempts, j.claim_version, j
           j.trace_context,
           -- the provider's answer kept after a completion hook raised: reused, not re-performed
           CAST(j.performed_result AS text) AS performed_result,
-          j.group_key, j.priority
+          j.group_key, j.priority,
+          -- the slot of the schedule that enqueued the job (outbox.Schedule), else NULL
+          j.scheduled_for
 
 -- fragment: fair_busy
 -- The busy groups of each effect in served (effect, after: where this dispatcher's last

@@ -921,6 +921,8 @@ def create_app(conninfo: str | None = None, *, schema: str = "outbox", read_only
 
 def _outbox_routes() -> list[BaseRoute]:
     """The pages and actions of one outbox."""
+    from ._schedules import schedule_action, schedules_page  # it imports this module
+
     return [
         Route("/", _guarded(overview), name="overview"),
         Route("/jobs", _guarded(job_list), name="jobs"),
@@ -929,6 +931,8 @@ def _outbox_routes() -> list[BaseRoute]:
         Route("/jobs/{job_id:int}/{action:str}", _guarded(job_action), methods=["POST"]),
         Route("/effects/{action:str}", _guarded(effect_action), methods=["POST"]),
         Route("/metrics", _guarded(metrics), name="metrics"),
+        Route("/schedules", _guarded(schedules_page), name="schedules"),
+        Route("/schedules/{action:str}", _guarded(schedule_action), methods=["POST"]),
     ]
 
 

@@ -69,6 +69,7 @@ CHAOS = "effects/chaos/queries.sql"
 BINDERS: dict[str, Callable[[str], dict[str, str]]] = {
     **{path: _with_fragments(path) for path in CORE},
     "outbox/web/queries.sql": _with_fragments("outbox/web/queries.sql"),
+    "outbox/sql/schedules.sql": _with_fragments("outbox/sql/schedules.sql"),
     "outbox/contrib/django/queries.sql": _with_fragments("outbox/contrib/django/queries.sql"),
     CHAOS: _chaos,
 }

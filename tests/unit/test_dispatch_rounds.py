@@ -160,7 +160,7 @@ def state(events: DispatchObserver | None = None, concurrency: int = 4) -> Share
 
 CLAIMED = ("id", "effect", "key", "payload", "attempts", "claim_version", "ordering_key",
            "max_attempts", "first_attempted_at", "waited", "trace_context", "performed_result",
-           "group_key", "priority")
+           "group_key", "priority", "scheduled_for")
 # The columns of the statements answered by name, as their blocks name them.
 COLUMNS = {"claim": CLAIMED, "limit_claim": (*CLAIMED, "budget_wait"),
            "rescue": ("id", "key", "status", "claim_version"),
@@ -172,7 +172,7 @@ COLUMNS = {"claim": CLAIMED, "limit_claim": (*CLAIMED, "budget_wait"),
 def claimed_rows(*ids: int) -> Rows:
     """Rows as the claim returns them (the payload as JSON text)."""
     return [(i, "test.noop", f"k{i}", "{}", 1, 7, None, 25, datetime.now(UTC), 0.5, None,
-             None, None, 0)
+             None, None, 0, None)
             for i in ids]
 
 
