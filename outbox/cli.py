@@ -32,6 +32,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from . import _queue, _sql
+from ._callers import command as trigger_sql_command
 from ._devserver import dev_server
 from ._dispatch.fleet import describe_failure, read_targets
 from ._enqueue import MAX_GROUP_LENGTH, notify_channel, validate_group
@@ -916,6 +917,7 @@ def web_command(ctx: click.Context, dsn: str | None, schema: str, host: str, por
 
 
 main.add_command(dev_server)
+main.add_command(trigger_sql_command)
 
 
 if __name__ == "__main__":
