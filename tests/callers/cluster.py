@@ -63,14 +63,15 @@ def run(bin_dir: Path, command: list[str]) -> int:
         os.chown(workdir, owner["user"], owner["group"])
     data, port = workdir / "data", _free_port()
     options = " ".join(f"-c {name}={value}" for name, value in SETTINGS.items())
-    quiet: dict[str, Any] = {"check": True, "stdout": subprocess.DEVNULL, "timeout": 120}
+    quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "timeout": 120}
     try:
         subprocess.run([str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres",
                         "--auth=trust", "--encoding=UTF8", "--locale=C", "--no-sync"],
-                       **owner, **quiet)
+                       check=True, **owner, **quiet)
         subprocess.run([str(bin_dir / "pg_ctl"), "-D", str(data), "-l",
                         str(workdir / "server.log"), "-w", "-o",
-                        f"-p {port} -k {workdir} {options}", "start"], **owner, **quiet)
+                        f"-p {port} -k {workdir} {options}", "start"], check=True, **owner,
+                       **quiet)
         dsn = f"host={workdir} port={port} user=postgres dbname=postgres"
         version = subprocess.run([str(bin_dir / "postgres"), "--version"], check=True,
                                  capture_output=True, text=True).stdout.strip()
@@ -85,7 +86,7 @@ def run(bin_dir: Path, command: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[1] != "--":  # noqa: PLR2004
+    if len(argv) < 3 or argv[1] != "--":
         print("usage: python -m tests.callers.cluster BIN_DIR -- COMMAND...", file=sys.stderr)
         return 2
     return run(Path(argv[0]), argv[2:])

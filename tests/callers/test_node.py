@@ -26,7 +26,7 @@ PG_VERSION = "pg@8"
 
 def _program() -> str:
     [block] = re.findall(r"^```javascript\n(.*?)^```", PAGE.read_text(), re.S | re.M)
-    return block
+    return str(block)
 
 
 @pytest.fixture(scope="module")

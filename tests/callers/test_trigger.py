@@ -42,7 +42,7 @@ def orders(dsn: str, schema: str) -> Iterator[sql.Composed]:
     yield table
 
 
-def _write(dsn: str, statement: sql.Composable, *, commit: bool = True) -> None:
+def _write(dsn: str, statement: sql.Composed, *, commit: bool = True) -> None:
     with psycopg.connect(dsn) as conn:
         conn.execute(statement)
         if commit:
