@@ -16,9 +16,8 @@ from psycopg.conninfo import make_conninfo
 
 import outbox
 from outbox import IdempotencyKeyConflict, InvalidArgument, InvalidKey, InvalidPayload
-from outbox._callers import enqueue_error
-from outbox._enqueue import canonical_json, fingerprint, notify_channel
 from outbox.errors import EnqueueError, UnknownEffect
+from outbox.sql import canonical_json, enqueue_error, fingerprint, notify_channel
 from outbox.testing import jobs
 
 from .support import Recorder, sql_enqueue
