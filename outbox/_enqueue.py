@@ -175,10 +175,11 @@ def _non_finite(value: Any, path: str = "payload") -> str | None:
     return next((found for p, v in items if (found := _non_finite(v, p))), None)
 
 
-# A float json.dumps writes otherwise than jsonb prints its number: an exponent (1e+16,
-# 1.5e-07) or a negative zero. The first pattern may also match inside a string; the
-# tokens then tell numbers from strings.
-_NOT_JSONB_NUMBER = re.compile(r"\d[eE]|-0\.0")
+# A float json.dumps writes otherwise than jsonb prints its number: an exponent (repr
+# writes 1e+16, 1.5e-07) or a negative zero. Substring tests first (most payloads hold
+# none of them), then the pattern, which may also match inside a string; the tokens then
+# tell numbers from strings.
+_NOT_JSONB_NUMBER = re.compile(r"\de[-+]|-0\.0")
 _JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?')
 
 
@@ -195,7 +196,8 @@ def as_jsonb_numbers(text: str) -> str:
     ``10000000000000000``, ``1.5e-07`` as ``0.00000015``, ``-0.0`` as ``0.0``), so the
     canonical JSON made here is the one ``<schema>.canonical_json`` makes of the stored
     payload (migration 0017): one fingerprint for Python and SQL callers."""
-    if not _NOT_JSONB_NUMBER.search(text):
+    if ("e+" not in text and "e-" not in text and "-0.0" not in text) or (
+            not _NOT_JSONB_NUMBER.search(text)):
         return text
     return _JSON_TOKEN.sub(_jsonb_number, text)
 
