@@ -120,7 +120,8 @@ BEGIN
     END IF;
     IF enqueue.group_key = '' OR length(enqueue.group_key) > 255 THEN
         RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = 'group_key must be 1 to 255 '
-            || 'characters (NULL means no group), got ' || length(enqueue.group_key);
+            || 'characters (NULL means no group), got ' || length(enqueue.group_key)
+            || ' characters';
     END IF;
     IF enqueue.priority IS NULL OR enqueue.priority NOT BETWEEN -1000 AND 1000 THEN
         RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = 'priority is '
