@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
 from outbox import IdempotencyKeyConflict, InvalidArgument, InvalidKey, InvalidPayload
@@ -275,3 +275,25 @@ def test_named_arguments_reach_the_job(schema: str, conn: psycopg.Connection[Any
     assert job["payload"] == {"a": 1}
     assert conn.execute("SELECT %s > now() + interval '59 minutes'",
                         (job["available_at"],)).fetchone() == (True,)
+
+
+def test_a_trigger_enqueues_for_a_role_granted_only_the_function(
+        dsn: str, schema: str, enqueue_only_role: str) -> None:
+    """The trigger's function runs as the writer: the role needs EXECUTE on enqueue and
+    its own table, no right on the outbox's tables."""
+    role = str(conninfo_to_dict(enqueue_only_role)["user"])
+    names = {"s": sql.Identifier(schema), "role": sql.Identifier(role)}
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL(
+            "CREATE TABLE {s}.orders (id int PRIMARY KEY);"
+            "GRANT INSERT ON {s}.orders TO {role};"
+            "CREATE FUNCTION {s}.orders_enqueue() RETURNS trigger LANGUAGE plpgsql AS $$"
+            " BEGIN PERFORM {s}.enqueue('email.send', 'order-' || NEW.id,"
+            " jsonb_build_object('order', NEW.id)); RETURN NULL; END $$;"
+            "CREATE TRIGGER orders_enqueue AFTER INSERT ON {s}.orders"
+            " FOR EACH ROW EXECUTE FUNCTION {s}.orders_enqueue()").format(**names))
+    with psycopg.connect(enqueue_only_role) as app:
+        app.execute(sql.SQL("INSERT INTO {s}.orders VALUES (5)").format(**names))
+        app.commit()
+    assert {key: job["payload"] for key, job in jobs(dsn, schema).items()} == {
+        "order-5": {"order": 5}}
