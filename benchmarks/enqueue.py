@@ -1,7 +1,9 @@
 """Section 2, enqueue: what the outbox adds to the business transaction.
 
 (a) One ``tx.enqueue`` inside a transaction that also inserts an order row, against the
-    same transaction with a bare INSERT of an equivalent row into a plain table.
+    same transaction with a bare INSERT of an equivalent row into a plain table; and the
+    same job enqueued by ``SELECT outbox.enqueue(...)``, as a caller in another language
+    or a trigger enqueues it.
 (b) ``tx.enqueue_many`` of 1000 jobs per transaction against the fastest raw multi-row
     insert (``executemany``, or ``INSERT ... SELECT unnest`` with text or binary
     parameters) of 1000 equivalent rows into a plain table with the same columns and
@@ -52,6 +54,7 @@ _PLAIN_UNNEST = """
 INSERT INTO bench.plain_jobs (effect, key, payload, fingerprint, max_attempts)
 SELECT * FROM unnest(%s::text[], %s::text[], %s::jsonb[], %s::text[], %s::integer[])
 """
+_SQL_ENQUEUE = "SELECT outbox.enqueue(%s, %s, %s)"
 # A fingerprint-sized placeholder: the raw baseline has no idempotency to check.
 _FINGERPRINT = "0" * 64
 
@@ -81,6 +84,12 @@ def _raw_single(conn: psycopg.Connection[Any], n: int) -> None:
     with conn.transaction():
         conn.execute(_ORDER, (f"customer-{n}", 1999))
         conn.execute(_PLAIN_ONE, (EFFECT, f"email-order-{n}", Jsonb(email(n)), _FINGERPRINT, 25))
+
+
+def _sql_single(conn: psycopg.Connection[Any], n: int) -> None:
+    with conn.transaction():
+        conn.execute(_ORDER, (f"customer-{n}", 1999))
+        conn.execute(_SQL_ENQUEUE, (EFFECT, f"email-order-{n}", Jsonb(email(n))))
 
 
 def _alternate(conn: psycopg.Connection[Any], variants: dict[str, Callable[..., None]],
@@ -158,9 +167,9 @@ def measure(server: Server, config: EnqueueConfig) -> dict[str, Any]:
             with conn.transaction():
                 conn.execute(_SETUP)
             # Warm up both paths (prepared statements, caches) outside the measurement.
-            _alternate(conn, {"ours": _ours_single, "raw": _raw_single}, 10, 5, 10**8)
-            spent = _alternate(conn, {"ours": _ours_single, "raw": _raw_single},
-                               config.single_transactions, BLOCK, 0)
+            singles = {"ours": _ours_single, "raw": _raw_single, "sql": _sql_single}
+            _alternate(conn, singles, 10, 5, 10**8)
+            spent = _alternate(conn, singles, config.single_transactions, BLOCK, 0)
             single_ms = {k: 1000 * v / config.single_transactions for k, v in spent.items()}
             bulk = _bulk_rates(conn, config.bulk_transactions)
     return {"single_ms": single_ms, "bulk_jobs_per_second": bulk}
@@ -171,6 +180,7 @@ def run(server: Server, config: EnqueueConfig) -> Section:
     results = [measure(server, config) for _ in range(config.runs)]
     ours_ms = [r["single_ms"]["ours"] for r in results]
     raw_ms = [r["single_ms"]["raw"] for r in results]
+    sql_ms = [r["single_ms"]["sql"] for r in results]
     ours_bulk = [r["bulk_jobs_per_second"]["enqueue_many"] for r in results]
     raw_bulk = [max(r["bulk_jobs_per_second"][k] for k in RAW_BULK) for r in results]
     fastest = {max(RAW_BULK, key=lambda k: r["bulk_jobs_per_second"][k]) for r in results}
@@ -178,6 +188,9 @@ def run(server: Server, config: EnqueueConfig) -> Section:
         Row("enqueue", "tx.enqueue in a business txn (order row + job)", "ms/txn",
             Figure.of(ours_ms), "plain INSERT, same txn", Figure.of(raw_ms),
             ratios(ours_ms, raw_ms), Target("<=", 1.2)),
+        Row("enqueue", "SELECT outbox.enqueue(...) in a business txn", "ms/txn",
+            Figure.of(sql_ms), "tx.enqueue, same txn", Figure.of(ours_ms),
+            ratios(sql_ms, ours_ms)),
         Row("enqueue", f"tx.enqueue_many, {BULK_ROWS} jobs/txn", "jobs/s", Figure.of(ours_bulk),
             f"fastest raw: {', '.join(sorted(fastest))}", Figure.of(raw_bulk),
             ratios(ours_bulk, raw_bulk), Target(">=", 0.8)),

@@ -8,8 +8,8 @@ the at-least-once delivery of the dispatcher becomes one effect at the provider:
     RefundPayment   "payment.refund"  Stripe Refund
     PostWebhook     "webhook.post"    JSON POST to any endpoint, signed per Standard Webhooks
 
-With the ``outbox[nats]`` extra, ``effects.nats`` adds ``PublishEvent`` ("nats.publish",
-JetStream deduplicated by the key) and the ``InboxConsumer``. With ``outbox[kafka]``,
+With the ``outbox-pg[nats]`` extra, ``effects.nats`` adds ``PublishEvent`` ("nats.publish",
+JetStream deduplicated by the key) and the ``InboxConsumer``. With ``outbox-pg[kafka]``,
 ``effects.kafka`` adds ``Produce`` ("kafka.produce", an idempotent producer; Kafka does
 not deduplicate by our key, consumers do) and an ``InboxConsumer`` that keeps partition
 offsets in PostgreSQL. ``envelope="cloudevents"`` makes NATS, Kafka and webhook messages

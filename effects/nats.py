@@ -81,11 +81,11 @@ from importlib import metadata
 from typing import Any
 from urllib.parse import urlsplit
 
-try:  # outbox[nats]
+try:  # outbox-pg[nats]
     import nats
 except ModuleNotFoundError as exc:
     raise ModuleNotFoundError(
-        f"effects.nats needs {exc.name}, which is not installed: pip install 'outbox[nats]'",
+        f"effects.nats needs {exc.name}, which is not installed: pip install 'outbox-pg[nats]'",
         name=exc.name) from exc
 import nats.errors
 import nats.js.errors
@@ -359,7 +359,7 @@ def check_client_internals(client: object, *, connected: bool = False) -> None:
         raise ConfigurationError(
             f"effects.nats writes through nats-py's client internals, and the installed "
             f"nats-py ({version}) lacks {', '.join(dict.fromkeys(missing))}: install "
-            f"{SUPPORTED_NATS_PY} (pip install 'outbox[nats]')")
+            f"{SUPPORTED_NATS_PY} (pip install 'outbox-pg[nats]')")
 
 
 async def _send(client: NatsClient, subject: str, reply: str, header_block: bytes,

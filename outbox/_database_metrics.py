@@ -1,4 +1,4 @@
-"""The database gauges (``outbox[prometheus]``): the queue as ``outbox._queue`` reads it,
+"""The database gauges (``outbox-pg[prometheus]``): the queue as ``outbox._queue`` reads it,
 as Prometheus metric families. Needs prometheus-client only: the dashboard serves these
 at ``/metrics`` and ``outbox.metrics`` exports them, and neither imports the other.
 

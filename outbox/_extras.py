@@ -1,7 +1,7 @@
 """The optional extras, named at import: a module that needs one says which to install.
 
 ``import outbox.metrics`` without prometheus-client raises ``ModuleNotFoundError`` saying
-``pip install 'outbox[prometheus]'`` rather than a bare ``No module named ...``; the
+``pip install 'outbox-pg[prometheus]'`` rather than a bare ``No module named ...``; the
 error keeps the missing module's ``name``, so callers that look at it still can.
 """
 
@@ -14,5 +14,5 @@ def missing_extra(exc: ModuleNotFoundError, module: str, extra: str) -> ModuleNo
     """The error to raise when ``module`` cannot import ``exc.name`` of ``extra``."""
     top = (exc.name or extra).partition(".")[0]
     return ModuleNotFoundError(
-        f"{module} needs {top}, which is not installed: pip install 'outbox[{extra}]'",
+        f"{module} needs {top}, which is not installed: pip install 'outbox-pg[{extra}]'",
         name=exc.name)

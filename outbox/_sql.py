@@ -114,8 +114,13 @@ def bind_file(package: str, path: str, schema: str) -> dict[str, str]:
 
 
 def bind_schema(template: str, schema: str) -> str:
-    """Substitute ``{schema}`` in ``template`` with the quoted identifier."""
-    composed = sql.SQL(template).format(schema=sql.Identifier(check_schema_name(schema)))
+    """Substitute ``{schema}`` in ``template`` with the quoted identifier, and
+    ``{channel}`` with the schema's wake-up channel as a string literal (the SQL
+    ``enqueue`` function of the migrations notifies it, as ``tx.enqueue`` does)."""
+    from ._enqueue import notify_channel
+
+    composed = sql.SQL(template).format(schema=sql.Identifier(check_schema_name(schema)),
+                                        channel=sql.Literal(notify_channel(schema)))
     return composed.as_string(None)
 
 

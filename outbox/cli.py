@@ -32,6 +32,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from . import _queue, _sql
+from ._callers import command as trigger_sql_command
 from ._devserver import dev_server
 from ._dispatch.fleet import describe_failure, read_targets
 from ._enqueue import MAX_GROUP_LENGTH, notify_channel, validate_group
@@ -85,7 +86,7 @@ def _one_line_errors(command: F) -> F:
             if extra is None:
                 raise click.ClickException(str(exc)) from None
             raise click.ClickException(
-                f"{exc.name} is not installed: pip install 'outbox[{extra}]'") from None
+                f"{exc.name} is not installed: pip install 'outbox-pg[{extra}]'") from None
         except (OutboxError, psycopg.DatabaseError) as exc:  # OperationalError among them
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise click.ClickException(message) from None
@@ -312,7 +313,7 @@ def run_command(target: str, dsn: str | None, metrics_port: int | None,
     _preflight(dispatcher)
     click.echo(start_line(dispatcher), err=True)
     if metrics_port is not None:
-        from .metrics import PrometheusObserver, serve_metrics  # outbox[prometheus]
+        from .metrics import PrometheusObserver, serve_metrics  # outbox-pg[prometheus]
 
         dispatcher.add_observer(PrometheusObserver.default())
         serve_metrics(metrics_port, metrics_host)
@@ -916,6 +917,7 @@ def web_command(ctx: click.Context, dsn: str | None, schema: str, host: str, por
 
 
 main.add_command(dev_server)
+main.add_command(trigger_sql_command)
 
 
 if __name__ == "__main__":

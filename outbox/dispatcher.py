@@ -400,7 +400,7 @@ class Dispatcher(_Options):
     fence rejection and rescue, for metrics and tracing; an exception it raises is
     logged and ignored. ``metrics=True`` adds the Prometheus metrics of
     ``outbox.metrics.PrometheusObserver`` on prometheus-client's default registry
-    (``outbox[prometheus]``; serve them with ``outbox.metrics.serve_metrics``).
+    (``outbox-pg[prometheus]``; serve them with ``outbox.metrics.serve_metrics``).
     ``listen_conninfo`` is a direct connection string for LISTEN when
     ``conninfo`` goes through a transaction-pooling PgBouncer; a connection found to be
     pooled gets no session ``SET`` and no prepared statements, and without

@@ -1,10 +1,10 @@
-"""Prometheus metrics (``outbox[prometheus]``): the queue as the database sees it, and
+"""Prometheus metrics (``outbox-pg[prometheus]``): the queue as the database sees it, and
 each dispatcher's own activity.
 
 Two sources, never mixed:
 
 - ``DatabaseCollector``: gauges read from the tables at scrape time, by one collector
-  (the dashboard's ``GET /metrics``, or any process with ``outbox[prometheus]``), not by
+  (the dashboard's ``GET /metrics``, or any process with ``outbox-pg[prometheus]``), not by
   every worker: ``outbox_jobs{status,effect}`` (done jobs estimated from a sample on
   large tables), ``outbox_oldest_due_job_age_seconds{effect}`` (due as the claim decides
   it), ``outbox_expired_leases{effect}``, ``outbox_oldest_reconcile_job_age_seconds
@@ -27,7 +27,7 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-try:  # outbox[prometheus]
+try:  # outbox-pg[prometheus]
     from prometheus_client import CollectorRegistry
 except ModuleNotFoundError as exc:
     from ._extras import missing_extra

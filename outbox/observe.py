@@ -3,7 +3,7 @@
 A dispatcher reports every event that metrics, tracing or logs could want to an
 observer. The default observer does nothing, so a dispatcher without metrics pays one
 method call per event. The counters a run returns (``DispatchStats``) are filled by an
-observer of these events, the same ones the Prometheus metrics (``outbox[prometheus]``)
+observer of these events, the same ones the Prometheus metrics (``outbox-pg[prometheus]``)
 hear; an application may add its own.
 
 Contract for implementers:

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (``outbox[otel]``): a PRODUCER span per enqueue, a CONSUMER span
+"""OpenTelemetry traces (``outbox-pg[otel]``): a PRODUCER span per enqueue, a CONSUMER span
 per attempt linked to it, and the settle step.
 
 - ``send {effect}`` (PRODUCER) is started at enqueue, inside the caller's transaction,

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    # The runner needs nats-py (outbox[nats]); loaded on first use, so that `outbox
+    # The runner needs nats-py (outbox-pg[nats]); loaded on first use, so that `outbox
     # --help` lists `outbox chaos` wherever the extra is missing.
     if name == "run_chaos":
         from .runner import run_chaos

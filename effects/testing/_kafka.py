@@ -85,7 +85,7 @@ class KafkaMockCluster:
         if not line:
             self.stop()
             raise RuntimeError("the mock Kafka cluster did not start (librdkafka missing? "
-                               "pip install confluent-kafka, part of outbox[dev])")
+                               "pip install confluent-kafka, part of outbox-pg[dev])")
         self.bootstrap_servers = line
         return self
 

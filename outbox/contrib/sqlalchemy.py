@@ -25,7 +25,7 @@ from functools import cache
 from types import TracebackType
 from typing import Any, overload
 
-try:  # outbox[sqlalchemy]
+try:  # outbox-pg[sqlalchemy]
     from sqlalchemy import Connection, TextClause, text
 except ModuleNotFoundError as exc:
     from .._extras import missing_extra

@@ -2,13 +2,16 @@
 
 For chaos runs, benchmarks and tests that play one step of a worker by hand: the named
 blocks of ``queries.sql`` bound to a schema, the notification channel, the fingerprint
-stored with each job, and the loader for files of named blocks of your own (with
-``-- fragment: X`` blocks bound into the statements that name ``{X}``). The blocks
-follow the schema version of this release; applications enqueue and dispatch through
-``outbox.transaction`` and ``outbox.Dispatcher`` instead.
+stored with each job (and the canonical JSON it is taken over, the same text as the SQL
+``<schema>.canonical_json`` makes), the mapping of the SQL ``<schema>.enqueue``
+function's refusals to the outbox errors (``enqueue_error``), and the loader for files of
+named blocks of your own (with ``-- fragment: X`` blocks bound into the statements that
+name ``{X}``). The blocks follow the schema version of this release; applications
+enqueue and dispatch through ``outbox.transaction`` and ``outbox.Dispatcher`` instead.
 """
 
-from .._enqueue import fingerprint, notify_channel
+from .._callers import enqueue_error
+from .._enqueue import canonical_json, fingerprint, notify_channel
 from .._sql import (
     BoundQueries,
     Queries,
@@ -27,7 +30,9 @@ __all__ = [
     "SqlFile",
     "bind_blocks",
     "bind_schema",
+    "canonical_json",
     "check_schema_name",
+    "enqueue_error",
     "fingerprint",
     "notify_channel",
     "parse_blocks",

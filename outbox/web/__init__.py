@@ -1,4 +1,4 @@
-"""The outbox dashboard (``outbox[web]``): an ASGI app to watch and operate the queue.
+"""The outbox dashboard (``outbox-pg[web]``): an ASGI app to watch and operate the queue.
 
 ``create_app(conninfo, schema=..., read_only=..., authorize=..., redact=...)`` returns a
 Starlette application: run it with ``outbox web`` (uvicorn, loopback by default) or
@@ -7,7 +7,7 @@ mount it in your own application. ``create_app(targets=[outbox.Target(dsn, schem
 between them. See ``create_app`` for its guarantees.
 """
 
-try:  # outbox[web]
+try:  # outbox-pg[web]
     import jinja2  # noqa: F401
     import starlette  # noqa: F401
 except ModuleNotFoundError as exc:

@@ -33,7 +33,7 @@ from django.conf import settings
 settings.configure()
 import outbox.contrib.django as integration
 print(sorted(m for m in sys.modules if m.partition(".")[0] == "django_tenants"))
-sys.modules["django_tenants"] = None  # as if outbox[django-tenants] were not installed
+sys.modules["django_tenants"] = None  # as if outbox-pg[django-tenants] were not installed
 try:
     integration.tenant_targets()
 except ModuleNotFoundError as exc:
@@ -47,4 +47,4 @@ def test_the_django_integration_imports_django_tenants_for_tenant_targets_only()
     assert done.stdout.splitlines() == [
         "[]",
         "django_tenants|outbox.contrib.django.tenant_targets needs django_tenants, which is "
-        "not installed: pip install 'outbox[django-tenants]'"]
+        "not installed: pip install 'outbox-pg[django-tenants]'"]

@@ -23,7 +23,8 @@ from ..test_readme import PAGES, ROOT
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```",
                     re.S | re.M)
 # Shown, never run: a terminal's output, a diagram, a file of another tool.
-_SHOWN = {"text", "python", "sh", "yaml", "json", "sql", "toml", "ini", "dockerfile", "http"}
+_SHOWN = {"text", "python", "sh", "yaml", "json", "sql", "toml", "ini", "dockerfile", "http",
+          "javascript", "go"}
 # A resource a page would load (not a link a reader may follow).
 _LOADS = re.compile(r"""<(?:script|img|iframe|source)\b[^>]*\bsrc=["']?(?:https?:)?//"""
                     r"""|<link\b[^>]*\bhref=["']?(?:https?:)?//|@import\s+url\(["']?(?:https?:)?//""")

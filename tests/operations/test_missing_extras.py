@@ -30,4 +30,4 @@ def test_the_missing_extra_is_named(hidden: str, module: str, extra: str) -> Non
     name, _, message = done.stdout.strip().partition("|")
     assert name.partition(".")[0] == hidden
     assert message == (f"{module} needs {hidden}, which is not installed: "
-                       f"pip install 'outbox[{extra}]'")
+                       f"pip install 'outbox-pg[{extra}]'")

@@ -1,4 +1,4 @@
-"""``outbox[prometheus]`` alone serves the database metrics: installed from this checkout
+"""``outbox-pg[prometheus]`` alone serves the database metrics: installed from this checkout
 into a fresh virtual environment with no other extra, the collector reads the tables and
 serves ``outbox_jobs`` and the oldest due age over HTTP, with neither Starlette nor
 Jinja2 (the dashboard's extra) present."""

@@ -111,7 +111,7 @@ def test_without_the_nats_extra_chaos_is_listed_and_names_the_extra(
         assert refused.returncode == 1
         assert refused.stderr.strip() == (
             "Error: outbox chaos needs nats, which is not installed: pip install "
-            "'outbox[nats]'"), refused.stderr
+            "'outbox-pg[nats]'"), refused.stderr
     finally:
         shutil.rmtree(stub)
 

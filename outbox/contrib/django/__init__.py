@@ -50,7 +50,7 @@ from typing import Any
 
 import psycopg
 
-try:  # outbox[django]
+try:  # outbox-pg[django]
     from django.conf import settings
 except ModuleNotFoundError as exc:
     from ..._extras import missing_extra
@@ -208,7 +208,7 @@ def tenant_targets(using: str | None = None) -> list[Target]:
     schema without them has no job to perform.
 
     The tenants are read through Django's connection of the calling thread; a connection
-    opened for the read is closed after it. Needs ``pip install 'outbox[django-tenants]'``.
+    opened for the read is closed after it. Needs ``pip install 'outbox-pg[django-tenants]'``.
     The targets hold the password when there is one: pass them on, never log their
     ``dsn`` (their ``name`` and ``repr`` leave it out).
     """
