@@ -142,3 +142,68 @@ def test_every_yaml_and_json_block_parses() -> None:
             assert yaml.safe_load(body) is not None, where
         elif lang == "json":
             json.loads(body)
+
+
+def _text(html_source: str) -> str:
+    """The text of some HTML with every space taken out (a signature's and a table's
+    words are spaced by their markup)."""
+    return re.sub(r"\s+", "", re.sub(r"<[^>]+>", " ", html_source)).replace("&#39;", "'")
+
+
+def test_the_dispatcher_reference_shows_its_signature_and_parameter_table(site: Path) -> None:
+    page = (site / "reference" / "outbox.html").read_text()
+    for name in ("Dispatcher", "AsyncDispatcher"):
+        start = page.index(f'id="outbox.{name}"')
+        section = page[start:page.index("</table>", start)]
+        signature = _text(section[:section.index("doc-contents")])
+        assert f"{name}(conninfo:str|None=None," in signature, signature[:300]
+        assert "stop_timeout:float|timedelta=30.0," in signature, name
+        table = _text(section[section.index("<table"):])
+        assert "NameTypeDescriptionDefault" in table, table[:300]
+        for row in ("stop_timeoutfloat|timedeltaHowlong", "max_connectionsintThemost",
+                    "leasefloat|timedeltaAclaim"):
+            assert row in table, (name, row)
+
+
+# The public classes whose reference shows a parameter table: each ``__init__`` parameter
+# has a ``:param name:`` line in the docstring of the ``__init__`` that takes it (for the
+# dispatchers, their shared base's in outbox/dispatcher.py), and each pydantic payload
+# field a ``:var name:`` line in its class docstring.
+_WITH_PARAMETERS = ("outbox.Dispatcher", "outbox.AsyncDispatcher", "effects.email.SendEmail",
+                    "effects.payments.ChargeCard", "effects.payments.RefundPayment",
+                    "effects.webhook.PostWebhook", "effects.testing.FakeStripe",
+                    "effects.testing.FakeEmailProvider")
+_WITH_FIELDS = ("effects.email.EmailPayload", "effects.payments.ChargePayload")
+
+
+def _public(path: str) -> type:
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    assert isinstance(cls, type)
+    return cls
+
+
+@pytest.mark.parametrize("path", _WITH_PARAMETERS)
+def test_every_parameter_of_a_public_class_is_documented(path: str) -> None:
+    import inspect
+
+    init = _public(path).__init__  # type: ignore[misc]
+    documented = set(re.findall(r":param (\w+):", init.__doc__ or ""))
+    taken = [p.name for p in list(inspect.signature(init).parameters.values())[1:]
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    missing = [name for name in taken if name not in documented]
+    assert not missing, (
+        f"{path}: no ':param NAME: what it is (with its unit)' line for {missing} in the "
+        f"docstring of {init.__qualname__} ({inspect.getsourcefile(init)}): the "
+        "reference's parameter table is built from those lines")
+
+
+@pytest.mark.parametrize("path", _WITH_FIELDS)
+def test_every_field_of_a_payload_is_documented(path: str) -> None:
+    cls = _public(path)
+    documented = set(re.findall(r":var (\w+):", cls.__doc__ or ""))
+    fields = getattr(cls, "model_fields", {})
+    missing = [name for name in fields if name not in documented]
+    assert fields and not missing, f"{path}: no ':var NAME:' line for {missing}"
