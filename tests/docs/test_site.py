@@ -207,3 +207,50 @@ def test_every_field_of_a_payload_is_documented(path: str) -> None:
     fields = getattr(cls, "model_fields", {})
     missing = [name for name in fields if name not in documented]
     assert fields and not missing, f"{path}: no ':var NAME:' line for {missing}"
+
+
+def test_search_works_from_the_file_system(site: Path, tmp_path: Path) -> None:
+    """site/index.html opened as a file (no server), as the README says: typing in the
+    search box lists pages (Material's offline plugin ships the index as a script)."""
+    chromium = "/usr/bin/chromium"
+    if not Path(chromium).exists():
+        pytest.skip("needs Debian's chromium: apt-get update && apt-get install -y chromium")
+    from playwright.sync_api import sync_playwright
+
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync"]
+    shots = Path(os.environ.get("OUTBOX_SCREENSHOTS") or tmp_path)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=flags)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto((site / "index.html").as_uri())
+        page.locator("input.md-search__input").click()
+        page.keyboard.type("reconcile")  # keystrokes: the search listens to key events
+        results = page.locator(".md-search-result__item")
+        results.first.wait_for(timeout=30_000)
+        count = results.count()
+        first = results.first.locator("a").first.get_attribute("href") or ""
+        page.screenshot(path=str(shots / "search-from-file.png"))
+        browser.close()
+    assert count >= 1
+    assert first.startswith("file://") and ".html" in first, first
+    assert not errors, errors
+
+
+def test_numbered_steps_render_as_one_list(site: Path) -> None:
+    """A step's code block or second paragraph indented 4 spaces stays in the step; at 3
+    it ends the list and every later step renders as "1." again (one more <ol>)."""
+    broken = []
+    for page in (ROOT / "docs").rglob("*.md"):
+        lists = len(re.findall(r"^1\. ", page.read_text(), re.M))
+        html_page = site / page.relative_to(ROOT / "docs").with_suffix(".html")
+        if not lists or not html_page.exists():
+            continue
+        content = html_page.read_text().split('class="md-content"', 1)[-1]
+        rendered = len(re.findall(r"<ol>", content))
+        if rendered != lists:
+            broken.append(f"{page.relative_to(ROOT)}: {lists} numbered list(s) in the "
+                          f"text, {rendered} rendered (indent a step's continuation 4 spaces)")
+    assert not broken, broken
