@@ -16,6 +16,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
+from ._pg import conninfo_problem
 from ._sql import check_schema_name
 from .errors import ConfigurationError
 
@@ -37,13 +38,11 @@ class Target:
     def __post_init__(self) -> None:
         if not isinstance(self.dsn, str) or not self.dsn.strip():
             raise ConfigurationError("Target(dsn=...) must be a non-empty connection string")
-        try:
-            conninfo_to_dict(self.dsn)
-        except psycopg.Error:
-            # libpq's complaint may quote the string, password and all: not repeated.
+        problem = conninfo_problem(self.dsn)  # with no fragment of the string itself
+        if problem is not None:
             raise ConfigurationError(
                 f"Target(dsn=...) for schema {self.schema!r}: the connection string is "
-                "not valid") from None
+                f"not valid: {problem}")
         check_schema_name(self.schema)
 
     @property
