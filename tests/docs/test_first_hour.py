@@ -76,3 +76,18 @@ def test_the_provider_sdks_are_quiet_at_info() -> None:
     finally:
         for logger, level in zip(loggers, before, strict=True):
             logger.setLevel(level)
+
+
+def test_the_demo_lists_each_order_once() -> None:
+    """An order both declined and with its answer lost was listed twice."""
+    from rich.console import Console
+
+    from examples.shop.demo import Chain, _show_chains
+
+    chains = [Chain(1, "charged", "pi_1", [("payment-order-1", "done", None)]),
+              Chain(5, "payment_failed", None, [("payment-order-5", "failed", None)]),
+              Chain(6, "charged", "pi_6", [("payment-order-6", "done", None)])]
+    console = Console(record=True, width=200)
+    _show_chains(console, chains, lost={"payment-order-5", "payment-order-6"})
+    rows = [line for line in console.export_text().splitlines() if "payment-order-" in line]
+    assert [row.split()[1] for row in rows] == ["1", "5", "6"], rows
