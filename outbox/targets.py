@@ -30,6 +30,10 @@ class Target:
     ``name`` (``dbname@host:port#schema``) names it in logs, ``outbox status`` and the
     metric ``outbox_target_up{target}``; it never holds the password, and neither does
     the ``repr``. Equal targets (same ``dsn`` and ``schema``) are one target.
+
+    :param dsn: The database's connection string (libpq key=value or a ``postgresql://``
+        URL); one that does not parse raises ``outbox.ConfigurationError`` saying why.
+    :param schema: The schema holding the outbox tables there.
     """
 
     dsn: str

@@ -167,12 +167,13 @@ def test_the_dispatcher_reference_shows_its_signature_and_parameter_table(site: 
 
 # The public classes whose reference shows a parameter table: each ``__init__`` parameter
 # has a ``:param name:`` line in the docstring of the ``__init__`` that takes it (for the
-# dispatchers, their shared base's in outbox/dispatcher.py), and each pydantic payload
+# dispatchers, their shared base's in outbox/dispatcher.py; for a dataclass, in the
+# class docstring), and each pydantic payload
 # field a ``:var name:`` line in its class docstring.
 _WITH_PARAMETERS = ("outbox.Dispatcher", "outbox.AsyncDispatcher", "effects.email.SendEmail",
                     "effects.payments.ChargeCard", "effects.payments.RefundPayment",
                     "effects.webhook.PostWebhook", "effects.testing.FakeStripe",
-                    "effects.testing.FakeEmailProvider")
+                    "effects.testing.FakeEmailProvider", "outbox.Limit", "outbox.Target")
 _WITH_FIELDS = ("effects.email.EmailPayload", "effects.payments.ChargePayload")
 
 
@@ -189,14 +190,15 @@ def _public(path: str) -> type:
 def test_every_parameter_of_a_public_class_is_documented(path: str) -> None:
     import inspect
 
-    init = _public(path).__init__  # type: ignore[misc]
-    documented = set(re.findall(r":param (\w+):", init.__doc__ or ""))
+    cls = _public(path)
+    init = cls.__init__  # type: ignore[misc]
+    documented = set(re.findall(r":param (\w+):", (init.__doc__ or "") + (cls.__doc__ or "")))
     taken = [p.name for p in list(inspect.signature(init).parameters.values())[1:]
              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     missing = [name for name in taken if name not in documented]
     assert not missing, (
         f"{path}: no ':param NAME: what it is (with its unit)' line for {missing} in the "
-        f"docstring of {init.__qualname__} ({inspect.getsourcefile(init)}): the "
+        f"docstring of {init.__qualname__} ({inspect.getsourcefile(cls)}): the "
         "reference's parameter table is built from those lines")
 
 
