@@ -173,7 +173,8 @@ def test_the_dispatcher_reference_shows_its_signature_and_parameter_table(site: 
 _WITH_PARAMETERS = ("outbox.Dispatcher", "outbox.AsyncDispatcher", "effects.email.SendEmail",
                     "effects.payments.ChargeCard", "effects.payments.RefundPayment",
                     "effects.webhook.PostWebhook", "effects.testing.FakeStripe",
-                    "effects.testing.FakeEmailProvider", "outbox.Limit", "outbox.Target")
+                    "effects.testing.FakeEmailProvider", "outbox.Limit", "outbox.Target",
+                    "effects.nats.PublishEvent", "effects.kafka.Produce")
 _WITH_FIELDS = ("effects.email.EmailPayload", "effects.payments.ChargePayload")
 
 
