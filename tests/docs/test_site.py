@@ -174,7 +174,8 @@ _WITH_PARAMETERS = ("outbox.Dispatcher", "outbox.AsyncDispatcher", "effects.emai
                     "effects.payments.ChargeCard", "effects.payments.RefundPayment",
                     "effects.webhook.PostWebhook", "effects.testing.FakeStripe",
                     "effects.testing.FakeEmailProvider", "outbox.Limit", "outbox.Target",
-                    "effects.nats.PublishEvent", "effects.kafka.Produce")
+                    "effects.nats.PublishEvent", "effects.kafka.Produce", "outbox.Backoff",
+                    "effects.testing.FakeWebhookReceiver")
 _WITH_FIELDS = ("effects.email.EmailPayload", "effects.payments.ChargePayload")
 
 
