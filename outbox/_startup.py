@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 
@@ -23,15 +24,24 @@ CONNECT_TIMEOUT = 10  # seconds libpq waits for one attempt
 BACKOFF_CAP = 5.0  # seconds between attempts, at most
 
 
-def first_connection(conninfo: str, check: Callable[[psycopg.Connection], object],
-                     wait: float, *, clock: Callable[[], float] = time.monotonic,
-                     sleep: Callable[[float], object] = time.sleep) -> None:
+def first_connection(conninfo: str, check: Callable[[psycopg.Connection[Any]], object],
+                     wait: float) -> None:
     """Connect to ``conninfo`` and run ``check`` on the connection. A refusal no wait can
     change (a wrong password, no such database, an unmigrated schema, a connection string
     that does not parse) raises ``ConfigurationError`` at once; an unreachable server is
     tried again, with one warning saying where and for how long, until ``wait`` seconds
     have passed (0: forever), then ``ConfigurationError`` names it and the option."""
-    started = clock()
+    try:
+        _connect_or_wait(conninfo, check, wait)
+    except KeyboardInterrupt:  # Ctrl-C while waiting: one line, not a traceback
+        raise ConfigurationError("stopped while waiting for the database at "
+                                 f"{unreachable(ConnectionError('Ctrl-C'), conninfo)}"
+                                 ) from None
+
+
+def _connect_or_wait(conninfo: str, check: Callable[[psycopg.Connection[Any]], object],
+                     wait: float) -> None:
+    started = time.monotonic()
     delay = 0.5
     warned = False
     while True:
@@ -45,7 +55,7 @@ def first_connection(conninfo: str, check: Callable[[psycopg.Connection], object
             if fatal is not None:
                 raise fatal from None
             where = unreachable(exc, conninfo)
-        waited = clock() - started
+        waited = time.monotonic() - started
         if wait and waited >= wait:
             raise ConfigurationError(
                 f"cannot reach the database at {where} (tried for {waited:.0f}s; is the "
@@ -55,5 +65,5 @@ def first_connection(conninfo: str, check: Callable[[psycopg.Connection], object
             until = "until it answers" if not wait else f"for up to {wait:g}s"
             log.warning("cannot reach the database at %s; retrying %s", where, until)
             warned = True
-        sleep(delay if not wait else min(delay, max(0.0, wait - waited)))
+        time.sleep(delay if not wait else min(delay, max(0.0, wait - waited)))
         delay = min(delay * 2, BACKOFF_CAP)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from outbox.cli import main
 OUTBOX = str(Path(sys.executable).parent / "outbox")
 APP = """\
 import os
+import signal
 
 import outbox
 from effects.email import SendEmail
@@ -91,3 +93,22 @@ def test_the_demo_lists_each_order_once() -> None:
     _show_chains(console, chains, lost={"payment-order-5", "payment-order-6"})
     rows = [line for line in console.export_text().splitlines() if "payment-order-" in line]
     assert [row.split()[1] for row in rows] == ["1", "5", "6"], rows
+
+
+def test_ctrl_c_while_waiting_for_the_database_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "app.py").write_text(APP)
+    port = _refused_port()
+    env = {**os.environ, "PYTHONPATH": str(tmp_path),
+           "OUTBOX_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{port}/postgres"}
+    with subprocess.Popen([OUTBOX, "run", "app:dispatcher", "--wait-for-database", "0"],
+                          cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True) as run:
+        assert run.stderr is not None
+        warning = run.stderr.readline()  # said once it is waiting: it is in the loop
+        assert "retrying until it answers" in warning, warning
+        run.send_signal(signal.SIGINT)
+        rest = run.stderr.read()
+        assert run.wait(30) == 1
+    assert rest.strip().splitlines() == [
+        f"Error: stopped while waiting for the database at host 127.0.0.1 port {port}: "
+        "Ctrl-C"], rest
+    assert "Traceback" not in rest
