@@ -175,7 +175,8 @@ _WITH_PARAMETERS = ("outbox.Dispatcher", "outbox.AsyncDispatcher", "effects.emai
                     "effects.webhook.PostWebhook", "effects.testing.FakeStripe",
                     "effects.testing.FakeEmailProvider", "outbox.Limit", "outbox.Target",
                     "effects.nats.PublishEvent", "effects.kafka.Produce", "outbox.Backoff",
-                    "effects.testing.FakeWebhookReceiver")
+                    "effects.testing.FakeWebhookReceiver", "effects.nats.InboxConsumer",
+                    "effects.kafka.InboxConsumer")
 _WITH_FIELDS = ("effects.email.EmailPayload", "effects.payments.ChargePayload")
 
 
