@@ -106,6 +106,22 @@ class InboxConsumer:
         dead_letter_topic: Callable[[str], str] | None = None,
         config: Mapping[str, Any] | None = None,
     ) -> None:
+        """
+        :param conninfo: The database's connection string (the inbox and your tables).
+        :param handler: ``handler(tx, event)``, run once per message.
+        :param bootstrap_servers: The cluster's brokers, ``host:port,...``.
+        :param topics: The topics to consume.
+        :param group: The Kafka consumer group, also the inbox's consumer name.
+        :param schema: The schema holding the outbox tables (the inbox among them).
+        :param batch: The most messages handled in one transaction.
+        :param max_attempts: Attempts at a failing message before it is parked on the
+            dead-letter topic.
+        :param backoff: Seconds before the n-th new attempt at a failed message (the last
+            value repeats).
+        :param dead_letter_topic: A function of a topic naming its dead-letter topic;
+            None: ``<topic>.dlq``.
+        :param config: librdkafka settings added to the consumer's (security ...).
+        """
         if not topics or batch < 1 or max_attempts < 1 or not backoff:
             raise ValueError("topics, batch >= 1, max_attempts >= 1 and backoff are needed")
         self._conninfo = conninfo

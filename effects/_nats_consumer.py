@@ -140,6 +140,30 @@ class InboxConsumer:
         connect_options: Mapping[str, Any] | None = None,
         pipeline: bool = False,
     ) -> None:
+        """
+        :param conninfo: The database's connection string (the inbox and your tables).
+        :param handler: ``handler(tx, event)``, plain or ``async def``, run once per
+            message id.
+        :param servers: A NATS server URL, or a list of them.
+        :param stream: The JetStream stream to consume.
+        :param name: The durable consumer's name, also the inbox's consumer name.
+        :param subject: Only the stream's messages on this subject (wildcards allowed);
+            None: all of them.
+        :param schema: The schema holding the outbox tables (the inbox among them).
+        :param max_deliver: Deliveries of a failing message before it is parked on
+            ``dead_letter_subject``.
+        :param backoff: Seconds before the n-th redelivery of a failed message (the last
+            value repeats).
+        :param ack_wait: Seconds JetStream waits for an acknowledgement before it
+            delivers a message again.
+        :param batch: Messages fetched and handled in one transaction.
+        :param dead_letter_subject: Where parked messages go; None:
+            ``DLQ.<stream>.<name>``.
+        :param ordering_key: A function of the event naming its ordering key; None: its
+            ``Outbox-Ordering-Key`` header.
+        :param connect_options: Passed to ``nats.connect`` (credentials, TLS, ...).
+        :param pipeline: Run a batch's handlers in psycopg's pipeline mode.
+        """
         if max_deliver < 1 or not backoff or any(not b >= 0 for b in backoff):
             raise ValueError("max_deliver must be >= 1 and backoff non-negative delays")
         self._conninfo = conninfo

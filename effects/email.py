@@ -75,6 +75,16 @@ class EmailPayload(BaseModel):
     payload and on the wire. At least one of ``text`` and ``html`` is required; ``to``,
     ``cc``, ``bcc`` and ``reply_to`` take one address or a list. Unknown fields are
     refused, so a typo fails the job at once instead of being dropped silently.
+
+    :var from_: The sender, ``"Name <address>"`` or an address (``"from"`` on the wire).
+    :var to: The recipients: one address or a list (at most 50).
+    :var subject: The subject line, not empty.
+    :var text: The plain-text body (``text`` or ``html`` or both).
+    :var html: The HTML body.
+    :var cc: Copies: one address or a list.
+    :var bcc: Blind copies: one address or a list.
+    :var reply_to: Where replies go: one address or a list.
+    :var tags: Resend tags (``{"name", "value"}``), for its dashboard and webhooks.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
@@ -141,6 +151,16 @@ class SendEmail(PooledAdapter):
         timeout: float = 10.0,
         limit: Limit | None = None,
     ) -> None:
+        """
+        :param api_key: The Resend API key (``re_...``), sent only in the
+            ``Authorization`` header; missing or empty raises ``outbox.ConfigurationError``.
+        :param base_url: The Resend-compatible API to call (``FakeEmailProvider().url``
+            in tests).
+        :param timeout: Seconds for each of connect, write and read; a read timeout after
+            the request was sent is an ``UnknownOutcome``.
+        :param limit: The team's rate limit (``outbox.Limit(rate=2.0)`` is Resend's
+            default), for every dispatcher running this effect; None declares none.
+        """
         if not isinstance(api_key, str) or not api_key.strip():
             raise ConfigurationError(
                 "SendEmail needs a Resend API key: api_key is missing or empty")

@@ -147,6 +147,17 @@ class Produce(Effect):
         envelope: Envelope = None,
         source: str = "/outbox",
     ) -> None:
+        """
+        :param bootstrap_servers: The cluster's brokers, ``host:port,...``.
+        :param config: librdkafka settings added to the producer's (security,
+            ``linger.ms`` ...); idempotence and ``acks=all`` stay on.
+        :param delivery_timeout: Seconds a message may wait for its acknowledgement.
+        :param connect_timeout: Seconds a broker has to answer before a produce after a
+            start or a transport failure (else the job is retried, nothing sent).
+        :param envelope: None for the value as it is, or ``"cloudevents"`` for a
+            CloudEvent in Kafka's binary mode.
+        :param source: The CloudEvents ``source`` attribute, with that envelope.
+        """
         if not delivery_timeout > 0 or not connect_timeout > 0:
             raise ValueError("delivery_timeout and connect_timeout must be positive")
         check_envelope(envelope, source)

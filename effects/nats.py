@@ -540,6 +540,22 @@ class PublishEvent(Effect):
         envelope: Envelope = None,
         source: str = "/outbox",
     ) -> None:
+        """
+        :param servers: A NATS server URL, or a list of them (of one cluster).
+        :param stream: The JetStream stream the events are stored in.
+        :param timeout: Seconds a publish waits for the broker's acknowledgement.
+        :param lease: The dispatcher's ``lease`` (seconds), which the stream's duplicate
+            window must cover.
+        :param rescue_interval: The dispatcher's ``rescue_interval`` (seconds), likewise.
+        :param strict: The stream keeps one message per subject, so a repeat is refused
+            for as long as the first is kept, whatever the duplicate window.
+        :param trace_headers: A function of the job returning extra headers for each
+            attempt (``traceparent``).
+        :param connect_options: Passed to ``nats.connect`` (credentials, TLS, ...).
+        :param envelope: None for the payload's data as it is, or ``"cloudevents"`` for a
+            CloudEvent in binary mode.
+        :param source: The CloudEvents ``source`` attribute, with that envelope.
+        """
         if not stream or any(c in stream for c in " .*>\t"):
             raise ValueError(f"stream must be a JetStream stream name, got {stream!r}")
         if not timeout > 0 or not lease > 0 or not rescue_interval >= 0:

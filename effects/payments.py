@@ -121,6 +121,14 @@ class ChargePayload(BaseModel):
     ``off_session`` (default True) tells Stripe the customer is not present, as is the
     case for a background worker: a card that needs authentication is then declined
     (``authentication_required``) instead of waiting in ``requires_action``.
+
+    :var amount: The amount in the currency's minor unit (4200 is 42.00 EUR), above 0.
+    :var currency: A three-letter ISO code, sent lower-case.
+    :var customer: The Stripe customer id (``cus_...``).
+    :var payment_method: The Stripe payment method id (``pm_...``).
+    :var description: Shown in Stripe's dashboard (at most 1000 characters).
+    :var metadata: String keys to string values, kept on the PaymentIntent.
+    :var off_session: The customer is not present (a background charge).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -232,6 +240,16 @@ class _StripeEffect(PooledAdapter):
 
     def __init__(self, api_key: str, base_url: str | None = None, timeout: float = 30.0,
                  limit: Limit | None = None) -> None:
+        """
+        :param api_key: The Stripe secret key (``sk_...``), never logged; missing or empty
+            raises ``outbox.ConfigurationError``.
+        :param base_url: A Stripe-compatible API to call (``FakeStripe().url`` in tests);
+            None: Stripe's own.
+        :param timeout: Seconds for each request; a read timeout after the request was
+            sent is an ``UnknownOutcome``.
+        :param limit: The account's rate limit, for every dispatcher running this effect;
+            None declares none.
+        """
         if not isinstance(api_key, str) or not api_key.strip():
             raise ConfigurationError(
                 f"{type(self).__name__} needs a Stripe API key: api_key is missing or empty")

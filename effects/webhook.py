@@ -110,6 +110,17 @@ class PostWebhook(PooledAdapter):
         envelope: Envelope = None,
         source: str = "/outbox",
     ) -> None:
+        """
+        :param url: The receiver's URL; the body is POSTed there.
+        :param secret: The signing secret (``whsec_<base64>``, or raw ``bytes``), or a
+            list of them during a rotation (one signature each); empty raises
+            ``outbox.ConfigurationError``.
+        :param timeout: Seconds for each request; a read timeout after the request was
+            sent is an ``UnknownOutcome``.
+        :param envelope: None for the plain body (``{"id", "event", "data"}``), or
+            ``"cloudevents"`` for a CloudEvents envelope.
+        :param source: The CloudEvents ``source`` attribute, with that envelope.
+        """
         check_envelope(envelope, source)
         self.envelope, self.source = envelope, source
         if not secret:

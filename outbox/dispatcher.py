@@ -151,6 +151,68 @@ class _Options:
         limits_home: Target | str | None = None,
         schedules: Sequence[Schedule] | None = None,
     ) -> None:
+        """Check every option now: a wrong one raises ``outbox.ConfigurationError`` here.
+
+        A duration is seconds (a float) or a ``timedelta``. One parameter a line, in the
+        signature's order (the reference's parameter table is built from these lines).
+
+        :param conninfo: The database's connection string (libpq key=value or a
+            ``postgresql://`` URL); or None with ``targets``.
+        :param effects: The effects this dispatcher performs; only their jobs are claimed.
+        :param schema: The schema holding the outbox tables.
+        :param concurrency: Performs in flight at once, sync and async effects together.
+        :param lease: A claim's lifetime (at least 1 second); heartbeats extend it while an
+            effect runs, and a job whose lease expires is performed again, same key.
+        :param batch_size: The most jobs one claim takes; None: the larger of
+            ``concurrency`` and 500.
+        :param prefetch: Claimed jobs that may wait for a free worker; None adapts it to
+            about one second of work, 0 claims only what can start at once.
+        :param max_prefetch: The cap of the adaptive ``prefetch`` (jobs).
+        :param poll_interval: How long to wait for work between claims when no
+            notification arrives (LISTEN wakes it sooner).
+        :param rescue_interval: How often expired leases are taken back; None: the
+            smaller of ``lease`` and 5 seconds.
+        :param backoff: The delay before a retry (``outbox.Backoff``, capped exponential
+            with full jitter); None: the default one.
+        :param unknown_outcome_window: How long after a job's first attempt an
+            ``UnknownOutcome`` is retried with the same key before the job goes to
+            ``reconcile`` (an effect's own window wins).
+        :param retention: How long done jobs are kept; None keeps them, 0 deletes a job
+            as it completes.
+        :param ledger_retention: How long ledger rows (the keys already performed) are
+            kept, never shorter than ``retention``; None keeps them.
+        :param inbox_retention: How long inbox rows (``tx.receive``) are kept; None keeps
+            them.
+        :param worker_id: This process's name in leases, logs and ``outbox status``;
+            None: ``host:pid:random``.
+        :param listen_conninfo: A direct connection string for LISTEN when ``conninfo``
+            goes through a transaction-pooling PgBouncer.
+        :param observer: An ``outbox.observe.DispatchObserver`` told of every claim,
+            attempt, fence rejection and rescue.
+        :param metrics: Add the Prometheus metrics (needs ``outbox-pg[prometheus]``).
+        :param on_done: Effect name to a hook run in the transaction that records the job
+            done (in place of the effect's own ``on_done``).
+        :param on_failed: Effect name to a hook run in the transaction that records the job
+            failed.
+        :param reconcile_interval: How often jobs in ``reconcile`` are asked about, for
+            effects that define ``reconcile``.
+        :param limits: Effect name to ``outbox.Limit`` (rate per second, concurrency),
+            counted in the database across every dispatcher.
+        :param breaker_threshold: Transient failures of an effect in a row that pause it
+            for every dispatcher; None turns the breaker off.
+        :param stop_timeout: How long, after a stop, performs in flight get to finish and
+            be recorded before ``run`` returns anyway.
+        :param targets: Several outboxes (``outbox.Target``s, or a callable returning
+            them) served by this one process, instead of ``conninfo``.
+        :param targets_interval: How often a callable ``targets`` is read again.
+        :param max_connections: The most connections this process holds across all its
+            targets (connections).
+        :param limits_home: Where ``Limit(shared=True)`` limits are counted: an
+            ``outbox.Target``, or a connection string for schema ``outbox``.
+        :param schedules: Recurring effects (``outbox.Schedule``s) this dispatcher fires,
+            each slot enqueued once across every dispatcher of the schema.
+        :raises outbox.ConfigurationError: An option that can never work, named.
+        """
         if effects is None:
             raise ConfigurationError(f"{type(self).__name__} needs effects=[...], the "
                                      "effects it performs")

@@ -57,6 +57,15 @@ class Limit:
     the ``Effect`` class); the dispatcher's wins. A dispatcher that does not declare the
     effect's limit still honours it for a minute after any dispatcher last claimed
     under it.
+
+    :param rate: Performs per second (claims of the effect's jobs); None: no rate.
+    :param burst: The most tokens the bucket holds (performs at once after a pause);
+        None: half a second's worth, at least 1.
+    :param concurrency: The most jobs of the effect running at once, across every
+        dispatcher; None: no such bound.
+    :param per_group: Apply the rate, burst and concurrency to each ``group`` on its own.
+    :param shared: Count the rate and burst across targets, in the dispatcher's
+        ``limits_home``.
     """
 
     rate: float | None = None

@@ -16,6 +16,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
+from ._pg import conninfo_problem
 from ._sql import check_schema_name
 from .errors import ConfigurationError
 
@@ -29,6 +30,10 @@ class Target:
     ``name`` (``dbname@host:port#schema``) names it in logs, ``outbox status`` and the
     metric ``outbox_target_up{target}``; it never holds the password, and neither does
     the ``repr``. Equal targets (same ``dsn`` and ``schema``) are one target.
+
+    :param dsn: The database's connection string (libpq key=value or a ``postgresql://``
+        URL); one that does not parse raises ``outbox.ConfigurationError`` saying why.
+    :param schema: The schema holding the outbox tables there.
     """
 
     dsn: str
@@ -37,13 +42,11 @@ class Target:
     def __post_init__(self) -> None:
         if not isinstance(self.dsn, str) or not self.dsn.strip():
             raise ConfigurationError("Target(dsn=...) must be a non-empty connection string")
-        try:
-            conninfo_to_dict(self.dsn)
-        except psycopg.Error:
-            # libpq's complaint may quote the string, password and all: not repeated.
+        problem = conninfo_problem(self.dsn)  # with no fragment of the string itself
+        if problem is not None:
             raise ConfigurationError(
                 f"Target(dsn=...) for schema {self.schema!r}: the connection string is "
-                "not valid") from None
+                f"not valid: {problem}")
         check_schema_name(self.schema)
 
     @property

@@ -108,6 +108,18 @@ class FakeEmailProvider(FakeProvider):
         rate_limit: float | None = None,
         rate_limit_per_domain: float | None = None,
     ) -> None:
+        """
+        :param api_key: The only key accepted (others get 403); None accepts any.
+        :param retention: Seconds of the fake's clock an idempotency key is remembered
+            (Resend: 24 hours).
+        :param latency: Seconds every request waits before it is handled.
+        :param max_stall: The most seconds a held or stalled request waits for its
+            release.
+        :param rate_limit: Requests per second past which the answer is 429; None: no
+            limit.
+        :param rate_limit_per_domain: Requests per second for each sending domain; None:
+            no limit per domain.
+        """
         self._api_key = api_key
         self._sent: list[SentEmail] = []
         self._sent_lock = threading.Lock()

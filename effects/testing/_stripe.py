@@ -132,6 +132,24 @@ class FakeStripe(FakeProvider):
         rate_limit: float | None = None,
         rate_limit_per_account: float | None = None,
     ) -> None:
+        """
+        :param api_key: The only key accepted (others get 401); None accepts any.
+        :param declined_cards: Payment method id to decline code, added to
+            ``DEFAULT_DECLINED_CARDS``.
+        :param retention: Seconds of the fake's clock an idempotency key is remembered
+            (Stripe: 24 hours).
+        :param latency: Seconds every request waits before it is handled.
+        :param max_stall: The most seconds a held or stalled request waits for its
+            release.
+        :param webhook_url: Where each succeeded PaymentIntent is announced as a signed
+            ``payment_intent.succeeded`` event; None sends none.
+        :param webhook_secret: The secret those events are signed with
+            (``Stripe-Signature``).
+        :param rate_limit: Requests per second past which the answer is 429; None: no
+            limit.
+        :param rate_limit_per_account: Requests per second for each account; None: no
+            limit per account.
+        """
         self._api_key = api_key
         self.webhook_url = webhook_url
         self.webhook_secret = webhook_secret

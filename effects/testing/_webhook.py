@@ -62,6 +62,16 @@ class FakeWebhookReceiver(FakeProvider):
         latency: float = 0.0,
         max_stall: float = 60.0,
     ) -> None:
+        """
+        :param secret: The ``whsec_`` secret requests must be signed with, or a list of
+            them (a rotation); a malformed one raises here.
+        :param tolerance: Seconds a request's ``webhook-timestamp`` may be off (else 401).
+        :param path: The path requests are POSTed to (others get 404).
+        :param retention: Seconds of the fake's clock a ``webhook-id`` is remembered.
+        :param latency: Seconds every request waits before it is handled.
+        :param max_stall: The most seconds a held or stalled request waits for its
+            release.
+        """
         decode_secrets(secret)  # a malformed secret is refused here, not as 401s later
         self.secret = secret
         self.tolerance = tolerance

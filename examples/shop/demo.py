@@ -445,8 +445,9 @@ def _summary(console: Console, figures: dict[str, Any], workers: Workers,
         ("charge requests received (retries replayed)", stripe.total_requests),
         ("orders paid by Stripe's webhook (once each)", payments.paid),
         ("webhook deliveries to the shop (Stripe's retries included)", payments.deliveries),
-        ("events sent again with their id / orders they changed",
-         f"{payments.redelivered} / {payments.changed_by_redelivery}"),
+        ("Stripe events delivered again on purpose, same event id", payments.redelivered),
+        ("orders those repeated events changed (0: each event handled once)",
+         payments.changed_by_redelivery),
         ("jobs done", sum(n for (_, s), n in status.items() if s == "done")),
         ("jobs failed (declined cards)", sum(n for (_, s), n in status.items() if s == "failed")),
         ("jobs in reconcile", sum(n for (_, s), n in status.items() if s == "reconcile")),
@@ -459,13 +460,17 @@ def _summary(console: Console, figures: dict[str, Any], workers: Workers,
         ("declined emails sent by the charge's on_failed",
          sum(1 for c in figures["chains"] if c.status == "payment_failed")),
         ("retries", workers.total("retried")),
-        ("dispatchers killed -9 / frozen past lease", f"{workers.killed} / {workers.frozen}"),
+        ("dispatchers killed with kill -9", workers.killed),
+        ("dispatchers frozen (SIGSTOP) past their lease", workers.frozen),
         ("lease rescues (jobs of a killed or frozen dispatcher, taken back once its "
          "lease expired and performed again with the same key)", workers.total("rescued")),
-        ("fenced stale completions", workers.total("stale_completions")),
-        ("lost claims seen by heartbeat", workers.total("lost_claims")),
-        ("provider faults armed", sum(faults.values())),
-        ("seconds", f"{elapsed:.1f}"),
+        ("late results refused (the job had been taken back; fenced, not recorded twice)",
+         workers.total("stale_completions")),
+        ("claims a dispatcher found taken back by another (its heartbeat noticed)",
+         workers.total("lost_claims")),
+        ("provider faults injected (5xx, 429, timeouts, dropped connections)",
+         sum(faults.values())),
+        ("seconds the demo took", f"{elapsed:.1f}"),
     ]
     for what, figure in rows:
         table.add_row(what, str(figure))
@@ -487,7 +492,8 @@ def _show_chains(console: Console, chains: list[Chain], lost: set[str]) -> None:
     table.add_column("order", justify="right")
     table.add_column("flow")
     table.add_column("order status")
-    for chain in [*plain, *declined, *settled]:
+    shown = {chain.order: chain for chain in [*plain, *declined, *settled]}  # each once
+    for chain in shown.values():
         steps = "  ->  ".join(
             f"{key} {status}" + (" (answer lost; reconciled)" if key in lost else "")
             for key, status, _ in chain.steps if not key.startswith("email-order-"))

@@ -143,3 +143,120 @@ def test_every_yaml_and_json_block_parses() -> None:
             assert yaml.safe_load(body) is not None, where
         elif lang == "json":
             json.loads(body)
+
+
+def _text(html_source: str) -> str:
+    """The text of some HTML with every space taken out (a signature's and a table's
+    words are spaced by their markup)."""
+    return re.sub(r"\s+", "", re.sub(r"<[^>]+>", " ", html_source)).replace("&#39;", "'")
+
+
+def test_the_dispatcher_reference_shows_its_signature_and_parameter_table(site: Path) -> None:
+    page = (site / "reference" / "outbox.html").read_text()
+    for name in ("Dispatcher", "AsyncDispatcher"):
+        start = page.index(f'id="outbox.{name}"')
+        section = page[start:page.index("</table>", start)]
+        signature = _text(section[:section.index("doc-contents")])
+        assert f"{name}(conninfo:str|None=None," in signature, signature[:300]
+        assert "stop_timeout:float|timedelta=30.0," in signature, name
+        table = _text(section[section.index("<table"):])
+        assert "NameTypeDescriptionDefault" in table, table[:300]
+        for row in ("stop_timeoutfloat|timedeltaHowlong", "max_connectionsintThemost",
+                    "leasefloat|timedeltaAclaim"):
+            assert row in table, (name, row)
+
+
+# The public classes whose reference shows a parameter table: each ``__init__`` parameter
+# has a ``:param name:`` line in the docstring of the ``__init__`` that takes it (for the
+# dispatchers, their shared base's in outbox/dispatcher.py; for a dataclass, in the
+# class docstring), and each pydantic payload
+# field a ``:var name:`` line in its class docstring.
+_WITH_PARAMETERS = ("outbox.Dispatcher", "outbox.AsyncDispatcher", "effects.email.SendEmail",
+                    "effects.payments.ChargeCard", "effects.payments.RefundPayment",
+                    "effects.webhook.PostWebhook", "effects.testing.FakeStripe",
+                    "effects.testing.FakeEmailProvider", "outbox.Limit", "outbox.Target",
+                    "effects.nats.PublishEvent", "effects.kafka.Produce", "outbox.Backoff",
+                    "effects.testing.FakeWebhookReceiver", "effects.nats.InboxConsumer",
+                    "effects.kafka.InboxConsumer")
+_WITH_FIELDS = ("effects.email.EmailPayload", "effects.payments.ChargePayload")
+
+
+def _public(path: str) -> type:
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    assert isinstance(cls, type)
+    return cls
+
+
+@pytest.mark.parametrize("path", _WITH_PARAMETERS)
+def test_every_parameter_of_a_public_class_is_documented(path: str) -> None:
+    import inspect
+
+    cls = _public(path)
+    init = cls.__init__  # type: ignore[misc]
+    documented = set(re.findall(r":param (\w+):", (init.__doc__ or "") + (cls.__doc__ or "")))
+    taken = [p.name for p in list(inspect.signature(init).parameters.values())[1:]
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    missing = [name for name in taken if name not in documented]
+    assert not missing, (
+        f"{path}: no ':param NAME: what it is (with its unit)' line for {missing} in the "
+        f"docstring of {init.__qualname__} ({inspect.getsourcefile(cls)}): the "
+        "reference's parameter table is built from those lines")
+
+
+@pytest.mark.parametrize("path", _WITH_FIELDS)
+def test_every_field_of_a_payload_is_documented(path: str) -> None:
+    cls = _public(path)
+    documented = set(re.findall(r":var (\w+):", cls.__doc__ or ""))
+    fields = getattr(cls, "model_fields", {})
+    missing = [name for name in fields if name not in documented]
+    assert fields and not missing, f"{path}: no ':var NAME:' line for {missing}"
+
+
+def test_search_works_from_the_file_system(site: Path, tmp_path: Path) -> None:
+    """site/index.html opened as a file (no server), as the README says: typing in the
+    search box lists pages (Material's offline plugin ships the index as a script)."""
+    chromium = "/usr/bin/chromium"
+    if not Path(chromium).exists():
+        pytest.skip("needs Debian's chromium: apt-get update && apt-get install -y chromium")
+    from playwright.sync_api import sync_playwright
+
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync"]
+    shots = Path(os.environ.get("OUTBOX_SCREENSHOTS") or tmp_path)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=flags)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto((site / "index.html").as_uri())
+        page.locator("input.md-search__input").click()
+        page.keyboard.type("reconcile")  # keystrokes: the search listens to key events
+        results = page.locator(".md-search-result__item")
+        results.first.wait_for(timeout=30_000)
+        count = results.count()
+        first = results.first.locator("a").first.get_attribute("href") or ""
+        page.screenshot(path=str(shots / "search-from-file.png"))
+        browser.close()
+    assert count >= 1
+    assert first.startswith("file://") and ".html" in first, first
+    assert not errors, errors
+
+
+def test_numbered_steps_render_as_one_list(site: Path) -> None:
+    """A step's code block or second paragraph indented 4 spaces stays in the step; at 3
+    it ends the list and every later step renders as "1." again (one more <ol>)."""
+    broken = []
+    for page in (ROOT / "docs").rglob("*.md"):
+        lists = len(re.findall(r"^1\. ", page.read_text(), re.M))
+        html_page = site / page.relative_to(ROOT / "docs").with_suffix(".html")
+        if not lists or not html_page.exists():
+            continue
+        content = html_page.read_text().split('class="md-content"', 1)[-1]
+        rendered = len(re.findall(r"<ol>", content))
+        if rendered != lists:
+            broken.append(f"{page.relative_to(ROOT)}: {lists} numbered list(s) in the "
+                          f"text, {rendered} rendered (indent a step's continuation 4 spaces)")
+    assert not broken, broken
