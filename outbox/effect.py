@@ -28,7 +28,9 @@ class Job:
     this claim. ``model`` holds the payload validated against the effect's
     ``payload_model`` when it declares one, else None. ``group`` and ``priority`` are
     what the job was enqueued with (``group=``, ``priority=``): an adapter may route by
-    the group, e.g. to a tenant's provider account.
+    the group, e.g. to a tenant's provider account. ``after_results`` holds what the
+    job's parents (``after=[...]``) returned: a job with parents is claimed only once
+    every parent is done (or, with ``after_failed="run"``, settled for good).
     """
 
     id: int
@@ -43,6 +45,10 @@ class Job:
     model: Any = field(default=None, compare=False)
     group: str | None = None
     priority: int = 0
+    #: For a job enqueued with ``after=[...]``: each parent's key -> the result its
+    #: ledger row holds (``outbox.FailedParent`` for a parent failed for good, seen only
+    #: with ``after_failed="run"``). Empty for a job without parents.
+    after_results: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
 class Effect:

@@ -127,7 +127,10 @@ RETURNING j.id, j.effect, j.key, j.payload::text, j.attempts, j.claim_version, j
           j.trace_context,
           -- the provider's answer kept after a completion hook raised: reused, not re-performed
           CAST(j.performed_result AS text) AS performed_result,
-          j.group_key, j.priority
+          j.group_key, j.priority,
+          -- set only for a job that waited on parents (after=[...]): its claim reads their
+          -- results (outbox._after), no other claim does
+          j.after_failed
 
 -- fragment: fair_busy
 -- The busy groups of each effect in served (effect, after: where this dispatcher's last
@@ -180,6 +183,11 @@ shares AS (
         SELECT j.id, {schema}.claim_rank(j.available_at, j.priority) AS rank
         FROM {schema}.jobs j
         WHERE {claimable} AND j.effect = c.effect AND coalesce(j.group_key, '') = c.g
+          -- An index bound no due job passes (priority >= -1000 ranks it at most 10,000 s
+          -- past now): the walk stops before the jobs far ahead (waiting on parents, or
+          -- scheduled late) instead of reading each to find it not due.
+          AND {schema}.claim_rank(j.available_at, j.priority)
+              <= date_part('epoch', now()) + 10000.0
         ORDER BY {schema}.claim_rank(j.available_at, j.priority), j.id
         LIMIT least((SELECT s.n FROM shares s), c.cap)
         FOR UPDATE SKIP LOCKED
@@ -279,7 +287,10 @@ WITH finished AS (
     FROM jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
     WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
     RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
-), {recorded}
+), {recorded}, parents AS (
+    -- jobs waiting on these (after=[...]) count them done (fragment after_released)
+    SELECT f.key, 'done'::text AS outcome, NULL::text AS error FROM finished f
+), {after_released}
 SELECT f.id FROM finished f;
 
 -- ---------------------------------------------------------------------------------------
@@ -297,7 +308,13 @@ WITH finished AS (
     USING jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
     WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
     RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
-), {recorded}
+), {recorded}, parents AS (
+    -- jobs waiting on these (after=[...]) count them done (fragment after_released)
+    SELECT f.key, 'done'::text AS outcome, NULL::text AS error FROM finished f
+), {after_released}, unlinked AS (
+    -- a deleted job's own edges (it waited on parents) go with it
+    DELETE FROM {schema}.after_edges e USING finished f WHERE e.child_id = f.id
+)
 SELECT f.id FROM finished f;
 
 -- name: recorded_claims
@@ -310,6 +327,8 @@ JOIN jsonb_to_recordset(%(claims)s::jsonb) AS c(id bigint, version bigint)
 
 -- name: settle
 -- running -> pending (retry, or release with the attempt refunded), failed or reconcile.
+-- A job failed for good settles the jobs waiting on it (fragment after_released).
+WITH settled AS (
 UPDATE {schema}.jobs j
 SET status = s.status,
     attempts = j.attempts - CASE WHEN s.refund THEN 1 ELSE 0 END,
@@ -323,7 +342,12 @@ SET status = s.status,
 FROM jsonb_to_recordset(%(claims)s::jsonb)
      AS s(id bigint, version bigint, status text, delay float8, error text, refund boolean)
 WHERE j.id = s.id AND j.status = 'running' AND j.claim_version = s.version
-RETURNING j.id;
+RETURNING j.id, j.key, j.status, j.last_error
+), parents AS (
+    SELECT t.key, 'failed'::text AS outcome, t.last_error AS error
+    FROM settled t WHERE t.status = 'failed'
+), {after_released}
+SELECT t.id FROM settled t;
 
 -- name: rescue
 -- Take back claims whose lease expired (the worker died or stalled). Fenced on the
@@ -331,7 +355,8 @@ RETURNING j.id;
 -- first wins. The attempt already counted; past the provider's idempotency window an
 -- unknown outcome cannot be retried safely, so such a job goes to reconcile. The window
 -- is per effect where the effect declares one (%(windows)s, a JSON object effect ->
--- seconds), else %(unknown_window)s.
+-- seconds), else %(unknown_window)s. A job failed for good settles the jobs waiting on
+-- it (fragment after_released).
 WITH expired AS (
     SELECT id, claim_version
     FROM {schema}.jobs
@@ -339,7 +364,7 @@ WITH expired AS (
     ORDER BY lease_until
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
-)
+), rescued AS (
 UPDATE {schema}.jobs j
 SET status = CASE
         WHEN j.first_attempted_at < now() - coalesce(
@@ -357,7 +382,12 @@ SET status = CASE
 FROM expired e
 WHERE j.id = e.id AND j.status = 'running' AND j.claim_version = e.claim_version
   AND j.lease_until < now()
-RETURNING j.id, j.key, j.status, j.claim_version;
+RETURNING j.id, j.key, j.status, j.claim_version, j.last_error
+), parents AS (
+    SELECT t.key, 'failed'::text AS outcome, t.last_error AS error
+    FROM rescued t WHERE t.status = 'failed'
+), {after_released}
+SELECT t.id, t.key, t.status, t.claim_version FROM rescued t;
 
 -- name: schema_version
 -- The version the schema is migrated to, checked by a running dispatcher now and then:
@@ -457,6 +487,19 @@ WITH doomed AS (
 )
 DELETE FROM {schema}.jobs j USING doomed d
 WHERE j.id = d.id AND j.status = 'done';
+
+-- name: purge_after
+-- Retention of the edges of fan-in (after_edges): a batch of edges whose child job is
+-- gone (retention deleted it), found from the oldest children on.
+WITH doomed AS (
+    SELECT e.child_id, e.parent_key FROM {schema}.after_edges e
+    WHERE NOT EXISTS (SELECT 1 FROM {schema}.jobs j WHERE j.id = e.child_id)
+    ORDER BY e.child_id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {schema}.after_edges e USING doomed d
+WHERE e.child_id = d.child_id AND e.parent_key = d.parent_key;
 
 -- name: purge_ledger
 -- Retention of the ledger, on its own (longer) period.

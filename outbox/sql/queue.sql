@@ -69,7 +69,9 @@ FROM unfinished u;
 SELECT j.effect,
        count(*) FILTER (WHERE {claimable}) AS due,
        (SELECT count(*) FROM {schema}.dispatchers d
-        WHERE d.expires_at > now() AND j.effect = ANY(d.effects)) AS dispatchers
+        WHERE d.expires_at > now() AND j.effect = ANY(d.effects)) AS dispatchers,
+       -- waiting on parents (after=[...], migration 0015): neither due nor scheduled
+       count(*) FILTER (WHERE j.after_waiting > 0) AS waiting
 FROM {schema}.jobs j
 WHERE j.status = 'pending'
 GROUP BY j.effect
@@ -158,8 +160,11 @@ WITH changed AS (
     SET status = 'failed', updated_at = now(),
         last_error = 'cancelled from the ' || %(via)s::text || ' by ' || %(actor)s::text
     WHERE {as_seen} AND j.status = 'pending'
-    RETURNING j.id, j.status, j.key, j.effect
-), audited AS (
+    RETURNING j.id, j.status, j.key, j.effect, j.last_error
+), parents AS (
+    -- jobs waiting on it (after=[...]) see it failed (fragment after_released)
+    SELECT c.key, 'failed'::text AS outcome, c.last_error AS error FROM changed c
+), {after_released}, audited AS (
     {audited_action}
 )
 {transition_answer};
@@ -176,7 +181,9 @@ WITH finished AS (
                                  'note', coalesce(%(note)s::text, '')) AS result
 ), {recorded}, changed AS (
     SELECT * FROM finished
-), audited AS (
+), parents AS (
+    SELECT f.key, 'done'::text AS outcome, NULL::text AS error FROM finished f
+), {after_released}, audited AS (
     {audited_action}
 )
 {transition_answer};
@@ -189,8 +196,10 @@ WITH changed AS (
         last_error = 'resolved as not performed by ' || %(actor)s::text
                      || coalesce(': ' || j.last_error, '')
     WHERE {as_seen} AND j.status = 'reconcile'
-    RETURNING j.id, j.status, j.key, j.effect
-), audited AS (
+    RETURNING j.id, j.status, j.key, j.effect, j.last_error
+), parents AS (
+    SELECT c.key, 'failed'::text AS outcome, c.last_error AS error FROM changed c
+), {after_released}, audited AS (
     {audited_action}
 )
 {transition_answer};
