@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import psycopg
@@ -32,11 +32,11 @@ class Shop:
     child: MarkNotified
     effects: list[outbox.Effect]
 
-    def enqueue(self, key: str, effect: str, payload: dict[str, object],
-                **options: object) -> outbox.EnqueueResult:
+    def enqueue(self, key: str, effect: str, payload: Mapping[str, object],
+                after: list[str] | None = None) -> outbox.EnqueueResult:
         with psycopg.connect(self.dsn) as conn, \
                 outbox.transaction(conn, schema=self.schema) as tx:
-            return tx.enqueue(effect, key=key, payload=payload, **options)  # type: ignore[arg-type]
+            return tx.enqueue(effect, key=key, payload=payload, after=after)
 
     def drain(self) -> outbox.DispatchStats:
         dispatcher = outbox.Dispatcher(self.dsn, effects=self.effects, schema=self.schema,
