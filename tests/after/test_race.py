@@ -1,0 +1,78 @@
+"""The race of fan-in, made to happen for real: a child enqueued in a business
+transaction that is still open while its parent's done transaction commits. Under READ
+COMMITTED neither sees the other (the child's enqueue saw the parent pending, the
+settlement did not see the uncommitted edge), so only the dispatchers' sweep can release
+the child, and it must."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+
+import outbox
+
+from .support import job_row
+
+PARENT, CHILD = "parent.work", "child.work"
+
+
+class Recording(outbox.Effect):
+    def __init__(self, name: str) -> None:
+        self.name = name  # type: ignore[misc]
+        self.performed: list[tuple[str, dict[str, Any]]] = []
+        self.done = threading.Event()
+
+    def perform(self, job: outbox.Job) -> dict[str, Any]:
+        self.performed.append((job.key, dict(job.after_results)))
+        self.done.set()
+        return {"by": job.key}
+
+
+def _race(dsn: str, schema: str, parent: Recording) -> None:
+    """Parent committed and pending; the child enqueued in a transaction held open while
+    a dispatcher completes the parent; then that transaction commits."""
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        tx.enqueue(PARENT, key="p", payload={})
+    with psycopg.connect(dsn) as business, outbox.transaction(business, schema=schema) as tx:
+        tx.enqueue(CHILD, key="c", payload={}, after=["p"])
+        # still open: the parent is done and committed meanwhile
+        stats = outbox.Dispatcher(dsn, effects=[parent], schema=schema,
+                                  lease=10.0).run_until_idle(timeout=60)
+        assert stats.done == 1
+    # the business transaction committed when its block ended
+
+
+def test_a_child_committed_after_its_parent_settled_is_released_by_the_sweep(
+        dsn: str, schema: str) -> None:
+    parent, child = Recording(PARENT), Recording(CHILD)
+    _race(dsn, schema, parent)
+
+    # The race happened: the parent is done, yet the child still counts it as to come.
+    assert job_row(dsn, schema, "p")["status"] == "done"
+    waiting = job_row(dsn, schema, "c")
+    assert (waiting["status"], waiting["after_waiting"]) == ("pending", 1)
+
+    stats = outbox.Dispatcher(dsn, effects=[child], schema=schema,
+                              lease=10.0).run_until_idle(timeout=60)
+
+    assert stats.done == 1
+    assert child.performed == [("c", {"p": {"by": "p"}})]
+    assert job_row(dsn, schema, "c")["status"] == "done"
+
+
+def test_a_running_dispatcher_sweeps_the_race_too(dsn: str, schema: str) -> None:
+    parent, child = Recording(PARENT), Recording(CHILD)
+    dispatcher = outbox.Dispatcher(dsn, effects=[child], schema=schema, lease=10.0,
+                                   poll_interval=0.2)
+    runner = threading.Thread(target=dispatcher.run, daemon=True)
+    runner.start()
+    try:
+        _race(dsn, schema, parent)
+        assert child.done.wait(60), "the child was left waiting after its parent was done"
+    finally:
+        dispatcher.stop()
+        runner.join(60)
+    assert child.performed == [("c", {"p": {"by": "p"}})]
+    assert job_row(dsn, schema, "c")["status"] == "done"  # recorded before run() returned
