@@ -152,19 +152,3 @@ WITH batch AS (
 SELECT CASE WHEN (SELECT count(*) FROM batch) >= %(limit)s::integer
             THEN (SELECT max(b.child_id) FROM batch b) END AS walked_to,
        (SELECT count(*) FROM woken) AS woken;
-
--- name: after_graph
--- A job's parents and children, for the dashboard: each related job's key, its status
--- (NULL: only the ledger remembers it, done) and the edge's outcome; relation 'parent'
--- (the job waits on it) or 'child' (it waits on the job).
-SELECT 'parent' AS relation, e.parent_key AS key, pj.id, pj.status, pj.effect, e.outcome
-FROM {schema}.after_edges e
-LEFT JOIN {schema}.jobs pj ON pj.key = e.parent_key
-WHERE e.child_id = %(id)s::bigint
-UNION ALL
-SELECT 'child', cj.key, cj.id, cj.status, cj.effect, e.outcome
-FROM {schema}.after_edges e
-JOIN {schema}.jobs cj ON cj.id = e.child_id
-WHERE e.parent_key = %(key)s::text
-ORDER BY 1 DESC, 2
-LIMIT %(limit)s::integer;

@@ -46,7 +46,9 @@ GROUP BY j.effect;
 WITH unfinished AS (
     SELECT j.effect,
            count(*) FILTER (WHERE j.status = 'running' AND j.lease_until < now()) AS leases,
-           min(j.updated_at) FILTER (WHERE j.status = 'reconcile') AS reconcile
+           min(j.updated_at) FILTER (WHERE j.status = 'reconcile') AS reconcile,
+           -- waiting on parents (after=[...], migration 0015): not due, counted apart
+           count(*) FILTER (WHERE j.status = 'pending' AND j.after_waiting > 0) AS waiting
     FROM {schema}.jobs j
     WHERE j.status IN ('pending', 'running', 'reconcile')
     GROUP BY j.effect
@@ -59,7 +61,8 @@ SELECT u.effect,
            ORDER BY j.available_at, j.id
            LIMIT 1))::float8 AS oldest_due_age,
        u.leases AS expired_leases,
-       extract(epoch FROM now() - u.reconcile)::float8 AS oldest_reconcile_age
+       extract(epoch FROM now() - u.reconcile)::float8 AS oldest_reconcile_age,
+       u.waiting
 FROM unfinished u;
 
 -- name: due_by_effect
