@@ -30,7 +30,8 @@ ALTER TABLE {schema}.jobs
 -- parent is unresolved, then 'done' or 'failed', written once by whichever statement
 -- resolves the edge first (the parent's settlement, or the dispatchers' sweep), under the
 -- edge's row lock. Rows stay after they are resolved: the dashboard shows a job's
--- parents and children from them; they go with the child (purge_after).
+-- parents and children from them; they go with the child (retention, or the completion
+-- that deletes it with retention 0).
 CREATE TABLE {schema}.after_edges (
     child_id   bigint NOT NULL,
     parent_key text   NOT NULL CHECK (length(parent_key) BETWEEN 1 AND 255),

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -71,10 +70,6 @@ AFTER_MODES = ("fail", "run")
 """What a parent failing for good does to a child: fail it too, or let it run."""
 SWEEP_BATCH = 1000
 """Unresolved edges the sweep looks at per call."""
-SWEEP_INTERVAL = 2.0
-"""Seconds between two walks of a running dispatcher."""
-WALK_STEP = 0.05
-"""Seconds between two calls of one walk (it goes on where the last call stopped)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,28 +166,25 @@ def results_steps(ids: Sequence[int], schema: str) -> Step[dict[int, dict[str, A
 class Sweep:
     """The dispatcher's walk of the unresolved edges (``after_sweep``): resolves those
     whose parent is settled, which the settlement could not see (the race above). A call
-    looks at ``SWEEP_BATCH`` edges after where the previous one stopped; a walk that
-    reached the end starts again from the first child, at the next interval."""
+    looks at ``SWEEP_BATCH`` edges after where the previous one stopped (``behind`` until
+    the walk reaches the end; it then starts again from the first child). The claimer
+    calls it with its rescue, and at every round while it is behind."""
 
-    def __init__(self, schema: str, interval: float = SWEEP_INTERVAL) -> None:
+    def __init__(self, schema: str) -> None:
         self.query = after_queries(schema).after_sweep
-        self.interval = interval
-        self.next_at = 0.0
         self.walked_to = 0  # the last child looked at; 0: from the start
 
-    def due(self, now: float) -> bool:
-        """Whether a sweep is due (the timer)."""
-        return now >= self.next_at
+    @property
+    def behind(self) -> bool:
+        """Whether a walk stopped at its batch, in the middle of the edges."""
+        return self.walked_to != 0
 
-    def sweep(self, now: float | None = None) -> Step[int]:
-        """One call: the children woken (released or failed). A walk that stopped in the
-        middle goes on at once the next round; a finished one waits the interval."""
+    def sweep(self) -> Step[int]:
+        """One call: the children woken (released or failed)."""
         rows = yield Statement(self.query, {"after": self.walked_to, "limit": SWEEP_BATCH},
                                named=True)
         walked_to, woken = (rows[0].walked_to, int(rows[0].woken)) if rows else (None, 0)
         self.walked_to = int(walked_to) if walked_to is not None else 0
-        now = time.monotonic() if now is None else now
-        self.next_at = now + (WALK_STEP if walked_to is not None else self.interval)
         if woken:
             log.info("fan-in sweep settled %s job(s) whose parents were settled while "
                      "they were being enqueued", woken)

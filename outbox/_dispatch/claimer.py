@@ -155,6 +155,10 @@ class Claimer:
             yield from self.check_schema()
         if self.rescue_timer.due(now):
             yield from self.rescue()
+            # fan-in's repair rides along: children whose parents' settlement missed them
+            yield from self.sweep.sweep()
+        elif self.sweep.behind:  # a walk that stopped at its batch goes on
+            yield from self.sweep.sweep()
         if self.retention_timer.due(now):
             behind = yield from self.purge()
             if behind:
@@ -165,8 +169,6 @@ class Claimer:
             yield from self.statistics.analyze()
         if self.vacuum.due(now):  # dead rows reclaimed between autovacuum's visits
             yield from self.vacuum.check()
-        if self.sweep.due(now):  # fan-in: children whose parents' settlement missed them
-            yield from self.sweep.sweep(now)
 
     def settle_waiting(self) -> Step[int]:
         """A whole walk of the fan-in sweep (run_until_idle, before it says idle: a child
@@ -174,7 +176,7 @@ class Claimer:
         woken."""
         self.sweep.walked_to = 0
         woken = yield from self.sweep.sweep()
-        while self.sweep.walked_to:
+        while self.sweep.behind:
             woken += yield from self.sweep.sweep()
         return woken
 
@@ -336,12 +338,6 @@ class Claimer:
                     break
             else:
                 behind = True
-        if settings.retention is not None:  # the fan-in edges of the jobs purged
-            for _ in range(PURGE_BATCHES):
-                [(deleted,)] = yield Statement(q.purge_after, {"limit": RETENTION_BATCH},
-                                               count=True)
-                if deleted < RETENTION_BATCH:
-                    break
         return behind
 
 

@@ -477,29 +477,19 @@ SELECT EXISTS (
 ) AS due;
 
 -- name: purge_done
--- Retention: delete done jobs older than %(age)s seconds, a batch at a time.
+-- Retention: delete done jobs older than %(age)s seconds, a batch at a time; a job that
+-- waited on parents (after=[...]) takes its edges along.
 WITH doomed AS (
     SELECT id FROM {schema}.jobs
     WHERE status = 'done' AND updated_at < now() - %(age)s::float8 * interval '1 second'
     ORDER BY updated_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
+), unlinked AS (
+    DELETE FROM {schema}.after_edges e USING doomed d WHERE e.child_id = d.id
 )
 DELETE FROM {schema}.jobs j USING doomed d
 WHERE j.id = d.id AND j.status = 'done';
-
--- name: purge_after
--- Retention of the edges of fan-in (after_edges): a batch of edges whose child job is
--- gone (retention deleted it), found from the oldest children on.
-WITH doomed AS (
-    SELECT e.child_id, e.parent_key FROM {schema}.after_edges e
-    WHERE NOT EXISTS (SELECT 1 FROM {schema}.jobs j WHERE j.id = e.child_id)
-    ORDER BY e.child_id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
-DELETE FROM {schema}.after_edges e USING doomed d
-WHERE e.child_id = d.child_id AND e.parent_key = d.parent_key;
 
 -- name: purge_ledger
 -- Retention of the ledger, on its own (longer) period.
