@@ -6,6 +6,7 @@ the child, and it must."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -76,3 +77,20 @@ def test_a_running_dispatcher_sweeps_the_race_too(dsn: str, schema: str) -> None
         runner.join(60)
     assert child.performed == [("c", {"p": {"by": "p"}})]
     assert job_row(dsn, schema, "c")["status"] == "done"  # recorded before run() returned
+
+
+def test_async_enqueue_and_async_dispatcher_wait_alike(dsn: str, schema: str) -> None:
+    parent, child = Recording(PARENT), Recording(CHILD)
+
+    async def scenario() -> outbox.DispatchStats:
+        async with await psycopg.AsyncConnection.connect(dsn) as conn, \
+                outbox.transaction(conn, schema=schema) as tx:
+            await tx.enqueue(PARENT, key="p", payload={})
+            await tx.enqueue(CHILD, key="c", payload={}, after=["p"])
+        dispatcher = outbox.AsyncDispatcher(dsn, effects=[parent, child], schema=schema,
+                                            lease=10.0)
+        return await dispatcher.run_until_idle(timeout=60)
+
+    stats = asyncio.run(scenario())
+    assert stats.done == 2
+    assert child.performed == [("c", {"p": {"by": "p"}})]
