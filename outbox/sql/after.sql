@@ -56,15 +56,15 @@ resolved_edges AS (
 )
 
 -- fragment: after_parent_state
--- What a parent key p.key (a column of the enclosing query, aliased pk) says about a
--- child waiting on it: 'done' (its ledger row, or a done job), 'failed' (a job failed for
--- good), or NULL (still to come: pending, running, in reconcile). Retention keeps the
--- ledger longer than the jobs, so a done parent is found in the ledger after its job row
--- is gone; a key that holds neither any longer was done long ago.
-(CASE WHEN EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = pk.key) THEN 'done'
-      ELSE (SELECT CASE pj.status WHEN 'done' THEN 'done' WHEN 'failed' THEN 'failed' END
-            FROM {schema}.jobs pj WHERE pj.key = pk.key)
- END)
+-- What a parent key pk.key (a column of the enclosing query) says about a child waiting
+-- on it: its job's status when it is 'done' or 'failed' (a job failed with its ledger
+-- row, after its on_done hook kept raising, is failed: so its settlement said), NULL
+-- while it is to come (pending, running, in reconcile); and 'done' when the key has no
+-- job row any more: only a done job is deleted (by retention, or by its completion with
+-- retention 0; its ledger row stays), and enqueue refuses a key that never was a job.
+(SELECT CASE WHEN pj.id IS NULL THEN 'done'
+             WHEN pj.status IN ('done', 'failed') THEN pj.status END
+ FROM (SELECT 1) AS one LEFT JOIN {schema}.jobs pj ON pj.key = pk.key)
 
 -- name: after_unknown
 -- Which of %(keys)s name no job and no ledger row (as this transaction sees them): a

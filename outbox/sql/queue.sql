@@ -143,11 +143,12 @@ WHERE j.id = %(id)s::bigint AND NOT EXISTS (SELECT 1 FROM changed)
 
 -- name: retry
 -- failed or reconcile -> pending with a fresh attempt budget and a fresh idempotency
--- window; claim_version keeps growing.
+-- window; claim_version keeps growing. A job that failed with a parent (after=[...])
+-- runs at once: the operator's retry overrides the wait.
 WITH changed AS (
     UPDATE {schema}.jobs j
     SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
-        updated_at = now()
+        after_waiting = 0, updated_at = now()
     WHERE {as_seen} AND j.status IN ('failed', 'reconcile')
     RETURNING j.id, j.status, j.key, j.effect
 ), audited AS (
@@ -221,7 +222,7 @@ WITH picked AS (
 ), changed AS (
     UPDATE {schema}.jobs j
     SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
-        updated_at = now()
+        after_waiting = 0, updated_at = now()
     FROM picked p
     WHERE j.id = p.id AND j.status = 'failed'
     RETURNING j.id

@@ -129,3 +129,20 @@ def test_a_parent_in_reconcile_keeps_children_waiting_until_a_person_decides(
         with psycopg.connect(dsn, autocommit=True) as conn:
             assert conn.execute("SELECT now() >= %s", (child["available_at"],)).fetchone() \
                 == (True,)
+
+
+def test_retrying_a_child_failed_with_its_parent_runs_it_at_once(dsn: str, schema: str) -> None:
+    """An operator's retry of a parent does not revive its failed children; retrying the
+    child itself runs it at once, with no parent left to wait for."""
+    _setup(dsn, schema)
+    parent, child = job_row(dsn, schema, "email-1"), job_row(dsn, schema, "notified-1")
+    _transition(dsn, _queue.cancel(schema, parent["id"], OPERATOR))
+    _transition(dsn, _queue.retry(schema, parent["id"], OPERATOR))
+    assert job_row(dsn, schema, "notified-1")["status"] == "failed"  # not revived
+    moved = _transition(dsn, _queue.retry(schema, child["id"], OPERATOR))
+    assert moved.changed
+    retried = job_row(dsn, schema, "notified-1")
+    assert (retried["status"], retried["after_waiting"]) == ("pending", 0)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT now() >= %s", (retried["available_at"],)).fetchone() \
+            == (True,)
