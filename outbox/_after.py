@@ -170,21 +170,30 @@ class Sweep:
     the walk reaches the end; it then starts again from the first child). The claimer
     calls it with its rescue, and at every round while it is behind."""
 
+    START = (0, "")  # before every edge (ids are positive)
+
     def __init__(self, schema: str) -> None:
         self.query = after_queries(schema).after_sweep
-        self.walked_to = 0  # the last child looked at; 0: from the start
+        self.walked_to = self.START  # the last edge looked at (child id, parent key)
 
     @property
     def behind(self) -> bool:
         """Whether a walk stopped at its batch, in the middle of the edges."""
-        return self.walked_to != 0
+        return self.walked_to != self.START
+
+    def restart(self) -> None:
+        """The next call walks from the first edge."""
+        self.walked_to = self.START
 
     def sweep(self) -> Step[int]:
         """One call: the children woken (released or failed)."""
-        rows = yield Statement(self.query, {"after": self.walked_to, "limit": SWEEP_BATCH},
-                               named=True)
-        walked_to, woken = (rows[0].walked_to, int(rows[0].woken)) if rows else (None, 0)
-        self.walked_to = int(walked_to) if walked_to is not None else 0
+        child, parent = self.walked_to
+        rows = yield Statement(self.query, {"child": child, "parent": parent,
+                                            "limit": SWEEP_BATCH}, named=True)
+        row = rows[0] if rows else None
+        woken = int(row.woken) if row is not None else 0
+        self.walked_to = (self.START if row is None or row.walked_child is None
+                          else (int(row.walked_child), str(row.walked_parent)))
         if woken:
             log.info("fan-in sweep settled %s job(s) whose parents were settled while "
                      "they were being enqueued", woken)

@@ -174,7 +174,7 @@ class Claimer:
         """A whole walk of the fan-in sweep (run_until_idle, before it says idle: a child
         whose parents settled while it was being enqueued is work left). The children
         woken."""
-        self.sweep.walked_to = 0
+        self.sweep.restart()
         woken = yield from self.sweep.sweep()
         while self.sweep.behind:
             woken += yield from self.sweep.sweep()

@@ -129,17 +129,20 @@ WHERE e.child_id = ANY(CAST(%(ids)s AS bigint[]))
 ORDER BY e.child_id, e.parent_key;
 
 -- name: after_sweep
--- The dispatchers' sweep: up to %(limit)s unresolved edges after child %(after)s, in
--- child order, whose parents are settled for good already: a parent whose settlement
--- committed while the child's transaction was still open (neither saw the other under
--- READ COMMITTED). Those parents' edges are resolved and their children released or
--- failed, as the settlement would have (fragment after_released). Answers the last child
--- looked at (NULL: the walk reached the end; start again from 0) and how many children it
--- woke. Bounded: one index range of the unresolved edges a call, whatever their number.
+-- The dispatchers' sweep: up to %(limit)s unresolved edges after the edge (%(child)s,
+-- %(parent)s), in (child, parent key) order, whose parents are settled for good already:
+-- a parent whose settlement committed while the child's transaction was still open
+-- (neither saw the other under READ COMMITTED). Those parents' edges are resolved and
+-- their children released or failed, as the settlement would have (fragment
+-- after_released). Answers the last edge looked at (NULLs: the walk reached the end;
+-- start again from the first) and how many children it woke. Bounded: one range of the
+-- index of unresolved edges a call, whatever their number, even for one child with
+-- more parents than a batch.
 WITH batch AS (
     SELECT e.child_id, e.parent_key
     FROM {schema}.after_edges e
-    WHERE e.outcome IS NULL AND e.child_id > %(after)s::bigint
+    WHERE e.outcome IS NULL
+      AND (e.child_id, e.parent_key) > (%(child)s::bigint, %(parent)s::text)
     ORDER BY e.child_id, e.parent_key
     LIMIT %(limit)s::integer
 ), parents AS (
@@ -149,6 +152,9 @@ WITH batch AS (
           FROM (SELECT DISTINCT b.parent_key AS key FROM batch b) pk) s
     WHERE s.outcome IS NOT NULL
 ), {after_released}
-SELECT CASE WHEN (SELECT count(*) FROM batch) >= %(limit)s::integer
-            THEN (SELECT max(b.child_id) FROM batch b) END AS walked_to,
-       (SELECT count(*) FROM woken) AS woken;
+SELECT w.child_id AS walked_child, w.parent_key AS walked_parent,
+       (SELECT count(*) FROM woken) AS woken
+FROM (SELECT 1) AS one
+LEFT JOIN (SELECT b.child_id, b.parent_key FROM batch b
+           WHERE (SELECT count(*) FROM batch) >= %(limit)s::integer
+           ORDER BY b.child_id DESC, b.parent_key DESC LIMIT 1) w ON true;

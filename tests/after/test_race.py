@@ -11,8 +11,10 @@ import threading
 from typing import Any
 
 import psycopg
+import pytest
 
 import outbox
+import outbox._after
 
 from .support import job_row
 
@@ -94,3 +96,23 @@ def test_async_enqueue_and_async_dispatcher_wait_alike(dsn: str, schema: str) ->
     stats = asyncio.run(scenario())
     assert stats.done == 2
     assert child.performed == [("c", {"p": {"by": "p"}})]
+
+
+def test_the_sweep_walks_every_edge_of_a_child_with_more_parents_than_a_batch(
+        dsn: str, schema: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parents settled behind the settlement's back (as the race leaves them): the
+    sweep's walk goes through one child's edges a batch at a time, never past them."""
+    monkeypatch.setattr(outbox._after, "SWEEP_BATCH", 3)
+    parents = [f"p{i:02d}" for i in range(10)]
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        for key in parents:
+            tx.enqueue(PARENT, key=key, payload={})
+        tx.enqueue(CHILD, key="c", payload={}, after=parents)
+    with psycopg.connect(dsn, autocommit=True) as conn:  # done, no edge resolved
+        conn.execute(f"""UPDATE "{schema}".jobs SET status = 'done' WHERE key LIKE 'p%'""")
+    child = Recording(CHILD)
+
+    stats = outbox.Dispatcher(dsn, effects=[child], schema=schema,
+                              lease=10.0).run_until_idle(timeout=60)
+
+    assert stats.done == 1 and [key for key, _ in child.performed] == ["c"]

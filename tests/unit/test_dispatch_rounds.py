@@ -171,7 +171,7 @@ CLAIMED = ("id", "effect", "key", "payload", "attempts", "claim_version", "order
 # The columns of the statements answered by name, as their blocks name them.
 COLUMNS = {"claim": CLAIMED, "limit_claim": (*CLAIMED, "budget_wait"),
            "rescue": ("id", "key", "status", "claim_version"),
-           "after_sweep": ("walked_to", "woken"),
+           "after_sweep": ("walked_child", "walked_parent", "woken"),
            "limit_states": ("effect", "gated", "pause_left", "pause_reason", "troubled"),
            "limit_throttled": ("effect", "pause_left", "pause_reason"),
            "limit_failed": ("effect", "pause_left", "pause_reason")}
@@ -199,7 +199,7 @@ def test_the_first_round_rescues_purges_and_claims(clock: Clock) -> None:
     claimer = Claimer(settings(prefetch=0), shared, until_idle=False)
     script = (Script(claimer.queries)
               .then("rescue", [(1, "k1", "pending", 3)])
-              .then("after_sweep", [(None, 0)])  # fan-in's repair, with the rescue
+              .then("after_sweep", [(None, None, 0)])  # fan-in's repair, with the rescue
               .then("purge_done", [(RETENTION_BATCH,)])  # a full batch: go on
               .then("purge_done", [(3,)])
               .then("purge_ledger", [(0,)])
@@ -220,7 +220,7 @@ def test_rescue_and_retention_wait_for_their_timers(clock: Clock) -> None:
     claimer = Claimer(settings(prefetch=0, rescue_interval=5.0, inbox_retention=None),
                       state(), until_idle=False)
     queries = claimer.queries
-    (Script(queries).then("rescue", []).then("after_sweep", [(None, 0)])
+    (Script(queries).then("rescue", []).then("after_sweep", [(None, None, 0)])
      .then("purge_done", [(0,)])
      .then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
      .then("unhandled_due", []).then("unanalyzed_tables", []).then("vacuum_due", [])
@@ -228,12 +228,12 @@ def test_rescue_and_retention_wait_for_their_timers(clock: Clock) -> None:
     clock.now += 4.9  # neither timer due: only the claim
     Script(queries).claiming([]).drive(claimer.round())
     clock.now += 0.2  # the rescue timer (5 s) is due, and the look for dead rows; not retention
-    (Script(queries).then("rescue", []).then("after_sweep", [(None, 0)]).then("vacuum_due", [])
-     .claiming([]).drive(claimer.round()))
+    (Script(queries).then("rescue", []).then("after_sweep", [(None, None, 0)])
+     .then("vacuum_due", []).claiming([]).drive(claimer.round()))
     clock.now += RETENTION_INTERVAL  # the heartbeat (every 15 s) is due again too
     assert RETENTION_INTERVAL > SCHEMA_CHECK_INTERVAL  # and the look at the schema's version
     (Script(queries).then("schema_version", [(latest_version(),)])
-     .then("rescue", []).then("after_sweep", [(None, 0)]).then("purge_done", [(0,)])
+     .then("rescue", []).then("after_sweep", [(None, None, 0)]).then("purge_done", [(0,)])
      .then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
      .then("unhandled_due", []).then("vacuum_due", []).claiming([])).drive(claimer.round())
 
@@ -319,7 +319,7 @@ def test_run_until_idle_stops_when_nothing_is_due_anywhere(clock: Clock) -> None
     claimer = Claimer(settings(prefetch=0), state(), until_idle=True)
     first_round_done(claimer)
     result = (Script(claimer.queries).claiming([]).then("has_due_work", [(False,)])
-              .then("after_sweep", [(None, 0)])  # no child its parents' settlement missed
+              .then("after_sweep", [(None, None, 0)])  # no child its parents' settlement missed
               .drive(claimer.round()))
     assert result.idle and result.batch == []
 
