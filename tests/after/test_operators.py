@@ -6,6 +6,7 @@ parent settles its children; a parent in reconcile keeps them waiting."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 
 import httpx
@@ -94,6 +95,10 @@ async def test_the_dashboard_shows_parents_children_and_what_a_job_waits_on(
     page = (await client.get(f"/jobs/{parent['id']}")).text
     assert "Children (jobs waiting on this one)" in page and "notified-1" in page
     assert "to come" in page
+
+    overview = (await client.get("/")).text
+    assert re.search(r'<span class="n">1</span><span class="label">pending, waiting on '
+                     r'parents</span>', overview)
 
 
 def test_cancelling_a_parent_fails_its_waiting_children(dsn: str, schema: str) -> None:
