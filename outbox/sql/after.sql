@@ -33,6 +33,9 @@ resolved_edges AS (
     SET outcome = p.outcome
     FROM parents p
     WHERE e.parent_key = p.key AND e.outcome IS NULL
+      -- Uncorrelated: evaluated once, and while no job waits on any parent (after=[...]
+      -- unused) the join is not run at all, so the statement costs what it did before.
+      AND {after_in_use}
     RETURNING e.child_id, e.parent_key, e.outcome
 ), woken AS (
     UPDATE {schema}.jobs j
@@ -54,6 +57,12 @@ resolved_edges AS (
     WHERE j.id = c.child_id AND j.status = 'pending' AND j.after_waiting > 0
     RETURNING j.id, j.status, j.after_waiting
 )
+
+-- fragment: after_in_use
+-- Whether any job waits on a parent now: one probe of the index of unresolved edges. An
+-- uncorrelated condition, so a statement evaluates it once (an initplan), and a join
+-- gated by it is not run at all while nothing waits.
+EXISTS (SELECT 1 FROM {schema}.after_edges w WHERE w.outcome IS NULL)
 
 -- fragment: after_parent_state
 -- What a parent key pk.key (a column of the enclosing query) says about a child waiting

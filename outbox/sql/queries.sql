@@ -312,8 +312,10 @@ WITH finished AS (
     -- jobs waiting on these (after=[...]) count them done (fragment after_released)
     SELECT f.key, 'done'::text AS outcome, NULL::text AS error FROM finished f
 ), {after_released}, unlinked AS (
-    -- a deleted job's own edges (it waited on parents) go with it
-    DELETE FROM {schema}.after_edges e USING finished f WHERE e.child_id = f.id
+    -- a deleted job's own edges (it waited on parents) go with it; not looked for when
+    -- no job ever waited (no edge at all: an uncorrelated probe, evaluated once)
+    DELETE FROM {schema}.after_edges e USING finished f
+    WHERE e.child_id = f.id AND EXISTS (SELECT 1 FROM {schema}.after_edges)
 )
 SELECT f.id FROM finished f;
 
