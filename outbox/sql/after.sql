@@ -59,10 +59,12 @@ resolved_edges AS (
 )
 
 -- fragment: after_in_use
--- Whether any job waits on a parent now: one probe of the index of unresolved edges. An
+-- Whether any job waits on a parent now: the first entry of the index of unresolved
+-- edges (in its order, so that no plan reads the resolved history to find none). An
 -- uncorrelated condition, so a statement evaluates it once (an initplan), and a join
 -- gated by it is not run at all while nothing waits.
-EXISTS (SELECT 1 FROM {schema}.after_edges w WHERE w.outcome IS NULL)
+((SELECT w.child_id FROM {schema}.after_edges w WHERE w.outcome IS NULL
+  ORDER BY w.child_id, w.parent_key LIMIT 1) IS NOT NULL)
 
 -- fragment: after_parent_state
 -- What a parent key pk.key (a column of the enclosing query) says about a child waiting

@@ -315,7 +315,9 @@ WITH finished AS (
     -- a deleted job's own edges (it waited on parents) go with it; not looked for when
     -- no job ever waited (no edge at all: an uncorrelated probe, evaluated once)
     DELETE FROM {schema}.after_edges e USING finished f
-    WHERE e.child_id = f.id AND EXISTS (SELECT 1 FROM {schema}.after_edges)
+    WHERE e.child_id = f.id
+      AND (SELECT e1.child_id FROM {schema}.after_edges e1 ORDER BY e1.child_id LIMIT 1)
+          IS NOT NULL
 )
 SELECT f.id FROM finished f;
 
