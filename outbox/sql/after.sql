@@ -54,7 +54,10 @@ resolved_edges AS (
     FROM (SELECT r.child_id, count(*) AS n,
                  min(r.parent_key) FILTER (WHERE r.outcome = 'failed') AS failed
           FROM resolved_edges r GROUP BY r.child_id) c
-    WHERE j.id = c.child_id AND j.status = 'pending' AND j.after_waiting > 0
+    -- The ids also through an array, so the children are found by the primary key (as
+    -- the claim finds its candidates) rather than by a walk of every pending job.
+    WHERE j.id = ANY (ARRAY(SELECT r.child_id FROM resolved_edges r))
+      AND j.id = c.child_id AND j.status = 'pending' AND j.after_waiting > 0
     RETURNING j.id, j.status, j.after_waiting
 )
 

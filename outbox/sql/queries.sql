@@ -307,17 +307,17 @@ WITH finished AS (
     DELETE FROM {schema}.jobs j
     USING jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
     WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
-    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
+    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result, j.after_failed
 ), {recorded}, parents AS (
     -- jobs waiting on these (after=[...]) count them done (fragment after_released)
     SELECT f.key, 'done'::text AS outcome, NULL::text AS error FROM finished f
 ), {after_released}, unlinked AS (
-    -- a deleted job's own edges (it waited on parents) go with it; not looked for when
-    -- no job ever waited (no edge at all: an uncorrelated probe, evaluated once)
-    DELETE FROM {schema}.after_edges e USING finished f
-    WHERE e.child_id = f.id
-      AND (SELECT e1.child_id FROM {schema}.after_edges e1 ORDER BY e1.child_id LIMIT 1)
-          IS NOT NULL
+    -- A deleted job's own edges (it waited on parents) go with it: looked for by the
+    -- primary key, and only for jobs that had parents (after_failed is set), so none is
+    -- looked for while after=[...] is unused.
+    DELETE FROM {schema}.after_edges e
+    WHERE e.child_id = ANY (ARRAY(SELECT f.id FROM finished f
+                                  WHERE f.after_failed IS NOT NULL))
 )
 SELECT f.id FROM finished f;
 
@@ -490,7 +490,7 @@ WITH doomed AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), unlinked AS (
-    DELETE FROM {schema}.after_edges e USING doomed d WHERE e.child_id = d.id
+    DELETE FROM {schema}.after_edges e WHERE e.child_id = ANY (ARRAY(SELECT d.id FROM doomed d))
 )
 DELETE FROM {schema}.jobs j USING doomed d
 WHERE j.id = d.id AND j.status = 'done';
