@@ -16,14 +16,11 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 import outbox
-from outbox import _queue
-from outbox._database_metrics import render_database_metrics
 from outbox.cli import main
+from outbox.metrics import render_database_metrics
 from outbox.web import create_app
 
 from .support import job_row
-
-OPERATOR = _queue.Operator("ops@example.com", "command line")
 
 
 class Notified(outbox.Effect):
@@ -40,9 +37,12 @@ def _setup(dsn: str, schema: str) -> None:
         tx.enqueue("order.notified", key="notified-1", payload={}, after=["email-1"])
 
 
-def _transition(dsn: str, step: object) -> _queue.Transition:
-    with psycopg.connect(dsn) as conn:
-        return _queue.on(conn, step)  # type: ignore[arg-type]
+def _operate(dsn: str, schema: str, *args: str) -> str:
+    """An operator's command (``outbox retry``, ``cancel``, ``resolve``); its output."""
+    result = CliRunner().invoke(main, [args[0], "--dsn", dsn, "--schema", schema,
+                                       "--actor", "ops@example.com", *args[1:]])
+    assert result.exit_code == 0, result.output
+    return result.output
 
 
 def test_status_and_metrics_count_waiting_jobs_apart_from_due_ones(
@@ -104,8 +104,7 @@ async def test_the_dashboard_shows_parents_children_and_what_a_job_waits_on(
 def test_cancelling_a_parent_fails_its_waiting_children(dsn: str, schema: str) -> None:
     _setup(dsn, schema)
     parent = job_row(dsn, schema, "email-1")
-    moved = _transition(dsn, _queue.cancel(schema, parent["id"], OPERATOR))
-    assert moved.changed
+    _operate(dsn, schema, "cancel", str(parent["id"]))
     child = job_row(dsn, schema, "notified-1")
     assert child["status"] == "failed"
     assert "parent email-1 failed for good" in child["last_error"]
@@ -125,9 +124,8 @@ def test_a_parent_in_reconcile_keeps_children_waiting_until_a_person_decides(
     assert stats.done == 0
     assert job_row(dsn, schema, "notified-1")["after_waiting"] == 1
     parent = job_row(dsn, schema, "email-1")
-    moved = _transition(dsn, _queue.resolve(schema, parent["id"], OPERATOR,
-                                            performed=performed))
-    assert moved.changed
+    _operate(dsn, schema, "resolve", str(parent["id"]),
+             "--performed" if performed else "--not-performed")
     child = job_row(dsn, schema, "notified-1")
     assert (child["status"], child["after_waiting"]) == (child_status, 0)
     if performed:  # due now
@@ -141,11 +139,11 @@ def test_retrying_a_child_failed_with_its_parent_runs_it_at_once(dsn: str, schem
     child itself runs it at once, with no parent left to wait for."""
     _setup(dsn, schema)
     parent, child = job_row(dsn, schema, "email-1"), job_row(dsn, schema, "notified-1")
-    _transition(dsn, _queue.cancel(schema, parent["id"], OPERATOR))
-    _transition(dsn, _queue.retry(schema, parent["id"], OPERATOR))
+    _operate(dsn, schema, "cancel", str(parent["id"]))
+    _operate(dsn, schema, "retry", str(parent["id"]))
+    assert job_row(dsn, schema, "email-1")["status"] == "pending"
     assert job_row(dsn, schema, "notified-1")["status"] == "failed"  # not revived
-    moved = _transition(dsn, _queue.retry(schema, child["id"], OPERATOR))
-    assert moved.changed
+    _operate(dsn, schema, "retry", str(child["id"]))
     retried = job_row(dsn, schema, "notified-1")
     assert (retried["status"], retried["after_waiting"]) == ("pending", 0)
     with psycopg.connect(dsn, autocommit=True) as conn:

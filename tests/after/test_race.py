@@ -11,10 +11,8 @@ import threading
 from typing import Any
 
 import psycopg
-import pytest
 
 import outbox
-import outbox._after
 
 from .support import job_row
 
@@ -99,14 +97,13 @@ def test_async_enqueue_and_async_dispatcher_wait_alike(dsn: str, schema: str) ->
 
 
 def test_the_sweep_walks_every_edge_of_a_child_with_more_parents_than_a_batch(
-        dsn: str, schema: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Parents settled behind the settlement's back (as the race leaves them): the
-    sweep's walk goes through one child's edges a batch at a time, never past them."""
-    monkeypatch.setattr(outbox._after, "SWEEP_BATCH", 3)
-    parents = [f"p{i:02d}" for i in range(10)]
+        dsn: str, schema: str) -> None:
+    """Parents settled behind the settlement's back (as the race leaves them), more of
+    them than the sweep looks at in one call (1,000): the walk goes through one child's
+    edges a batch at a time, never past them."""
+    parents = [f"p{i:04d}" for i in range(1200)]
     with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
-        for key in parents:
-            tx.enqueue(PARENT, key=key, payload={})
+        tx.enqueue_many([outbox.NewJob(PARENT, key=key, payload={}) for key in parents])
         tx.enqueue(CHILD, key="c", payload={}, after=parents)
     with psycopg.connect(dsn, autocommit=True) as conn:  # done, no edge resolved
         conn.execute(f"""UPDATE "{schema}".jobs SET status = 'done' WHERE key LIKE 'p%'""")
