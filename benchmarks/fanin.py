@@ -22,7 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -195,7 +198,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     results: dict[str, list[dict[str, float]]] = {"many_parents": [], "many_children": []}
     cases: list[tuple[str, Callable[[Server, int], dict[str, float]]]] = [
         ("many_parents", many_parents), ("many_children", many_children)]
+    load_before = os.getloadavg()
+    started = time.time()
     with server(args.dsn) as srv:
+        version = srv.version()
         for _ in range(args.runs):
             for name, case in cases:
                 results[name].append(case(srv, args.size))
@@ -217,8 +223,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = args.out or Path("benchmarks/results") / (
         f"fanin-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"size": args.size, "runs": results, "summary": lines},
-                              indent=2))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip() or None
+    out.write_text(json.dumps({
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], "-m", "benchmarks.fanin",
+                             *sys.argv[1:]]),
+        "timestamp": datetime.now(UTC).isoformat(), "seconds": time.time() - started,
+        "commit": commit, "postgresql": version, "cpus": os.cpu_count(),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "size": args.size, "runs": results, "summary": lines}, indent=2))
     print(f"written to {out}")
 
 
