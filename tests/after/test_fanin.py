@@ -116,3 +116,23 @@ def test_parents_done_in_an_earlier_transaction_make_the_child_due_at_once(
     assert stats.done == 1
     [(results, _)] = shop.child.performs("notified-104")
     assert set(results) == {"email-104", "hook-104"}
+
+
+def test_a_child_that_runs_anyway_sees_which_parent_failed(shop: Shop) -> None:
+    shop.receiver.fail_next(1, status=400)  # the webhook fails for good
+    with psycopg.connect(shop.dsn) as conn, outbox.transaction(conn, schema=shop.schema) as tx:
+        tx.enqueue("email.send", key="email-105", payload=EMAIL)
+        tx.enqueue("webhook.post", key="hook-105", payload=HOOK)
+        tx.enqueue(NOTIFIED, key="notified-105", payload={"order": 105},
+                   after=["email-105", "hook-105"], after_failed="run")
+
+    shop.drain()
+
+    [(results, recorded)] = shop.child.performs("notified-105")
+    assert "email-105" in recorded
+    email = ledger_row(shop.dsn, shop.schema, "email-105")
+    assert email is not None and results["email-105"] == email["result"]
+    failed = results["hook-105"]
+    assert isinstance(failed, outbox.FailedParent) and failed.key == "hook-105"
+    assert failed.error and "400" in failed.error
+    assert job_row(shop.dsn, shop.schema, "notified-105")["status"] == "done"
