@@ -14,6 +14,7 @@ performs at once (sync effects on a bounded thread pool, async ones on the loop)
 refunded.
 """
 
+from ._after import FailedParent
 from ._enqueue import EnqueueResult, NewJob
 from ._lifecycle import Backoff
 from .dispatcher import AsyncDispatcher, Dispatcher, DispatchStats
@@ -34,6 +35,7 @@ from .errors import (
     Throttled,
     UnknownEffect,
     UnknownOutcome,
+    UnknownParent,
 )
 from .flows import AsyncHookTransaction, HookTransaction, NotPerformed, Performed
 from .limits import Limit
@@ -56,6 +58,7 @@ __all__ = [
     "EffectOutcome",
     "EnqueueError",
     "EnqueueResult",
+    "FailedParent",
     "HookTransaction",
     "IdempotencyKeyConflict",
     "InvalidArgument",
@@ -76,6 +79,7 @@ __all__ = [
     "Transaction",
     "UnknownEffect",
     "UnknownOutcome",
+    "UnknownParent",
     "migrate",
     "register_effects",
     "transaction",

@@ -44,11 +44,13 @@ class DatabaseCollector(Collector):
     (done jobs estimated on large tables), ``outbox_oldest_due_job_age_seconds{effect}``
     (due as the claim decides it: ordering keys respected),
     ``outbox_expired_leases{effect}``, ``outbox_oldest_reconcile_job_age_seconds
-    {effect}``, ``outbox_jobs_dead_tuples``, ``outbox_unhandled_due_jobs{effect}`` (due
-    jobs of an effect no running dispatcher handles), ``outbox_busiest_group_pending
-    {effect}`` (the pending jobs of the effect's largest group: a noisy tenant's backlog,
-    with no group label, whose values are unbounded), the schedules' gauges
-    (``outbox._schedule_metrics``) and ``outbox_database_up``.
+    {effect}``, ``outbox_waiting_jobs{effect}`` (pending jobs waiting on their parents,
+    ``after=[...]``: not due), ``outbox_jobs_dead_tuples``,
+    ``outbox_unhandled_due_jobs{effect}`` (due jobs of an effect no running dispatcher
+    handles), ``outbox_busiest_group_pending{effect}`` (the pending jobs of the effect's
+    largest group: a noisy tenant's backlog, with no group label, whose values are
+    unbounded), the schedules' gauges (``outbox._schedule_metrics``) and
+    ``outbox_database_up``.
 
     A database error never fails the scrape: it is logged (by type only) and reported as
     ``outbox_database_up 0``. Effects past ``MAX_EFFECTS`` fold into ``other``."""
@@ -160,6 +162,10 @@ def _families(snapshot: _queue.Snapshot, known: set[str]) -> Iterable[Metric]:
         "outbox_oldest_reconcile_job_age_seconds",
         "Seconds the oldest reconcile job has waited for a person (0 when none).",
         labels=["effect"])
+    waiting = GaugeMetricFamily(
+        "outbox_waiting_jobs", "Pending jobs waiting on their parents (after=[...]): "
+        "not due, so not counted as due work nor in the oldest due age.",
+        labels=["effect"])
     merged = {effect: _Merged() for effect in effects}
     for health in snapshot.health.values():
         merged[bounded(health.effect)].add(health)
@@ -167,10 +173,11 @@ def _families(snapshot: _queue.Snapshot, known: set[str]) -> Iterable[Metric]:
         oldest.add_metric([effect], folded_health.oldest_due_age)
         expired.add_metric([effect], folded_health.expired_leases)
         reconcile.add_metric([effect], folded_health.oldest_reconcile_age)
+        waiting.add_metric([effect], folded_health.waiting)
     dead_tuples = GaugeMetricFamily(
         "outbox_jobs_dead_tuples", "Dead tuples in the jobs table (vacuum debt).",
         value=snapshot.counts.dead_tuples)
-    return (jobs, oldest, expired, reconcile, dead_tuples)
+    return (jobs, oldest, expired, reconcile, waiting, dead_tuples)
 
 
 @dataclass(slots=True)
@@ -180,12 +187,14 @@ class _Merged:
     oldest_due_age: float = 0.0
     expired_leases: int = 0
     oldest_reconcile_age: float = 0.0
+    waiting: int = 0
 
     def add(self, health: _queue.EffectHealth) -> None:
         self.oldest_due_age = max(self.oldest_due_age, health.oldest_due_age or 0.0)
         self.expired_leases += health.expired_leases
         self.oldest_reconcile_age = max(self.oldest_reconcile_age,
                                         health.oldest_reconcile_age or 0.0)
+        self.waiting += health.waiting
 
 
 PAUSE_REASONS = ("throttled", "outage", "operator")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from . import registry, tracing
+from . import _after, registry, tracing
 from ._steps import Statement, Step
 from .errors import (
     IdempotencyKeyConflict,
@@ -73,6 +73,8 @@ class NewJob:
     max_attempts: int | None = None
     group: str | None = None
     priority: int = 0
+    after: Sequence[str] | None = None
+    after_failed: str = "fail"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,8 @@ class PreparedJob:
     max_attempts: int
     group: str | None = None
     priority: int = 0
+    after: tuple[str, ...] = ()  # parent keys (outbox._after), unique, in order given
+    after_failed: str = "fail"
 
 
 MAX_GROUP_LENGTH = 255
@@ -286,6 +290,8 @@ def prepare(
     max_attempts: int | None = None,
     group: str | None = None,
     priority: int = 0,
+    after: Iterable[str] | None = None,
+    after_failed: str = "fail",
 ) -> PreparedJob:
     """Validate one enqueue request; raise an EnqueueError naming what is wrong."""
     if not isinstance(effect, str) or not effect.strip():
@@ -301,6 +307,11 @@ def prepare(
             f"max_attempts must be a positive integer, got {max_attempts!r}"[:200])
     validate_group(group)
     validate_priority(priority)
+    parents, after_failed = _after.validate_after(after, key, after_failed)
+    if parents and run_at is not None:
+        raise InvalidArgument(
+            "run_at and after cannot be combined: a job with after=[...] is due when its "
+            "parents are done (enqueue it from the last parent's on_done to delay it)")
     payload_json = canonical_json(payload)
     return PreparedJob(
         effect=effect,
@@ -312,6 +323,8 @@ def prepare(
         max_attempts=max_attempts,
         group=group,
         priority=priority,
+        after=parents,
+        after_failed=after_failed,
     )
 
 
@@ -391,11 +404,28 @@ def prepare_many(jobs: Iterable[NewJob]) -> list[PreparedJob]:
         try:
             prepared.append(
                 prepare(job.effect, job.key, job.payload, job.run_at, job.ordering_key,
-                        job.max_attempts, job.group, job.priority)
+                        job.max_attempts, job.group, job.priority, job.after,
+                        job.after_failed)
             )
         except (InvalidKey, InvalidPayload, UnknownEffect, InvalidArgument) as exc:
             raise type(exc)(f"job #{index} ({job.key!r}): {exc}") from None
+    _parents_come_first(prepared)
     return prepared
+
+
+def _parents_come_first(jobs: Sequence[PreparedJob]) -> None:
+    """A job of a batch may name an earlier job of the batch as a parent, never a later
+    one (so no cycle can be built within a batch either): InvalidArgument otherwise."""
+    first: dict[str, int] = {}
+    for index, job in enumerate(jobs):
+        first.setdefault(job.key, index)
+    for index, job in enumerate(jobs):
+        for parent in job.after:
+            at = first.get(parent)
+            if at is not None and at > index:
+                raise InvalidArgument(
+                    f"job #{index} ({job.key!r}): after names {parent!r}, job #{at} of the "
+                    "same batch: a parent must come before the jobs that wait on it")
 
 
 def _single_result(job: PreparedJob, rows: Sequence[Row]) -> EnqueueResult | None:
@@ -435,12 +465,16 @@ def _many_results(
 def enqueue_steps(job: PreparedJob, queries: Queries) -> Step[EnqueueResult]:
     """Insert one prepared job unless its key is known; the result or the conflict."""
     with tracing.producer_span(job.effect) as send:
+        if job.after:  # parents that exist, checked before anything is written
+            yield from _after.check_steps([job], queries.schema)
         params = single_params(job, notify_channel(queries.schema), send.context)
         rows = yield Statement(queries.enqueue, params, named=True)
         result = _single_result(job, rows)
         if result is None:  # inserted concurrently, committed after our snapshot
             [known] = yield Statement(queries.lookup_keys, {"keys": [job.key]}, named=True)
             result = existing_result(job, known.id, known.effect, known.fingerprint)
+        if job.after and result.created and result.job_id is not None:
+            yield from _after.link_steps([(result.job_id, job)], queries.schema)
         send.enqueued(result.job_id, result.created)
         return result
 
@@ -460,9 +494,16 @@ def enqueue_many_steps(jobs: Sequence[PreparedJob],
     if not unique:
         return []
     with tracing.producer_span(_batch_name(unique), len(unique)) as send:
+        waiting = [job for job in unique if job.after]
+        if waiting:  # parents that exist (or come earlier in the batch), checked first
+            yield from _after.check_steps(unique, queries.schema)
         params = many_params(unique, notify_channel(queries.schema), send.context)
         inserted = yield Statement(queries.enqueue_many, params, named=True)
         created = {new.key: new.id for new in inserted if new.key is not None}
+        if waiting:
+            yield from _after.link_steps(
+                [(created[job.key], job) for job in waiting if job.key in created],
+                queries.schema)
         found: dict[str, Row] = {}
         missing = [job.key for job in unique if job.key not in created]
         if missing:

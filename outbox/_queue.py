@@ -9,7 +9,8 @@ count alike, say "due" alike, and act alike:
   exactly and done jobs (history) estimated from a block sample;
 - "due" applies the claim's own rules (``sql/queue.sql``, block ``effect_health``): a
   job held back by its ordering key waits for its key-mate, not for a dispatcher, so it
-  is neither due nor part of the oldest due age;
+  is neither due nor part of the oldest due age; a job waiting on its parents
+  (``after=[...]``) is counted apart, as ``waiting``;
 - the transitions (``retry``, ``cancel``, ``resolve``, ``bulk_retry``) are one statement
   each: fenced (a job that moved on since the operator saw it changes 0 rows), audited in
   ``dashboard_audit`` with the actor and the surface, and announced on the schema's
@@ -123,6 +124,7 @@ class Due:
     effect: str
     due: int
     dispatchers: int
+    waiting: int = 0  # waiting on parents (after=[...]): not due
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +173,7 @@ class EffectHealth:
     oldest_due_age: float | None
     expired_leases: int
     oldest_reconcile_age: float | None
+    waiting: int = 0  # pending jobs waiting on their parents (after=[...]): not due
 
 
 @dataclass(frozen=True)
@@ -226,12 +229,13 @@ class Backlog:
 
     due: int
     dispatchers: int
+    waiting: int = 0  # waiting on parents (after=[...]): neither due nor scheduled
 
 
 def backlog(schema: str) -> Step[dict[str, Backlog]]:
     """Per effect with pending jobs, its ``Backlog`` (reads pending jobs only)."""
     rows: list[Due] = yield Statement(queue_queries(schema).due_by_effect, {}, row=Due)
-    return {d.effect: Backlog(int(d.due), int(d.dispatchers)) for d in rows}
+    return {d.effect: Backlog(int(d.due), int(d.dispatchers), int(d.waiting)) for d in rows}
 
 
 @dataclass(frozen=True, slots=True)

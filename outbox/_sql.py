@@ -23,7 +23,7 @@ from .errors import ConfigurationError
 
 _NAME_LINE = re.compile(r"^-- (name|fragment): (\w+)\s*$", re.MULTILINE)
 MAX_IDENTIFIER_BYTES = 63
-CORE_FILES = ("sql/queries.sql", "sql/queue.sql", "sql/flows.sql")
+CORE_FILES = ("sql/queries.sql", "sql/queue.sql", "sql/flows.sql", "sql/after.sql")
 """The core's files of named blocks (package ``outbox``), whose fragments any block uses."""
 
 

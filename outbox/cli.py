@@ -458,6 +458,8 @@ def status_command(dsn: str | None, schema: str, as_json: bool, failures: int,
         "oldest_pending_age_seconds": max(
             (h.oldest_due_age for h in health if h.oldest_due_age is not None), default=None),
         "due_backlog": sum(b.due for b in backlog.values()),
+        # pending jobs waiting on their parents (after=[...]): neither due nor late
+        "waiting_on_parents": sum(b.waiting for b in backlog.values()),
         "expired_leases": sum(h.expired_leases for h in health),
         "dead_tuples": snapshot.counts.dead_tuples,
         "recent_failures": [
@@ -519,6 +521,7 @@ def _served(snapshot: _queue.Snapshot, backlog: dict[str, _queue.Backlog],
     return {
         "backlog_by_effect": {
             effect: {"pending": snapshot.counts.get("pending", effect), "due": b.due,
+                     "waiting_on_parents": b.waiting,
                      "oldest_due_age_seconds": ages.get(effect),
                      "dispatchers": b.dispatchers}
             for effect, b in backlog.items()},
@@ -536,7 +539,8 @@ def _print_status(report: dict[str, Any]) -> None:
         click.echo(f"  {status:<10} {count:>10}")
     age = report["oldest_pending_age_seconds"]
     click.echo(f"  oldest due pending: {'-' if age is None else f'{age:.1f}s'}, "
-               f"due backlog: {report['due_backlog']}, expired leases: "
+               f"due backlog: {report['due_backlog']}, waiting on parents: "
+               f"{report['waiting_on_parents']}, expired leases: "
                f"{report['expired_leases']}, dead tuples: {report['dead_tuples']}")
     if report["backlog_by_effect"]:
         click.echo(f"pending by effect ({len(report['dispatchers'])} dispatcher(s) running):")
@@ -544,7 +548,9 @@ def _print_status(report: dict[str, Any]) -> None:
         age = row["oldest_due_age_seconds"]
         flag = ("  <- no running dispatcher handles this effect"
                 if effect in report["unhandled_effects"] else "")
-        click.echo(f"  {effect:<24} pending {row['pending']:>8}, due {row['due']:>8}, "
+        waiting = (f", waiting on parents {row['waiting_on_parents']}"
+                   if row["waiting_on_parents"] else "")
+        click.echo(f"  {effect:<24} pending {row['pending']:>8}, due {row['due']:>8}{waiting}, "
                    f"oldest due {'-' if age is None else f'{age:.1f}s'}, "
                    f"dispatchers {row['dispatchers']}{flag}")
     grouped = {effect: found for effect, found in report["busiest_groups"].items()

@@ -29,7 +29,9 @@ class Job:
     ``payload_model`` when it declares one, else None. ``group`` and ``priority`` are
     what the job was enqueued with (``group=``, ``priority=``): an adapter may route by
     the group, e.g. to a tenant's provider account. ``scheduled_for`` is the slot of the
-    ``outbox.Schedule`` that enqueued the job (None for other jobs).
+    ``outbox.Schedule`` that enqueued the job (None for other jobs). ``after_results``
+    holds what the job's parents (``after=[...]``) returned: a job with parents is
+    claimed only once every parent is done (or, with ``after_failed="run"``, settled for good).
     """
 
     id: int
@@ -47,6 +49,10 @@ class Job:
     #: The slot (an aware datetime) of the schedule that enqueued the job
     #: (``outbox.Schedule``); None for a job not enqueued by a schedule.
     scheduled_for: datetime | None = None
+    #: For a job enqueued with ``after=[...]``: each parent's key -> the result its
+    #: ledger row holds (``outbox.FailedParent`` for a parent failed for good, seen only
+    #: with ``after_failed="run"``). Empty for a job without parents.
+    after_results: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
 class Effect:

@@ -8,6 +8,7 @@ The tree is split by what the caller can do about it::
     │   ├── InvalidPayload           payload not JSON-serialisable (NaN, cycles, ...)
     │   │   └── InvalidArgument      effect, run_at or max_attempts wrong (also a TypeError)
     │   ├── UnknownEffect            effect name not among those registered (a typo?)
+    │   ├── UnknownParent            after=[...] names a key of no job and no ledger row
     │   └── IdempotencyKeyConflict   key already used for another effect or payload
     ├── SchemaError                  database schema missing, or newer than this code
     ├── ConfigurationError           a Dispatcher or CLI argument is invalid
@@ -48,6 +49,7 @@ __all__ = [
     "Throttled",
     "UnknownEffect",
     "UnknownOutcome",
+    "UnknownParent",
 ]
 
 
@@ -77,6 +79,20 @@ class InvalidArgument(InvalidPayload, TypeError):
 class UnknownEffect(EnqueueError):
     """The effect name is not among those ``outbox.register_effects`` registered: most
     likely a typo. Nothing was written."""
+
+
+class UnknownParent(EnqueueError):
+    """``after=[...]`` names a key that holds no job and no ledger row (as the enqueue's
+    transaction sees them): a job may wait only on jobs that exist, so it never waits in
+    vain and no cycle can be built. ``keys`` holds the unknown keys. Nothing was written."""
+
+    def __init__(self, keys: list[str], child: str) -> None:
+        shown = ", ".join(repr(k) for k in keys[:5])
+        more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+        super().__init__(
+            f"job {child!r}: after=[...] names {shown}{more}, which no job and no ledger "
+            "row holds: enqueue the parent first (in this transaction or an earlier one)")
+        self.keys = keys
 
 
 class IdempotencyKeyConflict(EnqueueError):

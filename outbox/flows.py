@@ -74,11 +74,13 @@ class HookTransaction(Transaction):
         self, effect: str, *, key: str, payload: Payload,
         run_at: datetime | timedelta | None = None, ordering_key: str | None = None,
         max_attempts: int | None = None, group: str | None = None, priority: int = 0,
+        after: Iterable[str] | None = None, after_failed: str = "fail",
     ) -> EnqueueResult:
         """As ``outbox.Transaction.enqueue``, in the hook's transaction."""
         result = super().enqueue(effect, key=key, payload=payload, run_at=run_at,
                                  ordering_key=ordering_key, max_attempts=max_attempts,
-                                 group=group, priority=priority)
+                                 group=group, priority=priority, after=after,
+                                 after_failed=after_failed)
         self._adopt([result])
         return result
 
@@ -108,11 +110,13 @@ class AsyncHookTransaction(AsyncTransaction):
         self, effect: str, *, key: str, payload: Payload,
         run_at: datetime | timedelta | None = None, ordering_key: str | None = None,
         max_attempts: int | None = None, group: str | None = None, priority: int = 0,
+        after: Iterable[str] | None = None, after_failed: str = "fail",
     ) -> EnqueueResult:
         """As ``outbox.AsyncTransaction.enqueue``, in the hook's transaction."""
         result = await super().enqueue(effect, key=key, payload=payload, run_at=run_at,
                                        ordering_key=ordering_key, max_attempts=max_attempts,
-                                       group=group, priority=priority)
+                                       group=group, priority=priority, after=after,
+                                       after_failed=after_failed)
         self.created.extend([result.job_id] if result.created and result.job_id else [])
         return result
 

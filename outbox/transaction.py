@@ -53,6 +53,7 @@ class Operations:
         self, effect: str, *, key: str, payload: Payload,
         run_at: datetime | timedelta | None = None, ordering_key: str | None = None,
         max_attempts: int | None = None, group: str | None = None, priority: int = 0,
+        after: Iterable[str] | None = None, after_failed: str = "fail",
     ) -> EnqueueResult:
         """Record that ``effect`` must be performed once for ``key``, with ``payload``.
 
@@ -65,10 +66,16 @@ class Operations:
         makes claims fair: an effect's due jobs are claimed across groups in turn.
         ``priority`` (-1000..1000, higher first) lets a job overtake lower ones of its
         group, each level counting as 10 seconds of waiting, so lower ones still run.
-        Invalid input raises an ``EnqueueError`` before anything is sent.
+        ``after`` (keys of jobs enqueued before, in this transaction or an earlier one,
+        or already done) makes the job wait: it is not due until every one of them is
+        done, and then ``job.after_results`` maps each to its ledger result. A parent
+        that fails for good fails the job too (never performed; ``last_error`` names
+        the parent), unless ``after_failed="run"``. A key that names no job and no ledger
+        row raises ``UnknownParent``. Invalid input raises an ``EnqueueError`` before
+        anything is sent.
         """
         job = _enqueue.prepare(effect, key, payload, run_at, ordering_key, max_attempts,
-                               group, priority)
+                               group, priority, after, after_failed)
         return self._run(_enqueue.enqueue_steps(job, self._queries))
 
     def _run(self, step: Step[T]) -> T:
@@ -148,19 +155,20 @@ class AsyncOperations:
         self, effect: str, *, key: str, payload: Payload,
         run_at: datetime | timedelta | None = None, ordering_key: str | None = None,
         max_attempts: int | None = None, group: str | None = None, priority: int = 0,
+        after: Iterable[str] | None = None, after_failed: str = "fail",
     ) -> Coroutine[Any, Any, EnqueueResult]:
         """As ``Operations.enqueue``; await it."""
         call = self._enqueue_one(effect, key, payload, run_at, ordering_key, max_attempts,
-                                 group, priority)
+                                 group, priority, after, after_failed)
         return self._issued(call, f"tx.enqueue({effect!r}, key={key!r}, ...)")
 
     async def _enqueue_one(
         self, effect: str, key: str, payload: Payload, run_at: datetime | timedelta | None,
         ordering_key: str | None, max_attempts: int | None, group: str | None = None,
-        priority: int = 0,
+        priority: int = 0, after: Iterable[str] | None = None, after_failed: str = "fail",
     ) -> EnqueueResult:
         job = _enqueue.prepare(effect, key, payload, run_at, ordering_key, max_attempts,
-                               group, priority)
+                               group, priority, after, after_failed)
         return await self._run(_enqueue.enqueue_steps(job, self._queries))
 
     async def _run(self, step: Step[T]) -> T:

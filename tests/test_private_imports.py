@@ -33,7 +33,7 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/web/test_queue_reporting.py": {"outbox._queue"},
     "tests/integration/test_recorder_failures.py": {"outbox._dispatch", "outbox._steps"},
     "tests/integration/test_step_rows.py": {"outbox._steps"},
-    "tests/unit/test_dispatch_rounds.py": {"outbox._dispatch", "outbox._steps"},
+    "tests/unit/test_dispatch_rounds.py": {"outbox._after", "outbox._dispatch", "outbox._steps"},
     "tests/unit/test_task_workers.py": {"outbox._dispatch"},
     "tests/unit/test_embedded_bounds.py": {"outbox._embedded"},
     "tests/crash/test_claim_round_connection_loss.py": {"outbox._dispatch", "outbox._steps"},

@@ -22,7 +22,7 @@ from typing import Any
 
 import psycopg
 
-from .. import tracing
+from .. import _after, tracing
 from .._pg import configuration_error, unreachable
 from .._steps import Statement, Step, run, run_async
 from ..effect import Job
@@ -106,6 +106,8 @@ class Claimer:
         self.vacuum = QueueVacuum(settings, enabled=not until_idle)
         self.turns = GroupTurns()
         self.limited = LimitedClaims(settings, state.limits, self.turns)
+        # Children whose parents settled while they were being enqueued (outbox._after).
+        self.sweep = _after.Sweep(settings.schema)
 
     def round(self) -> ClaimStep[Round]:
         """One round: the chores that are due, a claim, and what to do next."""
@@ -137,7 +139,8 @@ class Claimer:
             return Round(batch, wait=_sooner(self.settings.poll_interval, soon))
         if self.until_idle:
             if not (yield from self.has_due_work()):
-                return Round(batch, idle=True)
+                # idle, unless the sweep woke children (claimed next round)
+                return Round(batch, idle=not (yield from self.settle_waiting()))
             yield from self.rescue()
             return Round(batch, wait=_sooner(IDLE_RECHECK, soon))
         return Round(batch, wait=_sooner(
@@ -152,6 +155,10 @@ class Claimer:
             yield from self.check_schema()
         if self.rescue_timer.due(now):
             yield from self.rescue()
+            # fan-in's repair rides along: children whose parents' settlement missed them
+            yield from self.sweep.sweep()
+        elif self.sweep.behind:  # a walk that stopped at its batch goes on
+            yield from self.sweep.sweep()
         if self.retention_timer.due(now):
             behind = yield from self.purge()
             if behind:
@@ -162,6 +169,16 @@ class Claimer:
             yield from self.statistics.analyze()
         if self.vacuum.due(now):  # dead rows reclaimed between autovacuum's visits
             yield from self.vacuum.check()
+
+    def settle_waiting(self) -> Step[int]:
+        """A whole walk of the fan-in sweep (run_until_idle, before it says idle: a child
+        whose parents settled while it was being enqueued is work left). The children
+        woken."""
+        self.sweep.restart()
+        woken = yield from self.sweep.sweep()
+        while self.sweep.behind:
+            woken += yield from self.sweep.sweep()
+        return woken
 
     def failed(self, exc: psycopg.Error, *, lost: bool) -> None:
         """A round failed: count a lost connection as a reconnect, log either way; raise
@@ -213,9 +230,10 @@ class Claimer:
             "worker": settings.worker_id, "after": self.turns.json(),
         }, named=True)
         self.turns.served((row.effect, row.group_key) for row in rows)
+        parents = yield from self.after_results(rows)
         elapsed = time.monotonic() - started
         traced = tracing.enabled()
-        batch = [self._held(row, traced) for row in rows]
+        batch = [self._held(row, traced, parents) for row in rows]
         self.state.hold(batch)
         guarded(self.state.events.claimed, elapsed, Waits(rows))
         return batch
@@ -237,20 +255,30 @@ class Claimer:
             lambda: min(share, self.capacity() - len(self.state.held)))
         if not rows:
             return []
+        parents = yield from self.after_results(rows)
         traced = tracing.enabled()
-        batch = [self._held(row, traced) for row in rows]
+        batch = [self._held(row, traced, parents) for row in rows]
         self.state.hold(batch)
         guarded(self.state.events.claimed, time.monotonic() - started, Waits(rows))
         return batch
 
-    def _held(self, row: Any, traced: bool) -> Held:
+    def after_results(self, rows: list[Any]) -> Step[dict[int, dict[str, Any]]]:
+        """The parents' results of the claimed jobs that waited on parents, by job id:
+        one statement, asked only when the claim took such a job."""
+        waited = [row.id for row in rows if row.after_failed is not None]
+        if not waited:
+            return {}
+        return (yield from _after.results_steps(waited, self.settings.schema))
+
+    def _held(self, row: Any, traced: bool, parents: dict[int, dict[str, Any]]) -> Held:
         """A claimed row (a named tuple: the columns of ``claim_taken``'s RETURNING)."""
         job = Job(id=row.id, effect=row.effect, key=row.key,
                   payload=_decode_payload(row.payload)[0], attempt=row.attempts,
                   claim_version=row.claim_version, ordering_key=row.ordering_key,
                   max_attempts=row.max_attempts, first_attempted_at=row.first_attempted_at,
                   group=row.group_key, priority=row.priority,
-                  scheduled_for=row.scheduled_for)
+                  scheduled_for=row.scheduled_for,
+                  after_results=parents.get(row.id, {}))
         return Held(job, self.settings.effects[job.effect], job.effect in self.settings.async_names,
                     traced=traced, trace_context=row.trace_context if traced else None,
                     kept_result=row.performed_result)

@@ -38,8 +38,11 @@ WITH finished AS (
     WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'running'
       AND j.claim_version = CAST(%(version)s AS bigint)
     RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint,
-              CAST(%(result)s AS jsonb) AS result
-), {recorded}
+              CAST(%(result)s AS jsonb) AS result, j.last_error
+), {recorded}, parents AS (
+    -- jobs waiting on it (after=[...]) see it failed (fragment after_released)
+    SELECT f.key, 'failed'::text AS outcome, f.last_error AS error FROM finished f
+), {after_released}
 SELECT f.id FROM finished f;
 
 -- ---------------------------------------------------------------------------------------
@@ -84,17 +87,25 @@ WITH finished AS (
       AND j.claim_version = CAST(%(version)s AS bigint)
     RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint,
               CAST(%(result)s AS jsonb) AS result
-), {recorded}
+), {recorded}, parents AS (
+    SELECT f.key, 'done'::text AS outcome, NULL::text AS error FROM finished f
+), {after_released}
 SELECT f.id FROM finished f;
 
 -- name: reconcile_fail
--- The provider acted and refused (a reconcile that raised Permanent): failed, fenced.
-UPDATE {schema}.jobs j
-SET status = 'failed', reconcile_at = NULL, last_error = CAST(%(error)s AS text),
-    updated_at = now()
-WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'reconcile'
-  AND j.claim_version = CAST(%(version)s AS bigint)
-RETURNING j.id;
+-- The provider acted and refused (a reconcile that raised Permanent): failed, fenced;
+-- the jobs waiting on it see it failed (fragment after_released).
+WITH failed AS (
+    UPDATE {schema}.jobs j
+    SET status = 'failed', reconcile_at = NULL, last_error = CAST(%(error)s AS text),
+        updated_at = now()
+    WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'reconcile'
+      AND j.claim_version = CAST(%(version)s AS bigint)
+    RETURNING j.id, j.key, j.last_error
+), parents AS (
+    SELECT f.key, 'failed'::text AS outcome, f.last_error AS error FROM failed f
+), {after_released}
+SELECT f.id FROM failed f;
 
 -- name: reconcile_keep
 -- The provider did act but on_done raised: back to pending with the answer kept, so the

@@ -129,7 +129,10 @@ RETURNING j.id, j.effect, j.key, j.payload::text, j.attempts, j.claim_version, j
           CAST(j.performed_result AS text) AS performed_result,
           j.group_key, j.priority,
           -- the slot of the schedule that enqueued the job (outbox.Schedule), else NULL
-          j.scheduled_for
+          j.scheduled_for,
+          -- set only for a job that waited on parents (after=[...]): its claim reads their
+          -- results (outbox._after), no other claim does
+          j.after_failed
 
 -- fragment: fair_busy
 -- The busy groups of each effect in served (effect, after: where this dispatcher's last
@@ -182,6 +185,11 @@ shares AS (
         SELECT j.id, {schema}.claim_rank(j.available_at, j.priority) AS rank
         FROM {schema}.jobs j
         WHERE {claimable} AND j.effect = c.effect AND coalesce(j.group_key, '') = c.g
+          -- An index bound no due job passes (priority >= -1000 ranks it at most 10,000 s
+          -- past now): the walk stops before the jobs far ahead (waiting on parents, or
+          -- scheduled late) instead of reading each to find it not due.
+          AND {schema}.claim_rank(j.available_at, j.priority)
+              <= date_part('epoch', now()) + 10000.0
         ORDER BY {schema}.claim_rank(j.available_at, j.priority), j.id
         LIMIT least((SELECT s.n FROM shares s), c.cap)
         FOR UPDATE SKIP LOCKED
@@ -281,7 +289,10 @@ WITH finished AS (
     FROM jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
     WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
     RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
-), {recorded}
+), {recorded}, parents AS (
+    -- jobs waiting on these (after=[...]) count them done (fragment after_released)
+    SELECT f.key, 'done'::text AS outcome, NULL::text AS error FROM finished f
+), {after_released}
 SELECT f.id FROM finished f;
 
 -- ---------------------------------------------------------------------------------------
@@ -298,8 +309,18 @@ WITH finished AS (
     DELETE FROM {schema}.jobs j
     USING jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
     WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
-    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
-), {recorded}
+    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result, j.after_failed
+), {recorded}, parents AS (
+    -- jobs waiting on these (after=[...]) count them done (fragment after_released)
+    SELECT f.key, 'done'::text AS outcome, NULL::text AS error FROM finished f
+), {after_released}, unlinked AS (
+    -- A deleted job's own edges (it waited on parents) go with it: looked for by the
+    -- primary key, and only for jobs that had parents (after_failed is set), so none is
+    -- looked for while after=[...] is unused.
+    DELETE FROM {schema}.after_edges e
+    WHERE e.child_id = ANY (ARRAY(SELECT f.id FROM finished f
+                                  WHERE f.after_failed IS NOT NULL))
+)
 SELECT f.id FROM finished f;
 
 -- name: recorded_claims
@@ -312,6 +333,8 @@ JOIN jsonb_to_recordset(%(claims)s::jsonb) AS c(id bigint, version bigint)
 
 -- name: settle
 -- running -> pending (retry, or release with the attempt refunded), failed or reconcile.
+-- A job failed for good settles the jobs waiting on it (fragment after_released).
+WITH settled AS (
 UPDATE {schema}.jobs j
 SET status = s.status,
     attempts = j.attempts - CASE WHEN s.refund THEN 1 ELSE 0 END,
@@ -325,7 +348,12 @@ SET status = s.status,
 FROM jsonb_to_recordset(%(claims)s::jsonb)
      AS s(id bigint, version bigint, status text, delay float8, error text, refund boolean)
 WHERE j.id = s.id AND j.status = 'running' AND j.claim_version = s.version
-RETURNING j.id;
+RETURNING j.id, j.key, j.status, j.last_error
+), parents AS (
+    SELECT t.key, 'failed'::text AS outcome, t.last_error AS error
+    FROM settled t WHERE t.status = 'failed'
+), {after_released}
+SELECT t.id FROM settled t;
 
 -- name: rescue
 -- Take back claims whose lease expired (the worker died or stalled). Fenced on the
@@ -333,7 +361,8 @@ RETURNING j.id;
 -- first wins. The attempt already counted; past the provider's idempotency window an
 -- unknown outcome cannot be retried safely, so such a job goes to reconcile. The window
 -- is per effect where the effect declares one (%(windows)s, a JSON object effect ->
--- seconds), else %(unknown_window)s.
+-- seconds), else %(unknown_window)s. A job failed for good settles the jobs waiting on
+-- it (fragment after_released).
 WITH expired AS (
     SELECT id, claim_version
     FROM {schema}.jobs
@@ -341,7 +370,7 @@ WITH expired AS (
     ORDER BY lease_until
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
-)
+), rescued AS (
 UPDATE {schema}.jobs j
 SET status = CASE
         WHEN j.first_attempted_at < now() - coalesce(
@@ -359,7 +388,12 @@ SET status = CASE
 FROM expired e
 WHERE j.id = e.id AND j.status = 'running' AND j.claim_version = e.claim_version
   AND j.lease_until < now()
-RETURNING j.id, j.key, j.status, j.claim_version;
+RETURNING j.id, j.key, j.status, j.claim_version, j.last_error
+), parents AS (
+    SELECT t.key, 'failed'::text AS outcome, t.last_error AS error
+    FROM rescued t WHERE t.status = 'failed'
+), {after_released}
+SELECT t.id, t.key, t.status, t.claim_version FROM rescued t;
 
 -- name: schema_version
 -- The version the schema is migrated to, checked by a running dispatcher now and then:
@@ -449,13 +483,16 @@ SELECT EXISTS (
 ) AS due;
 
 -- name: purge_done
--- Retention: delete done jobs older than %(age)s seconds, a batch at a time.
+-- Retention: delete done jobs older than %(age)s seconds, a batch at a time; a job that
+-- waited on parents (after=[...]) takes its edges along.
 WITH doomed AS (
     SELECT id FROM {schema}.jobs
     WHERE status = 'done' AND updated_at < now() - %(age)s::float8 * interval '1 second'
     ORDER BY updated_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
+), unlinked AS (
+    DELETE FROM {schema}.after_edges e WHERE e.child_id = ANY (ARRAY(SELECT d.id FROM doomed d))
 )
 DELETE FROM {schema}.jobs j USING doomed d
 WHERE j.id = d.id AND j.status = 'done';

@@ -46,7 +46,9 @@ GROUP BY j.effect;
 WITH unfinished AS (
     SELECT j.effect,
            count(*) FILTER (WHERE j.status = 'running' AND j.lease_until < now()) AS leases,
-           min(j.updated_at) FILTER (WHERE j.status = 'reconcile') AS reconcile
+           min(j.updated_at) FILTER (WHERE j.status = 'reconcile') AS reconcile,
+           -- waiting on parents (after=[...], migration 0015): not due, counted apart
+           count(*) FILTER (WHERE j.status = 'pending' AND j.after_waiting > 0) AS waiting
     FROM {schema}.jobs j
     WHERE j.status IN ('pending', 'running', 'reconcile')
     GROUP BY j.effect
@@ -59,7 +61,8 @@ SELECT u.effect,
            ORDER BY j.available_at, j.id
            LIMIT 1))::float8 AS oldest_due_age,
        u.leases AS expired_leases,
-       extract(epoch FROM now() - u.reconcile)::float8 AS oldest_reconcile_age
+       extract(epoch FROM now() - u.reconcile)::float8 AS oldest_reconcile_age,
+       u.waiting
 FROM unfinished u;
 
 -- name: due_by_effect
@@ -69,7 +72,9 @@ FROM unfinished u;
 SELECT j.effect,
        count(*) FILTER (WHERE {claimable}) AS due,
        (SELECT count(*) FROM {schema}.dispatchers d
-        WHERE d.expires_at > now() AND j.effect = ANY(d.effects)) AS dispatchers
+        WHERE d.expires_at > now() AND j.effect = ANY(d.effects)) AS dispatchers,
+       -- waiting on parents (after=[...], migration 0015): neither due nor scheduled
+       count(*) FILTER (WHERE j.after_waiting > 0) AS waiting
 FROM {schema}.jobs j
 WHERE j.status = 'pending'
 GROUP BY j.effect
@@ -138,11 +143,12 @@ WHERE j.id = %(id)s::bigint AND NOT EXISTS (SELECT 1 FROM changed)
 
 -- name: retry
 -- failed or reconcile -> pending with a fresh attempt budget and a fresh idempotency
--- window; claim_version keeps growing.
+-- window; claim_version keeps growing. A job that failed with a parent (after=[...])
+-- runs at once: the operator's retry overrides the wait.
 WITH changed AS (
     UPDATE {schema}.jobs j
     SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
-        updated_at = now()
+        after_waiting = 0, updated_at = now()
     WHERE {as_seen} AND j.status IN ('failed', 'reconcile')
     RETURNING j.id, j.status, j.key, j.effect
 ), audited AS (
@@ -158,8 +164,11 @@ WITH changed AS (
     SET status = 'failed', updated_at = now(),
         last_error = 'cancelled from the ' || %(via)s::text || ' by ' || %(actor)s::text
     WHERE {as_seen} AND j.status = 'pending'
-    RETURNING j.id, j.status, j.key, j.effect
-), audited AS (
+    RETURNING j.id, j.status, j.key, j.effect, j.last_error
+), parents AS (
+    -- jobs waiting on it (after=[...]) see it failed (fragment after_released)
+    SELECT c.key, 'failed'::text AS outcome, c.last_error AS error FROM changed c
+), {after_released}, audited AS (
     {audited_action}
 )
 {transition_answer};
@@ -176,7 +185,9 @@ WITH finished AS (
                                  'note', coalesce(%(note)s::text, '')) AS result
 ), {recorded}, changed AS (
     SELECT * FROM finished
-), audited AS (
+), parents AS (
+    SELECT f.key, 'done'::text AS outcome, NULL::text AS error FROM finished f
+), {after_released}, audited AS (
     {audited_action}
 )
 {transition_answer};
@@ -189,8 +200,10 @@ WITH changed AS (
         last_error = 'resolved as not performed by ' || %(actor)s::text
                      || coalesce(': ' || j.last_error, '')
     WHERE {as_seen} AND j.status = 'reconcile'
-    RETURNING j.id, j.status, j.key, j.effect
-), audited AS (
+    RETURNING j.id, j.status, j.key, j.effect, j.last_error
+), parents AS (
+    SELECT c.key, 'failed'::text AS outcome, c.last_error AS error FROM changed c
+), {after_released}, audited AS (
     {audited_action}
 )
 {transition_answer};
@@ -209,7 +222,7 @@ WITH picked AS (
 ), changed AS (
     UPDATE {schema}.jobs j
     SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
-        updated_at = now()
+        after_waiting = 0, updated_at = now()
     FROM picked p
     WHERE j.id = p.id AND j.status = 'failed'
     RETURNING j.id

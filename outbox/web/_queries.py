@@ -146,6 +146,20 @@ class Followup:
 
 
 @dataclass(frozen=True, slots=True)
+class Related:
+    """A parent (the job waits on it) or a child (it waits on the job) of fan-in
+    (``job_after``): ``id`` and ``status`` are None when only the ledger remembers the
+    parent (done); ``outcome`` is the edge's (None while the parent is to come)."""
+
+    relation: str
+    key: str
+    id: int | None
+    status: str | None
+    effect: str | None
+    outcome: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Reconciled:
     """A decision of the reconciler about a job (``job_reconciliation``)."""
 

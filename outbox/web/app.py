@@ -53,6 +53,7 @@ from ._queries import (
     Listed,
     RecentAudit,
     Reconciled,
+    Related,
     SeenEffect,
     Settled,
     WebQueries,
@@ -91,6 +92,7 @@ R = TypeVar("R")
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
 COUNT_CAP = 10_000
+RELATED_SHOWN = 200  # a job's parents and children (fan-in) shown on its page, at most
 BULK_CAP = 1_000
 STATEMENT_TIMEOUT = "5s"
 # Fixed messages for the outcome of an action: the page never reflects request text.
@@ -408,6 +410,8 @@ async def job_flow(conn: psycopg.AsyncConnection[Any], q: Any, job_id: int,
     return {
         "flow": flow[0] if flow else None,
         "followups": await records(conn, q.job_followups, Followup, {"key": key}),
+        "related": await records(conn, q.job_after, Related,
+                                 {"id": job_id, "key": key, "limit": RELATED_SHOWN}),
         "reconciliation": await records(conn, q.job_reconciliation, Reconciled,
                                         {"id": job_id}),
     }

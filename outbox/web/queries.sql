@@ -61,7 +61,8 @@ SELECT count(*) AS jobs FROM (
 -- name: job_detail
 SELECT j.id, j.effect, j.key, j.status, j.attempts, j.max_attempts, j.claim_version,
        j.available_at, j.lease_until, j.claimed_by, j.ordering_key, j.last_error,
-       j.first_attempted_at, j.created_at, j.updated_at, j.payload, j.trace_context
+       j.first_attempted_at, j.created_at, j.updated_at, j.payload, j.trace_context,
+       j.after_waiting, j.after_failed
 FROM {schema}.jobs j
 WHERE j.id = %(id)s::bigint;
 
@@ -101,6 +102,22 @@ FROM {schema}.jobs f
 WHERE f.parent_key = %(key)s::text
 ORDER BY f.id
 LIMIT 100;
+
+-- name: job_after
+-- A job's parents and children (fan-in, after=[...]; migration 0015): each related job's key, its status
+-- (NULL: only the ledger remembers it, done) and the edge's outcome; relation 'parent'
+-- (the job waits on it) or 'child' (it waits on the job).
+SELECT 'parent' AS relation, e.parent_key AS key, pj.id, pj.status, pj.effect, e.outcome
+FROM {schema}.after_edges e
+LEFT JOIN {schema}.jobs pj ON pj.key = e.parent_key
+WHERE e.child_id = %(id)s::bigint
+UNION ALL
+SELECT 'child', cj.key, cj.id, cj.status, cj.effect, e.outcome
+FROM {schema}.after_edges e
+JOIN {schema}.jobs cj ON cj.id = e.child_id
+WHERE e.parent_key = %(key)s::text
+ORDER BY 1 DESC, 2
+LIMIT %(limit)s::integer;
 
 -- name: job_reconciliation
 -- The reconciler's decisions about the job, newest first.

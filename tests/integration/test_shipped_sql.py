@@ -21,7 +21,8 @@ from effects.chaos._sql import chaos_queries
 from outbox.sql import bind_blocks, parse_sql
 
 ROOT = Path(__file__).resolve().parents[2]
-CORE = ("outbox/sql/queries.sql", "outbox/sql/queue.sql", "outbox/sql/flows.sql")
+CORE = ("outbox/sql/queries.sql", "outbox/sql/queue.sql", "outbox/sql/flows.sql",
+        "outbox/sql/after.sql")
 PREPARABLE = re.compile(r"^\s*(SELECT|INSERT|UPDATE|DELETE|WITH|VALUES|MERGE)\b", re.I)
 
 

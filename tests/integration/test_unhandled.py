@@ -144,7 +144,8 @@ def test_status_breaks_the_backlog_down_by_effect_and_flags_unhandled_ones(
     assert report["backlog_by_effect"]["email.sned"]["due"] == 1
     assert report["backlog_by_effect"]["email.sned"]["dispatchers"] == 0
     assert report["backlog_by_effect"]["email.send"] == {
-        "pending": 1, "due": 0, "oldest_due_age_seconds": None, "dispatchers": 1}
+        "pending": 1, "due": 0, "waiting_on_parents": 0, "oldest_due_age_seconds": None,
+        "dispatchers": 1}
     assert report["unhandled_effects"] == ["email.sned"]
     assert [d["effects"] for d in report["dispatchers"]] == [["email.send"]]
     [flagged] = [line for line in text.splitlines() if "email.sned" in line]

@@ -129,6 +129,7 @@ def test_a_role_that_may_claim_but_not_record(server: Server, flavour: str) -> N
                       "GRANT SELECT, UPDATE, DELETE ON {s}.jobs TO {r}",
                       "GRANT SELECT ON {s}.schema_migrations TO {r}",
                       "GRANT SELECT ON {s}.group_pauses TO {r}",
+                      "GRANT SELECT, UPDATE, DELETE ON {s}.after_edges TO {r}",
                       "GRANT SELECT, UPDATE, DELETE ON {s}.effect_results TO {r}",  # no INSERT
                       "GRANT SELECT, UPDATE, DELETE ON {s}.inbox TO {r}",
                       "GRANT SELECT, INSERT, UPDATE ON {s}.effect_limits TO {r}"):
@@ -154,6 +155,7 @@ def test_a_role_that_may_not_purge_the_inbox_is_told_how_to_fix_it(
                       "GRANT SELECT, UPDATE, DELETE ON {s}.jobs TO {r}",
                       "GRANT SELECT ON {s}.schema_migrations TO {r}",
                       "GRANT SELECT ON {s}.group_pauses TO {r}",
+                      "GRANT SELECT, UPDATE, DELETE ON {s}.after_edges TO {r}",
                       "GRANT ALL ON {s}.effect_results TO {r}",
                       "GRANT SELECT, INSERT, UPDATE ON {s}.effect_limits TO {r}"):  # no inbox
             conn.execute(sql.SQL(grant).format(**ident))
@@ -191,6 +193,7 @@ def test_a_role_that_may_not_record_its_heartbeat_runs_and_says_how_to_fix_it(
                       "GRANT SELECT, UPDATE, DELETE ON {s}.jobs TO {r}",
                       "GRANT SELECT ON {s}.schema_migrations TO {r}",
                       "GRANT SELECT ON {s}.group_pauses TO {r}",
+                      "GRANT SELECT, UPDATE, DELETE ON {s}.after_edges TO {r}",
                       "GRANT ALL ON {s}.effect_results TO {r}",
                       "GRANT SELECT, INSERT, UPDATE ON {s}.effect_limits TO {r}",
                       "GRANT ALL ON {s}.inbox TO {r}"):  # nothing on the dispatchers

@@ -209,7 +209,8 @@ class Lifecycle(RuleBasedStateMachine):
         }).fetchall()
         assert len(rows) == min(limit, len(claimable)), (rows, claimable)
         for job_id, effect, key, payload, attempt, version, ordering_key, max_attempts, \
-                first_attempted_at, _waited, _trace_context, _kept, _group, _priority in rows:
+                first_attempted_at, _waited, _trace_context, _kept, _group, _priority, _slot, \
+                _after_failed in rows:
             job = self.model[job_id]
             assert job_id in claimable
             # The claim returns the payload as text (the dispatcher decodes it).

@@ -42,7 +42,7 @@ def test_0014_keeps_the_jobs_and_grants_the_schedules_to_the_dispatchers_roles(
                 sql.Identifier(old_schema), sql.Identifier(worker)))
             conn.execute(sql.SQL("GRANT SELECT ON {}.jobs TO {}").format(
                 sql.Identifier(old_schema), sql.Identifier(reader)))
-            assert outbox.migrate(conn, schema=old_schema) == [SCHEDULES]
+            assert outbox.migrate(conn, schema=old_schema)[0] == SCHEDULES
             privileges = conn.execute(
                 "SELECT r, array_agg(p ORDER BY p) FILTER (WHERE has_table_privilege(r, %s, p))"
                 " FROM unnest(%s::text[]) r, unnest(ARRAY['DELETE', 'INSERT', 'SELECT',"

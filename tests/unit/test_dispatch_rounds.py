@@ -24,6 +24,7 @@ import pytest
 
 import outbox
 from outbox import DispatchStats, SchemaError
+from outbox._after import after_queries
 from outbox._dispatch import claimer as claimer_module
 from outbox._dispatch.budget import ClaimStep
 from outbox._dispatch.claimer import (
@@ -101,7 +102,7 @@ class Script:
         assert isinstance(statement, Statement), "no limit here is shared: no home to call"
         assert self.expected, f"unexpected statement after {[n for n, _ in self.asked]}"
         name, answer = self.expected.pop(0)
-        assert statement.query == getattr(self.queries, name), (
+        assert statement.query == _query(self.queries, name), (
             f"statement {len(self.asked) + 1}: expected {name}, got another")
         self.asked.append((name, statement))
         if isinstance(answer, BaseException):
@@ -127,6 +128,12 @@ class Script:
     def params(self, name: str) -> Any:
         [params] = [s.params for n, s in self.asked if n == name]
         return params
+
+
+def _query(queries: Any, name: str) -> str:
+    """A block of queries.sql, or of after.sql (fan-in's sweep)."""
+    found: str = getattr(queries, name, None) or getattr(after_queries(queries.schema), name)
+    return found
 
 
 class Clock:
@@ -160,10 +167,11 @@ def state(events: DispatchObserver | None = None, concurrency: int = 4) -> Share
 
 CLAIMED = ("id", "effect", "key", "payload", "attempts", "claim_version", "ordering_key",
            "max_attempts", "first_attempted_at", "waited", "trace_context", "performed_result",
-           "group_key", "priority", "scheduled_for")
+           "group_key", "priority", "scheduled_for", "after_failed")
 # The columns of the statements answered by name, as their blocks name them.
 COLUMNS = {"claim": CLAIMED, "limit_claim": (*CLAIMED, "budget_wait"),
            "rescue": ("id", "key", "status", "claim_version"),
+           "after_sweep": ("walked_child", "walked_parent", "woken"),
            "limit_states": ("effect", "gated", "pause_left", "pause_reason", "troubled"),
            "limit_throttled": ("effect", "pause_left", "pause_reason"),
            "limit_failed": ("effect", "pause_left", "pause_reason")}
@@ -191,6 +199,7 @@ def test_the_first_round_rescues_purges_and_claims(clock: Clock) -> None:
     claimer = Claimer(settings(prefetch=0), shared, until_idle=False)
     script = (Script(claimer.queries)
               .then("rescue", [(1, "k1", "pending", 3)])
+              .then("after_sweep", [(None, None, 0)])  # fan-in's repair, with the rescue
               .then("purge_done", [(RETENTION_BATCH,)])  # a full batch: go on
               .then("purge_done", [(3,)])
               .then("purge_ledger", [(0,)])
@@ -211,18 +220,20 @@ def test_rescue_and_retention_wait_for_their_timers(clock: Clock) -> None:
     claimer = Claimer(settings(prefetch=0, rescue_interval=5.0, inbox_retention=None),
                       state(), until_idle=False)
     queries = claimer.queries
-    (Script(queries).then("rescue", []).then("purge_done", [(0,)])
+    (Script(queries).then("rescue", []).then("after_sweep", [(None, None, 0)])
+     .then("purge_done", [(0,)])
      .then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
      .then("unhandled_due", []).then("unanalyzed_tables", []).then("vacuum_due", [])
      .claiming([])).drive(claimer.round())
     clock.now += 4.9  # neither timer due: only the claim
     Script(queries).claiming([]).drive(claimer.round())
     clock.now += 0.2  # the rescue timer (5 s) is due, and the look for dead rows; not retention
-    Script(queries).then("rescue", []).then("vacuum_due", []).claiming([]).drive(claimer.round())
+    (Script(queries).then("rescue", []).then("after_sweep", [(None, None, 0)])
+     .then("vacuum_due", []).claiming([]).drive(claimer.round()))
     clock.now += RETENTION_INTERVAL  # the heartbeat (every 15 s) is due again too
     assert RETENTION_INTERVAL > SCHEMA_CHECK_INTERVAL  # and the look at the schema's version
     (Script(queries).then("schema_version", [(latest_version(),)])
-     .then("rescue", []).then("purge_done", [(0,)])
+     .then("rescue", []).then("after_sweep", [(None, None, 0)]).then("purge_done", [(0,)])
      .then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
      .then("unhandled_due", []).then("vacuum_due", []).claiming([])).drive(claimer.round())
 
@@ -308,6 +319,7 @@ def test_run_until_idle_stops_when_nothing_is_due_anywhere(clock: Clock) -> None
     claimer = Claimer(settings(prefetch=0), state(), until_idle=True)
     first_round_done(claimer)
     result = (Script(claimer.queries).claiming([]).then("has_due_work", [(False,)])
+              .then("after_sweep", [(None, None, 0)])  # no child its parents' settlement missed
               .drive(claimer.round()))
     assert result.idle and result.batch == []
 

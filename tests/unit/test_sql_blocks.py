@@ -56,6 +56,7 @@ def test_the_claimable_rule_is_written_once_in_the_products_sql() -> None:
     claim_users = ("claim", "has_due_work", "limit_claim")
     assert all(rule in getattr(queries("outbox"), name) for name in claim_users)
     files = [parse_sql((REPO / "outbox" / "sql" / name).read_text())
-             for name in ("queries.sql", "queue.sql")]
-    queue = bind_blocks(files[1].blocks, "outbox", {**files[0].fragments, **files[1].fragments})
+             for name in ("queries.sql", "queue.sql", "after.sql")]
+    queue = bind_blocks(files[1].blocks, "outbox", {**files[0].fragments, **files[1].fragments,
+                                                     **files[2].fragments})
     assert rule in queue["effect_health"] and rule in queue["due_by_effect"]

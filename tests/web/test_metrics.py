@@ -125,7 +125,7 @@ def exported_names() -> set[str]:
     names |= {"outbox_jobs", "outbox_oldest_due_job_age_seconds", "outbox_expired_leases",
               "outbox_oldest_reconcile_job_age_seconds", "outbox_jobs_dead_tuples",
               "outbox_database_up", "outbox_unhandled_due_jobs",
-              "outbox_busiest_group_pending",
+              "outbox_busiest_group_pending", "outbox_waiting_jobs",
               # outbox._schedule_metrics
               "outbox_schedule_last_slot_timestamp_seconds",
               "outbox_schedule_next_slot_timestamp_seconds", "outbox_schedule_paused",
