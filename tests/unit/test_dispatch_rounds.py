@@ -180,7 +180,7 @@ COLUMNS = {"claim": CLAIMED, "limit_claim": (*CLAIMED, "budget_wait"),
 def claimed_rows(*ids: int) -> Rows:
     """Rows as the claim returns them (the payload as JSON text)."""
     return [(i, "test.noop", f"k{i}", "{}", 1, 7, None, 25, datetime.now(UTC), 0.5, None,
-             None, None, 0, None)
+             None, None, 0, None, None)
             for i in ids]
 
 
