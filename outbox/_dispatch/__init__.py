@@ -9,6 +9,7 @@
     supervision every part supervised (its death stops the dispatcher loudly), and
                 ``guarded`` observer calls
     connection  how connections are opened (one function) and replaced when they break
+    network     the timeouts and keepalives every connection gets, under the DSN's own
     claimer     claim batches, rescue expired leases, retention
     turns       where this dispatcher's last claim stopped among each effect's groups
     budget      provider limits as the dispatcher spends them (``outbox.limits`` declares

@@ -19,6 +19,7 @@ import psycopg
 from .._pg import configuration_error, detect_pooler
 from .._steps import Rows, Statement, execute, execute_async
 from ..errors import ConfigurationError
+from .network import network_options
 from .settings import Settings
 
 __all__ = [
@@ -59,10 +60,9 @@ def connection_params(settings: Settings, role: str) -> ConnectParams:
         conninfo=conninfo,
         options={
             "autocommit": True,
-            "connect_timeout": 10,
             "application_name": f"outbox {role} {settings.worker_id}"[:63],
-            "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
-            "keepalives_count": 3,
+            # Timeouts and keepalives: defaults under the string's own parameters.
+            **network_options(conninfo),
         },
         setup=(
             # Explicit, whatever the server default: under REPEATABLE READ or
