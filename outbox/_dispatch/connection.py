@@ -21,6 +21,7 @@ from .._steps import Rows, Statement, execute, execute_async
 from ..errors import ConfigurationError
 from .network import network_options
 from .settings import Settings
+from .standby import check_writable, from_statement
 
 __all__ = [
     "CONNECTION_ERRORS",
@@ -87,6 +88,7 @@ def connect(settings: Settings, role: str) -> psycopg.Connection[Any]:
         raise _refused(exc, params, role) or exc from None
     try:
         probe = conn.execute(PROBE).fetchone()
+        _writable(conn, probe, role)
         for statement in _session_setup(conn, probe, params):
             conn.execute(statement)
     except BaseException:
@@ -105,6 +107,7 @@ async def connect_async(settings: Settings, role: str) -> psycopg.AsyncConnectio
         raise _refused(exc, params, role) or exc from None
     try:
         probe = await (await conn.execute(PROBE)).fetchone()
+        _writable(conn, probe, role)
         for statement in _session_setup(conn, probe, params):
             await conn.execute(statement)
     except BaseException:
@@ -119,7 +122,15 @@ async def connect_async(settings: Settings, role: str) -> psycopg.AsyncConnectio
 # listen on a session this client no longer holds. So behind a pooler the dispatcher
 # sends no session statement, prepares nothing, and LISTENs only on ``listen_conninfo``.
 
-PROBE = "SELECT pg_backend_pid(), current_setting('default_transaction_isolation')"
+PROBE = ("SELECT pg_backend_pid(), current_setting('default_transaction_isolation'),"
+         " pg_is_in_recovery(), current_setting('transaction_read_only')")
+
+
+def _writable(conn: Any, probe: tuple[Any, ...] | None, role: str) -> None:
+    """Refuse a standby or a read-only server (``ReadOnlyServer``, said once per host):
+    every part of the dispatcher writes."""
+    assert probe is not None
+    check_writable(conn, probe[2], probe[3], role)
 
 
 def _session_setup(conn: Any, probe: tuple[Any, ...] | None, params: ConnectParams,
@@ -127,7 +138,7 @@ def _session_setup(conn: Any, probe: tuple[Any, ...] | None, params: ConnectPara
     """The session statements ``conn`` gets: ``params.setup`` on a direct connection,
     none through a pooler (whose role must then default to READ COMMITTED)."""
     assert probe is not None
-    backend_pid, isolation = probe
+    backend_pid, isolation = probe[:2]
     if not detect_pooler(conn, backend_pid):
         return params.setup
     conn.prepare_threshold = None
@@ -186,6 +197,10 @@ class Connection(Reconnects):
             if self.lost:
                 self.discard()
             raise
+        except psycopg.errors.ReadOnlySqlTransaction as exc:
+            read_only = from_statement(self._conn, exc, self.role)
+            self.discard()  # the next one is probed: a standby is refused as it opens
+            raise read_only from exc
         self.succeeded()
         return rows
 
@@ -221,6 +236,10 @@ class AsyncConnection(Reconnects):
             if self.lost:
                 await self.discard()
             raise
+        except psycopg.errors.ReadOnlySqlTransaction as exc:
+            read_only = from_statement(self._conn, exc, self.role)
+            await self.discard()
+            raise read_only from exc
         self.succeeded()
         return rows
 

@@ -32,6 +32,7 @@ from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
 from .hooked import HookedOutcomes, close_quietly, flush_hooked, flush_hooked_async
 from .reconciler import reconcilers
 from .settings import Settings
+from .standby import ReadOnlyServer
 from .state import (
     AsyncState,
     Held,
@@ -238,6 +239,8 @@ class Recorder:
         """A statement failed on the connection: the batch left in ``pending`` is sent
         again (``retrying``); a lost connection is counted as a reconnect."""
         self.retrying = bool(pending) or self.hooked_waiting
+        if isinstance(exc, ReadOnlyServer):  # a standby: said once, as it was met
+            return
         if lost:
             guarded(self.state.events.reconnected, "recorder")
             log.warning("recorder lost its connection (%s); reconnecting", type(exc).__name__)
