@@ -10,6 +10,8 @@
                 ``guarded`` observer calls
     connection  how connections are opened (one function) and replaced when they break
     network     the timeouts and keepalives every connection gets, under the DSN's own
+    standby     a standby (or read-only server) reached: refused as a connection opens,
+                said once per host
     claimer     claim batches, rescue expired leases, retention
     turns       where this dispatcher's last claim stopped among each effect's groups
     budget      provider limits as the dispatcher spends them (``outbox.limits`` declares
