@@ -288,11 +288,16 @@ def _describe(exc: BaseException) -> str:
               help="The outbox where limits declared shared are counted, for every "
                    "target and process naming it (default: the dispatcher's "
                    "limits_home; $OUTBOX_LIMITS_HOME).")
+@click.option("--wait-for-replicas", is_flag=True, default=False,
+              help="Perform a claimed job only once every streaming standby holds its "
+                   "commit, so a failover never leaves an effect performed for an order "
+                   "the new primary lost (the role needs pg_monitor).")
 @_one_line_errors
 def run_command(target: str, dsn: str | None, metrics_port: int | None,
                 metrics_host: str, limits: tuple[str, ...], stop_timeout: float | None,
                 target_outboxes: tuple[str, ...], targets_from: str | None,
-                max_connections: int, limits_home: str | None) -> None:
+                max_connections: int, limits_home: str | None,
+                wait_for_replicas: bool = False) -> None:
     """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work within its
     stop timeout."""
     added = _limits(limits)  # refused before anything is imported
@@ -300,6 +305,10 @@ def run_command(target: str, dsn: str | None, metrics_port: int | None,
         os.environ["OUTBOX_DATABASE_URL"] = dsn
     source = _targets_given(target_outboxes, targets_from)  # before the dispatcher loads
     dispatcher = load_dispatcher(target)
+    if wait_for_replicas:  # before the fleet's engines copy the options
+        dispatcher.settings = dataclasses.replace(dispatcher.settings, wait_for_replicas=True)
+        dispatcher.wait_for_replicas = True
+        dispatcher._engine_options["wait_for_replicas"] = True
     if source is not None:
         dispatcher = dispatcher._with_targets(source, max_connections)
     if limits_home is not None:

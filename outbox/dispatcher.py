@@ -48,6 +48,7 @@ from ._dispatch.hook_lookup import require_sync_hooks
 from ._dispatch.listener import Listener, listen_async
 from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_reconciler_async
 from ._dispatch.recorder import Recorder, run_recorder, run_recorder_async
+from ._dispatch.replicas import AsyncReplicaGate, ReplicaGate, check_access, check_access_async
 from ._dispatch.settings import Settings, text_array
 from ._dispatch.shared import held
 from ._dispatch.state import (
@@ -79,6 +80,7 @@ PUBLIC_OPTIONS = (
     "schema", "concurrency", "lease", "batch_size", "prefetch", "max_prefetch",
     "poll_interval", "rescue_interval", "backoff", "unknown_outcome_window", "retention",
     "ledger_retention", "inbox_retention", "worker_id", "reconcile_interval", "stop_timeout",
+    "wait_for_replicas",
 )
 
 
@@ -109,6 +111,7 @@ class _Options:
     worker_id: str
     reconcile_interval: float
     stop_timeout: float
+    wait_for_replicas: bool
 
     def __init__(
         self,
@@ -142,6 +145,7 @@ class _Options:
         targets_interval: float | timedelta = 30.0,
         max_connections: int = 16,
         limits_home: Target | str | None = None,
+        wait_for_replicas: bool = False,
     ) -> None:
         if effects is None:
             raise ConfigurationError(f"{type(self).__name__} needs effects=[...], the "
@@ -168,7 +172,7 @@ class _Options:
             listen_conninfo=listen_conninfo, observer=observer,
             on_done=on_done, on_failed=on_failed, reconcile_interval=reconcile_interval,
             limits=limits, breaker_threshold=breaker_threshold, stop_timeout=stop_timeout,
-            limits_home=limits_home,
+            limits_home=limits_home, wait_for_replicas=wait_for_replicas,
         )
         for name in PUBLIC_OPTIONS:
             setattr(self, name, getattr(self.settings, name))
@@ -184,7 +188,8 @@ class _Options:
             "retention": retention, "ledger_retention": ledger_retention,
             "inbox_retention": inbox_retention, "on_done": on_done, "on_failed": on_failed,
             "reconcile_interval": reconcile_interval,
-            "breaker_threshold": breaker_threshold, "stop_timeout": stop_timeout}
+            "breaker_threshold": breaker_threshold, "stop_timeout": stop_timeout,
+            "wait_for_replicas": wait_for_replicas}
         self._fleet: Fleet | None = None
         if targets is not None:
             self._fleet = self._make_fleet(targets, targets_interval, max_connections)
@@ -495,6 +500,7 @@ class Dispatcher(_Options):
         try:
             with held(self.settings.limits_home):
                 wait_for_schema(claimer, self.settings, state, deadline)
+                check_access(claimer, self.settings)
                 self._dispatch(claimer, until_idle, deadline)
             failure = state.failure
         finally:
@@ -524,9 +530,9 @@ class Dispatcher(_Options):
             listener.start()
         try:
             with ThreadWorkers(settings, state).running() as submit:
-                try:
+                try:  # with wait_for_replicas, each batch waits for the standbys
                     run_claimer(Claimer(settings, state, until_idle=until_idle), claimer,
-                                submit, deadline)
+                                ReplicaGate(settings, state, claimer, submit), deadline)
                 finally:
                     self._drain()
         finally:
@@ -673,6 +679,7 @@ class AsyncDispatcher(_Options):
         try:
             with held(settings.limits_home):
                 await wait_for_schema_async(settings, state, deadline)
+                await check_access_async(settings)
                 await self._dispatch(state, until_idle, deadline)
         finally:
             self._state = None
@@ -709,11 +716,13 @@ class AsyncDispatcher(_Options):
             else:
                 reconciler = loop.create_task(supervised_async(state, "reconciler", run))
         claimer = AsyncConnection(settings, "claimer")
+        # With wait_for_replicas, each batch waits for the standbys.
+        gate = AsyncReplicaGate(settings, state, workers.submit)
         cancelled = abandon = False
         error: BaseException | None = None
         try:
             await run_claimer_async(Claimer(settings, state, until_idle=until_idle),
-                                    claimer, workers.submit, deadline)
+                                    claimer, gate, deadline)
         except asyncio.CancelledError:
             cancelled = True
             current = asyncio.current_task()
@@ -730,6 +739,7 @@ class AsyncDispatcher(_Options):
             if not abandon:
                 await self._wind_down(state, workers, recorder)
         finally:
+            await gate.close()
             # Only left after a second cancellation (or a failure while winding down):
             # what still runs is abandoned; its jobs come back when their leases expire.
             leftovers = [*workers.cancel(), recorder, *([listener] if listener else []),

@@ -241,7 +241,7 @@ class Orders:
 
         return Charge()
 
-    def keys(self) -> set[str]:
+    def seen(self) -> set[str]:
         with self.lock:
             return set(self.performed)
 

@@ -13,17 +13,12 @@ import os
 import socket
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import psutil
-import psycopg
 import pytest
 
 import outbox
 from outbox import Dispatcher, Effect, Job, Limit, Target
-from outbox._dispatch.connection import connection_params
-from outbox._dispatch.network import NETWORK_DEFAULTS, network_options
-from outbox._dispatch.settings import Settings
 
 from .support import Node, Pair, pair, wait_until
 
@@ -123,28 +118,3 @@ def test_every_dispatcher_connection_has_its_timeouts_and_the_dsn_wins(
     home_options = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
                     "keepalives_count": 2, "tcp_user_timeout": 5000}
     assert sockets["outbox limits"] == [home_options] * len(sockets["outbox limits"])
-
-
-def _libpq(conn: psycopg.Connection[Any]) -> dict[str, str]:
-    return {o.keyword.decode(): (o.val or b"").decode() for o in conn.pgconn.info}
-
-
-def test_connect_timeout_of_the_dsn_or_the_environment_is_honoured(
-        servers: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    primary = servers.primary
-
-    def opened(conninfo: str) -> dict[str, str]:
-        params = connection_params(Settings.build(conninfo, effects=[Shared()]), "claimer")
-        with psycopg.connect(params.conninfo, **params.options) as conn:
-            return _libpq(conn)
-
-    assert opened(f"{primary.dsn} connect_timeout=3")["connect_timeout"] == "3"
-    defaults = opened(primary.dsn)
-    assert {name: defaults[name] for name in NETWORK_DEFAULTS} == {
-        name: str(value) for name, value in NETWORK_DEFAULTS.items()}
-    # A URI's parameters count as the string's own, like keyword=value ones.
-    uri = f"postgresql://postgres@127.0.0.1:{primary.port}/postgres?keepalives_idle=21"
-    assert opened(uri)["keepalives_idle"] == "21"
-    monkeypatch.setenv("PGCONNECT_TIMEOUT", "4")
-    assert "connect_timeout" not in network_options(primary.dsn)
-    assert opened(primary.dsn)["connect_timeout"] == "4"

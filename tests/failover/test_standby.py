@@ -41,7 +41,7 @@ def test_a_standby_is_said_once_then_served_once_promoted(
                 servers.primary.kill9()
                 standby.promote()
                 enqueue_orders(standby.dsn, ["after-promotion"])
-                wait_until(lambda: orders.keys() == {"after-promotion"}, 30,
+                wait_until(lambda: orders.seen() == {"after-promotion"}, 30,
                            "the job enqueued on the promoted standby")
             finally:
                 dispatcher.stop()
