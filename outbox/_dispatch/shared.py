@@ -149,7 +149,7 @@ class HomeBudget:
             conn = psycopg.connect(
                 self.home.dsn, autocommit=True, application_name="outbox limits home",
                 row_factory=namedtuple_row, **network_options(
-                    self.home.dsn, connect_timeout=_CONNECT_TIMEOUT,
+                    self.home.dsn, connect_timeout=_CONNECT_TIMEOUT, keepalives_idle=5,
                     tcp_user_timeout=TCP_USER_TIMEOUT_MS))
         except psycopg.Error as exc:
             with self._lock:

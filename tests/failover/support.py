@@ -270,3 +270,68 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> floa
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
     return time.monotonic() - start
+
+
+class Partitionable(Node):
+    """A server in a network namespace of its own, reached over a veth pair: cutting
+    the link (``partition``) drops every packet, as a partition or a dead host does,
+    while the server itself runs on (only the kernel's timeouts tell)."""
+
+    def __init__(self, base: Path, subnet: int) -> None:
+        self.netns = f"outbox-fo-{os.getpid()}-{subnet}"
+        self.outer, self.inner = f"obh{subnet}", f"obn{subnet}"
+        self.address = f"10.231.{subnet}.2"
+        data = base / "partitioned"
+        shutil.copytree(_initialised(), data)
+        for path in [data, *data.rglob("*")]:
+            _chown(path)
+        data.chmod(0o700)
+        with (data / "pg_hba.conf").open("a") as hba:
+            hba.write(f"\nhost all all 10.231.{subnet}.0/30 trust\n")
+        super().__init__(data, free_port(), "partitionable")
+        for command in (
+                f"ip netns add {self.netns}",
+                f"ip link add {self.outer} type veth peer name {self.inner}",
+                f"ip link set {self.inner} netns {self.netns}",
+                f"ip addr add 10.231.{subnet}.1/30 dev {self.outer}",
+                f"ip link set {self.outer} up",
+                f"ip netns exec {self.netns} ip addr add {self.address}/30 dev {self.inner}",
+                f"ip netns exec {self.netns} ip link set {self.inner} up",
+                f"ip netns exec {self.netns} ip link set lo up"):
+            subprocess.run(command.split(), check=True, timeout=30)
+
+    @property
+    def dsn(self) -> str:
+        return f"host={self.address} port={self.port} user=postgres dbname=postgres"
+
+    def start(self) -> None:
+        as_user = ["runuser", "-u", SERVER_USER, "--"] if _as_server_user() else []
+        subprocess.run(
+            ["ip", "netns", "exec", self.netns, *as_user, str(POSTGRES_BIN_PATH / "pg_ctl"),
+             "-D", str(self.pgdata), "-l", str(self.pgdata / "server.log"), "-o",
+             f"-p {self.port} -c listen_addresses={self.address}", "-w", "-t", "60",
+             "start"], check=True, timeout=90, stdout=subprocess.DEVNULL)
+
+    def partition(self) -> None:
+        """Cut the link: from now on every packet either way is dropped."""
+        subprocess.run(["ip", "netns", "exec", self.netns, "ip", "link", "set", self.inner,
+                        "down"], check=True, timeout=30)
+
+    def close(self) -> None:
+        self.stop()
+        subprocess.run(["ip", "netns", "del", self.netns], check=False, timeout=30)
+        subprocess.run(["ip", "link", "del", self.outer], check=False, timeout=30,
+                       stderr=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def partitionable() -> Iterator[Partitionable]:
+    """A started server that a test may cut off the network (root only: namespaces)."""
+    base = _base_dir()
+    node = Partitionable(base, os.getpid() % 200 + 20)
+    try:
+        node.start()
+        yield node
+    finally:
+        node.close()
+        shutil.rmtree(base, ignore_errors=True)
