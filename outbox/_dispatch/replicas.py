@@ -14,7 +14,7 @@ performed.
                             more when one streams again). A standby that is gone drops
                             out of pg_stat_replication (at once when its connection
                             closes, after wal_sender_timeout when it went silent).
-    a standby behind        waited for, polling (2 ms, doubling to 50 ms), at most
+    a standby behind        waited for, polling (1 ms, doubling to 50 ms), at most
                             ``REPLICA_WAIT_LIMIT`` seconds; then the batch is handed back
                             unperformed (pending, its attempt refunded) and claimed
                             again later: a lagging standby stalls the effects, as
@@ -56,7 +56,7 @@ __all__ = ["REPLICA_WAIT_LIMIT", "AsyncReplicaGate", "ReplicaGate", "access_step
 log = logging.getLogger("outbox.dispatcher")
 
 REPLICA_WAIT_LIMIT = 30.0  # seconds a batch waits for a standby behind, then handed back
-POLL_FIRST = 0.002  # seconds between looks at the standbys' positions, doubling ...
+POLL_FIRST = 0.001  # seconds between looks at the standbys' positions, doubling ...
 POLL_MAX = 0.05  # ... up to this
 
 
