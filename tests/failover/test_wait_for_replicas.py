@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import psutil
 import psycopg
@@ -97,7 +101,7 @@ def test_a_lagging_standby_promoted(wait: bool) -> None:
             assert phantoms == lost, (len(phantoms), len(lost))
 
 
-def test_the_role_must_read_the_standbys_positions() -> None:
+def test_the_role_must_read_the_standbys_positions(tmp_path: Path) -> None:
     with pair() as servers:
         prepare(servers.primary)
         servers.primary.execute(
@@ -111,6 +115,20 @@ def test_the_role_must_read_the_standbys_positions() -> None:
         with pytest.raises(ConfigurationError, match="GRANT pg_monitor TO worker"):
             asyncio.run(AsyncDispatcher(dsn, effects=[Orders().effect()],
                                         wait_for_replicas=True).run_until_idle(timeout=30))
+        # outbox run --wait-for-replicas turns it on for a dispatcher built without it.
+        module = tmp_path / "shop_worker.py"
+        module.write_text(
+            "import os\nimport outbox\n\n\nclass Charge(outbox.Effect):\n"
+            "    name = 'order.charge'\n\n    def perform(self, job):\n        pass\n\n\n"
+            "dispatcher = outbox.Dispatcher(os.environ['OUTBOX_DATABASE_URL'], "
+            "[Charge()])\n")
+        env = {**os.environ, "PYTHONPATH": str(tmp_path), "OUTBOX_DATABASE_URL": dsn}
+        done = subprocess.run(
+            [sys.executable, "-m", "outbox.cli", "run", "shop_worker:dispatcher",
+             "--wait-for-replicas"], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=60, check=False)
+        assert done.returncode == 1, done.stderr
+        assert "GRANT pg_monitor TO worker" in done.stderr, done.stderr
         servers.primary.execute("GRANT pg_monitor TO worker")
         with psycopg.connect(servers.primary.dsn, autocommit=True) as conn:
             conn.execute("INSERT INTO orders VALUES ('k-1')")
