@@ -50,6 +50,7 @@ from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_r
 from ._dispatch.recorder import Recorder, run_recorder, run_recorder_async
 from ._dispatch.replicas import AsyncReplicaGate, ReplicaGate, check_access, check_access_async
 from ._dispatch.settings import Settings, text_array
+from ._dispatch.severance import Severance
 from ._dispatch.shared import held
 from ._dispatch.state import (
     CLOSE_GRACE,
@@ -388,6 +389,17 @@ class Dispatcher(_Options):
     after the stop is not recorded. Set an orchestrator's grace period (Kubernetes'
     ``terminationGracePeriodSeconds``) above ``stop_timeout`` plus a few seconds.
 
+    ``wait_for_replicas=True``: a claimed job is performed only once every streaming
+    physical standby has flushed the claim's commit (and so the enqueue's), so a failover
+    to a standby that lagged never leaves an effect performed for an order the new
+    primary lost. Each batch waits at most 30 s (then it is handed back unperformed and
+    claimed again); with no standby streaming, jobs are performed at once (said once).
+    The role needs ``pg_monitor``: without it, ``ConfigurationError`` at start.
+    Connections get ``connect_timeout``, keepalives and ``tcp_user_timeout`` defaults
+    (a dead or partitioned server is given up within 8 s) that the connection string's
+    own parameters override; a standby reached instead of the primary is said once and
+    retried with backoff (list every host with ``target_session_attrs=read-write``).
+
     ``observer`` (an ``outbox.observe.DispatchObserver``) receives every claim, attempt,
     fence rejection and rescue, for metrics and tracing; an exception it raises is
     logged and ignored. ``metrics=True`` adds the Prometheus metrics of
@@ -419,10 +431,11 @@ class Dispatcher(_Options):
         # One state for the dispatcher's life, so a stop() before run() is honoured.
         self._state = SharedState(self.stats, self.settings.observer,
                                   self.settings.concurrency, threading.Event)
+        self._severance = Severance()  # cut at stop_timeout if the database hangs
 
     def _connect(self, role: str) -> psycopg.Connection[Any]:
         """A new connection for ``role`` (claimer, recorder, listener), set up."""
-        return connect(self.settings, role)
+        return self._severance.track(connect(self.settings, role))
 
     # -- public control ------------------------------------------------------------------
 
@@ -497,6 +510,8 @@ class Dispatcher(_Options):
         self.stats = state.stats = DispatchStats()
         claimer = Connection(self._connect, "claimer")
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._watch = self._severance.watch(state, self.settings.stop_timeout,
+                                            self.settings.lease)
         try:
             with held(self.settings.limits_home):
                 wait_for_schema(claimer, self.settings, state, deadline)
@@ -504,6 +519,7 @@ class Dispatcher(_Options):
                 self._dispatch(claimer, until_idle, deadline)
             failure = state.failure
         finally:
+            self._watch.returned()
             claimer.discard()
             # Reset here rather than on entry, so a stop() that comes before run() (or a
             # SIGTERM during start-up) is not forgotten.
@@ -534,12 +550,13 @@ class Dispatcher(_Options):
                     run_claimer(Claimer(settings, state, until_idle=until_idle), claimer,
                                 ReplicaGate(settings, state, claimer, submit), deadline)
                 finally:
+                    self._watch.claimer_left()
                     self._drain()
         finally:
             state.workers_ended()
             # After stop_timeout the recorder has nothing left to write, but it may be
             # waiting on an unreachable database: the stop does not wait for it.
-            _join(recorder, CLOSE_GRACE if state.abandoned else None)
+            _join(recorder, self._watch.grace(CLOSE_GRACE) if state.abandoned else None)
             state.drop_unrecorded()  # a part died: what it will never write still counts
             if listener.is_alive():
                 _join(listener, CLOSE_GRACE)
@@ -570,11 +587,12 @@ class Dispatcher(_Options):
         state = self._state
         state.start_draining()
         deadline = time.monotonic() + self.settings.stop_timeout
-        while state.held and state.failure is None and time.monotonic() < deadline:
+        while (state.held and state.failure is None and not state.abandoned
+               and time.monotonic() < deadline):
             state.outcome_ready.set()
             state.wake.wait(DRAIN_CHECK)
             state.wake.clear()
-        if state.held and state.failure is None:
+        if state.held and state.failure is None and not state.abandoned:
             state.abandon(self.settings.stop_timeout, self.settings.lease)
 
 

@@ -29,6 +29,8 @@
     statistics  the young queue tables' statistics, kept up with their growth until
                 autovacuum keeps them
     vacuum      the queue tables' dead rows vacuumed between autovacuum's visits
+    replicas    wait_for_replicas: a claimed batch waits until the standbys hold its
+                commit
     listener    LISTEN for enqueue notifications, wake the claimer
     counting    ``DispatchStats``, counted from the observer events the parts report
     fleet       one dispatcher over many targets (``outbox.targets``): look-outs per

@@ -71,6 +71,7 @@ BINDERS: dict[str, Callable[[str], dict[str, str]]] = {
     "outbox/web/queries.sql": _with_fragments("outbox/web/queries.sql"),
     "outbox/contrib/django/queries.sql": _with_fragments("outbox/contrib/django/queries.sql"),
     CHAOS: _chaos,
+    "outbox/sql/replicas.sql": _with_fragments("outbox/sql/replicas.sql"),
 }
 
 
