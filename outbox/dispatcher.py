@@ -588,7 +588,7 @@ class Dispatcher(_Options):
         state.start_draining()
         deadline = time.monotonic() + self.settings.stop_timeout
         while (state.held and state.failure is None and not state.abandoned
-               and time.monotonic() < deadline):
+               and not self._watch.cut and time.monotonic() < deadline):
             state.outcome_ready.set()
             state.wake.wait(DRAIN_CHECK)
             state.wake.clear()

@@ -12,6 +12,8 @@
     network     the timeouts and keepalives every connection gets, under the DSN's own
     standby     a standby (or read-only server) reached: refused as a connection opens,
                 said once per host
+    severance   a stop that ends while the database hangs: connections cut at
+                stop_timeout
     claimer     claim batches, rescue expired leases, retention
     turns       where this dispatcher's last claim stopped among each effect's groups
     budget      provider limits as the dispatcher spends them (``outbox.limits`` declares

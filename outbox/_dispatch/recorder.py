@@ -274,6 +274,8 @@ class Recorder:
         """Whether the recorder may end: the dispatcher stops, its workers are done
         and every outcome is written (or, after a part died, nothing more will come)."""
         state = self.state
+        if state.abandoned and state.workers_done and self.retrying:
+            return True  # stop_timeout passed and the database does not answer: left
         return (state.stopping.is_set() and state.workers_done and not pending
                 and not state.outcomes and not self.hooked_waiting)
 
