@@ -50,7 +50,7 @@ from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_r
 from ._dispatch.recorder import Recorder, run_recorder, run_recorder_async
 from ._dispatch.replicas import AsyncReplicaGate, ReplicaGate, check_access, check_access_async
 from ._dispatch.settings import Settings, text_array
-from ._dispatch.severance import Severance
+from ._dispatch.severance import AsyncStopWatch, Severance
 from ._dispatch.shared import held
 from ._dispatch.state import (
     CLOSE_GRACE,
@@ -431,11 +431,12 @@ class Dispatcher(_Options):
         # One state for the dispatcher's life, so a stop() before run() is honoured.
         self._state = SharedState(self.stats, self.settings.observer,
                                   self.settings.concurrency, threading.Event)
-        self._severance = Severance()  # cut at stop_timeout if the database hangs
+        # Its connections are cut at stop_timeout if the database hangs.
+        self._severance = Severance(self.settings.worker_id)
 
     def _connect(self, role: str) -> psycopg.Connection[Any]:
         """A new connection for ``role`` (claimer, recorder, listener), set up."""
-        return self._severance.track(connect(self.settings, role))
+        return connect(self.settings, role)
 
     # -- public control ------------------------------------------------------------------
 
@@ -586,9 +587,9 @@ class Dispatcher(_Options):
         ``stop_timeout``: what is still held then is left to its lease."""
         state = self._state
         state.start_draining()
-        deadline = time.monotonic() + self.settings.stop_timeout
+        deadline = self._watch.deadline()  # stop_timeout from the stop
         while (state.held and state.failure is None and not state.abandoned
-               and not self._watch.cut and time.monotonic() < deadline):
+               and time.monotonic() < deadline):
             state.outcome_ready.set()
             state.wake.wait(DRAIN_CHECK)
             state.wake.clear()
@@ -628,6 +629,8 @@ class AsyncDispatcher(_Options):
     """
 
     def _setup(self) -> None:
+        # Its connections are cut at stop_timeout if the database hangs.
+        self._severance = Severance(self.settings.worker_id)
         self._state: AsyncState | None = None  # during a run only
         self._stop_early = False  # stop() came before the run had its state
         self._task: asyncio.Task[DispatchStats] | None = None
@@ -734,6 +737,8 @@ class AsyncDispatcher(_Options):
             else:
                 reconciler = loop.create_task(supervised_async(state, "reconciler", run))
         claimer = AsyncConnection(settings, "claimer")
+        self._watch = AsyncStopWatch(self._severance, state, settings.stop_timeout,
+                                     settings.lease)
         # With wait_for_replicas, each batch waits for the standbys.
         gate = AsyncReplicaGate(settings, state, workers.submit)
         cancelled = abandon = False
@@ -752,11 +757,13 @@ class AsyncDispatcher(_Options):
                          "the rest")
         except BaseException as exc:
             error = exc
+        self._watch.claimer_left()
         try:
             await claimer.discard()
             if not abandon:
                 await self._wind_down(state, workers, recorder)
         finally:
+            await self._watch.close()
             await gate.close()
             # Only left after a second cancellation (or a failure while winding down):
             # what still runs is abandoned; its jobs come back when their leases expire.
@@ -780,21 +787,23 @@ class AsyncDispatcher(_Options):
         recorded (unless a part died: then what it held is left to the rescuer), for at
         most ``stop_timeout``: what is still held then is left to its lease."""
         state.start_draining()
-        deadline = time.monotonic() + self.settings.stop_timeout
-        while state.held and state.failure is None and time.monotonic() < deadline:
+        deadline = self._watch.deadline()  # stop_timeout from the stop
+        while (state.held and state.failure is None and not state.abandoned
+               and time.monotonic() < deadline):
             state.outcome_ready.set()
             await state.wake.wait(DRAIN_CHECK)
             state.wake.clear()
-        if state.held and state.failure is None:
+        if state.held and state.failure is None and not state.abandoned:
+            state.abandon(self.settings.stop_timeout, self.settings.lease)
+        if state.abandoned:
             # stop_timeout passed: what is still held is left to its lease; async
             # performs are cancelled, sync ones on the pool are left to finish unheard.
-            state.abandon(self.settings.stop_timeout, self.settings.lease)
             workers.cancel()
         await workers.join()
         state.workers_ended()
         if state.abandoned:
             # The recorder has nothing left to write; it may be waiting on an
             # unreachable database: the stop does not wait for it.
-            await asyncio.wait({recorder}, timeout=CLOSE_GRACE)
+            await asyncio.wait({recorder}, timeout=self._watch.grace(CLOSE_GRACE))
         else:
             await recorder

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +34,7 @@ __all__ = [
     "connect",
     "connect_async",
     "connection_params",
+    "opened",
 ]
 
 # Errors after which a statement is retried as a whole (the recorder keeps its batch).
@@ -94,6 +97,7 @@ def connect(settings: Settings, role: str) -> psycopg.Connection[Any]:
     except BaseException:
         conn.close()
         raise
+    _track(settings, conn)
     return conn
 
 
@@ -113,7 +117,25 @@ async def connect_async(settings: Settings, role: str) -> psycopg.AsyncConnectio
     except BaseException:
         await conn.close()
         raise
+    _track(settings, conn)
     return conn
+
+
+# Every connection opened, by the worker id of its dispatcher (weakly: a closed and
+# dropped one leaves): what a stop cuts when the database hangs (``severance``).
+_opened: dict[str, weakref.WeakSet[Any]] = {}
+_opened_lock = threading.Lock()
+
+
+def _track(settings: Settings, conn: Any) -> None:
+    with _opened_lock:
+        _opened.setdefault(settings.worker_id, weakref.WeakSet()).add(conn)
+
+
+def opened(worker_id: str) -> list[Any]:
+    """The open connections of the dispatchers of ``worker_id`` (blocking or asyncio)."""
+    with _opened_lock:
+        return [c for c in _opened.get(worker_id, ()) if not c.closed]
 
 
 # -- behind a transaction-pooling PgBouncer -------------------------------------------------

@@ -1,36 +1,47 @@
 """A primary that freezes (every server process stopped: the machine still answers TCP,
 so no keepalive fails) while a dispatcher runs: a stop returns within ``stop_timeout``
-+ 2 s all the same, its blocked connections cut, and says so."""
++ 2 s all the same, its blocked connections cut, and says so; ``Dispatcher`` and
+``AsyncDispatcher`` alike."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import psutil
 import pytest
 
-from outbox import Dispatcher
+from outbox import AsyncDispatcher, Dispatcher
 
 from .support import Orders, enqueue_orders, pair, prepare, wait_until
 
 STOP_TIMEOUT = 3.0
+
+
+def _runner(dispatcher: Dispatcher | AsyncDispatcher) -> Callable[[], object]:
+    if isinstance(dispatcher, AsyncDispatcher):
+        return lambda: asyncio.run(dispatcher.run())
+    return dispatcher.run
 FROZEN_FOR = 1.0  # seconds of freeze before the stop: the claimer's next claim blocks
 
 
+@pytest.mark.parametrize("flavour", ["Dispatcher", "AsyncDispatcher"])
 def test_a_stop_returns_while_the_primary_is_frozen(
-        caplog: pytest.LogCaptureFixture) -> None:
+        flavour: str, caplog: pytest.LogCaptureFixture) -> None:
     with pair() as servers:
         primary = servers.primary
         prepare(primary)
         enqueue_orders(primary.dsn, ["before"])
         orders = Orders()
-        dispatcher = Dispatcher(primary.dsn, effects=[orders.effect()], poll_interval=0.1,
-                                stop_timeout=STOP_TIMEOUT)
-        runner = threading.Thread(target=dispatcher.run)
+        kind = Dispatcher if flavour == "Dispatcher" else AsyncDispatcher
+        dispatcher = kind(primary.dsn, effects=[orders.effect()], poll_interval=0.1,
+                          stop_timeout=STOP_TIMEOUT)
+        runner = threading.Thread(target=_runner(dispatcher))
         processes: list[psutil.Process] = []
         with caplog.at_level(logging.WARNING, logger="outbox"):
             runner.start()
