@@ -560,9 +560,9 @@ class Dispatcher(_Options):
             _join(recorder, self._watch.grace(CLOSE_GRACE) if state.abandoned else None)
             state.drop_unrecorded()  # a part died: what it will never write still counts
             if listener.is_alive():
-                _join(listener, CLOSE_GRACE)
+                _join(listener, self._watch.grace(CLOSE_GRACE))
             if reconciler is not None:
-                _join(reconciler, CLOSE_GRACE)
+                _join(reconciler, self._watch.grace(CLOSE_GRACE))
 
     def _reconciler(self, until_idle: bool) -> threading.Thread | None:
         """Where an effect reconciles: under ``run_until_idle`` one pass now, before

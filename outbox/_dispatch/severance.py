@@ -91,9 +91,10 @@ class StopWatch:
         self._returned.set()
 
     def grace(self, default: float) -> float:
-        """How long to wait for a part to end after ``stop_timeout``: ``default``, or
-        ``CUT_GRACE`` once the connections were cut (nothing more can be written)."""
-        return CUT_GRACE if self.cut else default
+        """How long to wait for a part to end after ``stop_timeout``: ``default``, but
+        never past the stop + ``stop_timeout`` + ``CUT_AFTER`` + ``CUT_GRACE`` (a part
+        still connecting to a server that does not answer cannot be cut)."""
+        return _grace(self.stopped_at, self._stop_timeout, self.cut, default)
 
     def deadline(self) -> float:
         """When the drain gives up: ``stop_timeout`` after the stop (not after the
@@ -138,7 +139,7 @@ class AsyncStopWatch:
 
     def grace(self, default: float) -> float:
         """As ``StopWatch.grace``."""
-        return CUT_GRACE if self.cut else default
+        return _grace(self.stopped_at, self._stop_timeout, self.cut, default)
 
     async def _watch(self) -> None:
         state = self._state
@@ -173,3 +174,10 @@ def _deadline(stopped_at: float | None, stop_timeout: float) -> float:
     if stopped_at is None:
         return now + stop_timeout
     return min(now + stop_timeout, stopped_at + stop_timeout)
+
+
+def _grace(stopped_at: float | None, stop_timeout: float, cut: bool, default: float) -> float:
+    if stopped_at is None:
+        return CUT_GRACE if cut else default
+    last = stopped_at + stop_timeout + CUT_AFTER + CUT_GRACE
+    return max(0.0, min(default, last - time.monotonic()))
