@@ -9,8 +9,10 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 import psutil
@@ -21,6 +23,12 @@ from outbox import AsyncDispatcher, Dispatcher
 from .support import Orders, enqueue_orders, pair, prepare, wait_until
 
 STOP_TIMEOUT = 3.0
+
+
+def _stacks() -> str:
+    """Where every thread of this process is (what a stop still waits for)."""
+    return "\n".join(f"{thread}:\n{''.join(traceback.format_stack(frame))}"
+                     for thread, frame in sys._current_frames().items())
 
 
 def _runner(dispatcher: Dispatcher | AsyncDispatcher) -> Callable[[], object]:
@@ -58,13 +66,14 @@ def test_a_stop_returns_while_the_primary_is_frozen(
                 dispatcher.stop()
                 runner.join(STOP_TIMEOUT + 2)
                 returned = time.monotonic() - stopped_at
+                stacks = _stacks() if runner.is_alive() else ""
             finally:
                 for process in processes:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         process.send_signal(signal.SIGCONT)
                 dispatcher.stop()
                 runner.join(60)
-        assert returned < STOP_TIMEOUT + 2, returned
+        assert returned < STOP_TIMEOUT + 2, f"{returned} s; still running:\n{stacks}"
         said = [r.getMessage() for r in caplog.records]
         assert any("still waits for the database" in line and "cut" in line
                    for line in said), said
