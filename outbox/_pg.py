@@ -18,9 +18,10 @@ import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 
-from .errors import ConfigurationError, SchemaError
+from .errors import ConfigurationError, ReadOnlyDatabase, SchemaError
 
-__all__ = ["configuration_error", "detect_pooler", "is_pooled", "unmigrated", "unreachable"]
+__all__ = ["configuration_error", "detect_pooler", "is_pooled", "read_only", "unmigrated",
+           "unreachable"]
 
 # SQLSTATE classes of statement errors that mean the set-up is wrong, not the moment:
 # 28 invalid authorization, 3D no such database, 3F no such schema, 42 access rule
@@ -152,6 +153,17 @@ def unmigrated(exc: BaseException, schema: str) -> SchemaError | None:
         f"schema {schema!r} has no outbox tables or is older than this code ({what}): "
         f"run `outbox migrate --schema {schema}` (or outbox.migrate(conn, schema=...); "
         "in Django, `manage.py migrate`) first")
+
+
+def read_only(exc: BaseException) -> ReadOnlyDatabase | None:
+    """The ``ReadOnlyDatabase`` that a failed outbox write amounts to when the server
+    refused it as read-only (a standby, SQLSTATE 25006), else None."""
+    if _sqlstate(exc) != "25006":
+        return None
+    return ReadOnlyDatabase(
+        "the database is read-only (a standby, in recovery, or a read-only transaction): "
+        "outbox cannot write the job there. Connect to the primary: list every host in "
+        "the connection string with target_session_attrs=read-write")
 
 
 _FAILED_BECAUSE = re.compile(r".*failed:\s*(.+)$")

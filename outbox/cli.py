@@ -296,12 +296,17 @@ def _describe(exc: BaseException) -> str:
               help="How long a database that cannot be reached at start is waited for "
                    "before giving up in one line (0 waits forever); once running, the "
                    "dispatcher waits for it as long as it takes.")
+@click.option("--wait-for-replicas", is_flag=True, default=False,
+              help="Perform a claimed job only once every streaming standby holds its "
+                   "commit, so a failover never leaves an effect performed for an order "
+                   "the new primary lost (the role needs pg_monitor).")
 @_one_line_errors
 def run_command(target: str, dsn: str | None, metrics_port: int | None,
                 metrics_host: str, limits: tuple[str, ...], stop_timeout: float | None,
                 target_outboxes: tuple[str, ...], targets_from: str | None,
                 max_connections: int, limits_home: str | None,
-                wait_for_database: float = 60.0) -> None:
+                wait_for_database: float = 60.0,
+                wait_for_replicas: bool = False) -> None:
     """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work within its
     stop timeout."""
     added = _limits(limits)  # refused before anything is imported
@@ -309,6 +314,10 @@ def run_command(target: str, dsn: str | None, metrics_port: int | None,
         os.environ["OUTBOX_DATABASE_URL"] = dsn
     source = _targets_given(target_outboxes, targets_from)  # before the dispatcher loads
     dispatcher = load_dispatcher(target)
+    if wait_for_replicas:  # before the fleet's engines copy the options
+        dispatcher.settings = dataclasses.replace(dispatcher.settings, wait_for_replicas=True)
+        dispatcher.wait_for_replicas = True
+        dispatcher._engine_options["wait_for_replicas"] = True
     if source is not None:
         dispatcher = dispatcher._with_targets(source, max_connections)
     if limits_home is not None:

@@ -48,6 +48,7 @@ from ._dispatch.hook_lookup import require_sync_hooks
 from ._dispatch.listener import Listener, listen_async
 from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_reconciler_async
 from ._dispatch.recorder import Recorder, run_recorder, run_recorder_async
+from ._dispatch.replicas import AsyncReplicaGate, ReplicaGate, check_access, check_access_async
 from ._dispatch.scheduler import (
     Scheduler,
     check_schedules,
@@ -55,6 +56,7 @@ from ._dispatch.scheduler import (
     run_scheduler_async,
 )
 from ._dispatch.settings import Settings, text_array
+from ._dispatch.severance import AsyncStopWatch, Severance
 from ._dispatch.shared import held
 from ._dispatch.state import (
     CLOSE_GRACE,
@@ -86,6 +88,7 @@ PUBLIC_OPTIONS = (
     "schema", "concurrency", "lease", "batch_size", "prefetch", "max_prefetch",
     "poll_interval", "rescue_interval", "backoff", "unknown_outcome_window", "retention",
     "ledger_retention", "inbox_retention", "worker_id", "reconcile_interval", "stop_timeout",
+    "wait_for_replicas",
 )
 
 
@@ -116,6 +119,7 @@ class _Options:
     worker_id: str
     reconcile_interval: float
     stop_timeout: float
+    wait_for_replicas: bool
 
     def __init__(
         self,
@@ -150,6 +154,7 @@ class _Options:
         max_connections: int = 16,
         limits_home: Target | str | None = None,
         schedules: Sequence[Schedule] | None = None,
+        wait_for_replicas: bool = False,
     ) -> None:
         """Check every option now: a wrong one raises ``outbox.ConfigurationError`` here.
 
@@ -209,6 +214,8 @@ class _Options:
             targets (connections).
         :param limits_home: Where ``Limit(shared=True)`` limits are counted: an
             ``outbox.Target``, or a connection string for schema ``outbox``.
+        :param wait_for_replicas: Perform a claimed job only once every streaming standby
+            holds its commit (the role needs ``pg_monitor``).
         :param schedules: Recurring effects (``outbox.Schedule``s) this dispatcher fires,
             each slot enqueued once across every dispatcher of the schema.
         :raises outbox.ConfigurationError: An option that can never work, named.
@@ -238,7 +245,7 @@ class _Options:
             listen_conninfo=listen_conninfo, observer=observer,
             on_done=on_done, on_failed=on_failed, reconcile_interval=reconcile_interval,
             limits=limits, breaker_threshold=breaker_threshold, stop_timeout=stop_timeout,
-            limits_home=limits_home,
+            limits_home=limits_home, wait_for_replicas=wait_for_replicas,
         )
         for name in PUBLIC_OPTIONS:
             setattr(self, name, getattr(self.settings, name))
@@ -259,7 +266,7 @@ class _Options:
             "inbox_retention": inbox_retention, "on_done": on_done, "on_failed": on_failed,
             "reconcile_interval": reconcile_interval,
             "breaker_threshold": breaker_threshold, "stop_timeout": stop_timeout,
-            "schedules": schedules}
+            "schedules": schedules, "wait_for_replicas": wait_for_replicas}
         self._fleet: Fleet | None = None
         if targets is not None:
             self._fleet = self._make_fleet(targets, targets_interval, max_connections)
@@ -458,6 +465,17 @@ class Dispatcher(_Options):
     after the stop is not recorded. Set an orchestrator's grace period (Kubernetes'
     ``terminationGracePeriodSeconds``) above ``stop_timeout`` plus a few seconds.
 
+    ``wait_for_replicas=True``: a claimed job is performed only once every streaming
+    physical standby has flushed the claim's commit (and so the enqueue's), so a failover
+    to a standby that lagged never leaves an effect performed for an order the new
+    primary lost. Each batch waits at most 30 s (then it is handed back unperformed and
+    claimed again); with no standby streaming, jobs are performed at once (said once).
+    The role needs ``pg_monitor``: without it, ``ConfigurationError`` at start.
+    Connections get ``connect_timeout``, keepalives and ``tcp_user_timeout`` defaults
+    (a dead or partitioned server is given up within 8 s) that the connection string's
+    own parameters override; a standby reached instead of the primary is said once and
+    retried with backoff (list every host with ``target_session_attrs=read-write``).
+
     ``observer`` (an ``outbox.observe.DispatchObserver``) receives every claim, attempt,
     fence rejection and rescue, for metrics and tracing; an exception it raises is
     logged and ignored. ``metrics=True`` adds the Prometheus metrics of
@@ -496,6 +514,8 @@ class Dispatcher(_Options):
         # One state for the dispatcher's life, so a stop() before run() is honoured.
         self._state = SharedState(self.stats, self.settings.observer,
                                   self.settings.concurrency, threading.Event)
+        # Its connections are cut at stop_timeout if the database hangs.
+        self._severance = Severance(self.settings.worker_id)
 
     def _connect(self, role: str) -> psycopg.Connection[Any]:
         """A new connection for ``role`` (claimer, recorder, listener), set up."""
@@ -574,12 +594,16 @@ class Dispatcher(_Options):
         self.stats = state.stats = DispatchStats()
         claimer = Connection(self._connect, "claimer")
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._watch = self._severance.watch(state, self.settings.stop_timeout,
+                                            self.settings.lease)
         try:
             with held(self.settings.limits_home):
                 wait_for_schema(claimer, self.settings, state, deadline)
+                check_access(claimer, self.settings)
                 self._dispatch(claimer, until_idle, deadline)
             failure = state.failure
         finally:
+            self._watch.returned()
             claimer.discard()
             # Reset here rather than on entry, so a stop() that comes before run() (or a
             # SIGTERM during start-up) is not forgotten.
@@ -607,23 +631,24 @@ class Dispatcher(_Options):
             listener.start()
         try:
             with ThreadWorkers(settings, state).running() as submit:
-                try:
+                try:  # with wait_for_replicas, each batch waits for the standbys
                     run_claimer(Claimer(settings, state, until_idle=until_idle), claimer,
-                                submit, deadline)
+                                ReplicaGate(settings, state, claimer, submit), deadline)
                 finally:
+                    self._watch.claimer_left()
                     self._drain()
         finally:
             state.workers_ended()
             # After stop_timeout the recorder has nothing left to write, but it may be
             # waiting on an unreachable database: the stop does not wait for it.
-            _join(recorder, CLOSE_GRACE if state.abandoned else None)
+            _join(recorder, self._watch.grace(CLOSE_GRACE) if state.abandoned else None)
             state.drop_unrecorded()  # a part died: what it will never write still counts
             if listener.is_alive():
-                _join(listener, CLOSE_GRACE)
+                _join(listener, self._watch.grace(CLOSE_GRACE))
             if reconciler is not None:
-                _join(reconciler, CLOSE_GRACE)
+                _join(reconciler, self._watch.grace(CLOSE_GRACE))
             if scheduler is not None:
-                _join(scheduler, CLOSE_GRACE)
+                _join(scheduler, self._watch.grace(CLOSE_GRACE))
 
     def _scheduler(self, claimer: Connection, until_idle: bool) -> threading.Thread | None:
         """The schedules' part: under ``run_until_idle`` one pass now, on the claimer's
@@ -663,12 +688,13 @@ class Dispatcher(_Options):
         ``stop_timeout``: what is still held then is left to its lease."""
         state = self._state
         state.start_draining()
-        deadline = time.monotonic() + self.settings.stop_timeout
-        while state.held and state.failure is None and time.monotonic() < deadline:
+        deadline = self._watch.deadline()  # stop_timeout from the stop
+        while (state.held and state.failure is None and not state.abandoned
+               and time.monotonic() < deadline):
             state.outcome_ready.set()
             state.wake.wait(DRAIN_CHECK)
             state.wake.clear()
-        if state.held and state.failure is None:
+        if state.held and state.failure is None and not state.abandoned:
             state.abandon(self.settings.stop_timeout, self.settings.lease)
 
 
@@ -704,6 +730,8 @@ class AsyncDispatcher(_Options):
     """
 
     def _setup(self) -> None:
+        # Its connections are cut at stop_timeout if the database hangs.
+        self._severance = Severance(self.settings.worker_id)
         self._state: AsyncState | None = None  # during a run only
         self._stop_early = False  # stop() came before the run had its state
         self._task: asyncio.Task[DispatchStats] | None = None
@@ -773,6 +801,7 @@ class AsyncDispatcher(_Options):
         try:
             with held(settings.limits_home):
                 await wait_for_schema_async(settings, state, deadline)
+                await check_access_async(settings)
                 await self._dispatch(state, until_idle, deadline)
         finally:
             self._state = None
@@ -810,12 +839,16 @@ class AsyncDispatcher(_Options):
                 reconciler = loop.create_task(supervised_async(state, "reconciler", run))
         claimer = AsyncConnection(settings, "claimer")
         scheduler: asyncio.Task[None] | None = None
+        self._watch = AsyncStopWatch(self._severance, state, settings.stop_timeout,
+                                     settings.lease)
+        # With wait_for_replicas, each batch waits for the standbys.
+        gate = AsyncReplicaGate(settings, state, workers.submit)
         cancelled = abandon = False
         error: BaseException | None = None
         try:
             scheduler = await self._scheduler(state, claimer, until_idle)
             await run_claimer_async(Claimer(settings, state, until_idle=until_idle),
-                                    claimer, workers.submit, deadline)
+                                    claimer, gate, deadline)
         except asyncio.CancelledError:
             cancelled = True
             current = asyncio.current_task()
@@ -827,11 +860,14 @@ class AsyncDispatcher(_Options):
                          "the rest")
         except BaseException as exc:
             error = exc
+        self._watch.claimer_left()
         try:
             await claimer.discard()
             if not abandon:
                 await self._wind_down(state, workers, recorder)
         finally:
+            await self._watch.close()
+            await gate.close()
             # Only left after a second cancellation (or a failure while winding down):
             # what still runs is abandoned; its jobs come back when their leases expire.
             leftovers = [*workers.cancel(), recorder, *([listener] if listener else []),
@@ -866,21 +902,23 @@ class AsyncDispatcher(_Options):
         recorded (unless a part died: then what it held is left to the rescuer), for at
         most ``stop_timeout``: what is still held then is left to its lease."""
         state.start_draining()
-        deadline = time.monotonic() + self.settings.stop_timeout
-        while state.held and state.failure is None and time.monotonic() < deadline:
+        deadline = self._watch.deadline()  # stop_timeout from the stop
+        while (state.held and state.failure is None and not state.abandoned
+               and time.monotonic() < deadline):
             state.outcome_ready.set()
             await state.wake.wait(DRAIN_CHECK)
             state.wake.clear()
-        if state.held and state.failure is None:
+        if state.held and state.failure is None and not state.abandoned:
+            state.abandon(self.settings.stop_timeout, self.settings.lease)
+        if state.abandoned:
             # stop_timeout passed: what is still held is left to its lease; async
             # performs are cancelled, sync ones on the pool are left to finish unheard.
-            state.abandon(self.settings.stop_timeout, self.settings.lease)
             workers.cancel()
         await workers.join()
         state.workers_ended()
         if state.abandoned:
             # The recorder has nothing left to write; it may be waiting on an
             # unreachable database: the stop does not wait for it.
-            await asyncio.wait({recorder}, timeout=CLOSE_GRACE)
+            await asyncio.wait({recorder}, timeout=self._watch.grace(CLOSE_GRACE))
         else:
             await recorder

@@ -11,6 +11,8 @@ The tree is split by what the caller can do about it::
     │   ├── UnknownParent            after=[...] names a key of no job and no ledger row
     │   └── IdempotencyKeyConflict   key already used for another effect or payload
     ├── SchemaError                  database schema missing, or newer than this code
+    ├── ReadOnlyDatabase             the database takes no writes: a standby (in
+    │                                recovery), reached instead of the primary
     ├── ConfigurationError           a Dispatcher or CLI argument is invalid
     └── DispatcherFailed             a part of a running dispatcher died of an
                                      unexpected error (a bug): it stopped
@@ -44,6 +46,7 @@ __all__ = [
     "InvalidPayload",
     "OutboxError",
     "Permanent",
+    "ReadOnlyDatabase",
     "Retry",
     "SchemaError",
     "Throttled",
@@ -115,6 +118,17 @@ class SchemaError(OutboxError):
     older than this code (the message names the schema and the command to run) or newer;
     by ``migrate`` when the schema is newer than this code, its migration files are
     incomplete, or another process migrated it after this transaction's snapshot."""
+
+
+class ReadOnlyDatabase(OutboxError):
+    """The database refused the write as read-only (SQLSTATE 25006): the connection
+    reached a standby (a server in recovery, during or after a failover), or runs a
+    read-only transaction. Raised by ``enqueue``, ``enqueue_many`` and ``receive``
+    instead of PostgreSQL's text; the transaction is aborted, nothing was written.
+
+    Enqueue on the primary: a multi-host connection string with
+    ``target_session_attrs=read-write`` lets libpq find it. The psycopg error is the
+    ``__cause__``."""
 
 
 class ConfigurationError(OutboxError, ValueError):

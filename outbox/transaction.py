@@ -20,7 +20,7 @@ import psycopg
 
 from . import _enqueue, tracing
 from ._enqueue import EnqueueResult, NewJob, Payload
-from ._pg import unmigrated
+from ._pg import read_only, unmigrated
 from ._sql import Queries, queries
 from ._steps import Rows, Statement, Step, row_factory, run, run_async
 
@@ -82,7 +82,7 @@ class Operations:
         try:
             return run(step, self._execute)
         except Exception as exc:
-            missing = unmigrated(exc, self.schema)
+            missing = unmigrated(exc, self.schema) or read_only(exc)
             if missing is None:
                 raise
             raise missing from exc
@@ -175,7 +175,7 @@ class AsyncOperations:
         try:
             return await run_async(step, self._execute)
         except Exception as exc:
-            missing = unmigrated(exc, self.schema)
+            missing = unmigrated(exc, self.schema) or read_only(exc)
             if missing is None:
                 raise
             raise missing from exc

@@ -9,6 +9,11 @@
     supervision every part supervised (its death stops the dispatcher loudly), and
                 ``guarded`` observer calls
     connection  how connections are opened (one function) and replaced when they break
+    network     the timeouts and keepalives every connection gets, under the DSN's own
+    standby     a standby (or read-only server) reached: refused as a connection opens,
+                said once per host
+    severance   a stop that ends while the database hangs: connections cut at
+                stop_timeout
     claimer     claim batches, rescue expired leases, retention
     turns       where this dispatcher's last claim stopped among each effect's groups
     budget      provider limits as the dispatcher spends them (``outbox.limits`` declares
@@ -27,6 +32,8 @@
     statistics  the young queue tables' statistics, kept up with their growth until
                 autovacuum keeps them
     vacuum      the queue tables' dead rows vacuumed between autovacuum's visits
+    replicas    wait_for_replicas: a claimed batch waits until the standbys hold its
+                commit
     listener    LISTEN for enqueue notifications, wake the claimer
     counting    ``DispatchStats``, counted from the observer events the parts report
     fleet       one dispatcher over many targets (``outbox.targets``): look-outs per

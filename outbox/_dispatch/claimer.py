@@ -35,6 +35,7 @@ from .counting import Waits
 from .presence import Presence
 from .settings import Settings
 from .shared import HomeCall
+from .standby import ReadOnlyServer
 from .state import AsyncState, Held, SharedState, ThreadState, Timer, guarded
 from .statistics import FirstStatistics
 from .turns import GroupTurns
@@ -186,6 +187,8 @@ class Claimer:
         fatal = configuration_error(exc, doing="dispatch")
         if fatal is not None:
             raise fatal from exc
+        if isinstance(exc, ReadOnlyServer):  # a standby: said once, as it was met
+            return
         if lost:  # only a broken connection is replaced and counted
             guarded(self.state.events.reconnected, "claimer")
             log.warning("claimer lost its connection (%s: %s); reconnecting",
@@ -418,6 +421,8 @@ def _still_waiting(exc: BaseException, settings: Settings, deadline: float | Non
     passed (the caller gives up), else say so and return True (it tries again)."""
     if deadline is not None and time.monotonic() >= deadline:
         return False
+    if isinstance(exc, ReadOnlyServer):  # a standby: said once, as it was met
+        return True
     log.warning("cannot reach the database at %s; retrying",
                 unreachable(exc, settings.conninfo))
     return True

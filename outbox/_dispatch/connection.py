@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +21,9 @@ import psycopg
 from .._pg import configuration_error, detect_pooler
 from .._steps import Rows, Statement, execute, execute_async
 from ..errors import ConfigurationError
+from .network import network_options
 from .settings import Settings
+from .standby import check_writable, from_statement
 
 __all__ = [
     "CONNECTION_ERRORS",
@@ -30,6 +34,7 @@ __all__ = [
     "connect",
     "connect_async",
     "connection_params",
+    "opened",
 ]
 
 # Errors after which a statement is retried as a whole (the recorder keeps its batch).
@@ -59,10 +64,9 @@ def connection_params(settings: Settings, role: str) -> ConnectParams:
         conninfo=conninfo,
         options={
             "autocommit": True,
-            "connect_timeout": 10,
             "application_name": f"outbox {role} {settings.worker_id}"[:63],
-            "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
-            "keepalives_count": 3,
+            # Timeouts and keepalives: defaults under the string's own parameters.
+            **network_options(conninfo),
         },
         setup=(
             # Explicit, whatever the server default: under REPEATABLE READ or
@@ -87,11 +91,13 @@ def connect(settings: Settings, role: str) -> psycopg.Connection[Any]:
         raise _refused(exc, params, role) or exc from None
     try:
         probe = conn.execute(PROBE).fetchone()
+        _writable(conn, probe, role)
         for statement in _session_setup(conn, probe, params):
             conn.execute(statement)
     except BaseException:
         conn.close()
         raise
+    _track(settings, conn)
     return conn
 
 
@@ -105,12 +111,31 @@ async def connect_async(settings: Settings, role: str) -> psycopg.AsyncConnectio
         raise _refused(exc, params, role) or exc from None
     try:
         probe = await (await conn.execute(PROBE)).fetchone()
+        _writable(conn, probe, role)
         for statement in _session_setup(conn, probe, params):
             await conn.execute(statement)
     except BaseException:
         await conn.close()
         raise
+    _track(settings, conn)
     return conn
+
+
+# Every connection opened, by the worker id of its dispatcher (weakly: a closed and
+# dropped one leaves): what a stop cuts when the database hangs (``severance``).
+_opened: dict[str, weakref.WeakSet[Any]] = {}
+_opened_lock = threading.Lock()
+
+
+def _track(settings: Settings, conn: Any) -> None:
+    with _opened_lock:
+        _opened.setdefault(settings.worker_id, weakref.WeakSet()).add(conn)
+
+
+def opened(worker_id: str) -> list[Any]:
+    """The open connections of the dispatchers of ``worker_id`` (blocking or asyncio)."""
+    with _opened_lock:
+        return [c for c in _opened.get(worker_id, ()) if not c.closed]
 
 
 # -- behind a transaction-pooling PgBouncer -------------------------------------------------
@@ -119,7 +144,15 @@ async def connect_async(settings: Settings, role: str) -> psycopg.AsyncConnectio
 # listen on a session this client no longer holds. So behind a pooler the dispatcher
 # sends no session statement, prepares nothing, and LISTENs only on ``listen_conninfo``.
 
-PROBE = "SELECT pg_backend_pid(), current_setting('default_transaction_isolation')"
+PROBE = ("SELECT pg_backend_pid(), current_setting('default_transaction_isolation'),"
+         " pg_is_in_recovery(), current_setting('transaction_read_only')")
+
+
+def _writable(conn: Any, probe: tuple[Any, ...] | None, role: str) -> None:
+    """Refuse a standby or a read-only server (``ReadOnlyServer``, said once per host):
+    every part of the dispatcher writes."""
+    assert probe is not None
+    check_writable(conn, probe[2], probe[3], role)
 
 
 def _session_setup(conn: Any, probe: tuple[Any, ...] | None, params: ConnectParams,
@@ -127,7 +160,7 @@ def _session_setup(conn: Any, probe: tuple[Any, ...] | None, params: ConnectPara
     """The session statements ``conn`` gets: ``params.setup`` on a direct connection,
     none through a pooler (whose role must then default to READ COMMITTED)."""
     assert probe is not None
-    backend_pid, isolation = probe
+    backend_pid, isolation = probe[:2]
     if not detect_pooler(conn, backend_pid):
         return params.setup
     conn.prepare_threshold = None
@@ -186,6 +219,10 @@ class Connection(Reconnects):
             if self.lost:
                 self.discard()
             raise
+        except psycopg.errors.ReadOnlySqlTransaction as exc:
+            read_only = from_statement(self._conn, exc, self.role)
+            self.discard()  # the next one is probed: a standby is refused as it opens
+            raise read_only from exc
         self.succeeded()
         return rows
 
@@ -221,6 +258,10 @@ class AsyncConnection(Reconnects):
             if self.lost:
                 await self.discard()
             raise
+        except psycopg.errors.ReadOnlySqlTransaction as exc:
+            read_only = from_statement(self._conn, exc, self.role)
+            await self.discard()
+            raise read_only from exc
         self.succeeded()
         return rows
 

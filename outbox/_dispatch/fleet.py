@@ -52,6 +52,7 @@ from .._sql import queries
 from ..errors import ConfigurationError, DispatcherFailed, SchemaError
 from ..targets import Target
 from .counting import DispatchStats
+from .network import network_options
 from .settings import Settings
 
 __all__ = ["CHORES_EVERY", "ENGINE_CONNECTIONS", "TURN", "Fleet", "Schedule"]
@@ -293,7 +294,7 @@ class Scout:
             # Named as the dispatcher's own connections are ("outbox <role> <worker
             # id>"): an operator (or a fault injector) tells whose look-out it is.
             self.conn = psycopg.connect(
-                dsn, autocommit=True, connect_timeout=10,
+                dsn, autocommit=True, **network_options(dsn),
                 application_name=f"outbox scout {self.fleet.worker_id}"[:63])
             self.listening = set()
         return self.conn

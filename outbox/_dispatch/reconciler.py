@@ -55,6 +55,7 @@ from .hooked import (
     in_transaction_async,
 )
 from .settings import Settings
+from .standby import ReadOnlyServer
 from .state import SharedState
 from .workers import result_json
 
@@ -286,8 +287,9 @@ def run_reconciler(reconciler: Reconciler, conn: Connection, *, once: bool) -> N
             except CONNECTION_ERRORS as exc:
                 if conn.lost:
                     conn.discard()
-                log.warning("reconciler: database unreachable (%s); retrying",
-                            type(exc).__name__)
+                if not isinstance(exc, ReadOnlyServer):  # a standby: said once
+                    log.warning("reconciler: database unreachable (%s); retrying",
+                                type(exc).__name__)
                 wait = min(interval, conn.backoff())
             except ConfigurationError:
                 raise
@@ -342,8 +344,9 @@ async def run_reconciler_async(reconciler: Reconciler, conn: AsyncConnection, *,
             except CONNECTION_ERRORS as exc:
                 if conn.lost:
                     await conn.discard()
-                log.warning("reconciler: database unreachable (%s); retrying",
-                            type(exc).__name__)
+                if not isinstance(exc, ReadOnlyServer):  # a standby: said once
+                    log.warning("reconciler: database unreachable (%s); retrying",
+                                type(exc).__name__)
                 wait = min(interval, conn.backoff())
             except ConfigurationError:
                 raise

@@ -32,6 +32,7 @@ from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
 from .hooked import HookedOutcomes, close_quietly, flush_hooked, flush_hooked_async
 from .reconciler import reconcilers
 from .settings import Settings
+from .standby import ReadOnlyServer
 from .state import (
     AsyncState,
     Held,
@@ -238,6 +239,8 @@ class Recorder:
         """A statement failed on the connection: the batch left in ``pending`` is sent
         again (``retrying``); a lost connection is counted as a reconnect."""
         self.retrying = bool(pending) or self.hooked_waiting
+        if isinstance(exc, ReadOnlyServer):  # a standby: said once, as it was met
+            return
         if lost:
             guarded(self.state.events.reconnected, "recorder")
             log.warning("recorder lost its connection (%s); reconnecting", type(exc).__name__)
@@ -271,6 +274,8 @@ class Recorder:
         """Whether the recorder may end: the dispatcher stops, its workers are done
         and every outcome is written (or, after a part died, nothing more will come)."""
         state = self.state
+        if state.abandoned and state.workers_done and self.retrying:
+            return True  # stop_timeout passed and the database does not answer: left
         return (state.stopping.is_set() and state.workers_done and not pending
                 and not state.outcomes and not self.hooked_waiting)
 

@@ -73,6 +73,8 @@ class Settings:
     # After a stop: how long performs in flight may still run before ``run`` returns and
     # leaves the jobs still held to their leases.
     stop_timeout: float = 30.0
+    # Perform a claimed job only once the streaming standbys hold its commit.
+    wait_for_replicas: bool = False
 
     @classmethod
     def build(
@@ -103,6 +105,7 @@ class Settings:
         breaker_threshold: int | None = 5,
         stop_timeout: float | timedelta = 30.0,
         limits_home: Target | str | None = None,
+        wait_for_replicas: bool = False,
     ) -> Settings:
         """Check every option; raise ``ConfigurationError`` naming the first bad one."""
         indexed = _index_effects(effects)
@@ -129,6 +132,9 @@ class Settings:
         if worker_id is not None and not isinstance(worker_id, str):
             raise ConfigurationError(f"worker_id must be a string, got {worker_id!r}")
         home = _home(limits_home)
+        if not isinstance(wait_for_replicas, bool):
+            raise ConfigurationError(
+                f"wait_for_replicas must be True or False, got {wait_for_replicas!r}")
         return cls(
             conninfo=conninfo,
             listen_conninfo=listen_conninfo,
@@ -162,6 +168,7 @@ class Settings:
             failed_hooks=hooks_for(indexed, "on_failed", on_failed),
             reconcile_interval=_seconds(reconcile_interval, "reconcile_interval", minimum=0.01),
             stop_timeout=_seconds(stop_timeout, "stop_timeout", minimum=0.0),
+            wait_for_replicas=wait_for_replicas,
         )
 
     @property

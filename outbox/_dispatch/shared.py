@@ -38,6 +38,7 @@ from psycopg.rows import namedtuple_row
 from .._pg import unreachable
 from .._sql import queries
 from ..targets import Target
+from .network import network_options
 
 __all__ = ["HOME_RETRY", "Grant", "HomeBudget", "HomeCall", "held", "home_budget"]
 
@@ -146,10 +147,10 @@ class HomeBudget:
     def _connect(self, doing: str, generation: int) -> None:
         try:
             conn = psycopg.connect(
-                self.home.dsn, autocommit=True, connect_timeout=_CONNECT_TIMEOUT,
-                application_name="outbox limits home", row_factory=namedtuple_row,
-                keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=2,
-                tcp_user_timeout=TCP_USER_TIMEOUT_MS)
+                self.home.dsn, autocommit=True, application_name="outbox limits home",
+                row_factory=namedtuple_row, **network_options(
+                    self.home.dsn, connect_timeout=_CONNECT_TIMEOUT, keepalives_idle=5,
+                    tcp_user_timeout=TCP_USER_TIMEOUT_MS))
         except psycopg.Error as exc:
             with self._lock:
                 self._connecting = False

@@ -136,5 +136,7 @@ class QueueVacuum:
         if conn is not None:
             with contextlib.suppress(psycopg.Error):
                 conn.cancel_safe(timeout=CLOSE_WAIT)
-        if thread is not None:
+        # Only a vacuum under way is waited for: a thread still connecting (to a server
+        # that may not answer) sees the close itself and drops its connection.
+        if thread is not None and conn is not None:
             thread.join(CLOSE_WAIT)

@@ -73,6 +73,7 @@ BINDERS: dict[str, Callable[[str], dict[str, str]]] = {
     "outbox/sql/schedules.sql": _with_fragments("outbox/sql/schedules.sql"),
     "outbox/contrib/django/queries.sql": _with_fragments("outbox/contrib/django/queries.sql"),
     CHAOS: _chaos,
+    "outbox/sql/replicas.sql": _with_fragments("outbox/sql/replicas.sql"),
 }
 
 
