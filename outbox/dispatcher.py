@@ -828,15 +828,7 @@ class AsyncDispatcher(_Options):
             Recorder(settings, state), AsyncConnection(settings, "recorder"))))
         listener = (None if until_idle else loop.create_task(
             supervised_async(state, "listener", listen_async(settings, state))))
-        reconciling = (Reconciler(settings, state) if reconcilers(settings) else None)
-        reconciler = None
-        if reconciling is not None:  # as Dispatcher: one pass first, or a task of its own
-            run = run_reconciler_async(reconciling, AsyncConnection(settings, "reconciler"),
-                                       once=until_idle)
-            if until_idle:
-                await supervised_async(state, "reconciler", run)
-            else:
-                reconciler = loop.create_task(supervised_async(state, "reconciler", run))
+        reconciler = await self._reconciler(state, until_idle)
         claimer = AsyncConnection(settings, "claimer")
         scheduler: asyncio.Task[None] | None = None
         self._watch = AsyncStopWatch(self._severance, state, settings.stop_timeout,
@@ -883,6 +875,20 @@ class AsyncDispatcher(_Options):
             raise error
         if cancelled:
             raise asyncio.CancelledError
+
+    async def _reconciler(self, state: AsyncState,
+                          until_idle: bool) -> asyncio.Task[None] | None:
+        """As ``Dispatcher``'s: one pass first, or a task of its own."""
+        if not reconcilers(self.settings):
+            return None
+        run = run_reconciler_async(Reconciler(self.settings, state),
+                                   AsyncConnection(self.settings, "reconciler"),
+                                   once=until_idle)
+        if until_idle:
+            await supervised_async(state, "reconciler", run)
+            return None
+        return asyncio.get_running_loop().create_task(
+            supervised_async(state, "reconciler", run))
 
     async def _scheduler(self, state: AsyncState, claimer: AsyncConnection,
                          until_idle: bool) -> asyncio.Task[None] | None:
