@@ -34,6 +34,8 @@ from typing import Any
 
 import psycopg
 
+from ._dispatch.cancellation import watch as watch_cancellation
+from ._dispatch.cancellation import watch_async as watch_cancellation_async
 from ._dispatch.claimer import (
     Claimer,
     run_claimer,
@@ -519,7 +521,12 @@ class Dispatcher(_Options):
             target=supervised(state, "listener", Listener(settings, state, self._connect).run),
             name="outbox-listener", daemon=True)
         reconciler = self._reconciler(until_idle)
+        watcher = threading.Thread(  # tells performs their timeout or lease passed
+            target=supervised(state, "cancellation watcher", partial(
+                watch_cancellation, state, settings.lease)),
+            name="outbox-cancel-watch", daemon=True)
         recorder.start()
+        watcher.start()
         if not until_idle:
             listener.start()
         try:
@@ -535,6 +542,7 @@ class Dispatcher(_Options):
             # waiting on an unreachable database: the stop does not wait for it.
             _join(recorder, CLOSE_GRACE if state.abandoned else None)
             state.drop_unrecorded()  # a part died: what it will never write still counts
+            _join(watcher, CLOSE_GRACE)
             if listener.is_alive():
                 _join(listener, CLOSE_GRACE)
             if reconciler is not None:
@@ -708,6 +716,8 @@ class AsyncDispatcher(_Options):
                 await supervised_async(state, "reconciler", run)
             else:
                 reconciler = loop.create_task(supervised_async(state, "reconciler", run))
+        watcher = loop.create_task(supervised_async(  # timeouts and leases, on time
+            state, "cancellation watcher", watch_cancellation_async(state, settings.lease)))
         claimer = AsyncConnection(settings, "claimer")
         cancelled = abandon = False
         error: BaseException | None = None
@@ -732,7 +742,8 @@ class AsyncDispatcher(_Options):
         finally:
             # Only left after a second cancellation (or a failure while winding down):
             # what still runs is abandoned; its jobs come back when their leases expire.
-            leftovers = [*workers.cancel(), recorder, *([listener] if listener else []),
+            leftovers = [*workers.cancel(), recorder, watcher,
+                         *([listener] if listener else []),
                          *([reconciler] if reconciler else [])]
             for task in leftovers:
                 task.cancel()

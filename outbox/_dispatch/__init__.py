@@ -27,6 +27,8 @@
                 autovacuum keeps them
     vacuum      the queue tables' dead rows vacuumed between autovacuum's visits
     listener    LISTEN for enqueue notifications, wake the claimer
+    cancellation tell performs to stop (``job.cancelled``): an operator's cancel, a lost
+                claim or lease, a timeout; the watcher that sets it on time
     counting    ``DispatchStats``, counted from the observer events the parts report
     fleet       one dispatcher over many targets (``outbox.targets``): look-outs per
                 database, turns of each target's own engine, isolation of failing ones

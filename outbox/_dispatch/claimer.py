@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 
 from .. import tracing
+from .._cancelling import CancelSignal
 from .._pg import configuration_error, unreachable
 from .._steps import Statement, Step, run, run_async
 from ..effect import Job
@@ -249,7 +250,9 @@ class Claimer:
                   payload=_decode_payload(row.payload)[0], attempt=row.attempts,
                   claim_version=row.claim_version, ordering_key=row.ordering_key,
                   max_attempts=row.max_attempts, first_attempted_at=row.first_attempted_at,
-                  group=row.group_key, priority=row.priority)
+                  group=row.group_key, priority=row.priority,
+                  cancelled=CancelSignal(self.state.watch, self.settings.lease,
+                                         self.settings.timeouts.get(row.effect)))
         return Held(job, self.settings.effects[job.effect], job.effect in self.settings.async_names,
                     traced=traced, trace_context=row.trace_context if traced else None,
                     kept_result=row.performed_result)
