@@ -522,6 +522,9 @@ class PublishEvent(Effect):
     ``effects._cloudevents``). ``connect_options`` are passed to ``nats.connect``
     (credentials, TLS, ``connect_timeout`` ...).
     """
+    #: Seconds a publish waits for its acknowledgement. Not a perform timeout (that is
+    #: ``Effect.timeout``, read from the class, which this effect leaves None).
+    timeout: float
 
     name = "nats.publish"
     payload_model = EventPayload

@@ -30,8 +30,8 @@ from typing import Literal, Protocol
 from .errors import Permanent, Retry, Throttled, UnknownOutcome
 
 __all__ = ["MAX_ASK_DELAY", "MAX_UNKNOWN_PASSES", "NEVER", "RELEASED", "Answered", "Attempted",
-           "Backoff", "Decision", "Released", "Rules", "Settled", "heartbeat_interval",
-           "next_ask", "seconds", "settle", "settle_answer"]
+           "Backoff", "Decision", "Released", "Rules", "Settled", "Told", "after_told",
+           "heartbeat_interval", "next_ask", "seconds", "settle", "settle_answer"]
 
 Status = Literal["pending", "running", "done", "failed", "reconcile"]
 MAX_ERROR_LENGTH = 2000
@@ -147,10 +147,12 @@ def settle(
     now: datetime,
     rng: random.Random,
     hook_error: BaseException | None = None,
+    told: Told | None = None,
 ) -> Decision:
     """The next state of ``job`` after its attempt ended with ``outcome`` (and, when the
-    completion hook of that outcome raised, ``hook_error``). The one settlement of an
-    attempt: the recorder and the completion hooks both call it.
+    completion hook of that outcome raised, ``hook_error``; ``told``: why its perform was
+    told to stop, ``job.cancelled.reason``, if it was). The one settlement of an attempt:
+    the recorder and the completion hooks both call it.
 
     - returned: done. Released: pending at once, no error. ``Throttled``: pending at
       once (the effect's pause keeps it from being claimed early).
@@ -166,11 +168,26 @@ def settle(
       the hook: at once), then failed. Never reconcile: the provider's outcome is known,
       only the hook failed. The error names the hook (``on_done`` after a returned
       ``perform``, else ``on_failed`` after the failure it was told of).
+    - told to stop (``told``) and returned: done, as above (it acted). Told and raised:
+      see ``after_told`` (an operator's cancel: failed, or reconcile for an effect that
+      reconciles; any other reason: an unknown outcome unless the effect raised its
+      own verdict).
     """
     if hook_error is not None:
         return _after_hook(outcome, hook_error, job, rules, now=now, rng=rng)
     if outcome is None:
         return Decision("done")
+    if told is not None:
+        told_outcome = after_told(outcome, told, rules)
+        if isinstance(told_outcome, Decision):
+            return told_outcome
+        outcome = told_outcome
+    return _after_outcome(outcome, job, rules, now=now, rng=rng)
+
+
+def _after_outcome(outcome: BaseException | Released, job: Attempted, rules: Rules, *,
+                   now: datetime, rng: random.Random) -> Decision:
+    """``settle`` for an attempt that did not return (the rules in its docstring)."""
     if isinstance(outcome, Released):
         return Decision("pending")
     if isinstance(outcome, Throttled):
@@ -179,6 +196,42 @@ def settle(
     if rules.reconciles:
         return _ask_before_window_closes(decision, outcome, job, rules.window, now)
     return decision
+
+
+Told = Literal["operator", "lost", "lease", "timeout", "stop", "set"]
+"""Why a perform was told to stop (``job.cancelled.reason``): see ``outbox._cancelling``."""
+
+_TOLD = {"lost": "its claim was taken over", "lease": "its lease expired",
+         "timeout": "its effect's timeout passed", "stop": "the dispatcher stopped",
+         "set": "job.cancelled was set"}
+
+
+def after_told(outcome: BaseException | Released, told: Told,
+               rules: Rules) -> Decision | BaseException | Released:
+    """What an attempt told to stop (``told``) that did not return settles as: a
+    decision, or the outcome ``settle`` goes on with.
+
+    - an operator's cancel: failed, never performed when it had not started; else
+      failed ("cancelled while running"; it may have acted), or, for an effect that
+      reconciles, reconcile, so that the provider is asked whether it acted (the answer
+      "not performed" then ends it failed too, never pending).
+    - any other reason: a perform that raised may have acted, so an exception other than
+      the effect's own verdict (``Permanent``, ``Retry``, ``UnknownOutcome``,
+      ``Throttled``) is an ``UnknownOutcome``: retried with the same key within the
+      window, else reconcile. Released (never started) stays released.
+    """
+    if told == "operator":
+        if isinstance(outcome, Released):
+            return Decision("failed", error="cancelled by an operator before it started: "
+                                            "never performed")
+        text = f"cancelled by an operator while running ({describe(outcome)})"
+        if rules.reconciles:
+            return Decision("reconcile", error=f"{text}: the provider is asked whether it "
+                                               "acted")
+        return Decision("failed", error=f"{text}; it may have acted before it stopped")
+    if isinstance(outcome, Released | Permanent | Retry | UnknownOutcome | Throttled):
+        return outcome
+    return UnknownOutcome(f"told to stop ({_TOLD[told]}), then raised {describe(outcome)}")
 
 
 def _after_error(error: BaseException, job: Attempted, rules: Rules, *, now: datetime,

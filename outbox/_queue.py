@@ -339,8 +339,9 @@ def retry(schema: str, job_id: int, operator: Operator, seen: Seen = Seen(),
 
 def cancel(schema: str, job_id: int, operator: Operator, seen: Seen = Seen(),
            note: str | None = None) -> Step[Transition]:
-    """A pending job to failed, never performed (a running one cannot be cancelled: its
-    effect may be at the provider already). Fenced and audited."""
+    """A pending job to failed, never performed; a running one's claim asked to stop
+    (its dispatchers are notified; the job stays running until its dispatcher records
+    what the perform did). Fenced and audited."""
     return _transition(schema, "cancel", job_id, operator, seen, note)
 
 

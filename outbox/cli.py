@@ -666,10 +666,10 @@ def _actor(actor: str | None) -> str:
 
 # What an operator can do to a job in each status, for a refusal to say.
 _APPLIES = {
-    "pending": "outbox cancel applies to a pending job",
+    "pending": "outbox cancel applies to a pending or running job",
     "failed": "outbox retry applies to a failed job",
     "reconcile": "outbox resolve or outbox retry applies to a reconcile job",
-    "running": "a running job is settled by its dispatcher, or rescued when its lease expires",
+    "running": "outbox cancel applies to a running job; else its dispatcher settles it",
     "done": "a done job is finished",
 }
 
@@ -737,12 +737,18 @@ def retry_command(dsn: str, schema: str, job_id: int | None, effect: str | None,
 @actor_option
 @_one_line_errors
 def cancel_command(dsn: str, schema: str, job_id: int, actor: str | None) -> None:
-    """Cancel a pending job: it becomes failed without ever being performed (a running
-    job cannot be cancelled: its effect may be at the provider already). Audited, and
-    listening dispatchers are woken (a job its ordering key held back may now run)."""
+    """Cancel a pending job (it becomes failed without ever being performed) or a
+    running one: its perform is told to stop (job.cancelled) within a second or two,
+    and the job ends failed ("cancelled while running"), or in reconcile for an effect
+    that can ask its provider whether it acted; a perform that finished first stays
+    done. Audited, and listening dispatchers are woken."""
     operator = _queue.Operator(_actor(actor), VIA)
     done = _transition_one(dsn, schema, job_id, _queue.cancel(schema, job_id, operator),
-                           "only pending jobs can be cancelled")
+                           "only pending or running jobs can be cancelled")
+    if done.status == "running":
+        click.echo(f"job {job_id} ({done.effect}, key {done.key}) is running: its perform "
+                   "is told to stop; it ends failed unless it finished first")
+        return
     click.echo(f"job {job_id} ({done.effect}, key {done.key}) is cancelled: failed, "
                "never performed")
 

@@ -34,6 +34,8 @@ from typing import Any
 
 import psycopg
 
+from ._dispatch.cancellation import watch as watch_cancellation
+from ._dispatch.cancellation import watch_async as watch_cancellation_async
 from ._dispatch.claimer import (
     Claimer,
     run_claimer,
@@ -626,7 +628,12 @@ class Dispatcher(_Options):
             name="outbox-listener", daemon=True)
         reconciler = self._reconciler(until_idle)
         scheduler = self._scheduler(claimer, until_idle)
+        watcher = threading.Thread(  # tells performs their timeout or lease passed
+            target=supervised(state, "cancellation watcher", partial(
+                watch_cancellation, state, settings.lease)),
+            name="outbox-cancel-watch", daemon=True)
         recorder.start()
+        watcher.start()
         if not until_idle:
             listener.start()
         try:
@@ -643,6 +650,7 @@ class Dispatcher(_Options):
             # waiting on an unreachable database: the stop does not wait for it.
             _join(recorder, self._watch.grace(CLOSE_GRACE) if state.abandoned else None)
             state.drop_unrecorded()  # a part died: what it will never write still counts
+            _join(watcher, self._watch.grace(CLOSE_GRACE))
             if listener.is_alive():
                 _join(listener, self._watch.grace(CLOSE_GRACE))
             if reconciler is not None:
@@ -829,6 +837,8 @@ class AsyncDispatcher(_Options):
         listener = (None if until_idle else loop.create_task(
             supervised_async(state, "listener", listen_async(settings, state))))
         reconciler = await self._reconciler(state, until_idle)
+        watcher = loop.create_task(supervised_async(  # timeouts and leases, on time
+            state, "cancellation watcher", watch_cancellation_async(state, settings.lease)))
         claimer = AsyncConnection(settings, "claimer")
         scheduler: asyncio.Task[None] | None = None
         self._watch = AsyncStopWatch(self._severance, state, settings.stop_timeout,
@@ -862,7 +872,8 @@ class AsyncDispatcher(_Options):
             await gate.close()
             # Only left after a second cancellation (or a failure while winding down):
             # what still runs is abandoned; its jobs come back when their leases expire.
-            leftovers = [*workers.cancel(), recorder, *([listener] if listener else []),
+            leftovers = [*workers.cancel(), recorder, watcher,
+                         *([listener] if listener else []),
                          *([reconciler] if reconciler else []),
                          *([scheduler] if scheduler else [])]
             for task in leftovers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -10,6 +11,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
+from ._cancelling import CancelSignal
 from .limits import Limit
 
 __all__ = ["Effect", "Job"]
@@ -23,6 +25,8 @@ class Job:
     attempt and every re-claim, so an adapter that sends it to the provider gets the
     effect performed once even though ``perform`` may be called more than once
     (delivery to the adapter is at least once).
+
+    ``cancelled`` is set when this claim must stop acting (see the field).
 
     ``attempt`` counts claims, starting at 1; ``claim_version`` is the fencing token of
     this claim. ``model`` holds the payload validated against the effect's
@@ -53,6 +57,13 @@ class Job:
     #: ledger row holds (``outbox.FailedParent`` for a parent failed for good, seen only
     #: with ``after_failed="run"``). Empty for a job without parents.
     after_results: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    #: Set when this claim must stop acting: an operator cancelled the running job, the
+    #: claim was taken over or its lease could not be renewed, the effect's ``timeout``
+    #: passed, or ``stop_timeout`` passed after a stop (``job.cancelled.reason`` says
+    #: which). A sync ``perform`` checks it between steps (``is_set()``, or ``wait(s)``
+    #: in place of a sleep) and raises once it is set; an async ``perform`` is cancelled
+    #: (``asyncio.CancelledError``) and may read it too. Made per claim; not compared.
+    cancelled: threading.Event = field(default_factory=CancelSignal, compare=False, repr=False)
 
 
 class Effect:
@@ -75,6 +86,9 @@ class Effect:
     Override ``unknown_outcome_window`` (a class attribute or a property) where the
     provider's idempotency window is known: see there.
 
+    Set ``timeout`` (seconds) to bound how long one ``perform`` may act: see there and
+    ``Job.cancelled``.
+
     Set ``limit`` to an ``outbox.Limit`` where the provider publishes one (requests per
     second, requests in flight): every dispatcher running the effect then claims its
     jobs within that budget, shared through the database, unless the dispatcher's own
@@ -86,6 +100,11 @@ class Effect:
     payload_model: ClassVar[type[BaseModel] | None] = None
     #: The provider's published limit for this effect (None: no declared limit).
     limit: Limit | None = None
+    #: Seconds a ``perform`` may run (None: no limit). Once they pass, ``job.cancelled``
+    #: is set (an async ``perform`` is cancelled); a perform that then raises may have
+    #: acted, so its job is retried with the same key within the idempotency window (or
+    #: goes to ``reconcile``). Zero or negative is refused when the dispatcher is built.
+    timeout: float | None = None
 
     @property
     def unknown_outcome_window(self) -> float | timedelta | None:

@@ -35,6 +35,8 @@
     replicas    wait_for_replicas: a claimed batch waits until the standbys hold its
                 commit
     listener    LISTEN for enqueue notifications, wake the claimer
+    cancellation tell performs to stop (``job.cancelled``): an operator's cancel, a lost
+                claim or lease, a timeout; the watcher that sets it on time
     counting    ``DispatchStats``, counted from the observer events the parts report
     fleet       one dispatcher over many targets (``outbox.targets``): look-outs per
                 database, turns of each target's own engine, isolation of failing ones

@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 
 from .. import _after, tracing
+from .._cancelling import CancelSignal
 from .._pg import configuration_error, unreachable
 from .._steps import Statement, Step, run, run_async
 from ..effect import Job
@@ -281,7 +282,9 @@ class Claimer:
                   max_attempts=row.max_attempts, first_attempted_at=row.first_attempted_at,
                   group=row.group_key, priority=row.priority,
                   scheduled_for=row.scheduled_for,
-                  after_results=parents.get(row.id, {}))
+                  after_results=parents.get(row.id, {}),
+                  cancelled=CancelSignal(self.state.watch, self.settings.lease,
+                                         self.settings.timeouts.get(row.effect)))
         return Held(job, self.settings.effects[job.effect], job.effect in self.settings.async_names,
                     traced=traced, trace_context=row.trace_context if traced else None,
                     kept_result=row.performed_result)

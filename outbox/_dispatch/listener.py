@@ -1,4 +1,5 @@
-"""The listener: turns enqueue notifications into wake-ups of the claimer.
+"""The listener: turns enqueue notifications into wake-ups of the claimer, and an
+operator's cancel of a running job into its perform's ``job.cancelled``.
 
 Only a hint: the claimer polls too, so a missed notification delays a job by at most
 one poll interval. A lost connection is reopened with backoff; an unexpected error is
@@ -19,6 +20,7 @@ from psycopg import sql
 from .._enqueue import notify_channel
 from .._pg import is_pooled
 from ..errors import ConfigurationError
+from .cancellation import notified
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
 from .settings import Settings
 from .state import AsyncState, SharedState
@@ -76,7 +78,9 @@ class Listener:
         listening.execute(listen_statement(self.settings))
         self.state.wake.set()  # jobs may have arrived while we were not listening
         while not self.state.stopping.is_set():
-            for _ in listening.notifies(timeout=NOTIFY_TIMEOUT):
+            for notify in listening.notifies(timeout=NOTIFY_TIMEOUT):
+                if notify.payload:  # an operator's cancel of a running job
+                    notified(self.state, notify.payload)
                 self.state.wake.set()
 
 
@@ -93,7 +97,9 @@ async def listen_async(settings: Settings, state: AsyncState) -> None:
                     return
                 await listening.execute(listen_statement(settings))
                 state.wake.set()  # jobs may have arrived while we were not listening
-                async for _ in listening.notifies():
+                async for notify in listening.notifies():
+                    if notify.payload:  # an operator's cancel of a running job
+                        notified(state, notify.payload)
                     state.wake.set()
             except CONNECTION_ERRORS:
                 await conn.discard()

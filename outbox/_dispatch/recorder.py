@@ -22,12 +22,14 @@ from typing import Any
 import psycopg
 
 from .. import _lifecycle
+from .._cancelling import signal_of
 from .._lifecycle import Decision
 from .._pg import configuration_error
 from .._steps import Statement, Step, run, run_async
 from ..errors import ConfigurationError, Throttled
 from ..observe import AttemptOutcome
 from .budget import report
+from .cancellation import told_to_stop
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
 from .hooked import HookedOutcomes, close_quietly, flush_hooked, flush_hooked_async
 from .reconciler import reconcilers
@@ -204,7 +206,7 @@ class Recorder:
         settled = _lifecycle.RELEASED if isinstance(outcome, Release) else outcome
         assert not isinstance(settled, Success)
         decision = _lifecycle.settle(settled, held.job, self.rules(held), now=datetime.now(UTC),
-                                 rng=self.rng)
+                                 rng=self.rng, told=signal_of(held.job).reason)
         if settled is not _lifecycle.RELEASED and not isinstance(settled, Throttled):
             log.log(
                 logging.WARNING if decision.status != "pending" else logging.INFO,
@@ -252,14 +254,18 @@ class Recorder:
 
     def heartbeat(self) -> Step[None]:
         """Extend the leases of every claim held; mark those found lost."""
+        sent = time.monotonic()  # the leases renewed run at least until sent + lease
         held = [h for h in list(self.state.held.values()) if not h.lost]
         if not held:
+            self.state.watch.renewed = sent
             return
         claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in held)
         rows = yield Statement(self.queries.heartbeat, {"claims": f"[{claims}]",
-                                                        "lease": self.settings.lease},
-                               scalar=True)  # the ids of the leases extended
-        alive = set(rows)
+                                                        "lease": self.settings.lease})
+        # (id, cancel) of each lease extended; cancel: an operator cancelled the claim
+        alive = {row[0] for row in rows}
+        self.state.watch.renewed = sent
+        told_to_stop(self.state, [row[0] for row in rows if row[1]])
         lost = 0
         for h in held:
             if h.job.id not in alive and h.job.id in self.state.held:

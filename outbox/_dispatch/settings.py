@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import socket
 import uuid
@@ -28,7 +29,7 @@ from ..observe import DispatchObserver
 from ..targets import Target
 from .hook_lookup import hooks_for
 
-__all__ = ["Settings", "declared_window", "text_array"]
+__all__ = ["Settings", "declared_timeouts", "declared_window", "text_array"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -75,6 +76,8 @@ class Settings:
     stop_timeout: float = 30.0
     # Perform a claimed job only once the streaming standbys hold its commit.
     wait_for_replicas: bool = False
+    # Derived once: each effect's ``timeout`` in seconds, for the effects declaring one.
+    timeouts: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -169,6 +172,7 @@ class Settings:
             reconcile_interval=_seconds(reconcile_interval, "reconcile_interval", minimum=0.01),
             stop_timeout=_seconds(stop_timeout, "stop_timeout", minimum=0.0),
             wait_for_replicas=wait_for_replicas,
+            timeouts=declared_timeouts(indexed),
         )
 
     @property
@@ -230,6 +234,28 @@ def declared_window(effect: Effect) -> float | None:
     if value is None:
         return None
     return _lifecycle.seconds(value, what=f"effect {effect.name!r}: unknown_outcome_window")
+
+
+def declared_timeouts(effects: Mapping[str, Effect]) -> dict[str, float]:
+    """Each effect's ``timeout`` in seconds (effects declaring None are absent);
+    ``ConfigurationError`` naming the effect for anything but a positive, finite number
+    of seconds (or a timedelta)."""
+    found = {}
+    for name, effect in effects.items():
+        # The class attribute: an instance attribute of that name may mean something
+        # else to the effect (effects.nats.PublishEvent's publish timeout).
+        value = getattr(type(effect), "timeout", None)
+        if value is None:
+            continue
+        if isinstance(value, timedelta):
+            value = value.total_seconds()
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not 0 < value < math.inf):
+            raise ConfigurationError(
+                f"effect {name!r}: timeout must be a positive number of seconds (or None "
+                f"for no timeout), got {getattr(type(effect), 'timeout', None)!r}")
+        found[name] = float(value)
+    return found
 
 
 def _limits(given: Mapping[str, Limit] | None, effects: Mapping[str, Effect]) -> dict[str, Limit]:

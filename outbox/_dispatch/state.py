@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from .. import tracing
+from .._cancelling import Watch, signal_of
 from ..errors import Throttled
 from ..observe import AttemptOutcome, DispatchObserver, MultiObserver
 from .budget import LimitView, is_transient
@@ -123,6 +124,9 @@ class SharedState(Generic[E]):
         # What this process knows of the shared limit state (see ``limits``): read by
         # workers in begin, written by the claimer, the recorder and finish.
         self.limits = LimitView()
+        # What the held jobs' ``job.cancelled`` signals share (outbox._cancelling):
+        # renewed by the recorder's heartbeat, timeouts armed by the workers.
+        self.watch = Watch()
 
     @property
     def stats(self) -> DispatchStats:
@@ -154,6 +158,9 @@ class SharedState(Generic[E]):
             self.held.pop(held.job.id, None)
             guarded(self.observer.attempt_finished, held.job.effect, "lost", 0.0)
             self.wake.set()
+            return False
+        if signal_of(held.job).is_set():  # told before it started: it never acts
+            self.finish(held, Release())
             return False
         limits = self.limits
         if self.releasing or ((limits.paused_until or limits.local_until)
@@ -265,6 +272,7 @@ class SharedState(Generic[E]):
                 "left to its lease, which ends within %gs of its last heartbeat; another "
                 "dispatcher will perform it again", stop_timeout, job.id, job.effect, job.key,
                 job.claim_version, lease)
+            signal_of(job).tell("stop")
             self.drop(held, TimeoutError(f"stop_timeout ({stop_timeout}s) passed"))
         self.outcome_ready.set()
         self.wake.set()
@@ -273,6 +281,7 @@ class SharedState(Generic[E]):
         """A heartbeat found ``held``'s claim gone: it must not start, and its outcome
         will be refused by the fence (the heartbeat reports ``claims_lost`` per batch)."""
         held.lost = True
+        signal_of(held.job).tell("lost")
         if self.observing:
             guarded(self.observer.fence_rejected, held.job.effect)
 

@@ -26,11 +26,12 @@ from typing import Any, ParamSpec, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from .. import tracing
+from .._cancelling import signal_of
 from .._enqueue import jsonb_problem
 from ..effect import Job
 from ..errors import Permanent
 from .settings import Settings
-from .state import CLOSE_GRACE, Held, Outcome, SharedState, Success, supervised
+from .state import Held, Outcome, SharedState, Success, supervised
 
 __all__ = ["DaemonPool", "LoopRunner", "Performer", "TaskWorkers", "ThreadWorkers"]
 
@@ -38,6 +39,9 @@ log = logging.getLogger("outbox.dispatcher")
 
 FAST_EFFECT = 0.001  # seconds: effects faster than this are handed to threads in runs
 MAX_RUN = 64
+# Seconds the workers still running after stop_timeout (told to stop) get to end, all
+# together, before the stop goes on without them.
+STUCK_GRACE = 0.5
 
 
 class Performer:
@@ -68,6 +72,8 @@ class Performer:
         if held.kept_result is not None:  # performed before; only its hook failed
             return Success(held.kept_result)
         started = time.monotonic()
+        signal = signal_of(held.job)
+        signal.started()  # its timeout, if any, runs from now
         try:
             if held.span is None:  # not traced: no context manager on the hot path
                 result = held.effect.perform(prepare(held))
@@ -87,6 +93,9 @@ class Performer:
         if held.kept_result is not None:  # performed before; only its hook failed
             return Success(held.kept_result)
         started = time.monotonic()
+        signal = signal_of(held.job)
+        # Told to stop (job.cancelled), the task is cancelled while it awaits this perform.
+        signal.started(asyncio.current_task())
         try:
             if held.span is None:
                 result = await held.effect.perform(prepare(held))  # type: ignore[misc]
@@ -94,8 +103,9 @@ class Performer:
                 with tracing.activated(held.span):
                     result = await held.effect.perform(prepare(held))  # type: ignore[misc]
             outcome: Outcome = Success(result_json(held.job, result))
-        except BaseException as exc:  # CancelledError included: recorded as a retry
+        except BaseException as exc:  # CancelledError included: settled as told (if told)
             outcome = exc
+        signal.ended()
         self._measured(held, started)
         return outcome
 
@@ -144,12 +154,14 @@ class ThreadWorkers:
             for _ in threads:
                 queue.put(None)
             # After stop_timeout a perform that never returns keeps its (daemon) thread:
-            # the stop does not wait for it, and its outcome is not recorded.
-            grace = CLOSE_GRACE if self.state.abandoned else None
+            # told to stop (job.cancelled), it gets a moment (STUCK_GRACE, for all of
+            # them together), and the stop does not wait longer; its outcome is not
+            # recorded.
+            until = time.monotonic() + STUCK_GRACE if self.state.abandoned else None
             for thread in threads:
-                thread.join(grace)
+                thread.join(None if until is None else max(0.0, until - time.monotonic()))
             if runner is not None:
-                runner.close(grace)
+                runner.close(None if until is None else max(0.01, until - time.monotonic()))
 
     def _work(self, queue: SimpleQueue[list[Held] | None]) -> None:
         # With no async effects, the ``concurrency`` threads are the limit by themselves.

@@ -69,6 +69,9 @@ WITH due AS (
 UPDATE {schema}.jobs j
 SET claim_version = j.claim_version + 1,
     reconcile_version = j.claim_version + 1,
+    -- An operator's cancel follows the job into reconcile (see reconcile_not_performed).
+    cancel_version = CASE WHEN j.cancel_version = j.claim_version
+                          THEN j.claim_version + 1 ELSE j.cancel_version END,
     reconcile_checks = CASE WHEN j.reconcile_version IS DISTINCT FROM j.claim_version
                             THEN 0 ELSE j.reconcile_checks END,
     reconcile_at = now() + CAST(%(hold)s AS float8) * interval '1 second'
@@ -120,11 +123,17 @@ RETURNING j.id;
 
 -- name: reconcile_not_performed
 -- The provider has no trace: back to pending under the same key, with a fresh attempt
--- budget and a fresh idempotency window, as an operator's retry would.
+-- budget and a fresh idempotency window, as an operator's retry would; a job an
+-- operator cancelled while it ran ends failed instead (it never acted).
 UPDATE {schema}.jobs j
-SET status = 'pending', attempts = 0, first_attempted_at = NULL, available_at = now(),
+SET status = CASE WHEN j.cancel_version = j.claim_version THEN 'failed' ELSE 'pending' END,
+    attempts = 0, first_attempted_at = NULL, available_at = now(),
     reconcile_at = NULL, reconcile_checks = 0,
-    last_error = CAST(%(error)s AS text), updated_at = now()
+    last_error = CASE WHEN j.cancel_version = j.claim_version
+                      THEN 'cancelled by an operator while running; the provider has no '
+                           'trace of it: never performed'
+                      ELSE CAST(%(error)s AS text) END,
+    updated_at = now()
 WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'reconcile'
   AND j.claim_version = CAST(%(version)s AS bigint)
 RETURNING j.id;

@@ -262,13 +262,14 @@ WITH RECURSIVE clock AS (
 
 -- name: heartbeat
 -- Extend the leases of the claims this worker still holds; ids missing from the result
--- are claims it has lost. Batches arrive as one JSON array of {id, version, ...}
+-- are claims it has lost; cancel says an operator asked this claim to stop (outbox
+-- cancel: the fallback of its notification). Batches arrive as one JSON array of {id, version, ...}
 -- objects: one parameter, parsed by the server, whatever the batch size.
 UPDATE {schema}.jobs j
 SET lease_until = now() + %(lease)s::float8 * interval '1 second'
 FROM jsonb_to_recordset(%(claims)s::jsonb) AS h(id bigint, version bigint)
 WHERE j.id = h.id AND j.status = 'running' AND j.claim_version = h.version
-RETURNING j.id;
+RETURNING j.id, j.cancel_version IS NOT DISTINCT FROM j.claim_version AS cancel;
 
 -- fragment: recorded
 -- The ledger row of each job the fenced status change in the CTE finished took (its id,
@@ -333,15 +334,20 @@ JOIN jsonb_to_recordset(%(claims)s::jsonb) AS c(id bigint, version bigint)
 
 -- name: settle
 -- running -> pending (retry, or release with the attempt refunded), failed or reconcile.
+-- A claim an operator cancelled (cancel_version) never goes back to pending: failed.
 -- A job failed for good settles the jobs waiting on it (fragment after_released).
 WITH settled AS (
 UPDATE {schema}.jobs j
-SET status = s.status,
+SET status = CASE WHEN s.status = 'pending' AND j.cancel_version = j.claim_version
+                  THEN 'failed' ELSE s.status END,
     attempts = j.attempts - CASE WHEN s.refund THEN 1 ELSE 0 END,
     available_at = CASE WHEN s.status = 'pending'
                         THEN now() + s.delay * interval '1 second'
                         ELSE j.available_at END,
-    last_error = coalesce(s.error, j.last_error),
+    last_error = CASE WHEN s.status = 'pending' AND j.cancel_version = j.claim_version
+                      THEN 'cancelled by an operator while running'
+                           || coalesce(': ' || s.error, '')
+                      ELSE coalesce(s.error, j.last_error) END,
     lease_until = NULL,
     claimed_by = NULL,
     updated_at = now()
@@ -363,6 +369,7 @@ SELECT t.id FROM settled t;
 -- is per effect where the effect declares one (%(windows)s, a JSON object effect ->
 -- seconds), else %(unknown_window)s. A job failed for good settles the jobs waiting on
 -- it (fragment after_released).
+-- A claim an operator cancelled ends failed.
 WITH expired AS (
     SELECT id, claim_version
     FROM {schema}.jobs
@@ -373,13 +380,16 @@ WITH expired AS (
 ), rescued AS (
 UPDATE {schema}.jobs j
 SET status = CASE
+        WHEN j.cancel_version = j.claim_version THEN 'failed'
         WHEN j.first_attempted_at < now() - coalesce(
                 CAST(CAST(%(windows)s AS jsonb) ->> j.effect AS float8),
                 CAST(%(unknown_window)s AS float8)) * interval '1 second'
             THEN 'reconcile'
         WHEN j.attempts >= j.max_attempts THEN 'failed'
         ELSE 'pending' END,
-    last_error = 'lease expired on attempt ' || j.attempts || ' of ' || j.max_attempts
+    last_error = CASE WHEN j.cancel_version = j.claim_version
+                      THEN 'cancelled by an operator while running; ' ELSE '' END
+                 || 'lease expired on attempt ' || j.attempts || ' of ' || j.max_attempts
                  || ' (worker ' || j.claimed_by || ' stopped heartbeating)',
     available_at = now(),
     lease_until = NULL,

@@ -157,17 +157,32 @@ WITH changed AS (
 {transition_answer};
 
 -- name: cancel
--- pending -> failed, never performed. A claimed (running) job cannot be cancelled: its
--- effect may already be at the provider.
+-- pending -> failed, never performed. running: the cancel is asked of its current claim
+-- (cancel_version), and every dispatcher is told by a notification ('cancel <id>
+-- <claim_version>'; the heartbeat tells it too); the job stays running until its
+-- dispatcher records what its perform did once told (see outbox/_lifecycle.py). While
+-- that claim is the job's current one the job never goes back to pending.
 WITH changed AS (
     UPDATE {schema}.jobs j
-    SET status = 'failed', updated_at = now(),
-        last_error = 'cancelled from the ' || %(via)s::text || ' by ' || %(actor)s::text
-    WHERE {as_seen} AND j.status = 'pending'
-    RETURNING j.id, j.status, j.key, j.effect, j.last_error
+    SET status = CASE WHEN j.status = 'pending' THEN 'failed' ELSE j.status END,
+        cancel_version = CASE WHEN j.status = 'running' THEN j.claim_version
+                              ELSE j.cancel_version END,
+        updated_at = now(),
+        last_error = CASE WHEN j.status = 'pending'
+                          THEN 'cancelled from the ' || %(via)s::text || ' by '
+                               || %(actor)s::text
+                          ELSE j.last_error END
+    WHERE {as_seen} AND j.status IN ('pending', 'running')
+    RETURNING j.id, j.status, j.key, j.effect, j.last_error,
+              CASE WHEN j.status = 'running'
+                   THEN pg_notify(%(channel)s::text,
+                                  'cancel ' || j.id || ' ' || j.claim_version)::text END
+              AS told
 ), parents AS (
-    -- jobs waiting on it (after=[...]) see it failed (fragment after_released)
+    -- jobs waiting on a job cancelled before it ran (after=[...]) see it failed (fragment
+    -- after_released); a running job's children wait for what its perform settles
     SELECT c.key, 'failed'::text AS outcome, c.last_error AS error FROM changed c
+    WHERE c.status = 'failed'
 ), {after_released}, audited AS (
     {audited_action}
 )

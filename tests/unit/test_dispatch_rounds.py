@@ -520,11 +520,14 @@ def test_the_heartbeat_marks_the_claims_it_did_not_extend() -> None:
     events = Events()
     rec, shared = recorder(events)
     shared.hold(held(1, 2, 3))
-    script = Script(rec.queries).then("heartbeat", written(1, 3))
+    # (id, cancel) of each lease extended: job 3's claim was cancelled by an operator.
+    script = Script(rec.queries).then("heartbeat", [(1, False), (3, True)])
     script.drive(rec.heartbeat())
     assert [c["id"] for c in json.loads(script.params("heartbeat")["claims"])] == [1, 2, 3]
     assert [h.job.id for h in shared.held.values() if h.lost] == [2]
     assert events.lost_claims == 1 and events.fenced == 1
+    reasons = {h.job.id: getattr(h.job.cancelled, "reason", None) for h in shared.held.values()}
+    assert reasons == {1: None, 2: "lost", 3: "operator"}
 
 
 def test_no_heartbeat_without_claims() -> None:
