@@ -6,9 +6,9 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from outbox import Job, Permanent
+from outbox import Job, Permanent, Retry
 
-__all__ = ["describe_validation_error", "validated_payload"]
+__all__ = ["describe_validation_error", "stop_if_told", "validated_payload"]
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -36,3 +36,17 @@ def describe_validation_error(exc: ValidationError) -> str:
         where = ".".join(str(part) for part in error["loc"]) or "payload"
         problems.append(f"{where}: {error['msg']}")
     return "; ".join(problems)
+
+
+def stop_if_told(job: Job, what: str) -> None:
+    """Raise ``outbox.Retry`` when ``job.cancelled`` is set, before a step that would act.
+
+    An adapter calls it right before each request that reaches the provider: a perform
+    told to stop (an operator's cancel, a claim taken over, a lease not renewed, the
+    effect's timeout, a stop) then sends nothing more. ``Retry`` says so truthfully (this
+    step did not act); the dispatcher settles it by the reason it was told (an operator's
+    cancel ends failed). ``what`` names the job by key, never by payload.
+    """
+    if job.cancelled.is_set():
+        reason = getattr(job.cancelled, "reason", None) or "set"
+        raise Retry(f"{what}: told to stop ({reason}) before sending; nothing sent")

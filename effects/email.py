@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from outbox import ConfigurationError, Job, Limit, Performed, Permanent, Retry
 
 from ._http import USER_AGENT, PooledAdapter, redact, retry_after, send, throttled
-from ._payload import validated_payload
+from ._payload import stop_if_told, validated_payload
 
 __all__ = ["EmailPayload", "EmailTag", "SendEmail"]
 
@@ -184,6 +184,7 @@ class SendEmail(PooledAdapter):
         request = self._client.build_request(
             "POST", "/emails", json=email.to_resend(), headers={"Idempotency-Key": job.key}
         )
+        stop_if_told(job, f"email job {job.key}")
         response = send(self._client, request, what=f"email job {job.key}")
         return self._outcome(response, job.key)
 

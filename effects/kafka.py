@@ -57,7 +57,7 @@ from outbox import Effect, EffectOutcome, Job, Permanent, Retry, UnknownOutcome
 
 from ._cloudevents import Envelope, attributes, check_envelope
 from ._kafka_consumer import InboxConsumer, KafkaConsumerStats, KafkaEvent
-from ._payload import validated_payload
+from ._payload import stop_if_told, validated_payload
 
 __all__ = ["KEY_HEADER", "InboxConsumer", "KafkaConsumerStats", "KafkaEvent", "Produce",
            "ProducePayload"]
@@ -208,6 +208,7 @@ class Produce(Effect):
         def report(error: KafkaError | None, message: Message) -> None:  # the poll thread
             self._reports.append((loop, delivered, error, message))  # the list of now
 
+        stop_if_told(job, what)
         try:
             producer.produce(event.topic, value, key=None if key is None else key.encode(),
                              headers=self._headers(job, event), on_delivery=report)

@@ -107,7 +107,7 @@ from outbox import (
 from ._cloudevents import Envelope, attributes, check_envelope
 from ._loop import LoopThread
 from ._nats_consumer import ConsumerStats, InboxConsumer, InboxEvent
-from ._payload import validated_payload
+from ._payload import stop_if_told, validated_payload
 
 __all__ = [
     "ConsumerStats",
@@ -601,6 +601,7 @@ class PublishEvent(Effect):
             raise Permanent(f"invalid nats.publish payload for job {job.key}: "
                             "data: not JSON (NaN or infinity)") from exc
         headers = self._headers(job, event)
+        stop_if_told(job, f"nats.publish job {job.key}")
         return await self._publish(self._here(), job, event.subject, body, headers)
 
     @property

@@ -78,7 +78,7 @@ from outbox import (
 )
 
 from ._http import USER_AGENT, PooledAdapter, never_reached_provider, redact, retry_after
-from ._payload import validated_payload
+from ._payload import stop_if_told, validated_payload
 
 __all__ = ["ChargeCard", "ChargePayload", "RefundPayload", "RefundPayment"]
 
@@ -277,6 +277,7 @@ class _StripeEffect(PooledAdapter):
     def _call(self, job: Job, call: Callable[[stripe.RequestOptions], ResultT]) -> ResultT:
         """Run ``call`` with the job's key as idempotency key; Stripe errors -> outcomes."""
         what = f"{self.name} job {job.key}"
+        stop_if_told(job, what)
         try:
             return call({"idempotency_key": job.key})
         except stripe.StripeError as exc:

@@ -45,7 +45,7 @@ from outbox import ConfigurationError, Job, Permanent, Retry
 
 from ._cloudevents import Envelope, attributes, check_envelope
 from ._http import USER_AGENT, PooledAdapter, retry_after, send, throttled
-from ._payload import validated_payload
+from ._payload import stop_if_told, validated_payload
 from ._signing import (
     WebhookSecret,
     compute_signature,
@@ -152,6 +152,7 @@ class PostWebhook(PooledAdapter):
             "POST", self._url, content=body, headers={**headers, **self._headers(job.key, body)}
         )
         what = f"webhook job {job.key} to {self._url.host}"
+        stop_if_told(job, what)
         response = send(self._client, request, what=what)
         return _outcome(response, what)
 
