@@ -279,6 +279,45 @@ def test_stalled_worker_wakes_to_find_its_claim_fenced(
     assert (provider.performed(), provider.acted()) == ({"k": 2}, {"k": 2})
 
 
+def test_a_worker_id_reused_by_a_restart_fences_like_any_other(
+    dsn: str, schema: str, db: Conn, provider: Provider, workers: Workers,
+) -> None:
+    # A pod restarted under the same name: the old process (stalled past its lease, then
+    # woken) and the new one both call themselves "pod-1". Nothing decides on the name:
+    # the old claim is not taken for the new one's (its done is fenced out), and the new
+    # one's live claim is not taken for the dead one's (no rescue while it heartbeats).
+    enqueue(db, schema, ["k"], {"pause": {"1": "before", "2": "after"}})
+    old = workers.start("run", lease=1.0, worker_id="pod-1")
+    assert _paused(provider, "before", old.pid) == (1, 1)
+    old.signal(signal.SIGSTOP)
+    wait_until(lambda: process_stopped(old.pid), "the old process to stop")
+    wait_until(lambda: lease_expired(db, schema, "k"), "the old process's lease to expire")
+
+    new = workers.start("run", lease=1.0, worker_id="pod-1")
+    assert _paused(provider, "after", new.pid) == (2, 2)
+    held = job(db, schema, "k")
+    assert (held["status"], held["claimed_by"], held["claim_version"]) == ("running", "pod-1", 2)
+    # The new claim outlives several leases while it heartbeats: never rescued.
+    deadline = time.monotonic() + 3.5
+    while time.monotonic() < deadline:
+        assert job(db, schema, "k")["claim_version"] == 2
+        time.sleep(0.1)
+
+    provider.release("k", attempt=1)
+    old.signal(signal.SIGCONT)
+    wait_until(lambda: provider.performed() == {"k": 2}, "the woken old process's call")
+    old_stats = old.stop()
+    assert (old_stats["done"], old_stats["stale_completions"]) == (0, 1)
+    assert job(db, schema, "k")["claim_version"] == 2  # its same name took nothing over
+
+    provider.release("k", attempt=2)
+    wait_until(lambda: job(db, schema, "k")["status"] == "done", "the new process's done")
+    assert new.stop()["done"] == 1
+    [row] = ledger(db, schema).values()
+    assert (row["claim_version"], row["result"]["claim_version"]) == (2, 2)
+    assert provider.acted() == {"k": 2}
+
+
 def test_a_job_that_kills_its_worker_every_time_still_ends_failed(
     schema: str, db: Conn, provider: Provider, workers: Workers,
 ) -> None:

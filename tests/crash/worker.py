@@ -72,6 +72,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {} if args.prefetch is None else {"prefetch": args.prefetch}
     if args.stop_timeout is not None:
         extra["stop_timeout"] = args.stop_timeout
+    if args.worker_id is not None:  # a name a restarted process reuses (a pod's)
+        extra["worker_id"] = args.worker_id
     return dict(
         schema=args.schema, lease=args.lease, concurrency=args.concurrency,
         poll_interval=args.poll_interval, rescue_interval=args.rescue_interval,
@@ -148,6 +150,7 @@ def main() -> None:
     parser.add_argument("--stop-timeout", type=float, default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--order", type=int, default=1)
+    parser.add_argument("--worker-id", default=None)
     parser.add_argument("--flavour", choices=["sync", "async", "async-threads"],
                         default="sync")
     parser.add_argument("--hooks", type=int, default=0)  # 1: the effect with on_done
