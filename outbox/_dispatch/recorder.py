@@ -261,11 +261,12 @@ class Recorder:
             return
         claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in held)
         rows = yield Statement(self.queries.heartbeat, {"claims": f"[{claims}]",
-                                                        "lease": self.settings.lease})
+                                                        "lease": self.settings.lease},
+                               named=True)
         # (id, cancel) of each lease extended; cancel: an operator cancelled the claim
-        alive = {row[0] for row in rows}
+        alive = {row.id for row in rows}
         self.state.watch.renewed = sent
-        told_to_stop(self.state, [row[0] for row in rows if row[1]])
+        told_to_stop(self.state, [row.id for row in rows if row.cancel])
         lost = 0
         for h in held:
             if h.job.id not in alive and h.job.id in self.state.held:

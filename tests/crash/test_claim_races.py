@@ -262,7 +262,7 @@ def test_rescuer_does_not_take_a_job_whose_heartbeat_committed_first(
             beat = heartbeat.execute(queries(schema).heartbeat, {
                 "claims": json.dumps([{"id": job_id, "version": version}]), "lease": 30.0,
             }).fetchall()
-            assert beat == [(job_id,)]
+            assert beat == [(job_id, False)]  # renewed; no operator asked it to stop
             racer.start(rescue, params)
             if name == "shipped rescue":
                 assert racer.join() == [], "SKIP LOCKED: the rescuer passes the locked row"

@@ -108,7 +108,7 @@ def test_cancel_fails_a_pending_job_and_wakes_a_dispatcher_for_its_key_mate(
     assert entry["detail"] == {"via": "command line"}
 
     again = outbox_command(dsn, schema, "cancel", str(first), "--actor", "ada")
-    refused(again, f"job {first} is failed; only pending jobs can be cancelled",
+    refused(again, f"job {first} is failed; only pending or running jobs can be cancelled",
             "outbox retry applies")
     assert len(audit(dsn, schema)) == 1
 

@@ -171,6 +171,7 @@ CLAIMED = ("id", "effect", "key", "payload", "attempts", "claim_version", "order
 # The columns of the statements answered by name, as their blocks name them.
 COLUMNS = {"claim": CLAIMED, "limit_claim": (*CLAIMED, "budget_wait"),
            "rescue": ("id", "key", "status", "claim_version"),
+           "heartbeat": ("id", "cancel"),
            "after_sweep": ("walked_child", "walked_parent", "woken"),
            "limit_states": ("effect", "gated", "pause_left", "pause_reason", "troubled"),
            "limit_throttled": ("effect", "pause_left", "pause_reason"),
