@@ -99,6 +99,8 @@ STATEMENT_TIMEOUT = "5s"
 OUTCOMES = {
     "retried": "Job sent back to pending.",
     "cancelled": "Job cancelled: it will not be performed.",
+    "told": "Its perform is told to stop; the job ends failed (or in reconcile) unless it "
+            "finished first.",
     "resolved_done": "Recorded as performed at the provider.",
     "resolved_failed": "Recorded as not performed; the job is failed.",
     "moved": "The job moved on before your action: nothing was changed. Review it again.",
@@ -469,6 +471,8 @@ async def job_action(request: Request) -> Response:
             settings.schema, job_id, _queue.Operator(actor, VIA), seen=seen,
             note=form.get("note", "")[:1000]))
     outcome = done_outcome if done.changed else "moved"
+    if outcome == "cancelled" and done.status == "running":  # its claim is asked to stop
+        outcome = "told"
     if form.get("view") == "row":
         return await _row_after_action(request, job_id, outcome)
     base = request.scope.get("root_path", "")

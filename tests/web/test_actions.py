@@ -86,11 +86,26 @@ async def test_cancel_fails_a_pending_job_naming_who(
     assert audit(dsn, schema)[0]["actor"] == "ada"
 
 
-async def test_a_running_job_cannot_be_cancelled(
+async def test_a_running_jobs_cancel_asks_its_claim_to_stop(
         client: httpx.AsyncClient, dsn: str, schema: str) -> None:
-    [job_id] = seed(dsn, schema, {"key": "r1", "status": "running"})
-    await client.post(f"/jobs/{job_id}/cancel", data=form(0), headers=SAME_ORIGIN)
-    assert job(dsn, schema, job_id)["status"] == "running"
+    # The job stays running until its dispatcher records what the perform did once told
+    # (outbox/_lifecycle.py, after_told); the request names this claim and is audited.
+    [job_id] = seed(dsn, schema, {"key": "r1", "status": "running", "claim_version": 3})
+    page = await client.get(f"/jobs/{job_id}")
+    assert f'action="/jobs/{job_id}/cancel"' in page.text
+    response = await client.post(f"/jobs/{job_id}/cancel", data=form(3), headers=SAME_ORIGIN)
+    assert response.headers["location"].endswith("?outcome=told")
+    row = job(dsn, schema, job_id)
+    assert (row["status"], row["cancel_version"]) == ("running", 3)
+    assert [entry["action"] for entry in audit(dsn, schema)] == ["cancel"]
+
+
+async def test_a_cancel_of_a_claim_that_moved_on_changes_nothing(
+        client: httpx.AsyncClient, dsn: str, schema: str) -> None:
+    [job_id] = seed(dsn, schema, {"key": "r2", "status": "running", "claim_version": 4})
+    await client.post(f"/jobs/{job_id}/cancel", data=form(3), headers=SAME_ORIGIN)
+    assert job(dsn, schema, job_id)["cancel_version"] is None
+    assert [entry["affected"] for entry in audit(dsn, schema)] == [0]  # tried, fenced out
 
 
 async def test_resolving_reconcile_as_performed_writes_the_ledger_with_who_decided(
