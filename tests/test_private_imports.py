@@ -22,6 +22,7 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/integration/test_dispatcher_parts.py": {"outbox._dispatch", "outbox._steps"},
     "tests/unit/test_lifecycle_rules.py": {"outbox._lifecycle"},
     "tests/unit/test_settlement.py": {"outbox._lifecycle"},
+    "tests/unit/test_told_settlement.py": {"outbox._lifecycle"},
     "tests/unit/test_reconciler.py": {"outbox._dispatch", "outbox._lifecycle"},
     "tests/unit/test_presence.py": {"outbox._dispatch"},
     "tests/unit/test_enqueue_prepare.py": {"outbox._enqueue"},
