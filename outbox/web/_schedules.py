@@ -9,7 +9,7 @@ from starlette.responses import PlainTextResponse, RedirectResponse, Response
 
 from .. import _schedule_store
 from .._steps import execute_async, run_async
-from .app import VIA, authorized, mutation_form, render, settings_of, transaction, writable
+from .app import VIA, authorized, pause_form, render, settings_of, transaction, writable
 
 __all__ = ["schedule_action", "schedules_page"]
 
@@ -29,22 +29,18 @@ async def schedules_page(request: Request) -> Response:
 
 async def schedule_action(request: Request) -> Response:
     """Pause or resume one schedule for every dispatcher (audited)."""
-    form, actor = await mutation_form(request)
+    _, actor, pause, name = await pause_form(request, "name",
+                                             "name: the schedule's name is required")
     settings = settings_of(request)
-    action, name = request.path_params["action"], form.get("name", "").strip()
-    if action not in ("pause", "resume"):
-        return PlainTextResponse(f"unknown action {action[:40]!r}", status_code=404)
-    if not name:
-        return PlainTextResponse("name: the schedule's name is required", 400)
     async with transaction(settings) as conn:
         if not await writable(settings, conn):
             return PlainTextResponse("the database is read-only for the dashboard", 403)
         changed = await run_async(
-            _schedule_store.set_paused(name, action == "pause", settings.schema, actor, VIA),
+            _schedule_store.set_paused(name, pause, settings.schema, actor, VIA),
             lambda statement: execute_async(conn, statement))
     if changed is None:
         return PlainTextResponse(f"no schedule {name[:200]!r}", status_code=404)
-    outcome = f"{name} {'paused' if action == 'pause' else 'resumed'}" if changed else (
-        f"{name} was already {'paused' if action == 'pause' else 'running'}")
+    outcome = f"{name} {'paused' if pause else 'resumed'}" if changed else (
+        f"{name} was already {'paused' if pause else 'running'}")
     base = request.scope.get("root_path", "")
     return RedirectResponse(f"{base}/schedules?outcome={outcome}", status_code=303)

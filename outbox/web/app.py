@@ -523,15 +523,25 @@ def error_search(sample: str | None) -> str:
     return text[:120].strip()
 
 
+async def pause_form(request: Request, field: str,
+                     required: str) -> tuple[dict[str, str], str, bool, str]:
+    """The form of a pause / resume action: (form, actor, True to pause, the name in
+    ``field``), or Denied: 404 for another action, 400 (``required``) without the name."""
+    form, actor = await mutation_form(request)
+    action = request.path_params["action"]
+    if action not in ("pause", "resume"):
+        raise Denied(PlainTextResponse(f"unknown action {action[:40]!r}", status_code=404))
+    name = form.get(field, "").strip()
+    if not name:
+        raise Denied(PlainTextResponse(required, 400))
+    return form, actor, action == "pause", name
+
+
 async def effect_action(request: Request) -> Response:
     """Pause or resume an effect for every dispatcher (audited in the same statement)."""
-    form, actor = await mutation_form(request)
+    form, actor, pause, effect = await pause_form(
+        request, "effect", "effect: the name of the effect is required")
     settings = settings_of(request)
-    action, effect = request.path_params["action"], form.get("effect", "").strip()
-    if action not in ("pause", "resume"):
-        return PlainTextResponse(f"unknown action {action[:40]!r}", status_code=404)
-    if not effect:
-        return PlainTextResponse("effect: the name of the effect is required", 400)
     core = core_queries(settings.schema)
     minutes = form.get("minutes", "").strip()
     try:
@@ -544,7 +554,7 @@ async def effect_action(request: Request) -> Response:
     async with transaction(settings) as conn:
         if not await writable(settings, conn):
             return PlainTextResponse("the database is read-only for the dashboard", 403)
-        if action == "pause":
+        if pause:
             await rows(conn, core.limit_pause, {"effect": effect, "seconds": seconds,
                                                  "actor": actor})
         else:
