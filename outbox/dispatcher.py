@@ -45,6 +45,7 @@ from ._dispatch.claimer import (
 )
 from ._dispatch.connection import AsyncConnection, Connection, connect
 from ._dispatch.counting import DispatchStats
+from ._dispatch.crew import Started, start_thread
 from ._dispatch.fleet import ENGINE_CONNECTIONS, Fleet, TargetsSource
 from ._dispatch.hook_lookup import require_sync_hooks
 from ._dispatch.listener import Listener, listen_async
@@ -511,6 +512,14 @@ class Dispatcher(_Options):
     ``outbox.DispatcherFailed``; the listener, only a hint, is restarted instead.
     """
 
+    # A fleet's engine (``_dispatch.crew``) runs its parts on the fleet's threads, takes
+    # its connections from the fleet's pool and gives them back, and checks its target's
+    # schema at its first turn only; a dispatcher run alone makes and closes its own.
+    _start: Callable[[Callable[[], object], str], Started] = staticmethod(start_thread)
+    _release: Callable[[psycopg.Connection[Any]], None] | None = None
+    _schema_once = False
+    _schema_seen = False
+
     def _setup(self) -> None:
         require_sync_hooks(self.settings.done_hooks, self.settings.failed_hooks)
         # One state for the dispatcher's life, so a stop() before run() is honoured.
@@ -594,13 +603,15 @@ class Dispatcher(_Options):
         self._running = True
         state = self._state
         self.stats = state.stats = DispatchStats()
-        claimer = Connection(self._connect, "claimer")
+        claimer = Connection(self._connect, "claimer", self._release)
         deadline = None if timeout is None else time.monotonic() + timeout
         self._watch = self._severance.watch(state, self.settings.stop_timeout,
                                             self.settings.lease)
         try:
             with held(self.settings.limits_home):
-                wait_for_schema(claimer, self.settings, state, deadline)
+                if not self._schema_seen:
+                    wait_for_schema(claimer, self.settings, state, deadline)
+                    self._schema_seen = self._schema_once
                 check_access(claimer, self.settings)
                 self._dispatch(claimer, until_idle, deadline)
             failure = state.failure
@@ -619,25 +630,26 @@ class Dispatcher(_Options):
 
     def _dispatch(self, claimer: Connection, until_idle: bool, deadline: float | None) -> None:
         settings, state = self.settings, self._state
-        recorder = threading.Thread(
-            target=supervised(state, "recorder", lambda: run_recorder(
-                Recorder(settings, state), Connection(self._connect, "recorder"))),
-            name="outbox-recorder", daemon=True)
         listener = threading.Thread(
             target=supervised(state, "listener", Listener(settings, state, self._connect).run),
             name="outbox-listener", daemon=True)
         reconciler = self._reconciler(until_idle)
         scheduler = self._scheduler(claimer, until_idle)
-        watcher = threading.Thread(  # tells performs their timeout or lease passed
-            target=supervised(state, "cancellation watcher", partial(
+        # Started here, as the watcher: a reconciler's or scheduler's pass above that
+        # raised leaves no part running.
+        recorder = self._start(
+            supervised(state, "recorder", lambda: run_recorder(
+                Recorder(settings, state), Connection(self._connect, "recorder",
+                                                      self._release))),
+            "outbox-recorder")
+        watcher = self._start(  # tells performs their timeout or lease passed
+            supervised(state, "cancellation watcher", partial(
                 watch_cancellation, state, settings.lease)),
-            name="outbox-cancel-watch", daemon=True)
-        recorder.start()
-        watcher.start()
+            "outbox-cancel-watch")
         if not until_idle:
             listener.start()
         try:
-            with ThreadWorkers(settings, state).running() as submit:
+            with ThreadWorkers(settings, state, self._start).running() as submit:
                 try:  # with wait_for_replicas, each batch waits for the standbys
                     run_claimer(Claimer(settings, state, until_idle=until_idle), claimer,
                                 ReplicaGate(settings, state, claimer, submit), deadline)
@@ -681,7 +693,8 @@ class Dispatcher(_Options):
         if not reconcilers(settings):
             return None
         body = partial(run_reconciler, Reconciler(settings, state),
-                       Connection(self._connect, "reconciler"), once=until_idle)
+                       Connection(self._connect, "reconciler", self._release),
+                       once=until_idle)
         if until_idle:
             body()
             return None
@@ -706,7 +719,7 @@ class Dispatcher(_Options):
             state.abandon(self.settings.stop_timeout, self.settings.lease)
 
 
-def _join(thread: threading.Thread, seconds: float | None) -> None:
+def _join(thread: Started, seconds: float | None) -> None:
     """Join ``thread``; with ``seconds``, give up after that long (the parts are daemon
     threads: one stuck on a provider or a dead connection does not hold the stop)."""
     thread.join(seconds)

@@ -40,6 +40,7 @@
     counting    ``DispatchStats``, counted from the observer events the parts report
     fleet       one dispatcher over many targets (``outbox.targets``): look-outs per
                 database, turns of each target's own engine, isolation of failing ones
+    crew        the threads and connections a fleet's turns share (long-lived, pooled)
 
 Their database work is written once as steps (``outbox._steps``). Each part's module
 holds both of its loops side by side: the one ``Dispatcher`` runs on a thread and the one

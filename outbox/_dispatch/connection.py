@@ -195,10 +195,14 @@ class Reconnects:
 class Connection(Reconnects):
     """One role's connection: autocommit, READ COMMITTED, keepalives, reconnecting."""
 
-    def __init__(self, open_: Callable[[str], psycopg.Connection[Any]], role: str) -> None:
+    def __init__(self, open_: Callable[[str], psycopg.Connection[Any]], role: str,
+                 release: Callable[[psycopg.Connection[Any]], None] | None = None) -> None:
         super().__init__()
         self._open = open_
         self.role = role
+        # Where ``discard`` puts the connection: closed, or given back to the pool of a
+        # fleet's turns (``crew.Pool``: which closes one that broke).
+        self._release = release or _close_quietly
         self._conn: psycopg.Connection[Any] | None = None
 
     def get(self) -> psycopg.Connection[Any]:
@@ -221,6 +225,8 @@ class Connection(Reconnects):
             raise
         except psycopg.errors.ReadOnlySqlTransaction as exc:
             read_only = from_statement(self._conn, exc, self.role)
+            if self._conn is not None:  # never kept: the next one is probed
+                _close_quietly(self._conn)
             self.discard()  # the next one is probed: a standby is refused as it opens
             raise read_only from exc
         self.succeeded()
@@ -228,9 +234,13 @@ class Connection(Reconnects):
 
     def discard(self) -> None:
         if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.close()
+            self._release(self._conn)
         self._conn = None
+
+
+def _close_quietly(conn: psycopg.Connection[Any]) -> None:
+    with contextlib.suppress(Exception):
+        conn.close()
 
 
 class AsyncConnection(Reconnects):

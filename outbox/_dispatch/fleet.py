@@ -21,6 +21,12 @@ limits (counted in each target's database), flows, reconciliation, retention.
               target's backlog delays another target by about one turn. Every target
               gets a turn at least every CHORES_EVERY seconds, due or not, for its
               rescue of expired leases and its retention
+    sharing   (``Dispatcher``) a turn's parts run on the fleet's long-lived threads and
+              its connections come from the fleet's pool and go back to it (``crew``):
+              a turn of a target whose database another turn used starts no thread and
+              opens no connection. The pool holds at most the turns' share of the
+              budget, idle connections included. Each target's schema is checked at its
+              first turn only
     isolation a turn or a look that fails marks its target down: one log line, the
               observer's target_state (metric outbox_target_up{target}), then retried
               with backoff (RETRY_FIRST seconds doubling to RETRY_MAX); the other
@@ -40,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -52,6 +59,7 @@ from .._sql import queries
 from ..errors import ConfigurationError, DispatcherFailed, SchemaError
 from ..targets import Target
 from .counting import DispatchStats
+from .crew import Crew, Pool, Started, start_thread
 from .network import network_options
 from .settings import Settings
 
@@ -354,6 +362,12 @@ class Fleet:
         self._stats_lock = threading.Lock()
         self._targets_read_at = 0.0
         self._running = False
+        # The threads and connections turns share (``crew``) during a run of
+        # ``Dispatcher``'s; ``shared = False`` makes each turn's own (the cost it
+        # replaces, for the benchmark that measures the difference).
+        self.shared = True
+        self.crew: Crew | None = None
+        self.pool: Pool | None = None
 
     def _start(self) -> None:
         if self._running:
@@ -467,6 +481,31 @@ class Fleet:
                 self.schedule.states.pop(state.target, None)
         self.wake.set()
 
+    def _share(self, engine: Any) -> None:
+        """Have ``engine`` (a ``Dispatcher``) run its turns on the crew and the pool."""
+        crew, pool = self.crew, self.pool
+        if crew is None or pool is None or engine._release == pool.give:
+            return
+        opener = partial(type(engine)._connect, engine)  # its own: opens one
+
+        def take(role: str) -> psycopg.Connection[Any]:
+            return pool.take((engine.settings.conninfo, role), lambda: opener(role))
+
+        engine._connect = take
+        engine._release = pool.give
+        engine._start = crew.start
+        engine._severance.start = crew.start
+        engine._schema_once = True
+
+    def _start_turn(self, state: TargetState) -> Started:
+        name = f"outbox-turn-{state.target.name}"
+        if self.crew is None or self.pool is None:
+            return start_thread(partial(self._run_turn, state), name)
+        self._share(state.engine)
+        # The turns' share of the budget (the scouts' may change as targets come).
+        self.pool.capacity = self.schedule.slots * self.schedule.engine_connections
+        return self.crew.start(partial(self._run_turn, state), name)
+
     def _run_turn(self, state: TargetState) -> None:
         started = time.monotonic()
         try:
@@ -488,7 +527,9 @@ class Fleet:
         self._start()
         self.stats = DispatchStats()
         deadline = None if timeout is None else time.monotonic() + timeout
-        threads: list[threading.Thread] = []
+        threads: list[Started] = []
+        if self.shared:
+            self.crew, self.pool = Crew("outbox-fleet"), Pool(1)
         try:
             self.refresh(scouting=not until_idle)
             self.schedule.fresh_run()
@@ -500,12 +541,7 @@ class Fleet:
                     self.refresh(scouting=True)
                 with self.schedule.lock:
                     chosen = self.schedule.next_turns(now, until_idle=until_idle)
-                for state in chosen:
-                    thread = threading.Thread(target=self._run_turn, args=(state,),
-                                              name=f"outbox-turn-{state.target.name}",
-                                              daemon=True)
-                    threads.append(thread)
-                    thread.start()
+                threads.extend(self._start_turn(state) for state in chosen)
                 threads = [t for t in threads if t.is_alive()]
                 if until_idle and not chosen and self._idle():
                     break
@@ -516,6 +552,9 @@ class Fleet:
             for thread in threads:
                 thread.join()
             self._stop_scouts()
+            if self.crew is not None and self.pool is not None:
+                self.crew.close()
+                self.pool.close()
             self.stopping.clear()
             self._running = False
         return self.stats

@@ -28,6 +28,7 @@ import time
 import psycopg
 
 from .connection import opened
+from .crew import start_thread
 from .state import AsyncState, ThreadState
 
 __all__ = ["AsyncStopWatch", "Severance", "StopWatch"]
@@ -48,6 +49,7 @@ class Severance:
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
+        self.start = start_thread  # where a run's watch runs (a fleet's crew, or its own)
 
     def sever(self) -> int:
         """Shut down the socket of every open connection of this dispatcher's worker id
@@ -82,7 +84,7 @@ class StopWatch:
         self._returned = threading.Event()
         self.cut = False
         self.stopped_at: float | None = None  # when the stop was seen
-        threading.Thread(target=self._watch, name="outbox-stop-watch", daemon=True).start()
+        severance.start(self._watch, "outbox-stop-watch")
 
     def claimer_left(self) -> None:
         self._left.set()

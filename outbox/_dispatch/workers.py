@@ -30,6 +30,7 @@ from .._cancelling import signal_of
 from .._enqueue import jsonb_problem
 from ..effect import Job
 from ..errors import Permanent
+from .crew import Started, start_thread
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, supervised
 
@@ -119,10 +120,13 @@ class Performer:
 class ThreadWorkers:
     """``Dispatcher``'s workers: threads for sync effects, a loop for async ones."""
 
-    def __init__(self, settings: Settings, state: SharedState[Any]) -> None:
+    def __init__(self, settings: Settings, state: SharedState[Any],
+                 start: Callable[[Callable[[], object], str], Started] = start_thread,
+                 ) -> None:
         self.settings = settings
         self.state = state
         self.performer = Performer(state)
+        self._start = start  # a thread of its own each, or a fleet's crew
 
     @contextmanager
     def running(self) -> Iterator[Callable[[list[Held]], None]]:
@@ -133,12 +137,10 @@ class ThreadWorkers:
         """
         queue: SimpleQueue[list[Held] | None] = SimpleQueue()
         threads = [
-            threading.Thread(target=supervised(self.state, "worker", lambda: self._work(queue)),
-                             name=f"outbox-worker-{n}", daemon=True)
+            self._start(supervised(self.state, "worker", lambda: self._work(queue)),
+                        f"outbox-worker-{n}")
             for n in range(self.settings.concurrency if self.settings.has_sync else 0)
         ]
-        for thread in threads:
-            thread.start()
         runner = LoopRunner(self.performer) if self.settings.async_names else None
 
         def submit(batch: list[Held]) -> None:

@@ -1,0 +1,212 @@
+"""Threads and connections a fleet's turns share instead of making their own each turn.
+
+A dispatcher run alone starts its parts on threads of their own and opens its
+connections when it starts; that is the right cost for one long run. A fleet
+(``fleet``) runs every target in short turns, one after another: made fresh each turn,
+those threads and connections would be most of the turn's work. So a fleet's engines
+take them from here:
+
+    Crew   long-lived daemon threads; ``start`` runs a part on an idle one (a new one
+           only when none is idle) and returns a handle joined as a thread is
+    Pool   the connections of finished turns, kept per (connection string, role) and
+           handed to the next turn of any target of that database (every statement names
+           its schema, and a connection's session settings are the same for every
+           target); never more held, in use or idle, than ``capacity``
+
+Without a fleet, ``start_thread`` and the plain connection open and close are used: a
+dispatcher run alone is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from queue import SimpleQueue
+from typing import Any, Protocol
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+__all__ = ["Crew", "Pool", "Started", "start_thread"]
+
+log = logging.getLogger("outbox.dispatcher")
+
+
+class Started(Protocol):
+    """What a part's starter returns: joined and looked at as a thread is."""
+
+    name: str
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+
+def start_thread(target: Callable[[], object], name: str) -> Started:
+    """``target`` on a daemon thread of its own, started (a dispatcher run alone)."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+class _Run:
+    """One part run by a crew member: done once ``target`` returned."""
+
+    def __init__(self, target: Callable[[], object], name: str) -> None:
+        self.target = target
+        self.name = name
+        self.done = threading.Event()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.done.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return not self.done.is_set()
+
+
+class Crew:
+    """Long-lived daemon threads running the parts of many turns, one after another.
+
+    A member that ends a part goes back to the idle list; ``start`` takes an idle member
+    or, when none is, starts a new one: the crew grows to the most parts ever running at
+    once and no further. ``threads_started`` counts the threads it ever started."""
+
+    def __init__(self, label: str = "outbox-crew") -> None:
+        self._label = label
+        self._lock = threading.Lock()
+        self._idle: list[SimpleQueue[_Run | None]] = []
+        self._members: list[SimpleQueue[_Run | None]] = []
+        self._closed = False
+        self.threads_started = 0
+
+    def start(self, target: Callable[[], object], name: str) -> Started:
+        """Run ``target`` on an idle member (or a new one); a handle to join."""
+        run = _Run(target, name)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the crew is closed")
+            if self._idle:
+                inbox = self._idle.pop()
+            else:
+                inbox = SimpleQueue()
+                self._members.append(inbox)
+                self.threads_started += 1
+                threading.Thread(target=self._serve, args=(inbox,), daemon=True,
+                                 name=f"{self._label}-{self.threads_started}").start()
+        inbox.put(run)
+        return run
+
+    def _serve(self, inbox: SimpleQueue[_Run | None]) -> None:
+        me = threading.current_thread()
+        own_name = me.name
+        while (run := inbox.get()) is not None:
+            me.name = run.name  # logs name the part, as a thread of its own would
+            try:
+                run.target()
+            except BaseException:  # parts are supervised; this is the last guard
+                log.exception("%s failed unexpectedly", run.name)
+            finally:
+                me.name = own_name
+                with self._lock:
+                    if not self._closed:
+                        self._idle.append(inbox)
+                run.done.set()
+            if self._closed:
+                return
+
+    def close(self) -> None:
+        """End the idle members now and the busy ones once their part returns."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._members = []
+        for inbox in idle:
+            inbox.put(None)
+
+
+Key = tuple[str, str]  # (connection string, role)
+
+
+class Pool:
+    """Connections kept between turns, per (connection string, role), at most
+    ``capacity`` of them held at once, in use or idle.
+
+    ``take`` hands out an idle connection of that key (checked alive and outside any
+    transaction) or opens one with ``open_``, first closing the least recently used
+    idle one of another key when the pool is full. ``give`` takes one back: a
+    connection closed, broken or inside a transaction is closed, never kept.
+    ``opened`` counts the connections it ever opened."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._lock = threading.Lock()
+        self._idle: OrderedDict[int, tuple[Key, psycopg.Connection[Any]]] = OrderedDict()
+        self._in_use: dict[int, Key] = {}
+        self._closed = False
+        self.opened = 0
+
+    def take(self, key: Key, open_: Callable[[], psycopg.Connection[Any]],
+             ) -> psycopg.Connection[Any]:
+        """A connection for ``key``: a kept one, else a new one from ``open_``."""
+        evicted: list[psycopg.Connection[Any]] = []
+        found: psycopg.Connection[Any] | None = None
+        with self._lock:
+            for ident, (kept_key, conn) in list(self._idle.items()):
+                if kept_key != key:
+                    continue
+                del self._idle[ident]
+                if _reusable(conn):
+                    found = conn
+                    self._in_use[ident] = key
+                    break
+                evicted.append(conn)
+            if found is None:
+                while self._idle and len(self._idle) + len(self._in_use) >= self.capacity:
+                    evicted.append(self._idle.popitem(last=False)[1][1])
+        for conn in evicted:
+            _close(conn)
+        if found is not None:
+            return found
+        conn = open_()
+        with self._lock:
+            self.opened += 1
+            self._in_use[id(conn)] = key
+        return conn
+
+    def give(self, conn: psycopg.Connection[Any]) -> None:
+        """Take ``conn`` back after a turn (or close it when it cannot be kept)."""
+        with self._lock:
+            key = self._in_use.pop(id(conn), None)
+            keep = key is not None and not self._closed and _reusable(conn)
+            if keep:
+                assert key is not None
+                self._idle[id(conn)] = (key, conn)
+        if not keep:
+            _close(conn)
+
+    def held(self) -> int:
+        """Connections held now, in use and idle."""
+        with self._lock:
+            return len(self._idle) + len(self._in_use)
+
+    def close(self) -> None:
+        """Close every idle connection; the ones in use are closed as they come back."""
+        with self._lock:
+            self._closed = True
+            idle = [conn for _, conn in self._idle.values()]
+            self._idle.clear()
+        for conn in idle:
+            _close(conn)
+
+
+def _reusable(conn: psycopg.Connection[Any]) -> bool:
+    return (not conn.closed and not conn.broken
+            and conn.info.transaction_status == TransactionStatus.IDLE)
+
+
+def _close(conn: psycopg.Connection[Any]) -> None:
+    with contextlib.suppress(Exception):
+        conn.close()

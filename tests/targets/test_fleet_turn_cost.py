@@ -1,0 +1,122 @@
+"""A fleet's turns share long-lived threads and connections: over many turns, the
+threads it starts and the connections it opens stay within a bound set by its budget,
+not by the number of turns (counted, never timed)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox import Dispatcher, Target
+
+from .support import Databases, Recorded, enqueue
+
+TARGETS = 8
+ROUNDS = 4
+CONCURRENCY = 4
+BUDGET = 8  # max_connections
+
+
+class Started:
+    """Counts the dispatcher's threads started and connections opened (by name)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.threads = 0
+        self.connections = 0
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> Iterator[Started]:
+    counts = Started()
+    start = threading.Thread.start
+    connect = psycopg.connect
+
+    def counted_start(thread: threading.Thread) -> None:
+        if thread.name.startswith("outbox"):
+            with counts.lock:
+                counts.threads += 1
+        start(thread)
+
+    def counted_connect(*args: Any, **kwargs: Any) -> Any:
+        if str(kwargs.get("application_name", "")).startswith("outbox"):
+            with counts.lock:
+                counts.connections += 1
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(threading.Thread, "start", counted_start)
+    monkeypatch.setattr(psycopg, "connect", counted_connect)
+    yield counts
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def serve_rounds(dispatcher: Dispatcher, targets: list[Target], effect: Recorded) -> int:
+    """Run ``dispatcher`` while ROUNDS times every target gets one job, each round
+    performed before the next is enqueued: at least ROUNDS x TARGETS turns."""
+    runner = threading.Thread(target=dispatcher.run, name="test-runner")
+    runner.start()
+    try:
+        for n in range(ROUNDS):
+            for target in targets:
+                enqueue(target, 1, first=n)
+            expected = (n + 1) * len(targets)
+            wait_for(lambda: len(effect.performed) == expected,  # noqa: B023 - waited here
+                     f"round {n + 1}'s jobs")
+    finally:
+        dispatcher.stop()
+        runner.join(60)
+    assert not runner.is_alive()
+    assert max(effect.performed.values()) == 1
+    return ROUNDS * len(targets)
+
+
+def test_many_turns_start_threads_and_open_connections_within_a_bound(
+        databases: Databases, started: Started) -> None:
+    names = [f"c{n}" for n in range(TARGETS)]
+    shared = databases.make(*names)
+    targets = [Target(shared, name) for name in names]
+    effect = Recorded()
+    dispatcher = Dispatcher(effects=[effect], targets=targets, concurrency=CONCURRENCY,
+                            max_connections=BUDGET, poll_interval=0.2)
+    turns = serve_rounds(dispatcher, targets, effect)
+    # A turn alone starts CONCURRENCY workers, a recorder, a cancellation watcher and a
+    # stop watch (and the turn's thread), and opens a claimer and a recorder connection:
+    # made fresh each turn, at least turns x 7 threads and turns x 2 connections.
+    # Shared, the threads are at most the parts of the turns that run at once (slots of
+    # 2 connections in the budget, CONCURRENCY + 4 parts each) plus the look-out and
+    # its wake-up; the connections at most the budget.
+    slots = BUDGET // 2
+    assert started.threads <= slots * (CONCURRENCY + 4) + 2, started.threads
+    assert started.threads < turns * (CONCURRENCY + 3)
+    assert started.connections <= BUDGET, started.connections
+    assert Counter(effect.performed.values()) == Counter({1: turns})
+
+
+def test_without_sharing_each_turn_pays_for_its_threads_and_connections(
+        databases: Databases, started: Started) -> None:
+    # The same rounds with each turn making its own parts (the fleet's former way, kept
+    # for the benchmark): the counts then follow the turns, past the bound above.
+    names = [f"u{n}" for n in range(TARGETS)]
+    shared = databases.make(*names)
+    targets = [Target(shared, name) for name in names]
+    effect = Recorded()
+    dispatcher = Dispatcher(effects=[effect], targets=targets, concurrency=CONCURRENCY,
+                            max_connections=BUDGET, poll_interval=0.2)
+    assert dispatcher._fleet is not None
+    dispatcher._fleet.shared = False
+    turns = serve_rounds(dispatcher, targets, effect)
+    assert started.threads >= turns * (CONCURRENCY + 3), started.threads
+    assert started.connections >= turns * 2, started.connections
