@@ -10,7 +10,6 @@ imports them.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import getpass
 import importlib
@@ -315,9 +314,7 @@ def run_command(target: str, dsn: str | None, metrics_port: int | None,
     source = _targets_given(target_outboxes, targets_from)  # before the dispatcher loads
     dispatcher = load_dispatcher(target)
     if wait_for_replicas:  # before the fleet's engines copy the options
-        dispatcher.settings = dataclasses.replace(dispatcher.settings, wait_for_replicas=True)
-        dispatcher.wait_for_replicas = True
-        dispatcher._engine_options["wait_for_replicas"] = True
+        dispatcher._set_options(wait_for_replicas=True)
     if source is not None:
         dispatcher = dispatcher._with_targets(source, max_connections)
     if limits_home is not None:
@@ -325,8 +322,7 @@ def run_command(target: str, dsn: str | None, metrics_port: int | None,
     if added:
         dispatcher.add_limits(added)
     if stop_timeout is not None:
-        dispatcher.settings = dataclasses.replace(dispatcher.settings, stop_timeout=stop_timeout)
-        dispatcher.stop_timeout = stop_timeout
+        dispatcher._set_options(stop_timeout=stop_timeout)
     _preflight(dispatcher, wait_for_database)
     click.echo(start_line(dispatcher), err=True)
     if metrics_port is not None:

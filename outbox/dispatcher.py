@@ -49,6 +49,14 @@ from ._dispatch.crew import Started, start_thread
 from ._dispatch.fleet import ENGINE_CONNECTIONS, Fleet, TargetsSource
 from ._dispatch.hook_lookup import require_sync_hooks
 from ._dispatch.listener import Listener, listen_async
+from ._dispatch.options import (
+    ENGINE_OPTIONS,
+    OPTIONS,
+    PUBLIC_OPTIONS,
+    SETTINGS_OPTIONS,
+    docstring,
+    settings_options,
+)
 from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_reconciler_async
 from ._dispatch.recorder import Recorder, run_recorder, run_recorder_async
 from ._dispatch.replicas import AsyncReplicaGate, ReplicaGate, check_access, check_access_async
@@ -86,13 +94,8 @@ log = logging.getLogger("outbox.dispatcher")
 _text_array = text_array  # the claim's effects parameter, for tests that claim by hand
 DRAIN_CHECK = 0.05  # seconds between checks that every held job is recorded
 
-# The checked options readable as attributes of a dispatcher (``d.lease``, ...).
-PUBLIC_OPTIONS = (
-    "schema", "concurrency", "lease", "batch_size", "prefetch", "max_prefetch",
-    "poll_interval", "rescue_interval", "backoff", "unknown_outcome_window", "retention",
-    "ledger_retention", "inbox_retention", "worker_id", "reconcile_interval", "stop_timeout",
-    "wait_for_replicas",
-)
+OPTION_NAMES = frozenset(option.name for option in OPTIONS)
+SETTINGS_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings))
 
 
 class _Options:
@@ -161,68 +164,14 @@ class _Options:
     ) -> None:
         """Check every option now: a wrong one raises ``outbox.ConfigurationError`` here.
 
-        A duration is seconds (a float) or a ``timedelta``. One parameter a line, in the
-        signature's order (the reference's parameter table is built from these lines).
+        A duration is seconds (a float) or a ``timedelta``. The parameters are declared,
+        with their text, in ``outbox._dispatch.options.OPTIONS``, in this signature's
+        order: their ``:param`` lines (the reference's parameter table) are built from it.
 
-        :param conninfo: The database's connection string (libpq key=value or a
-            ``postgresql://`` URL); or None with ``targets``.
-        :param effects: The effects this dispatcher performs; only their jobs are claimed.
-        :param schema: The schema holding the outbox tables.
-        :param concurrency: Performs in flight at once, sync and async effects together.
-        :param lease: A claim's lifetime (at least 1 second); heartbeats extend it while an
-            effect runs, and a job whose lease expires is performed again, same key.
-        :param batch_size: The most jobs one claim takes; None: the larger of
-            ``concurrency`` and 500.
-        :param prefetch: Claimed jobs that may wait for a free worker; None adapts it to
-            about one second of work, 0 claims only what can start at once.
-        :param max_prefetch: The cap of the adaptive ``prefetch`` (jobs).
-        :param poll_interval: How long to wait for work between claims when no
-            notification arrives (LISTEN wakes it sooner).
-        :param rescue_interval: How often expired leases are taken back; None: the
-            smaller of ``lease`` and 5 seconds.
-        :param backoff: The delay before a retry (``outbox.Backoff``, capped exponential
-            with full jitter); None: the default one.
-        :param unknown_outcome_window: How long after a job's first attempt an
-            ``UnknownOutcome`` is retried with the same key before the job goes to
-            ``reconcile`` (an effect's own window wins).
-        :param retention: How long done jobs are kept; None keeps them, 0 deletes a job
-            as it completes.
-        :param ledger_retention: How long ledger rows (the keys already performed) are
-            kept, never shorter than ``retention``; None keeps them.
-        :param inbox_retention: How long inbox rows (``tx.receive``) are kept; None keeps
-            them.
-        :param worker_id: This process's name in leases, logs and ``outbox status``;
-            None: ``host:pid:random``.
-        :param listen_conninfo: A direct connection string for LISTEN when ``conninfo``
-            goes through a transaction-pooling PgBouncer.
-        :param observer: An ``outbox.observe.DispatchObserver`` told of every claim,
-            attempt, fence rejection and rescue.
-        :param metrics: Add the Prometheus metrics (needs ``outbox-pg[prometheus]``).
-        :param on_done: Effect name to a hook run in the transaction that records the job
-            done (in place of the effect's own ``on_done``).
-        :param on_failed: Effect name to a hook run in the transaction that records the job
-            failed.
-        :param reconcile_interval: How often jobs in ``reconcile`` are asked about, for
-            effects that define ``reconcile``.
-        :param limits: Effect name to ``outbox.Limit`` (rate per second, concurrency),
-            counted in the database across every dispatcher.
-        :param breaker_threshold: Transient failures of an effect in a row that pause it
-            for every dispatcher; None turns the breaker off.
-        :param stop_timeout: How long, after a stop, performs in flight get to finish and
-            be recorded before ``run`` returns anyway.
-        :param targets: Several outboxes (``outbox.Target``s, or a callable returning
-            them) served by this one process, instead of ``conninfo``.
-        :param targets_interval: How often a callable ``targets`` is read again.
-        :param max_connections: The most connections this process holds across all its
-            targets (connections).
-        :param limits_home: Where ``Limit(shared=True)`` limits are counted: an
-            ``outbox.Target``, or a connection string for schema ``outbox``.
-        :param wait_for_replicas: Perform a claimed job only once every streaming standby
-            holds its commit (the role needs ``pg_monitor``).
-        :param schedules: Recurring effects (``outbox.Schedule``s) this dispatcher fires,
-            each slot enqueued once across every dispatcher of the schema.
         :raises outbox.ConfigurationError: An option that can never work, named.
         """
+        # What was given, by option name: one dict every reader takes its share of.
+        given = {name: value for name, value in locals().items() if name in OPTION_NAMES}
         if effects is None:
             raise ConfigurationError(f"{type(self).__name__} needs effects=[...], the "
                                      "effects it performs")
@@ -237,44 +186,51 @@ class _Options:
         if metrics:
             from .metrics import with_metrics  # prometheus-client is an optional extra
 
-            observer = with_metrics(observer or DispatchObserver())
-        self.settings = Settings.build(
-            conninfo or "", effects, schema=schema, concurrency=concurrency, lease=lease,
-            batch_size=batch_size, prefetch=prefetch, max_prefetch=max_prefetch,
-            poll_interval=poll_interval, rescue_interval=rescue_interval, backoff=backoff,
-            unknown_outcome_window=unknown_outcome_window, retention=retention,
-            ledger_retention=ledger_retention, inbox_retention=inbox_retention,
-            worker_id=worker_id,
-            listen_conninfo=listen_conninfo, observer=observer,
-            on_done=on_done, on_failed=on_failed, reconcile_interval=reconcile_interval,
-            limits=limits, breaker_threshold=breaker_threshold, stop_timeout=stop_timeout,
-            limits_home=limits_home, wait_for_replicas=wait_for_replicas,
-        )
-        for name in PUBLIC_OPTIONS:
-            setattr(self, name, getattr(self.settings, name))
+            given["observer"] = with_metrics(observer or DispatchObserver())
+            given["metrics"] = False  # done: a dispatcher made from this one adds none
+        self._given = given
+        self.settings = Settings.build(conninfo or "", effects, **settings_options(given))
+        self._show_options()
         # Recurring effects (outbox.Schedule), upserted when a run starts; the clock the
         # scheduler goes by (None: the database's).
         self.schedules = check_schedules(schedules, list(self.settings.effects))
         self._schedule_clock: Callable[[], Any] | None = None
         self.stats = DispatchStats()
         self._running = False
-        # The options an engine of the fleet gets (observer and limits are read from the
-        # settings when it is made: add_observer and add_limits change them).
-        self._engine_options: dict[str, Any] = {
-            "concurrency": concurrency, "lease": lease, "batch_size": batch_size,
-            "prefetch": prefetch, "max_prefetch": max_prefetch,
-            "poll_interval": poll_interval, "rescue_interval": rescue_interval,
-            "backoff": backoff, "unknown_outcome_window": unknown_outcome_window,
-            "retention": retention, "ledger_retention": ledger_retention,
-            "inbox_retention": inbox_retention, "on_done": on_done, "on_failed": on_failed,
-            "reconcile_interval": reconcile_interval,
-            "breaker_threshold": breaker_threshold, "stop_timeout": stop_timeout,
-            "schedules": schedules, "wait_for_replicas": wait_for_replicas}
         self._fleet: Fleet | None = None
         if targets is not None:
             self._fleet = self._make_fleet(targets, targets_interval, max_connections)
         self._setup()
         guarded(self.settings.observer.effects_registered, sorted(self.settings.effects))
+
+    @property
+    def _engine_options(self) -> dict[str, Any]:
+        """The options an engine of the fleet gets, as given (observer, limits, worker id
+        and limits home are read from the settings when it is made: ``add_observer``,
+        ``add_limits`` and ``outbox run`` change them)."""
+        return {name: self._given[name] for name in ENGINE_OPTIONS}
+
+    def _show_options(self) -> None:
+        """The checked options as attributes (``d.lease``, ...), from the settings."""
+        for name in PUBLIC_OPTIONS:
+            setattr(self, name, getattr(self.settings, name))
+
+    def _set_options(self, **changes: Any) -> None:
+        """Change options after construction (``outbox run``'s flags), checked as the
+        constructor checks them: the settings, the attributes and what the fleet's
+        engines get change together. Not during a run."""
+        self._refuse_while_running("change options")
+        unknown = sorted(set(changes) - (set(SETTINGS_OPTIONS) & SETTINGS_FIELDS))
+        if unknown:
+            raise ConfigurationError(f"{', '.join(unknown)}: not an option to change here")
+        given = {**self._given, **changes}
+        checked = Settings.build(self.settings.conninfo, list(self.settings.effects.values()),
+                                 **settings_options(given))
+        self.settings = dataclasses.replace(
+            self.settings, **{name: getattr(checked, name) for name in changes})
+        self._given = given
+        self._show_options()
+        self._setup()
 
     def _setup(self) -> None:
         """What a flavour prepares once, after the options are checked."""
@@ -369,6 +325,11 @@ class _Options:
             f"the dispatcher stopped: a part of it died of {type(failure).__name__} "
             "(logged); jobs it held are retried once their leases expire"
         )
+
+
+# The constructors' docstring: its parameter lines from the declared options.
+_head, _, _tail = (_Options.__init__.__doc__ or "").partition(":raises")
+_Options.__init__.__doc__ = docstring(_head, ":raises" + _tail)
 
 
 def _check_arguments(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

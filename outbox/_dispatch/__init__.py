@@ -1,5 +1,6 @@
 """The dispatcher's parts, each in its own module (River's services, in threads)::
 
+    options     the options declared once: default, text, unit, and who reads each
     settings    the options, validated once (frozen), shared by both dispatchers
     held        a claimed job in hand, and the outcome of its attempt
     state       what the parts share (``SharedState``), with named transitions and a stated
