@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -203,8 +204,16 @@ class Pool:
 
 
 def _reusable(conn: psycopg.Connection[Any]) -> bool:
-    return (not conn.closed and not conn.broken
-            and conn.info.transaction_status == TransactionStatus.IDLE)
+    """Open, outside any transaction, and with nothing to read: an idle connection the
+    server ended (restarted, terminated, timed out) has its farewell waiting, so it is
+    dropped here rather than failing the next turn's first statement."""
+    if conn.closed or conn.broken or conn.info.transaction_status != TransactionStatus.IDLE:
+        return False
+    try:
+        readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+    except (OSError, ValueError, psycopg.Error):
+        return False
+    return not readable
 
 
 def _close(conn: psycopg.Connection[Any]) -> None:

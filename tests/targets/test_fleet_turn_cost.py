@@ -120,3 +120,38 @@ def test_without_sharing_each_turn_pays_for_its_threads_and_connections(
     turns = serve_rounds(dispatcher, targets, effect)
     assert started.threads >= turns * (CONCURRENCY + 3), started.threads
     assert started.connections >= turns * 2, started.connections
+
+
+def test_kept_connections_cut_between_turns_are_replaced(databases: Databases) -> None:
+    # The connections kept for the next turns are terminated by the server while idle:
+    # the next turns find them broken, open new ones, and every job is performed once.
+    names = [f"k{n}" for n in range(3)]
+    shared = databases.make(*names)
+    targets = [Target(shared, name) for name in names]
+    effect = Recorded()
+    dispatcher = Dispatcher(effects=[effect], targets=targets, concurrency=CONCURRENCY,
+                            max_connections=BUDGET, poll_interval=0.2)
+    runner = threading.Thread(target=dispatcher.run, name="test-runner")
+    runner.start()
+    try:
+        for target in targets:
+            enqueue(target, 2)
+        wait_for(lambda: len(effect.performed) == 6, "the first jobs")
+        with psycopg.connect(shared, autocommit=True) as admin:
+            def kept() -> int:
+                row = admin.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND state = 'idle' AND "
+                    "(application_name LIKE 'outbox claimer %%' "
+                    "OR application_name LIKE 'outbox recorder %%')").fetchone()
+                return row[0] if row else 0
+
+            wait_for(lambda: kept() > 0, "a kept connection to cut")
+        for target in targets:
+            enqueue(target, 2, first=2)
+        wait_for(lambda: len(effect.performed) == 12, "the jobs after the cut")
+    finally:
+        dispatcher.stop()
+        runner.join(60)
+    assert not runner.is_alive()
+    assert set(effect.performed.values()) == {1}
