@@ -179,14 +179,20 @@ class Pool:
 
     def give(self, conn: psycopg.Connection[Any]) -> None:
         """Take ``conn`` back after a turn (or close it when it cannot be kept)."""
+        evicted = []
         with self._lock:
             key = self._in_use.pop(id(conn), None)
             keep = key is not None and not self._closed and _reusable(conn)
             if keep:
                 assert key is not None
                 self._idle[id(conn)] = (key, conn)
+            # The capacity may have shrunk (more look-outs): the oldest idle ones go.
+            while self._idle and len(self._idle) + len(self._in_use) > self.capacity:
+                evicted.append(self._idle.popitem(last=False)[1][1])
         if not keep:
             _close(conn)
+        for old in evicted:
+            _close(old)
 
     def held(self) -> int:
         """Connections held now, in use and idle."""

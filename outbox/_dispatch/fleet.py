@@ -470,6 +470,8 @@ class Fleet:
     def _turn_ended(self, state: TargetState, turn: DispatchStats | None,
                     error: BaseException | None, started: float) -> None:
         now = time.monotonic()
+        if error is not None:  # its next turn checks its schema again
+            state.engine._schema_seen = False
         if turn is not None:
             with self._stats_lock:
                 add_stats(self.stats, turn)
