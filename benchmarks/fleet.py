@@ -2,9 +2,10 @@
 
 ``python -m benchmarks.fleet [--dsn DSN] [--schemas 200] [--seconds 60] [--rate 5]``
 
-One database holds ``--schemas`` migrated outbox schemas (the fleet's tests' layout: a
-target per schema). One process runs ``Dispatcher(effects=[noop],
-targets=outbox.targets.schemas(dsn), max_connections=16)`` with ``run()``, twice:
+One database holds ``--schemas`` migrated outbox schemas, a target each (or, with
+``--databases``, as many databases, a target each: the fleet's tests use both layouts).
+One process runs ``Dispatcher(effects=[noop], targets=[...], max_connections=16)`` with
+``run()``, twice:
 
 - ``each turn its own``: the fleet's former way (``Fleet.shared = False``), every turn a
   whole ``run_until_idle`` starting its threads and opening its connections;
@@ -16,7 +17,9 @@ Each run first waits until every target has had its first turn (the observer's
 each in a schema drawn at random (the same seeded sequence for both runs), and counts
 the threads the process starts whose name begins ``outbox`` (``threading.Thread.start``)
 and the connections it opens whose ``application_name`` begins ``outbox``
-(``psycopg.connect``): the dispatcher's, not the feeder's. A window of 60 seconds or
+(``psycopg.connect``): the dispatcher's, not the feeder's; the look-outs' connections
+apart (past the budget, the shared look-out opens one per database it polls, the same
+either way). A window of 60 seconds or
 more also holds every target's chores turn (``CHORES_EVERY``). Figures are per minute;
 the ratio is shared over each-turn-its-own, measured in the same invocation.
 """
@@ -24,6 +27,7 @@ the ratio is shared over each-turn-its-own, measured in the same invocation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import random
 import threading
@@ -37,7 +41,7 @@ import psycopg
 from psycopg import sql
 
 import outbox
-from outbox import Dispatcher
+from outbox import Dispatcher, Target
 from outbox.observe import DispatchObserver
 
 from ._db import fresh_database, migrated, server, settle
@@ -51,7 +55,8 @@ class Counts:
     """What the dispatcher started and opened during the measured window."""
 
     threads: int = 0
-    connections: int = 0
+    connections: int = 0  # the turns' (claimer, recorder, ...)
+    scout_connections: int = 0  # the look-outs' (the shared one opens one per look)
     jobs: int = 0
     seconds: float = 0.0
 
@@ -63,6 +68,7 @@ class _Counter:
     counting = False
     threads = 0
     connections = 0
+    scout_connections = 0
     lock = threading.Lock()
 
 
@@ -78,9 +84,13 @@ def _counting() -> Iterator[type[_Counter]]:
         start(thread)
 
     def counted_connect(*args: Any, **kwargs: Any) -> Any:
-        if _Counter.counting and str(kwargs.get("application_name", "")).startswith("outbox"):
+        name = str(kwargs.get("application_name", ""))
+        if _Counter.counting and name.startswith("outbox"):
             with _Counter.lock:
-                _Counter.connections += 1
+                if name.startswith("outbox scout"):
+                    _Counter.scout_connections += 1
+                else:
+                    _Counter.connections += 1
         return connect(*args, **kwargs)
 
     threading.Thread.start = counted_start  # type: ignore[method-assign, assignment]
@@ -109,11 +119,11 @@ class _FirstTurns(DispatchObserver):
                 self.all_up.set()
 
 
-def measure(dsn: str, names: list[str], *, shared: bool, seconds: float, rate: float,
+def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
             seed: int, max_connections: int) -> Counts:
-    """One run of the fleet over ``names``: the counts of the measured window."""
-    watch = _FirstTurns(len(names))
-    dispatcher = Dispatcher(effects=[Noop()], targets=outbox.targets.schemas(dsn),
+    """One run of the fleet over ``targets``: the counts of the measured window."""
+    watch = _FirstTurns(len(targets))
+    dispatcher = Dispatcher(effects=[Noop()], targets=targets,
                             max_connections=max_connections, observer=watch)
     assert dispatcher._fleet is not None
     dispatcher._fleet.shared = shared
@@ -124,23 +134,30 @@ def measure(dsn: str, names: list[str], *, shared: bool, seconds: float, rate: f
         runner.start()
         try:
             if not watch.all_up.wait(600):
-                raise RuntimeError(f"only {len(watch.up)} of {len(names)} targets served "
+                raise RuntimeError(f"only {len(watch.up)} of {len(targets)} targets served "
                                    "within 600 s")
-            counter.threads = counter.connections = 0
+            counter.threads = counter.connections = counter.scout_connections = 0
             counter.counting = True
             began = time.monotonic()
-            with psycopg.connect(dsn, autocommit=True) as feeder:
+            feeders: dict[str, psycopg.Connection[Any]] = {}
+            try:
                 n = 0
                 while (now := time.monotonic()) - began < seconds:
-                    schema = draw.choice(names)
-                    with outbox.transaction(feeder, schema=schema) as tx:
+                    target = draw.choice(targets)
+                    if target.dsn not in feeders:
+                        feeders[target.dsn] = psycopg.connect(target.dsn, autocommit=True)
+                    with outbox.transaction(feeders[target.dsn], schema=target.schema) as tx:
                         tx.enqueue(NOOP, key=f"{'s' if shared else 'e'}-{n}", payload=payload(n))
                     n += 1
                     time.sleep(max(0.0, began + n / rate - time.monotonic()))
+            finally:
+                for feeder in feeders.values():
+                    feeder.close()
             counter.counting = False
             counts.seconds = now - began
             counts.threads, counts.connections, counts.jobs = (
                 counter.threads, counter.connections, n)
+            counts.scout_connections = counter.scout_connections
         finally:
             counter.counting = False
             dispatcher.stop()
@@ -152,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dsn", help="a server to use (needs CREATEDB); default: embedded")
-    parser.add_argument("--schemas", type=int, default=200)
+    parser.add_argument("--schemas", type=int, default=200, help="targets: schemas of one "
+                        "database (the default), or databases with --databases")
+    parser.add_argument("--databases", action="store_true",
+                        help="each target a database of its own (schema outbox)")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--rate", type=float, default=5.0, help="jobs committed a second")
     parser.add_argument("--max-connections", type=int, default=16)
@@ -161,41 +181,56 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     width = max(3, len(str(args.schemas - 1)))
     names = [f"t{n:0{width}d}" for n in range(args.schemas)]
-    settings = {"max_connections": str(max(100, 2 * args.max_connections + 50))}
-    with server(args.dsn, settings) as srv, fresh_database(srv, "fleet") as dsn:
+    connections = 2 * args.max_connections + 50 + (args.schemas if args.databases else 0)
+    settings = {"max_connections": str(max(100, connections))}
+    with server(args.dsn, settings) as srv, contextlib.ExitStack() as made:
         began = time.monotonic()
-        for name in names:
-            migrated(dsn, name)
-        settle(dsn)
-        print(f"{args.schemas} schemas migrated in {time.monotonic() - began:.0f} s; "
+        if args.databases:
+            targets = []
+            for name in names:
+                dsn = made.enter_context(fresh_database(srv, f"fleet_{name}"))
+                migrated(dsn)
+                settle(dsn)
+                targets.append(Target(dsn))
+        else:
+            dsn = made.enter_context(fresh_database(srv, "fleet"))
+            for name in names:
+                migrated(dsn, name)
+            settle(dsn)
+            targets = [Target(dsn, name) for name in names]
+        layout = "databases" if args.databases else "schemas of one database"
+        print(f"{args.schemas} targets ({layout}) migrated in {time.monotonic() - began:.0f} s; "
               f"window {args.seconds:g} s, {args.rate:g} jobs/s, "
               f"max_connections={args.max_connections}", flush=True)
         results = {}
         for label, shared in (("each turn its own", False), ("shared", True)):
-            results[label] = measure(dsn, names, shared=shared, seconds=args.seconds,
+            results[label] = measure(targets, shared=shared, seconds=args.seconds,
                                      rate=args.rate, seed=args.seed,
                                      max_connections=args.max_connections)
-            done = _done(dsn, names)
-            print(f"  {label}: {results[label].jobs} jobs fed, {done} done so far", flush=True)
+            print(f"  {label}: {results[label].jobs} jobs fed, {_done(targets)} done so far",
+                  flush=True)
     before, after = results["each turn its own"], results["shared"]
     print()
     print(f"{'per minute':<22}{'each turn its own':>20}{'shared':>12}{'ratio':>10}")
-    for what in ("threads", "connections"):
+    rows = (("threads", "threads started"), ("connections", "connections opened"),
+            ("scout_connections", "look-out connections"))
+    for what, label in rows:
         b = before.per_minute(getattr(before, what))
         a = after.per_minute(getattr(after, what))
         ratio = f"{a / b:.3f}" if b else "-"
-        print(f"{what + ' ' + ('started' if what == 'threads' else 'opened'):<22}"
-              f"{b:>20.0f}{a:>12.0f}{ratio:>10}")
+        print(f"{label:<22}{b:>20.0f}{a:>12.0f}{ratio:>10}")
     return 0
 
 
-def _done(dsn: str, names: list[str]) -> int:
-    query = sql.SQL(" + ").join(
-        sql.SQL("(SELECT count(*) FROM {}.effect_results)").format(sql.Identifier(name))
-        for name in names)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(sql.SQL("SELECT ") + query).fetchone()
-    return int(row[0]) if row else 0
+def _done(targets: list[Target]) -> int:
+    """Ledger rows over every target: the jobs done so far."""
+    total = 0
+    for target in targets:
+        with psycopg.connect(target.dsn, autocommit=True) as conn:
+            row = conn.execute(sql.SQL("SELECT count(*) FROM {}.effect_results").format(
+                sql.Identifier(target.schema))).fetchone()
+        total += int(row[0]) if row else 0
+    return total
 
 
 if __name__ == "__main__":
