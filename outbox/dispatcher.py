@@ -226,8 +226,11 @@ class _Options:
         given = {**self._given, **changes}
         checked = Settings.build(self.settings.conninfo, list(self.settings.effects.values()),
                                  **settings_options(given))
+        # Every checked value anew (a derived one follows: rescue_interval after lease),
+        # but what the dispatcher changed since it was built stays, unless named here.
+        kept = {"conninfo", "observer", "limits", "limits_home", "worker_id"} - set(changes)
         self.settings = dataclasses.replace(
-            self.settings, **{name: getattr(checked, name) for name in changes})
+            checked, **{name: getattr(self.settings, name) for name in kept})
         self._given = given
         self._show_options()
         self._setup()

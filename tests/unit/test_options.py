@@ -156,5 +156,9 @@ def test_an_option_set_after_construction_is_checked_and_reaches_every_reader() 
     with pytest.raises(outbox.ConfigurationError, match="lease must be at least 1.0 seconds"):
         dispatcher._set_options(lease=0.5)
     assert dispatcher.lease == 30.0  # a refused change changes nothing
+    worker_id = dispatcher.worker_id
+    dispatcher._set_options(lease=2)  # what is derived from it follows
+    assert (dispatcher.lease, dispatcher.rescue_interval) == (2.0, 2.0)
+    assert dispatcher.worker_id == worker_id and dispatcher.stop_timeout == 7.0
     with pytest.raises(outbox.ConfigurationError, match="targets_interval"):
         dispatcher._set_options(targets_interval=3)
