@@ -34,6 +34,7 @@ from . import _queue, _sql
 from ._callers import command as trigger_sql_command
 from ._devserver import dev_server
 from ._dispatch.fleet import describe_failure, read_targets
+from ._dispatch.options import option
 from ._enqueue import MAX_GROUP_LENGTH, notify_channel, validate_group
 from ._pg import configuration_error
 from ._startup import first_connection
@@ -274,7 +275,7 @@ def _describe(exc: BaseException) -> str:
 @click.option("--stop-timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="After SIGTERM or SIGINT, how long performs in flight may run before the "
                    "command exits and leaves the jobs still held to their leases "
-                   "(default: the dispatcher's stop_timeout, 30).")
+                   f"(default: the dispatcher's stop_timeout, {option('stop_timeout').default:g}).")
 @click.option("--target", "target_outboxes", multiple=True, metavar="DSN[#SCHEMA]",
               help="Serve this outbox (a database, and its schema after #; default "
                    "outbox) instead of the dispatcher's own; repeatable: one process "
@@ -282,7 +283,8 @@ def _describe(exc: BaseException) -> str:
 @click.option("--targets", "targets_from", default=None, metavar="MODULE:CALLABLE",
               help="A function returning the list of outbox.Target to serve, re-read "
                    "every 30 s (e.g. outbox.targets:schemas bound to your database).")
-@click.option("--max-connections", type=click.IntRange(min=3), default=16, show_default=True,
+@click.option("--max-connections", type=click.IntRange(min=3),
+              default=option("max_connections").default, show_default=True,
               help="With --target or --targets: the connections the process may hold "
                    "across every target.")
 @click.option("--limits-home", envvar="OUTBOX_LIMITS_HOME", default=None,

@@ -40,6 +40,7 @@ __all__ = [
     "SETTINGS_OPTIONS",
     "Option",
     "docstring",
+    "option",
     "settings_options",
 ]
 

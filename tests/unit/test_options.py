@@ -143,6 +143,12 @@ def test_every_flag_of_outbox_run_names_an_option_or_the_process() -> None:
              for opt in param.opts}
     assert flags - PROCESS_FLAGS == set(CLI_FLAGS)
     assert set(CLI_FLAGS.values()) <= set(NAMES)
+    # A flag with a default of its own has the option's (None: the dispatcher's own).
+    by_name = {option.name: option for option in OPTIONS}
+    for param in run.params:
+        for flag in getattr(param, "opts", []):
+            if flag in CLI_FLAGS and isinstance(param.default, int | float | str):
+                assert param.default == by_name[CLI_FLAGS[flag]].default, flag
 
 
 def test_an_option_set_after_construction_is_checked_and_reaches_every_reader() -> None:
