@@ -83,14 +83,21 @@ def serve_rounds(dispatcher: Dispatcher, targets: list[Target], effect: Recorded
     return ROUNDS * len(targets)
 
 
-def test_many_turns_start_threads_and_open_connections_within_a_bound(
-        databases: Databases, started: Started) -> None:
-    names = [f"c{n}" for n in range(TARGETS)]
+def fleet(databases: Databases, prefix: str, count: int = TARGETS,
+          ) -> tuple[Dispatcher, list[Target], Recorded]:
+    """A fleet dispatcher over ``count`` new schemas of one new database."""
+    names = [f"{prefix}{n}" for n in range(count)]
     shared = databases.make(*names)
     targets = [Target(shared, name) for name in names]
     effect = Recorded()
     dispatcher = Dispatcher(effects=[effect], targets=targets, concurrency=CONCURRENCY,
                             max_connections=BUDGET, poll_interval=0.2)
+    return dispatcher, targets, effect
+
+
+def test_many_turns_start_threads_and_open_connections_within_a_bound(
+        databases: Databases, started: Started) -> None:
+    dispatcher, targets, effect = fleet(databases, "c")
     turns = serve_rounds(dispatcher, targets, effect)
     # A turn alone starts CONCURRENCY workers, a recorder, a cancellation watcher and a
     # stop watch (and the turn's thread), and opens a claimer and a recorder connection:
@@ -109,12 +116,7 @@ def test_without_sharing_each_turn_pays_for_its_threads_and_connections(
         databases: Databases, started: Started) -> None:
     # The same rounds with each turn making its own parts (the fleet's former way, kept
     # for the benchmark): the counts then follow the turns, past the bound above.
-    names = [f"u{n}" for n in range(TARGETS)]
-    shared = databases.make(*names)
-    targets = [Target(shared, name) for name in names]
-    effect = Recorded()
-    dispatcher = Dispatcher(effects=[effect], targets=targets, concurrency=CONCURRENCY,
-                            max_connections=BUDGET, poll_interval=0.2)
+    dispatcher, targets, effect = fleet(databases, "u")
     assert dispatcher._fleet is not None
     dispatcher._fleet.shared = False
     turns = serve_rounds(dispatcher, targets, effect)
@@ -125,12 +127,8 @@ def test_without_sharing_each_turn_pays_for_its_threads_and_connections(
 def test_kept_connections_cut_between_turns_are_replaced(databases: Databases) -> None:
     # The connections kept for the next turns are terminated by the server while idle:
     # the next turns find them broken, open new ones, and every job is performed once.
-    names = [f"k{n}" for n in range(3)]
-    shared = databases.make(*names)
-    targets = [Target(shared, name) for name in names]
-    effect = Recorded()
-    dispatcher = Dispatcher(effects=[effect], targets=targets, concurrency=CONCURRENCY,
-                            max_connections=BUDGET, poll_interval=0.2)
+    dispatcher, targets, effect = fleet(databases, "k", count=3)
+    shared = targets[0].dsn
     runner = threading.Thread(target=dispatcher.run, name="test-runner")
     runner.start()
     try:
