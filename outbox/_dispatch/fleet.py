@@ -557,6 +557,7 @@ class Fleet:
             if self.crew is not None and self.pool is not None:
                 self.crew.close()
                 self.pool.close()
+            self.crew = self.pool = None
             self.stopping.clear()
             self._running = False
         return self.stats
