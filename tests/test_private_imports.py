@@ -39,6 +39,8 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/unit/test_embedded_bounds.py": {"outbox._embedded"},
     "tests/crash/test_claim_round_connection_loss.py": {"outbox._dispatch", "outbox._steps"},
     "tests/failover/test_network_options.py": {"outbox._dispatch"},
+    "tests/unit/test_options.py": {"outbox._dispatch"},
+    "tests/targets/test_crew.py": {"outbox._dispatch"},
 }
 
 
