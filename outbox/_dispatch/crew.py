@@ -20,6 +20,7 @@ dispatcher run alone is unchanged.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import select
 import threading
@@ -106,7 +107,9 @@ class Crew:
         while (run := inbox.get()) is not None:
             me.name = run.name  # logs name the part, as a thread of its own would
             try:
-                run.target()
+                # A fresh context, as a new thread has: nothing a previous part set in a
+                # context variable (a trace's span, a transaction block) leaks into it.
+                contextvars.Context().run(run.target)
             except BaseException:  # parts are supervised; this is the last guard
                 log.exception("%s failed unexpectedly", run.name)
             finally:

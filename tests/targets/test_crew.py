@@ -5,6 +5,7 @@ never hands out one that is broken, closed or inside a transaction."""
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from typing import Any
@@ -66,6 +67,18 @@ def test_a_part_that_raises_leaves_its_thread_serving() -> None:
     finally:
         crew.close()
     assert done.is_set() and crew.threads_started == 1
+
+
+def test_a_part_sees_no_context_variable_a_previous_part_set() -> None:
+    crew = Crew("test-crew")
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="fresh")
+    seen: list[str] = []
+    try:
+        crew.start(lambda: var.set("left over"), "sets").join(30)
+        crew.start(lambda: seen.append(var.get()), "reads").join(30)
+    finally:
+        crew.close()
+    assert crew.threads_started == 1 and seen == ["fresh"]
 
 
 def _opener(dsn: str, opened: list[psycopg.Connection[Any]]) -> Any:
