@@ -5,8 +5,9 @@ One model for every surface that reports or operates the queue (the dashboard,
 ``outbox status`` and ``outbox retry``, the Prometheus database collector), so they
 count alike, say "due" alike, and act alike:
 
-- counts are exact on a small table; on a large one the unfinished states are counted
-  exactly and done jobs (history) estimated from a block sample;
+- counts are exact for every status with at most ``COUNT_CAP`` jobs; a status with more
+  is estimated from a block sample, so no reading's cost follows the backlog or the
+  history (the busiest groups likewise);
 - "due" applies the claim's own rules (``sql/queue.sql``, block ``effect_health``): a
   job held back by its ordering key waits for its key-mate, not for a dispatcher, so it
   is neither due nor part of the oldest due age; a job waiting on its parents
@@ -38,7 +39,8 @@ from ._sql import BoundQueries, bind_file, check_schema_name
 from ._steps import Statement, Step, execute, execute_async, run, run_async
 
 __all__ = [
-    "EXACT_COUNT_LIMIT",
+    "COUNT_CAP",
+    "GROUP_CAP",
     "SAMPLE_ROWS",
     "STATUSES",
     "Backlog",
@@ -58,7 +60,7 @@ __all__ = [
     "backlog",
     "bulk_retry",
     "cancel",
-    "exact",
+    "capped_statuses",
     "on",
     "on_async",
     "queue_queries",
@@ -68,27 +70,26 @@ __all__ = [
     "retry",
     "sample_percent",
     "snapshot",
-    "with_done_estimated",
+    "with_estimates",
 ]
 
 T = TypeVar("T")
 
 STATUSES = ("pending", "running", "done", "failed", "reconcile")
-EXACT_COUNT_LIMIT = 200_000
-"""Below this many rows (the planner's estimate), every status is counted exactly."""
-SAMPLE_ROWS = 20_000
-"""Rows a block sample should see when done jobs are estimated."""
+COUNT_CAP = 10_000
+"""Jobs of one status read at most to count them: a status with more is estimated."""
+GROUP_CAP = 2_000
+"""Pending jobs read at most to rank the busiest groups exactly: past it, estimated."""
+SAMPLE_ROWS = 10_000
+"""Rows a block sample should see when a status past ``COUNT_CAP`` is estimated (or the
+busiest groups past ``GROUP_CAP``)."""
 
 CountMap = dict[tuple[str, str], int]
 
 
-def exact(estimate: int) -> bool:
-    """Whether a table of about ``estimate`` rows is small enough to count exactly."""
-    return estimate < EXACT_COUNT_LIMIT
-
-
 def sample_percent(estimate: int) -> float:
-    """The TABLESAMPLE percentage that sees about ``SAMPLE_ROWS`` rows."""
+    """The TABLESAMPLE percentage that sees about ``SAMPLE_ROWS`` rows of a table of
+    about ``estimate`` rows."""
     return min(100.0, 100.0 * SAMPLE_ROWS / max(estimate, 1))
 
 
@@ -102,7 +103,7 @@ class TableSize:
 
 @dataclass(frozen=True, slots=True)
 class Counted:
-    """Jobs of one status and effect (``counts_exact``, ``counts_unfinished``)."""
+    """Jobs of one status and effect (``counts_capped``)."""
 
     status: str
     effect: str
@@ -111,10 +112,34 @@ class Counted:
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
-    """Done jobs of one effect seen in a block sample (``done_sample``)."""
+    """Jobs of one status and effect seen in a block sample (``status_sample``)."""
 
+    status: str
     effect: str
     sampled: int
+
+
+def capped_statuses(counted: Iterable[Counted], cap: int) -> frozenset[str]:
+    """The statuses of which ``counts_capped`` read more than ``cap`` jobs: their counts
+    are lower bounds, to be estimated."""
+    totals: dict[str, int] = {}
+    for c in counted:
+        totals[c.status] = totals.get(c.status, 0) + int(c.jobs)
+    return frozenset(status for status, n in totals.items() if n > cap)
+
+
+def with_estimates(counted: Iterable[Counted], sample: Iterable[Sampled], percent: float,
+                   estimated: frozenset[str]) -> CountMap:
+    """Exact counts of the statuses not in ``estimated``; for those, the sample scaled up
+    (a block sample of ``percent`` sees that share of the rows), never below what the
+    capped count saw."""
+    counts = {(c.status, c.effect): int(c.jobs) for c in counted}
+    scale = 100.0 / percent
+    for s in sample:
+        if s.status in estimated:
+            label = (s.status, s.effect)
+            counts[label] = max(counts.get(label, 0), round(int(s.sampled) * scale))
+    return counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,11 +174,17 @@ def with_done_estimated(unfinished: Iterable[Counted], sample: Iterable[Sampled]
 
 @dataclass(frozen=True)
 class Counts:
-    """Jobs per (status, effect); ``estimated`` when done jobs were sampled."""
+    """Jobs per (status, effect): exact for every status with at most ``COUNT_CAP`` jobs,
+    estimated for those in ``approximate`` (from a block sample)."""
 
     counts: CountMap
-    estimated: bool
+    approximate: frozenset[str]
     dead_tuples: int
+
+    @property
+    def estimated(self) -> bool:
+        """Whether any status was estimated."""
+        return bool(self.approximate)
 
     def total(self, status: str) -> int:
         """All jobs of ``status``."""
@@ -203,23 +234,24 @@ def queue_queries(schema: str) -> QueueQueries:
 
 
 def snapshot(schema: str) -> Step[Snapshot]:
-    """Read the counts and the health: four statements at most, none a full scan of
-    the done history on a large table."""
+    """Read the counts and the health: five statements at most, whose cost does not
+    follow the backlog nor the history (each status read up to ``COUNT_CAP`` jobs, a
+    block sample of about ``SAMPLE_ROWS`` rows beyond it, no scan of the due jobs)."""
     q = queue_queries(schema)
     sizes: list[TableSize] = yield Statement(q.table_size, {"schema_name": schema},
                                              row=TableSize)
     size = sizes[0] if sizes else TableSize(0, 0)
-    estimate, dead = int(size.estimate), int(size.dead_tuples)
-    if exact(estimate):
-        found: list[Counted] = yield Statement(q.counts_exact, {}, row=Counted)
-        counts = Counts({(c.status, c.effect): int(c.jobs) for c in found}, False, dead)
-    else:
-        unfinished = yield Statement(q.counts_unfinished, {}, row=Counted)
-        sample = yield Statement(q.done_sample, {"percent": sample_percent(estimate)},
-                                 row=Sampled)
-        counts = Counts(with_done_estimated(unfinished, sample, estimate), True, dead)
+    counted: list[Counted] = yield Statement(q.counts_capped, {"cap": COUNT_CAP}, row=Counted)
+    approximate = capped_statuses(counted, COUNT_CAP)
+    counts = {(c.status, c.effect): int(c.jobs) for c in counted}
+    if approximate:
+        # The estimate's own floor: the capped count read more than COUNT_CAP rows.
+        percent = sample_percent(max(int(size.estimate), COUNT_CAP))
+        sample = yield Statement(q.status_sample, {"percent": percent}, row=Sampled)
+        counts = with_estimates(counted, sample, percent, approximate)
     health: list[EffectHealth] = yield Statement(q.effect_health, {}, row=EffectHealth)
-    return Snapshot(counts, {h.effect: h for h in health})
+    return Snapshot(Counts(counts, approximate, int(size.dead_tuples)),
+                    {h.effect: h for h in health})
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,15 +285,47 @@ BUSIEST_GROUPS = 5
 
 
 def busiest_groups(schema: str, top: int) -> Step[dict[str, list[GroupBacklog]]]:
-    """Per effect with pending jobs, its ``top`` groups by pending jobs, most first."""
-    rows: list[GroupBacklog] = yield Statement(
-        queue_queries(schema).busiest_groups, {"top": top},
-        row=lambda effect, group_key, pending: GroupBacklog(
-            effect, group_key or None, int(pending)))
+    """Per effect with pending jobs, its ``top`` groups by pending jobs, most first:
+    exact up to ``GROUP_CAP`` pending jobs; past it, estimated from a block sample (never
+    below what the capped reading saw of the group), so the reading's cost does not
+    follow the backlog."""
+    q = queue_queries(schema)
+    rows: list[_Grouped] = yield Statement(q.busiest_groups, {"top": top, "cap": GROUP_CAP},
+                                           row=_Grouped)
+    pending = {(r.effect, r.group_key): int(r.pending) for r in rows}
+    if any(r.capped for r in rows):
+        sizes: list[TableSize] = yield Statement(q.table_size, {"schema_name": schema},
+                                                 row=TableSize)
+        percent = sample_percent(max(int(sizes[0].estimate) if sizes else 0, GROUP_CAP))
+        sample: list[_GroupSampled] = yield Statement(q.group_sample, {"percent": percent},
+                                                      row=_GroupSampled)
+        for s in sample:
+            label = (s.effect, s.group_key)
+            pending[label] = max(pending.get(label, 0), round(int(s.sampled) * 100 / percent))
     found: dict[str, list[GroupBacklog]] = {}
-    for row in rows:
-        found.setdefault(row.effect, []).append(row)
-    return found
+    for (effect, group), n in pending.items():
+        found.setdefault(effect, []).append(GroupBacklog(effect, group or None, n))
+    return {effect: sorted(groups, key=lambda g: (-g.pending, g.group_key or ""))[:top]
+            for effect, groups in sorted(found.items())}
+
+
+@dataclass(frozen=True, slots=True)
+class _Grouped:
+    """A row of ``busiest_groups``: '' is the jobs without a group."""
+
+    effect: str
+    group_key: str
+    pending: int
+    capped: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupSampled:
+    """Pending jobs of one effect and group in a block sample (``group_sample``)."""
+
+    effect: str
+    group_key: str
+    sampled: int
 
 
 # -- the operator's transitions ---------------------------------------------------------

@@ -356,7 +356,8 @@ async def job_list(request: Request) -> Response:
             total = None if before else (await records(
                 conn, q.job_count, CappedCount,
                 {**job_filter.params(), "cap": COUNT_CAP + 1}))[0].jobs
-            effects = [seen.effect for seen in await records(conn, q.effects_seen, SeenEffect)]
+            effects = [seen.effect for seen in await records(
+                conn, q.effects_seen, SeenEffect, {"schema_name": settings.schema})]
             can_act = access == "operate" and await writable(settings, conn)
     except pg_errors.QueryCanceled:
         return render(request, "error.html", {"message": (
