@@ -29,7 +29,7 @@ import psycopg
 from psycopg import sql
 
 import outbox
-from outbox._database_metrics import DatabaseCollector
+from outbox.metrics import DatabaseCollector
 from outbox.web import create_app
 
 from ._db import Server, fresh_database, server

@@ -516,8 +516,10 @@ WITH doomed AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-DELETE FROM {schema}.effect_results r USING doomed d
-WHERE r.key = d.key;
+-- The keys through an array, so the rows are found by the primary key: joined to the
+-- CTE, the planner hashed it and read the whole ledger for every batch (a plan test).
+DELETE FROM {schema}.effect_results r
+WHERE r.key = ANY (ARRAY(SELECT d.key FROM doomed d));
 
 -- name: recent_failures
 SELECT id, effect, key, status, attempts, last_error, updated_at

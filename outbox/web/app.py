@@ -92,6 +92,7 @@ R = TypeVar("R")
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
 COUNT_CAP = 10_000
+FINISHED = ("done", "failed", "reconcile")  # listed most recently finished first
 RELATED_SHOWN = 200  # a job's parents and children (fan-in) shown on its page, at most
 BULK_CAP = 1_000
 STATEMENT_TIMEOUT = "5s"
@@ -347,12 +348,17 @@ async def job_list(request: Request) -> Response:
     try:
         job_filter = JobFilter.from_query(request.query_params)
         before = _int_param(request.query_params.get("before"), "before")
+        before_at = _time_param(request.query_params.get("before_at"), "before_at")
     except FilterError as exc:
         return render(request, "error.html", {"message": str(exc)}, status_code=400)
-    params = {**job_filter.params(), "before": before, "limit": PAGE_SIZE + 1}
+    # A status of finished jobs is paged in its own index, most recently finished first.
+    finished = job_filter.status in FINISHED
+    params = {**job_filter.params(), "before": before, "limit": PAGE_SIZE + 1,
+              "before_at": before_at if finished and before is not None else None}
     try:
         async with transaction(settings) as conn:
-            page = await records(conn, q.job_page, Listed, params)
+            page = await records(conn, q.job_page_finished if finished else q.job_page,
+                                 Listed, params)
             total = None if before else (await records(
                 conn, q.job_count, CappedCount,
                 {**job_filter.params(), "cap": COUNT_CAP + 1}))[0].jobs
@@ -369,8 +375,19 @@ async def job_list(request: Request) -> Response:
     return render(request, template, {
         "jobs": page, "filter": job_filter, "query": job_filter.query(), "total": total,
         "count_cap": COUNT_CAP, "next_before": page[-1].id if more else None,
+        "next_before_at": page[-1].updated_at.isoformat() if more and finished else None,
         "effects": effects, "can_act": can_act, "bulk_cap": BULK_CAP, "message": None,
     })
+
+
+def _time_param(value: str | None, name: str) -> datetime | None:
+    if value is None or value == "":
+        return None
+    try:
+        found = datetime.fromisoformat(value)
+    except ValueError:
+        raise FilterError(f"{name}: {value[:40]!r} is not a time") from None
+    return found if found.tzinfo is not None else found.replace(tzinfo=UTC)
 
 
 def _int_param(value: str | None, name: str) -> int | None:

@@ -78,6 +78,22 @@ WHERE {job_filter}
 ORDER BY j.id DESC
 LIMIT %(limit)s;
 
+-- name: job_page_finished
+-- One status of finished jobs (done, failed, reconcile), the most recently finished
+-- first, keyset-paginated on (updated_at, id): read in that status's part of
+-- jobs_finished, so a page costs a page however many newer jobs (a backlog of pending
+-- ones) stand between the finished ones in id order, where job_page would walk them all.
+SELECT j.id, j.effect, j.key, j.status, j.attempts, j.max_attempts, j.claim_version,
+       j.available_at, j.created_at, j.updated_at, left(j.last_error, 300) AS last_error
+FROM {schema}.jobs j
+WHERE {job_filter}
+  AND j.status = %(status)s::text AND j.status IN ('done', 'failed', 'reconcile')
+  AND (%(before_at)s::timestamptz IS NULL
+       OR j.updated_at < %(before_at)s::timestamptz
+       OR (j.updated_at = %(before_at)s::timestamptz AND j.id < %(before)s::bigint))
+ORDER BY j.updated_at DESC, j.id DESC
+LIMIT %(limit)s;
+
 -- name: job_count
 -- Matching jobs, counted up to a cap: beyond it the page says "more than".
 SELECT count(*) AS jobs FROM (
