@@ -41,6 +41,7 @@ from ._steps import Statement, Step, execute, execute_async, run, run_async
 __all__ = [
     "COUNT_CAP",
     "GROUP_CAP",
+    "SAMPLED_ENOUGH",
     "SAMPLE_ROWS",
     "STATUSES",
     "Backlog",
@@ -80,6 +81,9 @@ COUNT_CAP = 10_000
 """Jobs of one status read at most to count them: a status with more is estimated."""
 GROUP_CAP = 2_000
 """Pending jobs read at most to rank the busiest groups exactly: past it, estimated."""
+SAMPLED_ENOUGH = 10
+"""Jobs of a group a sample must see for its estimate to be used (about +-30 %): with
+fewer, the busiest of thousands of small groups would be the luckiest, not the largest."""
 SAMPLE_ROWS = 10_000
 """Rows a block sample should see when a status past ``COUNT_CAP`` is estimated (or the
 busiest groups past ``GROUP_CAP``)."""
@@ -286,9 +290,10 @@ BUSIEST_GROUPS = 5
 
 def busiest_groups(schema: str, top: int) -> Step[dict[str, list[GroupBacklog]]]:
     """Per effect with pending jobs, its ``top`` groups by pending jobs, most first:
-    exact up to ``GROUP_CAP`` pending jobs; past it, estimated from a block sample (never
-    below what the capped reading saw of the group), so the reading's cost does not
-    follow the backlog."""
+    exact up to ``GROUP_CAP`` pending jobs; past it, estimated from a block sample for
+    the groups it saw at least ``SAMPLED_ENOUGH`` times (never below what the capped
+    reading, which reads groups whole in their order, counted), so the reading's cost
+    does not follow the backlog."""
     q = queue_queries(schema)
     rows: list[_Grouped] = yield Statement(q.busiest_groups, {"top": top, "cap": GROUP_CAP},
                                            row=_Grouped)
@@ -300,6 +305,8 @@ def busiest_groups(schema: str, top: int) -> Step[dict[str, list[GroupBacklog]]]
         sample: list[_GroupSampled] = yield Statement(q.group_sample, {"percent": percent},
                                                       row=_GroupSampled)
         for s in sample:
+            if int(s.sampled) < SAMPLED_ENOUGH:
+                continue  # too few to tell a busy group from chance: the count stands
             label = (s.effect, s.group_key)
             pending[label] = max(pending.get(label, 0), round(int(s.sampled) * 100 / percent))
     found: dict[str, list[GroupBacklog]] = {}
