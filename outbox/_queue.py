@@ -266,12 +266,16 @@ class Backlog:
     due: int
     dispatchers: int
     waiting: int = 0  # waiting on parents (after=[...]): neither due nor scheduled
+    capped: bool = False  # due counted up to COUNT_CAP and stopped there: at least that
 
 
 def backlog(schema: str) -> Step[dict[str, Backlog]]:
-    """Per effect with pending jobs, its ``Backlog`` (reads pending jobs only)."""
-    rows: list[Due] = yield Statement(queue_queries(schema).due_by_effect, {}, row=Due)
-    return {d.effect: Backlog(int(d.due), int(d.dispatchers), int(d.waiting)) for d in rows}
+    """Per effect with pending jobs, its ``Backlog``: due jobs counted up to
+    ``COUNT_CAP`` (``capped`` when the count stopped there), never the whole backlog."""
+    rows: list[Due] = yield Statement(queue_queries(schema).due_by_effect,
+                                      {"cap": COUNT_CAP}, row=Due)
+    return {d.effect: Backlog(int(d.due), int(d.dispatchers), int(d.waiting),
+                              int(d.due) >= COUNT_CAP) for d in rows}
 
 
 @dataclass(frozen=True, slots=True)

@@ -142,19 +142,25 @@ WHERE p.effect IS NOT NULL
 ORDER BY p.effect;
 
 -- name: due_by_effect
--- Per effect with pending jobs (outbox status): how many are due, as a claim decides it
--- (a job held back by its ordering key is not), and how many live dispatchers serve
--- the effect. Reads the pending jobs only (the partial index), never the history.
-SELECT j.effect,
-       count(*) FILTER (WHERE {claimable}) AS due,
+-- Per effect with pending jobs (outbox status, the dashboard's targets): how many are
+-- due, as a claim decides it (a job held back by its ordering key is not), counted up to
+-- %(cap)s, and how many live dispatchers serve the effect. The effects come from a loose
+-- index scan (pending_effects) and each count stops at the cap, so the reading costs
+-- the same behind any backlog; never the history.
+WITH RECURSIVE {pending_effects}
+SELECT p.effect,
+       (SELECT count(*) FROM (SELECT 1 FROM {schema}.jobs j
+                              WHERE {claimable} AND j.effect = p.effect
+                              LIMIT %(cap)s::integer) d) AS due,
        (SELECT count(*) FROM {schema}.dispatchers d
-        WHERE d.expires_at > now() AND j.effect = ANY(d.effects)) AS dispatchers,
+        WHERE d.expires_at > now() AND p.effect = ANY(d.effects)) AS dispatchers,
        -- waiting on parents (after=[...], migration 0015): neither due nor scheduled
-       count(*) FILTER (WHERE j.after_waiting > 0) AS waiting
-FROM {schema}.jobs j
-WHERE j.status = 'pending'
-GROUP BY j.effect
-ORDER BY j.effect;
+       (SELECT count(*) FROM {schema}.jobs j
+        WHERE j.status = 'pending' AND j.available_at = {after_never}
+          AND j.after_waiting > 0 AND j.effect = p.effect) AS waiting
+FROM pending_effects p
+WHERE p.effect IS NOT NULL
+ORDER BY p.effect;
 
 -- name: busiest_groups
 -- Per effect with pending jobs, the %(top)s groups with the most pending jobs (the backlog

@@ -638,6 +638,7 @@ class TargetState:
     up: bool
     due: int | None
     reason: str | None
+    capped: bool = False  # a due count stopped at its cap: at least that many
 
 
 class TargetsUnreadable(Exception):
@@ -734,7 +735,8 @@ class Board:
                     await entry.failed(exc, reason)
                     return TargetState(entry.slug, entry.target.name, False, None, reason)
             return TargetState(entry.slug, entry.target.name, True,
-                               sum(b.due for b in backlog.values()), None)
+                               sum(b.due for b in backlog.values()), None,
+                               any(b.capped for b in backlog.values()))
 
         return list(await asyncio.gather(*(state(e) for e in self.entries)))
 

@@ -354,6 +354,12 @@ def test_the_scrapes_health_reads_neither_backlog_nor_history(dsn: str, big: str
     plan.check(jobs=CAP + 100)
 
 
+def test_the_due_backlog_per_effect_stops_at_the_cap(dsn: str, big: str) -> None:
+    # outbox status and the dashboard's targets: each effect's due jobs up to the cap
+    plan = explain(dsn, queue(big)["due_by_effect"], {"cap": CAP})
+    plan.check(jobs=len(EFFECTS) * CAP + WAITING + ORDERED + 100)
+
+
 def test_the_busiest_groups_stop_at_their_cap(dsn: str, big: str) -> None:
     plan = explain(dsn, queue(big)["busiest_groups"], {"cap": GROUP_CAP, "top": 5})
     plan.check(jobs=GROUP_CAP + 1)
