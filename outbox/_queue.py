@@ -42,7 +42,7 @@ __all__ = [
     "COUNT_CAP",
     "GROUP_CAP",
     "SAMPLED_ENOUGH",
-    "SAMPLE_ROWS",
+    "SAMPLE_PAGES",
     "STATUSES",
     "Backlog",
     "Counted",
@@ -84,25 +84,27 @@ GROUP_CAP = 2_000
 SAMPLED_ENOUGH = 10
 """Jobs of a group a sample must see for its estimate to be used (about +-30 %): with
 fewer, the busiest of thousands of small groups would be the luckiest, not the largest."""
-SAMPLE_ROWS = 10_000
-"""Rows a block sample should see when a status past ``COUNT_CAP`` is estimated (or the
-busiest groups past ``GROUP_CAP``)."""
+SAMPLE_PAGES = 200
+"""Pages of the jobs table a block sample reads (about 10,000 rows) when a status past
+``COUNT_CAP`` is estimated (or the busiest groups past ``GROUP_CAP``): sized by the
+table's pages now, not by its statistics, which may be old."""
 
 CountMap = dict[tuple[str, str], int]
 
 
-def sample_percent(estimate: int) -> float:
-    """The TABLESAMPLE percentage that sees about ``SAMPLE_ROWS`` rows of a table of
-    about ``estimate`` rows."""
-    return min(100.0, 100.0 * SAMPLE_ROWS / max(estimate, 1))
+def sample_percent(pages: int) -> float:
+    """The TABLESAMPLE percentage that reads about ``SAMPLE_PAGES`` of a table of
+    ``pages`` pages."""
+    return min(100.0, 100.0 * SAMPLE_PAGES / max(pages, 1))
 
 
 @dataclass(frozen=True, slots=True)
 class TableSize:
-    """The jobs table as the planner sees it (``table_size``)."""
+    """The jobs table as the planner sees it, and its pages now (``table_size``)."""
 
     estimate: int
     dead_tuples: int
+    pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,19 +163,6 @@ class Retried:
     """How many jobs a bulk retry sent back to pending (``bulk_retry``)."""
 
     retried: int
-
-
-def with_done_estimated(unfinished: Iterable[Counted], sample: Iterable[Sampled],
-                        estimate: int) -> CountMap:
-    """Exact counts of the unfinished states plus done jobs estimated: the table's row
-    estimate less the unfinished jobs, split by effect as in the sample."""
-    counts = {(c.status, c.effect): int(c.jobs) for c in unfinished}
-    sampled = {s.effect: int(s.sampled) for s in sample}
-    done_total = max(0, estimate - sum(counts.values()))
-    seen = sum(sampled.values())
-    for effect, n in sampled.items():
-        counts[("done", effect)] = round(done_total * n / seen)
-    return counts
 
 
 @dataclass(frozen=True)
@@ -240,7 +229,7 @@ def queue_queries(schema: str) -> QueueQueries:
 def snapshot(schema: str) -> Step[Snapshot]:
     """Read the counts and the health: five statements at most, whose cost does not
     follow the backlog nor the history (each status read up to ``COUNT_CAP`` jobs, a
-    block sample of about ``SAMPLE_ROWS`` rows beyond it, no scan of the due jobs)."""
+    block sample of about ``SAMPLE_PAGES`` pages beyond it, no scan of the due jobs)."""
     q = queue_queries(schema)
     sizes: list[TableSize] = yield Statement(q.table_size, {"schema_name": schema},
                                              row=TableSize)
@@ -249,8 +238,7 @@ def snapshot(schema: str) -> Step[Snapshot]:
     approximate = capped_statuses(counted, COUNT_CAP)
     counts = {(c.status, c.effect): int(c.jobs) for c in counted}
     if approximate:
-        # The estimate's own floor: the capped count read more than COUNT_CAP rows.
-        percent = sample_percent(max(int(size.estimate), COUNT_CAP))
+        percent = sample_percent(int(size.pages))
         sample = yield Statement(q.status_sample, {"percent": percent}, row=Sampled)
         counts = with_estimates(counted, sample, percent, approximate)
     health: list[EffectHealth] = yield Statement(q.effect_health, {}, row=EffectHealth)
@@ -305,7 +293,7 @@ def busiest_groups(schema: str, top: int) -> Step[dict[str, list[GroupBacklog]]]
     if any(r.capped for r in rows):
         sizes: list[TableSize] = yield Statement(q.table_size, {"schema_name": schema},
                                                  row=TableSize)
-        percent = sample_percent(max(int(sizes[0].estimate) if sizes else 0, GROUP_CAP))
+        percent = sample_percent(int(sizes[0].pages) if sizes else 0)
         sample: list[_GroupSampled] = yield Statement(q.group_sample, {"percent": percent},
                                                       row=_GroupSampled)
         for s in sample:

@@ -5,9 +5,11 @@
 -- {claimable} is the claim's rule (fragment of queries.sql).
 
 -- name: table_size
--- The planner's row estimate and the dead tuples of the jobs table (statistics, no scan).
+-- The planner's row estimate and the dead tuples of the jobs table (statistics, no scan),
+-- and its pages now (its size on disk, never old: a block sample is sized by it).
 SELECT greatest(c.reltuples, 0)::bigint AS estimate,
-       coalesce(s.n_dead_tup, 0) AS dead_tuples
+       coalesce(s.n_dead_tup, 0) AS dead_tuples,
+       (pg_relation_size(c.oid) / current_setting('block_size')::bigint) AS pages
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
 LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
@@ -47,7 +49,7 @@ FROM (SELECT j.effect FROM {schema}.jobs j WHERE j.status = 'reconcile'
 GROUP BY c.effect;
 
 -- name: status_sample
--- The jobs of a block sample (%(percent)s of the table's pages, about SAMPLE_ROWS rows)
+-- The jobs of a block sample (%(percent)s of the table's pages, about SAMPLE_PAGES)
 -- per status and effect: the estimate of the statuses past the cap of counts_capped.
 SELECT j.status, j.effect, count(*) AS sampled
 FROM {schema}.jobs j TABLESAMPLE SYSTEM (%(percent)s::float4)

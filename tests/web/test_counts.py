@@ -7,8 +7,8 @@ from outbox import _queue as _counts
 from outbox._queue import Counted, Sampled
 
 
-def test_the_sample_sees_about_sample_rows_of_any_table() -> None:
-    assert _counts.sample_percent(1_000_000) == 100 * _counts.SAMPLE_ROWS / 1_000_000
+def test_the_sample_reads_about_sample_pages_of_any_table() -> None:
+    assert _counts.sample_percent(100_000) == 100 * _counts.SAMPLE_PAGES / 100_000
     assert _counts.sample_percent(10) == 100.0
     assert _counts.sample_percent(0) == 100.0
 
