@@ -101,7 +101,8 @@ class DatabaseCollector(Collector):
                     {"cap": _queue.COUNT_CAP}).fetchall() if u.due]
                 limits = conn.cursor(row_factory=dict_row).execute(
                     queries(self.schema).limits_overview).fetchall()
-                groups = _queue.on(conn, _queue.busiest_groups(self.schema, 1))
+                groups = _queue.on(conn, _queue.busiest_groups(self.schema, 1,
+                                                               snapshot.sampled_groups))
                 schedules = read_schedules(conn, self.schema)
                 return snapshot, unhandled, limits, groups, schedules
 

@@ -49,6 +49,7 @@ __all__ = [
     "Counts",
     "Due",
     "EffectHealth",
+    "GroupSample",
     "Operator",
     "QueueQueries",
     "Retried",
@@ -118,11 +119,22 @@ class Counted:
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
-    """Jobs of one status and effect seen in a block sample (``status_sample``)."""
+    """Jobs of one status and effect (and, pending, of one group: '' for none) seen in
+    a block sample (``status_sample``)."""
 
     status: str
     effect: str
     sampled: int
+    group_key: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupSample:
+    """The pending jobs per (effect, group) a block sample of ``percent`` saw: what the
+    counts' sample leaves for ``busiest_groups``, which then takes none of its own."""
+
+    percent: float
+    pending: dict[tuple[str, str], int]
 
 
 def capped_statuses(counted: Iterable[Counted], cap: int) -> frozenset[str]:
@@ -140,11 +152,13 @@ def with_estimates(counted: Iterable[Counted], sample: Iterable[Sampled], percen
     (a block sample of ``percent`` sees that share of the rows), never below what the
     capped count saw."""
     counts = {(c.status, c.effect): int(c.jobs) for c in counted}
-    scale = 100.0 / percent
+    sampled: CountMap = {}
     for s in sample:
         if s.status in estimated:
-            label = (s.status, s.effect)
-            counts[label] = max(counts.get(label, 0), round(int(s.sampled) * scale))
+            sampled[(s.status, s.effect)] = sampled.get((s.status, s.effect), 0) + int(s.sampled)
+    scale = 100.0 / percent
+    for label, n in sampled.items():
+        counts[label] = max(counts.get(label, 0), round(n * scale))
     return counts
 
 
@@ -206,6 +220,7 @@ class Snapshot:
 
     counts: Counts
     health: dict[str, EffectHealth]
+    sampled_groups: GroupSample | None = None  # when the counts took a sample
 
     def effects(self) -> set[str]:
         """Every effect the reading saw."""
@@ -237,13 +252,17 @@ def snapshot(schema: str) -> Step[Snapshot]:
     counted: list[Counted] = yield Statement(q.counts_capped, {"cap": COUNT_CAP}, row=Counted)
     approximate = capped_statuses(counted, COUNT_CAP)
     counts = {(c.status, c.effect): int(c.jobs) for c in counted}
+    groups = None
     if approximate:
         percent = sample_percent(int(size.pages))
-        sample = yield Statement(q.status_sample, {"percent": percent}, row=Sampled)
+        sample: list[Sampled] = yield Statement(q.status_sample, {"percent": percent},
+                                                row=Sampled)
         counts = with_estimates(counted, sample, percent, approximate)
+        groups = GroupSample(percent, {(s.effect, s.group_key or ""): int(s.sampled)
+                                       for s in sample if s.status == "pending"})
     health: list[EffectHealth] = yield Statement(q.effect_health, {}, row=EffectHealth)
     return Snapshot(Counts(counts, approximate, int(size.dead_tuples)),
-                    {h.effect: h for h in health})
+                    {h.effect: h for h in health}, groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,32 +299,39 @@ BUSIEST_GROUPS = 5
 """Groups shown per effect by ``outbox status`` and the dashboard's overview."""
 
 
-def busiest_groups(schema: str, top: int) -> Step[dict[str, list[GroupBacklog]]]:
+def busiest_groups(schema: str, top: int, sampled: GroupSample | None = None,
+                   ) -> Step[dict[str, list[GroupBacklog]]]:
     """Per effect with pending jobs, its ``top`` groups by pending jobs, most first:
     exact up to ``GROUP_CAP`` pending jobs; past it, estimated from a block sample for
     the groups it saw at least ``SAMPLED_ENOUGH`` times (never below what the capped
     reading, which reads groups whole in their order, counted), so the reading's cost
-    does not follow the backlog."""
+    does not follow the backlog. ``sampled``: the sample a ``Snapshot`` of the same
+    transaction took (``snapshot.sampled_groups``), used instead of taking another."""
     q = queue_queries(schema)
     rows: list[_Grouped] = yield Statement(q.busiest_groups, {"top": top, "cap": GROUP_CAP},
                                            row=_Grouped)
     pending = {(r.effect, r.group_key): int(r.pending) for r in rows}
     if any(r.capped for r in rows):
-        sizes: list[TableSize] = yield Statement(q.table_size, {"schema_name": schema},
-                                                 row=TableSize)
-        percent = sample_percent(int(sizes[0].pages) if sizes else 0)
-        sample: list[_GroupSampled] = yield Statement(q.group_sample, {"percent": percent},
-                                                      row=_GroupSampled)
-        for s in sample:
-            if int(s.sampled) < SAMPLED_ENOUGH:
+        if sampled is None:
+            sampled = yield from _group_sample(q, schema)
+        for label, n in sampled.pending.items():
+            if n < SAMPLED_ENOUGH:
                 continue  # too few to tell a busy group from chance: the count stands
-            label = (s.effect, s.group_key)
-            pending[label] = max(pending.get(label, 0), round(int(s.sampled) * 100 / percent))
+            pending[label] = max(pending.get(label, 0), round(n * 100 / sampled.percent))
     found: dict[str, list[GroupBacklog]] = {}
     for (effect, group), n in pending.items():
         found.setdefault(effect, []).append(GroupBacklog(effect, group or None, n))
     return {effect: sorted(groups, key=lambda g: (-g.pending, g.group_key or ""))[:top]
             for effect, groups in sorted(found.items())}
+
+
+def _group_sample(q: QueueQueries, schema: str) -> Step[GroupSample]:
+    sizes: list[TableSize] = yield Statement(q.table_size, {"schema_name": schema},
+                                             row=TableSize)
+    percent = sample_percent(int(sizes[0].pages) if sizes else 0)
+    rows: list[_GroupSampled] = yield Statement(q.group_sample, {"percent": percent},
+                                                row=_GroupSampled)
+    return GroupSample(percent, {(s.effect, s.group_key): int(s.sampled) for s in rows})
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,10 +50,14 @@ GROUP BY c.effect;
 
 -- name: status_sample
 -- The jobs of a block sample (%(percent)s of the table's pages, about SAMPLE_PAGES)
--- per status and effect: the estimate of the statuses past the cap of counts_capped.
-SELECT j.status, j.effect, count(*) AS sampled
+-- per status and effect, and per group for the pending ones: the estimate of the
+-- statuses past the cap of counts_capped, and of the busiest groups (one sample for
+-- both, where busiest_groups would take one of its own, group_sample).
+SELECT j.status, j.effect,
+       CASE WHEN j.status = 'pending' THEN coalesce(j.group_key, '') END AS group_key,
+       count(*) AS sampled
 FROM {schema}.jobs j TABLESAMPLE SYSTEM (%(percent)s::float4)
-GROUP BY j.status, j.effect;
+GROUP BY 1, 2, 3;
 
 -- fragment: pending_effects
 -- The effects with pending jobs, one probe of jobs_claimable_effect each (a loose index

@@ -312,8 +312,8 @@ async def overview(request: Request) -> Response:
     since = (datetime.now(UTC) - timedelta(minutes=59)).replace(second=0, microsecond=0)
     async with transaction(settings) as conn:
         snapshot = await _queue.read_async(conn, settings.schema)
-        groups = await _queue.on_async(conn, _queue.busiest_groups(settings.schema,
-                                                                   _queue.BUSIEST_GROUPS))
+        groups = await _queue.on_async(conn, _queue.busiest_groups(
+            settings.schema, _queue.BUSIEST_GROUPS, snapshot.sampled_groups))
         settled = await records(conn, q.settled_per_minute, Settled, {"since": since})
         dispatchers = await records(conn, q.dispatchers, Holder)
         audit = await records(conn, q.recent_audit, RecentAudit, {"limit": 10})
