@@ -4,11 +4,15 @@ below the cap stays exact. Read through the public collector, as Prometheus does
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import psycopg
+import pytest
+from click.testing import CliRunner
 from psycopg import sql
 
+from outbox.cli import main
 from outbox.metrics import DatabaseCollector
 
 NOISY = 15_000  # one tenant's backlog
@@ -68,3 +72,22 @@ def test_below_the_caps_every_gauge_is_exact(dsn: str, schema: str) -> None:
     assert gauges[("outbox_jobs", (("effect", "mail.send"), ("status", "pending")))] == 1500
     # 1500 over 7 groups: g1..g2 hold 215 (n % 7 = 1, 2, ...), the others 214
     assert gauges[("outbox_busiest_group_pending", (("effect", "mail.send"),))] == 215
+
+
+def test_a_due_count_that_stopped_at_its_cap_says_so(
+        dsn: str, schema: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("""
+            INSERT INTO {} (effect, key, payload, fingerprint)
+            SELECT 'mail.send', 'k' || n, '{{}}', 'f' FROM generate_series(1, 5) AS n""")
+            .format(sql.Identifier(schema, "jobs")))
+    monkeypatch.setattr("outbox._queue.COUNT_CAP", 3)  # 5 due jobs: past the cap
+    text = CliRunner().invoke(main, ["status", "--dsn", dsn, "--schema", schema])
+    assert text.exit_code == 0, text.output
+    assert "due backlog: 3+," in text.output
+    report = json.loads(CliRunner().invoke(
+        main, ["status", "--dsn", dsn, "--schema", schema, "--json"]).output)
+    assert (report["due_backlog"], report["due_backlog_capped"]) == (3, True)
+    monkeypatch.setattr("outbox._queue.COUNT_CAP", 10)  # below the cap: exact, no +
+    text = CliRunner().invoke(main, ["status", "--dsn", dsn, "--schema", schema])
+    assert "due backlog: 5," in text.output
