@@ -18,10 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,10 +36,11 @@ from outbox.metrics import DatabaseCollector
 from outbox.web import create_app
 
 from ._db import Server, fresh_database, server
-from ._results import Row, Section, Target, render
+from ._results import Row, Section, Target, environment, render, write_json
 from ._stats import Figure, ratios
 
 SCHEMAS = ("small", "big")
+RESULTS = Path(__file__).resolve().parent / "results"
 READINGS = ("scrape", "overview", "job list")
 
 
@@ -178,13 +182,22 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=defaults.groups)
     parser.add_argument("--ledger", type=int, default=defaults.ledger)
     parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the JSON file (default benchmarks/results/scrape-<UTC>.json)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     config = ScrapeConfig(runs=args.runs, small=args.small, backlog=args.backlog,
                           groups=args.groups, ledger=args.ledger, repeats=args.repeats)
+    started = datetime.now(UTC)
     with server(args.dsn) as srv:
+        env = environment(srv.version(), srv.settings(("shared_buffers", "max_connections")))
         section = run(srv, config)
+        section.load = {"after": os.getloadavg()}
     render([section], config.runs)
+    out = args.out or RESULTS / f"scrape-{started:%Y%m%dT%H%M%SZ}.json"
+    write_json(out, [section], asdict(config), env, started,
+               (datetime.now(UTC) - started).total_seconds())
+    print(f"results: {out}")
 
 
 if __name__ == "__main__":
