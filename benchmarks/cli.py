@@ -31,6 +31,7 @@ from . import (
     memory,
     retention,
     schedules,
+    scrape,
     soak,
     targets,
     upgrade,
@@ -44,7 +45,7 @@ log = logging.getLogger("benchmarks")
 
 SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory", "flows",
             "events", "limits", "fairness", "fairness-scale", "targets", "retention",
-            "upgrade", "soak", "schedules")
+            "upgrade", "soak", "schedules", "scrape")
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVER_SETTINGS = ("shared_buffers", "max_connections", "fsync", "synchronous_commit",
                    "wal_level", "max_wal_size", "autovacuum")
@@ -94,6 +95,8 @@ class Sizes:
     targets_schemas: int = 200
     # schedules: no-op jobs drained beside 10,000 schedules.
     schedules_jobs: int = 50_000
+    # scrape: the due jobs the large backlog adds to the small one.
+    scrape_backlog: int = 300_000
 
 
 FULL = Sizes(drain_sizes=(20_000, 100_000), drain_procs=(1, 2), procrastinate_jobs=20_000,
@@ -109,7 +112,8 @@ QUICK = Sizes(drain_sizes=(5_000,), drain_procs=(1, 2), procrastinate_jobs=300,
               flows_jobs=2_000, events_messages=2000, limits_jobs=40, limits_outage=5.0,
               soak_seconds=40.0, soak_rate=500.0, retention_history=50_000,
               retention_jobs=2_000, upgrade_history=20_000, scale_big=10_000,
-              scale_small=1_000, targets_schemas=20, schedules_jobs=5_000)
+              scale_small=1_000, targets_schemas=20, schedules_jobs=5_000,
+              scrape_backlog=30_000)
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
@@ -233,6 +237,8 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
             runs, sizes.upgrade_history)),
         "schedules": lambda srv: schedules.run(srv, schedules.SchedulesConfig(
             runs, jobs=sizes.schedules_jobs)),
+        "scrape": lambda srv: scrape.run(srv, scrape.ScrapeConfig(
+            runs, backlog=sizes.scrape_backlog)),
         "soak": lambda srv: soak.run(srv, soak.SoakConfig(
             seconds=sizes.soak_seconds, rate=sizes.soak_rate,
             retention=min(60.0, sizes.soak_seconds / 4))),

@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from psycopg.rows import class_row, dict_row
 
 from . import _queue
-from ._dispatch.presence import SCAN_LIMIT, Unserved
+from ._dispatch.presence import Unserved
 from ._schedule_metrics import read_schedules, schedule_families
 from ._sql import check_schema_name, queries
 
@@ -40,16 +40,19 @@ SCRAPE_TIMEOUT = "5s"
 
 class DatabaseCollector(Collector):
     """Gauges computed from the outbox tables on each scrape (one connection, one
-    read-only transaction bounded by a statement timeout): ``outbox_jobs{status,effect}``
-    (done jobs estimated on large tables), ``outbox_oldest_due_job_age_seconds{effect}``
-    (due as the claim decides it: ordering keys respected),
+    read-only transaction bounded by a statement timeout), none of whose statements
+    reads the whole backlog or the history: ``outbox_jobs{status,effect}`` (exact for a
+    status with at most ``COUNT_CAP`` jobs, estimated from a block sample beyond),
+    ``outbox_oldest_due_job_age_seconds{effect}`` (due as the claim decides it: ordering
+    keys respected),
     ``outbox_expired_leases{effect}``, ``outbox_oldest_reconcile_job_age_seconds
     {effect}``, ``outbox_waiting_jobs{effect}`` (pending jobs waiting on their parents,
     ``after=[...]``: not due), ``outbox_jobs_dead_tuples``,
     ``outbox_unhandled_due_jobs{effect}`` (due jobs of an effect no running dispatcher
-    handles), ``outbox_busiest_group_pending{effect}`` (the pending jobs of the effect's
-    largest group: a noisy tenant's backlog, with no group label, whose values are
-    unbounded), the schedules' gauges (``outbox._schedule_metrics``) and
+    handles; counted up to ``COUNT_CAP``), ``outbox_busiest_group_pending{effect}``
+    (the pending jobs of the effect's largest group: a noisy tenant's backlog, with no
+    group label, whose values are unbounded; exact up to ``GROUP_CAP`` pending jobs,
+    estimated beyond), the schedules' gauges (``outbox._schedule_metrics``) and
     ``outbox_database_up``.
 
     A database error never fails the scrape: it is logged (by type only) and reported as
@@ -93,25 +96,28 @@ class DatabaseCollector(Collector):
                 conn.execute("SELECT set_config('statement_timeout', %s, true)",
                              (SCRAPE_TIMEOUT,))
                 snapshot = _queue.read(conn, self.schema)
-                unhandled = conn.cursor(row_factory=class_row(Unserved)).execute(
-                    queries(self.schema).unhandled_due, {"limit": SCAN_LIMIT}).fetchall()
+                unhandled = [u for u in conn.cursor(row_factory=class_row(Unserved)).execute(
+                    _queue.queue_queries(self.schema).unserved_due,
+                    {"cap": _queue.COUNT_CAP}).fetchall() if u.due]
                 limits = conn.cursor(row_factory=dict_row).execute(
                     queries(self.schema).limits_overview).fetchall()
-                groups = _queue.on(conn, _queue.busiest_groups(self.schema, 1))
+                groups = _queue.on(conn, _queue.busiest_groups(self.schema, 1,
+                                                               snapshot.sampled_groups))
                 schedules = read_schedules(conn, self.schema)
                 return snapshot, unhandled, limits, groups, schedules
 
 
 def _unhandled_family(rows: list[Unserved], known: set[str]) -> Metric:
     """``outbox_unhandled_due_jobs{effect}``: due jobs of effects that no running
-    dispatcher handles (``<schema>.dispatchers``), which wait until one does. Counted
-    among the oldest and the newest ``SCAN_LIMIT`` due jobs, as the dispatchers' own
-    warning does, so a scrape stays cheap behind any backlog."""
+    dispatcher handles (``<schema>.dispatchers``), which wait until one does. Only the
+    effects nobody serves have their due jobs read (``unserved_due``), each counted up to
+    ``COUNT_CAP``, so a scrape stays cheap behind any backlog of served effects."""
     bounded = _bounded_effects(known | {unserved.effect for unserved in rows})
     family = GaugeMetricFamily(
         "outbox_unhandled_due_jobs",
         "Due pending jobs of an effect no running dispatcher handles (a typo in the "
-        "effect name, or its dispatcher not running).", labels=["effect"])
+        "effect name, or its dispatcher not running); counted up to 10,000.",
+        labels=["effect"])
     folded = {bounded(effect): 0 for effect in known}
     for unserved in rows:
         effect = bounded(unserved.effect)
@@ -129,7 +135,8 @@ def _busiest_group_family(groups: dict[str, list[_queue.GroupBacklog]],
     bounded = _bounded_effects(known | set(groups))
     family = GaugeMetricFamily(
         "outbox_busiest_group_pending", "Pending jobs of the effect's largest group "
-        "(tenant): one tenant's backlog (outbox status names the group).",
+        "(tenant): one tenant's backlog (outbox status names the group); exact up to "
+        "2,000 pending jobs of the schema, estimated from a block sample beyond.",
         labels=["effect"])
     folded = {bounded(effect): 0 for effect in known}
     for effect, found in groups.items():
@@ -143,8 +150,9 @@ def _busiest_group_family(groups: dict[str, list[_queue.GroupBacklog]],
 def _families(snapshot: _queue.Snapshot, known: set[str]) -> Iterable[Metric]:
     bounded = _bounded_effects(known)
     effects = sorted({bounded(e) for e in known})
-    jobs = GaugeMetricFamily("outbox_jobs", "Jobs per status and effect (done jobs "
-                             "estimated on large tables).", labels=["status", "effect"])
+    jobs = GaugeMetricFamily("outbox_jobs", "Jobs per status and effect: exact for a "
+                             "status with at most 10,000 jobs, estimated from a block "
+                             "sample beyond.", labels=["status", "effect"])
     folded: dict[tuple[str, str], int] = {}
     for (status, effect), n in snapshot.counts.counts.items():
         label = (status, bounded(effect))

@@ -5,8 +5,9 @@ One model for every surface that reports or operates the queue (the dashboard,
 ``outbox status`` and ``outbox retry``, the Prometheus database collector), so they
 count alike, say "due" alike, and act alike:
 
-- counts are exact on a small table; on a large one the unfinished states are counted
-  exactly and done jobs (history) estimated from a block sample;
+- counts are exact for every status with at most ``COUNT_CAP`` jobs; a status with more
+  is estimated from a block sample, so no reading's cost follows the backlog or the
+  history (the busiest groups likewise);
 - "due" applies the claim's own rules (``sql/queue.sql``, block ``effect_health``): a
   job held back by its ordering key waits for its key-mate, not for a dispatcher, so it
   is neither due nor part of the oldest due age; a job waiting on its parents
@@ -38,14 +39,17 @@ from ._sql import BoundQueries, bind_file, check_schema_name
 from ._steps import Statement, Step, execute, execute_async, run, run_async
 
 __all__ = [
-    "EXACT_COUNT_LIMIT",
-    "SAMPLE_ROWS",
+    "COUNT_CAP",
+    "GROUP_CAP",
+    "SAMPLED_ENOUGH",
+    "SAMPLE_PAGES",
     "STATUSES",
     "Backlog",
     "Counted",
     "Counts",
     "Due",
     "EffectHealth",
+    "GroupSample",
     "Operator",
     "QueueQueries",
     "Retried",
@@ -58,7 +62,7 @@ __all__ = [
     "backlog",
     "bulk_retry",
     "cancel",
-    "exact",
+    "capped_statuses",
     "on",
     "on_async",
     "queue_queries",
@@ -68,41 +72,45 @@ __all__ = [
     "retry",
     "sample_percent",
     "snapshot",
-    "with_done_estimated",
+    "with_estimates",
 ]
 
 T = TypeVar("T")
 
 STATUSES = ("pending", "running", "done", "failed", "reconcile")
-EXACT_COUNT_LIMIT = 200_000
-"""Below this many rows (the planner's estimate), every status is counted exactly."""
-SAMPLE_ROWS = 20_000
-"""Rows a block sample should see when done jobs are estimated."""
+COUNT_CAP = 10_000
+"""Jobs of one status read at most to count them: a status with more is estimated."""
+GROUP_CAP = 2_000
+"""Pending jobs read at most to rank the busiest groups exactly: past it, estimated."""
+SAMPLED_ENOUGH = 10
+"""Jobs of a group a sample must see for its estimate to be used (about +-30 %): with
+fewer, the busiest of thousands of small groups would be the luckiest, not the largest."""
+SAMPLE_PAGES = 200
+"""Pages of the jobs table a block sample reads (about 10,000 rows) when a status past
+``COUNT_CAP`` is estimated (or the busiest groups past ``GROUP_CAP``): sized by the
+table's pages now, not by its statistics, which may be old."""
 
 CountMap = dict[tuple[str, str], int]
 
 
-def exact(estimate: int) -> bool:
-    """Whether a table of about ``estimate`` rows is small enough to count exactly."""
-    return estimate < EXACT_COUNT_LIMIT
-
-
-def sample_percent(estimate: int) -> float:
-    """The TABLESAMPLE percentage that sees about ``SAMPLE_ROWS`` rows."""
-    return min(100.0, 100.0 * SAMPLE_ROWS / max(estimate, 1))
+def sample_percent(pages: int) -> float:
+    """The TABLESAMPLE percentage that reads about ``SAMPLE_PAGES`` of a table of
+    ``pages`` pages."""
+    return min(100.0, 100.0 * SAMPLE_PAGES / max(pages, 1))
 
 
 @dataclass(frozen=True, slots=True)
 class TableSize:
-    """The jobs table as the planner sees it (``table_size``)."""
+    """The jobs table as the planner sees it, and its pages now (``table_size``)."""
 
     estimate: int
     dead_tuples: int
+    pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Counted:
-    """Jobs of one status and effect (``counts_exact``, ``counts_unfinished``)."""
+    """Jobs of one status and effect (``counts_capped``)."""
 
     status: str
     effect: str
@@ -111,10 +119,47 @@ class Counted:
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
-    """Done jobs of one effect seen in a block sample (``done_sample``)."""
+    """Jobs of one status and effect (and, pending, of one group: '' for none) seen in
+    a block sample (``status_sample``)."""
 
+    status: str
     effect: str
     sampled: int
+    group_key: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupSample:
+    """The pending jobs per (effect, group) a block sample of ``percent`` saw: what the
+    counts' sample leaves for ``busiest_groups``, which then takes none of its own."""
+
+    percent: float
+    pending: dict[tuple[str, str], int]
+
+
+def capped_statuses(counted: Iterable[Counted], cap: int) -> frozenset[str]:
+    """The statuses of which ``counts_capped`` read more than ``cap`` jobs: their counts
+    are lower bounds, to be estimated."""
+    totals: dict[str, int] = {}
+    for c in counted:
+        totals[c.status] = totals.get(c.status, 0) + int(c.jobs)
+    return frozenset(status for status, n in totals.items() if n > cap)
+
+
+def with_estimates(counted: Iterable[Counted], sample: Iterable[Sampled], percent: float,
+                   estimated: frozenset[str]) -> CountMap:
+    """Exact counts of the statuses not in ``estimated``; for those, the sample scaled up
+    (a block sample of ``percent`` sees that share of the rows), never below what the
+    capped count saw."""
+    counts = {(c.status, c.effect): int(c.jobs) for c in counted}
+    sampled: CountMap = {}
+    for s in sample:
+        if s.status in estimated:
+            sampled[(s.status, s.effect)] = sampled.get((s.status, s.effect), 0) + int(s.sampled)
+    scale = 100.0 / percent
+    for label, n in sampled.items():
+        counts[label] = max(counts.get(label, 0), round(n * scale))
+    return counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,26 +179,19 @@ class Retried:
     retried: int
 
 
-def with_done_estimated(unfinished: Iterable[Counted], sample: Iterable[Sampled],
-                        estimate: int) -> CountMap:
-    """Exact counts of the unfinished states plus done jobs estimated: the table's row
-    estimate less the unfinished jobs, split by effect as in the sample."""
-    counts = {(c.status, c.effect): int(c.jobs) for c in unfinished}
-    sampled = {s.effect: int(s.sampled) for s in sample}
-    done_total = max(0, estimate - sum(counts.values()))
-    seen = sum(sampled.values())
-    for effect, n in sampled.items():
-        counts[("done", effect)] = round(done_total * n / seen)
-    return counts
-
-
 @dataclass(frozen=True)
 class Counts:
-    """Jobs per (status, effect); ``estimated`` when done jobs were sampled."""
+    """Jobs per (status, effect): exact for every status with at most ``COUNT_CAP`` jobs,
+    estimated for those in ``approximate`` (from a block sample)."""
 
     counts: CountMap
-    estimated: bool
+    approximate: frozenset[str]
     dead_tuples: int
+
+    @property
+    def estimated(self) -> bool:
+        """Whether any status was estimated."""
+        return bool(self.approximate)
 
     def total(self, status: str) -> int:
         """All jobs of ``status``."""
@@ -182,6 +220,7 @@ class Snapshot:
 
     counts: Counts
     health: dict[str, EffectHealth]
+    sampled_groups: GroupSample | None = None  # when the counts took a sample
 
     def effects(self) -> set[str]:
         """Every effect the reading saw."""
@@ -203,23 +242,27 @@ def queue_queries(schema: str) -> QueueQueries:
 
 
 def snapshot(schema: str) -> Step[Snapshot]:
-    """Read the counts and the health: four statements at most, none a full scan of
-    the done history on a large table."""
+    """Read the counts and the health: five statements at most, whose cost does not
+    follow the backlog nor the history (each status read up to ``COUNT_CAP`` jobs, a
+    block sample of about ``SAMPLE_PAGES`` pages beyond it, no scan of the due jobs)."""
     q = queue_queries(schema)
     sizes: list[TableSize] = yield Statement(q.table_size, {"schema_name": schema},
                                              row=TableSize)
     size = sizes[0] if sizes else TableSize(0, 0)
-    estimate, dead = int(size.estimate), int(size.dead_tuples)
-    if exact(estimate):
-        found: list[Counted] = yield Statement(q.counts_exact, {}, row=Counted)
-        counts = Counts({(c.status, c.effect): int(c.jobs) for c in found}, False, dead)
-    else:
-        unfinished = yield Statement(q.counts_unfinished, {}, row=Counted)
-        sample = yield Statement(q.done_sample, {"percent": sample_percent(estimate)},
-                                 row=Sampled)
-        counts = Counts(with_done_estimated(unfinished, sample, estimate), True, dead)
+    counted: list[Counted] = yield Statement(q.counts_capped, {"cap": COUNT_CAP}, row=Counted)
+    approximate = capped_statuses(counted, COUNT_CAP)
+    counts = {(c.status, c.effect): int(c.jobs) for c in counted}
+    groups = None
+    if approximate:
+        percent = sample_percent(int(size.pages))
+        sample: list[Sampled] = yield Statement(q.status_sample, {"percent": percent},
+                                                row=Sampled)
+        counts = with_estimates(counted, sample, percent, approximate)
+        groups = GroupSample(percent, {(s.effect, s.group_key or ""): int(s.sampled)
+                                       for s in sample if s.status == "pending"})
     health: list[EffectHealth] = yield Statement(q.effect_health, {}, row=EffectHealth)
-    return Snapshot(counts, {h.effect: h for h in health})
+    return Snapshot(Counts(counts, approximate, int(size.dead_tuples)),
+                    {h.effect: h for h in health}, groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,12 +273,16 @@ class Backlog:
     due: int
     dispatchers: int
     waiting: int = 0  # waiting on parents (after=[...]): neither due nor scheduled
+    capped: bool = False  # due counted up to COUNT_CAP and stopped there: at least that
 
 
 def backlog(schema: str) -> Step[dict[str, Backlog]]:
-    """Per effect with pending jobs, its ``Backlog`` (reads pending jobs only)."""
-    rows: list[Due] = yield Statement(queue_queries(schema).due_by_effect, {}, row=Due)
-    return {d.effect: Backlog(int(d.due), int(d.dispatchers), int(d.waiting)) for d in rows}
+    """Per effect with pending jobs, its ``Backlog``: due jobs counted up to
+    ``COUNT_CAP`` (``capped`` when the count stopped there), never the whole backlog."""
+    rows: list[Due] = yield Statement(queue_queries(schema).due_by_effect,
+                                      {"cap": COUNT_CAP}, row=Due)
+    return {d.effect: Backlog(int(d.due), int(d.dispatchers), int(d.waiting),
+                              int(d.due) >= COUNT_CAP) for d in rows}
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,16 +299,58 @@ BUSIEST_GROUPS = 5
 """Groups shown per effect by ``outbox status`` and the dashboard's overview."""
 
 
-def busiest_groups(schema: str, top: int) -> Step[dict[str, list[GroupBacklog]]]:
-    """Per effect with pending jobs, its ``top`` groups by pending jobs, most first."""
-    rows: list[GroupBacklog] = yield Statement(
-        queue_queries(schema).busiest_groups, {"top": top},
-        row=lambda effect, group_key, pending: GroupBacklog(
-            effect, group_key or None, int(pending)))
+def busiest_groups(schema: str, top: int, sampled: GroupSample | None = None,
+                   ) -> Step[dict[str, list[GroupBacklog]]]:
+    """Per effect with pending jobs, its ``top`` groups by pending jobs, most first:
+    exact up to ``GROUP_CAP`` pending jobs; past it, estimated from a block sample for
+    the groups it saw at least ``SAMPLED_ENOUGH`` times (never below what the capped
+    reading, which reads groups whole in their order, counted), so the reading's cost
+    does not follow the backlog. ``sampled``: the sample a ``Snapshot`` of the same
+    transaction took (``snapshot.sampled_groups``), used instead of taking another."""
+    q = queue_queries(schema)
+    rows: list[_Grouped] = yield Statement(q.busiest_groups, {"top": top, "cap": GROUP_CAP},
+                                           row=_Grouped)
+    pending = {(r.effect, r.group_key): int(r.pending) for r in rows}
+    if any(r.capped for r in rows):
+        if sampled is None:
+            sampled = yield from _group_sample(q, schema)
+        for label, n in sampled.pending.items():
+            if n < SAMPLED_ENOUGH:
+                continue  # too few to tell a busy group from chance: the count stands
+            pending[label] = max(pending.get(label, 0), round(n * 100 / sampled.percent))
     found: dict[str, list[GroupBacklog]] = {}
-    for row in rows:
-        found.setdefault(row.effect, []).append(row)
-    return found
+    for (effect, group), n in pending.items():
+        found.setdefault(effect, []).append(GroupBacklog(effect, group or None, n))
+    return {effect: sorted(groups, key=lambda g: (-g.pending, g.group_key or ""))[:top]
+            for effect, groups in sorted(found.items())}
+
+
+def _group_sample(q: QueueQueries, schema: str) -> Step[GroupSample]:
+    sizes: list[TableSize] = yield Statement(q.table_size, {"schema_name": schema},
+                                             row=TableSize)
+    percent = sample_percent(int(sizes[0].pages) if sizes else 0)
+    rows: list[_GroupSampled] = yield Statement(q.group_sample, {"percent": percent},
+                                                row=_GroupSampled)
+    return GroupSample(percent, {(s.effect, s.group_key): int(s.sampled) for s in rows})
+
+
+@dataclass(frozen=True, slots=True)
+class _Grouped:
+    """A row of ``busiest_groups``: '' is the jobs without a group."""
+
+    effect: str
+    group_key: str
+    pending: int
+    capped: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupSampled:
+    """Pending jobs of one effect and group in a block sample (``group_sample``)."""
+
+    effect: str
+    group_key: str
+    sampled: int
 
 
 # -- the operator's transitions ---------------------------------------------------------

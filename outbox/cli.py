@@ -465,6 +465,8 @@ def status_command(dsn: str | None, schema: str, as_json: bool, failures: int,
         "oldest_pending_age_seconds": max(
             (h.oldest_due_age for h in health if h.oldest_due_age is not None), default=None),
         "due_backlog": sum(b.due for b in backlog.values()),
+        # a count that stopped at its cap (10,000 due jobs of an effect): at least that
+        "due_backlog_capped": any(b.capped for b in backlog.values()),
         # pending jobs waiting on their parents (after=[...]): neither due nor late
         "waiting_on_parents": sum(b.waiting for b in backlog.values()),
         "expired_leases": sum(h.expired_leases for h in health),
@@ -546,7 +548,8 @@ def _print_status(report: dict[str, Any]) -> None:
         click.echo(f"  {status:<10} {count:>10}")
     age = report["oldest_pending_age_seconds"]
     click.echo(f"  oldest due pending: {'-' if age is None else f'{age:.1f}s'}, "
-               f"due backlog: {report['due_backlog']}, waiting on parents: "
+               f"due backlog: {report['due_backlog']}"
+               f"{'+' if report['due_backlog_capped'] else ''}, waiting on parents: "
                f"{report['waiting_on_parents']}, expired leases: "
                f"{report['expired_leases']}, dead tuples: {report['dead_tuples']}")
     if report["backlog_by_effect"]:
@@ -603,6 +606,7 @@ def _target_report(target: Target) -> dict[str, Any]:
     ages = [h.oldest_due_age for h in snapshot.health.values() if h.oldest_due_age is not None]
     found.update(up=True, jobs={s: snapshot.counts.total(s) for s in _queue.STATUSES},
                  due_backlog=sum(b.due for b in backlog.values()),
+                 due_backlog_capped=any(b.capped for b in backlog.values()),
                  oldest_pending_age_seconds=max(ages, default=None),
                  dispatchers=len(live))
     return found
@@ -618,7 +622,8 @@ def _print_targets(reports: list[dict[str, Any]], as_json: bool) -> None:
             continue
         age = r["oldest_pending_age_seconds"]
         jobs = ", ".join(f"{status} {n}" for status, n in r["jobs"].items() if n)
-        click.echo(f"{r['target']}: up, {jobs or 'no jobs'}; due {r['due_backlog']}, "
+        capped = "+" if r["due_backlog_capped"] else ""
+        click.echo(f"{r['target']}: up, {jobs or 'no jobs'}; due {r['due_backlog']}{capped}, "
                    f"oldest due {'-' if age is None else f'{age:.1f}s'}, "
                    f"{r['dispatchers']} dispatcher(s) registered")
 

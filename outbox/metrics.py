@@ -5,10 +5,11 @@ Two sources, never mixed:
 
 - ``DatabaseCollector``: gauges read from the tables at scrape time, by one collector
   (the dashboard's ``GET /metrics``, or any process with ``outbox-pg[prometheus]``), not by
-  every worker: ``outbox_jobs{status,effect}`` (done jobs estimated from a sample on
-  large tables), ``outbox_oldest_due_job_age_seconds{effect}`` (due as the claim decides
-  it), ``outbox_expired_leases{effect}``, ``outbox_oldest_reconcile_job_age_seconds
-  {effect}``, ``outbox_jobs_dead_tuples``, ``outbox_unhandled_due_jobs{effect}``,
+  every worker: ``outbox_jobs{status,effect}`` (exact for a status with at most 10,000
+  jobs, estimated from a block sample beyond: no scrape reads the whole backlog),
+  ``outbox_oldest_due_job_age_seconds{effect}`` (due as the claim decides it),
+  ``outbox_expired_leases{effect}``, ``outbox_oldest_reconcile_job_age_seconds{effect}``,
+  ``outbox_jobs_dead_tuples``, ``outbox_unhandled_due_jobs{effect}``,
   ``outbox_database_up``. It needs
   prometheus-client only (not the dashboard's extra).
 - ``PrometheusObserver``: a ``DispatchObserver`` counting one dispatcher process's

@@ -516,8 +516,10 @@ WITH doomed AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-DELETE FROM {schema}.effect_results r USING doomed d
-WHERE r.key = d.key;
+-- The keys through an array, so the rows are found by the primary key: joined to the
+-- CTE, the planner hashed it and read the whole ledger for every batch (a plan test).
+DELETE FROM {schema}.effect_results r
+WHERE r.key = ANY (ARRAY(SELECT d.key FROM doomed d));
 
 -- name: recent_failures
 SELECT id, effect, key, status, attempts, last_error, updated_at
@@ -525,36 +527,6 @@ FROM {schema}.jobs
 WHERE status IN ('failed', 'reconcile')
 ORDER BY updated_at DESC, id DESC
 LIMIT %(limit)s;
-
--- ---------------------------------------------------------------------------------------
--- Test kit readers (outbox.testing): what a test asserts on, so users write no SQL.
--- ---------------------------------------------------------------------------------------
-
--- name: testkit_jobs
--- Every job, oldest first; narrowed to one effect and/or one key when those are given.
-SELECT * FROM {schema}.jobs
-WHERE (%(effect)s::text IS NULL OR effect = %(effect)s::text)
-  AND (%(key)s::text IS NULL OR key = %(key)s::text)
-ORDER BY id;
-
--- name: testkit_ledger
--- Every ledger row, oldest first; narrowed to one key when it is given.
-SELECT * FROM {schema}.effect_results
-WHERE %(key)s::text IS NULL OR key = %(key)s::text
-ORDER BY recorded_at, key;
-
--- name: testkit_audit
--- The audit trail (operators' actions and the reconciler's decisions), oldest first;
--- narrowed to one actor when it is given.
-SELECT * FROM {schema}.dashboard_audit
-WHERE %(actor)s::text IS NULL OR actor = %(actor)s::text
-ORDER BY id;
-
--- name: testkit_inbox
--- The message ids a consumer received (its inbox rows), in the order received.
-SELECT message_id FROM {schema}.inbox
-WHERE consumer = %(consumer)s::text
-ORDER BY received_at, message_id;
 
 -- Inbox: the idempotent consumer's record of the messages it handled.
 

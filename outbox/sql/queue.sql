@@ -5,94 +5,199 @@
 -- {claimable} is the claim's rule (fragment of queries.sql).
 
 -- name: table_size
--- The planner's row estimate and the dead tuples of the jobs table (statistics, no scan).
+-- The planner's row estimate and the dead tuples of the jobs table (statistics, no scan),
+-- and its pages now (its size on disk, never old: a block sample is sized by it).
 SELECT greatest(c.reltuples, 0)::bigint AS estimate,
-       coalesce(s.n_dead_tup, 0) AS dead_tuples
+       coalesce(s.n_dead_tup, 0) AS dead_tuples,
+       (pg_relation_size(c.oid) / current_setting('block_size')::bigint) AS pages
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
 LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
 WHERE n.nspname = %(schema_name)s::text AND c.relname = 'jobs';
 
--- name: counts_exact
-SELECT j.status, j.effect, count(*) AS jobs
-FROM {schema}.jobs j
-GROUP BY j.status, j.effect;
+-- name: counts_capped
+-- Per status, the effects of at most %(cap)s + 1 of its jobs, counted: exact for every
+-- status with at most %(cap)s jobs, and a lower bound per effect for a larger one (then
+-- estimated from status_sample). Each status is read in its own partial index (the
+-- ORDER BY holds the planner to it: a sequential scan with a LIMIT would walk the
+-- history to find the pending jobs), jobs_claimable_effect without a visit to the
+-- table, and stops at the cap: the reading costs the same behind a backlog of a
+-- thousand jobs or of millions.
+SELECT 'pending' AS status, p.effect, count(*) AS jobs
+FROM (SELECT j.effect FROM {schema}.jobs j WHERE j.status = 'pending'
+      ORDER BY j.effect LIMIT %(cap)s::integer + 1) p
+GROUP BY p.effect
+UNION ALL
+SELECT 'running', r.effect, count(*)
+FROM (SELECT j.effect FROM {schema}.jobs j WHERE j.status = 'running'
+      ORDER BY j.lease_until LIMIT %(cap)s::integer + 1) r
+GROUP BY r.effect
+UNION ALL
+SELECT 'done', d.effect, count(*)
+FROM (SELECT j.effect FROM {schema}.jobs j WHERE j.status = 'done'
+      ORDER BY j.updated_at LIMIT %(cap)s::integer + 1) d
+GROUP BY d.effect
+UNION ALL
+SELECT 'failed', f.effect, count(*)
+FROM (SELECT j.effect FROM {schema}.jobs j WHERE j.status = 'failed'
+      ORDER BY j.updated_at LIMIT %(cap)s::integer + 1) f
+GROUP BY f.effect
+UNION ALL
+SELECT 'reconcile', c.effect, count(*)
+FROM (SELECT j.effect FROM {schema}.jobs j WHERE j.status = 'reconcile'
+      ORDER BY j.updated_at LIMIT %(cap)s::integer + 1) c
+GROUP BY c.effect;
 
--- name: counts_unfinished
--- Exact counts of the states an operator acts on; the partial indexes serve them.
-SELECT j.status, j.effect, count(*) AS jobs
-FROM {schema}.jobs j
-WHERE j.status IN ('pending', 'running', 'failed', 'reconcile')
-GROUP BY j.status, j.effect;
-
--- name: done_sample
--- On a large table, done jobs (history) are estimated from a block sample instead of
--- being counted.
-SELECT j.effect, count(*) AS sampled
+-- name: status_sample
+-- The jobs of a block sample (%(percent)s of the table's pages, about SAMPLE_PAGES)
+-- per status and effect, and per group for the pending ones: the estimate of the
+-- statuses past the cap of counts_capped, and of the busiest groups (one sample for
+-- both, where busiest_groups would take one of its own, group_sample).
+SELECT j.status, j.effect,
+       CASE WHEN j.status = 'pending' THEN coalesce(j.group_key, '') END AS group_key,
+       count(*) AS sampled
 FROM {schema}.jobs j TABLESAMPLE SYSTEM (%(percent)s::float4)
-WHERE j.status = 'done'
-GROUP BY j.effect;
+GROUP BY 1, 2, 3;
+
+-- fragment: pending_effects
+-- The effects with pending jobs, one probe of jobs_claimable_effect each (a loose index
+-- scan: skips from one effect to the next), however many jobs each has; the last row
+-- is NULL. Used as a CTE of a WITH RECURSIVE.
+pending_effects(effect) AS (
+    (SELECT j.effect FROM {schema}.jobs j WHERE j.status = 'pending'
+     ORDER BY j.effect LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.effect FROM {schema}.jobs j
+            WHERE j.status = 'pending' AND j.effect > p.effect
+            ORDER BY j.effect LIMIT 1)
+    FROM pending_effects p
+    WHERE p.effect IS NOT NULL
+)
 
 -- name: effect_health
 -- Per effect with unfinished jobs: how long the oldest due job has waited, leases past
--- their deadline, and how long the oldest reconcile job has waited for a person.
+-- their deadline, how long the oldest reconcile job has waited for a person, and the
+-- pending jobs waiting on their parents.
 -- "Due" is what a claim would take now: the `claimable` fragment the claim applies, for
 -- any effect. A job held back by its ordering key (behind a running
 -- job, or behind a pending one retrying later) waits for its key-mate, not for a
 -- dispatcher, so it is not due. The oldest due job is found the way a claim finds
--- work, walking the claim index in order and stopping at the first claimable job: as
--- cheap as counting was when nothing is held back, and no costlier than a claim when a
--- long line waits behind one key. A test compares the result with what a claim takes.
-WITH unfinished AS (
-    SELECT j.effect,
-           count(*) FILTER (WHERE j.status = 'running' AND j.lease_until < now()) AS leases,
-           min(j.updated_at) FILTER (WHERE j.status = 'reconcile') AS reconcile,
-           -- waiting on parents (after=[...], migration 0015): not due, counted apart
-           count(*) FILTER (WHERE j.status = 'pending' AND j.after_waiting > 0) AS waiting
+-- work, walking the claim index in order and stopping at the first claimable job: no
+-- costlier than a claim when a long line waits behind one key. A test compares the
+-- result with what a claim takes.
+-- Nothing here reads the due backlog: the effects with pending jobs come from a loose
+-- index scan (pending_effects), and the rest reads the running jobs (as many as the
+-- dispatchers hold), the reconcile jobs and the jobs waiting on parents (whose
+-- available_at is after_never: one range of the claim index).
+WITH RECURSIVE {pending_effects}, running AS (
+    SELECT j.effect, count(*) FILTER (WHERE j.lease_until < now()) AS leases
     FROM {schema}.jobs j
-    WHERE j.status IN ('pending', 'running', 'reconcile')
+    WHERE j.status = 'running'
     GROUP BY j.effect
+), reconciling AS (
+    SELECT j.effect, min(j.updated_at) AS oldest
+    FROM {schema}.jobs j
+    WHERE j.status = 'reconcile'
+    GROUP BY j.effect
+), waiting AS (
+    SELECT j.effect, count(*) AS waiting
+    FROM {schema}.jobs j
+    WHERE j.status = 'pending' AND j.available_at = {after_never} AND j.after_waiting > 0
+    GROUP BY j.effect
+), effects AS (
+    SELECT p.effect FROM pending_effects p WHERE p.effect IS NOT NULL
+    UNION
+    SELECT r.effect FROM running r
+    UNION
+    SELECT c.effect FROM reconciling c
 )
-SELECT u.effect,
+SELECT e.effect,
        extract(epoch FROM now() - (
            SELECT j.available_at
            FROM {schema}.jobs j
-           WHERE {claimable} AND j.effect = u.effect
+           WHERE {claimable} AND j.effect = e.effect
            ORDER BY j.available_at, j.id
            LIMIT 1))::float8 AS oldest_due_age,
-       u.leases AS expired_leases,
-       extract(epoch FROM now() - u.reconcile)::float8 AS oldest_reconcile_age,
-       u.waiting
-FROM unfinished u;
+       coalesce(r.leases, 0) AS expired_leases,
+       extract(epoch FROM now() - c.oldest)::float8 AS oldest_reconcile_age,
+       coalesce(w.waiting, 0) AS waiting
+FROM effects e
+LEFT JOIN running r ON r.effect = e.effect
+LEFT JOIN reconciling c ON c.effect = e.effect
+LEFT JOIN waiting w ON w.effect = e.effect;
+
+-- name: unserved_due
+-- Due pending jobs of effects no live dispatcher serves, per effect: how many (counted
+-- up to %(cap)s) and how long the oldest has waited. The effects with pending jobs come
+-- from a loose index scan (pending_effects); only an effect nobody serves has its due
+-- jobs read, so a scrape costs the same behind any backlog of served effects.
+WITH RECURSIVE {pending_effects}
+SELECT p.effect,
+       (SELECT count(*) FROM (SELECT 1 FROM {schema}.jobs j
+                              WHERE j.status = 'pending' AND j.available_at <= now()
+                                AND j.effect = p.effect
+                              LIMIT %(cap)s::integer) d) AS due,
+       extract(epoch FROM now() - (
+           SELECT min(j.available_at) FROM {schema}.jobs j
+           WHERE j.status = 'pending' AND j.available_at <= now()
+             AND j.effect = p.effect))::float8 AS oldest_age
+FROM pending_effects p
+WHERE p.effect IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM {schema}.dispatchers d
+                  WHERE d.expires_at > now() AND p.effect = ANY(d.effects))
+ORDER BY p.effect;
 
 -- name: due_by_effect
--- Per effect with pending jobs (outbox status): how many are due, as a claim decides it
--- (a job held back by its ordering key is not), and how many live dispatchers serve
--- the effect. Reads the pending jobs only (the partial index), never the history.
-SELECT j.effect,
-       count(*) FILTER (WHERE {claimable}) AS due,
+-- Per effect with pending jobs (outbox status, the dashboard's targets): how many are
+-- due, as a claim decides it (a job held back by its ordering key is not), counted up to
+-- %(cap)s, and how many live dispatchers serve the effect. The effects come from a loose
+-- index scan (pending_effects) and each count stops at the cap, so the reading costs
+-- the same behind any backlog; never the history.
+WITH RECURSIVE {pending_effects}
+SELECT p.effect,
+       (SELECT count(*) FROM (SELECT 1 FROM {schema}.jobs j
+                              WHERE {claimable} AND j.effect = p.effect
+                              LIMIT %(cap)s::integer) d) AS due,
        (SELECT count(*) FROM {schema}.dispatchers d
-        WHERE d.expires_at > now() AND j.effect = ANY(d.effects)) AS dispatchers,
+        WHERE d.expires_at > now() AND p.effect = ANY(d.effects)) AS dispatchers,
        -- waiting on parents (after=[...], migration 0015): neither due nor scheduled
-       count(*) FILTER (WHERE j.after_waiting > 0) AS waiting
-FROM {schema}.jobs j
-WHERE j.status = 'pending'
-GROUP BY j.effect
-ORDER BY j.effect;
+       (SELECT count(*) FROM {schema}.jobs j
+        WHERE j.status = 'pending' AND j.available_at = {after_never}
+          AND j.after_waiting > 0 AND j.effect = p.effect) AS waiting
+FROM pending_effects p
+WHERE p.effect IS NOT NULL
+ORDER BY p.effect;
 
 -- name: busiest_groups
 -- Per effect with pending jobs, the %(top)s groups with the most pending jobs (the backlog
--- per tenant; '' is the jobs with no group). Reads the pending jobs only, in the fair
--- claim's index (jobs_fair), never the history: as costly as the backlog is long.
-SELECT t.effect, t.g AS group_key, t.pending
-FROM (SELECT j.effect, coalesce(j.group_key, '') AS g, count(*) AS pending,
-             row_number() OVER (PARTITION BY j.effect
-                                ORDER BY count(*) DESC, coalesce(j.group_key, '')) AS place
-      FROM {schema}.jobs j
-      WHERE j.status = 'pending'
-      GROUP BY j.effect, coalesce(j.group_key, '')) t
-WHERE t.place <= %(top)s
+-- per tenant; '' is the jobs with no group), among at most %(cap)s + 1 pending jobs:
+-- exact when no more are pending (capped is false), else a lower bound per group, which
+-- group_sample's estimate completes. Never the whole backlog, never the history.
+WITH seen AS (
+    -- in the fair claim's index order (jobs_fair), never a walk of the table
+    SELECT j.effect, coalesce(j.group_key, '') AS g
+    FROM {schema}.jobs j
+    WHERE j.status = 'pending'
+    ORDER BY j.effect, coalesce(j.group_key, '')
+    LIMIT %(cap)s::integer + 1
+), counted AS (
+    SELECT s.effect, s.g, count(*) AS pending FROM seen s GROUP BY s.effect, s.g
+)
+SELECT t.effect, t.g AS group_key, t.pending,
+       (SELECT count(*) FROM seen) > %(cap)s::integer AS capped
+FROM (SELECT c.*, row_number() OVER (PARTITION BY c.effect
+                                     ORDER BY c.pending DESC, c.g) AS place
+      FROM counted c) t
+WHERE t.place <= %(top)s::integer
 ORDER BY t.effect, t.place;
+
+-- name: group_sample
+-- The pending jobs of a block sample (%(percent)s of the table's pages) per effect and
+-- group: the estimate of the busiest groups behind a backlog past busiest_groups' cap.
+SELECT j.effect, coalesce(j.group_key, '') AS group_key, count(*) AS sampled
+FROM {schema}.jobs j TABLESAMPLE SYSTEM (%(percent)s::float4)
+WHERE j.status = 'pending'
+GROUP BY j.effect, coalesce(j.group_key, '');
 
 -- ---------------------------------------------------------------------------------------
 -- The operator's transitions. Each is one statement: fenced like the dispatcher's writes

@@ -5,16 +5,24 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from functools import cache
 from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
 
 from .._enqueue import canonical_json
-from .._sql import queries
+from .._sql import BoundQueries, bind_file
 
 __all__ = ["NotEnqueued", "audit", "job", "jobs", "ledger", "ledger_row", "received",
            "require_enqueued"]
+
+@cache
+def queries(schema: str) -> BoundQueries:
+    """The test kit's statements (``testing/queries.sql``) for ``schema``, bound once."""
+    return BoundQueries(bind_file("outbox.testing", "queries.sql", schema),
+                        "testing/queries.sql")
+
 
 # What a reader reads through: a psycopg connection, or a connection string to open one
 # (in autocommit) for the call.

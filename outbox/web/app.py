@@ -92,6 +92,7 @@ R = TypeVar("R")
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
 COUNT_CAP = 10_000
+FINISHED = ("done", "failed", "reconcile")  # listed most recently finished first
 RELATED_SHOWN = 200  # a job's parents and children (fan-in) shown on its page, at most
 BULK_CAP = 1_000
 STATEMENT_TIMEOUT = "5s"
@@ -311,8 +312,8 @@ async def overview(request: Request) -> Response:
     since = (datetime.now(UTC) - timedelta(minutes=59)).replace(second=0, microsecond=0)
     async with transaction(settings) as conn:
         snapshot = await _queue.read_async(conn, settings.schema)
-        groups = await _queue.on_async(conn, _queue.busiest_groups(settings.schema,
-                                                                   _queue.BUSIEST_GROUPS))
+        groups = await _queue.on_async(conn, _queue.busiest_groups(
+            settings.schema, _queue.BUSIEST_GROUPS, snapshot.sampled_groups))
         settled = await records(conn, q.settled_per_minute, Settled, {"since": since})
         dispatchers = await records(conn, q.dispatchers, Holder)
         audit = await records(conn, q.recent_audit, RecentAudit, {"limit": 10})
@@ -347,16 +348,22 @@ async def job_list(request: Request) -> Response:
     try:
         job_filter = JobFilter.from_query(request.query_params)
         before = _int_param(request.query_params.get("before"), "before")
+        before_at = _time_param(request.query_params.get("before_at"), "before_at")
     except FilterError as exc:
         return render(request, "error.html", {"message": str(exc)}, status_code=400)
-    params = {**job_filter.params(), "before": before, "limit": PAGE_SIZE + 1}
+    # A status of finished jobs is paged in its own index, most recently finished first.
+    finished = job_filter.status in FINISHED
+    params = {**job_filter.params(), "before": before, "limit": PAGE_SIZE + 1,
+              "before_at": before_at if finished and before is not None else None}
     try:
         async with transaction(settings) as conn:
-            page = await records(conn, q.job_page, Listed, params)
+            page = await records(conn, q.job_page_finished if finished else q.job_page,
+                                 Listed, params)
             total = None if before else (await records(
                 conn, q.job_count, CappedCount,
                 {**job_filter.params(), "cap": COUNT_CAP + 1}))[0].jobs
-            effects = [seen.effect for seen in await records(conn, q.effects_seen, SeenEffect)]
+            effects = [seen.effect for seen in await records(
+                conn, q.effects_seen, SeenEffect, {"schema_name": settings.schema})]
             can_act = access == "operate" and await writable(settings, conn)
     except pg_errors.QueryCanceled:
         return render(request, "error.html", {"message": (
@@ -368,8 +375,19 @@ async def job_list(request: Request) -> Response:
     return render(request, template, {
         "jobs": page, "filter": job_filter, "query": job_filter.query(), "total": total,
         "count_cap": COUNT_CAP, "next_before": page[-1].id if more else None,
+        "next_before_at": page[-1].updated_at.isoformat() if more and finished else None,
         "effects": effects, "can_act": can_act, "bulk_cap": BULK_CAP, "message": None,
     })
+
+
+def _time_param(value: str | None, name: str) -> datetime | None:
+    if value is None or value == "":
+        return None
+    try:
+        found = datetime.fromisoformat(value)
+    except ValueError:
+        raise FilterError(f"{name}: {value[:40]!r} is not a time") from None
+    return found if found.tzinfo is not None else found.replace(tzinfo=UTC)
 
 
 def _int_param(value: str | None, name: str) -> int | None:
@@ -620,6 +638,7 @@ class TargetState:
     up: bool
     due: int | None
     reason: str | None
+    capped: bool = False  # a due count stopped at its cap: at least that many
 
 
 class TargetsUnreadable(Exception):
@@ -716,7 +735,8 @@ class Board:
                     await entry.failed(exc, reason)
                     return TargetState(entry.slug, entry.target.name, False, None, reason)
             return TargetState(entry.slug, entry.target.name, True,
-                               sum(b.due for b in backlog.values()), None)
+                               sum(b.due for b in backlog.values()), None,
+                               any(b.capped for b in backlog.values()))
 
         return list(await asyncio.gather(*(state(e) for e in self.entries)))
 

@@ -34,11 +34,37 @@ ORDER BY j.claimed_by
 LIMIT 50;
 
 -- name: effects_seen
--- Effect names for the filter menu, read off the claim index's smaller cousins first.
-SELECT DISTINCT j.effect FROM {schema}.jobs j
-WHERE j.status IN ('pending', 'running', 'failed', 'reconcile')
-UNION
-SELECT r.effect FROM (SELECT DISTINCT effect FROM {schema}.effect_results) r
+-- Effect names for the filter menu, none of whose parts reads the backlog or the
+-- history: the effects with pending jobs (a loose index scan, one probe each), those of
+-- running jobs (as many as the dispatchers hold) and of the latest failed and reconcile
+-- jobs, those the dispatchers serve, those with a limit row, and the common values the
+-- planner's statistics hold for the jobs' and the ledger's effect column (done jobs and
+-- the ledger are history: an effect seen there only, and rarely, may be missing until
+-- its next ANALYZE; the menu keeps an effect typed in the address).
+WITH RECURSIVE {pending_effects}, named AS (
+    SELECT p.effect FROM pending_effects p WHERE p.effect IS NOT NULL
+    UNION
+    SELECT j.effect FROM {schema}.jobs j WHERE j.status = 'running'
+    UNION
+    SELECT f.effect FROM (SELECT j.effect FROM {schema}.jobs j WHERE j.status = 'failed'
+                          ORDER BY j.updated_at DESC LIMIT 1000) f
+    UNION
+    SELECT c.effect FROM (SELECT j.effect FROM {schema}.jobs j WHERE j.status = 'reconcile'
+                          ORDER BY j.updated_at DESC LIMIT 1000) c
+    UNION
+    SELECT unnest(d.effects) FROM {schema}.dispatchers d
+    UNION
+    SELECT l.effect FROM {schema}.effect_limits l
+    UNION
+    SELECT unnest(s.most_common_vals::text::text[]) FROM pg_stats s
+    WHERE s.schemaname = %(schema_name)s::text AND s.tablename IN ('jobs', 'effect_results')
+      AND s.attname = 'effect'
+    UNION
+    SELECT unnest(s.histogram_bounds::text::text[]) FROM pg_stats s
+    WHERE s.schemaname = %(schema_name)s::text AND s.tablename IN ('jobs', 'effect_results')
+      AND s.attname = 'effect'
+)
+SELECT n.effect FROM named n
 ORDER BY 1
 LIMIT 200;
 
@@ -50,6 +76,22 @@ FROM {schema}.jobs j
 WHERE {job_filter}
   AND (%(before)s::bigint IS NULL OR j.id < %(before)s::bigint)
 ORDER BY j.id DESC
+LIMIT %(limit)s;
+
+-- name: job_page_finished
+-- One status of finished jobs (done, failed, reconcile), the most recently finished
+-- first, keyset-paginated on (updated_at, id): read in that status's part of
+-- jobs_finished, so a page costs a page however many newer jobs (a backlog of pending
+-- ones) stand between the finished ones in id order, where job_page would walk them all.
+SELECT j.id, j.effect, j.key, j.status, j.attempts, j.max_attempts, j.claim_version,
+       j.available_at, j.created_at, j.updated_at, left(j.last_error, 300) AS last_error
+FROM {schema}.jobs j
+WHERE {job_filter}
+  AND j.status = %(status)s::text AND j.status IN ('done', 'failed', 'reconcile')
+  AND (%(before_at)s::timestamptz IS NULL
+       OR j.updated_at < %(before_at)s::timestamptz
+       OR (j.updated_at = %(before_at)s::timestamptz AND j.id < %(before)s::bigint))
+ORDER BY j.updated_at DESC, j.id DESC
 LIMIT %(limit)s;
 
 -- name: job_count

@@ -74,6 +74,7 @@ BINDERS: dict[str, Callable[[str], dict[str, str]]] = {
     "outbox/contrib/django/queries.sql": _with_fragments("outbox/contrib/django/queries.sql"),
     CHAOS: _chaos,
     "outbox/sql/replicas.sql": _with_fragments("outbox/sql/replicas.sql"),
+    "outbox/testing/queries.sql": _with_fragments("outbox/testing/queries.sql"),
 }
 
 

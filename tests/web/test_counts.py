@@ -1,4 +1,5 @@
-"""The counting rule shared by the overview and /metrics (pure, no database)."""
+"""The counting rule shared by the overview, ``outbox status`` and /metrics (pure, no
+database): exact up to the cap, a status past it estimated from a block sample."""
 
 from __future__ import annotations
 
@@ -6,23 +7,27 @@ from outbox import _queue as _counts
 from outbox._queue import Counted, Sampled
 
 
-def test_small_tables_are_counted_exactly_and_large_ones_sampled() -> None:
-    assert _counts.exact(199_999)
-    assert not _counts.exact(200_000)
-    assert _counts.sample_percent(1_000_000) == 2.0
+def test_the_sample_reads_about_sample_pages_of_any_table() -> None:
+    assert _counts.sample_percent(100_000) == 100 * _counts.SAMPLE_PAGES / 100_000
     assert _counts.sample_percent(10) == 100.0
     assert _counts.sample_percent(0) == 100.0
 
 
-def test_done_jobs_are_the_estimate_less_the_unfinished_split_as_sampled() -> None:
-    counts = _counts.with_done_estimated(
-        [Counted("pending", "email", 1000), Counted("failed", "charge", 200)],
-        [Sampled("email", 300), Sampled("charge", 100)], estimate=1_001_200)
-    assert counts == {("pending", "email"): 1000, ("failed", "charge"): 200,
-                      ("done", "email"): 750_000, ("done", "charge"): 250_000}
+def test_only_a_status_read_past_the_cap_is_estimated() -> None:
+    counted = [Counted("pending", "email", 8), Counted("pending", "sms", 3),
+               Counted("failed", "email", 5)]
+    assert _counts.capped_statuses(counted, cap=10) == {"pending"}
+    assert _counts.capped_statuses(counted, cap=11) == frozenset()
 
 
-def test_an_empty_sample_estimates_no_done_jobs() -> None:
-    assert _counts.with_done_estimated([Counted("pending", "e", 5)], [],
-                                       estimate=300_000) == {
-        ("pending", "e"): 5}
+def test_an_estimated_status_is_the_sample_scaled_up_never_below_what_was_counted() -> None:
+    counted = [Counted("pending", "email", 9000), Counted("pending", "sms", 1001),
+               Counted("failed", "email", 5)]
+    sample = [Sampled("pending", "email", 3000), Sampled("pending", "sms", 10),
+              Sampled("pending", "push", 2), Sampled("failed", "email", 1)]
+    counts = _counts.with_estimates(counted, sample, percent=2.0,
+                                    estimated=frozenset({"pending"}))
+    assert counts == {("pending", "email"): 150_000,  # 3,000 seen in 2 % of the pages
+                      ("pending", "sms"): 1001,  # the sample's 500 is below the count
+                      ("pending", "push"): 100,  # not among the jobs counted
+                      ("failed", "email"): 5}  # exact: failed was not past the cap

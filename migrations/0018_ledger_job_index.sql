@@ -1,0 +1,12 @@
+-- The ledger by job: recorded_claims (sql/queries.sql) asks, after a reply to a done
+-- transaction was lost, which of a batch of claims (job id, claim_version) already have
+-- their ledger row. The ledger's only indexes were its key and recorded_at, so that
+-- question read the whole ledger (up to its retention, 90 days by default) each time.
+--
+-- Built concurrently after the run commits (the migration runner's after-commit part,
+-- outbox/migrate.py): the ledger is the largest table of the schema, and a plain
+-- CREATE INDEX would hold off every completion (each writes a ledger row) for as long as
+-- the build reads it. A schema created by the same run has an empty ledger: there the
+-- runner builds it in the run.
+-- outbox: built concurrently, after commit
+CREATE INDEX IF NOT EXISTS effect_results_job ON {schema}.effect_results (job_id, claim_version);
