@@ -26,16 +26,9 @@ class Job:
     effect performed once even though ``perform`` may be called more than once
     (delivery to the adapter is at least once).
 
-    ``cancelled`` is set when this claim must stop acting (see the field).
-
-    ``attempt`` counts claims, starting at 1; ``claim_version`` is the fencing token of
-    this claim. ``model`` holds the payload validated against the effect's
-    ``payload_model`` when it declares one, else None. ``group`` and ``priority`` are
-    what the job was enqueued with (``group=``, ``priority=``): an adapter may route by
-    the group, e.g. to a tenant's provider account. ``scheduled_for`` is the slot of the
-    ``outbox.Schedule`` that enqueued the job (None for other jobs). ``after_results``
-    holds what the job's parents (``after=[...]``) returned: a job with parents is
-    claimed only once every parent is done (or, with ``after_failed="run"``, settled for good).
+    An adapter may route by ``group``, e.g. to a tenant's provider account. A job with
+    parents (``after=[...]``) is claimed only once every parent is done (or, with
+    ``after_failed="run"``, settled for good); ``after_results`` holds what they returned.
 
     :var id: The job's row id (``outbox retry ID``, the dashboard's ``/jobs/ID``).
     :var effect: The effect's name, e.g. ``"email.send"``.
