@@ -14,7 +14,7 @@ effect classes or instances (their ``name`` and ``payload_model``) or plain name
 
 Without it, a process that also builds a dispatcher (a test, a script, a FastAPI app
 running an ``AsyncDispatcher``) still gets a hint: ``enqueue`` of a name that none of
-this process's dispatchers runs, but that is close to one of theirs (``emial.send``),
+this process's dispatchers runs, but that is a slip of one of theirs (``emial.send``),
 logs one warning naming the closest (``did you mean 'email.send'?``), once per name.
 The job is enqueued all the same (another process may run that effect). It costs a set
 lookup per enqueue and no query.
@@ -46,10 +46,17 @@ _served: frozenset[str] = frozenset()
 _hinted: set[str] = set()
 
 
-def closest(name: str, known: Iterable[str]) -> str | None:
-    """The known effect name closest to ``name`` (difflib's ratio of at least 0.6),
-    or None: what a "did you mean" names."""
-    found = difflib.get_close_matches(name, sorted(known), n=1)
+HINT_CUTOFF = 0.85
+"""How alike (difflib's ratio) a name enqueued must be to a served one for enqueue's
+hint: a slip of a letter or two (``email.sned``, ``emial.send``: 0.9), not a sibling
+effect a hook enqueues for another dispatcher (``billing.charge`` beside
+``billing.nightly``: 0.62)."""
+
+
+def closest(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The known effect name closest to ``name`` (difflib's ratio of at least
+    ``cutoff``), or None: what a "did you mean" names."""
+    found = difflib.get_close_matches(name, sorted(known), n=1, cutoff=cutoff)
     return found[0] if found else None
 
 
@@ -137,7 +144,7 @@ def check(effect: str, payload: object) -> None:
 def _hint(effect: str, served: frozenset[str]) -> None:
     """Warn once that ``effect`` looks like a typo of an effect this process's
     dispatchers run (nothing when no served name is close: it may be another's)."""
-    close = closest(effect, served)
+    close = closest(effect, served, HINT_CUTOFF)
     with _lock:
         if effect in _hinted:
             return

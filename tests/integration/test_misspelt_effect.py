@@ -70,13 +70,18 @@ def test_enqueue_of_a_close_name_is_hinted_once_and_still_enqueued(
     assert found is not None and found["status"] == "pending"
 
 
-def test_no_hint_without_a_dispatcher_of_the_effect_family(
+def test_a_sibling_effect_enqueued_for_another_dispatcher_is_not_hinted(
     dsn: str, schema: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A name close to no served one is left alone: hints never guess wildly."""
+    """A hook's child job of another dispatcher's effect (``billing.charge`` enqueued by
+    the ``billing.nightly`` run) is alike in name but no slip: no hint. Nor for a name
+    like no served one."""
+    base = f"b{uuid.uuid4().hex[:6]}"
+    Dispatcher(dsn, [_effect(f"{base}.nightly")], schema=schema)
     with caplog.at_level(logging.WARNING, logger="outbox"):
+        _enqueue(dsn, schema, f"{base}.charge", "child")
         _enqueue(dsn, schema, f"zz{uuid.uuid4().hex}.export", "alone")
-    assert not [r for r in caplog.records if r.name == "outbox"]
+    assert not [r.getMessage() for r in caplog.records if r.name == "outbox"]
 
 
 @contextmanager
