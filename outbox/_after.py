@@ -76,7 +76,11 @@ SWEEP_BATCH = 1000
 class FailedParent:
     """A parent that failed for good, as a child enqueued with ``after_failed="run"``
     sees it in ``job.after_results`` (in place of a result): its ``key`` and its
-    ``error`` (the parent's ``last_error``, shortened; None if it had none)."""
+    ``error`` (the parent's ``last_error``, shortened; None if it had none).
+
+    :var key: The parent job's idempotency key.
+    :var error: The parent's ``last_error``, shortened; None if it had none.
+    """
 
     key: str
     error: str | None = None

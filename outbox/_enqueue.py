@@ -55,6 +55,11 @@ class EnqueueResult:
 
     ``job_id`` names the new or the existing job; it is None when only the effect ledger
     remembers the key (the job finished and its row was removed by retention).
+
+    :var job_id: The id of the job this key names (new or existing); None when only the
+        ledger still remembers the key.
+    :var created: True when this call wrote the job; False when the key was already
+        known (with the same effect and payload), so nothing was written.
     """
 
     job_id: int | None
@@ -63,7 +68,27 @@ class EnqueueResult:
 
 @dataclass(frozen=True, slots=True)
 class NewJob:
-    """One job for ``enqueue_many``; the fields mean what ``enqueue``'s arguments mean."""
+    """One job for ``enqueue_many``; the fields mean what ``enqueue``'s arguments mean.
+
+    :param effect: The effect's name (``Effect.name``), e.g. ``"email.send"``.
+    :param key: The idempotency key: 1..255 printable ASCII characters, the same for
+        every retry of the business operation (``"email-order-102"``).
+    :param payload: The job's input: a JSON-serialisable mapping or a pydantic model
+        (at most 1,000,000 bytes as JSON).
+    :param run_at: When the first attempt may start: an aware datetime, or a delay
+        (a ``timedelta``) from now; None: at once.
+    :param ordering_key: Jobs sharing it run one at a time, in enqueue order.
+    :param max_attempts: Claims before the job goes to ``failed`` (None: the default, 25).
+    :param group: A tenant, customer or account (at most 255 characters): an effect's
+        due jobs are claimed across groups in turn.
+    :param priority: -1000..1000, higher first within the group; each level counts as
+        10 seconds of waiting.
+    :param after: Keys of parent jobs: this job is due once every one of them is done
+        (``job.after_results`` holds their results).
+    :param after_failed: What a parent failed for good does to this job: ``"fail"``
+        (fail it too, never performed) or ``"run"`` (perform it, the parent's entry in
+        ``after_results`` an ``outbox.FailedParent``).
+    """
 
     effect: str
     key: str

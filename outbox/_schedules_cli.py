@@ -21,6 +21,7 @@ from ._steps import Step, execute, run
 from .cli import VIA, _actor, _connect, _one_line_errors, actor_option, dsn_option, schema_option
 from .errors import ConfigurationError
 from .migrate import require_current
+from .registry import did_you_mean
 from .schedules import CATCH_UP, Schedule
 
 __all__ = ["command"]
@@ -138,7 +139,8 @@ def _warn_if_unserved(dsn: str, schema: str, effect: str) -> None:
     if found is not None and not found["named"]:
         known = ", ".join(found["known"]) or "none"
         click.echo(f"warning: no dispatcher serves effect {effect!r} (effects dispatchers "
-                   f"serve: {known}): the schedule's jobs wait until one does", err=True)
+                   f"serve: {known}){did_you_mean(effect, found['known'])}: the "
+                   f"schedule's jobs wait until one does", err=True)
 
 
 @command.command("pause")

@@ -43,6 +43,7 @@ from .dispatcher import AsyncDispatcher, Dispatcher
 from .errors import InvalidArgument, OutboxError
 from .limits import Limit, parse_limit
 from .migrate import LOCK_TIMEOUT, current_version, latest_version, migrate, require_current
+from .registry import closest as closest_effect
 from .targets import Target, parse_target
 
 __all__ = ["main"]
@@ -536,10 +537,21 @@ def _served(snapshot: _queue.Snapshot, backlog: dict[str, _queue.Backlog],
             for effect, b in backlog.items()},
         "unhandled_effects": [effect for effect, b in backlog.items()
                               if b.due and not b.dispatchers],
+        # An unhandled effect's closest served name: a misspelt effect (registry.closest).
+        "did_you_mean": _did_you_mean(backlog, live),
         "dispatchers": [{"worker_id": d["worker_id"], "effects": list(d["effects"]),
                          "started_at": d["started_at"].isoformat(),
                          "heartbeat_age_seconds": d["heartbeat_age"]} for d in live],
     }
+
+
+def _did_you_mean(backlog: dict[str, _queue.Backlog], live: list[dict[str, Any]]
+                  ) -> dict[str, str]:
+    """Each unhandled effect with due jobs -> the served effect its name is closest to."""
+    served = {effect for d in live for effect in d["effects"]}
+    hints = {effect: closest_effect(effect, served) for effect, b in backlog.items()
+             if b.due and not b.dispatchers}
+    return {effect: close for effect, close in hints.items() if close}
 
 
 def _print_status(report: dict[str, Any]) -> None:
@@ -558,6 +570,8 @@ def _print_status(report: dict[str, Any]) -> None:
         age = row["oldest_due_age_seconds"]
         flag = ("  <- no running dispatcher handles this effect"
                 if effect in report["unhandled_effects"] else "")
+        if effect in report.get("did_you_mean", {}):
+            flag += f"; did you mean {report['did_you_mean'][effect]!r}?"
         waiting = (f", waiting on parents {row['waiting_on_parents']}"
                    if row["waiting_on_parents"] else "")
         click.echo(f"  {effect:<24} pending {row['pending']:>8}, due {row['due']:>8}{waiting}, "

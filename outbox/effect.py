@@ -26,16 +26,25 @@ class Job:
     effect performed once even though ``perform`` may be called more than once
     (delivery to the adapter is at least once).
 
-    ``cancelled`` is set when this claim must stop acting (see the field).
+    An adapter may route by ``group``, e.g. to a tenant's provider account. A job with
+    parents (``after=[...]``) is claimed only once every parent is done (or, with
+    ``after_failed="run"``, settled for good); ``after_results`` holds what they returned.
 
-    ``attempt`` counts claims, starting at 1; ``claim_version`` is the fencing token of
-    this claim. ``model`` holds the payload validated against the effect's
-    ``payload_model`` when it declares one, else None. ``group`` and ``priority`` are
-    what the job was enqueued with (``group=``, ``priority=``): an adapter may route by
-    the group, e.g. to a tenant's provider account. ``scheduled_for`` is the slot of the
-    ``outbox.Schedule`` that enqueued the job (None for other jobs). ``after_results``
-    holds what the job's parents (``after=[...]``) returned: a job with parents is
-    claimed only once every parent is done (or, with ``after_failed="run"``, settled for good).
+    :var id: The job's row id (``outbox retry ID``, the dashboard's ``/jobs/ID``).
+    :var effect: The effect's name, e.g. ``"email.send"``.
+    :var key: The idempotency key, the same on every attempt: send it to the provider.
+    :var payload: The payload as enqueued (decoded JSON).
+    :var attempt: Which claim this is, from 1.
+    :var claim_version: This claim's fencing token (a later claim has a larger one).
+    :var ordering_key: The ordering key it was enqueued with, or None.
+    :var max_attempts: Claims allowed before the job goes to ``failed``.
+    :var first_attempted_at: When its first attempt started (None before it).
+    :var model: The payload validated by the effect's ``payload_model`` (None without one).
+    :var group: The group (tenant) it was enqueued with, or None.
+    :var priority: The priority it was enqueued with (-1000..1000).
+    :var scheduled_for: The slot of the schedule that enqueued it (aware); else None.
+    :var after_results: Each parent's key -> its ledger result (``after=[...]``).
+    :var cancelled: Set when this claim must stop acting; ``.reason`` says why.
     """
 
     id: int

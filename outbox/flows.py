@@ -32,7 +32,11 @@ __all__ = ["AsyncHookTransaction", "HookTransaction", "NotPerformed", "Performed
 @dataclass(frozen=True, slots=True)
 class Performed:
     """The provider did act for the job: ``result`` is what it returned (stored in the
-    ledger, as ``perform``'s return value would have been)."""
+    ledger, as ``perform``'s return value would have been).
+
+    :var result: What the provider returned for the job (a mapping, a pydantic model or
+        None), stored in the ledger row.
+    """
 
     result: Mapping[str, Any] | BaseModel | None = None
 

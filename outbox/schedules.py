@@ -113,6 +113,18 @@ class Schedule:
     catch-up policy skips it, at least once by the next dispatcher that runs; the job's
     ``scheduled_for`` is the slot. Everything is checked here: a bad value raises
     ``outbox.ConfigurationError`` naming the schedule.
+
+    :param name: The schedule's name, unique in the schema; part of each slot's key.
+    :param effect: The effect each slot's job runs, e.g. ``"billing.nightly"``.
+    :param cron: A five-field cron expression on ``timezone``'s wall clock (or ``every``).
+    :param every: Instead of ``cron``: seconds or a ``timedelta`` between slots,
+        counted from the Unix epoch.
+    :param payload: The jobs' payload (a JSON-serialisable mapping or a pydantic model).
+    :param timezone: The IANA time zone ``cron`` is read in (default UTC).
+    :param catch_up: Slots missed while no dispatcher ran: ``"latest"``, ``"all"``
+        (at most ``MAX_CATCH_UP``) or ``"skip"``.
+    :param group: The jobs' group (a tenant), as ``tx.enqueue``'s.
+    :param priority: The jobs' priority (-1000..1000), as ``tx.enqueue``'s.
     """
 
     name: str

@@ -32,6 +32,21 @@ class DispatchStats:
     Counted from the ``outbox.observe.DispatchObserver`` events the dispatcher reports
     (``claimed``, ``recorded``, ``claims_lost``, ``rescued``, ``reconnected``,
     ``purged``), so an observer of its own hears exactly what these counters hold.
+
+    :var claimed: Jobs claimed (each claim of a job counts).
+    :var done: Jobs recorded ``done``.
+    :var retried: Attempts recorded for a retry (the job back to ``pending``, later).
+    :var failed: Jobs recorded ``failed`` (a permanent error, attempts used up).
+    :var reconcile: Jobs sent to ``reconcile`` (an unknown outcome past its window).
+    :var released: Claimed jobs handed back unstarted at a stop (attempt refunded).
+    :var rescued: Expired leases of other claims this dispatcher took back.
+    :var lost_claims: Claims a heartbeat found taken over (their outcome not recorded).
+    :var stale_completions: Fenced writes that changed no row: the claim had been lost.
+    :var reconnects: Lost database connections replaced.
+    :var purged: Rows retention deleted (done jobs, ledger and inbox rows).
+    :var claim_queries: Claim statements run.
+    :var claim_seconds: Seconds spent in them, in total.
+    :var claim_seconds_max: The slowest claim statement, in seconds.
     """
 
     claimed: int = 0

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from .._steps import Statement, Step
+from ..registry import did_you_mean
 from .settings import Settings
 from .state import Timer
 
@@ -96,10 +97,11 @@ class Presence:
             warned.append(name)
             log.warning(
                 "%s due job(s) of effect %r have waited %.0fs and no running dispatcher "
-                "handles %r (this one handles %s): a typo in the effect name, or a "
+                "handles %r (this one handles %s)%s: a typo in the effect name, or a "
                 "dispatcher with that effect not running?",
                 unserved.due, name, float(unserved.oldest_age), name,
-                ", ".join(sorted(self.settings.effects)))
+                ", ".join(sorted(self.settings.effects)),
+                did_you_mean(name, self.settings.effects))
         for name in set(self.warned_at) - waiting:  # served or gone: warn afresh next time
             del self.warned_at[name]
         return warned

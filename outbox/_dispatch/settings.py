@@ -26,6 +26,7 @@ from ..effect import Effect, is_async_effect
 from ..errors import ConfigurationError
 from ..limits import Limit
 from ..observe import DispatchObserver
+from ..registry import note_served
 from ..targets import Target
 from .hook_lookup import hooks_for
 
@@ -112,6 +113,7 @@ class Settings:
     ) -> Settings:
         """Check every option; raise ``ConfigurationError`` naming the first bad one."""
         indexed = _index_effects(effects)
+        note_served(indexed)  # enqueue's "did you mean" in this process (outbox.registry)
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigurationError(f"concurrency must be a positive integer, got {concurrency!r}")
         leased = _seconds(lease, "lease", minimum=1.0)

@@ -82,6 +82,7 @@ from ._targets import (
     slugs,
 )
 from ._targets import check as check_target
+from ._unserved import unserved as unserved_effects
 from ._views import Redactor, age, ago, minute_chart, seconds_text, shown_payload, timestamp
 from ._views import truncate_payload as default_redact
 
@@ -323,6 +324,7 @@ async def overview(request: Request) -> Response:
         limits = await fetch(conn, core.limits_overview, namedtuple_row)
         shared = await fetch(conn, core.shared_overview, namedtuple_row)
         failed_groups = await records(conn, core.failed_groups, FailedGroup, {"limit": 20})
+        unserved = await unserved_effects(conn, settings.schema)
     health = snapshot.health
     return render(request, "overview.html", {
         "limits": limits,
@@ -335,6 +337,7 @@ async def overview(request: Request) -> Response:
         "counts": snapshot.counts, "effects": sorted(snapshot.effects()), "health": health,
         "chart": minute_chart(settled, since),
         "dispatchers": dispatchers, "audit": audit, "can_act": can_act,
+        "unserved": unserved,  # effects with due jobs no running dispatcher handles
         "oldest_due": max((h.oldest_due_age for h in health.values()
                            if h.oldest_due_age is not None), default=None),
     })

@@ -260,3 +260,69 @@ def test_numbered_steps_render_as_one_list(site: Path) -> None:
             broken.append(f"{page.relative_to(ROOT)}: {lists} numbered list(s) in the "
                           f"text, {rendered} rendered (indent a step's continuation 4 spaces)")
     assert not broken, broken
+
+
+# The public records: each field, with its type and meaning, in a table of the reference
+# (``:var name:`` lines give an "Attributes" table, for the records outbox hands out;
+# ``:param name:`` lines a "Parameters" table, for those an application builds).
+_RECORDS = {"Job": "Attributes", "DispatchStats": "Attributes", "EnqueueResult": "Attributes",
+            "FailedParent": "Attributes", "Performed": "Attributes", "NewJob": "Parameters",
+            "Schedule": "Parameters", "Limit": "Parameters", "Target": "Parameters",
+            "Backoff": "Parameters"}
+
+
+def _record_fields(name: str) -> list[tuple[str, str]]:
+    """Each field an application sees or gives: (name, its annotation as written)."""
+    import dataclasses
+    import typing
+
+    import outbox
+
+    cls = getattr(outbox, name)
+    hints = typing.get_type_hints(cls)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)
+            if f.init and f.name != "_"]
+
+
+def test_every_public_record_is_in_the_table() -> None:
+    """Every dataclass of ``outbox.__all__`` is listed above, so a new record gets its
+    table too."""
+    import dataclasses
+
+    import outbox
+
+    records = sorted(n for n in outbox.__all__ if dataclasses.is_dataclass(getattr(outbox, n))
+                     and dataclasses.fields(getattr(outbox, n)))
+    assert records == sorted(_RECORDS), "add the record to _RECORDS and document its fields"
+
+
+@pytest.mark.parametrize("name", sorted(_RECORDS))
+def test_a_record_documents_every_field(name: str) -> None:
+    import outbox
+
+    cls = getattr(outbox, name)
+    marker = ":var" if _RECORDS[name] == "Attributes" else ":param"
+    documented = set(re.findall(rf"{marker} (\w+):", cls.__doc__ or ""))
+    missing = [field for field, _ in _record_fields(name) if field not in documented]
+    assert not missing, (f"outbox.{name}: no '{marker} NAME: what it is' line in its "
+                         f"docstring for {missing}: the reference's table is built from them")
+
+
+def test_the_records_show_their_fields_in_a_table(site: Path) -> None:
+    page = (site / "reference" / "outbox.html").read_text()
+    for name, section_title in _RECORDS.items():
+        start = page.index(f'id="outbox.{name}"')
+        section = page[start:page.index("</table>", start)]
+        table = section[section.index("<table"):]
+        assert f"{section_title}:NameTypeDescription" in _text(section), name
+        rows = {_text(field): (_text(kind), _text(meaning)) for field, kind, meaning in
+                re.findall(r"<tr[^>]*>\s*<td[^>]*>(.*?)</td>\s*<td[^>]*>(.*?)</td>\s*"
+                           r"<td[^>]*>(.*?)</td>", table, re.S)}
+        for field, _ in _record_fields(name):
+            kind, meaning = rows.get(field, ("", ""))
+            assert kind and meaning, (name, field, sorted(rows))
+    # Rows read whole: the name, its type, its meaning.
+    job = _text(page[page.index('id="outbox.Job"'):])
+    assert "attemptintWhichclaimthisis,from1." in job
+    stats = _text(page[page.index('id="outbox.DispatchStats"'):])
+    assert "doneintJobsrecordeddone." in stats
