@@ -34,6 +34,7 @@ from .budget import ClaimStep, LimitedClaims
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, Reconnects, connect
 from .counting import Waits
 from .presence import Presence
+from .rescuer import RescueHooks, Rescuer, run_rescue_hooks, run_rescue_hooks_async
 from .settings import Settings
 from .shared import HomeCall
 from .standby import ReadOnlyServer
@@ -63,7 +64,6 @@ PURGE_BATCHES = 10  # per table and round
 # of a RETENTION_INTERVAL later, so retention keeps up with any steady rate (10,000 rows
 # a round a second per dispatcher) while one round stays short enough not to starve claims.
 RETENTION_CATCH_UP = 1.0
-RESCUE_BATCH = 1000
 # How often a running dispatcher looks at the schema's version: one migrated past what
 # its code knows stops it (the release that migrated it replaces it).
 SCHEMA_CHECK_INTERVAL = 10.0
@@ -97,6 +97,7 @@ class Claimer:
         self.queries = settings.queries
         self.rng = random.Random()
         self.rescue_timer = Timer(settings.rescue_interval)
+        self.rescuer = Rescuer(settings, self.rng)
         self.retention_timer = Timer(retention_interval(settings))
         # Checked at start (wait_for_schema): the first look is an interval later.
         self.schema_timer = Timer(SCHEMA_CHECK_INTERVAL,
@@ -148,7 +149,7 @@ class Claimer:
         return Round(batch, wait=_sooner(
             self.settings.poll_interval * self.rng.uniform(0.5, 1.0), soon))
 
-    def chores(self, now: float) -> Step[None]:
+    def chores(self, now: float) -> ClaimStep[None]:
         """What a round does when its timer says so, before it claims: the look at the
         schema's version, the rescue, retention (under run_until_idle too: cron
         deployments never call run()), the heartbeat, the queue tables' first statistics,
@@ -307,17 +308,15 @@ class Claimer:
                               scalar=True)
         return bool(due[0])
 
-    def rescue(self) -> Step[None]:
-        rows = yield Statement(self.queries.rescue, {
-            "limit": RESCUE_BATCH, "unknown_window": self.settings.unknown_outcome_window,
-            # Per effect, read each time: an effect may learn its window late.
-            "windows": self.settings.windows_json(),
-        }, named=True)
-        for job in rows:
+    def rescue(self) -> ClaimStep[None]:
+        """Settle the expired leases as unknown outcomes (``outbox._dispatch.rescuer``)."""
+        rescued = yield from self.rescuer.rescue(self.queries)
+        for item in rescued:
+            job = item.job
             log.warning("rescued job %s (key %s, version %s) after its lease expired: now %s",
-                        job.id, job.key, job.claim_version, job.status)
-        if rows:
-            guarded(self.state.events.rescued, len(rows))
+                        job.id, job.key, job.claim_version, item.decision.status)
+        if rescued:
+            guarded(self.state.events.rescued, len(rescued))
 
     def purge(self) -> Step[bool]:
         """Retention: done jobs, ledger rows and inbox rows older than their periods, a
@@ -431,23 +430,27 @@ def _still_waiting(exc: BaseException, settings: Settings, deadline: float | Non
     return True
 
 
-def claim_executor(conn: Connection) -> Callable[[Statement | HomeCall], Any]:
+def claim_executor(conn: Connection) -> Callable[[Statement | HomeCall | RescueHooks], Any]:
     """How the claimer's steps are run: statements on its connection, calls to the limits
-    home as they are."""
-    def execute(instruction: Statement | HomeCall) -> Any:
+    home as they are, the rescue's hooks in a transaction on its connection."""
+    def execute(instruction: Statement | HomeCall | RescueHooks) -> Any:
         if isinstance(instruction, HomeCall):
             return instruction.fn()
+        if isinstance(instruction, RescueHooks):
+            return run_rescue_hooks(instruction, conn.get())
         return conn.execute(instruction)
     return execute
 
 
 def claim_executor_async(
-        conn: AsyncConnection) -> Callable[[Statement | HomeCall], Awaitable[Any]]:
+        conn: AsyncConnection) -> Callable[[Statement | HomeCall | RescueHooks], Awaitable[Any]]:
     """``claim_executor`` for the asyncio dispatcher: the home's blocking calls on a
     thread, so the loop never waits for them."""
-    async def execute(instruction: Statement | HomeCall) -> Any:
+    async def execute(instruction: Statement | HomeCall | RescueHooks) -> Any:
         if isinstance(instruction, HomeCall):
             return await asyncio.to_thread(instruction.fn)
+        if isinstance(instruction, RescueHooks):
+            return await run_rescue_hooks_async(instruction, await conn.get())
         return await conn.execute(instruction)
     return execute
 

@@ -38,6 +38,7 @@ from outbox._dispatch.claimer import (
     retention_interval,
 )
 from outbox._dispatch.recorder import Recorder
+from outbox._dispatch.rescuer import RescueHooks
 from outbox._dispatch.settings import Settings
 from outbox._dispatch.shared import HomeCall
 from outbox._dispatch.state import Held, Outcome, Release, SharedState, Success
@@ -98,7 +99,7 @@ class Script:
         limited or paused), then the claim."""
         return self.then("limit_states", []).then("claim", answer)
 
-    def execute(self, statement: Statement | HomeCall) -> Rows:
+    def execute(self, statement: Statement | HomeCall | RescueHooks) -> Rows:
         assert isinstance(statement, Statement), "no limit here is shared: no home to call"
         assert self.expected, f"unexpected statement after {[n for n, _ in self.asked]}"
         name, answer = self.expected.pop(0)
@@ -118,7 +119,7 @@ class Script:
         if self.driver == "run":
             result = run(step, self.execute)
         else:
-            async def execute(statement: Statement | HomeCall) -> Rows:
+            async def execute(statement: Statement | HomeCall | RescueHooks) -> Rows:
                 return self.execute(statement)
 
             result = asyncio.run(run_async(step, execute))
@@ -170,7 +171,9 @@ CLAIMED = ("id", "effect", "key", "payload", "attempts", "claim_version", "order
            "group_key", "priority", "scheduled_for", "after_failed")
 # The columns of the statements answered by name, as their blocks name them.
 COLUMNS = {"claim": CLAIMED, "limit_claim": (*CLAIMED, "budget_wait"),
-           "rescue": ("id", "key", "status", "claim_version"),
+           "rescue": ("id", "effect", "key", "attempts", "claim_version", "ordering_key",
+                      "max_attempts", "first_attempted_at", "claimed_by", "group_key",
+                      "priority", "scheduled_for", "cancelled", "now"),
            "heartbeat": ("id", "cancel"),
            "after_sweep": ("walked_child", "walked_parent", "woken"),
            "limit_states": ("effect", "gated", "pause_left", "pause_reason", "troubled"),
@@ -199,7 +202,9 @@ def test_the_first_round_rescues_purges_and_claims(clock: Clock) -> None:
     shared = state()
     claimer = Claimer(settings(prefetch=0), shared, until_idle=False)
     script = (Script(claimer.queries)
-              .then("rescue", [(1, "k1", "pending", 3)])
+              .then("rescue", [(1, "test.noop", "k1", 1, 3, None, 25, datetime.now(UTC),
+                                "w", None, 0, None, False, datetime.now(UTC))])
+              .then("settle", [1])  # the rescue's decision, applied fenced
               .then("after_sweep", [(None, None, 0)])  # fan-in's repair, with the rescue
               .then("purge_done", [(RETENTION_BATCH,)])  # a full batch: go on
               .then("purge_done", [(3,)])
