@@ -257,6 +257,9 @@ class _Options:
         self._schedule_clock: Callable[[], Any] | None = None
         self.stats = DispatchStats()
         self._running = False
+        # One lock for a run's start and end and for stop(): a run is started once, and a
+        # stop() from any thread is seen by the run it races with (see _begin / stop).
+        self._control = threading.RLock()  # re-entrant: a signal handler may call stop()
         # The options an engine of the fleet gets (observer and limits are read from the
         # settings when it is made: add_observer and add_limits change them).
         self._engine_options: dict[str, Any] = {
@@ -529,7 +532,8 @@ class Dispatcher(_Options):
         """Ask ``run`` to stop: nothing new is claimed; in-flight work finishes or is
         released (jobs not started go back to ``pending`` with the attempt refunded).
         Safe to call from any thread or a signal handler."""
-        self._state.request_stop()
+        with self._control:  # not between a run's reset and its end: never half-undone
+            self._state.request_stop()
         if self._fleet is not None:
             self._fleet.stop()
 
@@ -589,9 +593,10 @@ class Dispatcher(_Options):
     # -- building, starting and joining the parts -------------------------------------------
 
     def _serve(self, *, until_idle: bool, timeout: float | None) -> DispatchStats:
-        if self._running:
-            raise ConfigurationError("this Dispatcher is already running")
-        self._running = True
+        with self._control:  # checked and set at once: two run() calls cannot both start
+            if self._running:
+                raise ConfigurationError("this Dispatcher is already running")
+            self._running = True
         state = self._state
         self.stats = state.stats = DispatchStats()
         claimer = Connection(self._connect, "claimer")
@@ -609,8 +614,9 @@ class Dispatcher(_Options):
             claimer.discard()
             # Reset here rather than on entry, so a stop() that comes before run() (or a
             # SIGTERM during start-up) is not forgotten.
-            state.reset()
-            self._running = False
+            with self._control:
+                state.reset()
+                self._running = False
         if isinstance(failure, ConfigurationError):
             raise failure  # the set-up is wrong, not the code: say what is wrong
         if failure is not None:
@@ -746,12 +752,15 @@ class AsyncDispatcher(_Options):
 
     def stop(self) -> None:
         """Ask ``run`` to stop: nothing new is claimed; in-flight work finishes or is
-        handed back. Safe to call from any thread, before or during a run."""
-        state = self._state
-        if state is None:
-            self._stop_early = True
-        else:
-            state.request_stop()
+        handed back. Safe to call from any thread, before or during a run: the run's
+        state and this flag are read and written under one lock, so a stop() that races
+        with a run's start is seen by that run (it stops at once) and is never lost."""
+        with self._control:
+            state = self._state
+            if state is None:
+                self._stop_early = True
+            else:
+                state.request_stop()
         if self._fleet is not None:
             self._fleet.stop()
 
@@ -797,24 +806,29 @@ class AsyncDispatcher(_Options):
         await task
 
     async def _serve(self, *, until_idle: bool, deadline: float | None) -> DispatchStats:
-        if self._running:
-            raise ConfigurationError("this AsyncDispatcher is already running")
-        self._running = True
         settings = self.settings
-        self.stats = DispatchStats()
-        state = SharedState(self.stats, settings.observer, settings.concurrency, LoopEvent)
-        self._state = state
-        if self._stop_early:
-            state.request_stop()
+        # Under the lock stop() takes: either stop() came first (the flag is read here)
+        # or it finds this state; nothing in between for it to fall into.
+        with self._control:
+            if self._running:
+                raise ConfigurationError("this AsyncDispatcher is already running")
+            self._running = True
+            self.stats = DispatchStats()
+            state = SharedState(self.stats, settings.observer, settings.concurrency,
+                                LoopEvent)
+            self._state = state
+            if self._stop_early:
+                state.request_stop()
         try:
             with held(settings.limits_home):
                 await wait_for_schema_async(settings, state, deadline)
                 await check_access_async(settings)
                 await self._dispatch(state, until_idle, deadline)
         finally:
-            self._state = None
-            self._stop_early = False
-            self._running = False
+            with self._control:
+                self._state = None
+                self._stop_early = False
+                self._running = False
         if isinstance(state.failure, ConfigurationError):
             raise state.failure  # the set-up is wrong, not the code: say what is wrong
         if state.failure is not None:
