@@ -395,8 +395,9 @@ provider's event (``resolve_by_event``), retention."""
 class Transition:
     """One status change: ``source`` moves a job from ``before`` to ``after`` (None: the
     row is deleted) when ``when`` holds, decided by ``decided_by`` (a function of this
-    module, or the SQL condition it rests on) and applied by the named statement
-    ``statement`` (``outbox/sql/*.sql``), fenced."""
+    module; "SQL": the statement's own condition, an operator's or a fan-in rule with no
+    outcome to weigh) and applied by the named statement or fragment ``statement``
+    (``outbox/sql/*.sql``), fenced on the status it starts from."""
 
     source: Source
     before: Status
@@ -412,52 +413,52 @@ def _t(source: Source, before: Status, after: Status | None, when: str, decided_
 
 
 TRANSITIONS: tuple[Transition, ...] = (
-    _t("claim", "pending", "running", "due, its group and ordering key free", "SQL (claim)",
-       "claim"),
+    _t("claim", "pending", "running", "due; its group and ordering key free", "SQL",
+       "claim_taken"),
     _t("settle", "running", "done", "perform returned (+ ledger row)", "settle", "complete"),
     _t("settle", "running", None, "perform returned, retention 0 (+ ledger row)", "settle",
        "complete_delete"),
-    _t("settle", "running", "pending", "Retry / an error / UnknownOutcome within the window, "
-       "attempts left (backoff); Throttled; released at shutdown", "settle", "settle"),
+    _t("settle", "running", "pending", "Retry, an error or UnknownOutcome with attempts and "
+       "window left (backoff); Throttled; released at a stop", "settle", "settle"),
     _t("settle", "running", "failed", "Permanent, or attempts used up", "settle", "settle"),
     _t("settle", "running", "reconcile", "UnknownOutcome past the window or with attempts "
        "used up", "settle", "settle"),
-    _t("rescue", "running", "pending", "lease expired, within the window, attempts left "
-       "(backoff)", "expired", "settle"),
+    _t("rescue", "running", "pending", "lease expired, attempts and window left (backoff)",
+       "expired", "settle"),
     _t("rescue", "running", "reconcile", "lease expired, attempts used up or past the window",
        "expired", "settle"),
-    _t("rescue", "running", "failed", "lease expired on a claim an operator cancelled "
-       "(an effect that reconciles: reconcile)", "expired", "settle"),
+    _t("rescue", "running", "failed", "lease expired on a claim an operator cancelled",
+       "expired", "settle"),
     _t("hook", "running", "pending", "on_done raised, attempts left (the result kept)",
        "settle", "keep_result"),
-    _t("hook", "running", "failed", "on_done raised on the last attempt (the result to the "
-       "ledger)", "settle", "fail_performed"),
-    _t("reconcile", "reconcile", "done", "the provider acted (+ ledger row)", "settle_answer",
-       "reconcile_done"),
+    _t("hook", "running", "failed", "on_done raised on the last attempt", "settle",
+       "fail_performed"),
+    _t("reconcile", "reconcile", "done", "the provider acted (+ ledger row)",
+       "settle_answer", "reconcile_done"),
     _t("reconcile", "reconcile", "pending", "the provider acted, on_done raised (the result "
        "kept)", "settle_answer", "reconcile_keep"),
     _t("reconcile", "reconcile", "pending", "the provider has no trace (a fresh window)",
        "settle_answer", "reconcile_not_performed"),
-    _t("reconcile", "reconcile", "failed", "reconcile raised Permanent; or no trace of a job "
-       "an operator cancelled", "settle_answer", "reconcile_fail"),
-    _t("operator", "failed", "pending", "outbox retry (attempts reset)", "SQL (retry)",
-       "retry"),
-    _t("operator", "reconcile", "pending", "outbox retry (attempts reset)", "SQL (retry)",
-       "retry"),
-    _t("operator", "failed", "pending", "bulk retry", "SQL (bulk_retry)", "bulk_retry"),
-    _t("operator", "reconcile", "done", "resolved: performed", "SQL (resolve_done)",
-       "resolve_done"),
-    _t("operator", "reconcile", "failed", "resolved: not performed", "SQL (resolve_failed)",
-       "resolve_failed"),
-    _t("cancel", "pending", "failed", "cancelled before it started", "SQL (cancel)",
-       "cancel"),
-    _t("cancel", "running", "failed", "cancelled while running: its perform is told to stop, "
-       "then its outcome settles", "after_told", "settle"),
-    _t("parent", "pending", "failed", "a parent failed and the child says after_failed='fail'",
-       "SQL (after_released)", "after_released"),
-    _t("event", "reconcile", "pending", "the provider's event says it acted (the result kept)",
-       "SQL (resolve_by_event)", "resolve_by_event"),
-    _t("retention", "done", None, "older than retention", "SQL (purge_done)", "purge_done"),
+    _t("reconcile", "reconcile", "failed", "no trace of a job an operator cancelled",
+       "SQL", "reconcile_not_performed"),
+    _t("reconcile", "reconcile", "failed", "reconcile raised Permanent", "settle_answer",
+       "reconcile_fail"),
+    _t("operator", "failed", "pending", "retry (attempts reset)", "SQL", "retry"),
+    _t("operator", "reconcile", "pending", "retry (attempts reset)", "SQL", "retry"),
+    _t("operator", "failed", "pending", "retry of every failed job of a filter", "SQL",
+       "bulk_retry"),
+    _t("operator", "reconcile", "done", "resolved: performed", "SQL", "resolve_done"),
+    _t("operator", "reconcile", "failed", "resolved: not performed", "SQL", "resolve_failed"),
+    _t("cancel", "pending", "failed", "cancelled before it started", "SQL", "cancel"),
+    _t("cancel", "running", "failed", "cancelled while running: told to stop, its outcome "
+       "then settled (reconcile for an effect that reconciles)", "after_told", "settle"),
+    _t("parent", "pending", "failed", "a parent failed, the child says after_failed='fail'",
+       "SQL", "after_released"),
+    _t("parent", "pending", "failed", "enqueued after a parent that had failed, "
+       "after_failed='fail'", "SQL", "after_link"),
+    _t("event", "reconcile", "pending", "the provider's event says it acted (the result "
+       "kept)", "SQL", "resolve_by_event"),
+    _t("retention", "done", None, "older than retention", "SQL", "purge_done"),
 )
 """Every status change a job makes, one row each (the docs' table of transitions in
 ``docs/explanation/failure-windows.md`` is tested against it)."""
