@@ -543,8 +543,9 @@ class Dispatcher(_Options):
         Returns once no job of this dispatcher's effects is claimable and none is running,
         here or in another worker: a running job held elsewhere is waited for, and
         rescued here if its lease expires (its worker died or froze), then performed
-        here once its retry is due (an unknown outcome: retried after the backoff). Jobs
-        retried with a delay are not waited for. With ``timeout`` (seconds), stops
+        here once its retry is due (an unknown outcome, retried after the backoff: a job
+        rescued here is waited for). Other jobs retried with a delay are not waited for.
+        With ``timeout`` (seconds), stops
         claiming when it passes and returns once this dispatcher's in-flight work is
         recorded.
 

@@ -79,13 +79,11 @@ class AsyncHookedTableEffect(outbox.Effect):
 
 def drain_hooked(dsn: str, schema: str, *, lease: float = 1.0,
                  timeout: float = 60.0) -> outbox.DispatchStats:
-    """An in-process dispatcher with the hooked effect, until idle (the rescuer; no
-    backoff: a job it rescues, an unknown outcome retried, is due again at once)."""
+    """An in-process dispatcher with the hooked effect, until idle (the rescuer)."""
     effect = HookedTableEffect(dsn, schema)
     try:
         return outbox.Dispatcher(dsn, [effect], schema=schema, lease=lease,
-                                 rescue_interval=0.1, backoff=outbox.Backoff(0.0, 0.0),
-                                 ).run_until_idle(timeout=timeout)
+                                 rescue_interval=0.1).run_until_idle(timeout=timeout)
     finally:
         effect.close()
 

@@ -132,12 +132,11 @@ def enqueue(conn: Conn, schema: str, keys: Iterable[str], payload: Mapping[str, 
 
 
 def drain(dsn: str, schema: str, *, lease: float = 1.0, timeout: float = 60.0) -> DispatchStats:
-    """Run an in-process dispatcher (the rescuer) with the table effect until idle (no
-    backoff: a job it rescues, an unknown outcome retried, is due again at once)."""
+    """Run an in-process dispatcher (the rescuer) with the table effect until idle."""
     effect = TableEffect(dsn, schema)
     try:
-        return Dispatcher(dsn, [effect], schema=schema, lease=lease, rescue_interval=0.1,
-                          backoff=outbox.Backoff(0.0, 0.0)).run_until_idle(timeout=timeout)
+        return Dispatcher(dsn, [effect], schema=schema, lease=lease,
+                          rescue_interval=0.1).run_until_idle(timeout=timeout)
     finally:
         effect.close()
 

@@ -71,10 +71,8 @@ def test_a_refused_hooked_outcome_costs_only_its_own_job(
     with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
         tx.enqueue_many([NewJob(EFFECT, key, {}) for key in keys])
     effect = Quick(schema)
-    # No backoff: the rescued job (an unknown outcome, retried) is due again at once.
     options: dict[str, Any] = {"schema": schema, "lease": 1.0, "rescue_interval": 0.2,
-                               "batch_size": JOBS, "prefetch": JOBS,
-                               "backoff": outbox.Backoff(0.0, 0.0)}
+                               "batch_size": JOBS, "prefetch": JOBS}
     hook = effect.record if flavour == "sync" else effect.record_async
     stats = dispatch_once(flavour, dsn, [effect], on_done={EFFECT: hook}, **options)
 

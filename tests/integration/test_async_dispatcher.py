@@ -139,9 +139,7 @@ def test_a_stalled_loop_finds_its_claim_fenced(dsn: str, schema: str) -> None:
     try:
         assert effect.stalled.wait(30)
         # Another dispatcher waits for the lease to lapse, rescues the job and does it.
-        # No backoff: the rescued job (an unknown outcome, retried) is due again at once.
-        rescuer = Dispatcher(dsn, [Stall()], schema=schema, lease=1,
-                             backoff=outbox.Backoff(0.0, 0.0)).run_until_idle(30)
+        rescuer = Dispatcher(dsn, [Stall()], schema=schema, lease=1).run_until_idle(30)
         assert (rescuer.rescued, rescuer.done) == (1, 1)
     finally:
         effect.resume.set()
@@ -213,9 +211,7 @@ def test_a_second_cancellation_abandons_work_in_flight_to_the_rescuer(
         async def perform(self, job: Job) -> dict[str, int]:
             return {"attempt": job.attempt}
 
-    # No backoff: the rescued job (an unknown outcome, retried) is due again at once.
-    stats = run(AsyncDispatcher(dsn, [Quick()], schema=schema, lease=1,
-                                backoff=outbox.Backoff(0.0, 0.0)).run_until_idle(30))
+    stats = run(AsyncDispatcher(dsn, [Quick()], schema=schema, lease=1).run_until_idle(30))
     assert (stats.rescued, stats.done) == (1, 1)
     assert ledger(dsn, schema)["k"]["result"] == {"attempt": 2}
 

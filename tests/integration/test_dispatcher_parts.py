@@ -112,8 +112,7 @@ def test_observer_hears_rescues_and_fence_rejections(dsn: str, schema: str) -> N
             "effects": "{test.by_payload}", "limit": 1, "lease": 1.0, "worker": "dead",
             "after": "{}"})
     events = Events()
-    # No backoff: the rescued job (an unknown outcome, retried) is due again at once.
-    Dispatcher(dsn, [ByPayload()], schema=schema, lease=1, backoff=outbox.Backoff(0.0, 0.0),
+    Dispatcher(dsn, [ByPayload()], schema=schema, lease=1,
                observer=events).run_until_idle(timeout=30)
     assert events.rescues == 1
     assert events.finished == {("test.by_payload", "done"): 1}
@@ -191,9 +190,7 @@ def test_a_dead_worker_stops_run_loudly_and_its_job_is_rescued(dsn: str, schema:
     assert not thread.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], DispatcherFailed)
     assert jobs(dsn, schema)["k"]["status"] == "running"  # held when the worker died
-    # No backoff: the rescued job (an unknown outcome, retried) is due again at once.
-    stats = Dispatcher(dsn, [ByPayload()], schema=schema, lease=1,
-                       backoff=outbox.Backoff(0.0, 0.0)).run_until_idle(timeout=30)
+    stats = Dispatcher(dsn, [ByPayload()], schema=schema, lease=1).run_until_idle(timeout=30)
     assert (stats.rescued, stats.done) == (1, 1)
     assert ledger(dsn, schema)["k"]["result"] == {"attempt": 2}
 

@@ -82,9 +82,8 @@ def test_the_rescuer_sends_an_expired_claim_past_its_effects_window_to_reconcile
     _enqueue(dsn, schema, Short.name, Plain.name, Long.name)
     _first_attempted(dsn, schema, 600.0, expired_claim=True)  # ten minutes ago
     # The dispatcher's own window (five minutes) lies between the effects' two.
-    # No backoff: the job rescued inside its window is due again at once.
     stats = _run(flavour, dsn, [short, plain, long], schema=schema,
-                 unknown_outcome_window=300.0, backoff=outbox.Backoff(0.0, 0.0))
+                 unknown_outcome_window=300.0)
     found = jobs(dsn, schema)
     assert found[Short.name]["status"] == "reconcile"
     assert found[Short.name]["last_error"].startswith(
@@ -104,8 +103,7 @@ def test_the_rescuer_retries_inside_the_effects_window_and_uses_the_default_othe
     short, plain = Short(), Plain()
     _enqueue(dsn, schema, Short.name, Plain.name)
     _first_attempted(dsn, schema, 30.0, expired_claim=True)  # inside the minute
-    stats = _run(flavour, dsn, [short, plain], schema=schema,  # default window: 24 h
-                 backoff=outbox.Backoff(0.0, 0.0))  # the rescued jobs due again at once
+    stats = _run(flavour, dsn, [short, plain], schema=schema)  # default window: 24 h
     found = jobs(dsn, schema)
     assert {found[n]["status"] for n in (Short.name, Plain.name)} == {"done"}
     assert short.performed == [Short.name] and plain.performed == [Plain.name]

@@ -70,9 +70,8 @@ def test_a_refused_row_is_dropped_counted_and_later_done(
     refuse_done(dsn, schema, "P0001", first_attempt_only=True)
     enqueue(dsn, schema, 2)
     registry = CollectorRegistry()
-    # No backoff: a rescued job (an unknown outcome, retried) is due again at once.
     options: dict[str, Any] = {"schema": schema, "lease": 1.0, "rescue_interval": 0.2,
-               "observer": PrometheusObserver(registry), "backoff": outbox.Backoff(0.0, 0.0)}
+               "observer": PrometheusObserver(registry)}
     if flavour == "threads":
         stats = outbox.Dispatcher(dsn, [Quick()], **options).run_until_idle(timeout=60)
     else:
