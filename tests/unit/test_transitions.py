@@ -98,10 +98,11 @@ CASES: dict[tuple[str, str | None, str], Callable[[], Decision]] = {
     ("complete", "done", "perform returned (+ ledger row)"): lambda: _settle(None),
     ("complete_delete", None, "perform returned, retention 0 (+ ledger row)"):
         lambda: _settle(None),
-    ("settle", "pending", TRANSITIONS[3].when): lambda: _settle(Retry("again")),
+    ("settle", "pending", "Retry, an error or UnknownOutcome with attempts and window left "
+     "(backoff); Throttled; released at a stop"): lambda: _settle(Retry("again")),
     ("settle", "failed", "Permanent, or attempts used up"): lambda: _settle(Permanent("no")),
-    ("settle", "reconcile", TRANSITIONS[5].when): lambda: _settle(
-        UnknownOutcome("timeout"), _job(attempt=3)),
+    ("settle", "reconcile", "UnknownOutcome past the window or with attempts used up"):
+        lambda: _settle(UnknownOutcome("timeout"), _job(attempt=3)),
     ("settle", "pending", "lease expired, attempts and window left (backoff)"):
         lambda: _expired(_job()),
     ("settle", "reconcile", "lease expired, attempts used up or past the window"):
@@ -120,8 +121,9 @@ CASES: dict[tuple[str, str | None, str], Callable[[], Decision]] = {
         lambda: _lifecycle.settle_answer("not_performed"),
     ("reconcile_fail", "failed", "reconcile raised Permanent"):
         lambda: _lifecycle.settle_answer("failed", error=Permanent("no")),
-    ("settle", "failed", TRANSITIONS[22].when): lambda: _settle(
-        RuntimeError("stopped"), told="operator"),
+    ("settle", "failed", "cancelled while running: told to stop, its outcome then settled "
+     "(reconcile for an effect that reconciles)"):
+        lambda: _settle(RuntimeError("stopped"), told="operator"),
 }
 
 
