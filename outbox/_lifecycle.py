@@ -1,7 +1,10 @@
 """Pure decisions of the job lifecycle: what a job's next state is, and when.
 
 ``settle`` is the one settlement of an attempt (the recorder and the completion hooks
-call it), ``settle_answer`` the one of a reconciler's answer (the reconciler calls it).
+call it), ``expired`` the one of a claim whose lease ran out (the rescuer calls it: an
+unknown outcome, settled by ``settle``), ``settle_answer`` the one of a reconciler's
+answer (the reconciler calls it). ``TRANSITIONS`` lists every status change a job can
+make, with the statement that applies it (the docs' table is tested against it).
 
 No I/O and no clock of its own: callers pass ``now`` and a random source, so every rule
 here is tested without a database. The state machine these decisions drive::
@@ -10,7 +13,7 @@ here is tested without a database. The state machine these decisions drive::
        ^                  |  \\--Permanent / attempts exhausted--> failed
        |                  |  \\--UnknownOutcome past window------> reconcile
        +--Retry/backoff---+
-       +--lease expired (rescuer, fenced)
+       +--lease expired (rescuer, fenced): an UnknownOutcome, settled as one
 
     reconcile --asked: performed (+ledger)--> done
               --asked: not performed-------> pending (same key, fresh window)
@@ -29,9 +32,10 @@ from typing import Literal, Protocol
 
 from .errors import Permanent, Retry, Throttled, UnknownOutcome
 
-__all__ = ["MAX_ASK_DELAY", "MAX_UNKNOWN_PASSES", "NEVER", "RELEASED", "Answered", "Attempted",
-           "Backoff", "Decision", "Released", "Rules", "Settled", "Told", "after_told",
-           "heartbeat_interval", "next_ask", "seconds", "settle", "settle_answer"]
+__all__ = ["MAX_ASK_DELAY", "MAX_UNKNOWN_PASSES", "NEVER", "RELEASED", "TRANSITIONS", "Answered",
+           "Attempted", "Backoff", "Decision", "Released", "Rules", "Settled", "Told",
+           "Transition", "after_told", "expired", "heartbeat_interval", "lease_expired",
+           "next_ask", "seconds", "settle", "settle_answer"]
 
 Status = Literal["pending", "running", "done", "failed", "reconcile"]
 MAX_ERROR_LENGTH = 2000
@@ -185,6 +189,29 @@ def settle(
     return _after_outcome(outcome, job, rules, now=now, rng=rng)
 
 
+def lease_expired(job: Attempted, worker: str | None) -> UnknownOutcome:
+    """The outcome of an attempt whose lease ran out: unknown, since the worker that
+    held it (``worker``, ``claimed_by``) may have called the provider before it died or
+    stalled."""
+    return UnknownOutcome(f"lease expired on attempt {job.attempt} of {job.max_attempts} "
+                          f"(worker {worker or 'unknown'} stopped heartbeating)")
+
+
+def expired(job: Attempted, rules: Rules, *, now: datetime, rng: random.Random,
+            worker: str | None = None, cancelled: bool = False) -> Decision:
+    """The next state of ``job`` whose claim's lease expired (the rescuer's decision;
+    ``worker``: who held it; ``cancelled``: an operator cancelled that claim).
+
+    Exactly ``settle`` of an ``UnknownOutcome`` (``lease_expired``), told ``"operator"``
+    when ``cancelled``: retried with the same key after the backoff while the window
+    lasts and attempts remain; else reconcile (attempts used up, past the window, or,
+    for an effect that reconciles, a next retry after the window closes); an operator's
+    cancel ends failed, or reconcile for an effect that reconciles.
+    """
+    return settle(lease_expired(job, worker), job, rules, now=now, rng=rng,
+                  told="operator" if cancelled else None)
+
+
 def _after_outcome(outcome: BaseException | Released, job: Attempted, rules: Rules, *,
                    now: datetime, rng: random.Random) -> Decision:
     """``settle`` for an attempt that did not return (the rules in its docstring)."""
@@ -243,7 +270,7 @@ def _after_error(error: BaseException, job: Attempted, rules: Rules, *, now: dat
         return Decision("failed", error=text)
     if isinstance(error, UnknownOutcome):
         started = job.first_attempted_at or now
-        if now - started >= timedelta(seconds=rules.window):
+        if _past(started, rules.window, now):
             return Decision("reconcile", error=f"{text} (past the idempotency window)")
         if attempt >= max_attempts:
             return Decision("reconcile", error=f"{text} (attempts exhausted)")
@@ -261,11 +288,18 @@ def _ask_before_window_closes(decision: Decision, error: BaseException, job: Att
     goes to reconcile now, instead of being sent again past the provider's memory."""
     if decision.status != "pending" or not isinstance(error, UnknownOutcome):
         return decision
-    closes = (job.first_attempted_at or now) + timedelta(seconds=window)
-    if now + timedelta(seconds=decision.delay) < closes:
+    if not _past(job.first_attempted_at or now, window - decision.delay, now):
         return decision
     return Decision("reconcile", error=f"{decision.error} (the window closes before the "
                                        "next attempt: the provider is asked instead)")
+
+
+def _past(started: datetime, window: float, now: datetime) -> bool:
+    """Whether ``window`` seconds from ``started`` have passed at ``now`` (an infinite
+    window never passes; a negative one always has)."""
+    if math.isinf(window):
+        return window < 0
+    return now - started >= timedelta(seconds=window)
 
 
 def _after_hook(outcome: Settled, hook_error: BaseException, job: Attempted, rules: Rules,
@@ -347,3 +381,84 @@ def _delay(after: float | None, attempt: int, backoff: Backoff, rng: random.Rand
     if after is None or math.isnan(after):
         return backoff.delay(attempt, rng)
     return min(max(after, 0.0), MAX_RETRY_DELAY)
+
+
+Source = Literal["enqueue", "claim", "settle", "rescue", "hook", "reconcile", "operator",
+                 "cancel", "parent", "event", "retention"]
+"""Who moves a job: the enqueue, the claimer, the recorder settling an attempt, the
+rescuer, a completion hook that raised, the reconciler, an operator (``outbox retry``,
+``resolve``, the dashboard), an operator's cancel, a parent's failure (fan-in), a
+provider's event (``resolve_by_event``), retention."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One status change: ``source`` moves a job from ``before`` to ``after`` (None: the
+    row is deleted) when ``when`` holds, decided by ``decided_by`` (a function of this
+    module; "SQL": the statement's own condition, an operator's or a fan-in rule with no
+    outcome to weigh) and applied by the named statement or fragment ``statement``
+    (``outbox/sql/*.sql``), fenced on the status it starts from."""
+
+    source: Source
+    before: Status
+    after: Status | None
+    when: str
+    decided_by: str
+    statement: str
+
+
+def _t(source: Source, before: Status, after: Status | None, when: str, decided_by: str,
+       statement: str) -> Transition:
+    return Transition(source, before, after, when, decided_by, statement)
+
+
+TRANSITIONS: tuple[Transition, ...] = (
+    _t("claim", "pending", "running", "due; its group and ordering key free", "SQL",
+       "claim_taken"),
+    _t("settle", "running", "done", "perform returned (+ ledger row)", "settle", "complete"),
+    _t("settle", "running", None, "perform returned, retention 0 (+ ledger row)", "settle",
+       "complete_delete"),
+    _t("settle", "running", "pending", "Retry, an error or UnknownOutcome with attempts and "
+       "window left (backoff); Throttled; released at a stop", "settle", "settle"),
+    _t("settle", "running", "failed", "Permanent, or attempts used up", "settle", "settle"),
+    _t("settle", "running", "reconcile", "UnknownOutcome past the window or with attempts "
+       "used up", "settle", "settle"),
+    _t("rescue", "running", "pending", "lease expired, attempts and window left (backoff)",
+       "expired", "settle"),
+    _t("rescue", "running", "reconcile", "lease expired, attempts used up or past the window",
+       "expired", "settle"),
+    _t("rescue", "running", "failed", "lease expired on a claim an operator cancelled",
+       "expired", "settle"),
+    _t("hook", "running", "pending", "on_done raised, attempts left (the result kept)",
+       "settle", "keep_result"),
+    _t("hook", "running", "failed", "on_done raised on the last attempt", "settle",
+       "fail_performed"),
+    _t("reconcile", "reconcile", "done", "the provider acted (+ ledger row)",
+       "settle_answer", "reconcile_done"),
+    _t("reconcile", "reconcile", "pending", "the provider acted, on_done raised (the result "
+       "kept)", "settle_answer", "reconcile_keep"),
+    _t("reconcile", "reconcile", "pending", "the provider has no trace (a fresh window)",
+       "settle_answer", "reconcile_not_performed"),
+    _t("reconcile", "reconcile", "failed", "no trace of a job an operator cancelled",
+       "SQL", "reconcile_not_performed"),
+    _t("reconcile", "reconcile", "failed", "reconcile raised Permanent", "settle_answer",
+       "reconcile_fail"),
+    _t("operator", "failed", "pending", "retry (attempts reset)", "SQL", "retry"),
+    _t("operator", "reconcile", "pending", "retry (attempts reset)", "SQL", "retry"),
+    _t("operator", "failed", "pending", "retry of every failed job of a filter", "SQL",
+       "bulk_retry"),
+    _t("operator", "reconcile", "done", "resolved: performed", "SQL", "resolve_done"),
+    _t("operator", "reconcile", "failed", "resolved: not performed", "SQL", "resolve_failed"),
+    _t("cancel", "pending", "failed", "cancelled before it started", "SQL", "cancel"),
+    _t("cancel", "running", "failed", "cancelled while running: told to stop, its outcome "
+       "then settled (reconcile for an effect that reconciles)", "after_told", "settle"),
+    _t("parent", "pending", "failed", "a parent failed, the child says after_failed='fail'",
+       "SQL", "after_released"),
+    _t("parent", "pending", "failed", "enqueued after a parent that had failed, "
+       "after_failed='fail'", "SQL", "after_link"),
+    _t("event", "reconcile", "pending", "the provider's event says it acted (the result "
+       "kept)", "SQL", "resolve_by_event"),
+    _t("retention", "done", None, "older than retention", "SQL", "purge_done"),
+)
+"""Every status change a job makes, one row each (the docs' table of transitions in
+``docs/explanation/failure-windows.md`` is tested against it)."""

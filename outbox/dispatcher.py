@@ -197,6 +197,9 @@ class _Options:
         self._schedule_clock: Callable[[], Any] | None = None
         self.stats = DispatchStats()
         self._running = False
+        # One lock for a run's start and end and for stop(): a run is started once, and a
+        # stop() from any thread is seen by the run it races with (see _begin / stop).
+        self._control = threading.RLock()  # re-entrant: a signal handler may call stop()
         self._fleet: Fleet | None = None
         if targets is not None:
             self._fleet = self._make_fleet(targets, targets_interval, max_connections)
@@ -502,7 +505,8 @@ class Dispatcher(_Options):
         """Ask ``run`` to stop: nothing new is claimed; in-flight work finishes or is
         released (jobs not started go back to ``pending`` with the attempt refunded).
         Safe to call from any thread or a signal handler."""
-        self._state.request_stop()
+        with self._control:  # not between a run's reset and its end: never half-undone
+            self._state.request_stop()
         if self._fleet is not None:
             self._fleet.stop()
 
@@ -511,8 +515,10 @@ class Dispatcher(_Options):
 
         Returns once no job of this dispatcher's effects is claimable and none is running,
         here or in another worker: a running job held elsewhere is waited for, and
-        rescued and performed here if its lease expires (its worker died or froze). Jobs
-        retried with a delay are not waited for. With ``timeout`` (seconds), stops
+        rescued here if its lease expires (its worker died or froze), then performed
+        here once its retry is due (an unknown outcome, retried after the backoff: a job
+        rescued here is waited for). Other jobs retried with a delay are not waited for.
+        With ``timeout`` (seconds), stops
         claiming when it passes and returns once this dispatcher's in-flight work is
         recorded.
 
@@ -562,9 +568,10 @@ class Dispatcher(_Options):
     # -- building, starting and joining the parts -------------------------------------------
 
     def _serve(self, *, until_idle: bool, timeout: float | None) -> DispatchStats:
-        if self._running:
-            raise ConfigurationError("this Dispatcher is already running")
-        self._running = True
+        with self._control:  # checked and set at once: two run() calls cannot both start
+            if self._running:
+                raise ConfigurationError("this Dispatcher is already running")
+            self._running = True
         state = self._state
         self.stats = state.stats = DispatchStats()
         claimer = Connection(self._connect, "claimer", self._release)
@@ -584,8 +591,9 @@ class Dispatcher(_Options):
             claimer.discard()
             # Reset here rather than on entry, so a stop() that comes before run() (or a
             # SIGTERM during start-up) is not forgotten.
-            state.reset()
-            self._running = False
+            with self._control:
+                state.reset()
+                self._running = False
         if isinstance(failure, ConfigurationError):
             raise failure  # the set-up is wrong, not the code: say what is wrong
         if failure is not None:
@@ -723,12 +731,15 @@ class AsyncDispatcher(_Options):
 
     def stop(self) -> None:
         """Ask ``run`` to stop: nothing new is claimed; in-flight work finishes or is
-        handed back. Safe to call from any thread, before or during a run."""
-        state = self._state
-        if state is None:
-            self._stop_early = True
-        else:
-            state.request_stop()
+        handed back. Safe to call from any thread, before or during a run: the run's
+        state and this flag are read and written under one lock, so a stop() that races
+        with a run's start is seen by that run (it stops at once) and is never lost."""
+        with self._control:
+            state = self._state
+            if state is None:
+                self._stop_early = True
+            else:
+                state.request_stop()
         if self._fleet is not None:
             self._fleet.stop()
 
@@ -774,24 +785,29 @@ class AsyncDispatcher(_Options):
         await task
 
     async def _serve(self, *, until_idle: bool, deadline: float | None) -> DispatchStats:
-        if self._running:
-            raise ConfigurationError("this AsyncDispatcher is already running")
-        self._running = True
         settings = self.settings
-        self.stats = DispatchStats()
-        state = SharedState(self.stats, settings.observer, settings.concurrency, LoopEvent)
-        self._state = state
-        if self._stop_early:
-            state.request_stop()
+        # Under the lock stop() takes: either stop() came first (the flag is read here)
+        # or it finds this state; nothing in between for it to fall into.
+        with self._control:
+            if self._running:
+                raise ConfigurationError("this AsyncDispatcher is already running")
+            self._running = True
+            self.stats = DispatchStats()
+            state = SharedState(self.stats, settings.observer, settings.concurrency,
+                                LoopEvent)
+            self._state = state
+            if self._stop_early:
+                state.request_stop()
         try:
             with held(settings.limits_home):
                 await wait_for_schema_async(settings, state, deadline)
                 await check_access_async(settings)
                 await self._dispatch(state, until_idle, deadline)
         finally:
-            self._state = None
-            self._stop_early = False
-            self._running = False
+            with self._control:
+                self._state = None
+                self._stop_early = False
+                self._running = False
         if isinstance(state.failure, ConfigurationError):
             raise state.failure  # the set-up is wrong, not the code: say what is wrong
         if state.failure is not None:

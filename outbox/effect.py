@@ -157,8 +157,12 @@ class Effect:
         Runs when the effect itself ends ``failed`` from an attempt: ``outbox.Permanent``
         (a card declined, an invalid payload) or the attempts exhausted; ``error`` is the
         exception of that last attempt. It does not run when the provider did act and only
-        ``on_done`` kept failing (the result is in the ledger then), nor for a job failed
-        by the rescuer because its worker died on its last attempt. Same transaction
+        ``on_done`` kept failing (the result is in the ledger then). A job whose lease
+        expired (its worker died or stalled) is an unknown outcome, settled by the
+        rescuer as one raised by ``perform``: retried after the backoff, or ``reconcile``
+        once its attempts are used up (no ``failed``, so no hook); a claim an operator
+        cancelled ends ``failed`` there and this hook runs, as after a perform. Same
+        transaction
         rules as ``on_done``; if it raises, its writes roll back and the job is retried
         (the provider is asked again with the same key, which replays its answer), and
         after ``max_attempts`` it is ``failed`` without the hook's writes.

@@ -16,6 +16,8 @@
     severance   a stop that ends while the database hangs: connections cut at
                 stop_timeout
     claimer     claim batches, rescue expired leases, retention
+    rescuer     expired leases settled as unknown outcomes (``outbox._lifecycle.expired``),
+                applied by the recorder's fenced ``settle``, with their on_failed hooks
     turns       where this dispatcher's last claim stopped among each effect's groups
     budget      provider limits as the dispatcher spends them (``outbox.limits`` declares
                 them): budgeted claims, throttles, the breaker

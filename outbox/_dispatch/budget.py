@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 
@@ -41,6 +41,9 @@ from .held import Success
 from .settings import Settings, text_array
 from .shared import HOME_RETRY, Grant, HomeBudget, HomeCall, home_budget
 from .turns import GroupTurns
+
+if TYPE_CHECKING:
+    from .rescuer import RescueHooks
 
 __all__ = [
     "BREAKER_MAX_PAUSE",
@@ -62,8 +65,9 @@ BREAKER_THRESHOLD = 5
 BREAKER_PAUSE = 1.0
 BREAKER_MAX_PAUSE = 15.0
 T = TypeVar("T")
-ClaimStep = Generator[Statement | HomeCall, Any, T]
-"""A claimer's step: statements on its connection, and calls to the limits home."""
+ClaimStep = Generator["Statement | HomeCall | RescueHooks", Any, T]
+"""A claimer's step: statements on its connection, calls to the limits home, and the
+rescue's hooks."""
 
 # How long a worker keeps an effect paused on its own after a throttle with no Retry-After,
 # before the shared state (written by the recorder) says more.

@@ -34,6 +34,7 @@ from .budget import ClaimStep, LimitedClaims
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, Reconnects, connect
 from .counting import Waits
 from .presence import Presence
+from .rescuer import RescueHooks, Rescuer, run_rescue_hooks, run_rescue_hooks_async
 from .settings import Settings
 from .shared import HomeCall
 from .standby import ReadOnlyServer
@@ -63,11 +64,11 @@ PURGE_BATCHES = 10  # per table and round
 # of a RETENTION_INTERVAL later, so retention keeps up with any steady rate (10,000 rows
 # a round a second per dispatcher) while one round stays short enough not to starve claims.
 RETENTION_CATCH_UP = 1.0
-RESCUE_BATCH = 1000
 # How often a running dispatcher looks at the schema's version: one migrated past what
 # its code knows stops it (the release that migrated it replaces it).
 SCHEMA_CHECK_INTERVAL = 10.0
 IDLE_RECHECK = 0.05  # run_until_idle: how soon to look again while others hold jobs
+RESCUED_GRACE = 5.0  # run_until_idle: how long past its due time a rescued job is waited for
 # A payload arrives as jsonb's own text: one value, no whitespace around it, so the
 # decoder's scanner alone reads it (``json.loads`` adds checks and two regex scans a job).
 _decode_payload = json.JSONDecoder().raw_decode
@@ -97,6 +98,11 @@ class Claimer:
         self.queries = settings.queries
         self.rng = random.Random()
         self.rescue_timer = Timer(settings.rescue_interval)
+        self.rescuer = Rescuer(settings, self.rng)
+        # The jobs this claimer rescued back to pending and has not claimed since, by id:
+        # when each is due (monotonic). run_until_idle waits for them, as it waited for
+        # the running jobs they were.
+        self.rescued_due: dict[int, float] = {}
         self.retention_timer = Timer(retention_interval(settings))
         # Checked at start (wait_for_schema): the first look is an interval later.
         self.schema_timer = Timer(SCHEMA_CHECK_INTERVAL,
@@ -140,15 +146,24 @@ class Claimer:
         if self.state.held:
             return Round(batch, wait=_sooner(self.settings.poll_interval, soon))
         if self.until_idle:
-            if not (yield from self.has_due_work()):
-                # idle, unless the sweep woke children (claimed next round)
-                return Round(batch, idle=not (yield from self.settle_waiting()))
-            yield from self.rescue()
-            return Round(batch, wait=_sooner(IDLE_RECHECK, soon))
+            return (yield from self.until_idle_round(soon))
         return Round(batch, wait=_sooner(
             self.settings.poll_interval * self.rng.uniform(0.5, 1.0), soon))
 
-    def chores(self, now: float) -> Step[None]:
+    def until_idle_round(self, soon: float | None) -> ClaimStep[Round]:
+        """``run_until_idle``'s round that claimed nothing and holds nothing: idle, or
+        what it still waits for (another worker's running jobs, rescued when their leases
+        expire; the jobs it rescued, until their retries are due)."""
+        if not (yield from self.has_due_work()):
+            rescued = self.rescued_wait(time.monotonic())
+            if rescued is not None:  # a job it rescued retries after its backoff
+                return Round([], wait=_sooner(rescued, soon))
+            # idle, unless the sweep woke children (claimed next round)
+            return Round([], idle=not (yield from self.settle_waiting()))
+        yield from self.rescue()
+        return Round([], wait=_sooner(IDLE_RECHECK, soon))
+
+    def chores(self, now: float) -> ClaimStep[None]:
         """What a round does when its timer says so, before it claims: the look at the
         schema's version, the rescue, retention (under run_until_idle too: cron
         deployments never call run()), the heartbeat, the queue tables' first statistics,
@@ -234,6 +249,8 @@ class Claimer:
             "worker": settings.worker_id, "after": self.turns.json(),
         }, named=True)
         self.turns.served((row.effect, row.group_key) for row in rows)
+        for row in rows:
+            self.rescued_due.pop(row.id, None)
         parents = yield from self.after_results(rows)
         elapsed = time.monotonic() - started
         traced = tracing.enabled()
@@ -259,6 +276,8 @@ class Claimer:
             lambda: min(share, self.capacity() - len(self.state.held)))
         if not rows:
             return []
+        for row in rows:
+            self.rescued_due.pop(row.id, None)
         parents = yield from self.after_results(rows)
         traced = tracing.enabled()
         batch = [self._held(row, traced, parents) for row in rows]
@@ -307,17 +326,34 @@ class Claimer:
                               scalar=True)
         return bool(due[0])
 
-    def rescue(self) -> Step[None]:
-        rows = yield Statement(self.queries.rescue, {
-            "limit": RESCUE_BATCH, "unknown_window": self.settings.unknown_outcome_window,
-            # Per effect, read each time: an effect may learn its window late.
-            "windows": self.settings.windows_json(),
-        }, named=True)
-        for job in rows:
+    def rescue(self) -> ClaimStep[None]:
+        """Settle the expired leases as unknown outcomes (``outbox._dispatch.rescuer``)."""
+        rescued = yield from self.rescuer.rescue(self.queries)
+        now = time.monotonic()
+        for item in rescued:
+            job = item.job
             log.warning("rescued job %s (key %s, version %s) after its lease expired: now %s",
-                        job.id, job.key, job.claim_version, job.status)
-        if rows:
-            guarded(self.state.events.rescued, len(rows))
+                        job.id, job.key, job.claim_version, item.decision.status)
+            if item.decision.status == "pending":
+                self.rescued_due[job.id] = now + item.decision.delay
+        if rescued:
+            guarded(self.state.events.rescued, len(rescued))
+
+    def rescued_wait(self, now: float) -> float | None:
+        """Seconds to wait for the jobs this claimer rescued to pending and has not claimed
+        since (None: none is left to wait for). ``run_until_idle`` waits for them: each
+        was running, which it waits for, until its worker was found dead; rescued, it
+        retries after the backoff of an unknown outcome, performed in the same call. A
+        job not claimed ``RESCUED_GRACE`` seconds past its due time (another dispatcher
+        took it, or the database's clock runs behind) is no longer waited for."""
+        for job_id, due in list(self.rescued_due.items()):
+            if now >= due + RESCUED_GRACE:
+                del self.rescued_due[job_id]
+        if not self.rescued_due:
+            return None
+        # A poll interval at most: the loop looks at its deadline (and the stop) between.
+        left = min(self.rescued_due.values()) - now
+        return max(IDLE_RECHECK, min(left, self.settings.poll_interval))
 
     def purge(self) -> Step[bool]:
         """Retention: done jobs, ledger rows and inbox rows older than their periods, a
@@ -431,23 +467,27 @@ def _still_waiting(exc: BaseException, settings: Settings, deadline: float | Non
     return True
 
 
-def claim_executor(conn: Connection) -> Callable[[Statement | HomeCall], Any]:
+def claim_executor(conn: Connection) -> Callable[[Statement | HomeCall | RescueHooks], Any]:
     """How the claimer's steps are run: statements on its connection, calls to the limits
-    home as they are."""
-    def execute(instruction: Statement | HomeCall) -> Any:
+    home as they are, the rescue's hooks in a transaction on its connection."""
+    def execute(instruction: Statement | HomeCall | RescueHooks) -> Any:
         if isinstance(instruction, HomeCall):
             return instruction.fn()
+        if isinstance(instruction, RescueHooks):
+            return run_rescue_hooks(instruction, conn.get())
         return conn.execute(instruction)
     return execute
 
 
 def claim_executor_async(
-        conn: AsyncConnection) -> Callable[[Statement | HomeCall], Awaitable[Any]]:
+        conn: AsyncConnection) -> Callable[[Statement | HomeCall | RescueHooks], Awaitable[Any]]:
     """``claim_executor`` for the asyncio dispatcher: the home's blocking calls on a
     thread, so the loop never waits for them."""
-    async def execute(instruction: Statement | HomeCall) -> Any:
+    async def execute(instruction: Statement | HomeCall | RescueHooks) -> Any:
         if isinstance(instruction, HomeCall):
             return await asyncio.to_thread(instruction.fn)
+        if isinstance(instruction, RescueHooks):
+            return await run_rescue_hooks_async(instruction, await conn.get())
         return await conn.execute(instruction)
     return execute
 

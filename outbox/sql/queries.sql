@@ -333,7 +333,10 @@ JOIN jsonb_to_recordset(%(claims)s::jsonb) AS c(id bigint, version bigint)
   ON r.job_id = c.id AND r.claim_version = c.version;
 
 -- name: settle
--- running -> pending (retry, or release with the attempt refunded), failed or reconcile.
+-- running -> pending (retry, or release with the attempt refunded), failed or reconcile:
+-- the decisions of outbox._lifecycle (settle, and expired for the rescuer's). A claim the
+-- rescuer found expired (expired: true) is also fenced on its lease still being expired,
+-- so a heartbeat that commits first wins.
 -- A claim an operator cancelled (cancel_version) never goes back to pending: failed.
 -- A job failed for good settles the jobs waiting on it (fragment after_released).
 WITH settled AS (
@@ -352,8 +355,10 @@ SET status = CASE WHEN s.status = 'pending' AND j.cancel_version = j.claim_versi
     claimed_by = NULL,
     updated_at = now()
 FROM jsonb_to_recordset(%(claims)s::jsonb)
-     AS s(id bigint, version bigint, status text, delay float8, error text, refund boolean)
+     AS s(id bigint, version bigint, status text, delay float8, error text, refund boolean,
+          expired boolean)
 WHERE j.id = s.id AND j.status = 'running' AND j.claim_version = s.version
+  AND (s.expired IS NOT TRUE OR j.lease_until < now())
 RETURNING j.id, j.key, j.status, j.last_error
 ), parents AS (
     SELECT t.key, 'failed'::text AS outcome, t.last_error AS error
@@ -362,48 +367,26 @@ RETURNING j.id, j.key, j.status, j.last_error
 SELECT t.id FROM settled t;
 
 -- name: rescue
--- Take back claims whose lease expired (the worker died or stalled). Fenced on the
--- version read under lock and rechecked on the UPDATE, so a heartbeat that commits
--- first wins. The attempt already counted; past the provider's idempotency window an
--- unknown outcome cannot be retried safely, so such a job goes to reconcile. The window
--- is per effect where the effect declares one (%(windows)s, a JSON object effect ->
--- seconds), else %(unknown_window)s. A job failed for good settles the jobs waiting on
--- it (fragment after_released).
--- A claim an operator cancelled ends failed.
-WITH expired AS (
-    SELECT id, claim_version
-    FROM {schema}.jobs
-    WHERE status = 'running' AND lease_until < now()
-    ORDER BY lease_until
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-), rescued AS (
-UPDATE {schema}.jobs j
-SET status = CASE
-        WHEN j.cancel_version = j.claim_version THEN 'failed'
-        WHEN j.first_attempted_at < now() - coalesce(
-                CAST(CAST(%(windows)s AS jsonb) ->> j.effect AS float8),
-                CAST(%(unknown_window)s AS float8)) * interval '1 second'
-            THEN 'reconcile'
-        WHEN j.attempts >= j.max_attempts THEN 'failed'
-        ELSE 'pending' END,
-    last_error = CASE WHEN j.cancel_version = j.claim_version
-                      THEN 'cancelled by an operator while running; ' ELSE '' END
-                 || 'lease expired on attempt ' || j.attempts || ' of ' || j.max_attempts
-                 || ' (worker ' || j.claimed_by || ' stopped heartbeating)',
-    available_at = now(),
-    lease_until = NULL,
-    claimed_by = NULL,
-    updated_at = now()
-FROM expired e
-WHERE j.id = e.id AND j.status = 'running' AND j.claim_version = e.claim_version
-  AND j.lease_until < now()
-RETURNING j.id, j.key, j.status, j.claim_version, j.last_error
-), parents AS (
-    SELECT t.key, 'failed'::text AS outcome, t.last_error AS error
-    FROM rescued t WHERE t.status = 'failed'
-), {after_released}
-SELECT t.id, t.key, t.status, t.claim_version FROM rescued t;
+-- Claims whose lease expired (the worker died or stalled), oldest first, with what the
+-- rescuer's decision (outbox._lifecycle.expired: an unknown outcome, settled as one)
+-- reads, and the database's clock to decide with. Rows another session has locked (a
+-- heartbeat or an outcome being written) are skipped. Nothing is written here: the
+-- decisions are applied by settle, fenced on the claim_version read here and on the
+-- lease still being expired, so a heartbeat or an outcome that commits first wins.
+SELECT j.id, j.effect, j.key, j.attempts, j.claim_version, j.ordering_key, j.max_attempts,
+       j.first_attempted_at, j.claimed_by, j.group_key, j.priority, j.scheduled_for,
+       j.cancel_version IS NOT DISTINCT FROM j.claim_version AS cancelled, now() AS now
+FROM {schema}.jobs j
+WHERE j.status = 'running' AND j.lease_until < now()
+ORDER BY j.lease_until
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: rescued_payloads
+-- The payloads of the rescued jobs whose on_failed hook runs (a Job carries its payload).
+SELECT j.id, CAST(j.payload AS text) AS payload
+FROM {schema}.jobs j
+WHERE j.id = ANY(%(ids)s::bigint[]);
 
 -- name: schema_version
 -- The version the schema is migrated to, checked by a running dispatcher now and then:

@@ -8,6 +8,7 @@ blocked on A's row lock (pg_stat_activity.wait_event_type = 'Lock'), then A comm
 from __future__ import annotations
 
 import json
+import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,9 @@ from typing import Any
 
 import pytest
 from psycopg import sql
+from psycopg.rows import namedtuple_row
 
+from outbox import Job, _lifecycle
 from outbox.sql import queries
 from outbox.testing import ledger
 
@@ -203,13 +206,12 @@ class Fenced:
 def test_a_stale_claims_heartbeat_done_retry_and_fail_change_nothing(
     schema: str, db: Conn,
 ) -> None:
-    q = queries(schema)
     enqueue(db, schema, ["k"])
     job_id, version = _claim(db, schema, "w1")
     _expire_lease(db, schema, job_id)
-    rescued = db.execute(q.rescue, {"limit": 10, "unknown_window": 86400.0,
-                                    "windows": "{}"}).fetchall()
-    assert [(r[0], r[2], r[3]) for r in rescued] == [(job_id, "pending", version)]
+    assert _rescue(db, schema) == [(job_id, "pending", version)]
+    db.execute(sql.SQL("UPDATE {} SET available_at = now() WHERE id = %s")  # its backoff
+               .format(table(schema, "jobs")), (job_id,))
     assert _claim(db, schema, "w2") == (job_id, version + 1)
 
     stale, live = Fenced(db, schema, job_id, version), Fenced(db, schema, job_id, version + 1)
@@ -222,7 +224,7 @@ def test_a_stale_claims_heartbeat_done_retry_and_fail_change_nothing(
     held = job(db, schema, "k")
     assert (held["status"], held["claim_version"], held["attempts"]) == ("running", 2, 2)
     assert held["claimed_by"] == "w2"
-    assert held["last_error"].startswith("lease expired on attempt 1")
+    assert "lease expired on attempt 1 " in held["last_error"]
 
     assert live.heartbeat() == [job_id]
     assert live.done({"by": "w2"}) == [job_id]
@@ -234,10 +236,55 @@ def test_a_stale_claims_heartbeat_done_retry_and_fail_change_nothing(
     assert job(db, schema, "k")["status"] == "done"
 
 
-RESCUES = {
-    "shipped rescue": lambda s: queries(s).rescue,
-    "rescue without its locking clause: the UPDATE's recheck alone": lambda s: _edit(
-        queries(s).rescue, _LOCKING, ""),
+def _read_expired(db: Conn, schema: str, rescue: str) -> list[Any]:
+    """The rescuer's read (``rescue``), as named rows."""
+    with db.cursor(row_factory=namedtuple_row) as cur:
+        rows: list[Any] = cur.execute(rescue, {"limit": 10}).fetchall()
+        return rows
+
+
+def _apply(db: Conn, schema: str, rows: list[Any], *, fenced: bool = True) -> Rows:
+    """The rescuer's decisions for ``rows`` (``_lifecycle.expired``) applied by ``settle``
+    as the dispatcher sends them (``fenced``: with ``expired``, the lease's fence);
+    (id, status, claim_version) of each applied."""
+    claims = []
+    for row in rows:
+        facts = Job(id=row.id, effect=row.effect, key=row.key, payload={},
+                    attempt=row.attempts, claim_version=row.claim_version,
+                    max_attempts=row.max_attempts, first_attempted_at=row.first_attempted_at)
+        decision = _lifecycle.expired(facts, _lifecycle.Rules(window=86400.0), now=row.now,
+                                      rng=random.Random(0), worker=row.claimed_by,
+                                      cancelled=row.cancelled)
+        claims.append({"id": row.id, "version": row.claim_version, "status": decision.status,
+                       "delay": decision.delay, "error": decision.error, "refund": False,
+                       **({"expired": True} if fenced else {})})
+    if not claims:
+        return []
+    ids = [r[0] for r in db.execute(queries(schema).settle,
+                                    {"claims": json.dumps(claims)}).fetchall()]
+    return [(i, job_row(db, schema, i)["status"], v) for i, v in
+            ((r.id, r.claim_version) for r in rows) if i in ids]
+
+
+def job_row(db: Conn, schema: str, job_id: int) -> dict[str, Any]:
+    row = db.execute(sql.SQL("SELECT key FROM {} WHERE id = %s").format(
+        table(schema, "jobs")), (job_id,)).fetchone()
+    assert row is not None
+    return job(db, schema, str(row[0]))
+
+
+def _rescue(db: Conn, schema: str) -> Rows:
+    """One batch of the rescuer: read, decide, apply."""
+    return _apply(db, schema, _read_expired(db, schema, queries(schema).rescue))
+
+
+RESCUES: dict[str, tuple[Callable[[str], str], bool]] = {
+    "shipped rescue: SKIP LOCKED passes the row being heartbeaten": (
+        lambda s: queries(s).rescue, True),
+    "rescue read without its locking clause: the apply's fence on the lease alone": (
+        lambda s: _edit(queries(s).rescue, _LOCKING, ""), True),
+    "trap: read unlocked, applied without the lease's fence": (
+        lambda s: _edit(queries(s).rescue, _LOCKING, ""), False),
 }
 
 
@@ -245,35 +292,43 @@ RESCUES = {
 def test_rescuer_does_not_take_a_job_whose_heartbeat_committed_first(
     dsn: str, schema: str, db: Conn, name: str,
 ) -> None:
-    rescue = RESCUES[name](schema)
-    params = {"limit": 10, "unknown_window": 86400.0, "windows": "{}"}
+    """The rescue reads the expired claims, decides in Python, then applies: a heartbeat
+    that commits between the read and the apply wins (the apply is fenced on the lease
+    still being expired). The trap, applied without that fence, takes the renewed job."""
+    read, fenced = RESCUES[name]
+    rescue = read(schema)
     enqueue(db, schema, ["k"])
     job_id, version = _claim(db, schema, "w1")
     worker = Fenced(db, schema, job_id, version)
 
     _expire_lease(db, schema, job_id)
     assert worker.heartbeat() == [job_id]
-    assert db.execute(rescue, params).fetchall() == [], "a renewed lease is not rescued"
+    assert _read_expired(db, schema, rescue) == [], "a renewed lease is not rescued"
 
     _expire_lease(db, schema, job_id)
-    racer = Racer(dsn)
+    reader = connect(dsn)
     try:
         with session(dsn) as heartbeat:
             beat = heartbeat.execute(queries(schema).heartbeat, {
                 "claims": json.dumps([{"id": job_id, "version": version}]), "lease": 30.0,
             }).fetchall()
             assert beat == [(job_id, False)]  # renewed; no operator asked it to stop
-            racer.start(rescue, params)
-            if name == "shipped rescue":
-                assert racer.join() == [], "SKIP LOCKED: the rescuer passes the locked row"
+            read_rows = _read_expired(reader, schema, rescue)  # never waits for the lock
+            if name.startswith("shipped"):
+                assert read_rows == [], "SKIP LOCKED: the rescuer passes the locked row"
             else:
-                wait_until(lambda: waiting_on_lock(db, racer.pid), "the rescuer to block")
+                assert [r.id for r in read_rows] == [job_id], "read the expired version"
             heartbeat.commit()
-        assert racer.join() == []
+        applied = _apply(reader, schema, read_rows, fenced=fenced)
     finally:
-        racer.close()
-    assert db.execute(rescue, params).fetchall() == []
+        reader.close()
     held = job(db, schema, "k")
+    if not fenced:  # the trap: the renewed claim taken from its live worker
+        assert applied == [(job_id, "pending", version)]
+        assert held["status"] == "pending"
+        return
+    assert applied == []
+    assert _rescue(db, schema) == []
     assert (held["status"], held["claim_version"], held["attempts"]) == ("running", 1, 1)
     lease_left = db.execute(sql.SQL("SELECT lease_until > now() + interval '20 seconds' FROM {}")
                             .format(table(schema, "jobs"))).fetchone()

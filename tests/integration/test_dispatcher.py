@@ -257,7 +257,9 @@ def test_expired_lease_is_rescued_and_performed(dsn: str, schema: str) -> None:
     assert ledger(dsn, schema)["k"]["claim_version"] == 2
 
 
-def test_crashing_worker_jobs_reach_failed(dsn: str, schema: str) -> None:
+def test_crashing_worker_jobs_reach_reconcile(dsn: str, schema: str) -> None:
+    """A worker that died on the last attempt may have acted: an unknown outcome, with
+    the attempts used up, goes to reconcile (as an UnknownOutcome raised does)."""
     enqueue(dsn, schema, NewJob("test.record", "k", {}, max_attempts=1))
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(outbox.sql.queries(schema).claim, {
@@ -265,8 +267,9 @@ def test_crashing_worker_jobs_reach_failed(dsn: str, schema: str) -> None:
     effect = Recorder()
     Dispatcher(dsn, [effect], schema=schema, lease=1).run_until_idle(timeout=30)
     job = jobs(dsn, schema)["k"]
-    assert job["status"] == "failed"
+    assert job["status"] == "reconcile"
     assert "lease expired on attempt 1 of 1" in job["last_error"]
+    assert job["last_error"].endswith("(attempts exhausted)")
     assert effect.calls == {}
 
 

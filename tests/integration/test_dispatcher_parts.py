@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -21,9 +22,10 @@ from outbox._dispatch import statistics, vacuum
 from outbox._dispatch.claimer import Claimer, claim_executor
 from outbox._dispatch.connection import Connection, connect
 from outbox._dispatch.recorder import Recorder
+from outbox._dispatch.rescuer import Rescuer
 from outbox._dispatch.settings import Settings
 from outbox._dispatch.state import Held, Outcome, SharedState, Success
-from outbox._steps import run
+from outbox._steps import execute, run
 from outbox.observe import AttemptOutcome, DispatchObserver
 from outbox.testing import jobs, ledger
 
@@ -301,8 +303,7 @@ def test_a_retried_completion_whose_first_reply_was_lost_counts_as_done(
     with psycopg.connect(dsn, autocommit=True) as other:  # "stolen": rescued, re-claimed
         other.execute(f"UPDATE \"{schema}\".jobs SET lease_until = now() - interval '1 s' "
                       "WHERE key = 'stolen'")
-        other.execute(outbox.sql.queries(schema).rescue, {"limit": 10, "unknown_window": 1e6,
-                                                           "windows": "{}"})
+        rescue_now(other, settings)
         other.execute(outbox.sql.queries(schema).claim, {
             "effects": settings.effect_names, "limit": 10, "lease": 30.0, "worker": "other",
             "after": "{}"})
@@ -336,6 +337,15 @@ def test_a_retried_completion_whose_first_reply_was_lost_counts_as_done(
     conn.discard()
 
 
+def rescue_now(conn: psycopg.Connection[Any], settings: Settings) -> None:
+    """One batch of the rescuer, as the claimer runs it, on ``conn``; the job rescued is
+    made due at once (its backoff skipped), for the next claim to take it."""
+    run(Rescuer(settings, random.Random()).rescue(settings.queries),
+        lambda statement: execute(conn, statement))  # type: ignore[arg-type]
+    conn.execute(f'UPDATE "{settings.schema}".jobs SET available_at = now() '
+                 "WHERE status = 'pending'")
+
+
 def _staged_with_stolen_claim(dsn: str, schema: str) -> tuple[
         Settings, SharedState[threading.Event], Events, Connection, dict[str, Held]]:
     """Claims every job with a claimer driven by hand, then has another worker rescue
@@ -350,8 +360,7 @@ def _staged_with_stolen_claim(dsn: str, schema: str) -> tuple[
     with psycopg.connect(dsn, autocommit=True) as other:
         other.execute(f"UPDATE \"{schema}\".jobs SET lease_until = now() - interval '1 s' "
                       "WHERE key = 'stolen'")
-        other.execute(outbox.sql.queries(schema).rescue, {"limit": 10, "unknown_window": 1e6,
-                                                           "windows": "{}"})
+        rescue_now(other, settings)
         other.execute(outbox.sql.queries(schema).claim, {
             "effects": settings.effect_names, "limit": 10, "lease": 30.0, "worker": "other",
             "after": "{}"})

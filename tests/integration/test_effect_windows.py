@@ -86,7 +86,9 @@ def test_the_rescuer_sends_an_expired_claim_past_its_effects_window_to_reconcile
                  unknown_outcome_window=300.0)
     found = jobs(dsn, schema)
     assert found[Short.name]["status"] == "reconcile"
-    assert found[Short.name]["last_error"].startswith("lease expired on attempt 1")
+    assert found[Short.name]["last_error"].startswith(
+        "UnknownOutcome: lease expired on attempt 1")
+    assert "past the idempotency window" in found[Short.name]["last_error"]
     assert short.performed == []  # past the provider's memory: never sent again
     assert found[Plain.name]["status"] == "reconcile"  # the dispatcher's five minutes
     assert plain.performed == []

@@ -39,10 +39,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from psycopg import sql
+from psycopg.rows import namedtuple_row
 
 import outbox
 from outbox import Permanent, Retry, UnknownOutcome, _queue
 from outbox._lifecycle import Backoff, Rules, settle
+from outbox._lifecycle import expired as expired_decision
 from outbox.dispatcher import _text_array
 from outbox.sql import queries
 
@@ -67,6 +69,17 @@ OUTCOMES: list[BaseException] = [
     UnknownOutcome("maybe", after=0),
     Release(),
 ]
+
+
+class Highest(random.Random):
+    """The jitter at its top: a backoff's delay is its bound (an hour and more here), so a
+    job rescued to pending stays not due for the whole run."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+HIGHEST = Highest(0)
 
 
 @dataclass
@@ -332,24 +345,46 @@ class Lifecycle(RuleBasedStateMachine):
         self.rescue_expired(limit)
 
     def rescue_expired(self, limit: int) -> None:
+        """The rescuer as the dispatcher runs it: read the expired claims, decide each
+        with ``_lifecycle.expired`` (an unknown outcome, with the backoff), apply the
+        decisions with ``settle``, fenced on the lease."""
         expired = {j.id for j in self.model.values() if j.status == "running" and j.expired}
         before = self.rows()
-        rows = self.conn.execute(self.q.rescue, {"limit": limit, "unknown_window": WINDOW,
-                                                  "windows": "{}"})
-        rescued = rows.fetchall()
-        assert len(rescued) == min(limit, len(expired)), (rescued, expired)
+        with self.conn.cursor(row_factory=namedtuple_row) as cur:
+            read: list[Any] = cur.execute(self.q.rescue, {"limit": limit}).fetchall()
+        assert len(read) == min(limit, len(expired)), (read, expired)
+        decisions = {}
+        for row in read:
+            facts = outbox.Job(id=row.id, effect=row.effect, key=row.key, payload={},
+                               attempt=row.attempts, claim_version=row.claim_version,
+                               max_attempts=row.max_attempts,
+                               first_attempted_at=row.first_attempted_at)
+            decisions[row.id] = expired_decision(
+                facts, Rules(window=WINDOW, backoff=Backoff(base=3600.0, cap=86400.0)),
+                now=row.now, rng=HIGHEST, worker=row.claimed_by, cancelled=row.cancelled)
+        claims = json.dumps([{"id": r.id, "version": r.claim_version,
+                              "status": decisions[r.id].status, "delay": decisions[r.id].delay,
+                              "error": decisions[r.id].error, "refund": False,
+                              "expired": True} for r in read])
+        applied = {row[0] for row in self.conn.execute(self.q.settle, {"claims": claims})}
+        assert applied == {r.id for r in read}, "nothing renewed them between read and apply"
         after = self.rows()
-        for job_id, key, status, version in rescued:
-            job = self.model[job_id]
-            assert job_id in expired and (key, version) == (job.key, job.version)
-            expected = ("reconcile" if job.long_ago
-                        else "failed" if job.attempts >= job.max_attempts else "pending")
-            assert status == expected
-            assert after[job_id]["last_error"] == (
-                f"lease expired on attempt {job.attempts} of {job.max_attempts} "
-                f"(worker {job.owner} stopped heartbeating)")
-            job.status, job.owner, job.due, job.expired = status, None, True, False
-        self.assert_untouched(before, after, {row[0] for row in rescued})
+        for row in read:
+            job, decision = self.model[row.id], decisions[row.id]
+            assert row.id in expired and (row.key, row.claim_version) == (job.key, job.version)
+            # An expired lease is an unknown outcome: the attempts used up or the window
+            # past send it to reconcile (the provider may have acted), never to failed.
+            expected = ("reconcile" if job.long_ago or job.attempts >= job.max_attempts
+                        else "pending")
+            assert after[row.id]["status"] == decision.status == expected
+            assert after[row.id]["last_error"].startswith(
+                f"UnknownOutcome: lease expired on attempt {job.attempts} of "
+                f"{job.max_attempts} (worker {job.owner} stopped heartbeating)")
+            if expected == "pending":  # the backoff, as after a perform's retry
+                assert decision.delay >= 3600.0 and not after[row.id]["due"]
+            job.status, job.owner, job.expired = expected, None, False
+            job.due = expected != "pending"
+        self.assert_untouched(before, after, applied)
 
     @precondition(lambda self: any(j.status in ("failed", "reconcile")
                                    for j in self.model.values()))

@@ -30,6 +30,7 @@ from outbox._dispatch.budget import ClaimStep
 from outbox._dispatch.claimer import (
     IDLE_RECHECK,
     PURGE_BATCHES,
+    RESCUED_GRACE,
     RETENTION_BATCH,
     RETENTION_CATCH_UP,
     RETENTION_INTERVAL,
@@ -38,6 +39,7 @@ from outbox._dispatch.claimer import (
     retention_interval,
 )
 from outbox._dispatch.recorder import Recorder
+from outbox._dispatch.rescuer import RescueHooks
 from outbox._dispatch.settings import Settings
 from outbox._dispatch.shared import HomeCall
 from outbox._dispatch.state import Held, Outcome, Release, SharedState, Success
@@ -98,7 +100,7 @@ class Script:
         limited or paused), then the claim."""
         return self.then("limit_states", []).then("claim", answer)
 
-    def execute(self, statement: Statement | HomeCall) -> Rows:
+    def execute(self, statement: Statement | HomeCall | RescueHooks) -> Rows:
         assert isinstance(statement, Statement), "no limit here is shared: no home to call"
         assert self.expected, f"unexpected statement after {[n for n, _ in self.asked]}"
         name, answer = self.expected.pop(0)
@@ -118,7 +120,7 @@ class Script:
         if self.driver == "run":
             result = run(step, self.execute)
         else:
-            async def execute(statement: Statement | HomeCall) -> Rows:
+            async def execute(statement: Statement | HomeCall | RescueHooks) -> Rows:
                 return self.execute(statement)
 
             result = asyncio.run(run_async(step, execute))
@@ -170,7 +172,9 @@ CLAIMED = ("id", "effect", "key", "payload", "attempts", "claim_version", "order
            "group_key", "priority", "scheduled_for", "after_failed")
 # The columns of the statements answered by name, as their blocks name them.
 COLUMNS = {"claim": CLAIMED, "limit_claim": (*CLAIMED, "budget_wait"),
-           "rescue": ("id", "key", "status", "claim_version"),
+           "rescue": ("id", "effect", "key", "attempts", "claim_version", "ordering_key",
+                      "max_attempts", "first_attempted_at", "claimed_by", "group_key",
+                      "priority", "scheduled_for", "cancelled", "now"),
            "heartbeat": ("id", "cancel"),
            "after_sweep": ("walked_child", "walked_parent", "woken"),
            "limit_states": ("effect", "gated", "pause_left", "pause_reason", "troubled"),
@@ -199,7 +203,9 @@ def test_the_first_round_rescues_purges_and_claims(clock: Clock) -> None:
     shared = state()
     claimer = Claimer(settings(prefetch=0), shared, until_idle=False)
     script = (Script(claimer.queries)
-              .then("rescue", [(1, "k1", "pending", 3)])
+              .then("rescue", [(1, "test.noop", "k1", 1, 3, None, 25, datetime.now(UTC),
+                                "w", None, 0, None, False, datetime.now(UTC))])
+              .then("settle", [1])  # the rescue's decision, applied fenced
               .then("after_sweep", [(None, None, 0)])  # fan-in's repair, with the rescue
               .then("purge_done", [(RETENTION_BATCH,)])  # a full batch: go on
               .then("purge_done", [(3,)])
@@ -331,6 +337,39 @@ def test_run_until_idle_rescues_and_looks_again_while_others_hold_work(clock: Cl
     result = (Script(claimer.queries).claiming([]).then("has_due_work", [(True,)])
               .then("rescue", []).drive(claimer.round()))
     assert not result.idle and result.wait == IDLE_RECHECK
+
+
+def _expired_row(job_id: int, attempts: int = 1) -> tuple[Any, ...]:
+    """A row of the rescue's read: a claim of test.noop whose lease expired."""
+    return (job_id, "test.noop", f"k{job_id}", attempts, 3, None, 25, datetime.now(UTC), "w",
+            None, 0, None, False, datetime.now(UTC))
+
+
+def test_run_until_idle_waits_for_the_jobs_it_rescued_until_it_claims_them(
+        clock: Clock) -> None:
+    """A job rescued to pending retries after its backoff: run_until_idle waits for it
+    (it was running, which it waits for), a poll interval at a time, until it claims it,
+    or a grace past its due time runs out (another dispatcher took it)."""
+    claimer = Claimer(settings(prefetch=0, poll_interval=0.5,
+                               backoff=outbox.Backoff(base=3.0, cap=3.0)),
+                      state(), until_idle=True)
+    first_round_done(claimer)
+    (Script(claimer.queries).claiming([]).then("has_due_work", [(True,)])
+     .then("rescue", [_expired_row(1), _expired_row(2)]).then("settle", [1, 2])
+     .drive(claimer.round()))
+    due = dict(claimer.rescued_due)
+    assert set(due) == {1, 2} and all(clock.now <= d <= clock.now + 3.0 for d in due.values())
+    waiting = (Script(claimer.queries).claiming([]).then("has_due_work", [(False,)])
+               .drive(claimer.round()))
+    assert not waiting.idle and IDLE_RECHECK <= waiting.wait <= 0.5  # not idle: waits
+    clock.now = max(due.values()) + 0.1
+    claimed = Script(claimer.queries).claiming(claimed_rows(1)).drive(claimer.round())
+    assert [h.job.id for h in claimed.batch] == [1] and set(claimer.rescued_due) == {2}
+    claimer.state.held.clear()
+    clock.now = due[2] + RESCUED_GRACE + 0.1  # job 2 never came back here: given up
+    result = (Script(claimer.queries).claiming([]).then("has_due_work", [(False,)])
+              .then("after_sweep", [(None, None, 0)]).drive(claimer.round()))
+    assert result.idle and claimer.rescued_due == {}
 
 
 def test_jobs_in_hand_are_waited_for_without_asking_the_database(clock: Clock) -> None:

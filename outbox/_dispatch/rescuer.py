@@ -1,0 +1,227 @@
+"""The rescue of expired leases: read, decided by the lifecycle, applied fenced.
+
+An expired lease is an attempt whose outcome is unknown: its worker died or stalled, and
+may have called the provider first. So the rescuer settles it exactly as the recorder
+settles a perform that raised ``UnknownOutcome`` (``_lifecycle.expired``): retried with
+the same key after the backoff while the window lasts and attempts remain, else
+``reconcile``; a claim an operator cancelled ends ``failed`` (``reconcile`` for an effect
+that reconciles), and then its ``on_failed`` hook runs, in the transaction of that
+fenced write, as after a perform.
+
+One batch is two statements, whatever its size: ``rescue`` reads the expired claims with
+the database's clock, and ``settle`` (the recorder's) applies every decision, fenced on
+the claim_version read and on the lease still being expired (``expired: true``), so a
+heartbeat or an outcome that commits between the two wins. A decision that runs a hook
+is written in a transaction of its own with the hook (``RescueHooks``, rare: an
+operator's cancel of a job whose worker died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+import psycopg
+
+from .. import _lifecycle
+from .._lifecycle import Decision
+from .._sql import Queries
+from .._steps import Statement, run, run_async
+from ..effect import Job
+from ..errors import UnknownOutcome
+from .connection import connect
+from .flowsql import flow_queries
+from .hook_lookup import is_async_hook
+from .hooked import (
+    RELEASE,
+    ROLLBACK,
+    SAVEPOINT,
+    HookStep,
+    call_hook,
+    in_transaction,
+    in_transaction_async,
+)
+from .reconciler import reconcilers
+from .settings import Settings
+
+__all__ = [
+    "RESCUE_BATCH",
+    "RescueHooks",
+    "Rescued",
+    "Rescuer",
+    "run_rescue_hooks",
+    "run_rescue_hooks_async",
+]
+
+log = logging.getLogger("outbox.dispatcher")
+
+RESCUE_BATCH = 1000
+T = TypeVar("T")
+_decode_payload = json.JSONDecoder().raw_decode
+
+
+@dataclass(frozen=True, slots=True)
+class Rescued:
+    """One expired claim and what the lifecycle decided for it."""
+
+    job: Job
+    outcome: UnknownOutcome
+    rules: _lifecycle.Rules
+    decision: Decision
+    now: datetime  # the database's clock as the rescue read it
+    hook: Any = None  # the effect's on_failed, when the decision is failed and it has one
+
+
+@dataclass(frozen=True, slots=True)
+class RescueHooks:
+    """An instruction of the rescue's step: write ``items`` (failed decisions with an
+    ``on_failed`` hook) with their hooks, one savepoint each, in one transaction; the
+    executor answers the ids written (the fence held)."""
+
+    items: tuple[Rescued, ...]
+    schema: str
+    settings: Settings
+    rng: random.Random
+
+    def step(self, items: tuple[Rescued, ...]) -> HookStep[set[int]]:
+        queries, hooks = self.settings.queries, flow_queries(self.schema)
+        written: set[int] = set()
+        for item in items:
+            job = item.job
+            yield SAVEPOINT
+            rows = yield Statement(queries.settle, {"claims": _claims([(job, item.decision)])})
+            if rows:
+                error = yield from call_hook(item.hook, job, item.outcome, hooks)
+                if error is not None:  # as after a perform: its writes go, then settle
+                    yield ROLLBACK
+                    retry = _lifecycle.settle(item.outcome, job, item.rules,
+                                              now=item.now, rng=self.rng, hook_error=error)
+                    log.warning("job %s (key %s): on_failed raised %s after its lease "
+                                "expired -> %s", job.id, job.key, type(error).__name__,
+                                retry.status)
+                    rows = yield Statement(queries.settle,
+                                           {"claims": _claims([(job, retry)])})
+            yield RELEASE
+            if rows:
+                written.add(job.id)
+        return written
+
+
+RescueStep = Generator["Statement | RescueHooks", Any, T]
+"""The rescue's step: statements on the claimer's connection, and its hooks' writes."""
+
+
+def _claims(decided: list[tuple[Job, Decision]]) -> str:
+    """The JSON claims of ``settle`` for the rescuer's decisions (fenced on the lease)."""
+    return json.dumps([
+        {"id": job.id, "version": job.claim_version, "status": d.status, "delay": d.delay,
+         "error": d.error, "refund": False, "expired": True} for job, d in decided])
+
+
+class Rescuer:
+    """The rescuer's decisions (a part of the claimer: runs on its thread or task)."""
+
+    def __init__(self, settings: Settings, rng: random.Random) -> None:
+        self.settings = settings
+        self.rng = rng
+        self.reconciling = frozenset(reconcilers(settings))
+
+    def rules(self, effect: str) -> _lifecycle.Rules:
+        """The rules that settle ``effect``'s attempts, as the recorder reads them; an
+        effect this dispatcher does not serve: the dispatcher's window, no reconcile."""
+        served = self.settings.effects.get(effect)
+        window = (self.settings.window_for(served) if served is not None
+                  else self.settings.unknown_outcome_window)
+        return _lifecycle.Rules(window=window, backoff=self.settings.backoff,
+                                reconciles=effect in self.reconciling)
+
+    def decide(self, rows: list[Any]) -> list[Rescued]:
+        """What the lifecycle decides for each expired claim read by ``rescue``."""
+        hooks: Mapping[str, Any] = self.settings.failed_hooks
+        decided = []
+        for row in rows:
+            job = Job(id=row.id, effect=row.effect, key=row.key, payload={},
+                      attempt=row.attempts, claim_version=row.claim_version,
+                      ordering_key=row.ordering_key, max_attempts=row.max_attempts,
+                      first_attempted_at=row.first_attempted_at, group=row.group_key,
+                      priority=row.priority, scheduled_for=row.scheduled_for)
+            rules = self.rules(row.effect)
+            outcome = _lifecycle.lease_expired(job, row.claimed_by)
+            decision = _lifecycle.expired(job, rules, now=row.now, rng=self.rng,
+                                          worker=row.claimed_by, cancelled=row.cancelled)
+            hook = hooks.get(row.effect) if decision.status == "failed" else None
+            decided.append(Rescued(job, outcome, rules, decision, row.now, hook))
+        return decided
+
+    def rescue(self, queries: Queries) -> RescueStep[list[Rescued]]:
+        """One batch: read the expired claims, decide, apply; what was applied (a claim
+        whose fence did not hold, because its heartbeat or outcome came first, is not)."""
+        rows = yield Statement(queries.rescue, {"limit": RESCUE_BATCH}, named=True)
+        if not rows:
+            return []
+        decided = self.decide(rows)
+        plain = [r for r in decided if r.hook is None]
+        written: set[int] = set()
+        if plain:
+            ids = yield Statement(queries.settle, {"claims": _claims(
+                [(r.job, r.decision) for r in plain])}, scalar=True)
+            written |= set(ids)
+        hooked = [r for r in decided if r.hook is not None]
+        if hooked:
+            written |= yield from self._hooked(queries, hooked)
+        return [r for r in decided if r.job.id in written]
+
+    def _hooked(self, queries: Queries, hooked: list[Rescued]) -> RescueStep[set[int]]:
+        """The decisions that run an ``on_failed`` hook: their jobs' payloads, then the
+        hooks' transactions."""
+        rows = yield Statement(queries.rescued_payloads,
+                               {"ids": [r.job.id for r in hooked]}, named=True)
+        payloads = {row.id: _decode_payload(row.payload)[0] for row in rows}
+        items = tuple(_with_payload(r, payloads.get(r.job.id, {})) for r in hooked)
+        written: set[int] = yield RescueHooks(items, self.settings.schema, self.settings,
+                                              self.rng)
+        return written
+
+
+def _with_payload(item: Rescued, payload: Any) -> Rescued:
+    job = item.job
+    full = Job(id=job.id, effect=job.effect, key=job.key, payload=payload,
+               attempt=job.attempt, claim_version=job.claim_version,
+               ordering_key=job.ordering_key, max_attempts=job.max_attempts,
+               first_attempted_at=job.first_attempted_at, group=job.group,
+               priority=job.priority, scheduled_for=job.scheduled_for)
+    return Rescued(full, item.outcome, item.rules, item.decision, item.now, item.hook)
+
+
+def run_rescue_hooks(instruction: RescueHooks, pg: psycopg.Connection[Any]) -> set[int]:
+    """Write ``instruction``'s items with their (plain) hooks in one transaction on a
+    blocking connection."""
+    with pg.transaction():
+        return run(instruction.step(instruction.items), in_transaction(pg, instruction.schema))
+
+
+def _on_own_connection(instruction: RescueHooks, items: tuple[Rescued, ...]) -> set[int]:
+    with connect(instruction.settings, "claimer") as pg, pg.transaction():
+        return run(instruction.step(items), in_transaction(pg, instruction.schema))
+
+
+async def run_rescue_hooks_async(instruction: RescueHooks,
+                                 pg: psycopg.AsyncConnection[Any]) -> set[int]:
+    """``run_rescue_hooks`` for ``AsyncDispatcher``: ``async def`` hooks on its asyncio
+    connection, plain ones on a thread with a blocking connection of their own."""
+    written: set[int] = set()
+    awaited = tuple(i for i in instruction.items if is_async_hook(i.hook))
+    plain = tuple(i for i in instruction.items if not is_async_hook(i.hook))
+    if awaited:
+        async with pg.transaction():
+            written |= await run_async(instruction.step(awaited),
+                                       in_transaction_async(pg, instruction.schema))
+    if plain:
+        written |= await asyncio.to_thread(_on_own_connection, instruction, plain)
+    return written
