@@ -121,7 +121,7 @@ class _Options:
     worker_id: str
     reconcile_interval: float
     stop_timeout: float
-    wait_for_replicas: bool
+    wait_for_replicas: bool | tuple[str, ...]
 
     def __init__(
         self,
@@ -156,7 +156,7 @@ class _Options:
         max_connections: int = 16,
         limits_home: Target | str | None = None,
         schedules: Sequence[Schedule] | None = None,
-        wait_for_replicas: bool = False,
+        wait_for_replicas: bool | Sequence[str] = False,
     ) -> None:
         """Check every option now: a wrong one raises ``outbox.ConfigurationError`` here.
 
@@ -217,7 +217,8 @@ class _Options:
         :param limits_home: Where ``Limit(shared=True)`` limits are counted: an
             ``outbox.Target``, or a connection string for schema ``outbox``.
         :param wait_for_replicas: Perform a claimed job only once every streaming standby
-            holds its commit (the role needs ``pg_monitor``).
+            holds its commit, or those named (``["standby1"]``: their
+            ``application_name``); the role needs ``pg_monitor``.
         :param schedules: Recurring effects (``outbox.Schedule``s) this dispatcher fires,
             each slot enqueued once across every dispatcher of the schema.
         :raises outbox.ConfigurationError: An option that can never work, named.
@@ -468,9 +469,10 @@ class Dispatcher(_Options):
     ``terminationGracePeriodSeconds``) above ``stop_timeout`` plus a few seconds.
 
     ``wait_for_replicas=True``: a claimed job is performed only once every streaming
-    physical standby has flushed the claim's commit (and so the enqueue's), so a failover
-    to a standby that lagged never leaves an effect performed for an order the new
-    primary lost. Each batch waits at most 30 s (then it is handed back unperformed and
+    physical standby (``wait_for_replicas=["standby1"]``: each of those names, its
+    ``application_name``) has flushed the claim's commit (and so the enqueue's), so a
+    failover to a standby that lagged never leaves an effect performed for an order the
+    new primary lost. Each batch waits at most 30 s (then it is handed back unperformed and
     claimed again); with no standby streaming, jobs are performed at once (said once).
     The role needs ``pg_monitor``: without it, ``ConfigurationError`` at start.
     Connections get ``connect_timeout``, keepalives and ``tcp_user_timeout`` defaults
