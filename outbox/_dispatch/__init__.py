@@ -14,6 +14,8 @@
                 said once per host
     severance   a stop that ends while the database hangs: connections cut at
                 stop_timeout
+    watchdog    a server that stops answering while running: a waiting statement's
+                server asked, said and its connections cut when it does not answer
     claimer     claim batches, rescue expired leases, retention
     turns       where this dispatcher's last claim stopped among each effect's groups
     budget      provider limits as the dispatcher spends them (``outbox.limits`` declares

@@ -31,7 +31,8 @@ per process looks at them every ``LOOK_EVERY`` seconds, and when one has waited
 
 A statement in flight is noticed ``HANG_AFTER`` + ``PROBE_TIMEOUT`` + ``LOOK_EVERY``
 seconds into a freeze at most: about 6, within the 10 promised. A stop during the freeze
-is ``severance``'s: it cuts what still waits at ``stop_timeout``.
+is ``severance``'s: it cuts what still waits at ``stop_timeout``. The thread runs while
+a dispatcher connection is open (or a host said is asked again), no longer.
 """
 
 from __future__ import annotations
@@ -126,10 +127,17 @@ def watching(conn: Any) -> Any:
 
 
 def _look_forever() -> None:
+    """The watch's thread: looks until no dispatcher connection is open and no host is
+    being asked again (a process that stopped dispatching keeps no thread for it); the
+    next connection opened starts it again."""
     while True:
         time.sleep(LOOK_EVERY)
-        with contextlib.suppress(Exception):  # the watch itself never ends
+        with contextlib.suppress(Exception):  # a failed look is not the watch's end
             look(time.monotonic())
+        with _watch.lock:
+            if not _watch.silent and all(c.closed for c in list(_watch.conninfo)):
+                _watch.thread = None
+                return
 
 
 def look(now: float) -> None:
