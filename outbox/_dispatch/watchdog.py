@@ -68,10 +68,20 @@ class _Flight:
     ask_at: float  # when to ask its server (again, if it answered: a long statement)
 
 
+@dataclass(frozen=True, slots=True)
+class _Dial:
+    """How to reach the server of a connection again: its connection string, and its
+    host's address when the string gives ``hostaddr``."""
+
+    conninfo: str
+    hostaddr: str | None
+
+
 @dataclass(slots=True)
 class _Silent:
     since: float  # when its oldest unanswered statement was sent
     said_at: float
+    dial: _Dial  # kept: its connections are cut and closed, a probe still dials it
     next_look: float = 0.0
 
 
@@ -150,24 +160,25 @@ def look(now: float) -> None:
     asked: dict[tuple[str, str], bool] = {}
     for flight in waiting:
         where = _where(flight.conn)
-        if where is None or where in _watch.silent:
+        dial = _dial(flight.conn)
+        if where is None or dial is None or where in _watch.silent:
             continue  # said already: its connections were cut, this one opened since
         if where not in asked:
-            asked[where] = _answers(flight.conn, where) != "silent"
+            asked[where] = _answers(dial, where) != "silent"
         if asked[where]:
             flight.ask_at = now + ASK_AGAIN
         else:
-            _said_silent(where, flight.since)
+            _said_silent(where, flight.since, dial)
     for where, silent in due:
         _look_again(where, silent)
 
 
-def _said_silent(where: tuple[str, str], since: float) -> None:
+def _said_silent(where: tuple[str, str], since: float, dial: _Dial) -> None:
     now = time.monotonic()
     with _watch.lock:
         if where in _watch.silent:
             return
-        _watch.silent[where] = _Silent(since, now, now + REPROBE)
+        _watch.silent[where] = _Silent(since, now, dial, now + REPROBE)
     cut = sever(where)
     log.error(
         "the database at host %s port %s has not answered for %.0f s (a frozen server or "
@@ -178,8 +189,7 @@ def _said_silent(where: tuple[str, str], since: float) -> None:
 
 
 def _look_again(where: tuple[str, str], silent: _Silent) -> None:
-    conn = _any_conn(where)
-    answer = "refused" if conn is None else _answers(conn, where)
+    answer = _answers(silent.dial, where)
     now = time.monotonic()
     if answer == "answered":
         log.warning("the database at host %s port %s answers again, %.0f s after it "
@@ -198,42 +208,41 @@ def _where(conn: Any) -> tuple[str, str] | None:
     return None
 
 
-def _any_conn(where: tuple[str, str]) -> Any:
-    """A connection (open or not) that reached ``where``: its connection string."""
-    with _watch.lock:
-        for conn in list(_watch.conninfo):
-            if _where(conn) == where:
-                return conn
-    return None
-
-
-def _answers(conn: Any, where: tuple[str, str]) -> str:
-    """Ask ``where`` for ``SELECT 1`` on a fresh connection made as ``conn`` was:
-    ``answered``, ``refused`` (an error soon: the server or its host is down, which the
-    parts' own connections say) or ``silent`` (no answer within ``PROBE_TIMEOUT``)."""
+def _dial(conn: Any) -> _Dial | None:
+    """How ``conn`` was dialled (None: not a connection of ours, or gone)."""
     with _watch.lock:
         conninfo = _watch.conninfo.get(conn)
     if conninfo is None:
-        return "answered"  # not a connection of ours: nothing to say of it
+        return None
+    hostaddr = None
+    with contextlib.suppress(Exception):
+        if "hostaddr" in conninfo_to_dict(conninfo):
+            hostaddr = str(conn.info.hostaddr)
+    return _Dial(conninfo, hostaddr)
+
+
+def _answers(dial: _Dial, where: tuple[str, str]) -> str:
+    """Ask ``where`` for ``SELECT 1`` on a fresh connection dialled as ``dial`` says:
+    ``answered``, ``refused`` (an error soon: the server or its host is down, which the
+    parts' own connections say) or ``silent`` (no answer within ``PROBE_TIMEOUT``)."""
     result: list[str] = []
-    probe = threading.Thread(target=_probe, args=(conninfo, conn, where, result),
+    probe = threading.Thread(target=_probe, args=(dial, where, result),
                              name="outbox-hang-probe", daemon=True)
     probe.start()
     probe.join(PROBE_TIMEOUT + 0.5)  # a connect that hangs past its own timeout too
     return result[0] if result else "silent"
 
 
-def _probe(conninfo: str, conn: Any, where: tuple[str, str], result: list[str]) -> None:
+def _probe(dial: _Dial, where: tuple[str, str], result: list[str]) -> None:
     started = time.monotonic()
     options: dict[str, Any] = {"host": where[0], "port": where[1],
                                "connect_timeout": PROBE_TIMEOUT,
                                "target_session_attrs": "any", "autocommit": True,
                                "application_name": "outbox hang probe"}
-    with contextlib.suppress(Exception):
-        if "hostaddr" in conninfo_to_dict(conninfo):
-            options["hostaddr"] = conn.info.hostaddr
+    if dial.hostaddr is not None:
+        options["hostaddr"] = dial.hostaddr
     try:
-        with psycopg.connect(conninfo, **options) as probe:
+        with psycopg.connect(dial.conninfo, **options) as probe:
             probe.execute("SELECT 1")
     except psycopg.Error:
         late = time.monotonic() - started >= PROBE_TIMEOUT - 0.5
