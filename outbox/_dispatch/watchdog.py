@@ -15,9 +15,10 @@ per process looks at them every ``LOOK_EVERY`` seconds, and when one has waited
                         nothing is done (asked again ``ASK_AGAIN`` seconds later, if
                         it still waits). A quick error (too many connections, refused)
                         counts as an answer: not a frozen server.
-    no answer within    the server is frozen or cut off: said once (one line naming the
-    PROBE_TIMEOUT       host, how long it has not answered, what happens), and every
-                        open dispatcher connection to that host is cut (``sever``): the
+    no answer within    the server is frozen or cut off (and the statement still
+    PROBE_TIMEOUT       waits): said once (one line naming the host, how long it has
+                        not answered, what happens), and every open dispatcher
+                        connection to that host is cut (``sever``): the
                         blocked statements fail as lost connections, each part
                         reconnects with its backoff, and a multi-host DSN
                         (``target_session_attrs=read-write``) finds the promoted
@@ -29,10 +30,12 @@ per process looks at them every ``LOOK_EVERY`` seconds, and when one has waited
                         (down, not frozen) or is still silent after ``FORGET`` seconds
                         is not asked again.
 
-A statement in flight is noticed ``HANG_AFTER`` + ``PROBE_TIMEOUT`` + ``LOOK_EVERY``
-seconds into a freeze at most: about 6, within the 10 promised. A stop during the freeze
-is ``severance``'s: it cuts what still waits at ``stop_timeout``. The thread runs while
-a dispatcher connection is open (or a host said is asked again), no longer.
+A statement in flight is noticed ``HANG_AFTER`` + ``LOOK_EVERY`` + ``PROBE_TIMEOUT``
+(+ 0.5) seconds into a freeze at most: 7.5, within the 10 promised. A statement that got
+its answer while its server was being asked proves the server there: nothing is cut. A
+stop during the freeze is ``severance``'s: it cuts what still waits at
+``stop_timeout``. The thread runs while a dispatcher connection is open (or a host said
+is asked again), no longer.
 """
 
 from __future__ import annotations
@@ -53,8 +56,10 @@ __all__ = ["HANG_AFTER", "PROBE_TIMEOUT", "begin", "end", "known", "watching"]
 
 log = logging.getLogger("outbox.dispatcher")
 
-HANG_AFTER = 2.0  # seconds a statement waits for its answer before the server is asked
-PROBE_TIMEOUT = 3  # seconds the server gets to answer a fresh connection's SELECT 1
+HANG_AFTER = 1.5  # seconds a statement waits for its answer before the server is asked
+# Seconds the server gets to answer a fresh connection's SELECT 1: generous, as a loaded
+# machine may take seconds to start a backend (3 s was seen to run out under load).
+PROBE_TIMEOUT = 5
 LOOK_EVERY = 0.5  # seconds between looks at the statements in flight
 ASK_AGAIN = 5.0  # a statement whose server answered: asked again this much later
 REPROBE = 2.0  # seconds between looks at a host said not to answer, until it does
@@ -165,12 +170,18 @@ def look(now: float) -> None:
             continue  # said already: its connections were cut, this one opened since
         if where not in asked:
             asked[where] = _answers(dial, where) != "silent"
-        if asked[where]:
-            flight.ask_at = now + ASK_AGAIN
+        if asked[where] or not _waiting(flight):
+            flight.ask_at = now + ASK_AGAIN  # answered meanwhile: the server is there
         else:
             _said_silent(where, flight.since, dial)
     for where, silent in due:
         _look_again(where, silent)
+
+
+def _waiting(flight: _Flight) -> bool:
+    """Whether ``flight``'s statement still waits for its answer."""
+    with _watch.lock:
+        return any(f is flight for f in _watch.flights.values())
 
 
 def _said_silent(where: tuple[str, str], since: float, dial: _Dial) -> None:
