@@ -1,8 +1,8 @@
 """A primary cut off the network (every packet dropped: the server runs in a network
 namespace of its own whose link is set down; ``ip netns`` works here as root): the
-dispatcher notices within 10 s and says so in one line naming the host (the watchdog's
-probe gets no answer; the connections' keepalives and tcp_user_timeout would end them
-within 8 s too, not the kernel's 15 minutes of retransmissions), and a stop during the
+dispatcher notices within 10 s and says so naming the host (the watchdog's probe gets no
+answer, or the connections' keepalives and tcp_user_timeout end them at 8 s, whichever
+comes first; not the kernel's 15 minutes of retransmissions), and a stop during the
 partition returns within ``stop_timeout`` + 2 s; ``Dispatcher`` and ``AsyncDispatcher``
 alike."""
 
@@ -52,14 +52,18 @@ def test_a_partitioned_primary_is_noticed_and_a_stop_returns(
                 dispatcher.stop()
                 runner.join(60)
         assert returned < STOP_TIMEOUT + 2, returned
+        # Whichever notices first says so within 10 s, naming the host: the watchdog
+        # (its probe gets no answer: at most one line), or the connections' own
+        # keepalives and tcp_user_timeout (a lost connection, at 8 s), which may end
+        # the waiting statement before the probe has given up.
         said = [r for r in caplog.records if "has not answered for" in r.getMessage()]
-        assert len(said) == 1, [r.getMessage() for r in caplog.records]
-        assert said[0].created - cut_at < NOTICED_WITHIN, said[0].created - cut_at
-        assert f"host {server.address} port {server.port}" in said[0].getMessage()
+        assert len(said) <= 1, [r.getMessage() for r in said]
         lost = [r for r in caplog.records if "lost its connection" in r.getMessage()]
         assert lost, [r.getMessage() for r in caplog.records]
-        noticed = lost[0].created - cut_at
-        assert noticed < NOTICED_WITHIN, noticed
+        first = min([*said, *lost], key=lambda r: r.created)
+        assert first.created - cut_at < NOTICED_WITHIN, first.created - cut_at
+        assert all(f"host {server.address} port {server.port}" in r.getMessage()
+                   for r in said), [r.getMessage() for r in said]
         # The claimer's line names the host (the recorder's may come first).
         assert any(f"host {server.address}" in r.getMessage() for r in lost), [
             r.getMessage() for r in lost]
