@@ -35,12 +35,13 @@ from ._callers import command as trigger_sql_command
 from ._devserver import dev_server
 from ._dispatch.fleet import describe_failure, read_targets
 from ._dispatch.options import option
+from ._dispatch.standby import standby_names
 from ._enqueue import MAX_GROUP_LENGTH, notify_channel, validate_group
 from ._pg import configuration_error
 from ._startup import first_connection
 from ._steps import Step
 from .dispatcher import AsyncDispatcher, Dispatcher
-from .errors import InvalidArgument, OutboxError
+from .errors import ConfigurationError, InvalidArgument, OutboxError
 from .limits import Limit, parse_limit
 from .migrate import LOCK_TIMEOUT, current_version, latest_version, migrate, require_current
 from .registry import closest as closest_effect
@@ -302,22 +303,28 @@ def _describe(exc: BaseException) -> str:
               help="Perform a claimed job only once every streaming standby holds its "
                    "commit, so a failover never leaves an effect performed for an order "
                    "the new primary lost (the role needs pg_monitor).")
+@click.option("--wait-for-standby", "wait_for_standbys", multiple=True, metavar="NAME",
+              help="As --wait-for-replicas, but only for the standbys of these names "
+                   "(application_name in pg_stat_replication): repeat it, or separate "
+                   "names with commas.")
 @_one_line_errors
 def run_command(target: str, dsn: str | None, metrics_port: int | None,
                 metrics_host: str, limits: tuple[str, ...], stop_timeout: float | None,
                 target_outboxes: tuple[str, ...], targets_from: str | None,
                 max_connections: int, limits_home: str | None,
                 wait_for_database: float = 60.0,
-                wait_for_replicas: bool = False) -> None:
+                wait_for_replicas: bool = False,
+                wait_for_standbys: tuple[str, ...] = ()) -> None:
     """Run a dispatcher until SIGTERM or SIGINT, finishing in-flight work within its
     stop timeout."""
     added = _limits(limits)  # refused before anything is imported
+    waits_for = _standbys(wait_for_replicas, wait_for_standbys)
     if dsn is not None:
         os.environ["OUTBOX_DATABASE_URL"] = dsn
     source = _targets_given(target_outboxes, targets_from)  # before the dispatcher loads
     dispatcher = load_dispatcher(target)
-    if wait_for_replicas:  # before the fleet's engines copy the options
-        dispatcher._set_options(wait_for_replicas=True)
+    if waits_for:  # before the fleet's engines copy the options
+        dispatcher._set_options(wait_for_replicas=waits_for)
     if source is not None:
         dispatcher = dispatcher._with_targets(source, max_connections)
     if limits_home is not None:
@@ -395,6 +402,21 @@ def start_line(dispatcher: AnyDispatcher) -> str:
     return (f"outbox run: {type(dispatcher).__name__} {settings.worker_id} on {where}, "
             f"schema {settings.schema!r}, effects {', '.join(sorted(settings.effects))}, "
             f"concurrency {settings.concurrency}, {wake}{home}")
+
+
+def _standbys(every: bool, named: tuple[str, ...]) -> bool | tuple[str, ...]:
+    """``--wait-for-replicas`` (every standby) or ``--wait-for-standby NAME[,NAME]``
+    (those named), checked as ``wait_for_replicas`` is; False for neither."""
+    if every and named:
+        raise click.UsageError("give --wait-for-replicas (every standby) or "
+                               "--wait-for-standby NAME (those named), not both")
+    if not named:
+        return every
+    names = [name.strip() for given in named for name in given.split(",")]
+    try:
+        return standby_names(names)
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc), param_hint="--wait-for-standby") from None
 
 
 def _limits(given: tuple[str, ...]) -> dict[str, Limit]:

@@ -125,7 +125,7 @@ class _Options:
     worker_id: str
     reconcile_interval: float
     stop_timeout: float
-    wait_for_replicas: bool
+    wait_for_replicas: bool | tuple[str, ...]
 
     def __init__(
         self,
@@ -160,7 +160,7 @@ class _Options:
         max_connections: int = 16,
         limits_home: Target | str | None = None,
         schedules: Sequence[Schedule] | None = None,
-        wait_for_replicas: bool = False,
+        wait_for_replicas: bool | Sequence[str] = False,
     ) -> None:
         """Check every option now: a wrong one raises ``outbox.ConfigurationError`` here.
 
@@ -436,9 +436,10 @@ class Dispatcher(_Options):
     ``terminationGracePeriodSeconds``) above ``stop_timeout`` plus a few seconds.
 
     ``wait_for_replicas=True``: a claimed job is performed only once every streaming
-    physical standby has flushed the claim's commit (and so the enqueue's), so a failover
-    to a standby that lagged never leaves an effect performed for an order the new
-    primary lost. Each batch waits at most 30 s (then it is handed back unperformed and
+    physical standby (``wait_for_replicas=["standby1"]``: each of those names, its
+    ``application_name``) has flushed the claim's commit (and so the enqueue's), so a
+    failover to a standby that lagged never leaves an effect performed for an order the
+    new primary lost. Each batch waits at most 30 s (then it is handed back unperformed and
     claimed again); with no standby streaming, jobs are performed at once (said once).
     The role needs ``pg_monitor``: without it, ``ConfigurationError`` at start.
     Connections get ``connect_timeout``, keepalives and ``tcp_user_timeout`` defaults

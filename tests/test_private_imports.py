@@ -41,6 +41,13 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/failover/test_network_options.py": {"outbox._dispatch"},
     "tests/unit/test_options.py": {"outbox._dispatch"},
     "tests/targets/test_crew.py": {"outbox._dispatch"},
+    "tests/crash/test_claim_races.py": {"outbox._lifecycle"},
+    "tests/integration/test_lifecycle_sources.py": {"outbox._lifecycle", "outbox._queue"},
+    "tests/integration/test_rescue_lifecycle.py": {"outbox._queue"},
+    "tests/property/test_rescue_decision.py": {"outbox._lifecycle"},
+    "tests/unit/test_transitions.py": {"outbox._lifecycle", "outbox._sql"},
+    # The rescue's batch timed beside the statement it replaced: the rescuer itself.
+    "benchmarks/rescue.py": {"outbox._dispatch", "outbox._steps"},
 }
 
 

@@ -15,6 +15,8 @@
                 said once per host
     severance   a stop that ends while the database hangs: connections cut at
                 stop_timeout
+    watchdog    a server that stops answering while running: a waiting statement's
+                server asked, said and its connections cut when it does not answer
     claimer     claim batches, rescue expired leases, retention
     rescuer     expired leases settled as unknown outcomes (``outbox._lifecycle.expired``),
                 applied by the recorder's fenced ``settle``, with their on_failed hooks

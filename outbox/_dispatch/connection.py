@@ -24,6 +24,7 @@ from ..errors import ConfigurationError
 from .network import network_options
 from .settings import Settings
 from .standby import check_writable, from_statement
+from .watchdog import begin, end, known, watching
 
 __all__ = [
     "CONNECTION_ERRORS",
@@ -89,15 +90,18 @@ def connect(settings: Settings, role: str) -> psycopg.Connection[Any]:
         conn = psycopg.connect(params.conninfo, **params.options)
     except psycopg.Error as exc:
         raise _refused(exc, params, role) or exc from None
+    # Tracked before its first statement: a server that freezes while it is set up
+    # leaves it cuttable, by a stop (severance) and by the watchdog.
+    _track(settings, conn, params.conninfo)
     try:
-        probe = conn.execute(PROBE).fetchone()
-        _writable(conn, probe, role)
-        for statement in _session_setup(conn, probe, params):
-            conn.execute(statement)
+        with watching(conn):
+            probe = conn.execute(PROBE).fetchone()
+            _writable(conn, probe, role)
+            for statement in _session_setup(conn, probe, params):
+                conn.execute(statement)
     except BaseException:
         conn.close()
         raise
-    _track(settings, conn)
     return conn
 
 
@@ -109,15 +113,16 @@ async def connect_async(settings: Settings, role: str) -> psycopg.AsyncConnectio
         conn = await psycopg.AsyncConnection.connect(params.conninfo, **params.options)
     except psycopg.Error as exc:
         raise _refused(exc, params, role) or exc from None
+    _track(settings, conn, params.conninfo)  # cuttable while it is set up, as above
     try:
-        probe = await (await conn.execute(PROBE)).fetchone()
-        _writable(conn, probe, role)
-        for statement in _session_setup(conn, probe, params):
-            await conn.execute(statement)
+        with watching(conn):
+            probe = await (await conn.execute(PROBE)).fetchone()
+            _writable(conn, probe, role)
+            for statement in _session_setup(conn, probe, params):
+                await conn.execute(statement)
     except BaseException:
         await conn.close()
         raise
-    _track(settings, conn)
     return conn
 
 
@@ -127,9 +132,10 @@ _opened: dict[str, weakref.WeakSet[Any]] = {}
 _opened_lock = threading.Lock()
 
 
-def _track(settings: Settings, conn: Any) -> None:
+def _track(settings: Settings, conn: Any, conninfo: str) -> None:
     with _opened_lock:
         _opened.setdefault(settings.worker_id, weakref.WeakSet()).add(conn)
+    known(conn, conninfo)  # its statements watched for a server that stops answering
 
 
 def opened(worker_id: str) -> list[Any]:
@@ -217,8 +223,11 @@ class Connection(Reconnects):
 
     def execute(self, statement: Statement) -> Rows:
         """Run one statement (its own transaction); discard the connection if it broke."""
+        watched = 0
         try:
-            rows = execute(self.get(), statement)
+            conn = self.get()
+            watched = begin(conn)  # a frozen server noticed, its connections cut (watchdog)
+            rows = execute(conn, statement)
         except CONNECTION_ERRORS:
             if self.lost:
                 self.discard()
@@ -229,6 +238,8 @@ class Connection(Reconnects):
                 _close_quietly(self._conn)
             self.discard()  # the next one is probed: a standby is refused as it opens
             raise read_only from exc
+        finally:
+            end(watched)
         self.succeeded()
         return rows
 
@@ -262,8 +273,11 @@ class AsyncConnection(Reconnects):
         return self._conn is None or self._conn.closed
 
     async def execute(self, statement: Statement) -> Rows:
+        watched = 0
         try:
-            rows = await execute_async(await self.get(), statement)
+            conn = await self.get()
+            watched = begin(conn)  # a frozen server noticed, its connections cut (watchdog)
+            rows = await execute_async(conn, statement)
         except CONNECTION_ERRORS:
             if self.lost:
                 await self.discard()
@@ -272,6 +286,8 @@ class AsyncConnection(Reconnects):
             read_only = from_statement(self._conn, exc, self.role)
             await self.discard()
             raise read_only from exc
+        finally:
+            end(watched)
         self.succeeded()
         return rows
 

@@ -143,8 +143,9 @@ OPTIONS: tuple[Option, ...] = (
            "fires, each slot enqueued once across every dispatcher of the schema.",
            settings=False, engine=True),
     Option("wait_for_replicas", False, "Perform a claimed job only once every streaming "
-           "standby holds its commit (the role needs ``pg_monitor``).", public=True,
-           engine=True, cli=("--wait-for-replicas",)),
+           "standby holds its commit, or those named (``[\"standby1\"]``: their "
+           "``application_name``); the role needs ``pg_monitor``.", public=True,
+           engine=True, cli=("--wait-for-replicas", "--wait-for-standby")),
 )
 
 _BY_NAME = {option.name: option for option in OPTIONS}

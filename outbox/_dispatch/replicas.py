@@ -8,7 +8,9 @@ repeat. So each claimed batch is held until every streaming standby has flushed 
 up to the claim's commit (``pg_current_wal_insert_lsn()`` after the claim against
 ``pg_stat_replication.flush_lsn``): the claim commits after the enqueues it claims, so
 their commits are on the standbys too, and whichever standby is promoted has the jobs
-performed.
+performed. ``wait_for_replicas=["standby1", ...]`` waits only for the standbys of those
+names (``application_name``): the ones a failover may promote, not a reporting replica
+or a far one allowed to lag. Named standbys none of which streams count as no standby.
 
     no standby streaming    nothing to wait for: performed at once (said once, and once
                             more when one streams again). A standby that is gone drops
@@ -90,8 +92,9 @@ def _position_step() -> Step[str]:
     return str(rows[0])
 
 
-def _behind_step(lsn: str) -> Step[Behind]:
-    rows = yield Statement(replica_queries().replicas_behind, {"lsn": lsn}, row=Behind)
+def _behind_step(lsn: str, names: list[str] | None) -> Step[Behind]:
+    rows = yield Statement(replica_queries().replicas_behind, {"lsn": lsn, "names": names},
+                           row=Behind)
     found: Behind = rows[0]
     return found
 
@@ -99,9 +102,16 @@ def _behind_step(lsn: str) -> Step[Behind]:
 class _Gate:
     """What both gates share: the decision on each look, and saying it once."""
 
-    def __init__(self, state: SharedState[Any], submit: Callable[[list[Held]], None]) -> None:
+    def __init__(self, settings: Settings, state: SharedState[Any],
+                 submit: Callable[[list[Held]], None]) -> None:
         self.state = state
         self.submit = submit
+        self.enabled = bool(settings.wait_for_replicas)  # else each batch goes straight on
+        # The standbys waited for, by application_name (None: every streaming one).
+        named = settings.wait_for_replicas
+        self.names = list(named) if isinstance(named, tuple) else None
+        self.which = ("no standby" if self.names is None
+                      else "none of the standbys named (" + ", ".join(self.names) + ")")
         self.alone = False  # no standby streamed at the last look (said)
         self.lagging = False  # a wait ran out (said)
         self.failed = False  # a look failed (said)
@@ -111,9 +121,9 @@ class _Gate:
         if behind.streaming == 0:
             if not self.alone:
                 self.alone = True
-                log.warning("wait_for_replicas: no standby streams from this primary: jobs "
+                log.warning("wait_for_replicas: %s streams from this primary: jobs "
                             "are performed without waiting (a failover now may lose "
-                            "their orders)")
+                            "their orders)", self.which)
             self.done(batch)
             return True
         if self.alone:
@@ -161,8 +171,7 @@ class ReplicaGate(_Gate):
 
     def __init__(self, settings: Settings, state: ThreadState, conn: Connection,
                  submit: Callable[[list[Held]], None]) -> None:
-        super().__init__(state, submit)
-        self.enabled = settings.wait_for_replicas  # else each batch goes straight on
+        super().__init__(settings, state, submit)
         self.thread_state = state
         self.conn = conn
 
@@ -174,7 +183,7 @@ class ReplicaGate(_Gate):
         delay = POLL_FIRST
         try:
             lsn = run(_position_step(), self.conn.execute)
-            while not self.settled(run(_behind_step(lsn), self.conn.execute), batch,
+            while not self.settled(run(_behind_step(lsn, self.names), self.conn.execute), batch,
                                    started):
                 self.thread_state.stopping.wait(delay)
                 delay = min(delay * 2, POLL_MAX)
@@ -188,8 +197,7 @@ class AsyncReplicaGate(_Gate):
 
     def __init__(self, settings: Settings, state: AsyncState,
                  submit: Callable[[list[Held]], None]) -> None:
-        super().__init__(state, submit)
-        self.enabled = settings.wait_for_replicas  # else each batch goes straight on
+        super().__init__(settings, state, submit)
         self.async_state = state
         self.conn = AsyncConnection(settings, "replicas")
         self.lock = asyncio.Lock()  # one statement at a time on the connection
@@ -211,7 +219,8 @@ class AsyncReplicaGate(_Gate):
                 lsn = await run_async(_position_step(), self.conn.execute)
             while True:
                 async with self.lock:
-                    behind = await run_async(_behind_step(lsn), self.conn.execute)
+                    behind = await run_async(_behind_step(lsn, self.names),
+                                             self.conn.execute)
                 if self.settled(behind, batch, started):
                     return
                 await self.async_state.stopping.wait(delay)

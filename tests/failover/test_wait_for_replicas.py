@@ -22,8 +22,10 @@ from pathlib import Path
 import psutil
 import psycopg
 import pytest
+from click.testing import CliRunner
 
 from outbox import AsyncDispatcher, ConfigurationError, Dispatcher
+from outbox.cli import main
 
 from .support import Orders, Pair, enqueue_orders, pair, prepare, wait_until
 from .test_failover import Shop
@@ -129,6 +131,13 @@ def test_the_role_must_read_the_standbys_positions(tmp_path: Path) -> None:
             timeout=60, check=False)
         assert done.returncode == 1, done.stderr
         assert "GRANT pg_monitor TO worker" in done.stderr, done.stderr
+        # --wait-for-standby NAME turns it on for the standbys named.
+        named = subprocess.run(
+            [sys.executable, "-m", "outbox.cli", "run", "shop_worker:dispatcher",
+             "--wait-for-standby", "standby,other"], cwd=tmp_path, env=env,
+            capture_output=True, text=True, timeout=60, check=False)
+        assert named.returncode == 1, named.stderr
+        assert "GRANT pg_monitor TO worker" in named.stderr, named.stderr
         servers.primary.execute("GRANT pg_monitor TO worker")
         with psycopg.connect(servers.primary.dsn, autocommit=True) as conn:
             conn.execute("INSERT INTO orders VALUES ('k-1')")
@@ -165,3 +174,71 @@ def test_async_dispatcher_waits_for_the_standby(caplog: pytest.LogCaptureFixture
         rows = servers.primary.execute(
             "SELECT status, count(*) FROM outbox.jobs WHERE key LIKE 'b-%' GROUP BY 1")
         assert rows == [("pending", 5)]
+
+
+def _stall(servers: Pair, name: str) -> None:
+    """Stop the WAL sender feeding the standby ``name``: it flushes nothing more."""
+    [(pid,)] = servers.primary.execute(
+        "SELECT pid FROM pg_stat_replication WHERE application_name = %s", (name,))
+    psutil.Process(pid).send_signal(signal.SIGSTOP)
+
+
+def test_only_the_named_standbys_are_waited_for() -> None:
+    """Two standbys: ``standby`` (named) and ``other``. With ``other`` stalled, jobs
+    waiting for ``["standby"]`` are performed; with ``standby`` stalled, they wait."""
+    with pair() as servers:
+        servers.add_standby("other")
+        prepare(servers.primary)
+        _stall(servers, "other")
+        enqueue_orders(servers.primary.dsn, [f"a-{n}" for n in range(5)])
+        orders = Orders()
+        stats = Dispatcher(servers.dsn, effects=[orders.effect()],
+                           wait_for_replicas=["standby"]).run_until_idle(timeout=30)
+        assert stats.done == 5 and orders.seen() == {f"a-{n}" for n in range(5)}
+        # The named one stalled too: claimed jobs are held, none performed.
+        _stall(servers, "standby")
+        held = [f"b-{n}" for n in range(3)]
+        enqueue_orders(servers.primary.dsn, held)
+        dispatcher = Dispatcher(servers.dsn, effects=[orders.effect()], poll_interval=0.1,
+                                wait_for_replicas=["standby"])
+        runner = threading.Thread(target=dispatcher.run)
+        runner.start()
+        try:
+            wait_until(lambda: _claimed(servers, held), 30, "the jobs claimed")
+            wait_until(lambda: _held_back(servers, orders), 30, "the jobs held back")
+        finally:
+            dispatcher.stop()
+            runner.join(30)
+        assert not runner.is_alive()
+        assert not set(held) & orders.seen()
+        rows = servers.primary.execute(
+            "SELECT status, count(*) FROM outbox.jobs WHERE key LIKE 'b-%' GROUP BY 1")
+        assert rows == [("pending", 3)]
+
+
+@pytest.mark.parametrize(("given", "says"), [
+    ([], "names no standby"),
+    ("standby1", "must be True, False or a list of standby names"),
+    (["standby1", 2], r"wait_for_replicas\[1\] must be a standby's name"),
+    (["standby1", " "], r"wait_for_replicas\[1\] must be a standby's name"),
+    (["a", "a"], "names a standby twice"),
+    (1, "must be True, False or a list"),
+])
+def test_wait_for_replicas_is_checked_at_construction(given: object, says: str) -> None:
+    with pytest.raises(ConfigurationError, match=says):
+        Dispatcher("postgresql://nowhere/none", effects=[Orders().effect()],
+                   wait_for_replicas=given)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=says):
+        AsyncDispatcher("postgresql://nowhere/none", effects=[Orders().effect()],
+                        wait_for_replicas=given)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("arguments", "says"), [
+    (["--wait-for-standby", "a,,b"], "wait_for_replicas[1] must be a standby's name"),
+    (["--wait-for-standby", "a", "--wait-for-standby", "a"], "names a standby twice"),
+    (["--wait-for-standby", "a", "--wait-for-replicas"], "not both"),
+])
+def test_the_command_line_checks_the_standbys_named(arguments: list[str], says: str) -> None:
+    result = CliRunner().invoke(main, ["run", "nowhere:dispatcher", *arguments])
+    assert result.exit_code == 2, result.output
+    assert says in " ".join(result.output.split()), result.output
