@@ -12,7 +12,10 @@
 
 -- name: enqueue
 -- Insert one job unless its key is already a job or a ledger row. The notify wakes idle
--- dispatchers when the transaction commits (PostgreSQL folds repeats into one).
+-- dispatchers when the transaction commits (PostgreSQL folds repeats into one); it is
+-- sent only when no dispatcher serving the effect is awake (migration 0019: a NOTIFY
+-- serialises the commits of every transaction that sent one), or outside READ
+-- COMMITTED, where the snapshot may predate a dispatcher's going to sleep.
 WITH inserted AS (
     INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts,
                                trace_context, group_key, priority)
@@ -26,7 +29,11 @@ WITH inserted AS (
     RETURNING id
 )
 SELECT i.id, true AS created, NULL::text AS effect, NULL::text AS fingerprint
-FROM inserted i, pg_notify(CAST(%(channel)s AS text), '')
+FROM inserted i, (SELECT count(*) FROM (
+    SELECT pg_notify(CAST(%(channel)s AS text), '')
+    WHERE current_setting('transaction_isolation') <> 'read committed'
+       OR NOT EXISTS (SELECT 1 FROM {schema}.awake a
+                      WHERE a.effect = CAST(%(effect)s AS text) AND a.until > now())) n) woken
 UNION ALL
 SELECT j.id, false, j.effect, j.fingerprint
 FROM {schema}.jobs j
@@ -63,7 +70,13 @@ WITH wanted AS (
 )
 SELECT i.key, i.id FROM inserted i
 UNION ALL
-SELECT NULL, NULL FROM (SELECT 1 FROM inserted LIMIT 1) AS any_inserted, pg_notify(CAST(%(channel)s AS text), '');
+SELECT NULL, NULL FROM (
+    SELECT pg_notify(CAST(%(channel)s AS text), '')
+    FROM (SELECT 1 FROM inserted LIMIT 1) AS any_inserted
+    WHERE current_setting('transaction_isolation') <> 'read committed'
+       OR EXISTS (SELECT 1 FROM (SELECT DISTINCT w.effect FROM wanted w) e
+                  WHERE NOT EXISTS (SELECT 1 FROM {schema}.awake a
+                                    WHERE a.effect = e.effect AND a.until > now()))) woken;
 
 -- name: lookup_keys
 -- What already holds each key: a job (id, effect, fingerprint) or only the ledger.
@@ -649,6 +662,19 @@ INSERT INTO {schema}.dispatchers AS d (worker_id, effects, expires_at)
 VALUES (%(worker)s, %(effects)s::text[], now() + CAST(%(ttl)s AS float8) * interval '1 second')
 ON CONFLICT (worker_id) DO UPDATE
 SET effects = EXCLUDED.effects, heartbeat_at = now(), expires_at = EXCLUDED.expires_at;
+
+-- name: awake_mark
+-- A dispatcher that keeps claiming: awake for each effect it serves until %(seconds)s
+-- from now, so enqueues of those effects need not notify (migration 0019).
+INSERT INTO {schema}.awake AS a (effect, dispatcher, until)
+SELECT e, %(worker)s, now() + CAST(%(seconds)s AS float8) * interval '1 second'
+FROM unnest(CAST(%(effects)s AS text[])) AS e
+ON CONFLICT (effect, dispatcher) DO UPDATE SET until = EXCLUDED.until;
+
+-- name: fall_asleep
+-- A dispatcher about to sleep: awake no more, and every enqueue that saw it awake has
+-- ended (migration 0019). True when that wait held within %(timeout)s.
+SELECT {schema}.fall_asleep(%(worker)s, %(timeout)s);
 
 -- name: dispatcher_leave
 -- A dispatcher that stops takes its row away at once.
