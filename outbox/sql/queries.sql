@@ -11,37 +11,30 @@
 -- so their parameters are cast with CAST(... AS ...), never with "::".
 
 -- name: enqueue
--- Insert one job unless its key is already a job or a ledger row. The notify wakes idle
--- dispatchers when the transaction commits (PostgreSQL folds repeats into one); it is
--- sent only when no dispatcher serving the effect is awake (migration 0019: a NOTIFY
--- serialises the commits of every transaction that sent one), or outside READ
--- COMMITTED, where the snapshot may predate a dispatcher's going to sleep.
-WITH inserted AS (
-    INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts,
-                               trace_context, group_key, priority)
-    SELECT CAST(%(effect)s AS text), CAST(%(key)s AS text), CAST(%(payload)s AS jsonb),
-           CAST(%(fingerprint)s AS text), coalesce(CAST(%(run_at)s AS timestamptz), now()),
-           CAST(%(ordering_key)s AS text), CAST(%(max_attempts)s AS integer),
-           CAST(%(trace_context)s AS jsonb), CAST(%(group_key)s AS text),
-           CAST(%(priority)s AS integer)
-    WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = CAST(%(key)s AS text))
-    ON CONFLICT (key) DO NOTHING
-    RETURNING id
-)
-SELECT i.id, true AS created, NULL::text AS effect, NULL::text AS fingerprint
-FROM inserted i, (SELECT count(*) FROM (
-    SELECT pg_notify(CAST(%(channel)s AS text), '')
-    WHERE current_setting('transaction_isolation') <> 'read committed'
-       OR NOT EXISTS (SELECT 1 FROM {schema}.awake a
-                      WHERE a.effect = CAST(%(effect)s AS text) AND a.until > now())) n) woken
-UNION ALL
-SELECT j.id, false, j.effect, j.fingerprint
-FROM {schema}.jobs j
-WHERE j.key = CAST(%(key)s AS text) AND NOT EXISTS (SELECT 1 FROM inserted)
-UNION ALL
-SELECT NULL, false, r.effect, r.fingerprint
-FROM {schema}.effect_results r
-WHERE r.key = CAST(%(key)s AS text) AND NOT EXISTS (SELECT 1 FROM inserted);
+-- Insert one job unless its key is already a job or a ledger row: one row (created) out,
+-- or none when the key is known (the caller then asks lookup_keys what holds it: the
+-- known key costs a second statement, the new one none). One plain INSERT, no CTE: the
+-- business transaction pays for each plan node of this statement.
+-- The notify wakes idle dispatchers when the transaction commits (PostgreSQL folds
+-- repeats into one); it is sent only when no dispatcher serving the effect is awake
+-- (migration 0019: a NOTIFY serialises the commits of every transaction that sent one),
+-- or outside READ COMMITTED, where the snapshot may predate a dispatcher's going to sleep.
+INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts,
+                           trace_context, group_key, priority)
+SELECT CAST(%(effect)s AS text), CAST(%(key)s AS text), CAST(%(payload)s AS jsonb),
+       CAST(%(fingerprint)s AS text), coalesce(CAST(%(run_at)s AS timestamptz), now()),
+       CAST(%(ordering_key)s AS text), CAST(%(max_attempts)s AS integer),
+       CAST(%(trace_context)s AS jsonb), CAST(%(group_key)s AS text),
+       CAST(%(priority)s AS integer)
+WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = CAST(%(key)s AS text))
+ON CONFLICT (key) DO NOTHING
+RETURNING id, true AS created, NULL::text AS effect, NULL::text AS fingerprint,
+    (SELECT count(*) FROM (
+        SELECT pg_notify(CAST(%(channel)s AS text), '')
+        WHERE current_setting('transaction_isolation') <> 'read committed'
+           OR NOT EXISTS (SELECT 1 FROM {schema}.awake a
+                          WHERE a.effect = CAST(%(effect)s AS text) AND a.until > now())) n)
+    AS notified;
 
 -- name: enqueue_many
 -- The bulk path: one statement for any number of jobs, created ids out. The jobs arrive

@@ -43,7 +43,7 @@ def notified(dsn: str, schema: str, listener: psycopg.Connection[Any]) -> bool:
 
 def before_marker(listener: psycopg.Connection[Any]) -> list[str]:
     """The payloads of the notifications received before the marker."""
-    payloads = []
+    payloads: list[str] = []
     while True:
         received = list(listener.notifies(timeout=20, stop_after=1))
         assert received, "the marker never came"
@@ -132,7 +132,7 @@ def test_falling_asleep_waits_for_the_enqueues_that_saw_the_mark(
             wait_until(lambda: waiting_on_lock(dsn, "SELECT"), what="fall_asleep waiting")
             late = threading.Thread(target=enqueue, args=(later, schema, "late"))
             late.start()
-            wait_until(lambda: waiting_on_lock(dsn, "WITH inserted"), what="late enqueue")
+            wait_until(lambda: waiting_on_lock(dsn, "INSERT INTO"), what="late enqueue")
             assert not asleep and sleeper.is_alive()
         # The business transaction committed: the fence holds, the job is visible.
         sleeper.join(30)
