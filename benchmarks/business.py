@@ -83,6 +83,11 @@ class BusinessConfig:
     writers: tuple[int, ...] = WRITERS
 
 
+def quick(runs: int) -> BusinessConfig:
+    """A smoke run's sizes (``--quick``)."""
+    return BusinessConfig(runs, 100, 5, 3, 50)
+
+
 def email(n: int) -> dict[str, Any]:
     """A Resend-shaped email payload, as a shop would enqueue for order ``n``."""
     return {"from": "shop@example.com", "to": f"customer-{n}@example.com",
@@ -302,8 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    config = (BusinessConfig(args.runs, 100, 5, 3, 50) if args.quick
-              else BusinessConfig(args.runs))
+    config = quick(args.runs) if args.quick else BusinessConfig(args.runs)
     started = datetime.now(UTC)
     clock = time.perf_counter()
     load_before = os.getloadavg()

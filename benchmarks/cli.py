@@ -20,6 +20,7 @@ from rich.console import Console
 from . import (
     asyncdispatch,
     bloat,
+    business,
     drain,
     enqueue,
     events,
@@ -42,7 +43,7 @@ from ._results import Section, environment, render, write_json
 
 log = logging.getLogger("benchmarks")
 
-SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory", "flows",
+SECTIONS = ("drain", "enqueue", "business", "wake", "latency", "async", "bloat", "memory", "flows",
             "events", "limits", "fairness", "fairness-scale", "targets", "retention",
             "upgrade", "soak", "schedules")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -203,6 +204,9 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
             pgqueuer_max_tasks=args.pgqueuer_max_tasks)),
         "enqueue": lambda srv: enqueue.run(srv, enqueue.EnqueueConfig(
             runs, sizes.single_transactions, sizes.bulk_transactions)),
+        "business": lambda srv: business.run(srv, (
+            business.quick(runs) if args.quick
+            else business.BusinessConfig(runs))),
         "wake": lambda srv: wake.run(srv, wake.WakeConfig(runs, sizes.wake_samples)),
         "latency": lambda srv: latency.run(srv, latency.LatencyConfig(
             runs, sizes.latency_concurrencies, sizes.latency_async_concurrencies,
