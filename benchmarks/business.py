@@ -18,22 +18,16 @@ blocks inside one fresh database per run, so drift in the machine affects both a
   would serialise the commits (PostgreSQL takes one lock for the whole server at commit
   for a transaction that notified).
 
-``python -m benchmarks.business --runs 5 [--burn N]`` runs the section on its own;
-``--burn N`` keeps N busy loops running beside it (a loaded machine).
+``python -m benchmarks --only business --runs 5 [--burn N]`` runs the section on its
+own; ``--burn N`` keeps N busy loops running beside it (a loaded machine).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import multiprocessing
-import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -41,9 +35,9 @@ from psycopg.types.json import Jsonb
 
 import outbox
 
-from ._db import Server, fresh_database, migrated, server
+from ._db import Server, fresh_database, migrated
 from ._procs import Prepared, run_released
-from ._results import Row, Section, Target, environment, render, write_json
+from ._results import Row, Section, Target
 from ._stats import Figure, ratios
 
 EFFECT = "email.send"
@@ -276,57 +270,3 @@ def run(srv: Server, config: BusinessConfig) -> Section:
                            "interleaved twice each per run"}
     return Section("business", rows_of(results), raw={"config": vars(config), "runs": results},
                    settings=settings)
-
-
-def _burn(stop: Any) -> None:
-    while not stop.is_set():
-        sum(range(10_000))
-
-
-@contextlib.contextmanager
-def burners(count: int) -> Iterator[None]:
-    """``count`` busy loops in processes of their own for the duration of the block."""
-    ctx = multiprocessing.get_context("spawn")
-    stop = ctx.Event()
-    processes = [ctx.Process(target=_burn, args=(stop,), daemon=True) for _ in range(count)]
-    for process in processes:
-        process.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        for process in processes:
-            process.join(10)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.business", description=__doc__)
-    p.add_argument("--dsn", help="a server to use (CREATEDB needed); default: embedded")
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--burn", type=int, default=0, help="busy loops beside the runs")
-    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
-    p.add_argument("--out", type=Path)
-    args = p.parse_args(argv)
-    config = quick(args.runs) if args.quick else BusinessConfig(args.runs)
-    started = datetime.now(UTC)
-    clock = time.perf_counter()
-    load_before = os.getloadavg()
-    with server(args.dsn) as srv, burners(args.burn):
-        env = environment(srv.version(), srv.settings(("fsync", "synchronous_commit")))
-        section = run(srv, config)
-    section.seconds = time.perf_counter() - clock
-    section.load = {"before": [round(x, 2) for x in load_before],
-                    "after": [round(x, 2) for x in os.getloadavg()], "burners": args.burn}
-    from rich.console import Console
-    render([section], args.runs, Console(width=200))
-    out = args.out or (Path(__file__).resolve().parent / "results"
-                       / f"business-{started.strftime('%Y%m%dT%H%M%SZ')}.json")
-    write_json(out, [section], {"argv": sys.argv[1:] if argv is None else argv,
-                                "runs": args.runs, "burn": args.burn, "quick": args.quick},
-               env, started, section.seconds)
-    print(f"results written to {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

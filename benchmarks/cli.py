@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -166,6 +168,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--outbox-option", type=_option, action="append", default=[],
                    metavar="KEY=VALUE", help="another Dispatcher keyword argument "
                    "(JSON value), e.g. prefetch=1000; repeatable")
+    p.add_argument("--burn", type=int, default=0, metavar="N",
+                   help="keep N busy loops (processes) running beside the sections: a "
+                   "loaded machine, measured on purpose")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress")
     return p
 
@@ -251,6 +256,27 @@ def _server_settings(args: argparse.Namespace, sizes: Sizes) -> dict[str, str]:
     return {}
 
 
+def _burn(stop: Any) -> None:
+    while not stop.is_set():
+        sum(range(10_000))
+
+
+@contextlib.contextmanager
+def burners(count: int) -> Iterator[None]:
+    """``count`` busy loops, each a process of its own, for the duration of the block."""
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    processes = [ctx.Process(target=_burn, args=(stop,), daemon=True) for _ in range(count)]
+    for process in processes:
+        process.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for process in processes:
+            process.join(10)
+
+
 def _git(*args: str) -> str | None:
     try:
         done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
@@ -310,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or RESULTS / f"{started_at.strftime('%Y%m%dT%H%M%SZ')}.json"
     sections: list[Section] = []
     _warn_if_busy(console)
-    with server(args.dsn, _server_settings(args, sizes)) as srv:
+    with server(args.dsn, _server_settings(args, sizes)) as srv, burners(args.burn):
         env = environment(srv.version(), srv.settings(SERVER_SETTINGS))
         for name in SECTIONS:
             if name in args.only:
@@ -324,7 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     seconds = time.perf_counter() - clock
     render(sections, args.runs, console)
     config = {"argv": list(sys.argv[1:] if argv is None else argv), "runs": args.runs,
-              "quick": args.quick, "sizes": asdict(sizes), "embedded": srv.embedded,
+              "quick": args.quick, "burn": args.burn, "sizes": asdict(sizes),
+              "embedded": srv.embedded,
               "outbox_settings": asdict(_outbox_settings(args)), "source": _source()}
     write_json(out, sections, config, env, started_at, seconds)
     console.print(f"{seconds:.0f}s in all; results written to {out}")
