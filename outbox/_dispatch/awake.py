@@ -6,9 +6,11 @@ for the whole server at the commit of a transaction that notified, held through 
 commit's flush: with many writers every enqueue made the commits queue behind each other.
 A busy dispatcher needs no wake-up (it claims again at once), so:
 
-- after a round that claimed jobs, the claimer marks itself awake for each effect it
-  serves, for ``AWAKE_FOR`` seconds (refreshed when half of that has passed, so a busy
-  dispatcher writes here at most once every ``AWAKE_FOR / 2`` seconds);
+- after the second busy round in a row (one that claimed jobs, or had no room to
+  claim), the claimer marks itself awake for each effect it serves, for ``AWAKE_FOR``
+  seconds (refreshed when half of that has passed, so a busy dispatcher writes here at
+  most once every ``AWAKE_FOR / 2`` seconds). Not after the first: a dispatcher woken
+  for one job hands it over at once, and sleeps again without having written anything;
 - an enqueue notifies only when no dispatcher serving its effect is awake (and always
   outside READ COMMITTED, whose snapshot may predate a dispatcher's going to sleep);
 - a claimer whose claim found nothing, and which is marked, first takes its rows away
@@ -55,11 +57,15 @@ class Awake:
     settings: Settings
     enabled: bool = True
     marked_until: float = 0.0  # monotonic; 0: not marked
+    busy_rounds: int = 0  # in a row
 
     def busy(self) -> Step[None]:
-        """A round claimed jobs: make sure the mark holds for a while."""
+        """A round claimed jobs, or had no room to: from the second such round in a
+        row, make sure the mark holds for a while."""
+        self.busy_rounds += 1
         now = time.monotonic()
-        if not self.enabled or self.marked_until - now > AWAKE_FOR / 2:
+        if (not self.enabled or self.busy_rounds < 2
+                or self.marked_until - now > AWAKE_FOR / 2):
             return
         try:
             yield Statement(self.settings.queries.awake_mark, {
@@ -74,6 +80,7 @@ class Awake:
         """A claim found nothing and the claimer is about to wait. True when it was
         marked: the mark is gone now, every enqueue that saw it has ended (or the wait
         timed out), and the claimer must claim once more before it sleeps."""
+        self.busy_rounds = 0
         if not self.marked_until:
             return False
         self.marked_until = 0.0

@@ -141,6 +141,8 @@ class Claimer:
         # before sleeping (awake.py).
         if batch or (claimed and (yield from self.awake.asleep())):
             return (yield from self.claimed(batch))
+        if not claimed:  # no room: busy performing, it claims again once there is
+            yield from self.awake.busy()
         # A budget that will allow more soon: ask again then, not at the next poll.
         soon = self.limited.wake_in
         if self.state.held:

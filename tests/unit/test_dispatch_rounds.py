@@ -209,8 +209,7 @@ def test_the_first_round_rescues_purges_and_claims(clock: Clock) -> None:
               .then("unhandled_due", [])  # and due jobs nobody serves
               .then("unanalyzed_tables", [])  # every queue table has statistics
               .then("vacuum_due", [])  # and none has dead rows to vacuum
-              .claiming(claimed_rows(10, 11))
-              .then("awake_mark", [(1,)]))  # busy: enqueues of its effects need no notify
+              .claiming(claimed_rows(10, 11)))
     result = script.drive(claimer.round())
     assert [h.job.id for h in result.batch] == [10, 11] and result.wait == 0
     assert set(shared.held) == {10, 11}
@@ -226,14 +225,21 @@ def test_a_marked_claimer_falls_asleep_and_claims_once_more_before_it_waits(
     (Script(queries).then("rescue", []).then("after_sweep", [(None, None, 0)])
      .then("purge_done", [(0,)]).then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
      .then("unhandled_due", []).then("unanalyzed_tables", []).then("vacuum_due", [])
-     .claiming(claimed_rows(10)).then("awake_mark", [(1,)])).drive(claimer.round())
+     .claiming(claimed_rows(10))).drive(claimer.round())  # woken for one: no mark yet
+    # Busy a second round in a row: enqueues of its effects need not notify it.
+    Script(queries).claiming(claimed_rows(11)).then("awake_mark", [(1,)]).drive(
+        claimer.round())
     # Claiming again soon after: the mark still holds, nothing is written.
-    result = Script(queries).claiming(claimed_rows(11)).drive(claimer.round())
-    assert [h.job.id for h in result.batch] == [11] and result.wait == 0
+    result = Script(queries).claiming(claimed_rows(12)).drive(claimer.round())
+    assert [h.job.id for h in result.batch] == [12] and result.wait == 0
     # Nothing found: the mark goes (behind the fence), and the claimer claims once more.
     result = Script(queries).claiming([]).then("fall_asleep", [(True,)]).drive(claimer.round())
     assert (result.batch, result.wait) == ([], 0)
     # Nothing still: it waits, and writes nothing more.
+    result = Script(queries).claiming([]).drive(claimer.round())
+    assert result.batch == [] and result.wait > 0
+    # Woken for one job, then nothing: no mark, so no fence before it sleeps.
+    Script(queries).claiming(claimed_rows(13)).drive(claimer.round())
     result = Script(queries).claiming([]).drive(claimer.round())
     assert result.batch == [] and result.wait > 0
 
