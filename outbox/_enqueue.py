@@ -438,7 +438,8 @@ def _parents_come_first(jobs: Sequence[PreparedJob]) -> None:
 
 
 def _single_result(job: PreparedJob, rows: Sequence[Row]) -> EnqueueResult | None:
-    """Interpret the enqueue query's rows; None when a concurrent insert hid the key."""
+    """Interpret the enqueue query's rows; None when it created nothing (the key is a
+    job's or a ledger row's, maybe of a concurrent insert: ``lookup_keys`` says whose)."""
     if not rows:
         return None
     first = rows[0]
@@ -479,7 +480,7 @@ def enqueue_steps(job: PreparedJob, queries: Queries) -> Step[EnqueueResult]:
         params = single_params(job, notify_channel(queries.schema), send.context)
         rows = yield Statement(queries.enqueue, params, named=True)
         result = _single_result(job, rows)
-        if result is None:  # inserted concurrently, committed after our snapshot
+        if result is None:  # a known key (or one inserted concurrently): whose is it
             [known] = yield Statement(queries.lookup_keys, {"keys": [job.key]}, named=True)
             result = existing_result(job, known.id, known.effect, known.fingerprint)
         if job.after and result.created and result.job_id is not None:
