@@ -28,7 +28,7 @@ from typing import Any
 Tick = Callable[[list[int], float], None]
 
 _PRELOAD = ["benchmarks._drain_workers", "benchmarks.wake", "benchmarks.latency",
-            "benchmarks.asyncdispatch", "benchmarks.targets"]
+            "benchmarks.asyncdispatch", "benchmarks.targets", "benchmarks.business"]
 _context: ForkServerContext | None = None
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,6 +22,7 @@ from rich.console import Console
 from . import (
     asyncdispatch,
     bloat,
+    business,
     drain,
     enqueue,
     events,
@@ -43,7 +46,7 @@ from ._results import Section, environment, render, write_json
 
 log = logging.getLogger("benchmarks")
 
-SECTIONS = ("drain", "enqueue", "wake", "latency", "async", "bloat", "memory", "flows",
+SECTIONS = ("drain", "enqueue", "business", "wake", "latency", "async", "bloat", "memory", "flows",
             "events", "limits", "fairness", "fairness-scale", "targets", "retention",
             "upgrade", "soak", "schedules", "scrape")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -169,6 +172,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--outbox-option", type=_option, action="append", default=[],
                    metavar="KEY=VALUE", help="another Dispatcher keyword argument "
                    "(JSON value), e.g. prefetch=1000; repeatable")
+    p.add_argument("--burn", type=int, default=0, metavar="N",
+                   help="keep N busy loops (processes) running beside the sections: a "
+                   "loaded machine, measured on purpose")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress")
     return p
 
@@ -207,6 +213,9 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
             pgqueuer_max_tasks=args.pgqueuer_max_tasks)),
         "enqueue": lambda srv: enqueue.run(srv, enqueue.EnqueueConfig(
             runs, sizes.single_transactions, sizes.bulk_transactions)),
+        "business": lambda srv: business.run(srv, (
+            business.quick(runs) if args.quick
+            else business.BusinessConfig(runs))),
         "wake": lambda srv: wake.run(srv, wake.WakeConfig(runs, sizes.wake_samples)),
         "latency": lambda srv: latency.run(srv, latency.LatencyConfig(
             runs, sizes.latency_concurrencies, sizes.latency_async_concurrencies,
@@ -251,6 +260,27 @@ def _server_settings(args: argparse.Namespace, sizes: Sizes) -> dict[str, str]:
     if "targets" in args.only:
         return targets.server_settings(sizes.targets_schemas)
     return {}
+
+
+def _burn(stop: Any) -> None:
+    while not stop.is_set():
+        sum(range(10_000))
+
+
+@contextlib.contextmanager
+def burners(count: int) -> Iterator[None]:
+    """``count`` busy loops, each a process of its own, for the duration of the block."""
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    processes = [ctx.Process(target=_burn, args=(stop,), daemon=True) for _ in range(count)]
+    for process in processes:
+        process.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for process in processes:
+            process.join(10)
 
 
 def _git(*args: str) -> str | None:
@@ -312,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or RESULTS / f"{started_at.strftime('%Y%m%dT%H%M%SZ')}.json"
     sections: list[Section] = []
     _warn_if_busy(console)
-    with server(args.dsn, _server_settings(args, sizes)) as srv:
+    with server(args.dsn, _server_settings(args, sizes)) as srv, burners(args.burn):
         env = environment(srv.version(), srv.settings(SERVER_SETTINGS))
         for name in SECTIONS:
             if name in args.only:
@@ -326,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     seconds = time.perf_counter() - clock
     render(sections, args.runs, console)
     config = {"argv": list(sys.argv[1:] if argv is None else argv), "runs": args.runs,
-              "quick": args.quick, "sizes": asdict(sizes), "embedded": srv.embedded,
+              "quick": args.quick, "burn": args.burn, "sizes": asdict(sizes),
+              "embedded": srv.embedded,
               "outbox_settings": asdict(_outbox_settings(args)), "source": _source()}
     write_json(out, sections, config, env, started_at, seconds)
     console.print(f"{seconds:.0f}s in all; results written to {out}")

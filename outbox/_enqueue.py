@@ -182,7 +182,7 @@ def _not_serialisable(value: Any) -> Any:
 
 def jsonb_problem(text: str) -> str | None:
     """Why PostgreSQL's jsonb would refuse the JSON ``text``, or None if it can store it."""
-    if _JSON_NUL.search(text):
+    if "\\u0000" in text and _JSON_NUL.search(text):
         return "a NUL character (\\u0000), which jsonb cannot store"
     try:
         text.encode("utf-8")
@@ -231,6 +231,12 @@ def as_jsonb_numbers(text: str) -> str:
     return _JSON_TOKEN.sub(_jsonb_number, text)
 
 
+# One encoder for every payload (json.dumps with options builds one a call); its
+# encode() runs the C encoder.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                            allow_nan=False, default=_not_serialisable)
+
+
 def canonical_json(payload: object) -> str:
     """The payload as canonical JSON (sorted keys, no spaces, numbers as jsonb prints
     them); raise InvalidPayload."""
@@ -241,10 +247,7 @@ def canonical_json(payload: object) -> str:
             f"payload must be a mapping or a pydantic model, got {type(payload).__name__}"
         )
     try:
-        text = json.dumps(
-            payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-            allow_nan=False, default=_not_serialisable,
-        )
+        text = _ENCODER.encode(payload)
     except InvalidPayload:
         raise
     except ValueError as exc:  # NaN / Infinity with allow_nan=False, circular references
@@ -265,7 +268,8 @@ def canonical_json(payload: object) -> str:
     problem = jsonb_problem(text)
     if problem:
         raise InvalidPayload(f"payload holds {problem}")
-    if len(text.encode()) > MAX_PAYLOAD_BYTES:
+    # At most 4 bytes a character: a short text needs no encoding to be measured.
+    if len(text) * 4 > MAX_PAYLOAD_BYTES and len(text.encode()) > MAX_PAYLOAD_BYTES:
         raise InvalidPayload(
             f"payload is {len(text.encode())} bytes as JSON; at most {MAX_PAYLOAD_BYTES} "
             "are allowed (store large data in your own tables and pass its id)"
@@ -330,9 +334,14 @@ def prepare(
     elif isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
         raise InvalidArgument(
             f"max_attempts must be a positive integer, got {max_attempts!r}"[:200])
-    validate_group(group)
-    validate_priority(priority)
-    parents, after_failed = _after.validate_after(after, key, after_failed)
+    if group is not None:
+        validate_group(group)
+    if type(priority) is not int or priority != 0:  # 0.0 and False are refused there
+        validate_priority(priority)
+    if after is None and after_failed == "fail":  # the common case, without the call
+        parents: tuple[str, ...] = ()
+    else:
+        parents, after_failed = _after.validate_after(after, key, after_failed)
     if parents and run_at is not None:
         raise InvalidArgument(
             "run_at and after cannot be combined: a job with after=[...] is due when its "
@@ -454,7 +463,8 @@ def _parents_come_first(jobs: Sequence[PreparedJob]) -> None:
 
 
 def _single_result(job: PreparedJob, rows: Sequence[Row]) -> EnqueueResult | None:
-    """Interpret the enqueue query's rows; None when a concurrent insert hid the key."""
+    """Interpret the enqueue query's rows; None when it created nothing (the key is a
+    job's or a ledger row's, maybe of a concurrent insert: ``lookup_keys`` says whose)."""
     if not rows:
         return None
     first = rows[0]
@@ -495,7 +505,7 @@ def enqueue_steps(job: PreparedJob, queries: Queries) -> Step[EnqueueResult]:
         params = single_params(job, notify_channel(queries.schema), send.context)
         rows = yield Statement(queries.enqueue, params, named=True)
         result = _single_result(job, rows)
-        if result is None:  # inserted concurrently, committed after our snapshot
+        if result is None:  # a known key (or one inserted concurrently): whose is it
             [known] = yield Statement(queries.lookup_keys, {"keys": [job.key]}, named=True)
             result = existing_result(job, known.id, known.effect, known.fingerprint)
         if job.after and result.created and result.job_id is not None:

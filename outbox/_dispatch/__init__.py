@@ -40,6 +40,8 @@
     replicas    wait_for_replicas: a claimed batch waits until the standbys hold its
                 commit
     listener    LISTEN for enqueue notifications, wake the claimer
+    awake       a busy claimer's mark, so enqueues of its effects need not notify, taken
+                away behind a fence before it sleeps
     cancellation tell performs to stop (``job.cancelled``): an operator's cancel, a lost
                 claim or lease, a timeout; the watcher that sets it on time
     counting    ``DispatchStats``, counted from the observer events the parts report

@@ -30,6 +30,7 @@ from ..effect import Job
 from ..errors import ConfigurationError, SchemaError
 from ..migrate import latest_version, require_current
 from ..observe import PurgedTable
+from .awake import Awake
 from .budget import ClaimStep, LimitedClaims
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, Reconnects, connect
 from .counting import Waits
@@ -108,6 +109,8 @@ class Claimer:
         self.schema_timer = Timer(SCHEMA_CHECK_INTERVAL,
                                   time.monotonic() + SCHEMA_CHECK_INTERVAL)
         self.presence = Presence(settings)
+        # A busy run() says so, so enqueues of its effects need not notify (awake.py).
+        self.awake = Awake(settings, enabled=not until_idle)
         self.statistics = FirstStatistics(settings)
         # Only a dispatcher that runs for long: run_until_idle (cron, a fleet's turns) ends
         # before a vacuum would pay off, and leaves the tables to autovacuum.
@@ -127,7 +130,8 @@ class Claimer:
         # Nothing to ask for when full; and while only a batch's worth of room counts
         # (no effect limited or paused), as little as the core claim waits for.
         free = self.capacity() - len(self.state.held)
-        if free > 0 and (self.limited.gated or self.room() > 0):
+        claimed = free > 0 and (self.limited.gated or self.room() > 0)
+        if claimed:
             yield from self.limited.refresh()
             batch = yield from self.claim_limited()
             try:
@@ -139,8 +143,12 @@ class Claimer:
                 # held with no worker to perform them, their leases kept alive by the
                 # heartbeat, and a stop waiting for them without end.
                 return Round(batch, failure=exc)
-        if batch:
-            return Round(batch)
+        # Marked awake until now and nothing found: the mark goes, then one more claim
+        # before sleeping (awake.py).
+        if batch or (claimed and (yield from self.awake.asleep())):
+            return (yield from self.claimed(batch))
+        if not claimed:  # no room: busy performing, it claims again once there is
+            yield from self.awake.busy()
         # A budget that will allow more soon: ask again then, not at the next poll.
         soon = self.limited.wake_in
         if self.state.held:
@@ -162,6 +170,16 @@ class Claimer:
             return Round([], idle=not (yield from self.settle_waiting()))
         yield from self.rescue()
         return Round([], wait=_sooner(IDLE_RECHECK, soon))
+
+    def claimed(self, batch: list[Held]) -> Step[Round]:
+        """A round that goes on at once: with jobs claimed, the mark that this
+        dispatcher is awake (awake.py) kept fresh."""
+        if batch:
+            try:
+                yield from self.awake.busy()
+            except psycopg.Error as exc:  # the batch is held: hand it over first
+                return Round(batch, failure=exc)
+        return Round(batch)
 
     def chores(self, now: float) -> ClaimStep[None]:
         """What a round does when its timer says so, before it claims: the look at the
@@ -522,6 +540,8 @@ def run_claimer(
         if not conn.lost:  # stopping: say so at once, if the database is there
             with contextlib.suppress(psycopg.Error):
                 run(claimer.presence.leave(), conn.execute)
+            with contextlib.suppress(psycopg.Error):
+                run(claimer.awake.asleep(), conn.execute)  # enqueues notify the others
 
 
 async def run_claimer_async(
@@ -562,6 +582,8 @@ async def run_claimer_async(
         if not conn.lost:  # stopping: say so at once, if the database is there
             with contextlib.suppress(psycopg.Error):
                 await run_async(claimer.presence.leave(), conn.execute)
+            with contextlib.suppress(psycopg.Error):
+                await run_async(claimer.awake.asleep(), conn.execute)
 
 
 def _claiming(state: SharedState[Any], deadline: float | None) -> bool:

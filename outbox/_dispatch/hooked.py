@@ -8,8 +8,10 @@ pace the last chunk was written (``HookedOutcomes.took``), and holds at most
 ``HOOKED_CHUNK_MAX`` outcomes. First optimistically (``fast``): the
 chunk's fenced status changes in one statement each (done + ledger rows; failed), then
 each hook whose job's fence held, then COMMIT. Should any hook raise, that transaction
-is rolled back whole and the chunk is written again carefully (``careful``), each job
-inside a savepoint of its own::
+is rolled back whole and the chunk is written again (``mended``) in segments of
+``HOOKED_SEGMENT``, each the same fast write inside a savepoint; a segment whose hook
+raises is rolled back to its savepoint, and its raising job written carefully
+(``careful``), inside a savepoint of its own, before the rest of the segment again::
 
     SAVEPOINT
       the fenced status change (done + ledger row, or failed)   0 rows: claim lost, no hook
@@ -71,6 +73,9 @@ T = TypeVar("T")
 SAVEPOINT = Statement("SAVEPOINT outbox_hook", {})
 RELEASE = Statement("RELEASE SAVEPOINT outbox_hook", {})
 ROLLBACK = Statement("ROLLBACK TO SAVEPOINT outbox_hook", {})
+SEGMENT = Statement("SAVEPOINT outbox_segment", {})
+SEGMENT_RELEASE = Statement("RELEASE SAVEPOINT outbox_segment", {})
+SEGMENT_ROLLBACK = Statement("ROLLBACK TO SAVEPOINT outbox_segment", {})
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +93,11 @@ HOOKED_CHUNK_MAX = 500
 hooks: past a few hundred a commit costs nothing more worth saving, while a hook that
 raises sends its whole chunk back to be written again carefully (``careful``), and the
 chunk's completion statement carries every one of its outcomes."""
+
+HOOKED_SEGMENT = 32
+"""After a hook raised, its chunk is written again in segments of this many outcomes,
+each in a savepoint (``mended``): a hook that raises again costs the rewrite of its
+segment (the hooks before it called again), not a savepoint for every job of the chunk."""
 
 HOOKED_CHUNK_FIRST = 32
 """The first chunk, before the hooks' pace is known: 32 hooks of 20 ms each (slow hooks)
@@ -163,6 +173,7 @@ class HookedOutcomes:
         # an interval keeps every lease held at least half its length ahead.
         self.chunk_seconds = _lifecycle.heartbeat_interval(recorder.settings.lease) / 2
         self.chunk_size = HOOKED_CHUNK_FIRST
+        self.calling: Hooked | None = None  # the hook ``fast`` is calling
 
     def next_chunk(self) -> list[Hooked]:
         """The outcomes the next transaction writes: the oldest ``chunk_size``."""
@@ -237,10 +248,51 @@ class HookedOutcomes:
         return [outcomes[id(item)] for item in items]
 
     def _fast_hook(self, item: Hooked, value: Any) -> HookStep[None]:
+        self.calling = item  # the one to blame if the hook raises (``mended``)
         created = yield CallHook(item.hook, item.held.job, value)
         if created:
             yield Statement(self.queries.adopt_followups,
                             {"parent": item.held.job.key, "ids": created})
+
+    def mended(self, items: list[Hooked],
+               culprit: Hooked | None = None) -> HookStep[list[AttemptOutcome]]:
+        """Write ``items`` again after a hook raised in ``fast``: in segments of
+        ``HOOKED_SEGMENT``, each ``fast`` inside a savepoint of its own. A segment whose
+        hook raises is rolled back to its savepoint, the raising job written ``careful``ly
+        (its retry or failure), and the rest of the segment written again; a segment
+        whose hook left the transaction aborted (which hook, unknown) goes ``careful``
+        whole. So a hook that raises costs its segment, not its chunk, a savepoint a job.
+        ``culprit``, the job whose hook raised in ``fast``, is written carefully first."""
+        written: dict[int, AttemptOutcome] = {}
+        queue = list(items)
+        if culprit is not None and culprit in queue:
+            [written[id(culprit)]] = yield from self.careful([culprit])
+            queue.remove(culprit)
+        while queue:
+            segment, queue = queue[:HOOKED_SEGMENT], queue[HOOKED_SEGMENT:]
+            self.calling = None
+            yield SEGMENT
+            try:
+                outcomes = yield from self.fast(segment)
+            except HookRaised:
+                culprit = self.calling
+                yield SEGMENT_ROLLBACK
+                yield SEGMENT_RELEASE
+                if culprit is None:  # not from a hook of the segment's: never expected
+                    raise
+                [written[id(culprit)]] = yield from self.careful([culprit])
+                queue = [item for item in segment if item is not culprit] + queue
+                continue
+            except CONNECTION_ERRORS:
+                raise
+            except psycopg.Error:  # a hook left the transaction aborted
+                yield SEGMENT_ROLLBACK
+                yield SEGMENT_RELEASE
+                outcomes = yield from self.careful(segment)
+            else:
+                yield SEGMENT_RELEASE
+            written.update(zip(map(id, segment), outcomes, strict=True))
+        return [written[id(item)] for item in items]
 
     def careful(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
         """Write ``items``, each in its savepoint; what each became, in order."""
@@ -423,8 +475,9 @@ def record_hooked(hooked: HookedOutcomes, conn: Connection, items: list[Hooked])
         except _HOOK_TROUBLE as exc:
             if isinstance(exc, CONNECTION_ERRORS) or pg.closed:
                 raise
+            culprit = hooked.calling if isinstance(exc, HookRaised) else None
             with pg.transaction():
-                written = run(hooked.careful(items), execute)
+                written = run(hooked.mended(items, culprit), execute)
     except CONNECTION_ERRORS:
         if conn.lost:
             conn.discard()
@@ -450,8 +503,9 @@ async def record_hooked_async(hooked: HookedOutcomes, conn: AsyncConnection,
             except _HOOK_TROUBLE as exc:
                 if isinstance(exc, CONNECTION_ERRORS) or pg.closed:
                     raise
+                culprit = hooked.calling if isinstance(exc, HookRaised) else None
                 async with pg.transaction():
-                    written = await run_async(hooked.careful(async_items), execute)
+                    written = await run_async(hooked.mended(async_items, culprit), execute)
         except CONNECTION_ERRORS:
             if conn.lost:
                 await conn.discard()

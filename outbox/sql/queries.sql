@@ -11,30 +11,30 @@
 -- so their parameters are cast with CAST(... AS ...), never with "::".
 
 -- name: enqueue
--- Insert one job unless its key is already a job or a ledger row. The notify wakes idle
--- dispatchers when the transaction commits (PostgreSQL folds repeats into one).
-WITH inserted AS (
-    INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts,
-                               trace_context, group_key, priority)
-    SELECT CAST(%(effect)s AS text), CAST(%(key)s AS text), CAST(%(payload)s AS jsonb),
-           CAST(%(fingerprint)s AS text), coalesce(CAST(%(run_at)s AS timestamptz), now()),
-           CAST(%(ordering_key)s AS text), CAST(%(max_attempts)s AS integer),
-           CAST(%(trace_context)s AS jsonb), CAST(%(group_key)s AS text),
-           CAST(%(priority)s AS integer)
-    WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = CAST(%(key)s AS text))
-    ON CONFLICT (key) DO NOTHING
-    RETURNING id
-)
-SELECT i.id, true AS created, NULL::text AS effect, NULL::text AS fingerprint
-FROM inserted i, pg_notify(CAST(%(channel)s AS text), '')
-UNION ALL
-SELECT j.id, false, j.effect, j.fingerprint
-FROM {schema}.jobs j
-WHERE j.key = CAST(%(key)s AS text) AND NOT EXISTS (SELECT 1 FROM inserted)
-UNION ALL
-SELECT NULL, false, r.effect, r.fingerprint
-FROM {schema}.effect_results r
-WHERE r.key = CAST(%(key)s AS text) AND NOT EXISTS (SELECT 1 FROM inserted);
+-- Insert one job unless its key is already a job or a ledger row: one row (created) out,
+-- or none when the key is known (the caller then asks lookup_keys what holds it: the
+-- known key costs a second statement, the new one none). One plain INSERT, no CTE: the
+-- business transaction pays for each plan node of this statement.
+-- The notify wakes idle dispatchers when the transaction commits (PostgreSQL folds
+-- repeats into one); it is sent only when no dispatcher serving the effect is awake
+-- (migration 0019: a NOTIFY serialises the commits of every transaction that sent one),
+-- or outside READ COMMITTED, where the snapshot may predate a dispatcher's going to sleep.
+INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts,
+                           trace_context, group_key, priority)
+SELECT CAST(%(effect)s AS text), CAST(%(key)s AS text), CAST(%(payload)s AS jsonb),
+       CAST(%(fingerprint)s AS text), coalesce(CAST(%(run_at)s AS timestamptz), now()),
+       CAST(%(ordering_key)s AS text), CAST(%(max_attempts)s AS integer),
+       CAST(%(trace_context)s AS jsonb), CAST(%(group_key)s AS text),
+       CAST(%(priority)s AS integer)
+WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = CAST(%(key)s AS text))
+ON CONFLICT (key) DO NOTHING
+RETURNING id, true AS created, NULL::text AS effect, NULL::text AS fingerprint,
+    (SELECT count(*) FROM (
+        SELECT pg_notify(CAST(%(channel)s AS text), '')
+        WHERE current_setting('transaction_isolation') <> 'read committed'
+           OR NOT EXISTS (SELECT 1 FROM {schema}.awake a
+                          WHERE a.effect = CAST(%(effect)s AS text) AND a.until > now())) n)
+    AS notified;
 
 -- name: enqueue_many
 -- The bulk path: one statement for any number of jobs, created ids out. The jobs arrive
@@ -63,7 +63,13 @@ WITH wanted AS (
 )
 SELECT i.key, i.id FROM inserted i
 UNION ALL
-SELECT NULL, NULL FROM (SELECT 1 FROM inserted LIMIT 1) AS any_inserted, pg_notify(CAST(%(channel)s AS text), '');
+SELECT NULL, NULL FROM (
+    SELECT pg_notify(CAST(%(channel)s AS text), '')
+    FROM (SELECT 1 FROM inserted LIMIT 1) AS any_inserted
+    WHERE current_setting('transaction_isolation') <> 'read committed'
+       OR EXISTS (SELECT 1 FROM (SELECT DISTINCT w.effect FROM wanted w) e
+                  WHERE NOT EXISTS (SELECT 1 FROM {schema}.awake a
+                                    WHERE a.effect = e.effect AND a.until > now()))) woken;
 
 -- name: lookup_keys
 -- What already holds each key: a job (id, effect, fingerprint) or only the ledger.
@@ -604,6 +610,19 @@ INSERT INTO {schema}.dispatchers AS d (worker_id, effects, expires_at)
 VALUES (%(worker)s, %(effects)s::text[], now() + CAST(%(ttl)s AS float8) * interval '1 second')
 ON CONFLICT (worker_id) DO UPDATE
 SET effects = EXCLUDED.effects, heartbeat_at = now(), expires_at = EXCLUDED.expires_at;
+
+-- name: awake_mark
+-- A dispatcher that keeps claiming: awake for each effect it serves until %(seconds)s
+-- from now, so enqueues of those effects need not notify (migration 0019).
+INSERT INTO {schema}.awake AS a (effect, dispatcher, until)
+SELECT e, %(worker)s, now() + CAST(%(seconds)s AS float8) * interval '1 second'
+FROM unnest(CAST(%(effects)s AS text[])) AS e
+ON CONFLICT (effect, dispatcher) DO UPDATE SET until = EXCLUDED.until;
+
+-- name: fall_asleep
+-- A dispatcher about to sleep: awake no more, and every enqueue that saw it awake has
+-- ended (migration 0019). True when that wait held within %(timeout)s.
+SELECT {schema}.fall_asleep(%(worker)s, %(timeout)s);
 
 -- name: dispatcher_leave
 -- A dispatcher that stops takes its row away at once.

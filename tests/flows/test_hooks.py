@@ -248,3 +248,27 @@ def test_on_failed_that_always_raises_fails_without_its_writes(shop: Shop) -> No
     assert job["status"] == "failed"
     assert "card declined" in job["last_error"]
     assert "on_failed raised HookFailed" in job["last_error"]
+
+
+def test_several_raising_hooks_in_one_chunk_each_retry_and_the_rest_are_written_once(
+    shop: Shop,
+) -> None:
+    """The chunk written again after a hook raised (in segments, each in a savepoint,
+    the raising jobs carefully): the other hooks' rows are kept once, each raising job
+    is retried and done at its second attempt, nothing is performed twice."""
+    raising = {"order-10", "order-11", "order-12", "order-40", "order-77"}
+    shop.enqueue(*[NewJob(CHARGE, f"order-{i}",
+                          {"hook": "raise_once"} if f"order-{i}" in raising else {})
+                   for i in range(100)])
+    stats = shop.dispatch(batch_size=100, concurrency=100)
+    paid = shop.table("paid")
+    assert sorted(key for key, _, _ in paid) == sorted(f"order-{i}" for i in range(100))
+    assert {key: attempt for key, _, attempt in paid if attempt != 1} == dict.fromkeys(
+        raising, 2)
+    assert all(count == 1 for count in shop.charge.performed.values())
+    assert len(shop.charge.performed) == 100
+    assert sorted(shop.receipt.performed) == sorted(f"receipt-order-{i}" for i in range(100))
+    assert {key for key, attempts in shop.charge.hook_attempts.items()
+            if attempts != {1}} == raising
+    assert stats.retried == len(raising) and stats.done == 200
+    assert all(row["status"] == "done" for row in shop.jobs().values())

@@ -223,6 +223,42 @@ def test_the_first_round_rescues_purges_and_claims(clock: Clock) -> None:
     assert (stats.rescued, stats.purged, stats.claimed) == (1, RETENTION_BATCH + 5, 2)
 
 
+def test_a_marked_claimer_falls_asleep_and_claims_once_more_before_it_waits(
+        clock: Clock) -> None:
+    claimer = Claimer(settings(prefetch=0, inbox_retention=None), state(concurrency=100),
+                      until_idle=False)
+    queries = claimer.queries
+    (Script(queries).then("rescue", []).then("after_sweep", [(None, None, 0)])
+     .then("purge_done", [(0,)]).then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
+     .then("unhandled_due", []).then("unanalyzed_tables", []).then("vacuum_due", [])
+     .claiming(claimed_rows(10))).drive(claimer.round())  # woken for one: no mark yet
+    # Busy a second round in a row: enqueues of its effects need not notify it.
+    Script(queries).claiming(claimed_rows(11)).then("awake_mark", [(1,)]).drive(
+        claimer.round())
+    # Claiming again soon after: the mark still holds, nothing is written.
+    result = Script(queries).claiming(claimed_rows(12)).drive(claimer.round())
+    assert [h.job.id for h in result.batch] == [12] and result.wait == 0
+    # Nothing found: the mark goes (behind the fence), and the claimer claims once more.
+    result = Script(queries).claiming([]).then("fall_asleep", [(True,)]).drive(claimer.round())
+    assert (result.batch, result.wait) == ([], 0)
+    # Nothing still: it waits, and writes nothing more.
+    result = Script(queries).claiming([]).drive(claimer.round())
+    assert result.batch == [] and result.wait > 0
+    # Woken for one job, then nothing: no mark, so no fence before it sleeps.
+    Script(queries).claiming(claimed_rows(13)).drive(claimer.round())
+    result = Script(queries).claiming([]).drive(claimer.round())
+    assert result.batch == [] and result.wait > 0
+
+
+def test_run_until_idle_never_marks_itself_awake(clock: Clock) -> None:
+    claimer = Claimer(settings(prefetch=0, inbox_retention=None), state(), until_idle=True)
+    assert not claimer.awake.enabled
+    (Script(claimer.queries).then("rescue", []).then("after_sweep", [(None, None, 0)])
+     .then("purge_done", [(0,)]).then("purge_ledger", [(0,)]).then("dispatcher_beat", [(1,)])
+     .then("unhandled_due", []).then("unanalyzed_tables", [])
+     .claiming(claimed_rows(10))).drive(claimer.round())
+
+
 def test_rescue_and_retention_wait_for_their_timers(clock: Clock) -> None:
     claimer = Claimer(settings(prefetch=0, rescue_interval=5.0, inbox_retention=None),
                       state(), until_idle=False)
