@@ -76,12 +76,18 @@ class Migration:
     indexes: tuple[Index, ...] = ()
 
 
+def _code(statement: str) -> str:
+    """``statement`` without its comment lines and surrounding blanks (empty: nothing to
+    run, which psycopg2 refuses to send)."""
+    return "\n".join(line for line in statement.splitlines()
+                     if not line.lstrip().startswith("--")).strip()
+
+
 def _parse(version: int, name: str, text: str) -> Migration:
     body, marker, after = text.partition(AFTER_COMMIT)
     indexes = []
     for statement in (part.strip() for part in after.split(";")) if marker else ():
-        code = "\n".join(line for line in statement.splitlines()
-                         if not line.lstrip().startswith("--")).strip()
+        code = _code(statement)
         if not code:
             continue
         match = _INDEX.match(code)
@@ -341,7 +347,8 @@ def apply_through(execute: Execute, schema: str, *, indexes_in_run: bool = True,
     for migration in migrations():
         if migration.version <= version or (target is not None and migration.version > target):
             continue
-        execute(bind_schema(migration.sql, schema), None)
+        if _code(migration.sql):  # a file of after-commit indexes only has no body to run
+            execute(bind_schema(migration.sql, schema), None)
         if indexes_in_run:
             for index in migration.indexes:
                 execute(bind_schema(index.sql, schema), None)

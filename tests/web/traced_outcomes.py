@@ -63,8 +63,10 @@ def main(dsn: str, schema: str) -> None:
                 raise RolledBack
         except RolledBack:
             pass
+    # A short backoff: the refused job's lease expires and its rescue (an unknown outcome)
+    # retries it after the backoff, in this run; ``boom`` retries too and then succeeds.
     outbox.Dispatcher(dsn, [Modes()], schema=schema, lease=1.0, rescue_interval=0.2,
-                      backoff=outbox.Backoff(base=3600.0)).run_until_idle(timeout=60)
+                      backoff=outbox.Backoff(base=0.05, cap=0.1)).run_until_idle(timeout=60)
     with psycopg.connect(dsn) as conn:
         jobs = conn.execute(sql.SQL("SELECT id, key, status, attempts FROM {}.jobs").format(
             sql.Identifier(schema))).fetchall()
