@@ -98,13 +98,16 @@ LEFT JOIN {schema}.effect_results r ON r.key = k.key;
  -- the key's jobs runs (looked at for the heads only). Written as a NOT EXISTS over
  -- "earlier or running" rows, the planner chose a scan of the table per candidate
  -- whenever the statistics showed a long line behind one key: quadratic in the line.
+ -- The running look is a scalar subquery too: as NOT EXISTS the planner may hash every
+ -- running job of the table (the leases' index) for each statement, as the sampled
+ -- statistics lead it; as a probe of jobs_ordering it reads one row a head.
  AND (j.ordering_key IS NULL OR (
        (SELECT o.id FROM {schema}.jobs o
         WHERE o.ordering_key = j.ordering_key AND o.status IN ('pending', 'running')
         ORDER BY o.id LIMIT 1) = j.id
-       AND NOT EXISTS (
-           SELECT 1 FROM {schema}.jobs o
-           WHERE o.ordering_key = j.ordering_key AND o.status = 'running'))))
+       AND NOT coalesce((SELECT true FROM {schema}.jobs o
+                         WHERE o.ordering_key = j.ordering_key AND o.status = 'running'
+                         LIMIT 1), false))))
 
 -- fragment: claim_taken
 -- The locked candidates (a CTE of ids) to running, at the time in the CTE clock (one row,
