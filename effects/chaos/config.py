@@ -158,7 +158,7 @@ class ChaosConfig:
         if "failover" in self.faults and self.dsn is not None:
             raise ValueError("the failover fault needs a primary and standby of the run's "
                              "own: not with --dsn")
-        if not 0 <= self.failover_lag <= self.duration / 2:
+        if "failover" in self.faults and not 0 <= self.failover_lag <= self.duration / 2:
             raise ValueError("failover lag must be between 0 and half the duration")
         if "failover" in self.faults and self.targets > 1:
             raise ValueError("the failover fault runs with one target")

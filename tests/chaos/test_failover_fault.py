@@ -18,9 +18,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from rich.console import Console
 
-from effects.chaos import ChaosConfig, ChaosReport, parse_faults, run_chaos
+from effects.chaos import ChaosConfig, ChaosReport, command, parse_faults, run_chaos
 from effects.chaos.checks import Findings, _check_intent, _check_phantoms
 from effects.chaos.schedule import Batch, JobPlan, PlannedJob
 
@@ -127,3 +128,18 @@ def test_orders_lost_by_a_failover_are_counted_not_flagged_and_only_after_one() 
     assert without.counts["missing_jobs"] == 2
     assert without.counts["orders_mismatch"] == 2
     assert without.failover == {}
+
+
+def test_failover_is_chosen_by_name_only_and_needs_a_server_of_the_runs_own() -> None:
+    assert "failover" not in parse_faults("all")
+    assert "failover" not in ChaosConfig().faults
+    assert parse_faults("failover,kill") == {"failover", "kill"}
+    with pytest.raises(ValueError, match="not with --dsn"):
+        ChaosConfig(faults=frozenset({"failover"}), dsn="host=db")
+    with pytest.raises(ValueError, match="one target"):
+        ChaosConfig(faults=frozenset({"failover"}), targets=2)
+    with pytest.raises(ValueError, match="failover lag"):
+        ChaosConfig(faults=frozenset({"failover"}), duration=4.0, failover_lag=3.0)
+    result = CliRunner().invoke(command, ["--faults", "failover,bogus"])
+    assert result.exit_code == 2
+    assert "failover" in result.output  # named among the kinds to choose from
