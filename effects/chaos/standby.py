@@ -111,6 +111,15 @@ def _initialised() -> Path:
         return _template
 
 
+def _discard_template() -> None:
+    """Remove the initdb template (made again if another pair is wanted)."""
+    global _template
+    with _template_lock:
+        if _template is not None:
+            shutil.rmtree(_template.parent, ignore_errors=True)
+            _template = None
+
+
 class Node:
     """One PostgreSQL server of the pair, on 127.0.0.1:``port``."""
 
@@ -322,5 +331,8 @@ class PairServer:
         return names.get(row[0], f"port {row[0]}") + (" (in recovery)" if row[1] else "")
 
     def stop(self) -> None:
-        """Stop both servers and remove their data."""
-        self.pair.close()
+        """Stop both servers and remove their data (and the initdb template)."""
+        try:
+            self.pair.close()
+        finally:
+            _discard_template()
