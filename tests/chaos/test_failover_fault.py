@@ -2,12 +2,16 @@
 standby, the primary killed for good mid-run and the standby promoted, the dispatchers
 on a multi-host DSN with ``wait_for_replicas=True``.
 
-The run passes: a failover happened (the checks read the promoted standby, out of
-recovery), no effect was performed for an order the new primary lacks (phantoms 0), no
-job is stuck, every job on the new primary was performed once; the acknowledged orders
-the failover lost are counted, not flagged. And the phantom check can fail: on crafted
-rows, an effect performed for a job the database lacks is a phantom, and an order acknowledged and
-missing is a lost order only after a failover (a violation otherwise).
+The run passes (its standby's WAL sender stopped 3 s before the kill, so orders are
+lost): a failover happened (the checks read the promoted standby, out of recovery), no
+effect was performed for an order the new primary lacks (phantoms 0), no job is stuck,
+every job on the new primary was performed once; the acknowledged orders the failover
+lost are counted, not flagged. The check can fail: the same run without
+``wait_for_replicas`` performs the lost orders' effects before the primary dies, and
+fails with that many phantoms, nothing else. On crafted rows: an effect performed for
+a job the database lacks is a phantom; an order acknowledged and missing is a lost
+order only after a failover (a violation otherwise); a handling lost with the old
+primary is counted after a failover, a key handled twice is flagged still.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from effects.chaos import ChaosConfig, ChaosReport, command, parse_faults, run_chaos
-from effects.chaos.checks import Findings, _check_intent, _check_phantoms
+from effects.chaos.checks import Findings, _check_events, _check_intent, _check_phantoms
 from effects.chaos.schedule import Batch, JobPlan, PlannedJob
 
 SEED = int(os.environ.get("OUTBOX_CHAOS_SEED", "20240601"))
@@ -143,3 +147,21 @@ def test_failover_is_chosen_by_name_only_and_needs_a_server_of_the_runs_own() ->
     result = CliRunner().invoke(command, ["--faults", "failover,bogus"])
     assert result.exit_code == 2
     assert "failover" in result.output  # named among the kinds to choose from
+
+
+def _events(failed_over: bool, consumed: dict[str, int]) -> Findings:
+    """The NATS checks on a stream holding one message for each of a, b and c."""
+    broker = SimpleNamespace(messages_per_key=lambda: {"a": 1, "b": 1, "c": 1},
+                             dead_letters=lambda: 0, consumer_stats={}, restart_seconds=[])
+    findings = Findings(failed_over=failed_over)
+    _check_events(findings, SimpleNamespace(broker=broker), consumed)  # type: ignore[arg-type]
+    return findings
+
+
+def test_a_handling_lost_by_a_failover_is_counted_and_one_twice_still_flagged() -> None:
+    after = _events(failed_over=True, consumed={"a": 1, "c": 2})
+    assert after.failover["handlings_lost"] == 1  # b: its inbox row lost with the primary
+    assert after.violations["consumed_not_once"] == ["c: stored, handled 2x by the consumer"]
+    without = _events(failed_over=False, consumed={"a": 1, "c": 2})
+    assert without.counts["consumed_not_once"] == 2
+    assert without.failover == {}
