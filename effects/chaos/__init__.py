@@ -6,7 +6,11 @@ while a seeded fault schedule kills (SIGKILL) and freezes (SIGSTOP past the leas
 dispatchers, restarts PostgreSQL, terminates dispatcher connections and makes the
 providers fail (5xx, 429 with Retry-After, latency spikes, success then timeout, dropped
 connections, declined cards). With ``--groups`` the jobs belong to tenants (one heavy),
-some carry a priority, and the workers declare limits per group. Then it checks the
+some carry a priority, and the workers declare limits per group. The opt-in
+``failover`` fault (``--faults failover,...``) runs the database as a primary and its
+streaming standby, kills the primary for good mid-run and promotes the standby; the
+checks then judge what the new primary holds and count the effects performed for
+orders it lost (phantoms: none with ``wait_for_replicas``). Then it checks the
 guarantees outbox states (docs/explanation/guarantees.md)::
 
     nothing lost              every committed job ends done, failed or reconcile
@@ -17,6 +21,7 @@ guarantees outbox states (docs/explanation/guarantees.md)::
     bounded concurrency       never more running jobs of a group than its Limit allows
     permanent is final        declined cards end failed, with their decline code
     faults happened           every enabled fault kind was injected at least once
+    no phantom                no effect performed for a job the database lacks
 
 ``run_chaos(ChaosConfig(...))`` returns a ``ChaosReport`` (``report.ok``; the figures
 are described in ``effects.chaos.report``); ``command`` is the click command that

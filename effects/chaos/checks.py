@@ -38,6 +38,26 @@ Each entry of ``Findings.violations`` must be empty for the run to pass:
                              where a broker would not (``effects.chaos.kafka``); they are
                              counted as ``stored_again``.
 
+``phantoms``                 a committed job's effect performed (by its provider, broker or
+                             topic) although the job is not in the database: after a
+                             failover, an effect for an order the new primary lost
+
+After a failover (the opt-in ``failover`` fault: the primary killed for good, its
+asynchronous standby promoted) the database is the new primary, which may lack the last
+commits the old one acknowledged. The checks then judge what the new primary holds:
+every order (business row) there must have its jobs, each performed once and ended,
+none stuck; an effect performed for a job it lacks is a ``phantom`` (0 with
+``wait_for_replicas``). What asynchronous replication may lose is counted, not flagged
+(``Findings.failover``): ``lost_orders``, batches acknowledged to their enqueuer and
+missing on the new primary, and ``lost_order_jobs``, their jobs (neither
+``missing_jobs`` nor ``orders_mismatch``, but a phantom if performed);
+``handlings_lost``, keys in the stream or the topic whose consumer handling (its inbox
+row, committed and acknowledged to the broker on the old primary) the failover lost
+(``consumed_not_once`` for 0 handlings only: a key handled twice is still flagged); and
+``kafka_repeats_unaudited``, Kafka repeats that the audit rows the failover lost would
+have explained (``kafka_unexplained_repeats``). Double claims and repeated deliveries
+are judged on the audit rows that survived: a lost row can hide one, never make one.
+
 For ``nats.publish`` jobs, "performed" is the number of messages the stream holds for
 the job's key (one subject per key), so ``performed_twice`` and ``done_not_once`` cover
 the broker too. For ``kafka.produce`` jobs it is the number of messages the topic holds
@@ -71,8 +91,11 @@ VIOLATIONS = (
     "done_not_once", "ledger_missing", "ledger_not_done", "ledger_version_mismatch",
     "ledger_result_mismatch", "double_claims", "repeated_deliveries", "unexpected_failures",
     "decline_mismatches", "consumed_not_once", "dead_lettered", "kafka_missing",
-    "kafka_unexplained_repeats",
+    "kafka_unexplained_repeats", "phantoms",
 )
+# What a lossy failover may cost, counted in ``Findings.failover`` instead of flagged.
+_FAILOVER_COUNTS = ("lost_orders", "lost_order_jobs", "phantoms", "handlings_lost",
+                    "kafka_repeats_unaudited")
 # Effects delivered at least once: repeats are expected (and explained by the checks).
 _AT_LEAST_ONCE = frozenset({"kafka.produce"})
 _EXAMPLES = 10
@@ -117,7 +140,11 @@ class Findings:
     over the seconds from the first enqueue to the last end). ``per_target`` counts per
     target schema its jobs (``committed``), their final states, ``lost`` and ``twice``
     (performed more than once by an effect meant to happen once). ``violations`` maps each
-    name of ``VIOLATIONS`` to examples; ``counts`` to how many.
+    name of ``VIOLATIONS`` to examples; ``counts`` to how many. ``failed_over`` is set
+    when the run failed over (the checks then judge what the new primary holds, see the
+    module docstring), and ``failover`` holds what it cost (``lost_orders``, their
+    ``lost_order_jobs``, ``phantoms``, ``handlings_lost``, ``kafka_repeats_unaudited``,
+    and ``lost_order_examples``); empty otherwise.
     """
 
     statuses: Counter[str] = field(default_factory=Counter)
@@ -131,9 +158,15 @@ class Findings:
     per_target: dict[str, Counter[str]] = field(default_factory=dict)
     finished_jobs: int = 0
     finished_seconds: float = 0.0
+    failed_over: bool = False
+    failover: dict[str, Any] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VIOLATIONS, 0))
     violations: dict[str, list[str]] = field(
         default_factory=lambda: {name: [] for name in VIOLATIONS})
+
+    def __post_init__(self) -> None:
+        if self.failed_over and not self.failover:
+            self.failover = dict.fromkeys(_FAILOVER_COUNTS, 0)
 
     def flag(self, name: str, example: str) -> None:
         """Record one violation of ``name`` (examples are capped)."""
@@ -141,12 +174,21 @@ class Findings:
         if len(self.violations[name]) < _EXAMPLES:
             self.violations[name].append(example)
 
+    def scoped(self, name: str, cost: str, example: str) -> None:
+        """A violation of ``name``, or after a failover a ``cost`` of it counted in
+        ``failover`` (something asynchronous replication may lose)."""
+        if self.failed_over:
+            self.failover[cost] = self.failover.get(cost, 0) + 1
+        else:
+            self.flag(name, example)
+
 
 def check(dsn: str, queries: ChaosQueries, plan: JobPlan, committed_batches: set[str],
-          providers: Providers, targets: Sequence[str]) -> Findings:
+          providers: Providers, targets: Sequence[str], failed_over: bool = False) -> Findings:
     """Run every check; see the module docstring. ``targets`` are the outbox schemas, in
-    the order ``Batch.target`` numbers them."""
-    findings = Findings()
+    the order ``Batch.target`` numbers them; ``failed_over``: the database is a promoted
+    standby, which may lack the old primary's last commits."""
+    findings = Findings(failed_over=failed_over)
     providers.kafka.settle()  # the producers have stopped: read the topic to its end once
     with connect(dsn, "chaos checks") as conn:
         rows = [JobRow(*r) for r in conn.execute(queries.final_jobs, {}).fetchall()]
@@ -161,6 +203,7 @@ def check(dsn: str, queries: ChaosQueries, plan: JobPlan, committed_batches: set
         attempts = conn.execute(queries.kafka_attempts, {}).fetchall()
     by_key = {row.key: row for row in rows}
     _check_intent(findings, plan, committed_batches, by_key, orders, providers)
+    _check_phantoms(findings, plan, by_key, providers)
     _check_targets(findings, plan, by_key, targets)
     _check_jobs(findings, rows, plan, providers)
     _check_ledger(findings, rows, orphans, providers)
@@ -176,7 +219,12 @@ def check(dsn: str, queries: ChaosQueries, plan: JobPlan, committed_batches: set
 def _check_intent(findings: Findings, plan: JobPlan, committed_batches: set[str],
                   by_key: dict[str, JobRow], orders: set[str], providers: Providers) -> None:
     planned = {job.key for job in plan.committed()}
+    lost_batches = _lost_orders(findings, plan, committed_batches, orders)
+    lost = {job.key for batch in plan.batches() if batch.name in lost_batches
+            for job in batch.jobs}
     for job in plan.committed():
+        if job.key in lost:
+            continue
         if job.key not in by_key:
             findings.flag("missing_jobs", f"{job.key}: planned and committed, not in jobs")
     for job in plan.rolled_back():
@@ -188,10 +236,41 @@ def _check_intent(findings: Findings, plan: JobPlan, committed_batches: set[str]
         findings.flag("rolled_back_present", f"{key}: a job nobody committed")
     for batch in plan.batches():
         exists = batch.name in orders
+        if batch.name in lost_batches:
+            continue
         if exists != (batch.name in committed_batches) or exists == batch.rollback:
             findings.flag("orders_mismatch", f"{batch.name}: order row {exists}, committed "
                                              f"{batch.name in committed_batches}, "
                                              f"rollback {batch.rollback}")
+
+
+def _lost_orders(findings: Findings, plan: JobPlan, committed_batches: set[str],
+                 orders: set[str]) -> set[str]:
+    """After a failover: the orders (batch names) acknowledged to their enqueuer that
+    the new primary lacks, counted with their jobs in ``failover``; none otherwise."""
+    if not findings.failed_over:
+        return set()
+    lost = [batch for batch in plan.batches() if not batch.rollback
+            and batch.name in committed_batches and batch.name not in orders]
+    findings.failover["lost_orders"] = len(lost)
+    findings.failover["lost_order_jobs"] = sum(len(batch.jobs) for batch in lost)
+    findings.failover["lost_order_examples"] = [batch.name for batch in lost[:_EXAMPLES]]
+    return {batch.name for batch in lost}
+
+
+def _check_phantoms(findings: Findings, plan: JobPlan, by_key: dict[str, JobRow],
+                    providers: Providers) -> None:
+    """An effect performed for a committed job the database lacks is a phantom (after a
+    failover: an order the new primary lost, yet its email sent, its card charged)."""
+    for job in plan.committed():
+        if job.key in by_key:
+            continue
+        performed = providers.for_effect(job.effect).performed(job.key)
+        if performed:
+            findings.flag("phantoms", f"{job.key}: performed {performed}x, no such job in "
+                                      "the database")
+            if findings.failed_over:
+                findings.failover["phantoms"] += 1
 
 
 def _check_targets(findings: Findings, plan: JobPlan, by_key: dict[str, JobRow],
@@ -247,7 +326,10 @@ def _check_events(findings: Findings, providers: Providers, consumed: dict[str, 
     for key, count in sorted(stored.items()):
         if count > 1:
             findings.flag("performed_twice", f"{key}: {count} messages in the stream")
-        if consumed.get(key, 0) != 1:
+        if consumed.get(key, 0) == 0:
+            findings.scoped("consumed_not_once", "handlings_lost",
+                            f"{key}: stored, handled 0x by the consumer")
+        elif consumed[key] != 1:
             findings.flag("consumed_not_once", f"{key}: stored, handled "
                                                f"{consumed.get(key, 0)}x by the consumer")
     for key in sorted(set(consumed) - set(stored)):
@@ -282,11 +364,14 @@ def _check_kafka(findings: Findings, providers: Providers, rows: list[JobRow],
     for key, count in sorted(stored.items()):
         made = produced.get(key, count)
         if made > producing[key]:
-            findings.flag("kafka_unexplained_repeats",
-                          f"{key}: {count} messages in the topic, {made} produced apart (not "
-                          f"copies of one batch), {producing[key]} attempt(s) that may have "
-                          "produced one")
-        if consumed.get(key, 0) != 1:
+            findings.scoped("kafka_unexplained_repeats", "kafka_repeats_unaudited",
+                            f"{key}: {count} messages in the topic, {made} produced apart (not "
+                            f"copies of one batch), {producing[key]} attempt(s) that may have "
+                            "produced one")
+        if consumed.get(key, 0) == 0:
+            findings.scoped("consumed_not_once", "handlings_lost",
+                            f"{key}: in the topic, handled 0x by the Kafka consumer")
+        elif consumed[key] != 1:
             findings.flag("consumed_not_once", f"{key}: in the topic, handled "
                                                f"{consumed.get(key, 0)}x by the Kafka consumer")
     for key in sorted(set(consumed) - set(stored)):

@@ -15,6 +15,7 @@ from .config import (
     FAULT_KINDS,
     GROUP_LIMITS,
     MAX_TARGETS,
+    OPT_IN_FAULTS,
     ChaosConfig,
     parse_faults,
     parse_limits,
@@ -53,7 +54,9 @@ def _faults(ctx: click.Context, param: click.Parameter, value: str) -> frozenset
 @click.option("--json", "json_path", default=None, metavar="PATH",
               help="Also write the report as JSON to PATH.")
 @click.option("--faults", "faults", default="all", show_default=True, callback=_faults,
-              help=f"Comma-separated fault kinds: {','.join(FAULT_KINDS)}; all or none.")
+              help=f"Comma-separated fault kinds: {','.join(FAULT_KINDS)}; all or none; "
+                   f"only when named: {','.join(OPT_IN_FAULTS)} (the database fails over to "
+                   "a streaming standby; not with --dsn).")
 @click.option("--lease", default=2.0, show_default=True, help="Dispatcher lease, seconds.")
 @click.option("--slack", default=8.0, show_default=True,
               help="Allowed seconds past lease + rescue interval for a job to stay running.")
@@ -74,11 +77,19 @@ def _faults(ctx: click.Context, param: click.Parameter, value: str) -> frozenset
                    "(email.send=25/s,per_group); repeat for several effects, none for no "
                    "limit. With --groups the default is "
                    + "; ".join(f"{e}={limit}" for e, limit in GROUP_LIMITS.items()) + ".")
+@click.option("--failover-lag", default=2.0, show_default=True,
+              help="With the failover fault: seconds the standby's WAL receipt is stalled "
+                   "before the primary is killed (the commits of those seconds are lost).")
+@click.option("--wait-for-replicas/--no-wait-for-replicas", default=True, show_default=True,
+              help="With the failover fault: the workers perform a job only once the "
+                   "standby has its commit; without, effects for lost orders are performed "
+                   "(phantoms: the run fails).")
 def command(workers: int, jobs: int, duration: float, deadline: float | None,
             seed: int | None, dsn: str | None, json_path: str | None,
             faults: frozenset[str], lease: float, slack: float, fault_spacing: float,
             keep_logs: bool, groups: int, targets: int,
-            limits: dict[str, Limit] | None) -> None:
+            limits: dict[str, Limit] | None, failover_lag: float,
+            wait_for_replicas: bool) -> None:
     """Drain jobs through dispatchers that are killed, frozen and cut off, against
     providers that fail, and check that every effect happened once and none was lost.
 
@@ -97,7 +108,8 @@ def command(workers: int, jobs: int, duration: float, deadline: float | None,
                              deadline=deadline if deadline is not None else duration + 200,
                              seed=seed, dsn=dsn, faults=faults, lease=lease, slack=slack,
                              fault_spacing=fault_spacing, keep_logs=keep_logs,
-                             groups=groups, limits=limits, targets=targets)
+                             groups=groups, limits=limits, targets=targets,
+                             failover_lag=failover_lag, wait_for_replicas=wait_for_replicas)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     console = Console(stderr=False)

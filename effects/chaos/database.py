@@ -14,6 +14,11 @@ through a schema of views (``outbox_all``): ``jobs`` and ``effect_results``, eac
 with one target has the same views over its one schema, so the runner reads the same
 way whatever the count; only the statements that lock rows or tables (which a view of a
 ``UNION ALL`` cannot serve) are run against each target's own schema.
+
+A run with the ``failover`` fault (and no ``--dsn``) owns a pair instead
+(``effects.chaos.standby``): a primary and its asynchronous streaming standby on TCP,
+reached by a multi-host DSN with ``target_session_attrs=read-write``, as an HA client
+connects; every connection of the run (workers, enqueuers, consumers, checks) uses it.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import outbox
 from outbox.testing import Server, start_server
 
 from ._sql import chaos_queries
+from .standby import PairServer
 
 __all__ = ["TARGET_ID_SPAN", "Database", "connect", "provision", "release"]
 
@@ -62,7 +68,7 @@ class Database:
     schema: str
     chaos: str
     own_database: str | None
-    server: Server | None
+    server: Server | PairServer | None
     targets: tuple[str, ...]
     view: str
 
@@ -75,6 +81,8 @@ class Database:
     def mode(self) -> str:
         """How the run is isolated, for the report."""
         where = "embedded PostgreSQL" if self.server is not None else "--dsn server"
+        if isinstance(self.server, PairServer):
+            where = "embedded PostgreSQL primary and streaming standby (multi-host DSN)"
         what = f"database {self.own_database}" if self.own_database else \
             f"schemas {', '.join(self.targets)}, {self.chaos}"
         if len(self.targets) > 1:
@@ -89,13 +97,27 @@ class Database:
         self.server.restart()
         return time.monotonic() - started
 
+    @property
+    def can_fail_over(self) -> bool:
+        """Whether the run owns a primary with a standby to promote (not yet promoted)."""
+        return isinstance(self.server, PairServer) and self.server.failed_over is None
 
-def provision(dsn: str | None, work_dir: Path, targets: int = 1) -> Database:
+    def fail_over(self, lag: float = 0.0) -> float:
+        """Kill the primary for good and promote its standby, its WAL receipt stalled
+        ``lag`` seconds before; return the seconds the kill and promotion took."""
+        if not isinstance(self.server, PairServer):
+            raise RuntimeError("the run owns no standby to promote")
+        return self.server.failover(lag)
+
+
+def provision(dsn: str | None, work_dir: Path, targets: int = 1,
+              standby: bool = False) -> Database:
     """Start or reach the server, create the run's own database (or schemas), migrate
-    ``targets`` outbox schemas and create the views over them."""
-    server = None
+    ``targets`` outbox schemas and create the views over them. ``standby`` (without
+    ``dsn``): a primary and a streaming standby of it instead of one embedded server."""
+    server: Server | PairServer | None = None
     if dsn is None:
-        server = start_server(work_dir / "data")
+        server = PairServer() if standby else start_server(work_dir / "data")
         dsn = server.dsn
     run_id = uuid.uuid4().hex[:10]
     try:
@@ -113,7 +135,7 @@ def provision(dsn: str | None, work_dir: Path, targets: int = 1) -> Database:
     return database
 
 
-def _own_database(admin_dsn: str, name: str, server: Server | None,
+def _own_database(admin_dsn: str, name: str, server: Server | PairServer | None,
                   targets: int) -> Database:
     with connect(admin_dsn) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))

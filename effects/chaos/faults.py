@@ -9,7 +9,8 @@ dispatcher connection (or one worker's); provider faults are armed at the fakes;
 broker fault kills or stops the NATS server and starts it again; a kafka fault sets a
 Kafka broker down for a while; a
 consumer fault kills -9 the Kafka consumer process (a successor starts at once) or
-freezes it (SIGSTOP) for a while.
+freezes it (SIGSTOP) for a while. A failover kills the primary for good and promotes
+its streaming standby (``effects.chaos.standby``).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class FaultLog:
     frozen_jobs: int = 0
     stop_fenced: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
+    failover_at: float | None = None  # seconds into the chaos phase
+    failover_seconds: float | None = None  # the kill and the promotion
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -184,6 +187,7 @@ class FaultInjector:
             "kafka_up": self._kafka_up, "consumer_cont": self._consumer_cont,
             "throttle": self._push_back, "outage": self._push_back,
             "throttle_end": self._end_push_back, "outage_end": self._end_push_back,
+            "failover": self._failover,
         }
         handler = handlers.get(event.kind, self._provider_fault)
         handler(event)
@@ -280,6 +284,31 @@ class FaultInjector:
         self.log.armed["restart"] += 1
         self.log.restart_seconds.append(round(self._database.restart(), 2))
         self.log.injected["restart"] += 1
+
+    def _failover(self, event: FaultEvent) -> None:
+        """Stall the standby's WAL receipt for ``failover_lag`` seconds, then kill the
+        primary for good (every process, SIGKILL) and promote the standby: the workers,
+        enqueuers and consumers find it through the multi-host DSN."""
+        if not self._database.can_fail_over:
+            return
+        self._aimer.close()
+        self.log.armed["failover"] += 1
+        at = time.monotonic() - self._started
+        lag = self._config.failover_lag
+        took = self._database.fail_over(lag)
+        self.log.failover_at = round(at + lag, 2)
+        self.log.failover_seconds = round(took, 2)
+        self.log.injected["failover"] += 1
+        self.log.notes.append(f"failover at {at + lag:.1f}s: the standby's WAL stalled from "
+                              f"{at:.1f}s, then the primary killed (SIGKILL) and the standby "
+                              f"promoted in {took:.1f} s")
+        # The Kafka inbox seeks to the offsets PostgreSQL holds only when partitions are
+        # assigned: after a lossy failover a running consumer reads on from its own
+        # position, past the messages whose handlings the new primary lost. Restarted
+        # (as an operator must), its successor seeks to the new primary's offsets.
+        if self._providers.kafka.kill_consumer():
+            self.log.notes.append("the Kafka consumer restarted after the failover, to seek "
+                                  "to the offsets the new primary holds")
 
     def _terminate(self, event: FaultEvent) -> None:
         if event.variant == "one":

@@ -155,6 +155,7 @@ class ChaosKafka:
         self.consumer_stats: Counter[str] = Counter()
         self.consumer_problems: list[str] = []
         self.consumer_kills = 0
+        self.unstored: list[int] = []  # partitions a failover left with no stored offset
         self.consumer_stops = 0
         self.brokers_down = 0
         self._settled = False
@@ -369,9 +370,14 @@ class ChaosKafka:
                 [sys.executable, "-m", "effects.chaos.kafka"], cwd=self._log_dir, env=env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file)
 
-    def wait_consumed(self, dsn: str, schema: str, timeout: float) -> bool:
+    def wait_consumed(self, dsn: str, schema: str, timeout: float,
+                      unstored_ok: bool = False) -> bool:
         """Until the offsets the consumer stored in PostgreSQL reach the topic's end
-        marks; False on timeout."""
+        marks; False on timeout. ``unstored_ok`` (after a lossy failover): a partition
+        with no stored offset at all is not waited for, and is named in ``unstored``.
+        Its offset row was lost with the old primary: the consumer then starts it from
+        the group's Kafka offset (``effects._kafka_consumer``), past the messages whose
+        handlings were lost, and stores nothing more for it until a new message comes."""
         deadline = time.monotonic() + timeout
         query = sql.SQL("SELECT partition, next_offset FROM {}.kafka_offsets "
                         "WHERE consumer = %s AND topic = %s").format(sql.Identifier(schema))
@@ -383,6 +389,10 @@ class ChaosKafka:
                     stored = {int(p): int(o) for p, o in conn.execute(query, (GROUP, TOPIC))}
             except psycopg.OperationalError:
                 stored = None
+            if ends is not None and stored is not None and unstored_ok:
+                self.unstored = sorted(p for p, end in ends.items()
+                                       if end > 0 and p not in stored)
+                ends = {p: end for p, end in ends.items() if p in stored}
             if ends is not None and stored is not None and all(
                     stored.get(p, 0) >= end for p, end in ends.items() if end > 0):
                 return True

@@ -59,6 +59,15 @@ What the figures mean:
   ``handled`` by the consumer (must equal ``keys``), repeats its inbox skipped and
   handler retries (counted by the consumer process that stopped last), messages parked,
   consumer kills and freezes, brokers set down.
+- ``failover``: a run with the opt-in ``failover`` fault: ``at`` (seconds into the
+  chaos phase) the primary was killed for good and the standby promoted, in
+  ``seconds``; ``old_primary`` / ``new_primary``, and ``checked_on``: the node the
+  checks read (the promoted standby, out of recovery, or the failover did not happen).
+  What it cost: ``lost_orders`` (acknowledged orders the new primary lacks: asynchronous
+  replication allows it) and their ``lost_order_jobs``, reported, not violations;
+  ``phantoms``, effects performed for jobs the new primary lacks (must be 0: a
+  violation); ``handlings_lost`` and ``kafka_repeats_unaudited`` (see
+  ``effects.chaos.checks``: what the checks judge only on the new primary's rows).
 - ``violations``: each invariant broken, with examples; the run passes when empty.
 """
 
@@ -105,6 +114,7 @@ class ChaosReport:
     log_dir: str | None = None
     storage_bytes: int | None = None
     targets: dict[str, dict[str, int]] = field(default_factory=dict)
+    failover: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -150,7 +160,7 @@ class ChaosReport:
                      "ledger_result_mismatch", "done_not_once", "decline_mismatches",
                      "unexpected_failures", "missing_jobs", "rolled_back_present",
                      "consumed_not_once", "dead_lettered", "kafka_missing",
-                     "kafka_unexplained_repeats"):
+                     "kafka_unexplained_repeats", "phantoms"):
             table.add_row(name.replace("_", " "), str(self.violation_counts.get(name, 0)), "0")
         overrun = f"{self.lease['max_overrun']:.2f} s"
         table.add_row("longest running past lease", overrun, f"<= {self.lease['bound']:.1f} s")
@@ -169,6 +179,10 @@ class ChaosReport:
             table.add_row("events (NATS)", _pairs(self.events), "max_per_key <= 1")
         if self.kafka:
             table.add_row("events (Kafka)", _pairs(self.kafka), "handled = keys")
+        if self.failover:
+            table.add_row("failover", _pairs({k: v for k, v in self.failover.items()
+                                              if k != "lost_order_examples"}),
+                          "phantoms 0")
         table.add_row("workers", _pairs(self.workers), "")
         table.add_row("elapsed", f"{self.elapsed_seconds:.1f} s", "")
         if self.storage_bytes is not None:

@@ -34,7 +34,7 @@ import psycopg
 from ._sql import ChaosQueries, chaos_queries
 from .broker import STREAM
 from .checks import VIOLATIONS, Findings, check
-from .config import FAULT_KINDS, ChaosConfig
+from .config import KNOWN_FAULTS, ChaosConfig
 from .database import Database, connect, provision, release
 from .faults import FaultInjector
 from .groups import group_figures
@@ -45,6 +45,7 @@ from .providers import WEBHOOK_SECRET, Providers, start_providers
 from .report import ChaosReport
 from .schedule import KAFKA_TOPIC, Batch, FaultEvent, JobPlan, build_schedule, plan_jobs
 from .settings import WorkerSettings, application_name
+from .standby import PairServer
 from .windows import WINDOWS
 
 __all__ = ["missing_faults", "run_chaos"]
@@ -125,7 +126,8 @@ def run_chaos(config: ChaosConfig, progress: Progress | None = None) -> ChaosRep
         providers = start_providers(config.provider_latency, config.provider_timeout + 1.0,
                                     config.provider_retention, log_dir)
         stack.callback(providers.close)
-        database = provision(config.dsn, work_dir, config.targets)
+        database = provision(config.dsn, work_dir, config.targets,
+                             standby="failover" in config.faults)
         stack.callback(release, database)
         run = _Run(config, database, providers, log_dir, say)
         stack.callback(run.pool.cleanup)
@@ -135,12 +137,15 @@ def run_chaos(config: ChaosConfig, progress: Progress | None = None) -> ChaosRep
         stack.callback(providers.kafka.stop_consumer)
         run.execute(plan, events)
         run.drain_consumer()
+        failed_over = run.injector.log.failover_at is not None
         findings = check(database.dsn, run.queries, plan, run.enqueuer.committed, providers,
-                         database.targets)
+                         database.targets, failed_over=failed_over)
         groups, over = group_figures(config, plan, database.dsn, run.queries)
         report = _report(config, run, plan, findings, time.monotonic() - started, over)
         report.groups = groups
         report.storage_bytes = run.storage_bytes()
+        if "failover" in config.faults:
+            report.failover = _failover_figures(config, run, findings)
         if config.targets > 1:
             report.workers.update(_fleet_figures(database.dsn, run.queries))
     if report.ok and not config.keep_logs:
@@ -209,7 +214,9 @@ class _Run:
             self.unfinished_threads.append("chaos-consumer (messages left unhandled)")
         self.providers.broker.stop_consumer()
         kafka = self.providers.kafka
-        if not kafka.wait_consumed(self.database.dsn, self.database.schema, _CONSUMER_DRAIN):
+        failed_over = self.injector.log.failover_at is not None
+        if not kafka.wait_consumed(self.database.dsn, self.database.schema, _CONSUMER_DRAIN,
+                                   unstored_ok=failed_over):
             self.unfinished_threads.append(f"the Kafka consumer (messages left unhandled: "
                                            f"{kafka.drain_state})")
         kafka.stop_consumer()
@@ -297,6 +304,7 @@ def _template(config: ChaosConfig, database: Database, providers: Providers) -> 
         limits={effect: {"rate": limit.rate, "burst": limit.burst,
                          "concurrency": limit.concurrency, "per_group": limit.per_group}
                 for effect, limit in config.effect_limits.items()},
+        wait_for_replicas="failover" in config.faults and config.wait_for_replicas,
     )
 
 
@@ -358,7 +366,7 @@ def _settings(config: ChaosConfig) -> dict[str, Any]:
         "rescue_interval": config.rescue_interval, "slack": config.slack,
         "concurrency": config.concurrency, "provider_timeout": config.provider_timeout,
         "fault_spacing": config.fault_spacing,
-        "faults": sorted(config.faults, key=FAULT_KINDS.index),
+        "faults": sorted(config.faults, key=KNOWN_FAULTS.index),
         "groups": config.groups, "targets": config.targets,
         "limits": {effect: str(limit) for effect, limit in sorted(config.effect_limits.items())},
     }
@@ -377,7 +385,28 @@ def _faults(config: ChaosConfig, run: _Run, plan: JobPlan,
     stalled = run.providers.stalled_answers(armed["timeout"])
     injected["timeout"] = max(injected["timeout"], stalled)
     return {kind: {"armed": armed[kind], "injected": injected[kind]}
-            for kind in FAULT_KINDS if kind in config.faults}
+            for kind in KNOWN_FAULTS if kind in config.faults}
+
+
+def _failover_figures(config: ChaosConfig, run: _Run, findings: Findings) -> dict[str, Any]:
+    """When the primary was killed and the standby promoted, which node the checks read
+    (the promoted standby, out of recovery), and what the failover cost: the
+    acknowledged orders the new primary lacks, the phantoms (0 with wait_for_replicas)."""
+    log = run.injector.log
+    server = run.database.server
+    figures: dict[str, Any] = {"at": log.failover_at, "seconds": log.failover_seconds,
+                               "lag": config.failover_lag,
+                               "wait_for_replicas": config.wait_for_replicas}
+    if isinstance(server, PairServer):
+        if server.failed_over is not None:
+            figures["old_primary"], figures["new_primary"] = server.failed_over
+        try:
+            figures["checked_on"] = server.reached(run.database.dsn)
+        except psycopg.OperationalError as exc:
+            figures["checked_on"] = f"unreachable: {exc}"
+    figures.update(findings.failover)
+    figures["kafka_partitions_unstored"] = len(run.providers.kafka.unstored)
+    return figures
 
 
 def _windows(run: _Run) -> dict[str, dict[str, int]]:

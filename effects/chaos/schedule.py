@@ -81,6 +81,8 @@ _RATES: dict[str, tuple[float, int]] = {
     # dispatcher slots, and the HTTP fakes' faults need requests to meet.
     "kafka": (20.0, 2),
     "consumer": (15.0, 2),
+    # Opt-in, one per run: the primary is gone for good, its standby promoted.
+    "failover": (float("inf"), 1),
 }
 
 
@@ -311,7 +313,7 @@ def _events(kind: str, at: float, config: ChaosConfig, rng: random.Random,
                 FaultEvent(thaw + config.lease + 1.0, "retire", slot=slot)]
     if kind in BROKER_FAULTS:
         return _broker_events(kind, at, rng)
-    if kind in ("restart", "terminate"):
+    if kind in ("restart", "terminate", "failover"):
         variant = rng.choice(("one", "all")) if kind == "terminate" else ""
         return [FaultEvent(at, kind, slot=slot, variant=variant)]
     return _provider_events(kind, at, provider, rng)

@@ -58,6 +58,9 @@ class WorkerSettings:
     view: str = ""
     targets: list[str] = field(default_factory=list)
     ready_file: str = ""
+    # The dispatcher's wait_for_replicas (a run with the failover fault): a claimed job
+    # is performed only once the streaming standby has its commit.
+    wait_for_replicas: bool = False
 
     def to_json(self) -> str:
         """The settings as the JSON the worker reads."""

@@ -197,6 +197,8 @@ def _dispatcher(settings: WorkerSettings, effects: list[Effect]) -> _ChaosDispat
         "stop_timeout": settings.stop_timeout,
         "limits": {effect: Limit(**fields) for effect, fields in settings.limits.items()},
     }
+    if settings.wait_for_replicas:
+        options["wait_for_replicas"] = True
     if settings.targets:
         return _ChaosDispatcher(
             effects=effects,

