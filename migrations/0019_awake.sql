@@ -27,20 +27,27 @@ CREATE TABLE {schema}.awake (
 -- wait is short for enqueuers: lock_timeout bounds it. True when the fence held; false
 -- when it timed out (a business transaction that read the rows is still open): the rows
 -- are gone all the same, and that transaction's job waits at most a poll interval.
+-- The lock is asked for before the rows are deleted, holding nothing on the table while
+-- it waits: two dispatchers falling asleep at once, each holding the DELETE's lock and
+-- asking for ACCESS EXCLUSIVE, would wait for each other (a deadlock the detector may
+-- find before lock_timeout on a loaded server).
 CREATE FUNCTION {schema}.fall_asleep(p_dispatcher text, p_timeout text DEFAULT '50ms')
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE
 AS $fn$
 BEGIN
-    DELETE FROM {schema}.awake
-    WHERE dispatcher = p_dispatcher OR until < now() - interval '1 hour';
     BEGIN
         PERFORM set_config('lock_timeout', p_timeout, true);
         LOCK TABLE {schema}.awake IN ACCESS EXCLUSIVE MODE;
+        DELETE FROM {schema}.awake
+        WHERE dispatcher = p_dispatcher OR until < now() - interval '1 hour';
         RETURN true;
     EXCEPTION WHEN lock_not_available THEN
-        RETURN false;
+        NULL;  -- the block's lock and lock_timeout are undone with it
     END;
+    DELETE FROM {schema}.awake
+    WHERE dispatcher = p_dispatcher OR until < now() - interval '1 hour';
+    RETURN false;
 END
 $fn$;
 

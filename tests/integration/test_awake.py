@@ -155,6 +155,30 @@ def test_falling_asleep_gives_up_waiting_after_its_timeout(dsn: str, schema: str
         assert marks(dsn, schema) == []  # the mark is gone all the same
 
 
+def test_falling_asleep_holds_no_lock_on_the_marks_while_it_waits(dsn: str, schema: str) -> None:
+    """While the fence waits, fall_asleep holds nothing on the awake table: a second
+    dispatcher falling asleep at the same time never waits for it while it waits for
+    the second (a deadlock)."""
+    mark_awake(dsn, schema, worker="w1")
+    mark_awake(dsn, schema, worker="w2")
+    asleep: list[bool] = []
+    with psycopg.connect(dsn) as business:
+        with business.transaction():
+            enqueue(business, schema, "open")
+            sleeper = threading.Thread(
+                target=lambda: asleep.append(fall_asleep(dsn, schema, "60s", worker="w1")))
+            sleeper.start()
+            wait_until(lambda: waiting_on_lock(dsn, "SELECT"), what="fall_asleep waiting")
+            held = fetch(dsn, "SELECT l.mode FROM pg_locks l JOIN pg_stat_activity a "
+                              "ON a.pid = l.pid WHERE l.relation = %s::regclass "
+                              "AND l.granted AND a.query LIKE 'SELECT%%fall_asleep%%'",
+                         (f"{schema}.awake",))
+            assert held == []
+        sleeper.join(30)
+    assert asleep == [True]
+    assert marks(dsn, schema) == [(EFFECT, "w2")]
+
+
 class Gate(Effect):
     """Blocks each perform until ``release`` is set."""
 
