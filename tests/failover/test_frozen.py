@@ -81,9 +81,7 @@ def test_a_stop_returns_while_the_primary_is_frozen(
             try:
                 wait_until(lambda: orders.seen() == {"before"}, 30, "the first effect")
                 processes = primary.processes()  # with the dispatcher's backends
-                for process in processes:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        process.send_signal(signal.SIGSTOP)
+                _freeze(processes, signal.SIGSTOP)
                 frozen_at = time.monotonic()
                 wait_until(lambda: time.monotonic() - frozen_at >= FROZEN_FOR, 10,
                            "the freeze to last")
@@ -93,9 +91,7 @@ def test_a_stop_returns_while_the_primary_is_frozen(
                 returned = time.monotonic() - stopped_at
                 stacks = _stacks() if runner.is_alive() else ""
             finally:
-                for process in processes:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        process.send_signal(signal.SIGCONT)
+                _freeze(processes, signal.SIGCONT)
                 dispatcher.stop()
                 runner.join(60)
         assert returned < STOP_TIMEOUT + 2, f"{returned} s; still running:\n{stacks}"

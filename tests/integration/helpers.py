@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 from psycopg import sql
+
+from outbox import Dispatcher
 
 
 def table(schema: str, name: str) -> sql.Composed:
@@ -30,3 +34,23 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or predicate}")
         time.sleep(0.02)
+
+
+@contextmanager
+def running(dispatcher: Dispatcher) -> Iterator[None]:
+    """``dispatcher.run()`` on a thread for the block; stopped and joined after it."""
+    thread = threading.Thread(target=dispatcher.run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        dispatcher.stop()
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+def wait_for_listener(dsn: str) -> None:
+    """Wait until a dispatcher's listener is LISTENing (a notification reaches it)."""
+    wait_until(lambda: bool(fetch(dsn, "SELECT 1 FROM pg_stat_activity "
+                                       "WHERE application_name LIKE 'outbox listener %%' "
+                                       "AND query LIKE 'LISTEN%%'")), what="listener")

@@ -20,7 +20,7 @@ import outbox
 import outbox.sql
 from outbox import Dispatcher, Effect, Job, NewJob
 
-from .helpers import fetch, table, wait_until
+from .helpers import fetch, table, wait_for_listener, wait_until
 
 EFFECT = "test.awake"
 MARKER = "marker"
@@ -206,9 +206,7 @@ def test_a_busy_dispatcher_is_not_notified_and_a_sleeping_one_is_woken(
     thread = threading.Thread(target=lambda: result.append(dispatcher.run()))
     thread.start()
     try:
-        wait_until(lambda: bool(fetch(dsn, "SELECT 1 FROM pg_stat_activity "
-                                           "WHERE application_name LIKE 'outbox listener %%' "
-                                           "AND query LIKE 'LISTEN%%'")), what="listener")
+        wait_for_listener(dsn)
         with psycopg.connect(dsn) as conn:
             enqueue(conn, schema, "first")
             assert notified(dsn, schema, listener)  # asleep: woken by the notification

@@ -17,7 +17,7 @@ import outbox.sql
 from outbox import Dispatcher, Effect, Job, NewJob, Permanent, Retry, UnknownOutcome
 from outbox.testing import jobs, ledger
 
-from .helpers import fetch, wait_until
+from .helpers import fetch, wait_for_listener, wait_until
 
 
 def enqueue(dsn: str, schema: str, *items: NewJob) -> None:
@@ -294,9 +294,7 @@ def test_run_wakes_on_notify_and_stops_cleanly(dsn: str, schema: str) -> None:
     thread = threading.Thread(target=lambda: result.append(dispatcher.run()))
     thread.start()
     try:
-        wait_until(lambda: bool(fetch(dsn, "SELECT 1 FROM pg_stat_activity "
-                                           "WHERE application_name LIKE 'outbox listener %%' "
-                                           "AND query LIKE 'LISTEN%%'")), what="listener")
+        wait_for_listener(dsn)
         enqueue(dsn, schema, NewJob("test.record", "k", {}))
         # Polling is an hour away: only the notification can make this happen in time.
         wait_until(lambda: effect.calls["k"] == 1, timeout=20, what="job performed")

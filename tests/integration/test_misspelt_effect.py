@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import psycopg
 import pytest
@@ -25,7 +22,7 @@ from outbox import Dispatcher, Effect, Job
 from outbox.cli import main
 from outbox.testing import job
 
-from .helpers import fetch, table, wait_until
+from .helpers import fetch, running, table, wait_until
 
 
 def _effect(name: str) -> Effect:
@@ -84,18 +81,6 @@ def test_a_sibling_effect_enqueued_for_another_dispatcher_is_not_hinted(
     assert not [r.getMessage() for r in caplog.records if r.name == "outbox"]
 
 
-@contextmanager
-def _running(dispatcher: Dispatcher) -> Iterator[None]:
-    thread = threading.Thread(target=dispatcher.run, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        dispatcher.stop()
-        thread.join(30)
-        assert not thread.is_alive()
-
-
 def _live(dsn: str, schema: str) -> list[str]:
     rows = fetch(dsn, sql.SQL("SELECT worker_id FROM {} WHERE expires_at > now()")
                  .format(table(schema, "dispatchers")))
@@ -109,7 +94,7 @@ def test_the_dispatcher_status_and_schedules_say_did_you_mean(
     _enqueue(dsn, schema, typo, "typo-1")
     dispatcher = Dispatcher(dsn, [_effect(served)], schema=schema, poll_interval=0.2)
     runner = CliRunner()
-    with caplog.at_level(logging.WARNING, logger="outbox.dispatcher"), _running(dispatcher):
+    with caplog.at_level(logging.WARNING, logger="outbox.dispatcher"), running(dispatcher):
         wait_until(lambda: dispatcher.worker_id in _live(dsn, schema),
                    what="the dispatcher's heartbeat row")
         wait_until(lambda: any("no running dispatcher handles" in m

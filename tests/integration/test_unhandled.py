@@ -7,9 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 
 import psycopg
@@ -22,7 +19,7 @@ from outbox import AsyncDispatcher, Dispatcher, Effect, Job, NewJob
 from outbox.cli import main
 from outbox.testing import jobs
 
-from .helpers import fetch, table, wait_until
+from .helpers import fetch, running, table, wait_until
 
 
 class Send(Effect):
@@ -59,18 +56,6 @@ def dispatchers(dsn: str, schema: str) -> dict[str, list[str]]:
     rows = fetch(dsn, sql.SQL("SELECT worker_id, effects FROM {} WHERE expires_at > now()")
                  .format(table(schema, "dispatchers")))
     return {worker: list(effects) for worker, effects in rows}
-
-
-@contextmanager
-def running(dispatcher: Dispatcher) -> Iterator[None]:
-    thread = threading.Thread(target=dispatcher.run, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        dispatcher.stop()
-        thread.join(30)
-        assert not thread.is_alive()
 
 
 def test_a_due_job_of_an_unhandled_effect_is_warned_about_by_name(
