@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,7 @@ CREATE TABLE bench.orders (
 CREATE TABLE bench.plain_jobs (LIKE outbox.jobs INCLUDING ALL);
 """
 
-_ORDER = "INSERT INTO bench.orders (customer, total_cents) VALUES (%s, %s)"
+ORDER = "INSERT INTO bench.orders (customer, total_cents) VALUES (%s, %s)"
 _PLAIN_ONE = """
 INSERT INTO bench.plain_jobs (effect, key, payload, fingerprint, max_attempts)
 VALUES (%s, %s, %s, %s, %s)
@@ -56,7 +56,7 @@ SELECT * FROM unnest(%s::text[], %s::text[], %s::jsonb[], %s::text[], %s::intege
 """
 _SQL_ENQUEUE = "SELECT outbox.enqueue(%s, %s, %s)"
 # A fingerprint-sized placeholder: the raw baseline has no idempotency to check.
-_FINGERPRINT = "0" * 64
+FINGERPRINT = "0" * 64
 
 
 @dataclass(frozen=True)
@@ -74,35 +74,36 @@ def email(n: int) -> dict[str, Any]:
 
 # -- (a) one job per business transaction ---------------------------------------------------
 
-def _ours_single(conn: psycopg.Connection[Any], n: int) -> None:
+def ours_single(conn: psycopg.Connection[Any], n: int) -> None:
     with outbox.transaction(conn) as tx:
-        conn.execute(_ORDER, (f"customer-{n}", 1999))
+        conn.execute(ORDER, (f"customer-{n}", 1999))
         tx.enqueue(EFFECT, key=f"email-order-{n}", payload=email(n))
 
 
 def _raw_single(conn: psycopg.Connection[Any], n: int) -> None:
     with conn.transaction():
-        conn.execute(_ORDER, (f"customer-{n}", 1999))
-        conn.execute(_PLAIN_ONE, (EFFECT, f"email-order-{n}", Jsonb(email(n)), _FINGERPRINT, 25))
+        conn.execute(ORDER, (f"customer-{n}", 1999))
+        conn.execute(_PLAIN_ONE, (EFFECT, f"email-order-{n}", Jsonb(email(n)), FINGERPRINT, 25))
 
 
 def _sql_single(conn: psycopg.Connection[Any], n: int) -> None:
     with conn.transaction():
-        conn.execute(_ORDER, (f"customer-{n}", 1999))
+        conn.execute(ORDER, (f"customer-{n}", 1999))
         conn.execute(_SQL_ENQUEUE, (EFFECT, f"email-order-{n}", Jsonb(email(n))))
 
 
-def _alternate(conn: psycopg.Connection[Any], variants: dict[str, Callable[..., None]],
-               total: int, block: int, start: int) -> dict[str, float]:
-    """Run each variant ``total`` times in alternating blocks; seconds spent by each."""
+def alternate(conn: psycopg.Connection[Any], variants: Mapping[str, Callable[..., None]],
+              total: int, block: int, start: int, step: int = 1) -> dict[str, float]:
+    """Run each variant ``total`` times in alternating blocks of ``block`` calls, the
+    n-th call given ``start + n * step``; the seconds each variant spent."""
     spent = dict.fromkeys(variants, 0.0)
     n = start
     for _ in range(0, total, block):
         for name, variant in variants.items():
             began = time.perf_counter()
-            for _ in range(block):
+            for _ in range(min(block, total)):
                 variant(conn, n)
-                n += 1
+                n += step
             spent[name] += time.perf_counter() - began
     return spent
 
@@ -117,7 +118,7 @@ def _ours_bulk(conn: psycopg.Connection[Any], first: int) -> None:
 
 
 def _raw_executemany(conn: psycopg.Connection[Any], first: int) -> None:
-    rows = [(EFFECT, f"bulk-{i}", Jsonb(email(i)), _FINGERPRINT, 25)
+    rows = [(EFFECT, f"bulk-{i}", Jsonb(email(i)), FINGERPRINT, 25)
             for i in range(first, first + BULK_ROWS)]
     with conn.transaction(), conn.cursor() as cur:
         cur.executemany(_PLAIN_ONE, rows)
@@ -128,7 +129,7 @@ def _unnest(conn: psycopg.Connection[Any], first: int, binary: bool) -> None:
     with conn.transaction():
         conn.execute(_PLAIN_UNNEST, ([EFFECT] * BULK_ROWS, [f"bulk-{i}" for i in numbers],
                                      [json.dumps(email(i)) for i in numbers],
-                                     [_FINGERPRINT] * BULK_ROWS, [25] * BULK_ROWS),
+                                     [FINGERPRINT] * BULK_ROWS, [25] * BULK_ROWS),
                      binary=binary)
 
 
@@ -167,9 +168,9 @@ def measure(server: Server, config: EnqueueConfig) -> dict[str, Any]:
             with conn.transaction():
                 conn.execute(_SETUP)
             # Warm up both paths (prepared statements, caches) outside the measurement.
-            singles = {"ours": _ours_single, "raw": _raw_single, "sql": _sql_single}
-            _alternate(conn, singles, 10, 5, 10**8)
-            spent = _alternate(conn, singles, config.single_transactions, BLOCK, 0)
+            singles = {"ours": ours_single, "raw": _raw_single, "sql": _sql_single}
+            alternate(conn, singles, 10, 5, 10**8)
+            spent = alternate(conn, singles, config.single_transactions, BLOCK, 0)
             single_ms = {k: 1000 * v / config.single_transactions for k, v in spent.items()}
             bulk = _bulk_rates(conn, config.bulk_transactions)
     return {"single_ms": single_ms, "bulk_jobs_per_second": bulk}
