@@ -15,17 +15,17 @@ import re
 import subprocess
 import sys
 import textwrap
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
 
 import outbox
+
+from .docs.support import own_database
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -78,17 +78,11 @@ def test_the_readme_and_docs_have_snippets_and_few_are_illustrative() -> None:
 @pytest.fixture
 def database(dsn: str) -> Iterator[str]:
     """A database of its own, with the outbox tables in the default schema."""
-    name = f"readme_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = _url(make_conninfo(dsn, dbname=name))
-    try:
+    with own_database(dsn, "readme") as conninfo:
+        url = _url(conninfo)
         with psycopg.connect(url, autocommit=True) as conn:
             outbox.migrate(conn)
         yield url
-    finally:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 def _url(conninfo: str) -> str:

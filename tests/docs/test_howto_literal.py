@@ -16,7 +16,6 @@ import os
 import re
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -24,12 +23,11 @@ from zoneinfo import ZoneInfo
 
 import psycopg
 import pytest
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
 import outbox
 
 from ..test_readme import ROOT
+from .support import own_database
 
 HOW_TO = ROOT / "docs" / "how-to"
 # Top-level fences only (a fence indented in a list is not a step of these pages).
@@ -46,17 +44,10 @@ def _blocks(page: Path) -> list[tuple[str, str]]:
 @pytest.fixture
 def database(dsn: str) -> Iterator[str]:
     """A database of its own, migrated (as the tutorial leaves the reader's)."""
-    name = f"howto_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = make_conninfo(dsn, dbname=name)
-    try:
+    with own_database(dsn, "howto") as url:
         with psycopg.connect(url, autocommit=True) as conn:
             outbox.migrate(conn)
         yield url
-    finally:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -18,16 +18,13 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
 from ..test_readme import ROOT
+from .support import own_database
 
 PAGE = ROOT / "docs" / "tutorial" / "index.md"
 CODE = ROOT / "docs" / "tutorial" / "code"
@@ -59,14 +56,8 @@ def _command(blocks: list[tuple[str, str]], command: str) -> str:
 @pytest.fixture
 def empty_database(dsn: str) -> Iterator[str]:
     """A database of its own, not yet migrated (the tutorial's step 2 migrates it)."""
-    name = f"tutorial_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield make_conninfo(dsn, dbname=name)
-    finally:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+    with own_database(dsn, "tutorial") as conninfo:
+        yield conninfo
 
 
 def _sh(line: str, cwd: Path, env: dict[str, str], timeout: float = 60
