@@ -8,7 +8,6 @@ again.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -192,16 +191,6 @@ class Settings:
             log.error("%s; using the dispatcher's unknown_outcome_window", exc)
             return self.unknown_outcome_window
         return self.unknown_outcome_window if declared is None else declared
-
-    def windows_json(self) -> str:
-        """The declared windows as a JSON object, effect name -> seconds, for the
-        rescuer (effects declaring none are absent: the dispatcher's window applies)."""
-        windows = {}
-        for name, effect in self.effects.items():
-            window = self.window_for(effect)
-            if window != self.unknown_outcome_window:
-                windows[name] = window
-        return json.dumps(windows)
 
     @property
     def has_sync(self) -> bool:
