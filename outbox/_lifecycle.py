@@ -32,10 +32,11 @@ from typing import Literal, Protocol
 
 from .errors import Permanent, Retry, Throttled, UnknownOutcome
 
-__all__ = ["MAX_ASK_DELAY", "MAX_UNKNOWN_PASSES", "NEVER", "RELEASED", "TRANSITIONS", "Answered",
-           "Attempted", "Backoff", "Decision", "Released", "Rules", "Settled", "Told",
-           "Transition", "after_told", "expired", "heartbeat_interval", "lease_expired",
-           "next_ask", "seconds", "settle", "settle_answer"]
+__all__ = ["ACTS_ON", "MAX_ASK_DELAY", "MAX_UNKNOWN_PASSES", "NEVER", "RELEASED", "TRANSITIONS",
+           "Action", "Answered", "Attempted", "Backoff", "Decision", "Mode", "Released",
+           "Rules", "Settled", "Told", "Transition", "after_told", "expired",
+           "heartbeat_interval", "lease_expired", "next_ask", "operator_action",
+           "parent_settled", "seconds", "settle", "settle_answer"]
 
 Status = Literal["pending", "running", "done", "failed", "reconcile"]
 MAX_ERROR_LENGTH = 2000
@@ -78,11 +79,30 @@ class Backoff:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """Where a finished attempt sends the job: the next status, delay and error text."""
+    """Where a transition sends the job: the next status, delay and error text (None:
+    the error it has is kept), and what else the statement applying it writes.
+
+    :var attempts: The attempts the job counts from now on (None: as they are; 0: a
+        fresh attempt budget).
+    :var fresh_window: The first attempt is forgotten (``first_attempted_at`` cleared):
+        the provider's idempotency window counts again from the next attempt.
+    :var ledger: A ledger row is written with the status (done): the key is never
+        performed again.
+    :var stop: The job's current claim is asked to stop (an operator's cancel of a
+        running job): its status stays, its dispatcher settles what its perform did.
+    :var clear_error: ``last_error`` is cleared (``error`` is then None).
+    :var waive_parents: A job waiting on its parents (``after=[...]``) waits no more.
+    """
 
     status: Status
     delay: float = 0.0
     error: str | None = None
+    attempts: int | None = None
+    fresh_window: bool = False
+    ledger: bool = False
+    stop: bool = False
+    clear_error: bool = False
+    waive_parents: bool = False
 
 
 def heartbeat_interval(lease: float) -> float:
@@ -339,7 +359,8 @@ def next_ask(interval: float, answered: int, rng: random.Random) -> float | None
 
 def settle_answer(answer: Answered, *, error: BaseException | None = None,
                   hook_error: BaseException | None = None, checks: int = 0,
-                  interval: float = 60.0, rng: random.Random | None = None) -> Decision:
+                  interval: float = 60.0, rng: random.Random | None = None,
+                  cancelled: bool = False) -> Decision:
     """The next state of a job in ``reconcile`` once its provider answered ``answer``
     (``error``: what ``reconcile`` raised), and its hook, if any, ran; ``checks``: the
     answers of "still unknown" before this one; ``interval``: the first wait between
@@ -347,7 +368,9 @@ def settle_answer(answer: Answered, *, error: BaseException | None = None,
 
     - performed: done with the provider's result; if ``on_done`` raised, pending with
       the answer kept (the next attempt runs the hook, not the effect).
-    - not performed: pending, same key, a fresh window.
+    - not performed: pending, same key, a fresh attempt budget and a fresh window (as
+      an operator's retry); for a job an operator cancelled while it ran
+      (``cancelled``), failed: it never acted, and the cancel stands.
     - failed (``Permanent`` raised by ``reconcile``): failed; an ``on_failed`` that
       raised is noted in the error, the failure stands.
     - unknown: still reconcile, asked again after ``next_ask``; after
@@ -357,11 +380,11 @@ def settle_answer(answer: Answered, *, error: BaseException | None = None,
     """
     if answer == "performed":
         if hook_error is None:
-            return Decision("done")
-        return Decision("pending", error=f"on_done raised {describe(hook_error)}")
+            return Decision("done", ledger=True, clear_error=True)
+        return Decision("pending", error=f"on_done raised {describe(hook_error)}",
+                        attempts=0)
     if answer == "not_performed":
-        return Decision("pending", error="reconciler: the provider has no trace of this "
-                                         "key; performing again")
+        return _not_performed(cancelled=cancelled)
     if answer == "failed":
         text = describe(error) if error is not None else "reconciler: failed"
         if hook_error is not None:
@@ -374,6 +397,91 @@ def settle_answer(answer: Answered, *, error: BaseException | None = None,
     note = (describe(error) if error is not None
             else f"reconciler: still unknown after {checks + 1} answer(s)")
     return Decision("reconcile", delay=NEVER, error=f"reconciler gave up: {note}")
+
+
+def _not_performed(*, cancelled: bool) -> Decision:
+    """``settle_answer`` for an answer of "not performed" (the rules in its docstring)."""
+    if cancelled:
+        return Decision("failed", error="cancelled by an operator while running; the "
+                        "provider has no trace of it: never performed", attempts=0,
+                        fresh_window=True)
+    return Decision("pending", error="reconciler: the provider has no trace of this "
+                                     "key; performing again", attempts=0, fresh_window=True)
+
+
+Action = Literal["retry", "cancel", "resolve_done", "resolve_failed"]
+"""What an operator asks of one job (``outbox retry``, ``cancel``, ``resolve``, the
+dashboard's buttons; a bulk retry is a retry of each failed job it selects)."""
+
+ACTS_ON: dict[Action, tuple[Status, ...]] = {
+    "retry": ("failed", "reconcile"),
+    "cancel": ("pending", "running"),
+    "resolve_done": ("reconcile",),
+    "resolve_failed": ("reconcile",),
+}
+"""The statuses each operator action applies to; on any other it changes nothing."""
+
+
+def operator_action(action: Action, status: str, *, last_error: str | None, actor: str,
+                    via: str) -> Decision | None:
+    """The next state of a job in ``status`` (with ``last_error``, as read) that
+    ``actor`` acts on through ``via`` (``"dashboard"``, ``"command line"``); None: the
+    action does not apply to that status, nothing is written. The one decision of an
+    operator's action, applied fenced on the status and claim_version it was read with.
+
+    - retry (failed or reconcile): pending now, a fresh attempt budget and a fresh
+      idempotency window (same key), no more waiting on parents; the last error kept.
+    - cancel: a pending job failed, never performed; a running one stays running and
+      its claim is asked to stop (``stop``): its dispatcher settles what the perform did
+      (``after_told``).
+    - resolve_done (reconcile): done with a ledger row naming the person, the key never
+      performed again; the error cleared.
+    - resolve_failed (reconcile): failed, the error naming the person.
+    """
+    if status not in ACTS_ON[action]:
+        return None
+    if action == "retry":
+        return Decision("pending", attempts=0, fresh_window=True, waive_parents=True)
+    if action == "cancel":
+        if status == "running":
+            return Decision("running", stop=True)
+        return Decision("failed", error=f"cancelled from the {via} by {actor}")
+    if action == "resolve_done":
+        return Decision("done", ledger=True, clear_error=True)
+    note = "" if last_error is None else f": {last_error}"
+    return Decision("failed", error=f"resolved as not performed by {actor}{note}")
+
+
+Mode = Literal["fail", "run"]
+"""What a parent failing for good does to a child (``after_failed``)."""
+PARENT_ERROR_LENGTH = 200
+"""The characters of a failed parent's ``last_error`` a child's error quotes."""
+
+
+def parent_settled(mode: Mode, waiting: int, failed: str | None,
+                   failed_error: str | None = None, *, settled: int = 1) -> Decision:
+    """The next state of a pending child waiting on ``waiting`` parents (``mode``: its
+    ``after_failed``) once ``settled`` of them were settled for good in one statement;
+    ``failed``: the least key among those that failed (None: all done), with its
+    ``last_error``. The one decision of a parent's settlement (and of a child enqueued
+    after parents settled already: ``waiting`` is then how many it names).
+
+    - a parent failed and the child says ``"fail"``: failed, never performed, the error
+      naming the parent's key (and the start of its error).
+    - else, its last parent settled: pending and due now (delay 0).
+    - else: pending, still waiting on the others (delay ``NEVER``).
+
+    The fan-in statements apply it set-based (fragment ``after_released`` and the
+    statement ``after_link`` in ``sql/after.sql``, bound into every settlement); a test
+    runs them against it for every case.
+    """
+    if failed is not None and mode == "fail":
+        quoted = "" if failed_error is None else f" ({failed_error[:PARENT_ERROR_LENGTH]})"
+        return Decision("failed", error=f"not performed: parent {failed} failed for "
+                                        f"good{quoted}")
+    if waiting <= settled:
+        return Decision("pending")
+    return Decision("pending", delay=NEVER)
 
 
 def _delay(after: float | None, attempt: int, backoff: Backoff, rng: random.Random) -> float:
@@ -395,9 +503,9 @@ provider's event (``resolve_by_event``), retention."""
 class Transition:
     """One status change: ``source`` moves a job from ``before`` to ``after`` (None: the
     row is deleted) when ``when`` holds, decided by ``decided_by`` (a function of this
-    module; "SQL": the statement's own condition, an operator's or a fan-in rule with no
-    outcome to weigh) and applied by the named statement or fragment ``statement``
-    (``outbox/sql/*.sql``), fenced on the status it starts from."""
+    module; "SQL": the statement's own condition, a rule with no outcome to weigh: the
+    claim, a provider's event, retention) and applied by the named statement or fragment
+    ``statement`` (``outbox/sql/*.sql``), fenced on the status it starts from."""
 
     source: Source
     before: Status
@@ -440,22 +548,27 @@ TRANSITIONS: tuple[Transition, ...] = (
     _t("reconcile", "reconcile", "pending", "the provider has no trace (a fresh window)",
        "settle_answer", "reconcile_not_performed"),
     _t("reconcile", "reconcile", "failed", "no trace of a job an operator cancelled",
-       "SQL", "reconcile_not_performed"),
+       "settle_answer", "reconcile_not_performed"),
     _t("reconcile", "reconcile", "failed", "reconcile raised Permanent", "settle_answer",
        "reconcile_fail"),
-    _t("operator", "failed", "pending", "retry (attempts reset)", "SQL", "retry"),
-    _t("operator", "reconcile", "pending", "retry (attempts reset)", "SQL", "retry"),
-    _t("operator", "failed", "pending", "retry of every failed job of a filter", "SQL",
-       "bulk_retry"),
-    _t("operator", "reconcile", "done", "resolved: performed", "SQL", "resolve_done"),
-    _t("operator", "reconcile", "failed", "resolved: not performed", "SQL", "resolve_failed"),
-    _t("cancel", "pending", "failed", "cancelled before it started", "SQL", "cancel"),
+    _t("operator", "failed", "pending", "retry (attempts reset)", "operator_action",
+       "operator_apply"),
+    _t("operator", "reconcile", "pending", "retry (attempts reset)", "operator_action",
+       "operator_apply"),
+    _t("operator", "failed", "pending", "retry of every failed job of a filter",
+       "operator_action", "bulk_retry"),
+    _t("operator", "reconcile", "done", "resolved: performed (+ ledger row)",
+       "operator_action", "operator_apply"),
+    _t("operator", "reconcile", "failed", "resolved: not performed", "operator_action",
+       "operator_apply"),
+    _t("cancel", "pending", "failed", "cancelled before it started", "operator_action",
+       "operator_apply"),
     _t("cancel", "running", "failed", "cancelled while running: told to stop, its outcome "
        "then settled (reconcile for an effect that reconciles)", "after_told", "settle"),
     _t("parent", "pending", "failed", "a parent failed, the child says after_failed='fail'",
-       "SQL", "after_released"),
+       "parent_settled", "after_released"),
     _t("parent", "pending", "failed", "enqueued after a parent that had failed, "
-       "after_failed='fail'", "SQL", "after_link"),
+       "after_failed='fail'", "parent_settled", "after_link"),
     _t("event", "reconcile", "pending", "the provider's event says it acted (the result "
        "kept)", "SQL", "resolve_by_event"),
     _t("retention", "done", None, "older than retention", "SQL", "purge_done"),

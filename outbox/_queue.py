@@ -34,7 +34,9 @@ from typing import Any, TypeVar
 
 import psycopg
 
+from . import _lifecycle
 from ._enqueue import notify_channel
+from ._lifecycle import Decision
 from ._sql import BoundQueries, bind_file, check_schema_name
 from ._steps import Statement, Step, execute, execute_async, run, run_async
 
@@ -377,12 +379,25 @@ class Seen:
 @dataclass(frozen=True, slots=True)
 class Transition:
     """What a transition of one job did: ``changed`` or not, and the job's status, key
-    and effect after it (all None when there is no such job)."""
+    and effect after it (all None when there is no such job); ``moved``: the action
+    applied to the job as it was read (or seen), but the job had moved on since (its
+    status or claim_version changed), so nothing was written."""
 
     changed: bool
     status: str | None = None
     key: str | None = None
     effect: str | None = None
+    moved: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """The job as ``operator_read`` read it: what the operator's decision weighs and
+    the fence of the write that applies it."""
+
+    status: str
+    claim_version: int
+    last_error: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,14 +424,41 @@ class Selection:
 ACTIONS = ("retry", "cancel", "resolve_done", "resolve_failed")
 
 
-def _transition(schema: str, action: str, job_id: int, operator: Operator, seen: Seen,
-                note: str | None) -> Step[Transition]:
-    rows: list[Transition] = yield Statement(getattr(queue_queries(schema), action), {
-        "id": job_id, "action": action, "actor": operator.actor, "via": operator.via,
-        "seen_status": seen.status, "seen_version": seen.claim_version,
-        "note": note or None, "channel": notify_channel(schema),
+def _decided(decision: Decision | None) -> dict[str, Any]:
+    """Bind parameters of a decision's writes (``operator_apply``, ``bulk_retry``)."""
+    if decision is None:
+        decision = Decision("failed")  # applies nothing (apply is false): any values
+    return {"status": decision.status, "delay": decision.delay, "error": decision.error,
+            "attempts": decision.attempts, "fresh_window": decision.fresh_window,
+            "ledger": decision.ledger, "stop": decision.stop,
+            "clear_error": decision.clear_error, "waive_parents": decision.waive_parents}
+
+
+def _transition(schema: str, action: _lifecycle.Action, job_id: int, operator: Operator,
+                seen: Seen, note: str | None) -> Step[Transition]:
+    """Read the job, decide (``_lifecycle.operator_action``), apply the decision fenced
+    on the status and claim_version read (and seen); audited either way."""
+    q = queue_queries(schema)
+    found: list[_Read] = yield Statement(q.operator_read, {"id": job_id}, row=_Read)
+    read = found[0] if found else None
+    decision = None if read is None else _lifecycle.operator_action(
+        action, read.status, last_error=read.last_error, actor=operator.actor,
+        via=operator.via)
+    as_seen = read is not None and seen.status in (None, read.status) \
+        and seen.claim_version in (None, read.claim_version)
+    rows: list[Transition] = yield Statement(q.operator_apply, {
+        **_decided(decision), "apply": decision is not None and as_seen,
+        "id": job_id, "read_status": read.status if read else None,
+        "read_version": read.claim_version if read else None,
+        "action": action, "actor": operator.actor, "via": operator.via,
+        "seen_version": seen.claim_version, "note": note or None,
+        "channel": notify_channel(schema),
     }, row=Transition)
-    return rows[0] if rows else Transition(False)
+    done = rows[0] if rows else Transition(False)
+    if not done.changed and decision is not None and done.status is not None:
+        # It applied to the job as read (or seen), but the job moved on before the write.
+        return replace(done, moved=True)
+    return done
 
 
 def retry(schema: str, job_id: int, operator: Operator, seen: Seen = Seen(),
@@ -439,7 +481,7 @@ def resolve(schema: str, job_id: int, operator: Operator, *, performed: bool,
     """A reconcile job settled by a person who checked the provider: performed (done,
     with a ledger row naming them, so the key is never performed again) or not (failed).
     Fenced and audited."""
-    action = "resolve_done" if performed else "resolve_failed"
+    action: _lifecycle.Action = "resolve_done" if performed else "resolve_failed"
     return _transition(schema, action, job_id, operator, seen, note)
 
 
@@ -449,8 +491,13 @@ def bulk_retry(schema: str, selection: Selection, operator: Operator, *, cap: in
     another session holds are skipped. Audited as one row with the filter (``described``,
     else the selection's conditions); returns how many were retried."""
     selection = replace(selection, status="failed")  # only failed jobs are retried
+    decision = _lifecycle.operator_action("retry", "failed", last_error=None,
+                                          actor=operator.actor, via=operator.via)
+    assert decision is not None  # a failed job can be retried
+    # named apart from the filter's parameters (status, error)
+    decided = {f"decided_{name}": value for name, value in _decided(decision).items()}
     rows = yield Statement(queue_queries(schema).bulk_retry, {
-        **selection.params(),
+        **selection.params(), **decided,
         "cap": cap, "actor": operator.actor, "via": operator.via,
         "described": json.dumps(dict(described) if described is not None
                                 else selection.describe()),

@@ -95,6 +95,7 @@ class Taken:
     created_at: datetime
     group_key: str | None
     priority: int
+    cancelled: bool = False  # an operator cancelled it while it ran
 
     def job(self) -> Job:
         """The job as ``reconcile`` is given it (its window from the first attempt, or
@@ -141,6 +142,9 @@ class Reconciler:
         # While one dispatcher asks, others leave the job alone this long.
         self.hold = max(settings.lease, 30.0)
         self.rng = random.Random()
+        # The jobs taken whose claim an operator cancelled while it ran (id -> the
+        # claim_version taken at): their answer of "not performed" ends them failed.
+        self.cancelled: dict[int, int] = {}
 
     # -- take ------------------------------------------------------------------------------
 
@@ -148,6 +152,7 @@ class Reconciler:
         """Take the jobs due to be asked about: each with its checks so far."""
         rows: list[Taken] = yield Statement(self.queries.reconcile_take, {
             "effects": self.names, "limit": BATCH, "hold": self.hold}, row=Taken)
+        self.cancelled.update((t.id, t.claim_version) for t in rows if t.cancelled)
         return [(taken.job(), taken.reconcile_checks) for taken in rows]
 
     # -- ask -------------------------------------------------------------------------------
@@ -181,14 +186,18 @@ class Reconciler:
         """Write ``answer`` in the current transaction; the decision taken."""
         job, q = answer.job, self.queries
         fence = {"id": job.id, "version": job.claim_version}
+        cancelled = self.cancelled.pop(job.id, None) == job.claim_version
         if answer.kind == "performed":
             decision, rows = yield from self._performed(answer)
         elif answer.kind == "failed":
             decision, rows = yield from self._failed(answer)
         elif answer.kind == "not_performed":
             decision = "not_performed"
+            settled = _lifecycle.settle_answer("not_performed", cancelled=cancelled)
             rows = yield Statement(q.reconcile_not_performed, {
-                **fence, "error": _lifecycle.settle_answer("not_performed").error})
+                **fence, "status": settled.status, "delay": settled.delay,
+                "attempts": settled.attempts, "fresh_window": settled.fresh_window,
+                "error": settled.error})
         else:
             settled = _lifecycle.settle_answer(
                 answer.kind, error=answer.error, checks=answer.checks,

@@ -79,7 +79,8 @@ FROM due
 WHERE j.id = due.id AND j.status = 'reconcile'
 RETURNING j.id, j.effect, j.key, j.payload, j.attempts, j.claim_version, j.ordering_key,
           j.max_attempts, j.first_attempted_at, j.reconcile_checks, j.created_at,
-          j.group_key, j.priority;
+          j.group_key, j.priority,
+          j.cancel_version IS NOT DISTINCT FROM j.claim_version AS cancelled;
 
 -- name: reconcile_done
 -- The provider did act: reconcile -> done with the ledger row, fenced.
@@ -122,21 +123,29 @@ WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'reconcile'
 RETURNING j.id;
 
 -- name: reconcile_not_performed
--- The provider has no trace: back to pending under the same key, with a fresh attempt
--- budget and a fresh idempotency window, as an operator's retry would; a job an
--- operator cancelled while it ran ends failed instead (it never acted).
-UPDATE {schema}.jobs j
-SET status = CASE WHEN j.cancel_version = j.claim_version THEN 'failed' ELSE 'pending' END,
-    attempts = 0, first_attempted_at = NULL, available_at = now(),
-    reconcile_at = NULL, reconcile_checks = 0,
-    last_error = CASE WHEN j.cancel_version = j.claim_version
-                      THEN 'cancelled by an operator while running; the provider has no '
-                           'trace of it: never performed'
-                      ELSE CAST(%(error)s AS text) END,
-    updated_at = now()
-WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'reconcile'
-  AND j.claim_version = CAST(%(version)s AS bigint)
-RETURNING j.id;
+-- The provider has no trace: the reconciler's decision (outbox._lifecycle.settle_answer):
+-- back to pending under the same key, with a fresh attempt budget and a fresh idempotency
+-- window, as an operator's retry would; or, for a job an operator cancelled while it ran
+-- (reconcile_take says which), failed: it never acted. Fenced; a job failed for good
+-- settles the jobs waiting on it (fragment after_released).
+WITH changed AS (
+    UPDATE {schema}.jobs j
+    SET status = CAST(%(status)s AS text),
+        attempts = coalesce(CAST(%(attempts)s AS integer), j.attempts),
+        first_attempted_at = CASE WHEN CAST(%(fresh_window)s AS boolean) THEN NULL
+                                  ELSE j.first_attempted_at END,
+        available_at = now() + CAST(%(delay)s AS float8) * interval '1 second',
+        reconcile_at = NULL, reconcile_checks = 0,
+        last_error = CAST(%(error)s AS text),
+        updated_at = now()
+    WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'reconcile'
+      AND j.claim_version = CAST(%(version)s AS bigint)
+    RETURNING j.id, j.key, j.status, j.last_error
+), parents AS (
+    SELECT c.key, c.status AS outcome, c.last_error AS error FROM changed c
+    WHERE c.status = 'failed'
+), {after_released}
+SELECT c.id FROM changed c;
 
 -- name: reconcile_later
 -- Still unknown (or the provider unreachable): ask again after %(delay)s seconds (NULL:

@@ -200,13 +200,15 @@ WHERE j.status = 'pending'
 GROUP BY j.effect, coalesce(j.group_key, '');
 
 -- ---------------------------------------------------------------------------------------
--- The operator's transitions. Each is one statement: fenced like the dispatcher's writes
--- (conditional on the status the transition starts from and, when given, on the status
--- and claim_version the operator saw, so a job that moved on meanwhile changes 0 rows and
--- nothing is overwritten), audited in dashboard_audit in the same statement (with the
--- actor, the surface it came through, and the rows it changed), and announced on the
--- schema's channel when it changed something, so a listening dispatcher takes a retried
--- job at once (a cancelled job may free its ordering key too).
+-- The operator's transitions. Each is decided in Python (outbox._lifecycle.operator_action,
+-- for the job as operator_read read it) and applied by one statement, operator_apply (a
+-- bulk retry: bulk_retry): fenced like the dispatcher's writes (conditional on the status
+-- and claim_version the decision was made for, and on the operator's view being those, so
+-- a job that moved on meanwhile changes 0 rows and nothing is overwritten), audited in
+-- dashboard_audit in the same statement (with the actor, the surface it came through, and
+-- the rows it changed), and announced on the schema's channel when it changed something,
+-- so a listening dispatcher takes a retried job at once (a cancelled job may free its
+-- ordering key too).
 -- ---------------------------------------------------------------------------------------
 
 -- fragment: job_filter
@@ -220,12 +222,6 @@ GROUP BY j.effect, coalesce(j.group_key, '');
  AND (%(newer_than)s::float8 IS NULL
       OR j.created_at >= now() - %(newer_than)s::float8 * interval '1 second')
  AND (%(error)s::text IS NULL OR strpos(lower(j.last_error), lower(%(error)s::text)) > 0))
-
--- fragment: as_seen
--- The operator's fence: the job is still as the operator saw it (NULL: not checked).
-(j.id = %(id)s::bigint
- AND (%(seen_status)s::text IS NULL OR j.status = %(seen_status)s::text)
- AND (%(seen_version)s::bigint IS NULL OR j.claim_version = %(seen_version)s::bigint))
 
 -- fragment: audited_action
 -- One job's transition in the audit trail, also when it changed nothing (affected 0).
@@ -246,92 +242,66 @@ SELECT false, j.status, j.key, j.effect
 FROM {schema}.jobs j
 WHERE j.id = %(id)s::bigint AND NOT EXISTS (SELECT 1 FROM changed)
 
--- name: retry
--- failed or reconcile -> pending with a fresh attempt budget and a fresh idempotency
--- window; claim_version keeps growing. A job that failed with a parent (after=[...])
--- runs at once: the operator's retry overrides the wait.
-WITH changed AS (
-    UPDATE {schema}.jobs j
-    SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
-        after_waiting = 0, updated_at = now()
-    WHERE {as_seen} AND j.status IN ('failed', 'reconcile')
-    RETURNING j.id, j.status, j.key, j.effect
-), audited AS (
-    {audited_action}
-)
-{transition_answer};
+-- name: operator_read
+-- The job an operator acts on, as the decision (outbox._lifecycle.operator_action) reads
+-- it: no lock; the write that applies the decision is fenced on the status and
+-- claim_version read here.
+SELECT j.status, j.claim_version, j.last_error
+FROM {schema}.jobs j
+WHERE j.id = %(id)s::bigint;
 
--- name: cancel
--- pending -> failed, never performed. running: the cancel is asked of its current claim
--- (cancel_version), and every dispatcher is told by a notification ('cancel <id>
--- <claim_version>'; the heartbeat tells it too); the job stays running until its
--- dispatcher records what its perform did once told (see outbox/_lifecycle.py). While
--- that claim is the job's current one the job never goes back to pending.
+-- name: operator_apply
+-- One operator's decision (retry, cancel, resolve_done, resolve_failed: decided by
+-- outbox._lifecycle.operator_action for the job as operator_read read it), applied only
+-- if the job still has the status and claim_version it was read with and %(apply)s (the
+-- decision applies, and the job is as the operator saw it): else nothing changes and the
+-- answer says so. What it writes is the decision's: the status, available_at now plus the
+-- delay for a pending job, the attempts, a fresh idempotency window, parents no longer
+-- waited for, the error (NULL: kept, unless cleared), a ledger row naming the person
+-- (resolve_done), and a running job's claim asked to stop (stop: cancel_version, and
+-- every dispatcher told 'cancel <id> <claim_version>'; the heartbeat tells it too). A job
+-- settled for good (done or failed) settles the jobs waiting on it (after_released); a
+-- running job's children wait for what its perform settles.
 WITH changed AS (
     UPDATE {schema}.jobs j
-    SET status = CASE WHEN j.status = 'pending' THEN 'failed' ELSE j.status END,
-        cancel_version = CASE WHEN j.status = 'running' THEN j.claim_version
+    SET status = %(status)s::text,
+        attempts = coalesce(%(attempts)s::integer, j.attempts),
+        available_at = CASE WHEN %(status)s::text = 'pending'
+                            THEN now() + %(delay)s::float8 * interval '1 second'
+                            ELSE j.available_at END,
+        first_attempted_at = CASE WHEN %(fresh_window)s::boolean THEN NULL
+                                  ELSE j.first_attempted_at END,
+        after_waiting = CASE WHEN %(waive_parents)s::boolean THEN 0 ELSE j.after_waiting END,
+        cancel_version = CASE WHEN %(stop)s::boolean THEN j.claim_version
                               ELSE j.cancel_version END,
-        updated_at = now(),
-        last_error = CASE WHEN j.status = 'pending'
-                          THEN 'cancelled from the ' || %(via)s::text || ' by '
-                               || %(actor)s::text
-                          ELSE j.last_error END
-    WHERE {as_seen} AND j.status IN ('pending', 'running')
-    RETURNING j.id, j.status, j.key, j.effect, j.last_error,
-              CASE WHEN j.status = 'running'
+        last_error = CASE WHEN %(clear_error)s::boolean THEN NULL
+                          ELSE coalesce(%(error)s::text, j.last_error) END,
+        updated_at = now()
+    WHERE j.id = %(id)s::bigint AND j.status = %(read_status)s::text
+      AND j.claim_version = %(read_version)s::bigint AND %(apply)s::boolean
+    RETURNING j.id, j.status, j.key, j.effect, j.claim_version, j.fingerprint, j.last_error,
+              jsonb_build_object('resolved_by', %(actor)s::text,
+                                 'note', coalesce(%(note)s::text, '')) AS result,
+              CASE WHEN %(stop)s::boolean
                    THEN pg_notify(%(channel)s::text,
                                   'cancel ' || j.id || ' ' || j.claim_version)::text END
               AS told
-), parents AS (
-    -- jobs waiting on a job cancelled before it ran (after=[...]) see it failed (fragment
-    -- after_released); a running job's children wait for what its perform settles
-    SELECT c.key, 'failed'::text AS outcome, c.last_error AS error FROM changed c
-    WHERE c.status = 'failed'
-), {after_released}, audited AS (
-    {audited_action}
-)
-{transition_answer};
-
--- name: resolve_done
--- A person checked the provider and the effect did happen: reconcile -> done with a
--- ledger row naming who decided, so the key is never performed again.
-WITH finished AS (
-    UPDATE {schema}.jobs j
-    SET status = 'done', last_error = NULL, updated_at = now()
-    WHERE {as_seen} AND j.status = 'reconcile'
-    RETURNING j.id, j.status, j.key, j.effect, j.claim_version, j.fingerprint,
-              jsonb_build_object('resolved_by', %(actor)s::text,
-                                 'note', coalesce(%(note)s::text, '')) AS result
-), {recorded}, changed AS (
-    SELECT * FROM finished
-), parents AS (
-    SELECT f.key, 'done'::text AS outcome, NULL::text AS error FROM finished f
-), {after_released}, audited AS (
-    {audited_action}
-)
-{transition_answer};
-
--- name: resolve_failed
--- A person checked the provider and the effect did not happen: reconcile -> failed.
-WITH changed AS (
-    UPDATE {schema}.jobs j
-    SET status = 'failed', updated_at = now(),
-        last_error = 'resolved as not performed by ' || %(actor)s::text
-                     || coalesce(': ' || j.last_error, '')
-    WHERE {as_seen} AND j.status = 'reconcile'
-    RETURNING j.id, j.status, j.key, j.effect, j.last_error
-), parents AS (
-    SELECT c.key, 'failed'::text AS outcome, c.last_error AS error FROM changed c
+), finished AS (
+    SELECT c.* FROM changed c WHERE %(ledger)s::boolean
+), {recorded}, parents AS (
+    SELECT c.key, c.status AS outcome, c.last_error AS error FROM changed c
+    WHERE c.status IN ('done', 'failed')
 ), {after_released}, audited AS (
     {audited_action}
 )
 {transition_answer};
 
 -- name: bulk_retry
--- Failed jobs matching the filter back to pending, newest first, at most %(cap)s. Rows
--- another session holds are skipped rather than waited for, and the status is checked
--- again on the update. Audited as one bulk_retry row with the filter; the number retried
+-- Failed jobs matching the filter back to pending, newest first, at most %(cap)s: the
+-- decision of a retry of a failed job (outbox._lifecycle.operator_action), the same for
+-- each, applied to each (the status it was picked with is checked again on the update,
+-- under the row lock the pick took). Rows another session holds are skipped rather than
+-- waited for. Audited as one bulk_retry row with the filter; the number retried
 -- comes back.
 WITH picked AS (
     SELECT j.id FROM {schema}.jobs j
@@ -341,8 +311,15 @@ WITH picked AS (
     FOR UPDATE SKIP LOCKED
 ), changed AS (
     UPDATE {schema}.jobs j
-    SET status = 'pending', attempts = 0, available_at = now(), first_attempted_at = NULL,
-        after_waiting = 0, updated_at = now()
+    SET status = %(decided_status)s::text,
+        attempts = coalesce(%(decided_attempts)s::integer, j.attempts),
+        available_at = now() + %(decided_delay)s::float8 * interval '1 second',
+        first_attempted_at = CASE WHEN %(decided_fresh_window)s::boolean THEN NULL
+                                  ELSE j.first_attempted_at END,
+        after_waiting = CASE WHEN %(decided_waive_parents)s::boolean THEN 0
+                             ELSE j.after_waiting END,
+        last_error = coalesce(%(decided_error)s::text, j.last_error),
+        updated_at = now()
     FROM picked p
     WHERE j.id = p.id AND j.status = 'failed'
     RETURNING j.id

@@ -93,9 +93,9 @@ def test_on_failed_raising_keeps_the_failure_it_was_told_of_in_the_error() -> No
 
 
 def test_the_reconcilers_answers() -> None:
-    assert settle_answer("performed") == Decision("done")
+    assert settle_answer("performed") == Decision("done", ledger=True, clear_error=True)
     kept = settle_answer("performed", hook_error=KeyError("order"))
-    assert kept == Decision("pending", error="on_done raised KeyError: 'order'")
+    assert kept == Decision("pending", error="on_done raised KeyError: 'order'", attempts=0)
     again = settle_answer("not_performed")
     assert again.status == "pending" and again.error is not None
     assert "no trace of this key" in again.error

@@ -61,6 +61,17 @@ def test_every_statement_that_writes_a_status_is_in_the_table_and_no_other() -> 
     assert writing == {t.statement for t in TRANSITIONS}
 
 
+# The statements whose status is the decision's, bound as a parameter (the operator's
+# decisions: operator_apply, one statement for retry, cancel and both resolves, which
+# were four statements until their decisions moved to the lifecycle; bulk_retry; and the
+# reconciler's answer of "not performed", pending or failed).
+DECISION_PARAMETER = {
+    "operator_apply": r"SET status = %\(status\)s::text",
+    "bulk_retry": r"SET status = %\(decided_status\)s::text",
+    "reconcile_not_performed": r"SET status = CAST\(%\(status\)s AS text\)",
+}
+
+
 @pytest.mark.parametrize("transition", TRANSITIONS, ids=lambda t: f"{t.statement}->{t.after}")
 def test_each_statement_can_write_the_status_the_table_says(transition: Transition) -> None:
     text = _sql_blocks()[transition.statement]
@@ -68,6 +79,8 @@ def test_each_statement_can_write_the_status_the_table_says(transition: Transiti
         assert re.search(r"DELETE\s+FROM\s+\{schema\}\.jobs", text)
     elif transition.statement == "settle":  # the status is the decision, a parameter
         assert "s.status" in text and "status text" in text
+    elif transition.statement in DECISION_PARAMETER:  # the decision's status, bound
+        assert re.search(DECISION_PARAMETER[transition.statement], text)
     else:
         assert f"'{transition.after}'" in text
     if transition.decided_by != "SQL":
@@ -124,7 +137,31 @@ CASES: dict[tuple[str, str | None, str], Callable[[], Decision]] = {
     ("settle", "failed", "cancelled while running: told to stop, its outcome then settled "
      "(reconcile for an effect that reconciles)"):
         lambda: _settle(RuntimeError("stopped"), told="operator"),
+    ("reconcile_not_performed", "failed", "no trace of a job an operator cancelled"):
+        lambda: _lifecycle.settle_answer("not_performed", cancelled=True),
+    ("operator_apply", "pending", "retry (attempts reset)"):
+        lambda: _operator("retry", "failed"),
+    ("bulk_retry", "pending", "retry of every failed job of a filter"):
+        lambda: _operator("retry", "failed"),
+    ("operator_apply", "done", "resolved: performed (+ ledger row)"):
+        lambda: _operator("resolve_done", "reconcile"),
+    ("operator_apply", "failed", "resolved: not performed"):
+        lambda: _operator("resolve_failed", "reconcile"),
+    ("operator_apply", "failed", "cancelled before it started"):
+        lambda: _operator("cancel", "pending"),
+    ("after_released", "failed", "a parent failed, the child says after_failed='fail'"):
+        lambda: _lifecycle.parent_settled("fail", 2, "parent", "Permanent: no"),
+    ("after_link", "failed", "enqueued after a parent that had failed, "
+     "after_failed='fail'"):
+        lambda: _lifecycle.parent_settled("fail", 1, "parent", None),
 }
+
+
+def _operator(action: _lifecycle.Action, status: str) -> Decision:
+    decision = _lifecycle.operator_action(action, status, last_error="x", actor="ada",
+                                          via="dashboard")
+    assert decision is not None
+    return decision
 
 
 def test_every_transition_the_lifecycle_decides_has_a_case() -> None:
