@@ -736,6 +736,9 @@ def _transition_one(dsn: str, schema: str, job_id: int, step: Step[_queue.Transi
             done = refused.done
     if done.status is None:
         raise click.ClickException(f"no job {job_id} in schema {schema!r}")
+    if done.moved:
+        raise click.ClickException(f"job {job_id} changed while this ran (it is "
+                                   f"{done.status} now): nothing was done; look again")
     if not done.changed:
         hint = _APPLIES.get(done.status)
         raise click.ClickException(
