@@ -11,12 +11,15 @@ parent key) in ``after_edges`` (migration 0015) links them.
   enqueued earlier in this one), else ``UnknownParent`` before anything is written. So
   no cycle can be built: a parent exists before any child names it, and a key that is
   already a job never gains parents (a repeated enqueue writes nothing). Parents done
-  already count as resolved: a child whose parents are all done is due at once.
+  already count as resolved: a child whose parents are all done is due at once. What
+  its parents' states make of a child (failed, waiting, due) is decided by
+  ``_lifecycle.parent_settled`` (``link_steps``).
 - When a parent is settled for good, the statement that settles it (the recorder's
   fenced ``complete`` and ``settle``, the rescue, the hooks' and the reconciler's fenced
   writes, an operator's cancel or resolve) resolves its edges and counts its children
   down in the same transaction (fragment ``after_released``): set-based, one statement
-  however many children.
+  however many children, the rule of ``_lifecycle.parent_settled`` (a test runs the
+  fragment against it).
 - The race: a child enqueued in a transaction still open while its parent's settlement
   commits. Under READ COMMITTED neither sees the other (the child's check saw the parent
   unsettled; the settlement did not see the uncommitted edges). Locks could order them,
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from . import _lifecycle
 from ._sql import BoundQueries, bind_file, check_schema_name
 from ._steps import Statement, Step
 from .errors import InvalidArgument, UnknownParent
@@ -142,14 +146,50 @@ def check_steps(jobs: Sequence[PreparedJob], schema: str) -> Step[None]:
         raise UnknownParent([k for k in child.after if k in missing], child.key)
 
 
+@dataclass(frozen=True, slots=True)
+class _ParentState:
+    """What one parent says about a child just created (``after_states``): 'done' or
+    'failed' when settled for good, None while it is to come; and its error."""
+
+    child_id: int
+    key: str
+    outcome: str | None
+    error: str | None
+
+
 def link_steps(children: Sequence[tuple[int, PreparedJob]], schema: str) -> Step[None]:
-    """Give the children just created (id, job) their edges, and make those with parents
-    still to come wait. One statement for any number of children and parents."""
+    """Give the children just created (id, job) their edges, and each the state its
+    parents decide (``_lifecycle.parent_settled``: failed when one failed for good and
+    the child says ``"fail"``; else waiting on those still to come, or due now). Two
+    statements for any number of children and parents: the parents' states read, the
+    decisions applied."""
     if not children:
         return
-    links = json.dumps([{"id": job_id, "mode": job.after_failed, "after": list(job.after)}
-                        for job_id, job in children], separators=(",", ":"))
-    yield Statement(after_queries(schema).after_link, {"links": links})
+    q = after_queries(schema)
+    wanted = json.dumps([{"id": job_id, "after": list(job.after)} for job_id, job in children],
+                        separators=(",", ":"))
+    rows: list[_ParentState] = yield Statement(q.after_states, {"links": wanted},
+                                               row=_ParentState)
+    states: dict[int, list[_ParentState]] = {}
+    for state in rows:
+        states.setdefault(state.child_id, []).append(state)
+    links = [_link(job_id, job, states.get(job_id, [])) for job_id, job in children]
+    yield Statement(q.after_link, {"links": json.dumps(links, separators=(",", ":"))})
+
+
+def _link(job_id: int, job: PreparedJob, states: Sequence[_ParentState]) -> dict[str, Any]:
+    """One child's edges and what its parents' states decide for it."""
+    failed = min((s for s in states if s.outcome == "failed"), key=lambda s: s.key,
+                 default=None)
+    waiting = sum(s.outcome is None for s in states)
+    mode: _lifecycle.Mode = "run" if job.after_failed == "run" else "fail"
+    decision = _lifecycle.parent_settled(
+        mode, len(states), failed.key if failed else None, failed.error if failed else None,
+        settled=len(states) - waiting)
+    return {"id": job_id, "mode": job.after_failed,
+            "edges": [[s.key, s.outcome] for s in states],
+            "status": decision.status, "error": decision.error, "waiting": waiting,
+            "waits": decision.status == "pending" and decision.delay == _lifecycle.NEVER}
 
 
 def results_steps(ids: Sequence[int], schema: str) -> Step[dict[int, dict[str, Any]]]:

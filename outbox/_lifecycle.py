@@ -471,9 +471,11 @@ def parent_settled(mode: Mode, waiting: int, failed: str | None,
     - else, its last parent settled: pending and due now (delay 0).
     - else: pending, still waiting on the others (delay ``NEVER``).
 
-    The fan-in statements apply it set-based (fragment ``after_released`` and the
-    statement ``after_link`` in ``sql/after.sql``, bound into every settlement); a test
-    runs them against it for every case.
+    At enqueue, ``outbox._after.link_steps`` calls it for each child and ``after_link``
+    writes its decision. When a parent settles, the fragment ``after_released``
+    (``sql/after.sql``, bound into every settlement, set-based: one statement however
+    many children) applies the same rule, and a test runs it against this function for
+    every case.
     """
     if failed is not None and mode == "fail":
         quoted = "" if failed_error is None else f" ({failed_error[:PARENT_ERROR_LENGTH]})"

@@ -89,46 +89,49 @@ FROM unnest(CAST(%(keys)s AS text[])) AS k(key)
 WHERE NOT EXISTS (SELECT 1 FROM {schema}.jobs j WHERE j.key = k.key)
   AND NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = k.key);
 
+-- name: after_states
+-- What the parents of the children just created (%(links)s: a JSON array of {id, after:
+-- [keys]}) say about them, per (child, parent key): 'done' or 'failed' when the parent
+-- is settled for good (fragment after_parent_state), NULL while it is to come, and the
+-- parent's last_error (shortened). Parents enqueued in this very transaction are seen
+-- (pending: waited for). What outbox._lifecycle.parent_settled decides each child with.
+SELECT w.child_id, w.key,
+       (SELECT {after_parent_state} FROM (SELECT w.key AS key) pk) AS outcome,
+       (SELECT left(pj.last_error, 200) FROM {schema}.jobs pj WHERE pj.key = w.key)
+           AS error
+FROM (SELECT CAST(l ->> 'id' AS bigint) AS child_id, p.key
+      FROM jsonb_array_elements(CAST(%(links)s AS jsonb)) AS l
+      CROSS JOIN LATERAL jsonb_array_elements_text(l -> 'after') AS p(key)) w
+ORDER BY w.child_id, w.key;
+
 -- name: after_link
--- The children just created (%(links)s: a JSON array of {id, mode, after: [keys]}) get
--- their edges, and wait (available_at after_never, after_waiting the parents still to
--- come) unless every parent is resolved already: then they stay due now. A child with a
--- parent failed for good fails at once unless its mode is 'run'. Parents enqueued in this
--- very transaction are seen (pending: waited for). One statement for any number of
--- children and parents; the child rows are this transaction's own, so nothing waits.
-WITH wanted AS (
-    SELECT CAST(l ->> 'id' AS bigint) AS child_id, l ->> 'mode' AS mode, p.key
+-- The children just created (%(links)s: a JSON array of {id, mode, edges: [[key,
+-- outcome]], status, error, waiting, waits}) get their edges (with the outcomes
+-- after_states read), and each what outbox._lifecycle.parent_settled decided for it:
+-- its status (failed: a parent failed for good and its mode is 'fail'), error, the
+-- parents still to come (after_waiting), and, while it waits (waits), the available_at
+-- of a job that is never due (after_never). One statement for any number of children
+-- and parents; the child rows are this transaction's own, so nothing waits.
+WITH links AS (
+    SELECT CAST(l ->> 'id' AS bigint) AS child_id, l ->> 'mode' AS mode,
+           l ->> 'status' AS status, l ->> 'error' AS error,
+           CAST(l ->> 'waiting' AS integer) AS waiting, CAST(l ->> 'waits' AS boolean) AS waits,
+           l -> 'edges' AS edges
     FROM jsonb_array_elements(CAST(%(links)s AS jsonb)) AS l
-    CROSS JOIN LATERAL jsonb_array_elements_text(l -> 'after') AS p(key)
-), states AS (
-    SELECT w.child_id, w.mode, w.key,
-           (SELECT {after_parent_state} FROM (SELECT w.key AS key) pk) AS outcome,
-           (SELECT left(pj.last_error, 200) FROM {schema}.jobs pj WHERE pj.key = w.key)
-               AS error
-    FROM wanted w
 ), edges AS (
     INSERT INTO {schema}.after_edges (child_id, parent_key, outcome)
-    SELECT s.child_id, s.key, s.outcome FROM states s
+    SELECT k.child_id, e ->> 0, e ->> 1
+    FROM links k CROSS JOIN LATERAL jsonb_array_elements(k.edges) AS e
     ON CONFLICT (child_id, parent_key) DO NOTHING
-), counted AS (
-    SELECT s.child_id, min(s.mode) AS mode,
-           count(*) FILTER (WHERE s.outcome IS NULL) AS waiting,
-           min(s.key) FILTER (WHERE s.outcome = 'failed') AS failed
-    FROM states s GROUP BY s.child_id
 )
 UPDATE {schema}.jobs j
-SET after_failed = c.mode,
-    after_waiting = c.waiting,
-    status = CASE WHEN c.failed IS NOT NULL AND c.mode = 'fail' THEN 'failed' ELSE j.status END,
-    last_error = CASE WHEN c.failed IS NOT NULL AND c.mode = 'fail'
-                      THEN 'not performed: parent ' || c.failed || ' failed for good'
-                           || coalesce(' (' || (SELECT s.error FROM states s
-                                                WHERE s.key = c.failed LIMIT 1) || ')', '')
-                 END,
-    available_at = CASE WHEN c.waiting > 0 AND NOT (c.failed IS NOT NULL AND c.mode = 'fail')
-                        THEN {after_never} ELSE j.available_at END
-FROM counted c
-WHERE j.id = c.child_id
+SET after_failed = k.mode,
+    after_waiting = k.waiting,
+    status = k.status,
+    last_error = k.error,
+    available_at = CASE WHEN k.waits THEN {after_never} ELSE j.available_at END
+FROM links k
+WHERE j.id = k.child_id
 RETURNING j.id, j.status, j.after_waiting;
 
 -- name: after_results

@@ -64,11 +64,13 @@ def test_every_statement_that_writes_a_status_is_in_the_table_and_no_other() -> 
 # The statements whose status is the decision's, bound as a parameter (the operator's
 # decisions: operator_apply, one statement for retry, cancel and both resolves, which
 # were four statements until their decisions moved to the lifecycle; bulk_retry; and the
-# reconciler's answer of "not performed", pending or failed).
+# reconciler's answer of "not performed", pending or failed; a child enqueued after its
+# parents, decided by parent_settled).
 DECISION_PARAMETER = {
     "operator_apply": r"SET status = %\(status\)s::text",
     "bulk_retry": r"SET status = %\(decided_status\)s::text",
     "reconcile_not_performed": r"SET status = CAST\(%\(status\)s AS text\)",
+    "after_link": r"status = k\.status",  # parent_settled's, per child
 }
 
 
