@@ -426,3 +426,28 @@ def test_the_answer_not_performed_writes_what_the_lifecycle_decides(
             run(reconciler.resolve(reconciler.ask(job, checks)), in_transaction(conn, schema))
         _applied(before, told, _row(conn, schema, job_id))
     assert calls == [{"cancelled": False}]
+
+
+def test_a_cancelled_job_the_provider_has_no_trace_of_fails_its_children_at_once(
+        dsn: str, schema: str) -> None:
+    # An operator cancelled it while it ran; it went to reconcile, and the provider has
+    # no trace: failed (never performed). Its children are settled in the same
+    # statement, as parent_settled decides, not left for the sweep.
+    effect = Answers()
+    effect.replies = {"parent": NotPerformed()}
+    reconciler = _reconciler(dsn, schema, effect)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _seed(conn, schema, "parent", "reconcile")
+        conn.execute(sql.SQL("UPDATE {} SET cancel_version = claim_version").format(
+            table(schema, "jobs")))
+    _enqueue(dsn, schema, NewJob("test.child", "child", {}, after=["parent"]))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        before = _child(conn, schema, "child")
+        assert before["after_waiting"] == 1
+        [(job, checks)] = run(reconciler.take(), lambda s: execute(conn, s))
+        with conn.transaction():
+            run(reconciler.resolve(reconciler.ask(job, checks)), in_transaction(conn, schema))
+        parent = _child(conn, schema, "parent")
+        assert parent["status"] == "failed"
+        decision = _lifecycle.parent_settled("fail", 1, "parent", parent["last_error"])
+        _parent_applied(before, decision, _child(conn, schema, "child"))
