@@ -12,10 +12,13 @@ count alike, say "due" alike, and act alike:
   job held back by its ordering key waits for its key-mate, not for a dispatcher, so it
   is neither due nor part of the oldest due age; a job waiting on its parents
   (``after=[...]``) is counted apart, as ``waiting``;
-- the transitions (``retry``, ``cancel``, ``resolve``, ``bulk_retry``) are one statement
-  each: fenced (a job that moved on since the operator saw it changes 0 rows), audited in
-  ``dashboard_audit`` with the actor and the surface, and announced on the schema's
-  channel, so a listening dispatcher takes a retried job at once.
+- the transitions (``retry``, ``cancel``, ``resolve``, ``bulk_retry``) are decided by
+  ``_lifecycle.operator_action`` for the job as read, and applied by one statement
+  (``operator_apply``; a bulk retry: ``bulk_retry``): fenced on the status and
+  claim_version read (a job that moved on since it was read, or since the operator saw
+  it, changes 0 rows, and the answer says it ``moved``), audited in ``dashboard_audit``
+  with the actor and the surface, and announced on the schema's channel, so a listening
+  dispatcher takes a retried job at once.
 
 Readings and transitions are steps (``outbox._steps``): the same statements and
 the same interpretation of their rows, driven on a blocking connection (``on``, ``read``)
