@@ -46,8 +46,9 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/integration/test_rescue_lifecycle.py": {"outbox._queue"},
     "tests/property/test_rescue_decision.py": {"outbox._lifecycle"},
     "tests/unit/test_transitions.py": {"outbox._lifecycle", "outbox._sql"},
-    "tests/integration/test_decided_sources.py": {"outbox._dispatch", "outbox._lifecycle",
-                                                  "outbox._queue", "outbox._steps"},
+    "tests/integration/test_decided_sources.py": {"outbox._after", "outbox._dispatch",
+                                                  "outbox._lifecycle", "outbox._queue",
+                                                  "outbox._steps"},
     "tests/property/test_operator_decisions.py": {"outbox._lifecycle"},
     # The rescue's batch timed beside the statement it replaced: the rescuer itself.
     "benchmarks/rescue.py": {"outbox._dispatch", "outbox._steps"},

@@ -19,7 +19,17 @@ from click.testing import CliRunner
 from psycopg import sql
 
 import outbox
-from outbox import DispatchStats, Effect, Job, NewJob, NotPerformed, Performed, _lifecycle, _queue
+from outbox import (
+    DispatchStats,
+    Effect,
+    Job,
+    NewJob,
+    NotPerformed,
+    Performed,
+    _after,
+    _lifecycle,
+    _queue,
+)
 from outbox._dispatch.hooked import in_transaction
 from outbox._dispatch.reconciler import Reconciler
 from outbox._dispatch.state import SharedState
@@ -451,3 +461,36 @@ def test_a_cancelled_job_the_provider_has_no_trace_of_fails_its_children_at_once
         assert parent["status"] == "failed"
         decision = _lifecycle.parent_settled("fail", 1, "parent", parent["last_error"])
         _parent_applied(before, decision, _child(conn, schema, "child"))
+
+
+@pytest.mark.parametrize("mode", ["fail", "run"])
+def test_the_sweep_settling_several_parents_at_once_writes_the_lifecycles_decision(
+        dsn: str, schema: str, mode: _lifecycle.Mode) -> None:
+    # Parents settled while their child's enqueue was still open (their settlements saw
+    # no edge): the sweep resolves them, several parents of one child in one statement.
+    # Children after: two done parents; a done and a failed one; two of three (one
+    # still to come).
+    parents = ("a-done", "b-done", "c-failed", "d-pending")
+    _enqueue(dsn, schema, *(NewJob("test.parent", key, {}) for key in parents))
+    cases = {"two-done": ["a-done", "b-done"], "done-failed": ["a-done", "c-failed"],
+             "two-of-three": ["a-done", "c-failed", "d-pending"]}
+    _enqueue(dsn, schema, *(NewJob("test.child", key, {}, after=after, after_failed=mode)
+                            for key, after in cases.items()))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        jobs_table = table(schema, "jobs")
+        # Settled behind the fan-in's back, as a settlement that could not see the edges.
+        conn.execute(sql.SQL("UPDATE {} SET status = 'done' WHERE key IN ('a-done', 'b-done')")
+                     .format(jobs_table))
+        conn.execute(sql.SQL("UPDATE {} SET status = 'failed', last_error = 'Permanent: no'"
+                             " WHERE key = 'c-failed'").format(jobs_table))
+        befores = {key: _child(conn, schema, key) for key in cases}
+        with conn.transaction():
+            woken = run(_after.Sweep(schema).sweep(), lambda s: execute(conn, s))
+        assert woken == len(cases)
+        for key, after in cases.items():
+            settled = [p for p in after if not p.endswith("-pending")]
+            failed = min((p for p in settled if p.endswith("-failed")), default=None)
+            decision = _lifecycle.parent_settled(
+                mode, befores[key]["after_waiting"], failed,
+                "Permanent: no" if failed else None, settled=len(settled))
+            _parent_applied(befores[key], decision, _child(conn, schema, key))
