@@ -494,3 +494,32 @@ def test_the_sweep_settling_several_parents_at_once_writes_the_lifecycles_decisi
                 mode, befores[key]["after_waiting"], failed,
                 "Permanent: no" if failed else None, settled=len(settled))
             _parent_applied(befores[key], decision, _child(conn, schema, key))
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "psycopg2"])
+def test_a_child_enqueued_through_sqlalchemy_is_linked_as_the_lifecycle_decides(
+        dsn: str, schema: str, driver: str) -> None:
+    # The link's two statements (the parents read, the decision written) through another
+    # driver's connection: the same states as through psycopg.
+    from sqlalchemy import create_engine
+
+    from outbox.contrib.sqlalchemy import transaction as sqlalchemy_transaction
+
+    _enqueue(dsn, schema, NewJob("test.parent", "failed-p", {}),
+             NewJob("test.parent", "pending-p", {}))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("UPDATE {} SET status = 'failed', last_error = 'Permanent: no'"
+                             " WHERE key = 'failed-p'").format(table(schema, "jobs")))
+    engine = create_engine(dsn.replace("postgresql://", f"postgresql+{driver}://", 1))
+    try:
+        with engine.begin() as target, sqlalchemy_transaction(target, schema=schema) as tx:
+            tx.enqueue("test.child", key="fails", payload={}, after=["failed-p", "pending-p"])
+            tx.enqueue("test.child", key="waits", payload={}, after=["pending-p"],
+                       after_failed="run")
+    finally:
+        engine.dispose()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _parent_applied({"last_error": None}, _lifecycle.parent_settled(
+            "fail", 2, "failed-p", "Permanent: no", settled=1), _child(conn, schema, "fails"))
+        _parent_applied({"last_error": None}, _lifecycle.parent_settled(
+            "run", 1, None, settled=0), _child(conn, schema, "waits"))
