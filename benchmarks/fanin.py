@@ -6,9 +6,10 @@ runs to ``benchmarks/results/fanin-<UTC timestamp>.json``.
 
 - **many parents**: ``--size`` parents (no-op jobs, enqueued in batches of 1,000) and one
   child ``after`` all of them. The child's enqueue (the parents checked, the job written,
-  its edges linked: three statements); the drain of parents and child by one
-  ``Dispatcher`` (the drain section's settings), against the drain of the same parents with
-  no child; and the child's wait: its ledger row's time less the last parent's.
+  the parents' states read, its edges linked: four statements); the drain of parents and
+  child by one ``Dispatcher`` (the drain section's settings), against the drain of the
+  same parents with no child; and the child's wait: its ledger row's time less the last
+  parent's.
 - **many children**: one parent and ``--size`` children ``after`` it (batches of 1,000),
   against the same batches without ``after``; the claim (the dispatcher's own statement,
   limit 100, 30 times, rolled back) of 1,000 due jobs of the children's own effect and
