@@ -59,6 +59,7 @@ from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .flowsql import flow_queries
 from .hook_lookup import is_async_hook
+from .runtime import Flavoured, Program
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, guarded
 
@@ -536,24 +537,27 @@ def _refused_singly(hooked: HookedOutcomes, item: Hooked, exc: Exception) -> Non
               getattr(exc, "sqlstate", None) or type(exc).__name__)
 
 
-def flush_hooked(hooked: HookedOutcomes, conn: Connection, beat: Callable[[], None]) -> None:
+def flush_hooked(hooked: HookedOutcomes, conn: Connection | AsyncConnection,
+                 beat: Callable[[], Program[None]]) -> Program[None]:
     """Write every hooked outcome held, in chunks (``HookedOutcomes.next_chunk``), each its
     own transaction; after a chunk is refused for a reason other than a lost connection,
     its outcomes one per transaction, so one bad row cannot block the rest. ``beat`` (the
     recorder's heartbeat, sent when due) runs before each of these transactions, so the
-    leases held outlive a write of any length.
+    leases held outlive a write of any length. A part of the recorder's loop (a program
+    of ``runtime``): each transaction is ``record_hooked`` on a blocking connection,
+    ``record_hooked_async`` on an asyncio one.
 
     Only database errors are handled: anything else (a bug of ours) ends the recorder,
     and the run raises ``DispatcherFailed``. What is held is dropped first, so every
-    attempt still reaches the observer. A lost connection propagates with what is not
-    written yet still held, for the caller to retry.
+    attempt still reaches the observer. A lost connection (or a cancellation) propagates
+    with what is not written yet still held, for the caller to retry.
     """
     try:
         while hooked.items:
-            beat()
+            yield from beat()
             chunk, started = hooked.next_chunk(), time.monotonic()
             try:
-                record_hooked(hooked, conn, chunk)
+                yield Flavoured(record_hooked, record_hooked_async, hooked, conn, chunk)
                 hooked.took(len(chunk), time.monotonic() - started)
                 continue
             except CONNECTION_ERRORS:
@@ -561,39 +565,9 @@ def flush_hooked(hooked: HookedOutcomes, conn: Connection, beat: Callable[[], No
             except psycopg.Error as exc:
                 _chunk_refused(exc)
             for item in _still_held(hooked, chunk):
-                beat()
+                yield from beat()
                 try:
-                    record_hooked(hooked, conn, [item])
-                except CONNECTION_ERRORS:
-                    raise
-                except psycopg.Error as exc:
-                    _refused_singly(hooked, item, exc)
-    except CONNECTION_ERRORS:
-        raise
-    except BaseException as exc:
-        _drop_all(hooked, exc)
-        raise
-
-
-async def flush_hooked_async(hooked: HookedOutcomes, conn: AsyncConnection,
-                             beat: Callable[[], Awaitable[None]]) -> None:
-    """``flush_hooked`` for ``AsyncDispatcher`` (a cancellation drops nothing)."""
-    try:
-        while hooked.items:
-            await beat()
-            chunk, started = hooked.next_chunk(), time.monotonic()
-            try:
-                await record_hooked_async(hooked, conn, chunk)
-                hooked.took(len(chunk), time.monotonic() - started)
-                continue
-            except CONNECTION_ERRORS:
-                raise
-            except psycopg.Error as exc:
-                _chunk_refused(exc)
-            for item in _still_held(hooked, chunk):
-                await beat()
-                try:
-                    await record_hooked_async(hooked, conn, [item])
+                    yield Flavoured(record_hooked, record_hooked_async, hooked, conn, [item])
                 except CONNECTION_ERRORS:
                     raise
                 except psycopg.Error as exc:

@@ -1,0 +1,269 @@
+"""The dispatcher's loops written once: each loop is a generator "program" that yields
+instructions, and two small drivers run any program, ``drive`` on a thread and
+``drive_async`` as an asyncio task (the habit of ``outbox._steps``, one level up).
+
+A program decides everything a loop decides (what a failure does, when to back off,
+when to stop, what a cancellation between a claim's commit and its reply does); the
+drivers only carry out its instructions, each in their flavour::
+
+    rows = yield Run(step, conn)          # drive a step on a connection: its result
+    woken = yield Wait(event, seconds)    # wait for an event, at most ``seconds``: set?
+    yield Sleep(seconds)                  # back off
+    value = yield Blocking(fn, *args)     # a blocking call (asyncio: on a thread)
+    value = yield Call(fn, *args)         # a call whose result is awaited if awaitable
+    value = yield Flavoured(fn, afn, *args)  # fn(*args), or await afn(*args)
+
+Whatever an instruction raises, ``BaseException`` included, is thrown into the program
+at its ``yield``: its ``finally`` clauses may yield more instructions (a goodbye to the
+database while a cancellation or ``KeyboardInterrupt`` propagates), which the driver
+still carries out, then the error propagates from the driver unchanged.
+
+A ``Run`` with ``shielded`` is not cut off by an asyncio cancellation: the step runs on
+to its end in a task of its own, and the program is thrown ``Cut``, whose ``rest`` it may
+yield to wait for the step's result before it re-raises ``Cut.error``. Under ``drive``
+there is no cancellation, and ``Cut`` is never thrown.
+
+Inside a ``Run``, the step's ``Statement`` instructions run on ``conn``; any other
+instruction is handed to ``translate``, which answers the loop instruction that carries
+it out (a call to the limits' home becomes a ``Blocking``, for instance). As in
+``outbox._steps``, only an ``Exception`` is thrown into the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from .._steps import Statement, run, run_async
+
+__all__ = ["Blocking", "Call", "Cut", "Flavoured", "Program", "Rest", "Run", "Sleep", "Wait",
+           "drive", "drive_async"]
+
+T = TypeVar("T")
+
+Program = Generator[Any, Any, T]
+"""A loop: yields the instructions of this module, is sent their answers, returns T."""
+
+
+class Executes(Protocol):
+    """A connection a step runs on (``connection.Connection`` or ``AsyncConnection``)."""
+
+    def execute(self, statement: Statement, /) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Drive ``step`` on ``conn``; answers its result. ``translate``: what the step's
+    instructions other than ``Statement`` become (a loop instruction); ``shielded``: an
+    asyncio cancellation does not cut the step off (see ``Cut``)."""
+
+    step: Generator[Any, Any, Any]
+    conn: Executes
+    translate: Callable[[Any], Any] | None = None
+    shielded: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Wait for ``event`` (a ``Signal``) at most ``seconds`` (None: without end);
+    answers whether it is set. With ``clear``, the event is cleared afterwards."""
+
+    event: Any
+    seconds: float | None
+    clear: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Back off for ``seconds``, woken by nothing."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Blocking:
+    """Call a blocking function: on the driver's thread, or (asyncio) on a thread of its
+    own, so the loop never waits for it. Answers its result."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        object.__setattr__(self, "fn", fn)
+        object.__setattr__(self, "args", args)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Call:
+    """Call a function that does not block (a connection's ``discard``, either
+    flavour's); an awaitable it returns is awaited. Answers its result."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        object.__setattr__(self, "fn", fn)
+        object.__setattr__(self, "args", args)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Flavoured:
+    """Work that is written in each flavour (a transaction with hooks): ``drive`` calls
+    ``blocking(*args)``, ``drive_async`` awaits ``asyncio(*args)``."""
+
+    blocking: Callable[..., Any]
+    asyncio: Callable[..., Any]
+    args: tuple[Any, ...]
+
+    def __init__(self, blocking: Callable[..., Any], asyncio: Callable[..., Any],
+                 *args: Any) -> None:
+        object.__setattr__(self, "blocking", blocking)
+        object.__setattr__(self, "asyncio", asyncio)
+        object.__setattr__(self, "args", args)
+
+
+@dataclass(frozen=True, slots=True)
+class Rest:
+    """What a cut-off shielded step still answers (its result, or its error), once it
+    ends. Yielded only from a handler of ``Cut``."""
+
+    task: Any = field(repr=False)
+
+
+class Cut(BaseException):
+    """Thrown into a program when an asyncio cancellation came during a shielded ``Run``:
+    ``error`` is the cancellation (to re-raise once done), ``rest`` the instruction that
+    waits for the step the cancellation did not cut off."""
+
+    def __init__(self, error: BaseException, rest: Rest) -> None:
+        super().__init__("cancelled during a shielded step")
+        self.error = error
+        self.rest = rest
+
+
+# -- the blocking driver ----------------------------------------------------------------------
+
+
+def drive(program: Program[T]) -> T:
+    """Run ``program`` to its end on this thread; its result, or what it raised."""
+    try:
+        instruction = next(program)
+        while True:
+            try:
+                answer = _carry_out(instruction)
+            except BaseException as exc:  # the program decides: its finally may yield
+                instruction = program.throw(exc)
+            else:
+                instruction = program.send(answer)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+
+
+def _carry_out(instruction: Any) -> Any:
+    kind = type(instruction)
+    if kind is Run:
+        return run(instruction.step, _step_executor(instruction))
+    if kind is Wait:
+        woken = instruction.event.wait(instruction.seconds)
+        if instruction.clear:
+            instruction.event.clear()
+        return woken
+    if kind is Sleep:
+        time.sleep(instruction.seconds)
+        return None
+    if kind is Blocking or kind is Call:
+        return instruction.fn(*instruction.args)
+    if kind is Flavoured:
+        return instruction.blocking(*instruction.args)
+    raise TypeError(f"not a loop instruction for the blocking driver: {instruction!r}")
+
+
+def _step_executor(instruction: Run) -> Callable[[Any], Any]:
+    execute = instruction.conn.execute
+    translate = instruction.translate
+    if translate is None:
+        return execute
+
+    def carry(step_instruction: Any) -> Any:
+        if type(step_instruction) is Statement:
+            return execute(step_instruction)
+        return _carry_out(translate(step_instruction))
+
+    return carry
+
+
+# -- the asyncio driver -----------------------------------------------------------------------
+
+
+async def drive_async(program: Program[T]) -> T:
+    """Run ``program`` to its end as (part of) an asyncio task: ``drive``'s twin in
+    flavour only; a cancellation is thrown into the program like any error."""
+    try:
+        instruction = next(program)
+        while True:
+            try:
+                answer = await _carry_out_async(instruction)
+            except BaseException as exc:  # the program decides: its finally may yield
+                instruction = program.throw(exc)
+            else:
+                instruction = program.send(answer)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+
+
+async def _carry_out_async(instruction: Any) -> Any:
+    kind = type(instruction)
+    if kind is Run:
+        return await _run_async(instruction)
+    if kind is Wait:
+        if instruction.seconds is None:
+            raise TypeError("an asyncio Wait needs seconds")
+        woken = await instruction.event.wait(instruction.seconds)
+        if instruction.clear:
+            instruction.event.clear()
+        return woken
+    if kind is Sleep:
+        return await asyncio.sleep(instruction.seconds)
+    if kind is Blocking:
+        return await asyncio.to_thread(instruction.fn, *instruction.args)
+    if kind is Call:
+        value = instruction.fn(*instruction.args)
+        return await value if inspect.isawaitable(value) else value
+    awaited = (instruction.asyncio(*instruction.args) if kind is Flavoured
+               else instruction.task if kind is Rest else None)
+    if awaited is None:
+        raise TypeError(f"not a loop instruction for the asyncio driver: {instruction!r}")
+    return await awaited
+
+
+async def _run_async(instruction: Run) -> Any:
+    stepping = run_async(instruction.step, _step_executor_async(instruction))
+    if not instruction.shielded:
+        return await stepping
+    # A task of its own, shielded: a cancellation must not cut the step off (a claim
+    # between its commit and its reply would leave jobs claimed that nobody holds).
+    task = asyncio.ensure_future(stepping)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError as exc:
+        raise Cut(exc, Rest(task)) from None
+
+
+def _step_executor_async(instruction: Run) -> Callable[[Any], Any]:
+    execute = instruction.conn.execute
+    translate = instruction.translate
+    if translate is None:
+        return execute
+
+    async def carry(step_instruction: Any) -> Any:
+        if type(step_instruction) is Statement:
+            return await execute(step_instruction)
+        return await _carry_out_async(translate(step_instruction))
+
+    return carry
