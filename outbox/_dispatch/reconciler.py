@@ -33,7 +33,6 @@ import inspect
 import json
 import logging
 import random
-import threading
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -54,12 +53,14 @@ from .hooked import (
     in_transaction,
     in_transaction_async,
 )
+from .runtime import Call, Flavoured, Program, Run, Wait, drive, drive_async
 from .settings import Settings
 from .standby import ReadOnlyServer
 from .state import SharedState
 from .workers import result_json
 
-__all__ = ["Answer", "Reconciler", "read_reply", "run_reconciler", "run_reconciler_async"]
+__all__ = ["Answer", "Reconciler", "read_reply", "reconcile_pass", "reconciling",
+           "run_reconciler", "run_reconciler_async"]
 
 log = logging.getLogger("outbox.reconciler")
 
@@ -260,13 +261,16 @@ async def _awaited(awaitable: Any) -> Any:
 # -- drivers -----------------------------------------------------------------------------------
 
 
-def reconcile_pass(reconciler: Reconciler, conn: Connection) -> int:
-    """One pass on a blocking connection: take, ask, resolve; how many were asked."""
+def reconcile_pass(reconciler: Reconciler, conn: Connection | AsyncConnection,
+                   blocking: Connection | None = None) -> Program[int]:
+    """One pass: take, ask, resolve; how many were asked. ``blocking``: on an asyncio
+    connection, the blocking one that plain hooks write on."""
     asked = 0
     for _ in range(MAX_BATCHES):
-        taken = run(reconciler.take(), conn.execute)
+        taken = yield Run(reconciler.take(), conn)
         for job, checks in taken:
-            resolve_on(reconciler, conn, reconciler.ask(job, checks))
+            answer = yield Flavoured(reconciler.ask, reconciler.ask_async, job, checks)
+            yield Flavoured(resolve_on, _resolve_on_async, reconciler, conn, answer, blocking)
             asked += 1
         if len(taken) < BATCH or reconciler.state.stopping.is_set():
             break
@@ -274,85 +278,64 @@ def reconcile_pass(reconciler: Reconciler, conn: Connection) -> int:
     return asked
 
 
-def run_reconciler(reconciler: Reconciler, conn: Connection, *, once: bool) -> None:
-    """The reconciler's loop on its own thread: a pass every ``reconcile_interval``
-    (the first at once) until the dispatcher stops; ``once``: one pass."""
-    state: SharedState[threading.Event] = reconciler.state
+def reconciling(reconciler: Reconciler, conn: Connection | AsyncConnection, *, once: bool,
+                blocking: Connection | None = None) -> Program[None]:
+    """The reconciler's loop: a pass every ``reconcile_interval`` (the first at once)
+    until the dispatcher stops; ``once``: one pass."""
+    state = reconciler.state
     interval = reconciler.settings.reconcile_interval
     try:
         while True:
             wait = interval
             try:
-                reconcile_pass(reconciler, conn)
+                yield from reconcile_pass(reconciler, conn, blocking)
             except CONNECTION_ERRORS as exc:
                 if conn.lost:
-                    conn.discard()
+                    yield Call(conn.discard)
                 if not isinstance(exc, ReadOnlyServer):  # a standby: said once
                     log.warning("reconciler: database unreachable (%s); retrying",
                                 type(exc).__name__)
                 wait = min(interval, conn.backoff())
             except ConfigurationError:
                 raise
-            if once or state.stopping.wait(wait):
+            if once or (yield Wait(state.stopping, wait)):
                 return
     finally:
-        conn.discard()
+        if blocking is not None:
+            blocking.discard()
+        yield Call(conn.discard)
 
 
-def resolve_on(reconciler: Reconciler, conn: Connection, answer: Answer) -> None:
+def run_reconciler(reconciler: Reconciler, conn: Connection, *, once: bool) -> None:
+    """``reconciling`` on its own thread (``Dispatcher``), or once on the caller's."""
+    drive(reconciling(reconciler, conn, once=once))
+
+
+async def run_reconciler_async(reconciler: Reconciler, conn: AsyncConnection, *,
+                               once: bool) -> None:
+    """``reconciling`` as a task of ``AsyncDispatcher`` (plain hooks on a thread, with a
+    blocking connection of their own)."""
+    settings = reconciler.settings
+    blocking = Connection(lambda role: connect(settings, role), "reconciler")
+    await drive_async(reconciling(reconciler, conn, once=once, blocking=blocking))
+
+
+def resolve_on(reconciler: Reconciler, conn: Connection, answer: Answer,
+               blocking: Connection | None = None) -> None:
     """Write ``answer`` in a transaction of its own on a blocking connection."""
     pg = conn.get()
     with pg.transaction():
         run(reconciler.resolve(answer), in_transaction(pg, reconciler.settings.schema))
 
 
-async def reconcile_pass_async(reconciler: Reconciler, conn: AsyncConnection,
-                               blocking: Connection) -> int:
-    """``reconcile_pass`` on an asyncio connection (``blocking`` for plain hooks)."""
-    asked = 0
-    schema = reconciler.settings.schema
-    for _ in range(MAX_BATCHES):
-        taken = await run_async(reconciler.take(), conn.execute)
-        for job, checks in taken:
-            answer = await reconciler.ask_async(job, checks)
-            if reconciler.sync_hook(answer):
-                await asyncio.to_thread(resolve_on, reconciler, blocking, answer)
-            else:
-                pg = await conn.get()
-                async with pg.transaction():
-                    await run_async(reconciler.resolve(answer),
-                                    in_transaction_async(pg, schema))
-            asked += 1
-        if len(taken) < BATCH or reconciler.state.stopping.is_set():
-            break
-    conn.succeeded()
-    return asked
-
-
-async def run_reconciler_async(reconciler: Reconciler, conn: AsyncConnection, *,
-                               once: bool) -> None:
-    """``run_reconciler`` as a task of ``AsyncDispatcher``."""
-    state = reconciler.state
-    settings = reconciler.settings
-    interval = settings.reconcile_interval
-    blocking = Connection(lambda role: connect(settings, role), "reconciler")
-    try:
-        while True:
-            wait = interval
-            try:
-                await reconcile_pass_async(reconciler, conn, blocking)
-            except CONNECTION_ERRORS as exc:
-                if conn.lost:
-                    await conn.discard()
-                if not isinstance(exc, ReadOnlyServer):  # a standby: said once
-                    log.warning("reconciler: database unreachable (%s); retrying",
-                                type(exc).__name__)
-                wait = min(interval, conn.backoff())
-            except ConfigurationError:
-                raise
-            if once or await state.stopping.wait(wait):
-                return
-    finally:
-        blocking.discard()
-        await conn.discard()
-
+async def _resolve_on_async(reconciler: Reconciler, conn: AsyncConnection, answer: Answer,
+                            blocking: Connection) -> None:
+    """``resolve_on`` on an asyncio connection; a plain hook's on a thread, with
+    ``blocking``."""
+    if reconciler.sync_hook(answer):
+        await asyncio.to_thread(resolve_on, reconciler, blocking, answer)
+        return
+    pg = await conn.get()
+    async with pg.transaction():
+        await run_async(reconciler.resolve(answer),
+                        in_transaction_async(pg, reconciler.settings.schema))

@@ -7,6 +7,7 @@ when to stop, what a cancellation between a claim's commit and its reply does); 
 drivers only carry out its instructions, each in their flavour::
 
     rows = yield Run(step, conn)          # drive a step on a connection: its result
+    more = yield Transaction(step, conn)  # the same, in one transaction of it
     woken = yield Wait(event, seconds)    # wait for an event, at most ``seconds``: set?
     yield Sleep(seconds)                  # back off
     value = yield Blocking(fn, *args)     # a blocking call (asyncio: on a thread)
@@ -34,14 +35,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from .._steps import Statement, run, run_async
+from .._steps import Statement, execute, execute_async, run, run_async
 
-__all__ = ["Blocking", "Call", "Cut", "Flavoured", "Program", "Rest", "Run", "Sleep", "Wait",
-           "drive", "drive_async"]
+__all__ = ["Blocking", "Call", "Cut", "Flavoured", "Program", "Rest", "Run", "Sleep",
+           "Transaction", "Wait", "drive", "drive_async"]
 
 T = TypeVar("T")
 
@@ -65,6 +67,15 @@ class Run:
     conn: Executes
     translate: Callable[[Any], Any] | None = None
     shielded: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Transaction:
+    """Drive ``step`` (statements only) in one transaction of ``conn``'s connection:
+    committed when the step returns, rolled back when it raises. Answers its result."""
+
+    step: Generator[Statement, Any, Any]
+    conn: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +179,10 @@ def _carry_out(instruction: Any) -> Any:
     kind = type(instruction)
     if kind is Run:
         return run(instruction.step, _step_executor(instruction))
+    if kind is Transaction:
+        pg = instruction.conn.get()
+        with pg.transaction():
+            return run(instruction.step, partial(execute, pg))
     if kind is Wait:
         woken = instruction.event.wait(instruction.seconds)
         if instruction.clear:
@@ -218,28 +233,42 @@ async def drive_async(program: Program[T]) -> T:
 
 
 async def _carry_out_async(instruction: Any) -> Any:
-    kind = type(instruction)
-    if kind is Run:
-        return await _run_async(instruction)
-    if kind is Wait:
-        if instruction.seconds is None:
-            raise TypeError("an asyncio Wait needs seconds")
-        woken = await instruction.event.wait(instruction.seconds)
-        if instruction.clear:
-            instruction.event.clear()
-        return woken
-    if kind is Sleep:
-        return await asyncio.sleep(instruction.seconds)
-    if kind is Blocking:
-        return await asyncio.to_thread(instruction.fn, *instruction.args)
-    if kind is Call:
-        value = instruction.fn(*instruction.args)
-        return await value if inspect.isawaitable(value) else value
-    awaited = (instruction.asyncio(*instruction.args) if kind is Flavoured
-               else instruction.task if kind is Rest else None)
-    if awaited is None:
-        raise TypeError(f"not a loop instruction for the asyncio driver: {instruction!r}")
-    return await awaited
+    try:
+        carry = _ASYNC[type(instruction)]
+    except KeyError:
+        raise TypeError(
+            f"not a loop instruction for the asyncio driver: {instruction!r}") from None
+    return await carry(instruction)
+
+
+async def _wait_async(instruction: Wait) -> bool:
+    if instruction.seconds is None:
+        raise TypeError("an asyncio Wait needs seconds")
+    woken: bool = await instruction.event.wait(instruction.seconds)
+    if instruction.clear:
+        instruction.event.clear()
+    return woken
+
+
+async def _sleep_async(instruction: Sleep) -> None:
+    await asyncio.sleep(instruction.seconds)
+
+
+async def _blocking_async(instruction: Blocking) -> Any:
+    return await asyncio.to_thread(instruction.fn, *instruction.args)
+
+
+async def _call_async(instruction: Call) -> Any:
+    value = instruction.fn(*instruction.args)
+    return await value if inspect.isawaitable(value) else value
+
+
+async def _flavoured_async(instruction: Flavoured) -> Any:
+    return await instruction.asyncio(*instruction.args)
+
+
+async def _rest_async(instruction: Rest) -> Any:
+    return await instruction.task
 
 
 async def _run_async(instruction: Run) -> Any:
@@ -255,6 +284,12 @@ async def _run_async(instruction: Run) -> Any:
         raise Cut(exc, Rest(task)) from None
 
 
+async def _transaction_async(instruction: Transaction) -> Any:
+    pg = await instruction.conn.get()
+    async with pg.transaction():
+        return await run_async(instruction.step, partial(execute_async, pg))
+
+
 def _step_executor_async(instruction: Run) -> Callable[[Any], Any]:
     execute = instruction.conn.execute
     translate = instruction.translate
@@ -267,3 +302,10 @@ def _step_executor_async(instruction: Run) -> Callable[[Any], Any]:
         return await _carry_out_async(translate(step_instruction))
 
     return carry
+
+
+_ASYNC: dict[type, Callable[[Any], Awaitable[Any]]] = {
+    Run: _run_async, Transaction: _transaction_async, Wait: _wait_async,
+    Sleep: _sleep_async, Blocking: _blocking_async, Call: _call_async,
+    Flavoured: _flavoured_async, Rest: _rest_async,
+}
