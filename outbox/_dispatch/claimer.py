@@ -2,10 +2,11 @@
 (done jobs, ledger rows, inbox rows).
 
 The decisions (how many to claim, what each round does next) are written once here as
-steps (``outbox._steps``); ``run_claimer`` drives them on a blocking connection in
+steps (``outbox._steps``), and the loop that runs the rounds once as a program
+(``claiming``, see ``runtime``): ``run_claimer`` drives it on a blocking connection in
 ``Dispatcher``'s caller's thread, ``run_claimer_async`` on an asyncio connection as a
-task of ``AsyncDispatcher``. Before either, ``wait_for_schema`` (or its twin) checks
-that the schema is current.
+task of ``AsyncDispatcher``. Before either, ``schema_wait`` checks that the schema is
+current.
 """
 
 from __future__ import annotations

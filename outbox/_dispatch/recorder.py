@@ -1,7 +1,8 @@
 """The recorder: writes outcomes in fenced batches and heartbeats the leases held.
 
-Written once as steps (``outbox._steps``), driven by ``run_recorder`` (the recorder thread of
-``Dispatcher``) and ``run_recorder_async`` (its task in ``AsyncDispatcher``). A batch is
+Written once as steps (``outbox._steps``) and a loop (``recording``, a program of
+``runtime``), driven by ``run_recorder`` (the recorder thread of ``Dispatcher``) and
+``run_recorder_async`` (its task in ``AsyncDispatcher``). A batch is
 at most two statements: ``complete`` (the fenced ``running -> done`` update and the
 ledger row, together) and ``settle`` (retry, release, failed, reconcile). A fenced write
 that changes 0 rows means the claim was lost: counted, reported, never retried as if it
