@@ -95,46 +95,43 @@ class Sleep:
     seconds: float
 
 
-@dataclass(frozen=True, slots=True, init=False)
-class Blocking:
+class _Calling:
+    """A call of ``fn(*args)``, as an instruction."""
+
+    __slots__ = ("args", "fn")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.fn = fn
+        self.args = args
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.fn!r}, *{self.args!r})"
+
+
+class Blocking(_Calling):
     """Call a blocking function: on the driver's thread, or (asyncio) on a thread of its
     own, so the loop never waits for it. Answers its result."""
 
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        object.__setattr__(self, "fn", fn)
-        object.__setattr__(self, "args", args)
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True, init=False)
-class Call:
+class Call(_Calling):
     """Call a function that does not block (a connection's ``discard``, either
     flavour's); an awaitable it returns is awaited. Answers its result."""
 
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        object.__setattr__(self, "fn", fn)
-        object.__setattr__(self, "args", args)
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True, init=False)
-class Flavoured:
+class Flavoured(_Calling):
     """Work that is written in each flavour (a transaction with hooks): ``drive`` calls
-    ``blocking(*args)``, ``drive_async`` awaits ``asyncio(*args)``."""
+    ``fn(*args)``, ``drive_async`` awaits ``asyncio(*args)``."""
 
-    blocking: Callable[..., Any]
-    asyncio: Callable[..., Any]
-    args: tuple[Any, ...]
+    __slots__ = ("asyncio",)
 
-    def __init__(self, blocking: Callable[..., Any], asyncio: Callable[..., Any],
+    def __init__(self, fn: Callable[..., Any], asyncio: Callable[..., Awaitable[Any]],
                  *args: Any) -> None:
-        object.__setattr__(self, "blocking", blocking)
-        object.__setattr__(self, "asyncio", asyncio)
-        object.__setattr__(self, "args", args)
+        super().__init__(fn, *args)
+        self.asyncio = asyncio
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,18 +158,7 @@ class Cut(BaseException):
 
 def drive(program: Program[T]) -> T:
     """Run ``program`` to its end on this thread; its result, or what it raised."""
-    try:
-        instruction = next(program)
-        while True:
-            try:
-                answer = _carry_out(instruction)
-            except BaseException as exc:  # the program decides: its finally may yield
-                instruction = program.throw(exc)
-            else:
-                instruction = program.send(answer)
-    except StopIteration as done:
-        result: T = done.value
-        return result
+    return run(program, _carry_out, BaseException)
 
 
 def _carry_out(instruction: Any) -> Any:
@@ -191,10 +177,8 @@ def _carry_out(instruction: Any) -> Any:
     if kind is Sleep:
         time.sleep(instruction.seconds)
         return None
-    if kind is Blocking or kind is Call:
+    if kind is Blocking or kind is Call or kind is Flavoured:
         return instruction.fn(*instruction.args)
-    if kind is Flavoured:
-        return instruction.blocking(*instruction.args)
     raise TypeError(f"not a loop instruction for the blocking driver: {instruction!r}")
 
 
@@ -216,20 +200,9 @@ def _step_executor(instruction: Run) -> Callable[[Any], Any]:
 
 
 async def drive_async(program: Program[T]) -> T:
-    """Run ``program`` to its end as (part of) an asyncio task: ``drive``'s twin in
-    flavour only; a cancellation is thrown into the program like any error."""
-    try:
-        instruction = next(program)
-        while True:
-            try:
-                answer = await _carry_out_async(instruction)
-            except BaseException as exc:  # the program decides: its finally may yield
-                instruction = program.throw(exc)
-            else:
-                instruction = program.send(answer)
-    except StopIteration as done:
-        result: T = done.value
-        return result
+    """Run ``program`` to its end as (part of) an asyncio task: ``drive`` in the other
+    flavour; a cancellation is thrown into the program like any error."""
+    return await run_async(program, _carry_out_async, BaseException)
 
 
 async def _carry_out_async(instruction: Any) -> Any:
