@@ -557,7 +557,8 @@ def claiming(
                 else:
                     wait = result.wait
             if wait:
-                yield Wait(state.wake, wait, clear=True)
+                yield Wait(state.wake, wait)
+                state.wake.clear()
     finally:
         yield Blocking(claimer.vacuum.close)
         if not conn.lost:  # stopping: say so at once, if the database is there

@@ -314,7 +314,8 @@ def recording(recorder: Recorder, conn: Connection | AsyncConnection) -> Program
 
     try:
         while not recorder.finished(pending):
-            yield Wait(state.outcome_ready, min(heartbeat.interval, 0.5), clear=True)
+            yield Wait(state.outcome_ready, min(heartbeat.interval, 0.5))
+            state.outcome_ready.clear()
             pending.extend(state.take_outcomes())
             try:
                 if pending:

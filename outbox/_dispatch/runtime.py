@@ -80,12 +80,11 @@ class Transaction:
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    """Wait for ``event`` (a ``Signal``) at most ``seconds`` (None: without end);
-    answers whether it is set. With ``clear``, the event is cleared afterwards."""
+    """Wait for ``event`` (a ``Signal``) at most ``seconds`` (None: without end, on a
+    thread only); answers whether it is set."""
 
     event: Any
     seconds: float | None
-    clear: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,17 +108,11 @@ class _Calling:
 
 
 class Blocking(_Calling):
-    """Call a blocking function: on the driver's thread, or (asyncio) on a thread of its
-    own, so the loop never waits for it. Answers its result."""
-
-    __slots__ = ()
+    """A blocking call: on the driver's thread, or (asyncio) on a thread of its own."""
 
 
 class Call(_Calling):
-    """Call a function that does not block (a connection's ``discard``, either
-    flavour's); an awaitable it returns is awaited. Answers its result."""
-
-    __slots__ = ()
+    """A call that does not block (a ``discard``); what it returns awaited if awaitable."""
 
 
 class Flavoured(_Calling):
@@ -170,10 +163,7 @@ def _carry_out(instruction: Any) -> Any:
         with pg.transaction():
             return run(instruction.step, partial(execute, pg))
     if kind is Wait:
-        woken = instruction.event.wait(instruction.seconds)
-        if instruction.clear:
-            instruction.event.clear()
-        return woken
+        return instruction.event.wait(instruction.seconds)
     if kind is Sleep:
         time.sleep(instruction.seconds)
         return None
@@ -218,8 +208,6 @@ async def _wait_async(instruction: Wait) -> bool:
     if instruction.seconds is None:
         raise TypeError("an asyncio Wait needs seconds")
     woken: bool = await instruction.event.wait(instruction.seconds)
-    if instruction.clear:
-        instruction.event.clear()
     return woken
 
 
