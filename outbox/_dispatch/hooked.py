@@ -45,7 +45,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import psycopg
 
@@ -423,10 +423,7 @@ def in_transaction(conn: psycopg.Connection[Any],
         try:
             instruction.fn(tx, instruction.job, instruction.value)
         except Exception as exc:
-            error = _hook_error(exc, conn.closed)
-            if error is exc:
-                raise
-            raise error from exc
+            _raise_hook_error(exc, conn.closed)
         return tx.created
 
     return execute_instruction
@@ -443,13 +440,18 @@ def in_transaction_async(conn: psycopg.AsyncConnection[Any],
         try:
             await instruction.fn(tx, instruction.job, instruction.value)
         except Exception as exc:
-            error = _hook_error(exc, conn.closed)
-            if error is exc:
-                raise
-            raise error from exc
+            _raise_hook_error(exc, conn.closed)
         return tx.created
 
     return execute_instruction
+
+
+def _raise_hook_error(exc: Exception, closed: bool) -> NoReturn:
+    """Raise what ``exc``, raised by a hook, is for the step (``_hook_error``)."""
+    error = _hook_error(exc, closed)
+    if error is exc:
+        raise exc
+    raise error from exc
 
 
 def _hook_error(exc: Exception, closed: bool) -> Exception:
