@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Generator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
+import psycopg
 import pytest
 
+from outbox._dispatch.claimer import schema_wait
+from outbox._dispatch.connection import Connection
 from outbox._dispatch.runtime import (
     Blocking,
     Call,
@@ -23,6 +28,7 @@ from outbox._dispatch.runtime import (
     drive,
     drive_async,
 )
+from outbox._dispatch.settings import Settings
 from outbox._dispatch.signals import LoopEvent
 
 
@@ -285,3 +291,57 @@ def test_what_is_not_an_instruction_is_refused_by_name() -> None:
 
     with pytest.raises(TypeError, match="not a loop instruction for the asyncio driver"):
         asyncio.run(main())
+
+
+# -- a program of the dispatcher's, under both drivers: the schema wait's policy -------
+
+
+def unreachable() -> None:
+    raise psycopg.OperationalError("connection refused")
+
+
+def never_opened(role: str) -> Any:
+    raise AssertionError(f"no {role} connection expected")
+
+
+def test_the_schema_wait_gives_up_at_its_deadline_under_both_drivers() -> None:
+    settings = cast(Settings, SimpleNamespace(conninfo="host=nowhere"))
+    attempts: list[str] = []
+
+    def check() -> None:
+        attempts.append("checked")
+        unreachable()
+
+    def program(event: Any) -> Program[None]:
+        state = SimpleNamespace(stopping=event)
+        conn = Connection(never_opened, "claimer")
+        return schema_wait(conn, check, settings, cast(Any, state), time.monotonic() + 0.3)
+
+    with pytest.raises(psycopg.OperationalError):
+        drive(program(threading.Event()))
+    blocking = len(attempts)
+
+    async def main() -> None:
+        await drive_async(program(LoopEvent()))
+
+    with pytest.raises(psycopg.OperationalError):
+        asyncio.run(main())
+    assert blocking >= 2  # it waited and tried again before giving up
+    assert len(attempts) - blocking >= 2
+
+
+def test_the_schema_wait_ends_at_a_stop_under_both_drivers() -> None:
+    settings = cast(Settings, SimpleNamespace(conninfo="host=nowhere"))
+
+    def program(event: Any) -> Program[None]:
+        event.set()  # the stop came: the first backoff ends it
+        state = SimpleNamespace(stopping=event)
+        return schema_wait(Connection(never_opened, "claimer"), unreachable, settings,
+                           cast(Any, state), None)
+
+    assert drive(program(threading.Event())) is None
+
+    async def main() -> None:
+        await drive_async(program(LoopEvent()))
+
+    asyncio.run(main())
