@@ -46,6 +46,9 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/integration/test_rescue_lifecycle.py": {"outbox._queue"},
     "tests/property/test_rescue_decision.py": {"outbox._lifecycle"},
     "tests/unit/test_transitions.py": {"outbox._lifecycle", "outbox._sql"},
+    # The loops' two drivers, and their instructions on a real database.
+    "tests/unit/test_runtime.py": {"outbox._dispatch"},
+    "tests/integration/test_runtime_loops.py": {"outbox._dispatch", "outbox._steps"},
     # The rescue's batch timed beside the statement it replaced: the rescuer itself.
     "benchmarks/rescue.py": {"outbox._dispatch", "outbox._steps"},
 }
