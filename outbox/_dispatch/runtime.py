@@ -71,11 +71,15 @@ class Run:
 
 @dataclass(frozen=True, slots=True)
 class Transaction:
-    """Drive ``step`` (statements only) in one transaction of ``conn``'s connection:
-    committed when the step returns, rolled back when it raises. Answers its result."""
+    """Drive ``step`` in one transaction of ``conn``'s connection: committed when the
+    step returns, rolled back when it raises. Answers its result. The step's
+    instructions run on that connection with ``blocking(pg)`` or ``asyncio(pg)`` (each
+    makes the flavour's executor; by default statements only, ``_steps.execute``)."""
 
-    step: Generator[Statement, Any, Any]
+    step: Generator[Any, Any, Any]
     conn: Any
+    blocking: Callable[[Any], Callable[[Any], Any]] | None = None
+    asyncio: Callable[[Any], Callable[[Any], Awaitable[Any]]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,8 +164,9 @@ def _carry_out(instruction: Any) -> Any:
         return run(instruction.step, _step_executor(instruction))
     if kind is Transaction:
         pg = instruction.conn.get()
+        executor = instruction.blocking or _statements
         with pg.transaction():
-            return run(instruction.step, partial(execute, pg))
+            return run(instruction.step, executor(pg))
     if kind is Wait:
         return instruction.event.wait(instruction.seconds)
     if kind is Sleep:
@@ -170,6 +175,14 @@ def _carry_out(instruction: Any) -> Any:
     if kind is Blocking or kind is Call or kind is Flavoured:
         return instruction.fn(*instruction.args)
     raise TypeError(f"not a loop instruction for the blocking driver: {instruction!r}")
+
+
+def _statements(pg: Any) -> Callable[[Any], Any]:
+    return partial(execute, pg)
+
+
+def _statements_async(pg: Any) -> Callable[[Any], Awaitable[Any]]:
+    return partial(execute_async, pg)
 
 
 def _step_executor(instruction: Run) -> Callable[[Any], Any]:
@@ -247,8 +260,9 @@ async def _run_async(instruction: Run) -> Any:
 
 async def _transaction_async(instruction: Transaction) -> Any:
     pg = await instruction.conn.get()
+    executor = instruction.asyncio or _statements_async
     async with pg.transaction():
-        return await run_async(instruction.step, partial(execute_async, pg))
+        return await run_async(instruction.step, executor(pg))
 
 
 def _step_executor_async(instruction: Run) -> Callable[[Any], Any]:
