@@ -66,7 +66,7 @@ from .state import Held, Outcome, SharedState, Success, guarded
 
 __all__ = ["HOOKED_CHUNK_MAX", "CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes",
            "call_hook", "in_transaction", "in_transaction_async",
-           "writing_hooked"]
+           "with_hooks", "writing_hooked"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -466,6 +466,14 @@ def _hook_error(exc: Exception, closed: bool) -> Exception:
         f"the connection was lost while a hook ran (it raised {type(exc).__name__})")
 
 
+def with_hooks(step: HookStep[Any], conn: Connection | AsyncConnection,
+               schema: str) -> Transaction:
+    """The loop instruction that drives ``step`` in one transaction of ``conn``, its
+    hooks called in that transaction (``in_transaction``, ``in_transaction_async``)."""
+    return Transaction(step, conn, partial(in_transaction, schema=schema),
+                       partial(in_transaction_async, schema=schema))
+
+
 def writing_hooked(hooked: HookedOutcomes, conn: Connection | AsyncConnection,
                    items: list[Hooked]) -> Program[None]:
     """Write ``items`` in one transaction (``fast``), and if a hook raised, ``careful``
@@ -489,17 +497,14 @@ def writing_hooked(hooked: HookedOutcomes, conn: Connection | AsyncConnection,
 def _hooked_transactions(hooked: HookedOutcomes, conn: Connection | AsyncConnection,
                          items: list[Hooked]) -> Program[None]:
     schema = hooked.settings.schema
-    blocking, in_asyncio = partial(in_transaction, schema=schema), partial(
-        in_transaction_async, schema=schema)
     try:
         try:
-            written = yield Transaction(hooked.fast(items), conn, blocking, in_asyncio)
+            written = yield with_hooks(hooked.fast(items), conn, schema)
         except _HOOK_TROUBLE as exc:
             if isinstance(exc, CONNECTION_ERRORS) or conn.lost:
                 raise
             culprit = hooked.calling if isinstance(exc, HookRaised) else None
-            written = yield Transaction(hooked.mended(items, culprit), conn, blocking,
-                                        in_asyncio)
+            written = yield with_hooks(hooked.mended(items, culprit), conn, schema)
     except CONNECTION_ERRORS:
         if conn.lost:
             yield Call(conn.discard)

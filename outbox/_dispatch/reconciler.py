@@ -22,8 +22,9 @@ pass before claiming). Each pass::
 
 How a reply is read (``read_reply``), where an answer sends the job
 (``_lifecycle.settle_answer``) and the resolutions (``resolve``, a step that yields statements
-and hook calls) are written once; ``run_reconciler`` and ``run_reconciler_async`` drive
-them with the steps' two drivers (``outbox._steps``).
+and hook calls) are written once, and the loop that runs the passes once as a program
+(``reconciling``, see ``runtime``): ``run_reconciler`` drives it on a thread,
+``run_reconciler_async`` as a task.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from datetime import datetime
 from typing import Any
 
 from .. import _lifecycle
-from .._steps import Statement, Step, run, run_async
+from .._steps import Statement, Step
 from ..effect import Effect, Job
 from ..errors import ConfigurationError, Permanent
 from ..flows import NotPerformed, Performed
@@ -50,16 +51,15 @@ from .hooked import (
     SAVEPOINT,
     HookStep,
     call_hook,
-    in_transaction,
-    in_transaction_async,
+    with_hooks,
 )
-from .runtime import Call, Flavoured, Program, Run, Wait, drive, drive_async
+from .runtime import Blocking, Call, Flavoured, Program, Run, Wait, drive, drive_async
 from .settings import Settings
 from .standby import ReadOnlyServer
 from .state import SharedState
 from .workers import result_json
 
-__all__ = ["Answer", "Reconciler", "read_reply", "reconcile_pass", "reconciling",
+__all__ = ["Answer", "Reconciler", "read_reply", "reconcile_pass", "reconciling", "resolving",
            "run_reconciler", "run_reconciler_async"]
 
 log = logging.getLogger("outbox.reconciler")
@@ -270,7 +270,7 @@ def reconcile_pass(reconciler: Reconciler, conn: Connection | AsyncConnection,
         taken = yield Run(reconciler.take(), conn)
         for job, checks in taken:
             answer = yield Flavoured(reconciler.ask, reconciler.ask_async, job, checks)
-            yield Flavoured(resolve_on, _resolve_on_async, reconciler, conn, answer, blocking)
+            yield from resolving(reconciler, conn, answer, blocking)
             asked += 1
         if len(taken) < BATCH or reconciler.state.stopping.is_set():
             break
@@ -320,22 +320,12 @@ async def run_reconciler_async(reconciler: Reconciler, conn: AsyncConnection, *,
     await drive_async(reconciling(reconciler, conn, once=once, blocking=blocking))
 
 
-def resolve_on(reconciler: Reconciler, conn: Connection, answer: Answer,
-               blocking: Connection | None = None) -> None:
-    """Write ``answer`` in a transaction of its own on a blocking connection."""
-    pg = conn.get()
-    with pg.transaction():
-        run(reconciler.resolve(answer), in_transaction(pg, reconciler.settings.schema))
-
-
-async def _resolve_on_async(reconciler: Reconciler, conn: AsyncConnection, answer: Answer,
-                            blocking: Connection) -> None:
-    """``resolve_on`` on an asyncio connection; a plain hook's on a thread, with
-    ``blocking``."""
-    if reconciler.sync_hook(answer):
-        await asyncio.to_thread(resolve_on, reconciler, blocking, answer)
+def resolving(reconciler: Reconciler, conn: Connection | AsyncConnection, answer: Answer,
+              blocking: Connection | None = None) -> Program[None]:
+    """Write ``answer`` in a transaction of its own; on an asyncio connection, one whose
+    hook is plain by this very program driven on a thread, with ``blocking``."""
+    if isinstance(conn, AsyncConnection) and reconciler.sync_hook(answer):
+        assert blocking is not None
+        yield Blocking(drive, resolving(reconciler, blocking, answer))
         return
-    pg = await conn.get()
-    async with pg.transaction():
-        await run_async(reconciler.resolve(answer),
-                        in_transaction_async(pg, reconciler.settings.schema))
+    yield with_hooks(reconciler.resolve(answer), conn, reconciler.settings.schema)
