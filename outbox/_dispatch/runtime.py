@@ -28,6 +28,10 @@ Inside a ``Run``, the step's ``Statement`` instructions run on ``conn``; any oth
 instruction is handed to ``translate``, which answers the loop instruction that carries
 it out (a call to the limits' home becomes a ``Blocking``, for instance). As in
 ``outbox._steps``, only an ``Exception`` is thrown into the step.
+
+A program of ``AsyncDispatcher``'s may hand part of its work to the blocking driver on a
+thread, ``yield Blocking(drive, program)``: its plain (sync) hooks are written so, by the
+same program that writes its ``async def`` ones.
 """
 
 from __future__ import annotations

@@ -315,7 +315,7 @@ def test_the_schema_wait_gives_up_at_its_deadline_under_both_drivers() -> None:
     def program(event: Any) -> Program[None]:
         state = SimpleNamespace(stopping=event)
         conn = Connection(never_opened, "claimer")
-        return schema_wait(conn, check, settings, cast(Any, state), time.monotonic() + 0.3)
+        return schema_wait(conn, check, settings, cast(Any, state), time.monotonic() + 0.5)
 
     with pytest.raises(psycopg.OperationalError):
         drive(program(threading.Event()))
