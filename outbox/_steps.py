@@ -119,14 +119,18 @@ def _named_tuple(names: tuple[str, ...]) -> Any:
     return namedtuple("Row", names)
 
 
-def run(step: Generator[I, A, T], execute: Callable[[I], A]) -> T:
-    """Drive ``step`` to its result with a blocking ``execute``."""
+def run(step: Generator[I, A, T], execute: Callable[[I], A],
+        throws: type[BaseException] = Exception) -> T:
+    """Drive ``step`` to its result with a blocking ``execute``. ``throws``: the errors
+    of ``execute`` thrown into the step (``Exception``; the loops of
+    ``outbox._dispatch.runtime`` take every ``BaseException``); anything else propagates
+    from here at once."""
     try:
         instruction = next(step)
         while True:
             try:
                 answer = execute(instruction)
-            except Exception as exc:
+            except throws as exc:
                 instruction = step.throw(exc)
             else:
                 instruction = step.send(answer)
@@ -135,14 +139,15 @@ def run(step: Generator[I, A, T], execute: Callable[[I], A]) -> T:
         return result
 
 
-async def run_async(step: Generator[I, A, T], execute: Callable[[I], Awaitable[A]]) -> T:
+async def run_async(step: Generator[I, A, T], execute: Callable[[I], Awaitable[A]],
+                    throws: type[BaseException] = Exception) -> T:
     """Drive ``step`` to its result with an asyncio ``execute``: ``run``'s twin."""
     try:
         instruction = next(step)
         while True:
             try:
                 answer = await execute(instruction)
-            except Exception as exc:
+            except throws as exc:
                 instruction = step.throw(exc)
             else:
                 instruction = step.send(answer)

@@ -60,6 +60,7 @@ from ._dispatch.options import (
 from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_reconciler_async
 from ._dispatch.recorder import Recorder, run_recorder, run_recorder_async
 from ._dispatch.replicas import AsyncReplicaGate, ReplicaGate, check_access, check_access_async
+from ._dispatch.runtime import Program, Wait, drive, drive_async
 from ._dispatch.scheduler import (
     Scheduler,
     check_schedules,
@@ -677,19 +678,23 @@ class Dispatcher(_Options):
         return thread
 
     def _drain(self) -> None:
-        """Stop claiming; release queued jobs; wait until every held job is recorded
-        (unless a part died: then what it held is left to the rescuer), for at most
-        ``stop_timeout``: what is still held then is left to its lease."""
-        state = self._state
-        state.start_draining()
-        deadline = self._watch.deadline()  # stop_timeout from the stop
-        while (state.held and state.failure is None and not state.abandoned
-               and time.monotonic() < deadline):
-            state.outcome_ready.set()
-            state.wake.wait(DRAIN_CHECK)
-            state.wake.clear()
-        if state.held and state.failure is None and not state.abandoned:
-            state.abandon(self.settings.stop_timeout, self.settings.lease)
+        """``draining`` on the caller's thread."""
+        drive(draining(self._state, self.settings, self._watch.deadline()))
+
+
+def draining(state: SharedState[Any], settings: Settings, deadline: float) -> Program[None]:
+    """Both dispatchers' drain, written once (a program of ``_dispatch.runtime``): stop
+    claiming; release queued jobs; wait until every held job is recorded (unless a part
+    died: then what it held is left to the rescuer) until ``deadline`` (``stop_timeout``
+    from the stop): what is still held then is left to its lease."""
+    state.start_draining()
+    while (state.held and state.failure is None and not state.abandoned
+           and time.monotonic() < deadline):
+        state.outcome_ready.set()
+        yield Wait(state.wake, DRAIN_CHECK)
+        state.wake.clear()
+    if state.held and state.failure is None and not state.abandoned:
+        state.abandon(settings.stop_timeout, settings.lease)
 
 
 def _join(thread: Started, seconds: float | None) -> None:
@@ -909,18 +914,9 @@ class AsyncDispatcher(_Options):
     async def _wind_down(
         self, state: AsyncState, workers: TaskWorkers, recorder: asyncio.Task[None]
     ) -> None:
-        """Stop claiming; hand back what has not started; wait until in-flight work is
-        recorded (unless a part died: then what it held is left to the rescuer), for at
-        most ``stop_timeout``: what is still held then is left to its lease."""
-        state.start_draining()
-        deadline = self._watch.deadline()  # stop_timeout from the stop
-        while (state.held and state.failure is None and not state.abandoned
-               and time.monotonic() < deadline):
-            state.outcome_ready.set()
-            await state.wake.wait(DRAIN_CHECK)
-            state.wake.clear()
-        if state.held and state.failure is None and not state.abandoned:
-            state.abandon(self.settings.stop_timeout, self.settings.lease)
+        """``draining``, then the workers joined (what has not started handed back, what
+        runs past ``stop_timeout`` cancelled) and the recorder awaited."""
+        await drive_async(draining(state, self.settings, self._watch.deadline()))
         if state.abandoned:
             # stop_timeout passed: what is still held is left to its lease; async
             # performs are cancelled, sync ones on the pool are left to finish unheard.

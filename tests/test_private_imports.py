@@ -50,6 +50,9 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
                                                   "outbox._lifecycle", "outbox._queue",
                                                   "outbox._steps"},
     "tests/property/test_operator_decisions.py": {"outbox._lifecycle"},
+    # The loops' two drivers, and their instructions on a real database.
+    "tests/unit/test_runtime.py": {"outbox._dispatch"},
+    "tests/integration/test_runtime_loops.py": {"outbox._dispatch", "outbox._steps"},
     # The rescue's batch timed beside the statement it replaced: the rescuer itself.
     "benchmarks/rescue.py": {"outbox._dispatch", "outbox._steps"},
 }

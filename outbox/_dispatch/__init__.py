@@ -7,6 +7,9 @@
                 owner per field; the stop and its ``stop_timeout`` (``abandon``)
     signals     how parts wait and limit: ``Timer``, the signal of each flavour
                 (``threading.Event``, ``LoopEvent``), ``Slots`` (the concurrency limit)
+    runtime     the loops written once: programs yielding instructions (run a step, wait,
+                back off, call), driven on a thread (``drive``) or as a task
+                (``drive_async``)
     supervision every part supervised (its death stops the dispatcher loudly), and
                 ``guarded`` observer calls
     connection  how connections are opened (one function) and replaced when they break
@@ -49,8 +52,10 @@
                 database, turns of each target's own engine, isolation of failing ones
     crew        the threads and connections a fleet's turns share (long-lived, pooled)
 
-Their database work is written once as steps (``outbox._steps``). Each part's module
-holds both of its loops side by side: the one ``Dispatcher`` runs on a thread and the one
-``AsyncDispatcher`` runs as a task (``run_claimer`` and ``run_claimer_async``, ...), over
-the same decisions and the same steps. ``outbox.dispatcher`` builds, starts and joins them.
+Their database work is written once as steps (``outbox._steps``), and their loops once as
+programs (``runtime``): the claimer's ``claiming``, the recorder's ``recording``, the
+scheduler's ``scheduling``, the reconciler's ``reconciling``. ``Dispatcher`` drives each on
+a thread and ``AsyncDispatcher`` as a task (``run_claimer`` and ``run_claimer_async``, ...,
+one line each); what differs by flavour lives in the two drivers only.
+``outbox.dispatcher`` builds, starts and joins them.
 """

@@ -2,22 +2,23 @@
 (done jobs, ledger rows, inbox rows).
 
 The decisions (how many to claim, what each round does next) are written once here as
-steps (``outbox._steps``); ``run_claimer`` drives them on a blocking connection in
+steps (``outbox._steps``), and the loop that runs the rounds once as a program
+(``claiming``, see ``runtime``): ``run_claimer`` drives it on a blocking connection in
 ``Dispatcher``'s caller's thread, ``run_claimer_async`` on an asyncio connection as a
-task of ``AsyncDispatcher``. Before either, ``wait_for_schema`` (or its twin) checks
-that the schema is current.
+task of ``AsyncDispatcher``. Before either, ``schema_wait`` checks that the schema is
+current.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -25,17 +26,18 @@ import psycopg
 from .. import _after, tracing
 from .._cancelling import CancelSignal
 from .._pg import configuration_error, unreachable
-from .._steps import Statement, Step, run, run_async
+from .._steps import Statement, Step
 from ..effect import Job
 from ..errors import ConfigurationError, SchemaError
 from ..migrate import latest_version, require_current
 from ..observe import PurgedTable
 from .awake import Awake
 from .budget import ClaimStep, LimitedClaims
-from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, Reconnects, connect
+from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .counting import Waits
 from .presence import Presence
 from .rescuer import RescueHooks, Rescuer, run_rescue_hooks, run_rescue_hooks_async
+from .runtime import Blocking, Call, Cut, Flavoured, Program, Run, Wait, drive, drive_async
 from .settings import Settings
 from .shared import HomeCall
 from .standby import ReadOnlyServer
@@ -47,8 +49,12 @@ from .vacuum import QueueVacuum
 __all__ = [
     "Claimer",
     "Round",
+    "claim_executor",
+    "claim_instruction",
+    "claiming",
     "run_claimer",
     "run_claimer_async",
+    "schema_wait",
     "wait_for_schema",
     "wait_for_schema_async",
 ]
@@ -431,41 +437,45 @@ def _purge_refused(what: str, exc: psycopg.Error, settings: Settings) -> Configu
         f"{_RETENTION_OPTION[what]}=None")
 
 
-# -- the loops: ``Dispatcher``'s on the caller's thread, ``AsyncDispatcher``'s as a task --
+# -- the loops: written once as programs (``runtime``), ``Dispatcher``'s driven on the
+# -- caller's thread, ``AsyncDispatcher``'s as a task -------------------------------------
+
+
+def schema_wait(
+    conn: Connection | AsyncConnection, check: Callable[[], None], settings: Settings,
+    state: SharedState[Any], deadline: float | None,
+) -> Program[None]:
+    """Refuse a missing or newer schema at once; wait for an unreachable database
+    (until ``deadline``, when there is one). ``check``: the blocking check (on the
+    claimer's connection, or for ``AsyncDispatcher`` on a connection of its own)."""
+    while True:
+        try:
+            yield Blocking(check)
+            return
+        except CONNECTION_ERRORS as exc:
+            yield Call(conn.discard)
+            if not _still_waiting(exc, settings, deadline):
+                raise
+            if (yield Wait(state.stopping, conn.backoff())):
+                return
 
 
 def wait_for_schema(
     conn: Connection, settings: Settings, state: ThreadState, deadline: float | None,
 ) -> None:
-    """Refuse a missing or newer schema at once; wait for an unreachable database
-    (until ``deadline``, when there is one)."""
-    while True:
-        try:
-            require_current(conn.get(), settings.schema)
-            return
-        except CONNECTION_ERRORS as exc:
-            conn.discard()
-            if not _still_waiting(exc, settings, deadline):
-                raise
-            if state.stopping.wait(conn.backoff()):
-                return
+    """``schema_wait`` on the caller's thread, the check on the claimer's connection."""
+    drive(schema_wait(conn, lambda: require_current(conn.get(), settings.schema),
+                      settings, state, deadline))
 
 
 async def wait_for_schema_async(
     settings: Settings, state: AsyncState, deadline: float | None,
 ) -> None:
-    """``wait_for_schema`` for ``AsyncDispatcher``. The check runs on a thread: it is
-    the same blocking check, once per run."""
-    failures = Reconnects()
-    while True:
-        try:
-            await asyncio.to_thread(_check_schema, settings)
-            return
-        except CONNECTION_ERRORS as exc:
-            if not _still_waiting(exc, settings, deadline):
-                raise
-            if await state.stopping.wait(failures.backoff()):
-                return
+    """``schema_wait`` for ``AsyncDispatcher``: the same blocking check, once per run,
+    on a thread and a connection of its own."""
+    await drive_async(schema_wait(AsyncConnection(settings, "claimer"),
+                                  partial(_check_schema, settings), settings, state,
+                                  deadline))
 
 
 def _check_schema(settings: Settings) -> None:
@@ -485,105 +495,93 @@ def _still_waiting(exc: BaseException, settings: Settings, deadline: float | Non
     return True
 
 
+def claim_instruction(conn: Connection | AsyncConnection,
+                      instruction: HomeCall | RescueHooks) -> Any:
+    """What the claimer's steps ask for besides statements, as the loop instruction that
+    does it: a call to the limits' home as it is (blocking: asyncio runs it on a
+    thread), the rescue's hooks in a transaction of the claimer's connection."""
+    if isinstance(instruction, HomeCall):
+        return Blocking(instruction.fn)
+    return Flavoured(_rescue_hooks, _rescue_hooks_async, instruction, conn)
+
+
+def _rescue_hooks(instruction: RescueHooks, conn: Connection) -> set[int]:
+    return run_rescue_hooks(instruction, conn.get())
+
+
+async def _rescue_hooks_async(instruction: RescueHooks, conn: AsyncConnection) -> set[int]:
+    return await run_rescue_hooks_async(instruction, await conn.get())
+
+
 def claim_executor(conn: Connection) -> Callable[[Statement | HomeCall | RescueHooks], Any]:
-    """How the claimer's steps are run: statements on its connection, calls to the limits
-    home as they are, the rescue's hooks in a transaction on its connection."""
+    """How the claimer's steps are run on a blocking connection outside its loop (a
+    round alone: ``run(claimer.round(), claim_executor(conn))``)."""
     def execute(instruction: Statement | HomeCall | RescueHooks) -> Any:
-        if isinstance(instruction, HomeCall):
-            return instruction.fn()
-        if isinstance(instruction, RescueHooks):
-            return run_rescue_hooks(instruction, conn.get())
-        return conn.execute(instruction)
+        if isinstance(instruction, Statement):
+            return conn.execute(instruction)
+        return drive(_answer(claim_instruction(conn, instruction)))
     return execute
 
 
-def claim_executor_async(
-        conn: AsyncConnection) -> Callable[[Statement | HomeCall | RescueHooks], Awaitable[Any]]:
-    """``claim_executor`` for the asyncio dispatcher: the home's blocking calls on a
-    thread, so the loop never waits for them."""
-    async def execute(instruction: Statement | HomeCall | RescueHooks) -> Any:
-        if isinstance(instruction, HomeCall):
-            return await asyncio.to_thread(instruction.fn)
-        if isinstance(instruction, RescueHooks):
-            return await run_rescue_hooks_async(instruction, await conn.get())
-        return await conn.execute(instruction)
-    return execute
+def _answer(instruction: Any) -> Program[Any]:
+    return (yield instruction)
+
+
+def claiming(
+    claimer: Claimer, conn: Connection | AsyncConnection,
+    submit: Callable[[list[Held]], None], deadline: float | None,
+) -> Program[None]:
+    """The claimer's loop, until stopped, idle or ``deadline``: a round, its batch handed
+    over, then a wait for a wake-up (or a backoff after a failure)."""
+    state = claimer.state
+    translate = partial(claim_instruction, conn)
+    try:
+        while _claiming(state, deadline):
+            try:
+                result = yield Run(claimer.round(), conn, translate, shielded=True)
+            except Cut as cut:  # cancelled (asyncio) while the round ran on to its end
+                state.request_stop()  # nothing new starts: what this round claims goes back
+                with contextlib.suppress(psycopg.Error):
+                    submit((yield cut.rest).batch)
+                raise cut.error from None
+            except psycopg.Error as exc:
+                claimer.failed(exc, lost=conn.lost)
+                wait = conn.backoff()
+            else:
+                submit(result.batch)
+                if result.failure is not None:
+                    claimer.failed(result.failure, lost=conn.lost)
+                    wait = conn.backoff()
+                elif result.idle:
+                    return
+                else:
+                    wait = result.wait
+            if wait:
+                yield Wait(state.wake, wait)
+                state.wake.clear()
+    finally:
+        yield Blocking(claimer.vacuum.close)
+        if not conn.lost:  # stopping: say so at once, if the database is there
+            with contextlib.suppress(psycopg.Error):
+                yield Run(claimer.presence.leave(), conn)
+            with contextlib.suppress(psycopg.Error):
+                yield Run(claimer.awake.asleep(), conn)  # enqueues notify the others
 
 
 def run_claimer(
     claimer: Claimer, conn: Connection, submit: Callable[[list[Held]], None],
     deadline: float | None,
 ) -> None:
-    """The claimer's loop on the caller's thread, until stopped, idle or ``deadline``."""
-    state: ThreadState = claimer.state
-    try:
-        while _claiming(state, deadline):
-            try:
-                result = run(claimer.round(), claim_executor(conn))
-            except psycopg.Error as exc:
-                claimer.failed(exc, lost=conn.lost)
-                wait = conn.backoff()
-            else:
-                submit(result.batch)
-                if result.failure is not None:
-                    claimer.failed(result.failure, lost=conn.lost)
-                    wait = conn.backoff()
-                elif result.idle:
-                    return
-                else:
-                    wait = result.wait
-            if wait:
-                state.wake.wait(wait)
-                state.wake.clear()
-    finally:
-        claimer.vacuum.close()
-        if not conn.lost:  # stopping: say so at once, if the database is there
-            with contextlib.suppress(psycopg.Error):
-                run(claimer.presence.leave(), conn.execute)
-            with contextlib.suppress(psycopg.Error):
-                run(claimer.awake.asleep(), conn.execute)  # enqueues notify the others
+    """``claiming`` on the caller's thread (``Dispatcher``)."""
+    drive(claiming(claimer, conn, submit, deadline))
 
 
 async def run_claimer_async(
     claimer: Claimer, conn: AsyncConnection, submit: Callable[[list[Held]], None],
     deadline: float | None,
 ) -> None:
-    """``run_claimer`` as a task of ``AsyncDispatcher``."""
-    state: AsyncState = claimer.state
-    try:
-        while _claiming(state, deadline):
-            # A task of its own, shielded: a cancellation must not cut a claim off between
-            # its commit and its reply, leaving claimed jobs that nobody holds.
-            step = asyncio.ensure_future(run_async(claimer.round(), claim_executor_async(conn)))
-            try:
-                result = await asyncio.shield(step)
-            except asyncio.CancelledError:
-                state.request_stop()  # nothing new starts: what this round claims goes back
-                with contextlib.suppress(psycopg.Error):
-                    submit((await step).batch)
-                raise
-            except psycopg.Error as exc:
-                claimer.failed(exc, lost=conn.lost)
-                wait = conn.backoff()
-            else:
-                submit(result.batch)
-                if result.failure is not None:
-                    claimer.failed(result.failure, lost=conn.lost)
-                    wait = conn.backoff()
-                elif result.idle:
-                    return
-                else:
-                    wait = result.wait
-            if wait:
-                await state.wake.wait(wait)
-                state.wake.clear()
-    finally:
-        await asyncio.to_thread(claimer.vacuum.close)
-        if not conn.lost:  # stopping: say so at once, if the database is there
-            with contextlib.suppress(psycopg.Error):
-                await run_async(claimer.presence.leave(), conn.execute)
-            with contextlib.suppress(psycopg.Error):
-                await run_async(claimer.awake.asleep(), conn.execute)
+    """``claiming`` as a task of ``AsyncDispatcher``."""
+    await drive_async(claiming(claimer, conn, submit, deadline))
 
 
 def _claiming(state: SharedState[Any], deadline: float | None) -> bool:

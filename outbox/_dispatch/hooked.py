@@ -28,9 +28,9 @@ writes through ``tx`` is once.
 The decisions are written once, as steps (``outbox._steps``) that yield ``Statement``s
 (run in the transaction) and ``CallHook``s (the hook called with a transaction object of
 the flavour): ``in_transaction`` and ``in_transaction_async`` execute both kinds, and
-the steps' two drivers run them. ``record_hooked`` writes on a blocking connection,
-``record_hooked_async`` on ``AsyncDispatcher``'s asyncio connection (sync hooks there go
-to ``record_hooked`` on a thread, with a blocking connection of their own).
+the steps' two drivers run them. ``writing_hooked`` (a program of ``runtime``) writes on
+either flavour's connection; on ``AsyncDispatcher``'s, its sync hooks' items go to the
+same program driven on a thread, with a blocking connection of their own.
 """
 
 from __future__ import annotations
@@ -45,26 +45,28 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol, TypeVar
+from functools import partial
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import psycopg
 
 from .. import _lifecycle
 from .._lifecycle import Decision
 from .._sql import Queries
-from .._steps import Rows, Statement, Step, execute, execute_async, run, run_async
+from .._steps import Rows, Statement, Step, execute, execute_async
 from ..effect import Job
 from ..flows import AsyncHookTransaction, HookTransaction
 from ..observe import AttemptOutcome
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .flowsql import flow_queries
 from .hook_lookup import is_async_hook
+from .runtime import Blocking, Call, Program, Transaction, drive
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, guarded
 
 __all__ = ["HOOKED_CHUNK_MAX", "CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes",
            "call_hook", "in_transaction", "in_transaction_async",
-           "record_hooked", "record_hooked_async"]
+           "with_hooks", "writing_hooked"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -422,10 +424,7 @@ def in_transaction(conn: psycopg.Connection[Any],
         try:
             instruction.fn(tx, instruction.job, instruction.value)
         except Exception as exc:
-            error = _hook_error(exc, conn.closed)
-            if error is exc:
-                raise
-            raise error from exc
+            _raise_hook_error(exc, conn.closed)
         return tx.created
 
     return execute_instruction
@@ -442,13 +441,18 @@ def in_transaction_async(conn: psycopg.AsyncConnection[Any],
         try:
             await instruction.fn(tx, instruction.job, instruction.value)
         except Exception as exc:
-            error = _hook_error(exc, conn.closed)
-            if error is exc:
-                raise
-            raise error from exc
+            _raise_hook_error(exc, conn.closed)
         return tx.created
 
     return execute_instruction
+
+
+def _raise_hook_error(exc: Exception, closed: bool) -> NoReturn:
+    """Raise what ``exc``, raised by a hook, is for the step (``_hook_error``)."""
+    error = _hook_error(exc, closed)
+    if error is exc:
+        raise exc
+    raise error from exc
 
 
 def _hook_error(exc: Exception, closed: bool) -> Exception:
@@ -462,61 +466,51 @@ def _hook_error(exc: Exception, closed: bool) -> Exception:
         f"the connection was lost while a hook ran (it raised {type(exc).__name__})")
 
 
-def record_hooked(hooked: HookedOutcomes, conn: Connection, items: list[Hooked]) -> None:
-    """Write ``items`` in one transaction on a blocking connection (the recorder's thread,
-    or a thread of ``AsyncDispatcher``'s for its sync hooks): ``fast``, and if a hook
-    raised, ``careful`` in a new transaction."""
-    pg = conn.get()
-    execute = in_transaction(pg, hooked.settings.schema)
+def with_hooks(step: HookStep[Any], conn: Connection | AsyncConnection,
+               schema: str) -> Transaction:
+    """The loop instruction that drives ``step`` in one transaction of ``conn``, its
+    hooks called in that transaction (``in_transaction``, ``in_transaction_async``)."""
+    return Transaction(step, conn, partial(in_transaction, schema=schema),
+                       partial(in_transaction_async, schema=schema))
+
+
+def writing_hooked(hooked: HookedOutcomes, conn: Connection | AsyncConnection,
+                   items: list[Hooked]) -> Program[None]:
+    """Write ``items`` in one transaction (``fast``), and if a hook raised, ``careful``
+    in a new one; a program of ``runtime``. On an asyncio connection (``AsyncDispatcher``)
+    the async hooks' items are written so, and the sync hooks' items by this very
+    program driven on a thread with a blocking connection of their own."""
+    if isinstance(conn, AsyncConnection):
+        awaited = [i for i in items if i.is_async]
+        plain = [i for i in items if not i.is_async]
+        if awaited:
+            yield from _hooked_transactions(hooked, conn, awaited)
+        if plain:
+            if hooked.sync_conn is None:
+                settings = hooked.settings
+                hooked.sync_conn = Connection(lambda role: connect(settings, role), "recorder")
+            yield Blocking(drive, writing_hooked(hooked, hooked.sync_conn, plain))
+        return
+    yield from _hooked_transactions(hooked, conn, items)
+
+
+def _hooked_transactions(hooked: HookedOutcomes, conn: Connection | AsyncConnection,
+                         items: list[Hooked]) -> Program[None]:
+    schema = hooked.settings.schema
     try:
         try:
-            with pg.transaction():
-                written = run(hooked.fast(items), execute)
+            written = yield with_hooks(hooked.fast(items), conn, schema)
         except _HOOK_TROUBLE as exc:
-            if isinstance(exc, CONNECTION_ERRORS) or pg.closed:
+            if isinstance(exc, CONNECTION_ERRORS) or conn.lost:
                 raise
             culprit = hooked.calling if isinstance(exc, HookRaised) else None
-            with pg.transaction():
-                written = run(hooked.mended(items, culprit), execute)
+            written = yield with_hooks(hooked.mended(items, culprit), conn, schema)
     except CONNECTION_ERRORS:
         if conn.lost:
-            conn.discard()
+            yield Call(conn.discard)
         raise
     conn.succeeded()
     hooked.applied(items, written)
-
-
-async def record_hooked_async(hooked: HookedOutcomes, conn: AsyncConnection,
-                              items: list[Hooked]) -> None:
-    """``AsyncDispatcher``: the async hooks of ``items`` in one transaction on the
-    recorder's asyncio connection; the sync hooks in another, on a thread with a blocking
-    connection."""
-    async_items = [i for i in items if i.is_async]
-    sync_items = [i for i in items if not i.is_async]
-    if async_items:
-        pg = await conn.get()
-        execute = in_transaction_async(pg, hooked.settings.schema)
-        try:
-            try:
-                async with pg.transaction():
-                    written = await run_async(hooked.fast(async_items), execute)
-            except _HOOK_TROUBLE as exc:
-                if isinstance(exc, CONNECTION_ERRORS) or pg.closed:
-                    raise
-                culprit = hooked.calling if isinstance(exc, HookRaised) else None
-                async with pg.transaction():
-                    written = await run_async(hooked.mended(async_items, culprit), execute)
-        except CONNECTION_ERRORS:
-            if conn.lost:
-                await conn.discard()
-            raise
-        conn.succeeded()
-        hooked.applied(async_items, written)
-    if sync_items:
-        if hooked.sync_conn is None:
-            settings = hooked.settings
-            hooked.sync_conn = Connection(lambda role: connect(settings, role), "recorder")
-        await asyncio.to_thread(record_hooked, hooked, hooked.sync_conn, sync_items)
 
 
 def close_quietly(hooked: HookedOutcomes | None) -> None:
@@ -536,24 +530,26 @@ def _refused_singly(hooked: HookedOutcomes, item: Hooked, exc: Exception) -> Non
               getattr(exc, "sqlstate", None) or type(exc).__name__)
 
 
-def flush_hooked(hooked: HookedOutcomes, conn: Connection, beat: Callable[[], None]) -> None:
+def flush_hooked(hooked: HookedOutcomes, conn: Connection | AsyncConnection,
+                 beat: Callable[[], Program[None]]) -> Program[None]:
     """Write every hooked outcome held, in chunks (``HookedOutcomes.next_chunk``), each its
     own transaction; after a chunk is refused for a reason other than a lost connection,
     its outcomes one per transaction, so one bad row cannot block the rest. ``beat`` (the
     recorder's heartbeat, sent when due) runs before each of these transactions, so the
-    leases held outlive a write of any length.
+    leases held outlive a write of any length. A part of the recorder's loop (a program
+    of ``runtime``): each transaction is ``writing_hooked``.
 
     Only database errors are handled: anything else (a bug of ours) ends the recorder,
     and the run raises ``DispatcherFailed``. What is held is dropped first, so every
-    attempt still reaches the observer. A lost connection propagates with what is not
-    written yet still held, for the caller to retry.
+    attempt still reaches the observer. A lost connection (or a cancellation) propagates
+    with what is not written yet still held, for the caller to retry.
     """
     try:
         while hooked.items:
-            beat()
+            yield from beat()
             chunk, started = hooked.next_chunk(), time.monotonic()
             try:
-                record_hooked(hooked, conn, chunk)
+                yield from writing_hooked(hooked, conn, chunk)
                 hooked.took(len(chunk), time.monotonic() - started)
                 continue
             except CONNECTION_ERRORS:
@@ -561,39 +557,9 @@ def flush_hooked(hooked: HookedOutcomes, conn: Connection, beat: Callable[[], No
             except psycopg.Error as exc:
                 _chunk_refused(exc)
             for item in _still_held(hooked, chunk):
-                beat()
+                yield from beat()
                 try:
-                    record_hooked(hooked, conn, [item])
-                except CONNECTION_ERRORS:
-                    raise
-                except psycopg.Error as exc:
-                    _refused_singly(hooked, item, exc)
-    except CONNECTION_ERRORS:
-        raise
-    except BaseException as exc:
-        _drop_all(hooked, exc)
-        raise
-
-
-async def flush_hooked_async(hooked: HookedOutcomes, conn: AsyncConnection,
-                             beat: Callable[[], Awaitable[None]]) -> None:
-    """``flush_hooked`` for ``AsyncDispatcher`` (a cancellation drops nothing)."""
-    try:
-        while hooked.items:
-            await beat()
-            chunk, started = hooked.next_chunk(), time.monotonic()
-            try:
-                await record_hooked_async(hooked, conn, chunk)
-                hooked.took(len(chunk), time.monotonic() - started)
-                continue
-            except CONNECTION_ERRORS:
-                raise
-            except psycopg.Error as exc:
-                _chunk_refused(exc)
-            for item in _still_held(hooked, chunk):
-                await beat()
-                try:
-                    await record_hooked_async(hooked, conn, [item])
+                    yield from writing_hooked(hooked, conn, [item])
                 except CONNECTION_ERRORS:
                     raise
                 except psycopg.Error as exc:

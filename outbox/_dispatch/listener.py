@@ -9,7 +9,6 @@ polling.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -22,10 +21,11 @@ from .._pg import is_pooled
 from ..errors import ConfigurationError
 from .cancellation import notified
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
+from .runtime import Call, Flavoured, Program, Wait, drive, drive_async
 from .settings import Settings
 from .state import AsyncState, SharedState
 
-__all__ = ["POLLING", "Listener", "listen_async", "listen_statement"]
+__all__ = ["POLLING", "Listener", "listen_async", "listen_statement", "listening"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -39,8 +39,57 @@ def listen_statement(settings: Settings) -> sql.Composed:
     return sql.SQL("LISTEN {}").format(sql.Identifier(notify_channel(settings.schema)))
 
 
+def listening(settings: Settings, state: SharedState[Any],
+              conn: Connection | AsyncConnection) -> Program[None]:
+    """The listener's loop, written once (a program of ``runtime``): wake-ups until the
+    dispatcher stops (``AsyncDispatcher`` cancels its task); restarted after a lost
+    connection or any ``Exception``; ended behind a pooler or when LISTEN is refused
+    (the claimer polls then)."""
+    try:
+        while not state.stopping.is_set():
+            try:
+                pg = yield Call(conn.get)
+                if is_pooled(pg):
+                    log.info(POLLING)
+                    return
+                yield Call(pg.execute, listen_statement(settings))
+                state.wake.set()  # jobs may have arrived while we were not listening
+                yield Flavoured(_hear, _hear_async, pg, state)
+            except CONNECTION_ERRORS:
+                yield Call(conn.discard)
+                yield Wait(state.stopping, conn.backoff())
+            except ConfigurationError as exc:
+                log.error("cannot LISTEN (%s); polling instead", exc)
+                return
+            except Exception:
+                log.exception("listener failed unexpectedly; restarting it")
+                yield Call(conn.discard)
+                yield Wait(state.stopping, conn.backoff())
+    finally:
+        yield Call(conn.discard)
+
+
+def _hear(pg: psycopg.Connection[Any], state: SharedState[Any]) -> None:
+    """Notifications on a blocking connection, until the dispatcher stops."""
+    while not state.stopping.is_set():
+        for notify in pg.notifies(timeout=NOTIFY_TIMEOUT):
+            _heard(state, notify)
+
+
+async def _hear_async(pg: psycopg.AsyncConnection[Any], state: SharedState[Any]) -> None:
+    """Notifications on an asyncio connection, until the task is cancelled."""
+    async for notify in pg.notifies():
+        _heard(state, notify)
+
+
+def _heard(state: SharedState[Any], notify: psycopg.Notify) -> None:
+    if notify.payload:  # an operator's cancel of a running job
+        notified(state, notify.payload)
+    state.wake.set()
+
+
 class Listener:
-    """``Dispatcher``'s listener thread (``listen_async`` is ``AsyncDispatcher``'s)."""
+    """``listening`` on ``Dispatcher``'s listener thread."""
 
     def __init__(
         self, settings: Settings, state: SharedState[Any],
@@ -51,65 +100,10 @@ class Listener:
         self.conn = Connection(open_, "listener")
 
     def run(self) -> None:
-        """Listen until the dispatcher stops; restart after any ``Exception``."""
-        try:
-            while not self.state.stopping.is_set():
-                try:
-                    self._listen()
-                except CONNECTION_ERRORS:
-                    self.conn.discard()
-                    self.state.stopping.wait(self.conn.backoff())
-                except ConfigurationError as exc:
-                    log.error("cannot LISTEN (%s); polling instead", exc)
-                    self.state.stopping.wait()
-                except Exception:
-                    log.exception("listener failed unexpectedly; restarting it")
-                    self.conn.discard()
-                    self.state.stopping.wait(self.conn.backoff())
-        finally:
-            self.conn.discard()
-
-    def _listen(self) -> None:
-        listening = self.conn.get()
-        if is_pooled(listening):
-            log.info(POLLING)
-            self.state.stopping.wait()
-            return
-        listening.execute(listen_statement(self.settings))
-        self.state.wake.set()  # jobs may have arrived while we were not listening
-        while not self.state.stopping.is_set():
-            for notify in listening.notifies(timeout=NOTIFY_TIMEOUT):
-                if notify.payload:  # an operator's cancel of a running job
-                    notified(self.state, notify.payload)
-                self.state.wake.set()
+        """Listen until the dispatcher stops."""
+        drive(listening(self.settings, self.state, self.conn))
 
 
 async def listen_async(settings: Settings, state: AsyncState) -> None:
-    """``Listener`` as a task of ``AsyncDispatcher``: wake-ups until cancelled; restart
-    after any ``Exception``."""
-    conn = AsyncConnection(settings, "listener")
-    try:
-        while True:
-            try:
-                listening = await conn.get()
-                if is_pooled(listening):
-                    log.info(POLLING)
-                    return
-                await listening.execute(listen_statement(settings))
-                state.wake.set()  # jobs may have arrived while we were not listening
-                async for notify in listening.notifies():
-                    if notify.payload:  # an operator's cancel of a running job
-                        notified(state, notify.payload)
-                    state.wake.set()
-            except CONNECTION_ERRORS:
-                await conn.discard()
-                await asyncio.sleep(conn.backoff())
-            except ConfigurationError as exc:
-                log.error("cannot LISTEN (%s); polling instead", exc)
-                return
-            except Exception:
-                log.exception("listener failed unexpectedly; restarting it")
-                await conn.discard()
-                await asyncio.sleep(conn.backoff())
-    finally:
-        await conn.discard()
+    """``listening`` as a task of ``AsyncDispatcher``."""
+    await drive_async(listening(settings, state, AsyncConnection(settings, "listener")))

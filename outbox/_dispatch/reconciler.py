@@ -22,8 +22,9 @@ pass before claiming). Each pass::
 
 How a reply is read (``read_reply``), where an answer sends the job
 (``_lifecycle.settle_answer``) and the resolutions (``resolve``, a step that yields statements
-and hook calls) are written once; ``run_reconciler`` and ``run_reconciler_async`` drive
-them with the steps' two drivers (``outbox._steps``).
+and hook calls) are written once, and the loop that runs the passes once as a program
+(``reconciling``, see ``runtime``): ``run_reconciler`` drives it on a thread,
+``run_reconciler_async`` as a task.
 """
 
 from __future__ import annotations
@@ -33,13 +34,12 @@ import inspect
 import json
 import logging
 import random
-import threading
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from .. import _lifecycle
-from .._steps import Statement, Step, run, run_async
+from .._steps import Statement, Step
 from ..effect import Effect, Job
 from ..errors import ConfigurationError, Permanent
 from ..flows import NotPerformed, Performed
@@ -51,15 +51,16 @@ from .hooked import (
     SAVEPOINT,
     HookStep,
     call_hook,
-    in_transaction,
-    in_transaction_async,
+    with_hooks,
 )
+from .runtime import Blocking, Call, Flavoured, Program, Run, Wait, drive, drive_async
 from .settings import Settings
 from .standby import ReadOnlyServer
 from .state import SharedState
 from .workers import result_json
 
-__all__ = ["Answer", "Reconciler", "read_reply", "run_reconciler", "run_reconciler_async"]
+__all__ = ["Answer", "Reconciler", "read_reply", "reconcile_pass", "reconciling", "resolving",
+           "run_reconciler", "run_reconciler_async"]
 
 log = logging.getLogger("outbox.reconciler")
 
@@ -269,13 +270,16 @@ async def _awaited(awaitable: Any) -> Any:
 # -- drivers -----------------------------------------------------------------------------------
 
 
-def reconcile_pass(reconciler: Reconciler, conn: Connection) -> int:
-    """One pass on a blocking connection: take, ask, resolve; how many were asked."""
+def reconcile_pass(reconciler: Reconciler, conn: Connection | AsyncConnection,
+                   blocking: Connection | None = None) -> Program[int]:
+    """One pass: take, ask, resolve; how many were asked. ``blocking``: on an asyncio
+    connection, the blocking one that plain hooks write on."""
     asked = 0
     for _ in range(MAX_BATCHES):
-        taken = run(reconciler.take(), conn.execute)
+        taken = yield Run(reconciler.take(), conn)
         for job, checks in taken:
-            resolve_on(reconciler, conn, reconciler.ask(job, checks))
+            answer = yield Flavoured(reconciler.ask, reconciler.ask_async, job, checks)
+            yield from resolving(reconciler, conn, answer, blocking)
             asked += 1
         if len(taken) < BATCH or reconciler.state.stopping.is_set():
             break
@@ -283,85 +287,54 @@ def reconcile_pass(reconciler: Reconciler, conn: Connection) -> int:
     return asked
 
 
-def run_reconciler(reconciler: Reconciler, conn: Connection, *, once: bool) -> None:
-    """The reconciler's loop on its own thread: a pass every ``reconcile_interval``
-    (the first at once) until the dispatcher stops; ``once``: one pass."""
-    state: SharedState[threading.Event] = reconciler.state
+def reconciling(reconciler: Reconciler, conn: Connection | AsyncConnection, *, once: bool,
+                blocking: Connection | None = None) -> Program[None]:
+    """The reconciler's loop: a pass every ``reconcile_interval`` (the first at once)
+    until the dispatcher stops; ``once``: one pass."""
+    state = reconciler.state
     interval = reconciler.settings.reconcile_interval
     try:
         while True:
             wait = interval
             try:
-                reconcile_pass(reconciler, conn)
+                yield from reconcile_pass(reconciler, conn, blocking)
             except CONNECTION_ERRORS as exc:
                 if conn.lost:
-                    conn.discard()
+                    yield Call(conn.discard)
                 if not isinstance(exc, ReadOnlyServer):  # a standby: said once
                     log.warning("reconciler: database unreachable (%s); retrying",
                                 type(exc).__name__)
                 wait = min(interval, conn.backoff())
             except ConfigurationError:
                 raise
-            if once or state.stopping.wait(wait):
+            if once or (yield Wait(state.stopping, wait)):
                 return
     finally:
-        conn.discard()
+        if blocking is not None:
+            blocking.discard()
+        yield Call(conn.discard)
 
 
-def resolve_on(reconciler: Reconciler, conn: Connection, answer: Answer) -> None:
-    """Write ``answer`` in a transaction of its own on a blocking connection."""
-    pg = conn.get()
-    with pg.transaction():
-        run(reconciler.resolve(answer), in_transaction(pg, reconciler.settings.schema))
-
-
-async def reconcile_pass_async(reconciler: Reconciler, conn: AsyncConnection,
-                               blocking: Connection) -> int:
-    """``reconcile_pass`` on an asyncio connection (``blocking`` for plain hooks)."""
-    asked = 0
-    schema = reconciler.settings.schema
-    for _ in range(MAX_BATCHES):
-        taken = await run_async(reconciler.take(), conn.execute)
-        for job, checks in taken:
-            answer = await reconciler.ask_async(job, checks)
-            if reconciler.sync_hook(answer):
-                await asyncio.to_thread(resolve_on, reconciler, blocking, answer)
-            else:
-                pg = await conn.get()
-                async with pg.transaction():
-                    await run_async(reconciler.resolve(answer),
-                                    in_transaction_async(pg, schema))
-            asked += 1
-        if len(taken) < BATCH or reconciler.state.stopping.is_set():
-            break
-    conn.succeeded()
-    return asked
+def run_reconciler(reconciler: Reconciler, conn: Connection, *, once: bool) -> None:
+    """``reconciling`` on its own thread (``Dispatcher``), or once on the caller's."""
+    drive(reconciling(reconciler, conn, once=once))
 
 
 async def run_reconciler_async(reconciler: Reconciler, conn: AsyncConnection, *,
                                once: bool) -> None:
-    """``run_reconciler`` as a task of ``AsyncDispatcher``."""
-    state = reconciler.state
+    """``reconciling`` as a task of ``AsyncDispatcher`` (plain hooks on a thread, with a
+    blocking connection of their own)."""
     settings = reconciler.settings
-    interval = settings.reconcile_interval
     blocking = Connection(lambda role: connect(settings, role), "reconciler")
-    try:
-        while True:
-            wait = interval
-            try:
-                await reconcile_pass_async(reconciler, conn, blocking)
-            except CONNECTION_ERRORS as exc:
-                if conn.lost:
-                    await conn.discard()
-                if not isinstance(exc, ReadOnlyServer):  # a standby: said once
-                    log.warning("reconciler: database unreachable (%s); retrying",
-                                type(exc).__name__)
-                wait = min(interval, conn.backoff())
-            except ConfigurationError:
-                raise
-            if once or await state.stopping.wait(wait):
-                return
-    finally:
-        blocking.discard()
-        await conn.discard()
+    await drive_async(reconciling(reconciler, conn, once=once, blocking=blocking))
 
+
+def resolving(reconciler: Reconciler, conn: Connection | AsyncConnection, answer: Answer,
+              blocking: Connection | None = None) -> Program[None]:
+    """Write ``answer`` in a transaction of its own; on an asyncio connection, one whose
+    hook is plain by this very program driven on a thread, with ``blocking``."""
+    if isinstance(conn, AsyncConnection) and reconciler.sync_hook(answer):
+        assert blocking is not None
+        yield Blocking(drive, resolving(reconciler, blocking, answer))
+        return
+    yield with_hooks(reconciler.resolve(answer), conn, reconciler.settings.schema)

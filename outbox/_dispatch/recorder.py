@@ -1,7 +1,8 @@
 """The recorder: writes outcomes in fenced batches and heartbeats the leases held.
 
-Written once as steps (``outbox._steps``), driven by ``run_recorder`` (the recorder thread of
-``Dispatcher``) and ``run_recorder_async`` (its task in ``AsyncDispatcher``). A batch is
+Written once as steps (``outbox._steps``) and a loop (``recording``, a program of
+``runtime``), driven by ``run_recorder`` (the recorder thread of ``Dispatcher``) and
+``run_recorder_async`` (its task in ``AsyncDispatcher``). A batch is
 at most two statements: ``complete`` (the fenced ``running -> done`` update and the
 ledger row, together) and ``settle`` (retry, release, failed, reconcile). A fenced write
 that changes 0 rows means the claim was lost: counted, reported, never retried as if it
@@ -10,7 +11,6 @@ had landed.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import random
@@ -25,29 +25,28 @@ from .. import _lifecycle
 from .._cancelling import signal_of
 from .._lifecycle import Decision
 from .._pg import configuration_error
-from .._steps import Statement, Step, run, run_async
+from .._steps import Statement, Step
 from ..errors import ConfigurationError, Throttled
 from ..observe import AttemptOutcome
 from .budget import report
 from .cancellation import told_to_stop
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
-from .hooked import HookedOutcomes, close_quietly, flush_hooked, flush_hooked_async
+from .hooked import HookedOutcomes, close_quietly, flush_hooked
 from .reconciler import reconcilers
+from .runtime import Call, Program, Run, Sleep, Wait, drive, drive_async
 from .settings import Settings
 from .standby import ReadOnlyServer
 from .state import (
-    AsyncState,
     Held,
     Outcome,
     Release,
     SharedState,
     Success,
-    ThreadState,
     Timer,
     guarded,
 )
 
-__all__ = ["Recorder", "run_recorder", "run_recorder_async"]
+__all__ = ["Recorder", "recording", "run_recorder", "run_recorder_async"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -292,20 +291,22 @@ class Recorder:
         return self.hooked is not None and bool(self.hooked.items)
 
 
-# -- the loops: ``Dispatcher``'s on a thread, ``AsyncDispatcher``'s as a task -----------
+# -- the loop: written once as a program (``runtime``), ``Dispatcher``'s driven on a
+# -- thread, ``AsyncDispatcher``'s as a task -------------------------------------------------
 
 
-def run_recorder(recorder: Recorder, conn: Connection) -> None:
-    """The recorder's loop on its own thread, until ``Recorder.finished``."""
-    state: ThreadState = recorder.state
+def recording(recorder: Recorder, conn: Connection | AsyncConnection) -> Program[None]:
+    """The recorder's loop, until ``Recorder.finished``: outcomes written as they come,
+    hooked ones in transactions of their own, the leases heartbeaten when due."""
+    state = recorder.state
     heartbeat = _heartbeat_timer(recorder.settings)
     pending: list[tuple[Held, Outcome]] = []
 
-    def beat() -> None:
+    def beat() -> Program[None]:
         """Between the transactions of a long hooked write: the heartbeat, if due."""
         if heartbeat.due(time.monotonic()):
             try:
-                run(recorder.heartbeat(), conn.execute)
+                yield Run(recorder.heartbeat(), conn)
             except CONNECTION_ERRORS:
                 raise
             except psycopg.Error as exc:
@@ -313,74 +314,40 @@ def run_recorder(recorder: Recorder, conn: Connection) -> None:
 
     try:
         while not recorder.finished(pending):
-            state.outcome_ready.wait(min(heartbeat.interval, 0.5))
+            yield Wait(state.outcome_ready, min(heartbeat.interval, 0.5))
             state.outcome_ready.clear()
             pending.extend(state.take_outcomes())
             try:
                 if pending:
-                    run(recorder.flush(pending), conn.execute)
-                if recorder.hooked_waiting:
-                    flush_hooked(recorder.hooked, conn, beat)  # type: ignore[arg-type]
+                    yield Run(recorder.flush(pending), conn)
+                if recorder.hooked is not None and recorder.hooked_waiting:
+                    yield from flush_hooked(recorder.hooked, conn, beat)
                 recorder.retrying = False
                 if heartbeat.due(time.monotonic()):
-                    run(recorder.heartbeat(), conn.execute)
+                    yield Run(recorder.heartbeat(), conn)
             except CONNECTION_ERRORS as exc:
                 recorder.failed(exc, lost=conn.lost, pending=pending)
-                time.sleep(conn.backoff())
+                yield Sleep(conn.backoff())
             except ConfigurationError:
                 raise  # a missing privilege: no retry will help
             except psycopg.Error as exc:  # a heartbeat statement failed: next round
                 _heartbeat_failed(exc)
-                time.sleep(conn.backoff())
+                yield Sleep(conn.backoff())
             # Anything else is a bug: it ends the recorder, and the run raises
             # DispatcherFailed (supervised) rather than repeating while leases expire.
     finally:
         close_quietly(recorder.hooked)
-        conn.discard()
+        yield Call(conn.discard)
+
+
+def run_recorder(recorder: Recorder, conn: Connection) -> None:
+    """``recording`` on the recorder's own thread (``Dispatcher``)."""
+    drive(recording(recorder, conn))
 
 
 async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
-    """``run_recorder`` as a task of ``AsyncDispatcher``."""
-    state: AsyncState = recorder.state
-    heartbeat = _heartbeat_timer(recorder.settings)
-    pending: list[tuple[Held, Outcome]] = []
-
-    async def beat() -> None:
-        """``run_recorder``'s ``beat``."""
-        if heartbeat.due(time.monotonic()):
-            try:
-                await run_async(recorder.heartbeat(), conn.execute)
-            except CONNECTION_ERRORS:
-                raise
-            except psycopg.Error as exc:
-                _heartbeat_failed(exc)
-
-    try:
-        while not recorder.finished(pending):
-            await state.outcome_ready.wait(min(heartbeat.interval, 0.5))
-            state.outcome_ready.clear()
-            pending.extend(state.take_outcomes())
-            try:
-                if pending:
-                    await run_async(recorder.flush(pending), conn.execute)
-                if recorder.hooked_waiting:
-                    await flush_hooked_async(recorder.hooked, conn,  # type: ignore[arg-type]
-                                             beat)
-                recorder.retrying = False
-                if heartbeat.due(time.monotonic()):
-                    await run_async(recorder.heartbeat(), conn.execute)
-            except CONNECTION_ERRORS as exc:
-                recorder.failed(exc, lost=conn.lost, pending=pending)
-                await asyncio.sleep(conn.backoff())
-            except ConfigurationError:
-                raise  # a missing privilege: no retry will help
-            except psycopg.Error as exc:  # a heartbeat statement failed: next round
-                _heartbeat_failed(exc)
-                await asyncio.sleep(conn.backoff())
-            # Anything else is a bug, as in run_recorder (supervised_async).
-    finally:
-        close_quietly(recorder.hooked)
-        await conn.discard()
+    """``recording`` as a task of ``AsyncDispatcher``."""
+    await drive_async(recording(recorder, conn))
 
 
 def _heartbeat_timer(settings: Settings) -> Timer:

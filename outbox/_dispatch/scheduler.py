@@ -25,26 +25,25 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from functools import partial
 from typing import Any
 
 import psycopg
 
 from .._enqueue import EnqueueResult, PreparedJob, enqueue_many_steps, enqueue_steps, prepare
 from .._schedule_store import declare, schedule_queries
-from .._steps import Statement, Step, execute, execute_async, run, run_async
+from .._steps import Statement, Step
 from ..errors import ConfigurationError, EnqueueError
 from ..schedules import MAX_CATCH_UP, Schedule, slot_key
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
+from .runtime import Call, Program, Run, Transaction, Wait, drive, drive_async
 from .settings import Settings
 from .state import SharedState
 
 __all__ = ["Scheduler", "check_schedules", "run_scheduler", "run_scheduler_async",
-           "schedule_pass", "schedule_pass_async"]
+           "schedule_pass", "scheduling"]
 
 log = logging.getLogger("outbox.schedules")
 
@@ -238,76 +237,51 @@ class Advanced:
 # -- drivers -----------------------------------------------------------------------------------
 
 
-def schedule_pass(scheduler: Scheduler, conn: Connection) -> float:
-    """One pass on a blocking connection (each round its own transaction); the seconds
-    until the next one is worth making."""
-    run(scheduler.declare(), conn.execute)
+def schedule_pass(scheduler: Scheduler, conn: Connection | AsyncConnection) -> Program[float]:
+    """One pass (each round its own transaction); the seconds until the next one is
+    worth making."""
+    yield Run(scheduler.declare(), conn)
     for _ in range(MAX_BATCHES):
-        wait = run(scheduler.wait(), conn.execute)
+        wait: float = yield Run(scheduler.wait(), conn)
         if wait > 0 or scheduler.state.stopping.is_set():
             return wait
-        pg = conn.get()
-        with pg.transaction():
-            more = run(scheduler.round(), partial(execute, pg))
-        if not more:
+        if not (yield Transaction(scheduler.round(), conn)):
             break
     conn.succeeded()
-    return max(RECHECK, run(scheduler.wait(), conn.execute))
+    wait = yield Run(scheduler.wait(), conn)
+    return max(RECHECK, wait)
 
 
-def run_scheduler(scheduler: Scheduler, conn: Connection, *, once: bool) -> None:
-    """The scheduler's loop on its own thread until the dispatcher stops; ``once``: one
-    pass. A database error is logged and the pass tried again after a backoff: a bad
-    schedule never stops the dispatcher."""
-    state: SharedState[threading.Event] = scheduler.state
-    try:
-        while True:
-            try:
-                wait = schedule_pass(scheduler, conn)
-            except psycopg.Error as exc:
-                if conn.lost:
-                    conn.discard()
-                wait = _failed_pass(scheduler, exc, once) or conn.backoff()
-            if once or state.stopping.wait(wait):
-                return
-    finally:
-        if not once:
-            conn.discard()
-
-
-async def schedule_pass_async(scheduler: Scheduler, conn: AsyncConnection) -> float:
-    """``schedule_pass`` on an asyncio connection."""
-    await run_async(scheduler.declare(), conn.execute)
-    for _ in range(MAX_BATCHES):
-        wait = await run_async(scheduler.wait(), conn.execute)
-        if wait > 0 or scheduler.state.stopping.is_set():
-            return wait
-        pg = await conn.get()
-        async with pg.transaction():
-            more = await run_async(scheduler.round(), partial(execute_async, pg))
-        if not more:
-            break
-    conn.succeeded()
-    return max(RECHECK, await run_async(scheduler.wait(), conn.execute))
-
-
-async def run_scheduler_async(scheduler: Scheduler, conn: AsyncConnection, *,
-                              once: bool) -> None:
-    """``run_scheduler`` as a task of ``AsyncDispatcher``."""
+def scheduling(scheduler: Scheduler, conn: Connection | AsyncConnection, *,
+               once: bool) -> Program[None]:
+    """The scheduler's loop until the dispatcher stops; ``once``: one pass. A database
+    error is logged and the pass tried again after a backoff: a bad schedule never stops
+    the dispatcher."""
     state = scheduler.state
     try:
         while True:
             try:
-                wait = await schedule_pass_async(scheduler, conn)
+                wait = yield from schedule_pass(scheduler, conn)
             except psycopg.Error as exc:
                 if conn.lost:
-                    await conn.discard()
+                    yield Call(conn.discard)
                 wait = _failed_pass(scheduler, exc, once) or conn.backoff()
-            if once or await state.stopping.wait(wait):
+            if once or (yield Wait(state.stopping, wait)):
                 return
     finally:
         if not once:
-            await conn.discard()
+            yield Call(conn.discard)
+
+
+def run_scheduler(scheduler: Scheduler, conn: Connection, *, once: bool) -> None:
+    """``scheduling`` on its own thread (``Dispatcher``), or once on the caller's."""
+    drive(scheduling(scheduler, conn, once=once))
+
+
+async def run_scheduler_async(scheduler: Scheduler, conn: AsyncConnection, *,
+                              once: bool) -> None:
+    """``scheduling`` as a task of ``AsyncDispatcher``, or once in its start."""
+    await drive_async(scheduling(scheduler, conn, once=once))
 
 
 def _failed_pass(scheduler: Scheduler, exc: psycopg.Error, once: bool) -> float | None:
