@@ -127,7 +127,8 @@ class Pipelined:
     """Enter (``on``) or leave psycopg's pipeline mode on the executor's connection: the
     hooks of a chunk send their statements without waiting for each answer, and leaving
     waits for them all (a statement's error raises there, as ``HookRaised``, whose hook
-    unknown). An executor that answers each statement at once (asyncio) ignores it."""
+    unknown), answering whether it checked that no hook left the transaction aborted.
+    An executor that answers each statement at once (asyncio) ignores it (None)."""
 
     on: bool
 
@@ -189,6 +190,7 @@ class HookedOutcomes:
         self.chunk_seconds = _lifecycle.heartbeat_interval(recorder.settings.lease) / 2
         self.chunk_size = HOOKED_CHUNK_FIRST
         self.calling: Hooked | None = None  # the hook ``fast`` is calling
+        self.raising = False  # a hook raised in the last chunk: write the next in segments
         # Whether each hook is ``async def``: asked once, not per outcome.
         self.asynchronous = {id(fn): is_async_hook(fn) for hooks in (
             recorder.settings.done_hooks, recorder.settings.failed_hooks)
@@ -235,6 +237,17 @@ class HookedOutcomes:
     # -- the steps -----------------------------------------------------------------------
 
     def fast(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
+        """Write ``items`` optimistically (``optimistic``); but after a chunk in which a
+        hook raised, in savepointed segments from the start (``mended``): hooks that
+        raised in the last chunk are likely to raise in this one (1 in 100 raising
+        leaves few chunks of hundreds without one), and an optimistic write rolled back
+        costs every hook called before the raise."""
+        if self.raising and len(items) > 1:
+            self.raising = False  # again only if a hook raises in this chunk
+            return (yield from self.mended(items))
+        return (yield from self.optimistic(items))
+
+    def optimistic(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
         """Write ``items`` with one statement per kind and no savepoints, then call the
         hooks of the jobs whose fence held, their statements pipelined (``Pipelined``:
         one wait for them all, not a round trip a hook). Anything a hook raises
@@ -291,6 +304,7 @@ class HookedOutcomes:
                         self.calling = None  # perhaps an earlier hook's statement's
                     else:
                         item.raised = raised.error  # settled as it says (``mended``)
+                    self.raising = True
                     raise
                 if created:
                     adoptions.append((item, created))
@@ -299,16 +313,19 @@ class HookedOutcomes:
                 yield PIPELINE_OFF
             raise
         self.calling = None  # from here on, an error is a statement's: whose, unknown
-        yield PIPELINE_OFF  # waits for every hook's statement: the first error raises
+        # Waits for every hook's statement (the first error raises); the executor's own
+        # check that no hook left the transaction aborted is in the same wait.
+        checked = yield PIPELINE_OFF
         for item, created in adoptions:
             yield Statement(self.queries.adopt_followups,
                             {"parent": item.held.job.key, "ids": created})
-        yield Statement("SELECT 1", {})  # fails if a hook left the transaction aborted
+        if not checked or adoptions:
+            yield Statement("SELECT 1", {})  # fails if a hook left the transaction aborted
 
     def mended(self, items: list[Hooked],
                culprit: Hooked | None = None) -> HookStep[list[AttemptOutcome]]:
         """Write ``items`` again after a hook raised in ``fast``: in segments of
-        ``HOOKED_SEGMENT``, each ``fast`` inside a savepoint of its own. A segment whose
+        ``HOOKED_SEGMENT``, each ``optimistic`` inside a savepoint of its own. A segment whose
         hook raises is rolled back to its savepoint, the raising job written ``careful``ly
         (its retry or failure), and the rest of the segment written again; a segment
         whose hook left the transaction aborted, or whose statement failed (which hook,
@@ -325,7 +342,7 @@ class HookedOutcomes:
             self.calling = None
             yield SEGMENT
             try:
-                outcomes = yield from self.fast(segment)
+                outcomes = yield from self.optimistic(segment)
             except HookRaised:
                 culprit = self.calling
                 yield SEGMENT_ROLLBACK
@@ -541,17 +558,22 @@ class Pipelines:
         self.conn = conn
         self.open = contextlib.ExitStack()
 
-    def switch(self, instruction: Pipelined) -> None:
+    def switch(self, instruction: Pipelined) -> bool:
+        """Enter, or leave (answering True: the transaction was checked)."""
         if instruction.on:
             self.open.enter_context(self.conn.pipeline())
-            return
+            return False
         try:
-            self.open.close()
+            try:  # refused (and the pipeline's sync raises) if a hook left it aborted
+                self.conn.execute("SELECT 1")
+            finally:
+                self.open.close()
         except Exception as exc:
             error = _hook_error(exc, self.conn.closed)
             if error is exc:
                 raise
             raise error from exc
+        return True
 
 
 def _hook_error(exc: Exception, closed: bool) -> Exception:
