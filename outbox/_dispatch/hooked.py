@@ -7,11 +7,16 @@ due) between them: a chunk is sized to take at most half a heartbeat interval at
 pace the last chunk was written (``HookedOutcomes.took``), and holds at most
 ``HOOKED_CHUNK_MAX`` outcomes. First optimistically (``fast``): the
 chunk's fenced status changes in one statement each (done + ledger rows; failed), then
-each hook whose job's fence held, then COMMIT. Should any hook raise, that transaction
-is rolled back whole and the chunk is written again (``mended``) in segments of
-``HOOKED_SEGMENT``, each the same fast write inside a savepoint; a segment whose hook
-raises is rolled back to its savepoint, and its raising job written carefully
-(``careful``), inside a savepoint of its own, before the rest of the segment again::
+each hook whose job's fence held, their statements in one pipeline (``Pipelined``: one
+wait for them all, not a round trip a hook), then COMMIT. Should any hook raise, that
+transaction is rolled back whole and the chunk is written again (``mended``): the
+raising job settled from its hook's error in one fenced statement (the hook not called
+again), the rest in segments of ``HOOKED_SEGMENT``, each the same fast write inside a
+savepoint; a segment whose hook raises is rolled back to its savepoint, its raising job
+settled so, and the rest of the segment written again. After a chunk with a raise, the
+next is written in segments from the start. A statement's error, whose hook is not
+known in a pipeline, sends its segment to be written carefully (``careful``), each job
+inside a savepoint of its own::
 
     SAVEPOINT
       the fenced status change (done + ledger row, or failed)   0 rows: claim lost, no hook
@@ -22,13 +27,13 @@ COMMIT
 
 so a hook that raises leaves nothing half-written and does not disturb the other jobs of
 the batch, and hooks that do not raise cost their own statements only. A hook may thus
-be called twice for one outcome (the first call's writes rolled back): only what it
-writes through ``tx`` is once.
+be called more than once for one outcome (the earlier calls' writes rolled back): only
+what it writes through ``tx`` is once.
 
 The decisions are written once, as steps (``outbox._steps``) that yield ``Statement``s
-(run in the transaction) and ``CallHook``s (the hook called with a transaction object of
-the flavour): ``in_transaction`` and ``in_transaction_async`` execute both kinds, and
-the steps' two drivers run them. ``record_hooked`` writes on a blocking connection,
+(run in the transaction), ``CallHook``s (the hook called with a transaction object of
+the flavour) and ``Pipelined``: ``in_transaction`` and ``in_transaction_async`` execute
+them, and the steps' two drivers run them. ``record_hooked`` writes on a blocking connection,
 ``record_hooked_async`` on ``AsyncDispatcher``'s asyncio connection (sync hooks there go
 to ``record_hooked`` on a thread, with a blocking connection of their own).
 """
