@@ -9,6 +9,7 @@ nothing; a cursor's ``rowcount`` is what it is without a pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -51,6 +52,7 @@ class Hook:
 
     schema: str
     raising: set[str] = field(default_factory=set)
+    swallowing: set[str] = field(default_factory=set)  # catch an error of their statement
     calls: Counter[str] = field(default_factory=Counter)
     rowcounts: list[int] = field(default_factory=list)
     pipelined: list[bool] = field(default_factory=list)
@@ -62,6 +64,10 @@ class Hook:
         tx.execute(sql.SQL("INSERT INTO {}.hooked VALUES (%s)").format(ident), (job.key,))
         cursor = tx.execute(sql.SQL("UPDATE {}.counted SET n = n + 1").format(ident))
         self.rowcounts.append(cursor.rowcount)
+        if job.key in self.swallowing:
+            # Fetching waits for the answer: the error shows here, and is swallowed.
+            with contextlib.suppress(psycopg.errors.DivisionByZero):
+                tx.execute("SELECT 1 / 0").fetchone()
         if job.key in self.raising:
             raise Broke(f"hook broke for {job.key}")
 
@@ -272,3 +278,23 @@ def test_after_a_chunk_with_a_raise_the_next_is_written_in_segments_from_the_sta
     assert calls[40:] == [1] * (CHUNK - 40)  # the raising one: settled from its error
     assert chunk.rows() == sorted({key(n) for n in range(2 * CHUNK)} - {key(1), key(CHUNK + 40)})
     assert chunk.stats.retried == 2 and chunk.stats.done == 2 * CHUNK - 2
+
+
+def test_a_hook_that_swallows_its_statement_error_in_the_pipeline_is_blamed_alone(
+    chunk_of: Callable[..., Chunk],
+) -> None:
+    """The swallowed error leaves the transaction aborted: the hooks after it see their
+    statements refused by the pipeline (``PipelineAborted``, an ``OperationalError``,
+    which must not pass for a lost connection). The chunk is written again, and only
+    the swallowing hook's job is retried, as a hook that raised."""
+    chunk = chunk_of()
+    swallower = key(HOOKED_SEGMENT + 3)
+    chunk.hook.swallowing.add(swallower)
+    chunk.write(key(n) for n in range(CHUNK))
+    assert chunk.rows() == sorted({key(n) for n in range(CHUNK)} - {swallower})
+    found = chunk.jobs()
+    assert found[swallower]["status"] == "pending"
+    assert "transaction aborted" in found[swallower]["last_error"]
+    assert all(found[key(n)]["status"] == "done" for n in range(CHUNK) if key(n) != swallower)
+    assert chunk.counted() == CHUNK - 1
+    assert chunk.stats.done == CHUNK - 1 and chunk.stats.retried == 1
