@@ -50,6 +50,33 @@ class NotPerformed:
 Reconciled = Performed | NotPerformed | None
 
 
+class _AnsweredCursor(psycopg.Cursor[Any]):
+    """A hook's cursor in the dispatcher's pipeline (its chunk's hooks send their
+    statements without waiting for each answer): ``rowcount``, ``statusmessage`` and
+    ``description`` wait for the statement's answer, as without a pipeline (the rows
+    already do)."""
+
+    def _answered(self) -> None:
+        if self.pgresult is None and self.connection.pgconn.pipeline_status:
+            with self.connection.pipeline():  # a nested block syncs
+                pass
+
+    @property
+    def rowcount(self) -> int:
+        self._answered()
+        return super().rowcount
+
+    @property
+    def statusmessage(self) -> str | None:
+        self._answered()
+        return super().statusmessage
+
+    @property
+    def description(self) -> list[psycopg.Column] | None:
+        self._answered()
+        return super().description
+
+
 class HookTransaction(Transaction):
     """The transaction a completion hook runs in, on the dispatcher's connection.
 
@@ -71,8 +98,17 @@ class HookTransaction(Transaction):
         self.created: list[int] = []  # follow-up job ids this hook created
 
     def execute(self, query: Any, params: Any = None) -> psycopg.Cursor[Any]:
-        """Run ``query`` with ``params`` in the hook's transaction; return the cursor."""
-        return self.connection.execute(query, params)
+        """Run ``query`` with ``params`` in the hook's transaction; return the cursor.
+
+        The dispatcher sends the statements of a chunk's hooks in a pipeline, waiting
+        for their answers once, after the last hook: the cursor returned waits for its
+        own when asked (its rows, ``rowcount``, ``statusmessage``, ``description``), and
+        a statement that fails may raise only then, or in a later statement (the job
+        is then written again, its hook called again on its own)."""
+        if not self.connection.pgconn.pipeline_status:
+            return self.connection.execute(query, params)
+        cursor = _AnsweredCursor(self.connection)
+        return cursor.execute(query, params)
 
     def enqueue(
         self, effect: str, *, key: str, payload: Payload,

@@ -33,6 +33,7 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/web/test_counts.py": {"outbox._queue"},
     "tests/web/test_queue_reporting.py": {"outbox._queue"},
     "tests/integration/test_recorder_failures.py": {"outbox._dispatch", "outbox._steps"},
+    "tests/flows/test_hook_chunks.py": {"outbox._dispatch"},
     "tests/integration/test_step_rows.py": {"outbox._steps"},
     "tests/unit/test_dispatch_rounds.py": {"outbox._after", "outbox._dispatch", "outbox._steps"},
     "tests/unit/test_task_workers.py": {"outbox._dispatch"},

@@ -7,11 +7,16 @@ due) between them: a chunk is sized to take at most half a heartbeat interval at
 pace the last chunk was written (``HookedOutcomes.took``), and holds at most
 ``HOOKED_CHUNK_MAX`` outcomes. First optimistically (``fast``): the
 chunk's fenced status changes in one statement each (done + ledger rows; failed), then
-each hook whose job's fence held, then COMMIT. Should any hook raise, that transaction
-is rolled back whole and the chunk is written again (``mended``) in segments of
-``HOOKED_SEGMENT``, each the same fast write inside a savepoint; a segment whose hook
-raises is rolled back to its savepoint, and its raising job written carefully
-(``careful``), inside a savepoint of its own, before the rest of the segment again::
+each hook whose job's fence held, their statements in one pipeline (``Pipelined``: one
+wait for them all, not a round trip a hook), then COMMIT. Should any hook raise, that
+transaction is rolled back whole and the chunk is written again (``mended``): the
+raising job settled from its hook's error in one fenced statement (the hook not called
+again), the rest in segments of ``HOOKED_SEGMENT``, each the same fast write inside a
+savepoint; a segment whose hook raises is rolled back to its savepoint, its raising job
+settled so, and the rest of the segment written again. After a chunk with a raise, the
+next is written in segments from the start. A statement's error, whose hook is not
+known in a pipeline, sends its segment to be written carefully (``careful``), each job
+inside a savepoint of its own::
 
     SAVEPOINT
       the fenced status change (done + ledger row, or failed)   0 rows: claim lost, no hook
@@ -22,15 +27,16 @@ COMMIT
 
 so a hook that raises leaves nothing half-written and does not disturb the other jobs of
 the batch, and hooks that do not raise cost their own statements only. A hook may thus
-be called twice for one outcome (the first call's writes rolled back): only what it
-writes through ``tx`` is once.
+be called more than once for one outcome (the earlier calls' writes rolled back): only
+what it writes through ``tx`` is once.
 
 The decisions are written once, as steps (``outbox._steps``) that yield ``Statement``s
-(run in the transaction) and ``CallHook``s (the hook called with a transaction object of
-the flavour): ``in_transaction`` and ``in_transaction_async`` execute both kinds, and
-the steps' two drivers run them. ``writing_hooked`` (a program of ``runtime``) writes on
-either flavour's connection; on ``AsyncDispatcher``'s, its sync hooks' items go to the
-same program driven on a thread, with a blocking connection of their own.
+(run in the transaction), ``CallHook``s (the hook called with a transaction object of
+the flavour) and ``Pipelined`` (the chunk's hook statements sent in one pipeline):
+``in_transaction`` and ``in_transaction_async`` execute them, and the steps' two drivers
+run them. ``writing_hooked`` (a program of ``runtime``) writes on either flavour's
+connection; on ``AsyncDispatcher``'s, its sync hooks' items go to the same program driven
+on a thread, with a blocking connection of their own.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any, NoReturn, Protocol, TypeVar
@@ -65,7 +71,7 @@ from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, guarded
 
 __all__ = ["HOOKED_CHUNK_MAX", "CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes",
-           "call_hook", "in_transaction", "in_transaction_async",
+           "Pipelined", "Pipelines", "call_hook", "in_transaction", "in_transaction_async",
            "with_hooks", "writing_hooked"]
 
 log = logging.getLogger("outbox.dispatcher")
@@ -124,9 +130,23 @@ class HookLeftAborted(Exception):
     """The hook returned normally, but one of its statements had failed."""
 
 
-HookStep = Generator[Statement | CallHook, Any, T]
-"""A step that calls hooks: yields ``Statement`` (sent rows) and ``CallHook`` (sent the
-ids of the follow-up jobs the hook created)."""
+@dataclass(frozen=True, slots=True)
+class Pipelined:
+    """Enter (``on``) or leave psycopg's pipeline mode on the executor's connection: the
+    hooks of a chunk send their statements without waiting for each answer, and leaving
+    waits for them all (a statement's error raises there, as ``HookRaised``, whose hook
+    unknown), answering whether it checked that no hook left the transaction aborted.
+    An executor that answers each statement at once (asyncio) ignores it (None)."""
+
+    on: bool
+
+
+PIPELINE_ON = Pipelined(True)
+PIPELINE_OFF = Pipelined(False)
+
+HookStep = Generator[Statement | CallHook | Pipelined, Any, T]
+"""A step that calls hooks: yields ``Statement`` (sent rows), ``CallHook`` (sent the
+ids of the follow-up jobs the hook created) and ``Pipelined`` (sent None)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -137,10 +157,12 @@ class Hooked:
     outcome: Outcome
     hook: Callable[..., Any]
     decision: Decision | None = None  # the settlement of a failure (to failed)
-    is_async: bool = field(init=False)
+    is_async: bool | None = None  # None: looked up here (``take`` knows it already)
+    raised: Exception | None = None  # what its hook raised in ``fast`` (rolled back)
 
     def __post_init__(self) -> None:
-        self.is_async = is_async_hook(self.hook)
+        if self.is_async is None:
+            self.is_async = is_async_hook(self.hook)
 
 
 class Recording(Protocol):
@@ -176,6 +198,11 @@ class HookedOutcomes:
         self.chunk_seconds = _lifecycle.heartbeat_interval(recorder.settings.lease) / 2
         self.chunk_size = HOOKED_CHUNK_FIRST
         self.calling: Hooked | None = None  # the hook ``fast`` is calling
+        self.raising = False  # a hook raised in the last chunk: write the next in segments
+        # Whether each hook is ``async def``: asked once, not per outcome.
+        self.asynchronous = {id(fn): is_async_hook(fn) for hooks in (
+            recorder.settings.done_hooks, recorder.settings.failed_hooks)
+            for fn in hooks.values()}
 
     def next_chunk(self) -> list[Hooked]:
         """The outcomes the next transaction writes: the oldest ``chunk_size``."""
@@ -199,12 +226,16 @@ class HookedOutcomes:
         for held, outcome in pending:
             name = held.job.effect
             if isinstance(outcome, Success) and name in done:
-                self.items.append(Hooked(held, outcome, done[name]))
+                hook = done[name]
+                self.items.append(Hooked(held, outcome, hook,
+                                         is_async=self.asynchronous.get(id(hook))))
                 continue
             if isinstance(outcome, BaseException) and name in failed:
                 decision = settle(held, outcome)
                 if decision.status == "failed":
-                    self.items.append(Hooked(held, outcome, failed[name], decision))
+                    hook = failed[name]
+                    self.items.append(Hooked(held, outcome, hook, decision,
+                                             self.asynchronous.get(id(hook))))
                     continue
                 decided[held.job.id] = decision
             rest.append((held, outcome))
@@ -214,9 +245,25 @@ class HookedOutcomes:
     # -- the steps -----------------------------------------------------------------------
 
     def fast(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
-        """Write ``items`` with one statement per kind and no savepoints; anything a
-        hook raises propagates (the caller rolls back and goes ``careful``)."""
+        """Write ``items`` optimistically (``optimistic``); but after a chunk in which a
+        hook raised, in savepointed segments from the start (``mended``): hooks that
+        raised in the last chunk are likely to raise in this one (1 in 100 raising
+        leaves few chunks of hundreds without one), and an optimistic write rolled back
+        costs every hook called before the raise."""
+        if self.raising and len(items) > 1:
+            self.raising = False  # again only if a hook raises in this chunk
+            return (yield from self.mended(items))
+        return (yield from self.optimistic(items))
+
+    def optimistic(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
+        """Write ``items`` with one statement per kind and no savepoints, then call the
+        hooks of the jobs whose fence held, their statements pipelined (``Pipelined``:
+        one wait for them all, not a round trip a hook). Anything a hook raises
+        propagates (the caller rolls back and goes ``mended``), with ``calling`` the
+        hook to blame, or None when unknown (a statement's error, which in a pipeline
+        may show in a later hook's call, or only when the pipeline is left)."""
         outcomes: dict[int, AttemptOutcome] = {}
+        calls: list[tuple[Hooked, Any]] = []  # the hooks to call, with their values
         done = [i for i in items if isinstance(i.outcome, Success)]
         failed = [i for i in items if not isinstance(i.outcome, Success)]
         if done:
@@ -233,8 +280,7 @@ class HookedOutcomes:
             for item in done:
                 job = item.held.job
                 if job.id in written:
-                    value = json.loads(item.outcome.result_json)  # type: ignore[union-attr]
-                    yield from self._fast_hook(item, value)
+                    calls.append((item, json.loads(item.outcome.result_json)))  # type: ignore[union-attr]
                 outcomes[id(item)] = "done" if job.id in written | landed else "lost"
         if failed:
             rows = yield Statement(self.recorder.queries.settle, {"claims": json.dumps([
@@ -244,47 +290,77 @@ class HookedOutcomes:
             written = set(rows)
             for item in failed:
                 if item.held.job.id in written:
-                    yield from self._fast_hook(item, item.outcome)
+                    calls.append((item, item.outcome))
                 outcomes[id(item)] = "failed" if item.held.job.id in written else "lost"
-        yield Statement("SELECT 1", {})  # fails if a hook left the transaction aborted
+        if calls:
+            yield from self._fast_hooks(calls)
         return [outcomes[id(item)] for item in items]
 
-    def _fast_hook(self, item: Hooked, value: Any) -> HookStep[None]:
-        self.calling = item  # the one to blame if the hook raises (``mended``)
-        created = yield CallHook(item.hook, item.held.job, value)
-        if created:
+    def _fast_hooks(self, calls: list[tuple[Hooked, Any]]) -> HookStep[None]:
+        """Call each hook of ``calls``, their statements in one pipeline; then adopt
+        their follow-ups. Only the hooks run in the pipeline: what our statements
+        answer is known when they return."""
+        adoptions: list[tuple[Hooked, list[int]]] = []
+        yield PIPELINE_ON
+        try:
+            for item, value in calls:
+                self.calling = item  # the one to blame if the hook raises (``mended``)
+                try:
+                    created = yield CallHook(item.hook, item.held.job, value)
+                except HookRaised as raised:
+                    if isinstance(raised.error, psycopg.Error):
+                        self.calling = None  # perhaps an earlier hook's statement's
+                    else:
+                        item.raised = raised.error  # settled as it says (``mended``)
+                    self.raising = True
+                    raise
+                if created:
+                    adoptions.append((item, created))
+        except Exception:
+            with contextlib.suppress(Exception):  # what was raised first is what counts
+                yield PIPELINE_OFF
+            raise
+        self.calling = None  # from here on, an error is a statement's: whose, unknown
+        # Waits for every hook's statement (the first error raises); the executor's own
+        # check that no hook left the transaction aborted is in the same wait.
+        checked = yield PIPELINE_OFF
+        for item, created in adoptions:
             yield Statement(self.queries.adopt_followups,
                             {"parent": item.held.job.key, "ids": created})
+        if not checked or adoptions:
+            yield Statement("SELECT 1", {})  # fails if a hook left the transaction aborted
 
     def mended(self, items: list[Hooked],
                culprit: Hooked | None = None) -> HookStep[list[AttemptOutcome]]:
         """Write ``items`` again after a hook raised in ``fast``: in segments of
-        ``HOOKED_SEGMENT``, each ``fast`` inside a savepoint of its own. A segment whose
+        ``HOOKED_SEGMENT``, each ``optimistic`` inside a savepoint of its own. A segment whose
         hook raises is rolled back to its savepoint, the raising job written ``careful``ly
         (its retry or failure), and the rest of the segment written again; a segment
-        whose hook left the transaction aborted (which hook, unknown) goes ``careful``
-        whole. So a hook that raises costs its segment, not its chunk, a savepoint a job.
+        whose hook left the transaction aborted, or whose statement failed (which hook,
+        unknown: in a pipeline the error may show later), goes ``careful`` whole. So a
+        hook that raises costs its segment, not its chunk, a savepoint a job.
         ``culprit``, the job whose hook raised in ``fast``, is written carefully first."""
         written: dict[int, AttemptOutcome] = {}
         queue = list(items)
         if culprit is not None and culprit in queue:
-            [written[id(culprit)]] = yield from self.careful([culprit])
+            written[id(culprit)] = yield from self._culprit(culprit)
             queue.remove(culprit)
         while queue:
             segment, queue = queue[:HOOKED_SEGMENT], queue[HOOKED_SEGMENT:]
             self.calling = None
             yield SEGMENT
             try:
-                outcomes = yield from self.fast(segment)
+                outcomes = yield from self.optimistic(segment)
             except HookRaised:
                 culprit = self.calling
                 yield SEGMENT_ROLLBACK
                 yield SEGMENT_RELEASE
-                if culprit is None:  # not from a hook of the segment's: never expected
-                    raise
-                [written[id(culprit)]] = yield from self.careful([culprit])
-                queue = [item for item in segment if item is not culprit] + queue
-                continue
+                if culprit is None:  # a statement's error, whose hook is unknown
+                    outcomes = yield from self.careful(segment)
+                else:
+                    written[id(culprit)] = yield from self._culprit(culprit)
+                    queue = [item for item in segment if item is not culprit] + queue
+                    continue
             except CONNECTION_ERRORS:
                 raise
             except psycopg.Error:  # a hook left the transaction aborted
@@ -295,6 +371,15 @@ class HookedOutcomes:
                 yield SEGMENT_RELEASE
             written.update(zip(map(id, segment), outcomes, strict=True))
         return [written[id(item)] for item in items]
+
+    def _culprit(self, item: Hooked) -> HookStep[AttemptOutcome]:
+        """The job whose hook raised in ``fast`` (that write rolled back): settled as its
+        hook's error says, in one fenced statement, the hook not called again; without
+        the error (not the hook's own), written ``careful``ly."""
+        if item.raised is None:
+            [outcome] = yield from self.careful([item])
+            return outcome
+        return (yield from self._raised(item, item.raised))
 
     def careful(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
         """Write ``items``, each in its savepoint; what each became, in order."""
@@ -321,6 +406,21 @@ class HookedOutcomes:
         if error is None:
             return "done"
         yield ROLLBACK
+        return (yield from self._raised(item, error))
+
+    def _raised(self, item: Hooked, error: Exception) -> HookStep[AttemptOutcome]:
+        """Settle the job whose hook raised ``error``, its status change and the hook's
+        writes rolled back: retried or failed as ``_lifecycle.settle`` says, fenced;
+        an ``on_done``'s provider answer kept (not performed again)."""
+        job = item.held.job
+        if isinstance(item.outcome, BaseException):  # on_failed's
+            retry = self._settle_hook_error(item, item.outcome, error)
+            log.warning("job %s (key %s) attempt %s: on_failed raised %s -> %s", job.id,
+                        job.key, job.attempt, type(error).__name__, retry.status)
+            rows = yield from self._settle(job, retry.status, retry.delay, retry.error)
+            return ("retry" if retry.status == "pending" else "failed") if rows else "lost"
+        success = item.outcome
+        assert isinstance(success, Success)
         decision = self._settle_hook_error(item, None, error)
         params = {"id": job.id, "version": job.claim_version, "result": success.result_json,
                   "delay": decision.delay, "error": decision.error}
@@ -343,11 +443,7 @@ class HookedOutcomes:
         if error is None:
             return "failed"
         yield ROLLBACK
-        retry = self._settle_hook_error(item, item.outcome, error)
-        log.warning("job %s (key %s) attempt %s: on_failed raised %s -> %s", job.id, job.key,
-                    job.attempt, type(error).__name__, retry.status)
-        rows = yield from self._settle(job, retry.status, retry.delay, retry.error)
-        return ("retry" if retry.status == "pending" else "failed") if rows else "lost"
+        return (yield from self._raised(item, error))
 
     def _settle(self, job: Job, status: str, delay: float, error: str | None) -> HookStep[Rows]:
         rows: Rows = yield Statement(self.recorder.queries.settle, {"claims": json.dumps([
@@ -412,14 +508,18 @@ def call_hook(fn: Callable[..., Any], job: Job, value: Any,
 
 
 def in_transaction(conn: psycopg.Connection[Any],
-                   schema: str) -> Callable[[Statement | CallHook], Any]:
+                   schema: str) -> Callable[[Statement | CallHook | Pipelined], Any]:
     """Execute a ``HookStep``'s instructions on ``conn``, in its open transaction: a
     statement answers its rows; a hook is called with a ``HookTransaction`` and answers
     the follow-ups it created, or raises ``HookRaised`` (see ``_hook_error``)."""
 
-    def execute_instruction(instruction: Statement | CallHook) -> Any:
+    pipelines = Pipelines(conn)
+
+    def execute_instruction(instruction: Statement | CallHook | Pipelined) -> Any:
         if isinstance(instruction, Statement):
             return execute(conn, instruction)
+        if isinstance(instruction, Pipelined):
+            return pipelines.switch(instruction)
         tx = HookTransaction(conn, schema)
         try:
             instruction.fn(tx, instruction.job, instruction.value)
@@ -431,12 +531,15 @@ def in_transaction(conn: psycopg.Connection[Any],
 
 
 def in_transaction_async(conn: psycopg.AsyncConnection[Any],
-                         schema: str) -> Callable[[Statement | CallHook], Awaitable[Any]]:
+                         schema: str,
+                         ) -> Callable[[Statement | CallHook | Pipelined], Awaitable[Any]]:
     """``in_transaction`` on an asyncio connection (the hooks are ``async def``)."""
 
-    async def execute_instruction(instruction: Statement | CallHook) -> Any:
+    async def execute_instruction(instruction: Statement | CallHook | Pipelined) -> Any:
         if isinstance(instruction, Statement):
             return await execute_async(conn, instruction)
+        if isinstance(instruction, Pipelined):
+            return None  # each statement answered at once: an awaited rowcount is exact
         tx = AsyncHookTransaction(conn, schema)
         try:
             await instruction.fn(tx, instruction.job, instruction.value)
@@ -453,6 +556,31 @@ def _raise_hook_error(exc: Exception, closed: bool) -> NoReturn:
     if error is exc:
         raise exc
     raise error from exc
+
+
+class Pipelines:
+    """An executor's side of ``Pipelined`` on a blocking connection: enters psycopg's
+    pipeline mode, and leaves it, waiting for every statement sent; an error there is
+    the step's ``HookRaised`` (a hook's statement failed, or its transaction was left
+    aborted), or the lost connection's."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+        self.open = contextlib.ExitStack()
+
+    def switch(self, instruction: Pipelined) -> bool:
+        """Enter, or leave (answering True: the transaction was checked)."""
+        if instruction.on:
+            self.open.enter_context(self.conn.pipeline())
+            return False
+        try:
+            try:  # refused (and the pipeline's sync raises) if a hook left it aborted
+                self.conn.execute("SELECT 1")
+            finally:
+                self.open.close()
+        except Exception as exc:
+            _raise_hook_error(exc, self.conn.closed)
+        return True
 
 
 def _hook_error(exc: Exception, closed: bool) -> Exception:

@@ -225,3 +225,38 @@ def test_a_pooled_role_that_defaults_to_serializable_is_a_configuration_error(
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def test_hooks_pipelined_through_pgbouncer_write_once_and_a_raise_costs_its_own_job(
+    bouncer: PgBouncer, schema: str,
+) -> None:
+    """The hooks of a chunk send their statements in one pipeline, with savepoints when
+    one raises: through the pooler too, each hook's row is written once, the raising
+    job is retried (its row never kept), and no other client sees the transaction."""
+    keys = [f"k{i}" for i in range(300)]
+    with psycopg.connect(bouncer.direct, autocommit=True) as conn:
+        conn.execute(f'CREATE TABLE "{schema}".paid (key text PRIMARY KEY)')
+    _enqueue(bouncer.dsn, schema, keys)
+    effect = Recording()
+    raised: list[str] = []
+
+    def record(tx: outbox.HookTransaction, job: outbox.Job, result: Any) -> None:
+        tx.execute(f'INSERT INTO "{schema}".paid VALUES (%s)', (job.key,))
+        if job.key == "k150" and job.attempt == 1:
+            raised.append(job.key)
+            raise RuntimeError("the order is locked")
+
+    stats = outbox.Dispatcher(bouncer.dsn, [effect], schema=schema, concurrency=8,
+                              listen_conninfo=bouncer.direct,
+                              backoff=outbox.Backoff(base=0.001, cap=0.005),
+                              on_done={Recording.name: record}).run_until_idle(timeout=120)
+    if stats.done < len(keys):  # the retry was not due yet when the first run went idle
+        stats = outbox.Dispatcher(bouncer.dsn, [effect], schema=schema, concurrency=8,
+                                  listen_conninfo=bouncer.direct,
+                                  on_done={Recording.name: record}).run_until_idle(timeout=120)
+    assert raised == ["k150"]
+    with psycopg.connect(bouncer.direct, autocommit=True) as conn:
+        paid = [k for k, in conn.execute(f'SELECT key FROM "{schema}".paid ORDER BY key')]
+    assert paid == sorted(keys)
+    assert effect.performed == dict.fromkeys(keys, 1)  # the kept answer: not performed again
+    assert {j["status"] for j in jobs(bouncer.direct, schema).values()} == {"done"}
