@@ -267,8 +267,9 @@ class Claimer:
             "worker": settings.worker_id, "after": self.turns.json(),
         }, named=True)
         self.turns.served((row.effect, row.group_key) for row in rows)
-        for row in rows:
-            self.rescued_due.pop(row.id, None)
+        if self.rescued_due:  # a loop over the claim's rows only while some are waited for
+            for row in rows:
+                self.rescued_due.pop(row.id, None)
         parents = yield from self.after_results(rows)
         elapsed = time.monotonic() - started
         batch = self._helds(rows, parents)
