@@ -219,13 +219,13 @@ def floor_tables(dsn: str, *, lease_index: bool = False, held: int = 0) -> None:
     statements = FLOOR_TABLES.split(";") + ([FLOOR_LEASE_INDEX] if lease_index else [])
     with psycopg.connect(dsn, autocommit=True) as conn:
         for statement in statements:
-            conn.execute(_floor_sql(statement))
+            conn.execute(floor_sql(statement))
         if held:
-            conn.execute(_floor_sql(FLOOR_CLAIM),
+            conn.execute(floor_sql(FLOOR_CLAIM),
                          {"limit": held, "lease": 3600.0, "worker": "held"})
 
 
-def _floor_sql(statement: str) -> sql.Composed:
+def floor_sql(statement: str) -> sql.Composed:
     return sql.SQL(statement).format(jobs=table("outbox", "jobs"), floor=table(*FLOOR_TABLE),
                                      floor_ledger=table(*FLOOR_LEDGER))
 
@@ -233,7 +233,7 @@ def _floor_sql(statement: str) -> sql.Composed:
 def floor_worker(spec: StatementsSpec) -> Prepared:
     """The design floor's claim and fenced completion (see ``FLOOR_TABLES``) in a loop on
     ``spec.connections`` connections at once, one thread each, nothing performed."""
-    claim_sql, complete_sql = _floor_sql(FLOOR_CLAIM), _floor_sql(FLOOR_COMPLETE)
+    claim_sql, complete_sql = floor_sql(FLOOR_CLAIM), floor_sql(FLOOR_COMPLETE)
     claim = {"limit": _dispatcher(spec.dsn, spec.settings).batch_size, "lease": 60.0,
              "worker": "floor"}
 

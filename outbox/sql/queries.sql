@@ -90,9 +90,13 @@ LEFT JOIN {schema}.effect_results r ON r.key = k.key;
  -- A scalar subquery (one primary-key probe per candidate), not NOT EXISTS: the planner
  -- would make that an anti join, which costs the claims their index-ordered scans (a
  -- sort of a whole group's backlog per claim, measured).
- AND NOT coalesce((SELECT gp.paused_until > now() FROM {schema}.group_pauses gp
-                   WHERE gp.effect = j.effect AND gp.group_key = coalesce(j.group_key, '')),
-                  false)
+ -- The probe is skipped while no group is paused at all (an uncorrelated test, run once
+ -- a statement): a probe per candidate of an empty table cost the claim 0.6 µs of the
+ -- server's CPU a job (2,000 jobs a claim, measured).
+ AND (NOT EXISTS (SELECT FROM {schema}.group_pauses)
+      OR NOT coalesce((SELECT gp.paused_until > now() FROM {schema}.group_pauses gp
+                       WHERE gp.effect = j.effect AND gp.group_key = coalesce(j.group_key, '')),
+                      false))
  -- The ordering key: j heads its key's line (the lowest id among the key's pending and
  -- running jobs: one probe of jobs_ordering, whose predicate this matches) and none of
  -- the key's jobs runs (looked at for the heads only). Written as a NOT EXISTS over

@@ -1,0 +1,200 @@
+"""The server's CPU a job, statement by statement: ``python -m benchmarks.statement_cpu
+[--dsn DSN] [--runs 3] [--jobs 20000] [--batch 2000]``.
+
+Where the drain section's ``<system> CPU`` rows give the whole server's CPU a job (every
+process of it, a clock tick at a time), this reads the one backend that runs the
+statements: ``/proc/<pid>/schedstat`` (nanoseconds on a CPU) before and after each
+statement, so a loaded machine changes the figures little. Each system drains the same
+``--jobs`` no-op jobs (enqueued once in a template database, each run on a fresh copy of
+it) on one connection, claiming ``--batch`` at a time, nothing performed:
+
+- ``outbox``: the dispatcher's ``claim`` and ``complete_delete`` (``retention=0``);
+- ``floor`` and ``floor-indexed``: the design floor's claim and fenced completion
+  (``benchmarks._drain_workers``), its lease not indexed (a HOT claim) and indexed.
+
+The systems alternate within each run. Prints µs a job for the claim and the completion,
+median (min..max) over the runs, and each system's total against the floor's of the same
+run. The server must run on this machine (the embedded one by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import namedtuple_row
+
+from outbox.sql import Queries
+
+from ._db import Server, migrated, server
+from ._drain_workers import (
+    FLOOR_CLAIM,
+    FLOOR_COMPLETE,
+    FLOOR_LEASE_INDEX,
+    FLOOR_TABLES,
+    floor_sql,
+)
+from ._effects import Noop
+from ._seed import enqueue_outbox
+
+SYSTEMS = ("outbox", "floor", "floor-indexed")
+
+
+@dataclass(frozen=True)
+class Drained:
+    """One drain: the backend's CPU seconds in the claims and in the completions."""
+
+    jobs: int
+    claim: float
+    complete: float
+
+
+def _backend_cpu(pid: int) -> float:
+    """Seconds on a CPU of the server process ``pid`` (its scheduler's own count)."""
+    with open(f"/proc/{pid}/schedstat", encoding="ascii") as f:
+        return int(f.read().split()[0]) / 1e9
+
+
+def _drain(conn: psycopg.Connection[Any], claim: Callable[[], list[Any]],
+           complete: Callable[[list[Any]], None]) -> Drained:
+    row = conn.execute("SELECT pg_backend_pid() AS pid").fetchone()
+    assert row is not None
+    pid = row.pid
+    jobs, in_claim, in_complete = 0, 0.0, 0.0
+    while True:
+        before = _backend_cpu(pid)
+        rows = claim()
+        after = _backend_cpu(pid)
+        in_claim += after - before
+        if not rows:
+            return Drained(jobs, in_claim, in_complete)
+        jobs += len(rows)
+        complete(rows)
+        in_complete += _backend_cpu(pid) - after
+
+
+def _outbox(conn: psycopg.Connection[Any], batch: int) -> Drained:
+    queries = Queries("outbox")
+    params = {"effects": [Noop.name], "limit": batch, "lease": 60.0, "worker": "cpu",
+              "after": "{}"}
+
+    def complete(rows: list[Any]) -> None:
+        claims = json.dumps([{"id": r.id, "version": r.claim_version, "result": None}
+                             for r in rows])
+        conn.execute(queries.complete_delete, {"claims": claims}, prepare=True)
+
+    return _drain(conn, lambda: conn.execute(queries.claim, params, prepare=True).fetchall(),
+                  complete)
+
+
+def _floor(conn: psycopg.Connection[Any], batch: int, *, lease_index: bool) -> Drained:
+    # The floor's table is built inside the measured database, from its jobs, before
+    # the clock (``floor_tables`` of the drain section, on this connection).
+    for statement in FLOOR_TABLES.split(";") + ([FLOOR_LEASE_INDEX] if lease_index else []):
+        conn.execute(floor_sql(statement))
+    conn.execute("VACUUM ANALYZE outbox.floor_jobs")
+    claim_sql, complete_sql = floor_sql(FLOOR_CLAIM), floor_sql(FLOOR_COMPLETE)
+    params = {"limit": batch, "lease": 60.0, "worker": "cpu"}
+
+    def complete(rows: list[Any]) -> None:
+        conn.execute(complete_sql, {"ids": [r.id for r in rows],
+                                    "versions": [r.claim_version for r in rows]}, prepare=True)
+
+    return _drain(conn, lambda: conn.execute(claim_sql, params, prepare=True).fetchall(),
+                  complete)
+
+
+def measure(srv: Server, template: str, system: str, batch: int) -> Drained:
+    """One drain by ``system`` on a fresh copy of ``template``."""
+    name = f"cpu_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(srv.dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            sql.Identifier(name), sql.Identifier(template)))
+    try:
+        with psycopg.connect(srv.database(name), autocommit=True,
+                             row_factory=namedtuple_row) as conn:
+            if system == "outbox":
+                return _outbox(conn, batch)
+            return _floor(conn, batch, lease_index=system == "floor-indexed")
+    finally:
+        with psycopg.connect(srv.dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
+
+
+def _figure(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}..{max(values):.2f})"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.statement_cpu")
+    parser.add_argument("--dsn", default=None)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=20_000)
+    parser.add_argument("--batch", type=int, default=2_000)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()
+    started = time.time()
+    runs: dict[str, list[Drained]] = {system: [] for system in SYSTEMS}
+    with server(args.dsn) as srv:
+        version = srv.version()
+        template = f"cpu_template_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(srv.dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(template)))
+        try:
+            migrated(srv.database(template))
+            enqueue_outbox(srv.database(template), args.jobs)
+            with psycopg.connect(srv.database(template), autocommit=True) as conn:
+                conn.execute("VACUUM ANALYZE")
+            for _ in range(args.runs):
+                for system in SYSTEMS:
+                    drained = measure(srv, template, system, args.batch)
+                    if drained.jobs != args.jobs:
+                        raise AssertionError(f"{system} drained {drained.jobs} of {args.jobs}")
+                    runs[system].append(drained)
+        finally:
+            with psycopg.connect(srv.dsn, autocommit=True) as admin:
+                admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    sql.Identifier(template)))
+    per_job = {system: [(d.claim / d.jobs * 1e6, d.complete / d.jobs * 1e6) for d in drains]
+               for system, drains in runs.items()}
+    lines = [f"server CPU a job (the statements' backend), {args.jobs:,} jobs, batch "
+             f"{args.batch:,}, {args.runs} run(s): median (min..max), µs"]
+    for system, figures in per_job.items():
+        totals = [c + k for c, k in figures]
+        floor = [c + k for c, k in per_job["floor"]]
+        lines.append(f"  {system:14s} claim {_figure([c for c, _ in figures])}  complete "
+                     f"{_figure([k for _, k in figures])}  total {_figure(totals)}  "
+                     f"/ floor {_figure([t / f for t, f in zip(totals, floor, strict=True)])}")
+    print("\n".join(lines))
+    out = args.out or Path("benchmarks/results") / (
+        f"statement-cpu-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], "-m",
+                             "benchmarks.statement_cpu", *sys.argv[1:]]),
+        "timestamp": datetime.now(UTC).isoformat(), "seconds": time.time() - started,
+        "postgresql": version, "cpus": os.cpu_count(),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "jobs": args.jobs, "batch": args.batch,
+        "runs": {system: [{"claim_us": c, "complete_us": k} for c, k in figures]
+                 for system, figures in per_job.items()},
+        "summary": lines}, indent=2))
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
