@@ -462,18 +462,6 @@ def _parents_come_first(jobs: Sequence[PreparedJob]) -> None:
                     "same batch: a parent must come before the jobs that wait on it")
 
 
-def _single_result(job: PreparedJob, rows: Sequence[Row]) -> EnqueueResult | None:
-    """Interpret the enqueue query's rows; None when it created nothing (the key is a
-    job's or a ledger row's, maybe of a concurrent insert: ``lookup_keys`` says whose)."""
-    if not rows:
-        return None
-    first = rows[0]
-    if first.created:
-        return EnqueueResult(job_id=first.id, created=True)
-    existing = next((known for known in rows if known.id is not None), first)
-    return existing_result(job, existing.id, existing.effect, existing.fingerprint)
-
-
 def _many_results(
     jobs: Sequence[PreparedJob], unique: Sequence[PreparedJob], created: dict[str, int],
     found: dict[str, Row],
@@ -503,9 +491,10 @@ def enqueue_steps(job: PreparedJob, queries: Queries) -> Step[EnqueueResult]:
         if job.after:  # parents that exist, checked before anything is written
             yield from _after.check_steps([job], queries.schema)
         params = single_params(job, notify_channel(queries.schema), send.context)
-        rows = yield Statement(queries.enqueue, params, named=True)
-        result = _single_result(job, rows)
-        if result is None:  # a known key (or one inserted concurrently): whose is it
+        created = yield Statement(queries.enqueue, params, named=True)
+        if created:  # the new job's id (and whether the statement notified)
+            result = EnqueueResult(job_id=created[0].id, created=True)
+        else:  # a known key (or one inserted concurrently): whose is it
             [known] = yield Statement(queries.lookup_keys, {"keys": [job.key]}, named=True)
             result = existing_result(job, known.id, known.effect, known.fingerprint)
         if job.after and result.created and result.job_id is not None:

@@ -11,8 +11,8 @@
 -- so their parameters are cast with CAST(... AS ...), never with "::".
 
 -- name: enqueue
--- Insert one job unless its key is already a job or a ledger row: one row (created) out,
--- or none when the key is known (the caller then asks lookup_keys what holds it: the
+-- Insert one job unless its key is already a job or a ledger row: one row (the new id)
+-- out, or none when the key is known (the caller then asks lookup_keys what holds it: the
 -- known key costs a second statement, the new one none). One plain INSERT, no CTE: the
 -- business transaction pays for each plan node of this statement.
 -- The notify wakes idle dispatchers when the transaction commits (PostgreSQL folds
@@ -28,7 +28,7 @@ SELECT CAST(%(effect)s AS text), CAST(%(key)s AS text), CAST(%(payload)s AS json
        CAST(%(priority)s AS integer)
 WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = CAST(%(key)s AS text))
 ON CONFLICT (key) DO NOTHING
-RETURNING id, true AS created, NULL::text AS effect, NULL::text AS fingerprint,
+RETURNING id,
     (SELECT count(*) FROM (
         SELECT pg_notify(CAST(%(channel)s AS text), '')
         WHERE current_setting('transaction_isolation') <> 'read committed'

@@ -435,3 +435,53 @@ def test_the_overviews_other_readings_are_bounded(dsn: str, big: str) -> None:
             ).check(jobs=FAILED)
     explain(dsn, q.failed_groups, {"limit": 20}).check(jobs=FAILED)
     explain(dsn, w["recent_audit"], {"limit": 10}).check(jobs=0)
+
+
+# -- the other parts' periodic statements, and the business's inserts ------------------------
+
+
+def flows(schema: str) -> dict[str, str]:
+    """The reconciler's and the flows' statements."""
+    return blocks("outbox", "sql/flows.sql", schema)
+
+
+def after(schema: str) -> dict[str, str]:
+    """Fan-in's statements."""
+    return blocks("outbox", "sql/after.sql", schema)
+
+
+def test_the_presence_check_reads_the_two_ends_of_the_due_backlog_only(
+        dsn: str, big: str) -> None:
+    # outbox/_dispatch/presence.py: every dispatcher, every presence interval
+    limit = 1_000
+    plan = explain(dsn, queries(big).unhandled_due, {"limit": limit})
+    plan.check(jobs=2 * limit + 50)
+
+
+def test_the_fan_in_sweep_reads_a_batch_of_edges_and_their_parents(dsn: str, big: str) -> None:
+    # outbox/_after.py: every dispatcher, every sweep interval, from the first edge
+    plan = explain(dsn, after(big)["after_sweep"], {"child": 0, "parent": "", "limit": 100})
+    plan.check(jobs=100 * 4)
+
+
+def test_the_reconcilers_take_reads_the_jobs_in_reconcile_only(dsn: str, big: str) -> None:
+    # outbox/_dispatch/reconciler.py: every reconcile interval
+    plan = explain(dsn, flows(big)["reconcile_take"],
+                   {"effects": list(EFFECTS), "limit": 50, "hold": 60.0})
+    plan.check(jobs=3 * RECONCILE)
+
+
+def test_an_enqueue_reads_no_job_but_its_key(dsn: str, big: str) -> None:
+    # the business's transaction: one job, and a batch of a hundred
+    q = queries(big)
+    one = {"effect": "plan.e0", "key": "new-1", "payload": "{}", "fingerprint": "f",
+           "run_at": None, "ordering_key": None, "max_attempts": 25, "trace_context": None,
+           "group_key": "g1", "priority": 0, "channel": "outbox_plan"}
+    explain(dsn, q.enqueue, one).check(jobs=5, ledger=5)
+    batch = json.dumps([{"effect": "plan.e1", "key": f"new-{n}", "payload": {},
+                         "fingerprint": "f", "run_at": None, "ordering_key": None,
+                         "max_attempts": 25, "group_key": None, "priority": 0}
+                        for n in range(100)])
+    explain(dsn, q.enqueue_many, {"jobs": batch, "channel": "outbox_plan",
+                                  "trace_context": None}).check(jobs=100 * 3, ledger=100 * 3)
+

@@ -23,7 +23,7 @@ Q = queries("outbox")
 NAMES = {getattr(Q, name): name for name in ("enqueue", "enqueue_many", "lookup_keys",
                                              "receive", "resolve_by_event")}
 # The columns each block answers, as PostgreSQL names them (the scripted rows' order).
-COLUMNS = {"enqueue": ("id", "created", "effect", "fingerprint"),
+COLUMNS = {"enqueue": ("id", "notified"),
            "enqueue_many": ("key", "id"), "lookup_keys": ("key", "id", "effect", "fingerprint"),
            "receive": ("message_id",), "resolve_by_event": ("id",)}
 
@@ -47,7 +47,7 @@ JOB = prepare("email.send", "k1", {"to": "a"})
 
 
 def test_a_created_job_takes_one_query() -> None:
-    db = Scripted([(7, True, None, None)])
+    db = Scripted([(7, 0)])
     assert run(enqueue_steps(JOB, Q), db) == EnqueueResult(7, True)
     assert [name for name, _ in db.asked] == ["enqueue"]
     assert db.asked[0][1]["key"] == "k1"
@@ -61,7 +61,7 @@ def test_a_key_hidden_by_a_concurrent_insert_is_looked_up() -> None:
 
 
 def test_the_same_key_for_another_effect_is_a_conflict() -> None:
-    db = Scripted([(9, False, "payment.charge", "other")])
+    db = Scripted([], [("k1", 9, "payment.charge", "other")])
     with pytest.raises(IdempotencyKeyConflict, match="for effect 'payment.charge'"):
         run(enqueue_steps(JOB, Q), db)
 

@@ -1,0 +1,47 @@
+"""Migration claim_rank_inline on a live schema: it waits for no lock an open enqueue or
+claim holds (the function's new body and the index's refreshed definition take none of
+theirs), so business transactions and dispatchers run through it."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import outbox
+from outbox.migrate import latest_version, migrations
+from outbox.sql import bind_schema
+
+INLINED = next(m.version for m in migrations() if m.name.endswith("claim_rank_inline"))
+
+
+@pytest.fixture
+def before_inline(dsn: str) -> Iterator[str]:
+    """A schema migrated up to the version before claim_rank_inline."""
+    name = f"rank_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        outbox.migrate(conn, schema=name, target=INLINED - 1)
+    yield name
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+def test_the_migration_waits_for_no_open_enqueue_or_claim(
+        dsn: str, before_inline: str, caplog: pytest.LogCaptureFixture) -> None:
+    # A business transaction that enqueued (its row in jobs_fair, not committed) and one
+    # that claimed stay open throughout: the run takes no lock either of them holds off.
+    with psycopg.connect(dsn) as business, psycopg.connect(dsn) as claiming:
+        business.execute("SELECT 1")  # the business's own transaction, begun
+        with outbox.transaction(business, schema=before_inline) as tx:
+            tx.enqueue("test.work", key="open", payload={}, group="g")
+        claiming.execute(bind_schema(
+            "SELECT id FROM {schema}.jobs WHERE status = 'pending' FOR UPDATE",
+            before_inline).encode())
+        assert business.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        with psycopg.connect(dsn, autocommit=True) as migrating:
+            assert outbox.migrate(migrating, schema=before_inline, lock_timeout=0.2) == list(
+                range(INLINED, latest_version() + 1))
+    assert not [r for r in caplog.records if "not granted" in r.getMessage()]
