@@ -2,7 +2,7 @@
 conversation with the database as steps.
 
 Every transaction kind (psycopg sync and async, SQLAlchemy, Django) runs the same steps
-(``_steps``): a step yields a ``Statement`` (a block of ``queries.sql`` bound to the
+(``_steps``): a step yields a ``Statement`` (a block of ``enqueue.sql`` bound to the
 schema, and its parameters), the kind executes it its own way and sends the rows back,
 and the step returns the result or raises the outbox error. So validation, the SQL, the
 interpretation of rows and the error mapping exist once, and every kind accepts and

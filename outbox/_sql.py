@@ -23,7 +23,12 @@ from .errors import ConfigurationError
 
 _NAME_LINE = re.compile(r"^-- (name|fragment): (\w+)\s*$", re.MULTILINE)
 MAX_IDENTIFIER_BYTES = 63
-CORE_FILES = ("sql/queries.sql", "sql/queue.sql", "sql/flows.sql", "sql/after.sql")
+QUERY_FILES = ("sql/enqueue.sql", "sql/claim.sql", "sql/record.sql", "sql/upkeep.sql",
+               "sql/presence.sql", "sql/limits.sql", "sql/operators.sql")
+"""The files of ``queries(schema)``'s blocks, one per owner (the transaction kinds, the
+claimer, the recorder and rescuer, upkeep, presence, limits, the operators' reads): one
+set of names, each defined once among them."""
+CORE_FILES = (*QUERY_FILES, "sql/queue.sql", "sql/flows.sql", "sql/after.sql")
 """The core's files of named blocks (package ``outbox``), whose fragments any block uses."""
 
 
@@ -140,11 +145,19 @@ class BoundQueries:
 
 
 class Queries(BoundQueries):
-    """The named queries with one schema bound in; attribute access by block name."""
+    """The named queries of ``QUERY_FILES`` with one schema bound in; attribute access by
+    block name."""
 
     def __init__(self, schema: str) -> None:
         self.schema = schema
-        super().__init__(bind_file("outbox", "sql/queries.sql", schema), "queries.sql")
+        bound: dict[str, str] = {}
+        for path in QUERY_FILES:
+            blocks = bind_file("outbox", path, schema)
+            twice = bound.keys() & blocks.keys()
+            if twice:
+                raise ValueError(f"queries {sorted(twice)} are defined twice in {QUERY_FILES}")
+            bound.update(blocks)
+        super().__init__(bound, "the files of outbox/sql/ named in QUERY_FILES")
 
 
 @cache

@@ -63,7 +63,7 @@ JOB_WINDOWS = ("after_claim", "during_provider_call", "after_provider")
 WINDOWS = ("during_claim", "after_claim", "during_provider_call", "after_provider",
            "during_done")
 # role of the connection, and the starts of its statements as pg_stat_activity shows
-# them: the claim of the effects free of limits (outbox/sql/queries.sql ``claim``) and
+# them: the claim of the effects free of limits (outbox/sql/claim.sql ``claim``) and
 # that of the limited ones (``limit_claim``); the completion (``complete``).
 _STATEMENTS = {"during_claim": ("claimer", ("WITH RECURSIVE clock AS",
                                             "WITH RECURSIVE budget AS")),

@@ -1,5 +1,5 @@
 """The named blocks of ``sql/flows.sql`` (completion hooks and the reconciler), bound to
-a schema and loaded once per process, like ``queries.sql``'s."""
+a schema and loaded once per process, like the core's query files'."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Where each effect's fair claim goes on: the group after which the next claim starts.
 
 The claim walks an effect's busy groups in "C" (byte) order from this point, around to
-it again (queries.sql, fragment fair_busy), so over successive claims every busy group
+it again (claim.sql, fragment fair_busy), so over successive claims every busy group
 gets its turn however many groups there are. The point is this dispatcher's own: with
 several dispatchers each goes round on its own, and every group still gets turns.
 """

@@ -68,7 +68,7 @@ def colon_params(query: str) -> str:
 
 @cache
 def _text(query: str) -> TextClause:
-    """``query`` (a bound block of ``queries.sql``) as ``text()``, made once per block."""
+    """``query`` (a bound block of ``enqueue.sql``) as ``text()``, made once per block."""
     return text(colon_params(query))
 
 

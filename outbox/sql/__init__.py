@@ -1,9 +1,10 @@
 """The product's SQL, for tools that run its own statements or seed its tables directly.
 
 For chaos runs, benchmarks and tests that play one step of a worker by hand: the named
-blocks of ``queries.sql`` bound to a schema, the notification channel, the fingerprint
-stored with each job (and the canonical JSON it is taken over, the same text as the SQL
-``<schema>.canonical_json`` makes), the mapping of the SQL ``<schema>.enqueue``
+blocks of the core's query files (``QUERY_FILES``, one per owner; ``CORE_FILES``, whose
+fragments any block may name) bound to a schema, the notification channel, the
+fingerprint stored with each job (and the canonical JSON it is taken over, the same text
+as the SQL ``<schema>.canonical_json`` makes), the mapping of the SQL ``<schema>.enqueue``
 function's refusals to the outbox errors (``enqueue_error``), and the loader for files of
 named blocks of your own (with ``-- fragment: X`` blocks bound into the statements that
 name ``{X}``). The blocks follow the schema version of this release; applications
@@ -13,6 +14,8 @@ enqueue and dispatch through ``outbox.transaction`` and ``outbox.Dispatcher`` in
 from .._callers import enqueue_error
 from .._enqueue import canonical_json, fingerprint, notify_channel
 from .._sql import (
+    CORE_FILES,
+    QUERY_FILES,
     BoundQueries,
     Queries,
     SqlFile,
@@ -24,8 +27,10 @@ from .._sql import (
     queries,
 )
 
-__all__ = [
+__all__ = [  # noqa: RUF022 - in sorted() order, as tests/test_public_api.py checks
     "BoundQueries",
+    "CORE_FILES",
+    "QUERY_FILES",
     "Queries",
     "SqlFile",
     "bind_blocks",

@@ -6,7 +6,7 @@
 -- rescue, the hooks' and the reconciler's fenced writes, and the operator's cancel and
 -- resolve). The dispatchers' sweep (after_sweep) finds what those could not see: a child
 -- whose transaction was still open when its parent's settlement committed.
--- Same rules as queries.sql: {schema} is the quoted schema identifier, values are bound
+-- Same rules as the core's other files (outbox/_sql.py CORE_FILES): {schema} is the quoted schema identifier, values are bound
 -- by name; SQLAlchemy's text() reads "::" badly, so enqueue-side parameters use CAST.
 
 -- fragment: after_never

@@ -1,5 +1,5 @@
 -- Flows and reconciliation: the statements of completion hooks and of the reconciler.
--- Same rules as queries.sql: {schema} is the quoted schema identifier, values are bound
+-- Same rules as the core's other files (outbox/_sql.py CORE_FILES): {schema} is the quoted schema identifier, values are bound
 -- by name, and every write about a claimed job is fenced on its claim_version.
 
 -- name: adopt_followups

@@ -2,7 +2,7 @@
 -- effect, read by the dashboard, `outbox status` and the Prometheus database collector
 -- alike; and the operator's transitions (retry, cancel, resolve, bulk retry), run by
 -- the dashboard and `outbox retry` alike. {schema} is the quoted schema identifier;
--- {claimable} is the claim's rule (fragment of queries.sql).
+-- {claimable} is the claim's rule (fragment of claim.sql).
 
 -- name: table_size
 -- The planner's row estimate and the dead tuples of the jobs table (statistics, no scan),

@@ -1,6 +1,6 @@
 -- Recurring effects (outbox.Schedule, migration 0014): the dispatchers' rounds and the
 -- operators' actions on the schedules table. Each slot's job is enqueued through the
--- core's enqueue (queries.sql) with the slot's key; these blocks keep the schedule's
+-- core's enqueue (enqueue.sql) with the slot's key; these blocks keep the schedule's
 -- state beside it, in the same transaction.
 
 -- name: schedule_declare

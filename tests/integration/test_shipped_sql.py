@@ -18,11 +18,10 @@ import pytest
 from psycopg import sql
 
 from effects.chaos._sql import chaos_queries
-from outbox.sql import bind_blocks, parse_sql
+from outbox.sql import CORE_FILES, bind_blocks, parse_sql
 
 ROOT = Path(__file__).resolve().parents[2]
-CORE = ("outbox/sql/queries.sql", "outbox/sql/queue.sql", "outbox/sql/flows.sql",
-        "outbox/sql/after.sql")
+CORE = tuple(f"outbox/{path}" for path in CORE_FILES)
 PREPARABLE = re.compile(r"^\s*(SELECT|INSERT|UPDATE|DELETE|WITH|VALUES|MERGE)\b", re.I)
 
 

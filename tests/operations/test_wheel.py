@@ -60,7 +60,7 @@ def test_the_wheel_ships_the_packages_and_migrations_but_no_examples(installed: 
     tops = {name.split("/")[0] for name in names}
     assert "examples" not in tops and "tests" not in tops and "benchmarks" not in tops
     assert {"outbox", "effects"} <= tops
-    for shipped in ("outbox/_migrations/0001_jobs.sql", "outbox/sql/queries.sql",
+    for shipped in ("outbox/_migrations/0001_jobs.sql", "outbox/sql/claim.sql",
                     "outbox/testing/__init__.py", "outbox/py.typed"):
         assert shipped in names
 

@@ -27,7 +27,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox.sql import bind_blocks, parse_sql, queries
+from outbox.sql import CORE_FILES, bind_blocks, parse_sql, queries
 from outbox.testing import create_schema, drop_schema
 
 DONE = 150_000
@@ -46,8 +46,6 @@ TABLES = ("jobs", "effect_results")
 CAP = 10_000  # the readings' cap (the queue model passes its own)
 GROUP_CAP = 2_000
 SAMPLE_PAGES = 200  # pages a block sample reads
-# The files of named blocks whose fragments every block may name (outbox.sql's loader).
-CORE_FILES = ("sql/queries.sql", "sql/queue.sql", "sql/flows.sql", "sql/after.sql")
 
 
 @cache

@@ -133,7 +133,7 @@ class Script:
 
 
 def _query(queries: Any, name: str) -> str:
-    """A block of queries.sql, or of after.sql (fan-in's sweep)."""
+    """A block of the core's query files, or of after.sql (fan-in's sweep)."""
     found: str = getattr(queries, name, None) or getattr(after_queries(queries.schema), name)
     return found
 

@@ -30,7 +30,7 @@ COLUMNS = {"enqueue": ("id", "notified"),
 
 class Scripted:
     """Answers each statement with the next scripted rows and records what was asked
-    (by the name of its block of ``queries.sql``)."""
+    (by the name of its block of the core's query files)."""
 
     def __init__(self, *answers: Rows) -> None:
         self.answers = list(answers)
