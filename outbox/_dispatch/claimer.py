@@ -34,6 +34,7 @@ from .awake import Awake
 from .budget import ClaimStep, LimitedClaims
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, Reconnects, connect
 from .counting import Waits
+from .crew import turn_share
 from .presence import Presence
 from .rescuer import RescueHooks, Rescuer, run_rescue_hooks, run_rescue_hooks_async
 from .settings import Settings
@@ -455,11 +456,17 @@ async def wait_for_schema_async(
     settings: Settings, state: AsyncState, deadline: float | None,
 ) -> None:
     """``wait_for_schema`` for ``AsyncDispatcher``. The check runs on a thread: it is
-    the same blocking check, once per run."""
+    the same blocking check, once per run (in a fleet, at a target's first turn only:
+    ``crew.turn_share``)."""
+    share = turn_share.get()
+    if share is not None and share.schema_seen:
+        return
     failures = Reconnects()
     while True:
         try:
             await asyncio.to_thread(_check_schema, settings)
+            if share is not None:
+                share.schema_seen = True
             return
         except CONNECTION_ERRORS as exc:
             if not _still_waiting(exc, settings, deadline):

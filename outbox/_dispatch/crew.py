@@ -25,16 +25,20 @@ import logging
 import select
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
 from queue import SimpleQueue
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
-__all__ = ["Crew", "Pool", "Started", "start_thread"]
+__all__ = ["AsyncPool", "Crew", "Pool", "Share", "Started", "start_thread", "turn_share"]
 
 log = logging.getLogger("outbox.dispatcher")
+
+C = TypeVar("C", psycopg.Connection[Any], psycopg.AsyncConnection[Any])
 
 
 class Started(Protocol):
@@ -134,7 +138,88 @@ class Crew:
 Key = tuple[str, str]  # (connection string, role)
 
 
-class Pool:
+class _Kept(Generic[C]):
+    """The pools' bookkeeping, no I/O: which connections are idle (oldest first) and in
+    use, by key, and which to close to stay within ``capacity``. Call under ``lock``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.lock = threading.Lock()
+        self.idle: OrderedDict[int, tuple[Key, C]] = OrderedDict()
+        self.in_use: dict[int, Key] = {}
+        self.closed = False
+        self.opened = 0
+
+    def reuse(self, key: Key) -> tuple[C | None, list[C]]:
+        """A kept connection of ``key`` to hand out (None: open one), and the ones to
+        close: dead ones met on the way and, when a new one must be opened in a full
+        pool, the least recently used idle ones of any key."""
+        evicted: list[C] = []
+        for ident, (kept_key, conn) in list(self.idle.items()):
+            if kept_key != key:
+                continue
+            del self.idle[ident]
+            if _reusable(conn):
+                self.in_use[ident] = key
+                return conn, evicted
+            evicted.append(conn)
+        while self.idle and len(self.idle) + len(self.in_use) >= self.capacity:
+            evicted.append(self.idle.popitem(last=False)[1][1])
+        return None, evicted
+
+    def opened_for(self, key: Key, conn: C) -> None:
+        self.opened += 1
+        self.in_use[id(conn)] = key
+
+    def back(self, conn: C) -> tuple[bool, list[C]]:
+        """``conn`` is given back: whether it is kept, and the idle ones to close (the
+        capacity may have shrunk: the oldest idle ones go)."""
+        key = self.in_use.pop(id(conn), None)
+        keep = key is not None and not self.closed and _reusable(conn)
+        if keep:
+            assert key is not None
+            self.idle[id(conn)] = (key, conn)
+        evicted = []
+        while self.idle and len(self.idle) + len(self.in_use) > self.capacity:
+            evicted.append(self.idle.popitem(last=False)[1][1])
+        return keep, evicted
+
+    def close(self) -> list[C]:
+        """Closed from now on: the idle ones to close (the ones in use as they come back)."""
+        self.closed = True
+        idle = [conn for _, conn in self.idle.values()]
+        self.idle.clear()
+        return idle
+
+
+class _Pooled(Generic[C]):
+    """What both pools share: the bookkeeping and the counts."""
+
+    def __init__(self, capacity: int) -> None:
+        self._kept: _Kept[C] = _Kept(capacity)
+
+    @property
+    def capacity(self) -> int:
+        """At most this many connections held at once, in use and idle."""
+        return self._kept.capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        with self._kept.lock:
+            self._kept.capacity = max(1, value)
+
+    @property
+    def opened(self) -> int:
+        """Connections the pool ever opened."""
+        return self._kept.opened
+
+    def held(self) -> int:
+        """Connections held now, in use and idle."""
+        with self._kept.lock:
+            return len(self._kept.idle) + len(self._kept.in_use)
+
+
+class Pool(_Pooled[psycopg.Connection[Any]]):
     """Connections kept between turns, per (connection string, role), at most
     ``capacity`` of them held at once, in use or idle.
 
@@ -142,77 +227,91 @@ class Pool:
     transaction) or opens one with ``open_``, first closing the least recently used
     idle one of another key when the pool is full. ``give`` takes one back: a
     connection closed, broken or inside a transaction is closed, never kept.
-    ``opened`` counts the connections it ever opened."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
-        self._lock = threading.Lock()
-        self._idle: OrderedDict[int, tuple[Key, psycopg.Connection[Any]]] = OrderedDict()
-        self._in_use: dict[int, Key] = {}
-        self._closed = False
-        self.opened = 0
+    ``opened`` counts the connections it ever opened. ``AsyncPool`` is its asyncio
+    twin, over the same bookkeeping."""
 
     def take(self, key: Key, open_: Callable[[], psycopg.Connection[Any]],
              ) -> psycopg.Connection[Any]:
         """A connection for ``key``: a kept one, else a new one from ``open_``."""
-        evicted: list[psycopg.Connection[Any]] = []
-        found: psycopg.Connection[Any] | None = None
-        with self._lock:
-            for ident, (kept_key, conn) in list(self._idle.items()):
-                if kept_key != key:
-                    continue
-                del self._idle[ident]
-                if _reusable(conn):
-                    found = conn
-                    self._in_use[ident] = key
-                    break
-                evicted.append(conn)
-            if found is None:
-                while self._idle and len(self._idle) + len(self._in_use) >= self.capacity:
-                    evicted.append(self._idle.popitem(last=False)[1][1])
-        for conn in evicted:
-            _close(conn)
+        with self._kept.lock:
+            found, evicted = self._kept.reuse(key)
+        for old in evicted:
+            _close(old)
         if found is not None:
             return found
         conn = open_()
-        with self._lock:
-            self.opened += 1
-            self._in_use[id(conn)] = key
+        with self._kept.lock:
+            self._kept.opened_for(key, conn)
         return conn
 
     def give(self, conn: psycopg.Connection[Any]) -> None:
         """Take ``conn`` back after a turn (or close it when it cannot be kept)."""
-        evicted = []
-        with self._lock:
-            key = self._in_use.pop(id(conn), None)
-            keep = key is not None and not self._closed and _reusable(conn)
-            if keep:
-                assert key is not None
-                self._idle[id(conn)] = (key, conn)
-            # The capacity may have shrunk (more look-outs): the oldest idle ones go.
-            while self._idle and len(self._idle) + len(self._in_use) > self.capacity:
-                evicted.append(self._idle.popitem(last=False)[1][1])
-        if not keep:
-            _close(conn)
-        for old in evicted:
+        with self._kept.lock:
+            keep, evicted = self._kept.back(conn)
+        for old in evicted if keep else [conn, *evicted]:
             _close(old)
-
-    def held(self) -> int:
-        """Connections held now, in use and idle."""
-        with self._lock:
-            return len(self._idle) + len(self._in_use)
 
     def close(self) -> None:
         """Close every idle connection; the ones in use are closed as they come back."""
-        with self._lock:
-            self._closed = True
-            idle = [conn for _, conn in self._idle.values()]
-            self._idle.clear()
+        with self._kept.lock:
+            idle = self._kept.close()
         for conn in idle:
             _close(conn)
 
 
-def _reusable(conn: psycopg.Connection[Any]) -> bool:
+class AsyncPool(_Pooled[psycopg.AsyncConnection[Any]]):
+    """``Pool`` for the asyncio connections of one event loop (``AsyncDispatcher``'s
+    turns): the same keys, capacity and checks; ``take``, ``give`` and ``close``
+    awaited."""
+
+    async def take(self, key: Key,
+                   open_: Callable[[], Awaitable[psycopg.AsyncConnection[Any]]],
+                   ) -> psycopg.AsyncConnection[Any]:
+        """A connection for ``key``: a kept one, else a new one from ``open_``."""
+        with self._kept.lock:
+            found, evicted = self._kept.reuse(key)
+        for old in evicted:
+            await _close_async(old)
+        if found is not None:
+            return found
+        conn = await open_()
+        with self._kept.lock:
+            self._kept.opened_for(key, conn)
+        return conn
+
+    async def give(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Take ``conn`` back after a turn (or close it when it cannot be kept)."""
+        with self._kept.lock:
+            keep, evicted = self._kept.back(conn)
+        for old in evicted if keep else [conn, *evicted]:
+            await _close_async(old)
+
+    async def close(self) -> None:
+        """Close every idle connection; the ones in use are closed as they come back."""
+        with self._kept.lock:
+            idle = self._kept.close()
+        for conn in idle:
+            await _close_async(conn)
+
+
+@dataclass
+class Share:
+    """What an ``AsyncDispatcher``'s turn in a fleet takes from it (``turn_share``, set
+    for the turn's task and so seen by every task it starts): its connections from the
+    pool, its threads for sync effects from the crew, and whether its target's schema
+    was already checked (at its first turn, and again after a failed one)."""
+
+    pool: AsyncPool
+    start: Callable[[Callable[[], object], str], Started]
+    schema_seen: bool = False
+
+
+# Set only inside a fleet's turn (``Fleet``): elsewhere None, and a dispatcher opens,
+# starts and checks its own.
+turn_share: ContextVar[Share | None] = ContextVar("outbox_turn_share", default=None)
+
+
+def _reusable(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
     """Open, outside any transaction, and with nothing to read: an idle connection the
     server ended (restarted, terminated, timed out) has its farewell waiting, so it is
     dropped here rather than failing the next turn's first statement."""
@@ -228,3 +327,8 @@ def _reusable(conn: psycopg.Connection[Any]) -> bool:
 def _close(conn: psycopg.Connection[Any]) -> None:
     with contextlib.suppress(Exception):
         conn.close()
+
+
+async def _close_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    with contextlib.suppress(Exception):
+        await conn.close()

@@ -44,7 +44,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
@@ -59,7 +59,7 @@ from .._sql import queries
 from ..errors import ConfigurationError, DispatcherFailed, SchemaError
 from ..targets import Target
 from .counting import DispatchStats
-from .crew import Crew, Pool, Started, start_thread
+from .crew import AsyncPool, Crew, Pool, Share, Started, start_thread, turn_share
 from .network import network_options
 from .settings import Settings
 
@@ -212,6 +212,37 @@ def add_stats(total: DispatchStats, turn: DispatchStats) -> None:
             setattr(total, f.name, getattr(total, f.name) + getattr(turn, f.name))
 
 
+@dataclass
+class Turn:
+    """What a turn returned: its counters (None until it returns)."""
+
+    stats: DispatchStats | None = None
+
+
+@dataclass(frozen=True)
+class Refresh:
+    """A run's step: read the targets again (``scouting``: and place the scouts)."""
+
+    scouting: bool
+
+
+@dataclass(frozen=True)
+class Turns:
+    """A run's step: start a turn of each of ``states``."""
+
+    states: list[TargetState]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A run's step: wait for a wake-up, at most ``seconds``."""
+
+    seconds: float
+
+
+Step = Refresh | Turns | Wait
+
+
 class Scout:
     """The look-out of some databases: a due check of each idle target every poll
     interval. ``persistent`` (one database): keeps its connection and LISTENs on its
@@ -361,18 +392,31 @@ class Fleet:
         self.stats = DispatchStats()
         self._stats_lock = threading.Lock()
         self._targets_read_at = 0.0
-        self._running = False
+        self._running = False  # under _control: a run is started once
+        self._control = threading.Lock()
         # The threads and connections turns share (``crew``) during a run of
         # ``Dispatcher``'s; ``shared = False`` makes each turn's own (the cost it
         # replaces, for the benchmark that measures the difference).
         self.shared = True
         self.crew: Crew | None = None
         self.pool: Pool | None = None
+        self.async_pool: AsyncPool | None = None  # AsyncDispatcher's turns' connections
 
-    def _start(self) -> None:
-        if self._running:
-            raise ConfigurationError("this dispatcher is already running")
-        self._running = True
+    @contextlib.contextmanager
+    def _running_once(self) -> Iterator[None]:
+        """A run, refused while another is under way: checked and set under one lock,
+        so of two run() calls racing, one runs and the other raises."""
+        with self._control:
+            if self._running:
+                raise ConfigurationError("this dispatcher is already running")
+            self._running = True
+        self.stats = DispatchStats()
+        try:
+            yield
+        finally:
+            with self._control:
+                self.stopping.clear()
+                self._running = False
 
     # -- called from any thread ----------------------------------------------------------
 
@@ -504,18 +548,51 @@ class Fleet:
         if self.crew is None or self.pool is None:
             return start_thread(partial(self._run_turn, state), name)
         self._share(state.engine)
-        # The turns' share of the budget (the scouts' may change as targets come).
-        self.pool.capacity = self.schedule.slots * self.schedule.engine_connections
+        self.pool.capacity = self._turns_share()
         return self.crew.start(partial(self._run_turn, state), name)
 
-    def _run_turn(self, state: TargetState) -> None:
+    def _turns_share(self) -> int:
+        """The turns' share of the budget (the scouts' may change as targets come)."""
+        return self.schedule.slots * self.schedule.engine_connections
+
+    @contextlib.contextmanager
+    def _turn(self, state: TargetState) -> Iterator[Turn]:
+        """One turn of ``state``'s engine, however it is run: what it returns (or the
+        failure it raises, which stops only this target's turn) goes to the schedule."""
         started = time.monotonic()
+        turn = Turn()
         try:
-            turn = state.engine.run_until_idle(timeout=TURN)
+            yield turn
         except Exception as exc:  # isolation: a target's failure stops only its turn
             self._turn_ended(state, None, exc, started)
             return
-        self._turn_ended(state, turn, None, started)
+        self._turn_ended(state, turn.stats, None, started)
+
+    def _run_turn(self, state: TargetState) -> None:
+        with self._turn(state) as turn:
+            turn.stats = state.engine.run_until_idle(timeout=TURN)
+
+    async def _run_turn_async(self, state: TargetState) -> None:
+        with self._turn(state) as turn, self._sharing_async(state):
+            turn.stats = await state.engine.run_until_idle(timeout=TURN)
+
+    @contextlib.contextmanager
+    def _sharing_async(self, state: TargetState) -> Iterator[None]:
+        """Have this turn (an ``AsyncDispatcher``'s, run as this task) take its
+        connections from the fleet's async pool and its threads from the crew, and
+        check its target's schema at its first turn only (``crew.turn_share``)."""
+        if self.crew is None or self.async_pool is None:
+            yield
+            return
+        self.async_pool.capacity = self._turns_share()
+        share = Share(self.async_pool, self.crew.start,
+                      schema_seen=getattr(state.engine, "_schema_seen", False))
+        token = turn_share.set(share)
+        try:
+            yield
+        finally:
+            turn_share.reset(token)
+            state.engine._schema_seen = share.schema_seen  # a failed turn clears it
 
     def _idle(self) -> bool:
         """Under run_until_idle: every target served until idle (or failed once)."""
@@ -523,43 +600,96 @@ class Fleet:
             return all(not s.active and (not s.due or s.failures > 0)
                        for s in self.schedule.states.values())
 
+    # -- a run: one policy (``_steps``), two drivers ---------------------------------------
+
+    def _steps(self, *, until_idle: bool, deadline: float | None) -> Iterator[Step]:
+        """What a run does, in order, whatever runs the turns: read the targets, start
+        the turns the schedule chooses, wait for a wake-up or the clock; until stopped
+        (or, ``until_idle``, until each target is idle or ``deadline`` passes)."""
+        yield Refresh(scouting=not until_idle)
+        self.schedule.fresh_run()
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return
+            if not until_idle and now - self._targets_read_at >= self.targets_interval:
+                yield Refresh(scouting=True)
+            with self.schedule.lock:
+                chosen = self.schedule.next_turns(now, until_idle=until_idle)
+            if chosen:
+                yield Turns(chosen)
+            if until_idle and not chosen and self._idle():
+                return
+            yield Wait(self._sleep(now, deadline))
+
     def run(self, *, until_idle: bool, timeout: float | None) -> DispatchStats:
         """Serve the targets on threads until stopped (or, ``until_idle``, until each
         is idle or ``timeout`` passes)."""
-        self._start()
-        self.stats = DispatchStats()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        threads: list[Started] = []
-        if self.shared:
-            self.crew, self.pool = Crew("outbox-fleet"), Pool(1)
-        try:
-            self.refresh(scouting=not until_idle)
-            self.schedule.fresh_run()
-            while not self.stopping.is_set():
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    break
-                if not until_idle and now - self._targets_read_at >= self.targets_interval:
-                    self.refresh(scouting=True)
-                with self.schedule.lock:
-                    chosen = self.schedule.next_turns(now, until_idle=until_idle)
-                threads.extend(self._start_turn(state) for state in chosen)
-                threads = [t for t in threads if t.is_alive()]
-                if until_idle and not chosen and self._idle():
-                    break
-                self.wake.wait(self._sleep(now, deadline))
-                self.wake.clear()
-        finally:
-            self.stop()
-            for thread in threads:
-                thread.join()
-            self._stop_scouts()
-            if self.crew is not None and self.pool is not None:
-                self.crew.close()
-                self.pool.close()
-            self.crew = self.pool = None
-            self.stopping.clear()
-            self._running = False
+        with self._running_once():
+            deadline = None if timeout is None else time.monotonic() + timeout
+            threads: list[Started] = []
+            if self.shared:
+                self.crew, self.pool = Crew("outbox-fleet"), Pool(1)
+            try:
+                for step in self._steps(until_idle=until_idle, deadline=deadline):
+                    if isinstance(step, Refresh):
+                        self.refresh(scouting=step.scouting)
+                    elif isinstance(step, Turns):
+                        threads.extend(self._start_turn(state) for state in step.states)
+                        threads = [t for t in threads if t.is_alive()]
+                    else:
+                        self.wake.wait(step.seconds)
+                        self.wake.clear()
+            finally:
+                self.stop()
+                for thread in threads:
+                    thread.join()
+                self._stop_scouts()
+                if self.crew is not None and self.pool is not None:
+                    self.crew.close()
+                    self.pool.close()
+                self.crew = self.pool = None
+        return self.stats
+
+    async def run_async(self, *, until_idle: bool,
+                        timeout: float | None) -> DispatchStats:  # noqa: ASYNC109
+        """``run`` for ``AsyncDispatcher``: the engines' turns are tasks of this loop,
+        sharing the fleet's async pool and crew; the scouts are threads (blocking, one
+        small query a look)."""
+        with self._running_once():
+            deadline = None if timeout is None else time.monotonic() + timeout
+            tasks: set[asyncio.Task[None]] = set()
+            loop = asyncio.get_running_loop()
+            wake = asyncio.Event()
+            watcher = threading.Thread(target=self._forward_wake, args=(loop, wake),
+                                       name="outbox-fleet-wake", daemon=True)
+            watcher.start()
+            if self.shared:
+                self.crew, self.async_pool = Crew("outbox-fleet"), AsyncPool(1)
+            try:
+                for step in self._steps(until_idle=until_idle, deadline=deadline):
+                    if isinstance(step, Refresh):
+                        await asyncio.to_thread(self.refresh, scouting=step.scouting)
+                    elif isinstance(step, Turns):
+                        for state in step.states:
+                            task = asyncio.create_task(self._run_turn_async(state))
+                            tasks.add(task)
+                            task.add_done_callback(tasks.discard)
+                    else:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(wake.wait(), step.seconds)
+                        wake.clear()
+            finally:
+                self.stop()
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                self.stopping.set()  # ends the wake watcher
+                await asyncio.to_thread(self._stop_scouts)
+                watcher.join(1.0)
+                if self.crew is not None and self.async_pool is not None:
+                    self.crew.close()
+                    await self.async_pool.close()
+                self.crew, self.async_pool = None, None
         return self.stats
 
     def _sleep(self, now: float, deadline: float | None) -> float:
@@ -574,50 +704,6 @@ class Fleet:
             wait = min(wait, deadline - now)
         return max(0.001, wait)
 
-    async def run_async(self, *, until_idle: bool,
-                        timeout: float | None) -> DispatchStats:  # noqa: ASYNC109
-        """``run`` for ``AsyncDispatcher``: the engines' turns are tasks of this loop;
-        the scouts are threads (blocking, one small query a look)."""
-        self._start()
-        self.stats = DispatchStats()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        tasks: set[asyncio.Task[None]] = set()
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        watcher = threading.Thread(target=self._forward_wake, args=(loop, wake),
-                                   name="outbox-fleet-wake", daemon=True)
-        watcher.start()
-        try:
-            await asyncio.to_thread(self.refresh, scouting=not until_idle)
-            self.schedule.fresh_run()
-            while not self.stopping.is_set():
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    break
-                if not until_idle and now - self._targets_read_at >= self.targets_interval:
-                    await asyncio.to_thread(self.refresh, scouting=True)
-                with self.schedule.lock:
-                    chosen = self.schedule.next_turns(now, until_idle=until_idle)
-                for state in chosen:
-                    task = asyncio.create_task(self._turn_async(state))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                if until_idle and not chosen and self._idle():
-                    break
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), self._sleep(now, deadline))
-                wake.clear()
-        finally:
-            self.stop()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-            self.stopping.set()  # ends the wake watcher
-            await asyncio.to_thread(self._stop_scouts)
-            watcher.join(1.0)
-            self.stopping.clear()
-            self._running = False
-        return self.stats
-
     def _forward_wake(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
         """Carry the scouts' wake-ups (a threading.Event) to the loop's event."""
         while not self.stopping.is_set():
@@ -627,12 +713,3 @@ class Fleet:
                     loop.call_soon_threadsafe(wake.set)
                 except RuntimeError:  # the loop closed
                     return
-
-    async def _turn_async(self, state: TargetState) -> None:
-        started = time.monotonic()
-        try:
-            turn = await state.engine.run_until_idle(timeout=TURN)
-        except Exception as exc:  # isolation: a target's failure stops only its turn
-            self._turn_ended(state, None, exc, started)
-            return
-        self._turn_ended(state, turn, None, started)
