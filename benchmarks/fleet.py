@@ -4,8 +4,8 @@
 
 One database holds ``--schemas`` migrated outbox schemas, a target each (or, with
 ``--databases``, as many databases, a target each: the fleet's tests use both layouts).
-One process runs ``Dispatcher(effects=[noop], targets=[...], max_connections=16)`` with
-``run()``, twice:
+One process runs ``Dispatcher(effects=[noop], targets=[...], max_connections=16)`` (or,
+with ``--async``, ``AsyncDispatcher``'s) with ``run()``, twice:
 
 - ``each turn its own``: the fleet's former way (``Fleet.shared = False``), every turn a
   whole ``run_until_idle`` starting its threads and opening its connections;
@@ -17,16 +17,16 @@ Each run first waits until every target has had its first turn (the observer's
 each in a schema drawn at random (the same seeded sequence for both runs), and counts
 the threads the process starts whose name begins ``outbox`` (``threading.Thread.start``)
 and the connections it opens whose ``application_name`` begins ``outbox``
-(``psycopg.connect``): the dispatcher's, not the feeder's; the look-outs' connections
-apart (past the budget, the shared look-out opens one per database it polls, the same
-either way). A window of 60 seconds or
-more also holds every target's chores turn (``CHORES_EVERY``). Figures are per minute;
+(``psycopg.connect`` and ``psycopg.AsyncConnection.connect``): the dispatcher's, not
+the feeder's; the look-outs' connections apart, and all of them together. A window of
+60 seconds or more also holds every target's chores turn (``CHORES_EVERY``). Figures are per minute;
 the ratio is shared over each-turn-its-own, measured in the same invocation.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import random
@@ -41,7 +41,7 @@ import psycopg
 from psycopg import sql
 
 import outbox
-from outbox import Dispatcher, Target
+from outbox import AsyncDispatcher, Dispatcher, Target
 from outbox.observe import DispatchObserver
 
 from ._db import fresh_database, migrated, server, settle
@@ -60,6 +60,10 @@ class Counts:
     jobs: int = 0
     seconds: float = 0.0
 
+    @property
+    def all_connections(self) -> int:
+        return self.connections + self.scout_connections
+
     def per_minute(self, value: int) -> float:
         return value * 60.0 / self.seconds if self.seconds else 0.0
 
@@ -76,6 +80,7 @@ class _Counter:
 def _counting() -> Iterator[type[_Counter]]:
     """Count the dispatcher's thread starts and connection opens while counting is on."""
     start, connect = threading.Thread.start, psycopg.connect
+    connect_async = psycopg.AsyncConnection.connect
 
     def counted_start(thread: threading.Thread) -> None:
         if _Counter.counting and thread.name.startswith("outbox"):
@@ -83,7 +88,7 @@ def _counting() -> Iterator[type[_Counter]]:
                 _Counter.threads += 1
         start(thread)
 
-    def counted_connect(*args: Any, **kwargs: Any) -> Any:
+    def count(kwargs: dict[str, Any]) -> None:
         name = str(kwargs.get("application_name", ""))
         if _Counter.counting and name.startswith("outbox"):
             with _Counter.lock:
@@ -91,15 +96,24 @@ def _counting() -> Iterator[type[_Counter]]:
                     _Counter.scout_connections += 1
                 else:
                     _Counter.connections += 1
+
+    def counted_connect(*args: Any, **kwargs: Any) -> Any:
+        count(kwargs)
         return connect(*args, **kwargs)
+
+    async def counted_connect_async(*args: Any, **kwargs: Any) -> Any:
+        count(kwargs)
+        return await connect_async(*args, **kwargs)
 
     threading.Thread.start = counted_start  # type: ignore[method-assign, assignment]
     psycopg.connect = counted_connect
+    psycopg.AsyncConnection.connect = counted_connect_async  # type: ignore[method-assign]
     try:
         yield _Counter
     finally:
         threading.Thread.start = start  # type: ignore[method-assign]
         psycopg.connect = connect
+        psycopg.AsyncConnection.connect = connect_async  # type: ignore[method-assign]
 
 
 class _FirstTurns(DispatchObserver):
@@ -120,14 +134,19 @@ class _FirstTurns(DispatchObserver):
 
 
 def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
-            seed: int, max_connections: int) -> Counts:
+            seed: int, max_connections: int, flavour: str = "sync") -> Counts:
     """One run of the fleet over ``targets``: the counts of the measured window."""
     watch = _FirstTurns(len(targets))
-    dispatcher = Dispatcher(effects=[Noop()], targets=targets,
-                            max_connections=max_connections, observer=watch)
+    kind = AsyncDispatcher if flavour == "async" else Dispatcher
+    dispatcher = kind(effects=[Noop()], targets=targets, max_connections=max_connections,
+                      observer=watch)
     assert dispatcher._fleet is not None
     dispatcher._fleet.shared = shared
-    runner = threading.Thread(target=dispatcher.run, name="bench-fleet")
+    if isinstance(dispatcher, AsyncDispatcher):
+        runner = threading.Thread(target=asyncio.run, args=(dispatcher.run(),),
+                                  name="bench-fleet")
+    else:
+        runner = threading.Thread(target=dispatcher.run, name="bench-fleet")
     counts = Counts()
     draw = random.Random(seed)
     with _counting() as counter:
@@ -177,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=5.0, help="jobs committed a second")
     parser.add_argument("--max-connections", type=int, default=16)
     parser.add_argument("--seed", type=int, default=46)
+    parser.add_argument("--async", dest="flavour", action="store_const", const="async",
+                        default="sync", help="AsyncDispatcher's fleet (turns as tasks)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     width = max(3, len(str(args.schemas - 1)))
@@ -199,21 +220,23 @@ def main(argv: list[str] | None = None) -> int:
             settle(dsn)
             targets = [Target(dsn, name) for name in names]
         layout = "databases" if args.databases else "schemas of one database"
+        kind = "AsyncDispatcher" if args.flavour == "async" else "Dispatcher"
         print(f"{args.schemas} targets ({layout}) migrated in {time.monotonic() - began:.0f} s; "
-              f"window {args.seconds:g} s, {args.rate:g} jobs/s, "
+              f"{kind}, window {args.seconds:g} s, {args.rate:g} jobs/s, "
               f"max_connections={args.max_connections}", flush=True)
         results = {}
         for label, shared in (("each turn its own", False), ("shared", True)):
             results[label] = measure(targets, shared=shared, seconds=args.seconds,
                                      rate=args.rate, seed=args.seed,
-                                     max_connections=args.max_connections)
+                                     max_connections=args.max_connections,
+                                     flavour=args.flavour)
             print(f"  {label}: {results[label].jobs} jobs fed, {_done(targets)} done so far",
                   flush=True)
     before, after = results["each turn its own"], results["shared"]
     print()
     print(f"{'per minute':<22}{'each turn its own':>20}{'shared':>12}{'ratio':>10}")
     rows = (("threads", "threads started"), ("connections", "connections opened"),
-            ("scout_connections", "look-out connections"))
+            ("scout_connections", "look-out connections"), ("all_connections", "all connections"))
     for what, label in rows:
         b = before.per_minute(getattr(before, what))
         a = after.per_minute(getattr(after, what))
