@@ -147,8 +147,12 @@ class _Kept(Generic[C]):
         self.lock = threading.Lock()
         self.idle: OrderedDict[int, tuple[Key, C]] = OrderedDict()
         self.in_use: dict[int, Key] = {}
+        self.opening = 0  # places taken by connections being opened (outside the lock)
         self.closed = False
         self.opened = 0
+
+    def held(self) -> int:
+        return len(self.idle) + len(self.in_use) + self.opening
 
     def reuse(self, key: Key) -> tuple[C | None, list[C]]:
         """A kept connection of ``key`` to hand out (None: open one), and the ones to
@@ -163,24 +167,31 @@ class _Kept(Generic[C]):
                 self.in_use[ident] = key
                 return conn, evicted
             evicted.append(conn)
-        while self.idle and len(self.idle) + len(self.in_use) >= self.capacity:
+        while self.idle and self.held() >= self.capacity:
             evicted.append(self.idle.popitem(last=False)[1][1])
+        self.opening += 1  # its place is taken now: two takers never both fill the last
         return None, evicted
 
-    def opened_for(self, key: Key, conn: C) -> None:
-        self.opened += 1
-        self.in_use[id(conn)] = key
+    def opened_for(self, key: Key, conn: C | None) -> None:
+        """The connection ``reuse`` left to open is open (None: opening it failed)."""
+        self.opening -= 1
+        if conn is not None:
+            self.opened += 1
+            self.in_use[id(conn)] = key
 
-    def back(self, conn: C) -> tuple[bool, list[C]]:
+    def back(self, conn: C, *, recent: bool = True) -> tuple[bool, list[C]]:
         """``conn`` is given back: whether it is kept, and the idle ones to close (the
-        capacity may have shrunk: the oldest idle ones go)."""
+        capacity may have shrunk: the oldest idle ones go). ``recent=False``: kept as
+        the least recently used, the first to go."""
         key = self.in_use.pop(id(conn), None)
         keep = key is not None and not self.closed and _reusable(conn)
         if keep:
             assert key is not None
             self.idle[id(conn)] = (key, conn)
+            if not recent:
+                self.idle.move_to_end(id(conn), last=False)
         evicted = []
-        while self.idle and len(self.idle) + len(self.in_use) > self.capacity:
+        while self.idle and self.held() > self.capacity:
             evicted.append(self.idle.popitem(last=False)[1][1])
         return keep, evicted
 
@@ -216,7 +227,7 @@ class _Pooled(Generic[C]):
     def held(self) -> int:
         """Connections held now, in use and idle."""
         with self._kept.lock:
-            return len(self._kept.idle) + len(self._kept.in_use)
+            return self._kept.held()
 
 
 class Pool(_Pooled[psycopg.Connection[Any]]):
@@ -239,15 +250,20 @@ class Pool(_Pooled[psycopg.Connection[Any]]):
             _close(old)
         if found is not None:
             return found
-        conn = open_()
-        with self._kept.lock:
-            self._kept.opened_for(key, conn)
+        conn = None
+        try:
+            conn = open_()
+        finally:
+            with self._kept.lock:
+                self._kept.opened_for(key, conn)
         return conn
 
-    def give(self, conn: psycopg.Connection[Any]) -> None:
-        """Take ``conn`` back after a turn (or close it when it cannot be kept)."""
+    def give(self, conn: psycopg.Connection[Any], *, recent: bool = True) -> None:
+        """Take ``conn`` back after a turn (or close it when it cannot be kept).
+        ``recent=False`` (a look that found no work): kept as the least recently used,
+        so the connections of the databases with recent work are the ones kept."""
         with self._kept.lock:
-            keep, evicted = self._kept.back(conn)
+            keep, evicted = self._kept.back(conn, recent=recent)
         for old in evicted if keep else [conn, *evicted]:
             _close(old)
 
@@ -274,9 +290,12 @@ class AsyncPool(_Pooled[psycopg.AsyncConnection[Any]]):
             await _close_async(old)
         if found is not None:
             return found
-        conn = await open_()
-        with self._kept.lock:
-            self._kept.opened_for(key, conn)
+        conn = None
+        try:
+            conn = await open_()
+        finally:
+            with self._kept.lock:
+                self._kept.opened_for(key, conn)
         return conn
 
     async def give(self, conn: psycopg.AsyncConnection[Any]) -> None:

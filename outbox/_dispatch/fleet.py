@@ -58,6 +58,7 @@ from .._pg import configuration_error, is_pooled, unreachable
 from .._sql import queries
 from ..errors import ConfigurationError, DispatcherFailed, SchemaError
 from ..targets import Target
+from .connection import connect
 from .counting import DispatchStats
 from .crew import AsyncPool, Crew, Pool, Share, Started, start_thread, turn_share
 from .network import network_options
@@ -104,6 +105,9 @@ class TargetState:
     retry_at: float = 0.0
     last_turn: float = 0.0  # monotonic end of its last turn (0: never)
     error: str = ""
+    # Its database is past the budget's look-outs: the shared scout's look, which holds
+    # a connection to it, also starts its chores turn (``Scout.check``).
+    polled: bool = False
 
 
 @dataclass
@@ -117,6 +121,7 @@ class Schedule:
     states: dict[Target, TargetState] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     scout_connections: int = 0  # reserved for the scouts
+    listening: int = 0  # of which the persistent (listening) ones
 
     @property
     def slots(self) -> int:
@@ -135,7 +140,8 @@ class Schedule:
             return []
         waiting = [s for s in self.states.values()
                    if not s.active and not s.removed and s.retry_at <= now
-                   and (s.due or (not until_idle and now - s.last_turn >= CHORES_EVERY))]
+                   and (s.due or (not until_idle and not s.polled
+                                  and now - s.last_turn >= CHORES_EVERY))]
         waiting.sort(key=lambda s: s.last_turn)
         chosen = waiting[:free]
         for state in chosen:
@@ -307,14 +313,12 @@ class Scout:
                 if self.stopping.is_set():
                     return
                 try:
-                    self.check(self.connect(found[0].target.dsn), found)
-                except psycopg.Error as exc:  # this database only: the others go on
+                    self.look_at(found)
+                except (psycopg.Error, ConfigurationError) as exc:  # this database only
                     with self.fleet.schedule.lock:
                         for state in found:
                             if not state.active:
                                 self.fleet.schedule.mark(state, up=False, error=exc)
-                finally:
-                    self.close()
             return
         conn = self.connect(states[0].target.dsn)
         if not is_pooled(conn):
@@ -327,6 +331,30 @@ class Scout:
         else:
             self.stopping.wait(self.fleet.poll_interval)
         self.check(conn, self.targets())
+
+    def look_at(self, found: list[TargetState]) -> None:
+        """One database past the budget, polled: its targets asked on a claimer
+        connection of the fleet's pool (``Dispatcher``'s shared run), a kept one when
+        there is one. Given back as recently used when a target is due (its turn takes
+        it next), else as the first to go: the pool keeps the connections of the
+        databases with recent work. Without a pool, one opened for the look."""
+        now = time.monotonic()
+        if all(s.active or s.due or s.retry_at > now for s in found):
+            return  # nothing to ask: no connection taken
+        pool = self.fleet.pool
+        if pool is None:
+            try:
+                self.check(self.connect(found[0].target.dsn), found)
+            finally:
+                self.close()
+            return
+        settings = found[0].engine.settings
+        conn = pool.take((settings.conninfo, "claimer"), partial(connect, settings, "claimer"))
+        woke = False
+        try:
+            woke = self.check(conn, found)
+        finally:
+            pool.give(conn, recent=woke)
 
     def connect(self, dsn: str) -> psycopg.Connection[Any]:
         if self.conn is None or self.conn.closed:
@@ -345,11 +373,18 @@ class Scout:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
                 self.listening.add(channel)
 
-    def check(self, conn: psycopg.Connection[Any], states: list[TargetState]) -> None:
-        """Ask each idle target that is not known due whether it has work."""
+    def check(self, conn: psycopg.Connection[Any], states: list[TargetState]) -> bool:
+        """Ask each idle target that is not known due whether it has work (a polled one
+        owed its chores is due without asking); whether one was woken."""
         effects = self.fleet.effect_names
+        woke = False
         for state in states:
-            if state.active or state.due or state.retry_at > time.monotonic():
+            now = time.monotonic()
+            if state.active or state.due or state.retry_at > now:
+                continue
+            if state.polled and now - state.last_turn >= CHORES_EVERY:
+                self.fleet.wake_targets([state])
+                woke = True
                 continue
             try:
                 cursor = conn.cursor(row_factory=dict_row)
@@ -364,6 +399,8 @@ class Scout:
                 continue
             if row is not None and row["due"]:
                 self.fleet.wake_targets([state])
+                woke = True
+        return woke
 
     def close(self) -> None:
         if self.conn is not None:
@@ -488,6 +525,9 @@ class Fleet:
         shared = len(databases) > len(persistent)
         with self.schedule.lock:
             self.schedule.scout_connections = len(persistent) + (1 if shared else 0)
+            self.schedule.listening = len(persistent)
+            for state in self.schedule.states.values():
+                state.polled = shared and state.target.dsn not in persistent
         wanted = {frozenset([d]): (True, labels[d]) for d in persistent}
         if shared:
             rest = frozenset(d for d in databases if d not in persistent)
@@ -552,8 +592,11 @@ class Fleet:
         return self.crew.start(partial(self._run_turn, state), name)
 
     def _turns_share(self) -> int:
-        """The turns' share of the budget (the scouts' may change as targets come)."""
-        return self.schedule.slots * self.schedule.engine_connections
+        """The pool's share of the budget: all but the listening look-outs' (which
+        may change as targets come). The turns hold at most their slots' connections
+        and the polling look-out one more, for a look."""
+        with self.schedule.lock:
+            return self.schedule.max_connections - self.schedule.listening
 
     @contextlib.contextmanager
     def _turn(self, state: TargetState) -> Iterator[Turn]:
@@ -584,7 +627,8 @@ class Fleet:
         if self.crew is None or self.async_pool is None:
             yield
             return
-        self.async_pool.capacity = self._turns_share()
+        with self.schedule.lock:  # the turns' share: its look-outs keep connections apart
+            self.async_pool.capacity = self.schedule.slots * self.schedule.engine_connections
         share = Share(self.async_pool, self.crew.start,
                       schema_seen=getattr(state.engine, "_schema_seen", False))
         token = turn_share.set(share)
