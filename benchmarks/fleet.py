@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import threading
@@ -134,7 +135,8 @@ class _FirstTurns(DispatchObserver):
 
 
 def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
-            seed: int, max_connections: int, flavour: str = "sync") -> Counts:
+            seed: int, max_connections: int, flavour: str = "sync",
+            share_looks: bool = True) -> Counts:
     """One run of the fleet over ``targets``: the counts of the measured window."""
     watch = _FirstTurns(len(targets))
     kind = AsyncDispatcher if flavour == "async" else Dispatcher
@@ -142,6 +144,7 @@ def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
                       observer=watch)
     assert dispatcher._fleet is not None
     dispatcher._fleet.shared = shared
+    dispatcher._fleet.share_looks = share_looks
     if isinstance(dispatcher, AsyncDispatcher):
         runner = threading.Thread(target=asyncio.run, args=(dispatcher.run(),),
                                   name="bench-fleet")
@@ -224,25 +227,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.schemas} targets ({layout}) migrated in {time.monotonic() - began:.0f} s; "
               f"{kind}, window {args.seconds:g} s, {args.rate:g} jobs/s, "
               f"max_connections={args.max_connections}", flush=True)
+        # Past the look-outs' budget (databases only, and only Dispatcher's run: its
+        # polling look-out shares the turns' pool), the turns' pool shared with the
+        # looks or apart from them.
+        runs = [("each turn its own", False, False), ("shared", True, True)]
+        if args.databases and args.flavour == "sync":
+            runs.insert(1, ("looks apart", True, False))
         results = {}
-        for label, shared in (("each turn its own", False), ("shared", True)):
+        for label, shared, share_looks in runs:
             results[label] = measure(targets, shared=shared, seconds=args.seconds,
                                      rate=args.rate, seed=args.seed,
                                      max_connections=args.max_connections,
-                                     flavour=args.flavour)
+                                     flavour=args.flavour, share_looks=share_looks)
             print(f"  {label}: {results[label].jobs} jobs fed, {_done(targets)} done so far",
                   flush=True)
-    before, after = results["each turn its own"], results["shared"]
+    _table(results)
+    return 0
+
+
+def _table(results: dict[str, Counts]) -> None:
+    """Per minute, each run's counts, then each later run's ratio to the one before."""
+    labels = list(results)
     print()
-    print(f"{'per minute':<22}{'each turn its own':>20}{'shared':>12}{'ratio':>10}")
+    print(f"{'per minute':<22}" + "".join(f"{label:>20}" for label in labels)
+          + "".join(f"{f'ratio {n + 1}/{n}':>10}" for n in range(1, len(labels))))
     rows = (("threads", "threads started"), ("connections", "connections opened"),
             ("scout_connections", "look-out connections"), ("all_connections", "all connections"))
     for what, label in rows:
-        b = before.per_minute(getattr(before, what))
-        a = after.per_minute(getattr(after, what))
-        ratio = f"{a / b:.3f}" if b else "-"
-        print(f"{label:<22}{b:>20.0f}{a:>12.0f}{ratio:>10}")
-    return 0
+        values = [results[name].per_minute(getattr(results[name], what)) for name in labels]
+        ratios = "".join(f"{f'{v / b:.3f}' if b else '-':>10}"
+                         for b, v in itertools.pairwise(values))
+        print(f"{label:<22}" + "".join(f"{v:>20.0f}" for v in values) + ratios)
 
 
 def _done(targets: list[Target]) -> int:

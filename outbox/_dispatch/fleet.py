@@ -341,7 +341,7 @@ class Scout:
         now = time.monotonic()
         if all(s.active or s.due or s.retry_at > now for s in found):
             return  # nothing to ask: no connection taken
-        pool = self.fleet.pool
+        pool = self.fleet.pool if self.fleet.share_looks else None
         if pool is None:
             try:
                 self.check(self.connect(found[0].target.dsn), found)
@@ -435,6 +435,9 @@ class Fleet:
         # ``Dispatcher``'s; ``shared = False`` makes each turn's own (the cost it
         # replaces, for the benchmark that measures the difference).
         self.shared = True
+        # ``share_looks = False``: the polling look-out opens a connection of its own
+        # per look, apart from the turns' pool (the cost it replaces, for the benchmark).
+        self.share_looks = True
         self.crew: Crew | None = None
         self.pool: Pool | None = None
         self.async_pool: AsyncPool | None = None  # AsyncDispatcher's turns' connections
