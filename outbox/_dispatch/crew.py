@@ -11,10 +11,16 @@ take them from here:
     Pool   the connections of finished turns, kept per (connection string, role) and
            handed to the next turn of any target of that database (every statement names
            its schema, and a connection's session settings are the same for every
-           target); never more held, in use or idle, than ``capacity``
+           target); never more held, in use, idle or being opened, than ``capacity``;
+           the least recently used idle one goes first. ``AsyncPool``: the same for
+           the asyncio connections of ``AsyncDispatcher``'s turns, over one bookkeeping
 
-Without a fleet, ``start_thread`` and the plain connection open and close are used: a
-dispatcher run alone is unchanged.
+``Dispatcher``'s engines are handed the crew's ``start`` and the pool's ``take`` and
+``give``; an ``AsyncDispatcher``'s turn finds them in ``turn_share`` (a context variable
+its task and every task it starts see), read where its connections open
+(``AsyncConnection``), where its sync effects' threads start (``DaemonPool``) and where
+its schema is checked. Without a fleet, ``start_thread`` and the plain connection open
+and close are used: a dispatcher run alone is unchanged.
 """
 
 from __future__ import annotations

@@ -13,28 +13,36 @@ limits (counted in each target's database), flows, reconciliation, retention.
     scouts    one thread per database, up to the budget: a connection that LISTENs on
               the channel of every target schema in it (an enqueue makes that target due
               at once) and, every poll interval, asks each idle target whether it has
-              work (one small query). Databases past the budget share one scout that
-              opens a connection per look, and are polled only
+              work (one small query). Databases past the budget share one scout, and are
+              polled only: under ``Dispatcher`` its looks take their connection from the
+              turns' pool (a kept one when the database had recent work) and give it
+              back for the turn they wake, or as the first to go; a polled target's
+              chores turn starts from its look, which holds a connection to it
     turns     at most ``slots`` engines run at once (each holds ENGINE_CONNECTIONS, or
               one more when an effect reconciles); a due target waits for a free slot,
               the least recently served first, and a turn lasts at most TURN seconds: a
               target's backlog delays another target by about one turn. Every target
               gets a turn at least every CHORES_EVERY seconds, due or not, for its
               rescue of expired leases and its retention
-    sharing   (``Dispatcher``) a turn's parts run on the fleet's long-lived threads and
-              its connections come from the fleet's pool and go back to it (``crew``):
-              a turn of a target whose database another turn used starts no thread and
-              opens no connection. The pool holds at most the turns' share of the
-              budget, idle connections included. Each target's schema is checked at its
-              first turn only
+    sharing   a turn's parts run on the fleet's long-lived threads and its connections
+              come from the fleet's pool and go back to it (``crew``): a turn of a
+              target whose database another turn used starts no thread and opens no
+              connection. The pool holds at most the budget less the listening scouts',
+              idle connections included, the least recently used let go first. Each
+              target's schema is checked at its first turn only. ``Dispatcher``'s
+              engines are handed the crew and the pool (``_share``); an
+              ``AsyncDispatcher``'s turn, a task, sees them in ``crew.turn_share`` (an
+              ``AsyncPool`` of its loop, the crew for its sync effects' threads)
     isolation a turn or a look that fails marks its target down: one log line, the
               observer's target_state (metric outbox_target_up{target}), then retried
               with backoff (RETRY_FIRST seconds doubling to RETRY_MAX); the other
               targets go on. No target's failure stops the fleet.
 
-The scheduling decisions are in ``Schedule`` (no I/O, under one lock); ``Fleet`` runs
-the turns on threads. ``AsyncDispatcher`` runs its engines' turns as tasks of its loop
-(``Fleet.run_async``), with the same schedule and scouts.
+The scheduling decisions are in ``Schedule`` (no I/O, under one lock); what a run does
+is ``Fleet._steps`` (read the targets, start the chosen turns, wait), carried out on
+threads by ``Fleet.run`` (``Dispatcher``) and as tasks of one loop by
+``Fleet.run_async`` (``AsyncDispatcher``), with the same schedule, scouts and turn
+(``Fleet._turn``). A run is started once: checked and set under one lock.
 """
 
 from __future__ import annotations
