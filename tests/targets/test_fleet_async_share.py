@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,50 +17,38 @@ import pytest
 from outbox import AsyncDispatcher, ConfigurationError, Dispatcher, Target
 from outbox._dispatch.crew import AsyncPool
 
-from .support import Databases, Recorded, enqueue
-from .test_fleet_turn_cost import BUDGET, CONCURRENCY, ROUNDS, TARGETS, wait_for
+from .support import Databases, Recorded, Started
+from .test_fleet_turn_cost import BUDGET, CONCURRENCY, TARGETS, serve_rounds, wait_for
 
 
 class Opened:
-    """The dispatcher's threads started and connections opened (blocking and asyncio),
-    by name."""
+    """``Started``'s counts (threads, blocking connections) and the dispatcher's
+    asyncio connections opened, by name."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.threads = 0
-        self.connections = 0
+    def __init__(self, started: Started) -> None:
+        self.started = started
         self.async_connections = 0
+
+    @property
+    def threads(self) -> int:
+        return self.started.threads
+
+    @property
+    def connections(self) -> int:
+        return self.started.connections
 
 
 @pytest.fixture
-def opened(monkeypatch: pytest.MonkeyPatch) -> Iterator[Opened]:
-    counts = Opened()
-    start, connect = threading.Thread.start, psycopg.connect
+def opened(started: Started, monkeypatch: pytest.MonkeyPatch) -> Iterator[Opened]:
+    counts = Opened(started)
     connect_async = psycopg.AsyncConnection.connect
 
-    def ours(kwargs: dict[str, Any]) -> bool:
-        return str(kwargs.get("application_name", "")).startswith("outbox")
-
-    def counted_start(thread: threading.Thread) -> None:
-        if thread.name.startswith("outbox"):
-            with counts.lock:
-                counts.threads += 1
-        start(thread)
-
-    def counted_connect(*args: Any, **kwargs: Any) -> Any:
-        if ours(kwargs):
-            with counts.lock:
-                counts.connections += 1
-        return connect(*args, **kwargs)
-
     async def counted_connect_async(*args: Any, **kwargs: Any) -> Any:
-        if ours(kwargs):
-            with counts.lock:
+        if str(kwargs.get("application_name", "")).startswith("outbox"):
+            with started.lock:
                 counts.async_connections += 1
         return await connect_async(*args, **kwargs)
 
-    monkeypatch.setattr(threading.Thread, "start", counted_start)
-    monkeypatch.setattr(psycopg, "connect", counted_connect)
     monkeypatch.setattr(psycopg.AsyncConnection, "connect", counted_connect_async)
     yield counts
 
@@ -77,32 +64,23 @@ def async_fleet(databases: Databases, prefix: str,
     return dispatcher, targets, effect
 
 
-def serve_rounds(dispatcher: AsyncDispatcher, targets: list[Target], effect: Recorded,
-                 ) -> int:
-    """``run()`` on a loop of its own while ROUNDS times every target gets one job, each
-    round performed before the next is enqueued: ROUNDS x TARGETS turns with a job."""
-    runner = threading.Thread(target=asyncio.run, args=(dispatcher.run(),),
-                              name="test-runner")
-    runner.start()
-    try:
-        for n in range(ROUNDS):
-            for target in targets:
-                enqueue(target, 1, first=n)
-            expected = (n + 1) * len(targets)
-            wait_for(lambda: len(effect.performed) == expected,  # noqa: B023 - waited here
-                     f"round {n + 1}'s jobs")
-    finally:
-        dispatcher.stop()
-        runner.join(60)
-    assert not runner.is_alive()
-    assert Counter(effect.performed.values()) == Counter({1: ROUNDS * len(targets)})
-    return ROUNDS * len(targets)
+class OnItsLoop:
+    """``AsyncDispatcher.run()`` on a loop of its own, run and stopped as a thread's."""
+
+    def __init__(self, dispatcher: AsyncDispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    def run(self) -> object:
+        return asyncio.run(self.dispatcher.run())
+
+    def stop(self) -> None:
+        self.dispatcher.stop()
 
 
 def test_async_turns_share_connections_and_threads_within_a_bound(
         databases: Databases, opened: Opened) -> None:
     dispatcher, targets, effect = async_fleet(databases, "a")
-    turns = serve_rounds(dispatcher, targets, effect)
+    turns = serve_rounds(OnItsLoop(dispatcher), targets, effect)
     # Each turn its own: a schema check, a claimer and a recorder connection, and a
     # thread for the sync effect, every turn with a job (see the next test). Shared:
     # the asyncio connections at most the budget, the blocking ones one schema check
@@ -122,7 +100,7 @@ def test_async_turns_without_sharing_pay_each_turn(
     dispatcher, targets, effect = async_fleet(databases, "b")
     assert dispatcher._fleet is not None
     dispatcher._fleet.shared = False
-    turns = serve_rounds(dispatcher, targets, effect)
+    turns = serve_rounds(OnItsLoop(dispatcher), targets, effect)
     assert opened.async_connections >= 2 * turns, opened.async_connections
     assert opened.connections >= turns, opened.connections  # a schema check each
     assert opened.threads >= turns, opened.threads
