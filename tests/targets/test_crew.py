@@ -5,6 +5,7 @@ never hands out one that is broken, closed or inside a transaction."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
 import time
@@ -12,7 +13,7 @@ from typing import Any
 
 import psycopg
 
-from outbox._dispatch.crew import Crew, Pool
+from outbox._dispatch.crew import AsyncPool, Crew, Pool
 
 
 def test_parts_one_after_another_run_on_one_thread() -> None:
@@ -153,4 +154,68 @@ def test_a_pool_drops_a_connection_broken_closed_or_in_a_transaction(dsn: str) -
         assert again.execute("SELECT 1").fetchone() == (1,)
         pool.give(again)
     finally:
+        pool.close()
+
+
+def test_an_async_pool_reuses_per_key_within_its_capacity(dsn: str) -> None:
+    async def scenario() -> None:
+        pool = AsyncPool(2)
+        made: list[psycopg.AsyncConnection[Any]] = []
+
+        async def open_() -> psycopg.AsyncConnection[Any]:
+            conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+            made.append(conn)
+            return conn
+
+        try:
+            first = await pool.take((dsn, "claimer"), open_)
+            await pool.give(first)
+            assert await pool.take((dsn, "claimer"), open_) is first
+            other = await pool.take((dsn, "recorder"), open_)
+            assert other is not first and pool.opened == 2
+            await pool.give(first)
+            await pool.give(other)
+            third = await pool.take((dsn, "reconciler"), open_)  # full: the oldest goes
+            assert first.closed and not other.closed and pool.held() == 2
+            await third.execute("BEGIN")  # inside a transaction: never kept
+            await pool.give(third)
+            assert third.closed and pool.held() == 1
+        finally:
+            await pool.close()
+        assert all(conn.closed for conn in made)
+
+    asyncio.run(scenario())
+
+
+def test_a_connection_being_opened_holds_its_place_in_the_pool(dsn: str) -> None:
+    # One idle connection in a pool of two; a take is opening another (outside the
+    # pool's lock) when a second take comes: the second sees the pool full and lets the
+    # idle one go, so the pool never holds three.
+    pool, opened = Pool(2), list[psycopg.Connection[Any]]()
+    open_ = _opener(dsn, opened)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_open() -> psycopg.Connection[Any]:
+        inside.set()
+        release.wait(30)
+        conn: psycopg.Connection[Any] = open_()
+        return conn
+
+    taken: list[psycopg.Connection[Any]] = []
+    try:
+        idle = pool.take((dsn, "a"), open_)
+        pool.give(idle)
+        opener = threading.Thread(
+            target=lambda: taken.append(pool.take((dsn, "b"), slow_open)))
+        opener.start()
+        assert inside.wait(30)
+        second = pool.take((dsn, "c"), open_)
+        assert idle.closed  # let go for the connection being opened
+        release.set()
+        opener.join(30)
+        assert pool.held() == 2 and sum(not conn.closed for conn in opened) == 2
+        pool.give(second)
+        pool.give(taken[0])
+    finally:
+        release.set()
         pool.close()

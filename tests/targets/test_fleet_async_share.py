@@ -2,7 +2,7 @@
 connections come from an async pool bounded by the budget, its sync effects run on the
 fleet's long-lived threads, and a target's schema is checked at its first turn only
 (counted, never timed). And a fleet's run starts once: of two run() calls racing, one
-runs and the other gets a clear error."""
+runs and the other gets a clear error. (The async pool alone: ``test_crew``.)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import psycopg
 import pytest
 
 from outbox import AsyncDispatcher, ConfigurationError, Dispatcher, Target
-from outbox._dispatch.crew import AsyncPool
 
 from .support import Databases, Recorded, Started
 from .test_fleet_turn_cost import BUDGET, CONCURRENCY, TARGETS, serve_rounds, wait_for
@@ -154,33 +153,3 @@ def test_two_runs_at_once_one_runs_and_one_is_refused(databases: Databases,
         assert len(returned) == 1 and len(raised) == 1, (round_, returned, raised)
         assert isinstance(raised[0], ConfigurationError), raised[0]
         assert "already running" in str(raised[0])
-
-
-def test_an_async_pool_reuses_per_key_within_its_capacity(dsn: str) -> None:
-    async def scenario() -> None:
-        pool = AsyncPool(2)
-        made: list[psycopg.AsyncConnection[Any]] = []
-
-        async def open_() -> psycopg.AsyncConnection[Any]:
-            conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-            made.append(conn)
-            return conn
-
-        try:
-            first = await pool.take((dsn, "claimer"), open_)
-            await pool.give(first)
-            assert await pool.take((dsn, "claimer"), open_) is first
-            other = await pool.take((dsn, "recorder"), open_)
-            assert other is not first and pool.opened == 2
-            await pool.give(first)
-            await pool.give(other)
-            third = await pool.take((dsn, "reconciler"), open_)  # full: the oldest goes
-            assert first.closed and not other.closed and pool.held() == 2
-            await third.execute("BEGIN")  # inside a transaction: never kept
-            await pool.give(third)
-            assert third.closed and pool.held() == 1
-        finally:
-            await pool.close()
-        assert all(conn.closed for conn in made)
-
-    asyncio.run(scenario())
