@@ -450,6 +450,12 @@ class Fleet:
         self.pool: Pool | None = None
         self.async_pool: AsyncPool | None = None  # AsyncDispatcher's turns' connections
 
+    @property
+    def running(self) -> bool:
+        """Whether a run is under way."""
+        with self._control:
+            return self._running
+
     @contextlib.contextmanager
     def _running_once(self) -> Iterator[None]:
         """A run, refused while another is under way: checked and set under one lock,

@@ -2,7 +2,8 @@
 connections come from an async pool bounded by the budget, its sync effects run on the
 fleet's long-lived threads, and a target's schema is checked at its first turn only
 (counted, never timed). And a fleet's run starts once: of two run() calls racing, one
-runs and the other gets a clear error. (The async pool alone: ``test_crew``.)"""
+runs and the other gets a clear error, and its options are not changed under it. (The
+async pool alone: ``test_crew``.)"""
 
 from __future__ import annotations
 
@@ -153,3 +154,23 @@ def test_two_runs_at_once_one_runs_and_one_is_refused(databases: Databases,
         assert len(returned) == 1 and len(raised) == 1, (round_, returned, raised)
         assert isinstance(raised[0], ConfigurationError), raised[0]
         assert "already running" in str(raised[0])
+
+
+def test_a_fleet_refuses_changes_to_its_options_while_it_runs(databases: Databases) -> None:
+    shared = databases.make("o0")
+    effect = Recorded()
+    dispatcher = Dispatcher(effects=[effect], targets=[Target(shared, "o0")],
+                            poll_interval=0.2)
+    assert dispatcher._fleet is not None
+    fleet = dispatcher._fleet
+    runner = threading.Thread(target=dispatcher.run, name="test-runner")
+    runner.start()
+    try:
+        wait_for(lambda: fleet.running, "the run to start")
+        with pytest.raises(ConfigurationError, match="before the dispatcher runs"):
+            dispatcher.add_limits({})
+    finally:
+        dispatcher.stop()
+        runner.join(60)
+    assert not runner.is_alive() and not fleet.running
+    dispatcher.add_limits({})  # after the run: allowed again
