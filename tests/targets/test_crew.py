@@ -1,7 +1,8 @@
 """The threads and connections a fleet's turns share (``outbox._dispatch.crew``): a crew
 reuses its idle threads and grows only to the parts running at once; a pool reuses a
 connection per (connection string, role), never holds more than its capacity, and
-never hands out one that is broken, closed or inside a transaction."""
+never hands out one that is broken, closed or inside a transaction. And the fleet's
+schedule leaves a polled target's chores to its look."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from typing import Any
 
 import psycopg
 
+from outbox import Target
 from outbox._dispatch.crew import AsyncPool, Crew, Pool
+from outbox._dispatch.fleet import CHORES_EVERY, Schedule, TargetState
+from outbox.observe import DispatchObserver
 
 
 def test_parts_one_after_another_run_on_one_thread() -> None:
@@ -219,3 +223,33 @@ def test_a_connection_being_opened_holds_its_place_in_the_pool(dsn: str) -> None
     finally:
         release.set()
         pool.close()
+
+
+def test_a_connection_given_back_as_not_recent_is_the_first_to_go(dsn: str) -> None:
+    # A look that found no work gives its connection back as the least recently used:
+    # the next one opened in a full pool lets it go, not the busy database's.
+    pool, opened = Pool(2), list[psycopg.Connection[Any]]()
+    open_ = _opener(dsn, opened)
+    try:
+        busy = pool.take((dsn, "busy"), open_)
+        quiet = pool.take((dsn, "quiet"), open_)
+        pool.give(busy)
+        pool.give(quiet, recent=False)
+        pool.give(pool.take((dsn, "next"), open_))
+        assert quiet.closed and not busy.closed
+    finally:
+        pool.close()
+
+
+def test_a_polled_targets_chores_wait_for_its_look() -> None:
+    # Owed its chores, a target of a polled database is not started by the schedule
+    # (its look, holding a connection to it, wakes it); a listened-to one is.
+    schedule = Schedule(16, 2, DispatchObserver())
+    listened = TargetState(Target("dbname=a"), engine=None, due=False, last_turn=1.0)
+    polled = TargetState(Target("dbname=b"), engine=None, due=False, last_turn=1.0,
+                         polled=True)
+    schedule.states = {listened.target: listened, polled.target: polled}
+    chosen = schedule.next_turns(1.0 + CHORES_EVERY, until_idle=False)
+    assert chosen == [listened]
+    polled.due = True  # its look woke it
+    assert schedule.next_turns(1.0 + CHORES_EVERY, until_idle=False) == [polled]
