@@ -526,6 +526,8 @@ class Fleet:
             log.info("target %s added", target.name)
         if scouting:
             self._place_scouts()
+        if self.pool is not None:  # the polling look-out may take from it before a turn
+            self.pool.capacity = self._turns_share()
 
     def _place_scouts(self) -> None:
         """A scout per database with targets: persistent ones while the budget leaves a
