@@ -60,6 +60,7 @@ class Counts:
     scout_connections: int = 0  # the look-outs' (the shared one opens one per look)
     jobs: int = 0
     seconds: float = 0.0
+    looks: int = 0  # databases the polling look-out looked at
 
     @property
     def all_connections(self) -> int:
@@ -159,6 +160,7 @@ def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
                 raise RuntimeError(f"only {len(watch.up)} of {len(targets)} targets served "
                                    "within 600 s")
             counter.threads = counter.connections = counter.scout_connections = 0
+            looks = dispatcher._fleet.looks
             counter.counting = True
             began = time.monotonic()
             feeders: dict[str, psycopg.Connection[Any]] = {}
@@ -180,6 +182,7 @@ def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
             counts.threads, counts.connections, counts.jobs = (
                 counter.threads, counter.connections, n)
             counts.scout_connections = counter.scout_connections
+            counts.looks = dispatcher._fleet.looks - looks
         finally:
             counter.counting = False
             dispatcher.stop()
@@ -252,12 +255,21 @@ def _table(results: dict[str, Counts]) -> None:
     print(f"{'per minute':<22}" + "".join(f"{label:>20}" for label in labels)
           + "".join(f"{f'ratio {n + 1}/{n}':>10}" for n in range(1, len(labels))))
     rows = (("threads", "threads started"), ("connections", "connections opened"),
-            ("scout_connections", "look-out connections"), ("all_connections", "all connections"))
+            ("scout_connections", "look-out connections"), ("all_connections", "all connections"),
+            ("looks", "polled looks"))
     for what, label in rows:
         values = [results[name].per_minute(getattr(results[name], what)) for name in labels]
         ratios = "".join(f"{f'{v / b:.3f}' if b else '-':>10}"
                          for b, v in itertools.pairwise(values))
         print(f"{label:<22}" + "".join(f"{v:>20.0f}" for v in values) + ratios)
+    # The polled looks' number follows how fast a round of them goes (the machine, its
+    # load): connections per look compares runs whatever their pace.
+    per_look = [results[n].all_connections / results[n].looks if results[n].looks else 0.0
+                for n in labels]
+    if any(per_look):
+        print(f"{'connections per look':<22}" + "".join(f"{v:>20.2f}" for v in per_look)
+              + "".join(f"{f'{v / b:.3f}' if b else '-':>10}"
+                        for b, v in itertools.pairwise(per_look)))
 
 
 def _done(targets: list[Target]) -> int:

@@ -349,6 +349,7 @@ class Scout:
         now = time.monotonic()
         if all(s.active or s.due or s.retry_at > now for s in found):
             return  # nothing to ask: no connection taken
+        self.fleet.looks += 1  # one thread: the polling look-out's
         pool = self.fleet.pool if self.fleet.share_looks else None
         if pool is None:
             try:
@@ -446,6 +447,7 @@ class Fleet:
         # ``share_looks = False``: the polling look-out opens a connection of its own
         # per look, apart from the turns' pool (the cost it replaces, for the benchmark).
         self.share_looks = True
+        self.looks = 0  # databases looked at by the polling look-out (for the benchmark)
         self.crew: Crew | None = None
         self.pool: Pool | None = None
         self.async_pool: AsyncPool | None = None  # AsyncDispatcher's turns' connections
