@@ -4,8 +4,8 @@
 
 One database holds ``--schemas`` migrated outbox schemas, a target each (or, with
 ``--databases``, as many databases, a target each: the fleet's tests use both layouts).
-One process runs ``Dispatcher(effects=[noop], targets=[...], max_connections=16)`` with
-``run()``, twice:
+One process runs ``Dispatcher(effects=[noop], targets=[...], max_connections=16)`` (or,
+with ``--async``, ``AsyncDispatcher``'s) with ``run()``, twice:
 
 - ``each turn its own``: the fleet's former way (``Fleet.shared = False``), every turn a
   whole ``run_until_idle`` starting its threads and opening its connections;
@@ -17,17 +17,18 @@ Each run first waits until every target has had its first turn (the observer's
 each in a schema drawn at random (the same seeded sequence for both runs), and counts
 the threads the process starts whose name begins ``outbox`` (``threading.Thread.start``)
 and the connections it opens whose ``application_name`` begins ``outbox``
-(``psycopg.connect``): the dispatcher's, not the feeder's; the look-outs' connections
-apart (past the budget, the shared look-out opens one per database it polls, the same
-either way). A window of 60 seconds or
-more also holds every target's chores turn (``CHORES_EVERY``). Figures are per minute;
+(``psycopg.connect`` and ``psycopg.AsyncConnection.connect``): the dispatcher's, not
+the feeder's; the look-outs' connections apart, and all of them together. A window of
+60 seconds or more also holds every target's chores turn (``CHORES_EVERY``). Figures are per minute;
 the ratio is shared over each-turn-its-own, measured in the same invocation.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import threading
@@ -41,7 +42,7 @@ import psycopg
 from psycopg import sql
 
 import outbox
-from outbox import Dispatcher, Target
+from outbox import AsyncDispatcher, Dispatcher, Target
 from outbox.observe import DispatchObserver
 
 from ._db import fresh_database, migrated, server, settle
@@ -59,6 +60,11 @@ class Counts:
     scout_connections: int = 0  # the look-outs' (the shared one opens one per look)
     jobs: int = 0
     seconds: float = 0.0
+    looks: int = 0  # databases the polling look-out looked at
+
+    @property
+    def all_connections(self) -> int:
+        return self.connections + self.scout_connections
 
     def per_minute(self, value: int) -> float:
         return value * 60.0 / self.seconds if self.seconds else 0.0
@@ -76,6 +82,7 @@ class _Counter:
 def _counting() -> Iterator[type[_Counter]]:
     """Count the dispatcher's thread starts and connection opens while counting is on."""
     start, connect = threading.Thread.start, psycopg.connect
+    connect_async = psycopg.AsyncConnection.connect
 
     def counted_start(thread: threading.Thread) -> None:
         if _Counter.counting and thread.name.startswith("outbox"):
@@ -83,7 +90,7 @@ def _counting() -> Iterator[type[_Counter]]:
                 _Counter.threads += 1
         start(thread)
 
-    def counted_connect(*args: Any, **kwargs: Any) -> Any:
+    def count(kwargs: dict[str, Any]) -> None:
         name = str(kwargs.get("application_name", ""))
         if _Counter.counting and name.startswith("outbox"):
             with _Counter.lock:
@@ -91,15 +98,24 @@ def _counting() -> Iterator[type[_Counter]]:
                     _Counter.scout_connections += 1
                 else:
                     _Counter.connections += 1
+
+    def counted_connect(*args: Any, **kwargs: Any) -> Any:
+        count(kwargs)
         return connect(*args, **kwargs)
+
+    async def counted_connect_async(*args: Any, **kwargs: Any) -> Any:
+        count(kwargs)
+        return await connect_async(*args, **kwargs)
 
     threading.Thread.start = counted_start  # type: ignore[method-assign, assignment]
     psycopg.connect = counted_connect
+    psycopg.AsyncConnection.connect = counted_connect_async  # type: ignore[method-assign]
     try:
         yield _Counter
     finally:
         threading.Thread.start = start  # type: ignore[method-assign]
         psycopg.connect = connect
+        psycopg.AsyncConnection.connect = connect_async  # type: ignore[method-assign]
 
 
 class _FirstTurns(DispatchObserver):
@@ -120,14 +136,21 @@ class _FirstTurns(DispatchObserver):
 
 
 def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
-            seed: int, max_connections: int) -> Counts:
+            seed: int, max_connections: int, flavour: str = "sync",
+            share_looks: bool = True) -> Counts:
     """One run of the fleet over ``targets``: the counts of the measured window."""
     watch = _FirstTurns(len(targets))
-    dispatcher = Dispatcher(effects=[Noop()], targets=targets,
-                            max_connections=max_connections, observer=watch)
+    kind = AsyncDispatcher if flavour == "async" else Dispatcher
+    dispatcher = kind(effects=[Noop()], targets=targets, max_connections=max_connections,
+                      observer=watch)
     assert dispatcher._fleet is not None
     dispatcher._fleet.shared = shared
-    runner = threading.Thread(target=dispatcher.run, name="bench-fleet")
+    dispatcher._fleet.share_looks = share_looks
+    if isinstance(dispatcher, AsyncDispatcher):
+        runner = threading.Thread(target=asyncio.run, args=(dispatcher.run(),),
+                                  name="bench-fleet")
+    else:
+        runner = threading.Thread(target=dispatcher.run, name="bench-fleet")
     counts = Counts()
     draw = random.Random(seed)
     with _counting() as counter:
@@ -137,6 +160,7 @@ def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
                 raise RuntimeError(f"only {len(watch.up)} of {len(targets)} targets served "
                                    "within 600 s")
             counter.threads = counter.connections = counter.scout_connections = 0
+            looks = dispatcher._fleet.looks
             counter.counting = True
             began = time.monotonic()
             feeders: dict[str, psycopg.Connection[Any]] = {}
@@ -158,6 +182,7 @@ def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
             counts.threads, counts.connections, counts.jobs = (
                 counter.threads, counter.connections, n)
             counts.scout_connections = counter.scout_connections
+            counts.looks = dispatcher._fleet.looks - looks
         finally:
             counter.counting = False
             dispatcher.stop()
@@ -177,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=5.0, help="jobs committed a second")
     parser.add_argument("--max-connections", type=int, default=16)
     parser.add_argument("--seed", type=int, default=46)
+    parser.add_argument("--async", dest="flavour", action="store_const", const="async",
+                        default="sync", help="AsyncDispatcher's fleet (turns as tasks)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     width = max(3, len(str(args.schemas - 1)))
@@ -199,27 +226,50 @@ def main(argv: list[str] | None = None) -> int:
             settle(dsn)
             targets = [Target(dsn, name) for name in names]
         layout = "databases" if args.databases else "schemas of one database"
+        kind = "AsyncDispatcher" if args.flavour == "async" else "Dispatcher"
         print(f"{args.schemas} targets ({layout}) migrated in {time.monotonic() - began:.0f} s; "
-              f"window {args.seconds:g} s, {args.rate:g} jobs/s, "
+              f"{kind}, window {args.seconds:g} s, {args.rate:g} jobs/s, "
               f"max_connections={args.max_connections}", flush=True)
+        # Past the look-outs' budget (databases only, and only Dispatcher's run: its
+        # polling look-out shares the turns' pool), the turns' pool shared with the
+        # looks or apart from them.
+        runs = [("each turn its own", False, False), ("shared", True, True)]
+        if args.databases and args.flavour == "sync":
+            runs.insert(1, ("looks apart", True, False))
         results = {}
-        for label, shared in (("each turn its own", False), ("shared", True)):
+        for label, shared, share_looks in runs:
             results[label] = measure(targets, shared=shared, seconds=args.seconds,
                                      rate=args.rate, seed=args.seed,
-                                     max_connections=args.max_connections)
+                                     max_connections=args.max_connections,
+                                     flavour=args.flavour, share_looks=share_looks)
             print(f"  {label}: {results[label].jobs} jobs fed, {_done(targets)} done so far",
                   flush=True)
-    before, after = results["each turn its own"], results["shared"]
-    print()
-    print(f"{'per minute':<22}{'each turn its own':>20}{'shared':>12}{'ratio':>10}")
-    rows = (("threads", "threads started"), ("connections", "connections opened"),
-            ("scout_connections", "look-out connections"))
-    for what, label in rows:
-        b = before.per_minute(getattr(before, what))
-        a = after.per_minute(getattr(after, what))
-        ratio = f"{a / b:.3f}" if b else "-"
-        print(f"{label:<22}{b:>20.0f}{a:>12.0f}{ratio:>10}")
+    _table(results)
     return 0
+
+
+def _table(results: dict[str, Counts]) -> None:
+    """Per minute, each run's counts, then each later run's ratio to the one before."""
+    labels = list(results)
+    print()
+    print(f"{'per minute':<22}" + "".join(f"{label:>20}" for label in labels)
+          + "".join(f"{f'ratio {n + 1}/{n}':>10}" for n in range(1, len(labels))))
+    rows = (("threads", "threads started"), ("connections", "connections opened"),
+            ("scout_connections", "look-out connections"), ("all_connections", "all connections"),
+            ("looks", "polled looks"))
+    for what, label in rows:
+        values = [results[name].per_minute(getattr(results[name], what)) for name in labels]
+        ratios = "".join(f"{f'{v / b:.3f}' if b else '-':>10}"
+                         for b, v in itertools.pairwise(values))
+        print(f"{label:<22}" + "".join(f"{v:>20.0f}" for v in values) + ratios)
+    # The polled looks' number follows how fast a round of them goes (the machine, its
+    # load): connections per look compares runs whatever their pace.
+    per_look = [results[n].all_connections / results[n].looks if results[n].looks else 0.0
+                for n in labels]
+    if any(per_look):
+        print(f"{'connections per look':<22}" + "".join(f"{v:>20.2f}" for v in per_look)
+              + "".join(f"{f'{v / b:.3f}' if b else '-':>10}"
+                        for b, v in itertools.pairwise(per_look)))
 
 
 def _done(targets: list[Target]) -> int:

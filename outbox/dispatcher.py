@@ -324,7 +324,8 @@ class _Options:
         self._setup()
 
     def _refuse_while_running(self, what: str) -> None:
-        if self._running or getattr(self, "_task", None) is not None:
+        if (self._running or getattr(self, "_task", None) is not None
+                or (self._fleet is not None and self._fleet.running)):
             raise ConfigurationError(f"{what} before the dispatcher runs, not during")
 
     def _failed(self, failure: BaseException) -> DispatcherFailed:

@@ -35,6 +35,7 @@ from .awake import Awake
 from .budget import ClaimStep, LimitedClaims
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .counting import Waits
+from .crew import turn_share
 from .presence import Presence
 from .rescuer import RescueHooks, Rescuer, run_rescue_hooks, run_rescue_hooks_async
 from .runtime import Blocking, Call, Cut, Flavoured, Program, Run, Wait, drive, drive_async
@@ -481,10 +482,16 @@ async def wait_for_schema_async(
     settings: Settings, state: AsyncState, deadline: float | None,
 ) -> None:
     """``schema_wait`` for ``AsyncDispatcher``: the same blocking check, once per run,
-    on a thread and a connection of its own."""
+    on a thread and a connection of its own (in a fleet, at a target's first turn only:
+    ``crew.turn_share``)."""
+    share = turn_share.get()
+    if share is not None and share.schema_seen:
+        return
     await drive_async(schema_wait(AsyncConnection(settings, "claimer"),
                                   partial(_check_schema, settings), settings, state,
                                   deadline))
+    if share is not None and not state.stopping.is_set():
+        share.schema_seen = True
 
 
 def _check_schema(settings: Settings) -> None:

@@ -14,6 +14,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -21,6 +22,7 @@ import psycopg
 from .._pg import configuration_error, detect_pooler
 from .._steps import Rows, Statement, execute, execute_async
 from ..errors import ConfigurationError
+from .crew import AsyncPool, turn_share
 from .network import network_options
 from .settings import Settings
 from .standby import check_writable, from_statement
@@ -262,10 +264,21 @@ class AsyncConnection(Reconnects):
         self._settings = settings
         self.role = role
         self._conn: psycopg.AsyncConnection[Any] | None = None
+        # Inside a fleet's turn: the pool it came from, which takes it back (``crew``).
+        self._pool: AsyncPool | None = None
 
     async def get(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None or self._conn.closed:
-            self._conn = await connect_async(self._settings, self.role)
+            if self._conn is not None:  # closed under it (a stop's cut): not kept
+                await self.discard()
+            share = turn_share.get()
+            if share is None:
+                self._conn = await connect_async(self._settings, self.role)
+            else:
+                self._pool = share.pool
+                self._conn = await share.pool.take(
+                    (self._settings.conninfo, self.role),
+                    partial(connect_async, self._settings, self.role))
         return self._conn
 
     @property
@@ -284,6 +297,9 @@ class AsyncConnection(Reconnects):
             raise
         except psycopg.errors.ReadOnlySqlTransaction as exc:
             read_only = from_statement(self._conn, exc, self.role)
+            if self._conn is not None:  # never kept: the next one is probed
+                with contextlib.suppress(Exception):
+                    await self._conn.close()
             await self.discard()
             raise read_only from exc
         finally:
@@ -292,7 +308,9 @@ class AsyncConnection(Reconnects):
         return rows
 
     async def discard(self) -> None:
-        if self._conn is not None:
+        if self._conn is not None and self._pool is not None:
+            await self._pool.give(self._conn)
+        elif self._conn is not None:
             with contextlib.suppress(Exception):
                 await self._conn.close()
         self._conn = None

@@ -11,10 +11,16 @@ take them from here:
     Pool   the connections of finished turns, kept per (connection string, role) and
            handed to the next turn of any target of that database (every statement names
            its schema, and a connection's session settings are the same for every
-           target); never more held, in use or idle, than ``capacity``
+           target); never more held, in use, idle or being opened, than ``capacity``;
+           the least recently used idle one goes first. ``AsyncPool``: the same for
+           the asyncio connections of ``AsyncDispatcher``'s turns, over one bookkeeping
 
-Without a fleet, ``start_thread`` and the plain connection open and close are used: a
-dispatcher run alone is unchanged.
+``Dispatcher``'s engines are handed the crew's ``start`` and the pool's ``take`` and
+``give``; an ``AsyncDispatcher``'s turn finds them in ``turn_share`` (a context variable
+its task and every task it starts see), read where its connections open
+(``AsyncConnection``), where its sync effects' threads start (``DaemonPool``) and where
+its schema is checked. Without a fleet, ``start_thread`` and the plain connection open
+and close are used: a dispatcher run alone is unchanged.
 """
 
 from __future__ import annotations
@@ -25,16 +31,20 @@ import logging
 import select
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
 from queue import SimpleQueue
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
-__all__ = ["Crew", "Pool", "Started", "start_thread"]
+__all__ = ["AsyncPool", "Crew", "Pool", "Share", "Started", "start_thread", "turn_share"]
 
 log = logging.getLogger("outbox.dispatcher")
+
+C = TypeVar("C", psycopg.Connection[Any], psycopg.AsyncConnection[Any])
 
 
 class Started(Protocol):
@@ -134,7 +144,99 @@ class Crew:
 Key = tuple[str, str]  # (connection string, role)
 
 
-class Pool:
+class _Kept(Generic[C]):
+    """The pools' bookkeeping, no I/O: which connections are idle (oldest first) and in
+    use, by key, and which to close to stay within ``capacity``. Call under ``lock``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.lock = threading.Lock()
+        self.idle: OrderedDict[int, tuple[Key, C]] = OrderedDict()
+        self.in_use: dict[int, Key] = {}
+        self.opening = 0  # places taken by connections being opened (outside the lock)
+        self.closed = False
+        self.opened = 0
+
+    def held(self) -> int:
+        return len(self.idle) + len(self.in_use) + self.opening
+
+    def reuse(self, key: Key) -> tuple[C | None, list[C]]:
+        """A kept connection of ``key`` to hand out (None: open one), and the ones to
+        close: dead ones met on the way and, when a new one must be opened in a full
+        pool, the least recently used idle ones of any key."""
+        evicted: list[C] = []
+        for ident, (kept_key, conn) in list(self.idle.items()):
+            if kept_key != key:
+                continue
+            del self.idle[ident]
+            if _reusable(conn):
+                self.in_use[ident] = key
+                return conn, evicted
+            evicted.append(conn)
+        while self.idle and self.held() >= self.capacity:
+            evicted.append(self.idle.popitem(last=False)[1][1])
+        self.opening += 1  # its place is taken now: two takers never both fill the last
+        return None, evicted
+
+    def opened_for(self, key: Key, conn: C | None) -> None:
+        """The connection ``reuse`` left to open is open (None: opening it failed)."""
+        self.opening -= 1
+        if conn is not None:
+            self.opened += 1
+            self.in_use[id(conn)] = key
+
+    def back(self, conn: C, *, recent: bool = True) -> tuple[bool, list[C]]:
+        """``conn`` is given back: whether it is kept, and the idle ones to close (the
+        capacity may have shrunk: the oldest idle ones go). ``recent=False``: kept as
+        the least recently used, the first to go."""
+        key = self.in_use.pop(id(conn), None)
+        keep = key is not None and not self.closed and _reusable(conn)
+        if keep:
+            assert key is not None
+            self.idle[id(conn)] = (key, conn)
+            if not recent:
+                self.idle.move_to_end(id(conn), last=False)
+        evicted = []
+        while self.idle and self.held() > self.capacity:
+            evicted.append(self.idle.popitem(last=False)[1][1])
+        return keep, evicted
+
+    def close(self) -> list[C]:
+        """Closed from now on: the idle ones to close (the ones in use as they come back)."""
+        self.closed = True
+        idle = [conn for _, conn in self.idle.values()]
+        self.idle.clear()
+        return idle
+
+
+class _Pooled(Generic[C]):
+    """What both pools share: the bookkeeping and the counts."""
+
+    def __init__(self, capacity: int) -> None:
+        self._kept: _Kept[C] = _Kept(capacity)
+
+    @property
+    def capacity(self) -> int:
+        """At most this many connections held at once, in use and idle."""
+        return self._kept.capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        with self._kept.lock:
+            self._kept.capacity = max(1, value)
+
+    @property
+    def opened(self) -> int:
+        """Connections the pool ever opened."""
+        return self._kept.opened
+
+    def held(self) -> int:
+        """Connections held now, in use and idle."""
+        with self._kept.lock:
+            return self._kept.held()
+
+
+class Pool(_Pooled[psycopg.Connection[Any]]):
     """Connections kept between turns, per (connection string, role), at most
     ``capacity`` of them held at once, in use or idle.
 
@@ -142,77 +244,99 @@ class Pool:
     transaction) or opens one with ``open_``, first closing the least recently used
     idle one of another key when the pool is full. ``give`` takes one back: a
     connection closed, broken or inside a transaction is closed, never kept.
-    ``opened`` counts the connections it ever opened."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
-        self._lock = threading.Lock()
-        self._idle: OrderedDict[int, tuple[Key, psycopg.Connection[Any]]] = OrderedDict()
-        self._in_use: dict[int, Key] = {}
-        self._closed = False
-        self.opened = 0
+    ``opened`` counts the connections it ever opened. ``AsyncPool`` is its asyncio
+    twin, over the same bookkeeping."""
 
     def take(self, key: Key, open_: Callable[[], psycopg.Connection[Any]],
              ) -> psycopg.Connection[Any]:
         """A connection for ``key``: a kept one, else a new one from ``open_``."""
-        evicted: list[psycopg.Connection[Any]] = []
-        found: psycopg.Connection[Any] | None = None
-        with self._lock:
-            for ident, (kept_key, conn) in list(self._idle.items()):
-                if kept_key != key:
-                    continue
-                del self._idle[ident]
-                if _reusable(conn):
-                    found = conn
-                    self._in_use[ident] = key
-                    break
-                evicted.append(conn)
-            if found is None:
-                while self._idle and len(self._idle) + len(self._in_use) >= self.capacity:
-                    evicted.append(self._idle.popitem(last=False)[1][1])
-        for conn in evicted:
-            _close(conn)
-        if found is not None:
-            return found
-        conn = open_()
-        with self._lock:
-            self.opened += 1
-            self._in_use[id(conn)] = key
-        return conn
-
-    def give(self, conn: psycopg.Connection[Any]) -> None:
-        """Take ``conn`` back after a turn (or close it when it cannot be kept)."""
-        evicted = []
-        with self._lock:
-            key = self._in_use.pop(id(conn), None)
-            keep = key is not None and not self._closed and _reusable(conn)
-            if keep:
-                assert key is not None
-                self._idle[id(conn)] = (key, conn)
-            # The capacity may have shrunk (more look-outs): the oldest idle ones go.
-            while self._idle and len(self._idle) + len(self._in_use) > self.capacity:
-                evicted.append(self._idle.popitem(last=False)[1][1])
-        if not keep:
-            _close(conn)
+        with self._kept.lock:
+            found, evicted = self._kept.reuse(key)
         for old in evicted:
             _close(old)
+        if found is not None:
+            return found
+        conn = None
+        try:
+            conn = open_()
+        finally:
+            with self._kept.lock:
+                self._kept.opened_for(key, conn)
+        return conn
 
-    def held(self) -> int:
-        """Connections held now, in use and idle."""
-        with self._lock:
-            return len(self._idle) + len(self._in_use)
+    def give(self, conn: psycopg.Connection[Any], *, recent: bool = True) -> None:
+        """Take ``conn`` back after a turn (or close it when it cannot be kept).
+        ``recent=False`` (a look that found no work): kept as the least recently used,
+        so the connections of the databases with recent work are the ones kept."""
+        with self._kept.lock:
+            keep, evicted = self._kept.back(conn, recent=recent)
+        for old in evicted if keep else [conn, *evicted]:
+            _close(old)
 
     def close(self) -> None:
         """Close every idle connection; the ones in use are closed as they come back."""
-        with self._lock:
-            self._closed = True
-            idle = [conn for _, conn in self._idle.values()]
-            self._idle.clear()
+        with self._kept.lock:
+            idle = self._kept.close()
         for conn in idle:
             _close(conn)
 
 
-def _reusable(conn: psycopg.Connection[Any]) -> bool:
+class AsyncPool(_Pooled[psycopg.AsyncConnection[Any]]):
+    """``Pool`` for the asyncio connections of one event loop (``AsyncDispatcher``'s
+    turns): the same keys, capacity and checks; ``take``, ``give`` and ``close``
+    awaited."""
+
+    async def take(self, key: Key,
+                   open_: Callable[[], Awaitable[psycopg.AsyncConnection[Any]]],
+                   ) -> psycopg.AsyncConnection[Any]:
+        """A connection for ``key``: a kept one, else a new one from ``open_``."""
+        with self._kept.lock:
+            found, evicted = self._kept.reuse(key)
+        for old in evicted:
+            await _close_async(old)
+        if found is not None:
+            return found
+        conn = None
+        try:
+            conn = await open_()
+        finally:
+            with self._kept.lock:
+                self._kept.opened_for(key, conn)
+        return conn
+
+    async def give(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Take ``conn`` back after a turn (or close it when it cannot be kept)."""
+        with self._kept.lock:
+            keep, evicted = self._kept.back(conn)
+        for old in evicted if keep else [conn, *evicted]:
+            await _close_async(old)
+
+    async def close(self) -> None:
+        """Close every idle connection; the ones in use are closed as they come back."""
+        with self._kept.lock:
+            idle = self._kept.close()
+        for conn in idle:
+            await _close_async(conn)
+
+
+@dataclass
+class Share:
+    """What an ``AsyncDispatcher``'s turn in a fleet takes from it (``turn_share``, set
+    for the turn's task and so seen by every task it starts): its connections from the
+    pool, its threads for sync effects from the crew, and whether its target's schema
+    was already checked (at its first turn, and again after a failed one)."""
+
+    pool: AsyncPool
+    start: Callable[[Callable[[], object], str], Started]
+    schema_seen: bool = False
+
+
+# Set only inside a fleet's turn (``Fleet``): elsewhere None, and a dispatcher opens,
+# starts and checks its own.
+turn_share: ContextVar[Share | None] = ContextVar("outbox_turn_share", default=None)
+
+
+def _reusable(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
     """Open, outside any transaction, and with nothing to read: an idle connection the
     server ended (restarted, terminated, timed out) has its farewell waiting, so it is
     dropped here rather than failing the next turn's first statement."""
@@ -228,3 +352,8 @@ def _reusable(conn: psycopg.Connection[Any]) -> bool:
 def _close(conn: psycopg.Connection[Any]) -> None:
     with contextlib.suppress(Exception):
         conn.close()
+
+
+async def _close_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    with contextlib.suppress(Exception):
+        await conn.close()

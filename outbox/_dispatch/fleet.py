@@ -13,28 +13,36 @@ limits (counted in each target's database), flows, reconciliation, retention.
     scouts    one thread per database, up to the budget: a connection that LISTENs on
               the channel of every target schema in it (an enqueue makes that target due
               at once) and, every poll interval, asks each idle target whether it has
-              work (one small query). Databases past the budget share one scout that
-              opens a connection per look, and are polled only
+              work (one small query). Databases past the budget share one scout, and are
+              polled only: under ``Dispatcher`` its looks take their connection from the
+              turns' pool (a kept one when the database had recent work) and give it
+              back for the turn they wake, or as the first to go; a polled target's
+              chores turn starts from its look, which holds a connection to it
     turns     at most ``slots`` engines run at once (each holds ENGINE_CONNECTIONS, or
               one more when an effect reconciles); a due target waits for a free slot,
               the least recently served first, and a turn lasts at most TURN seconds: a
               target's backlog delays another target by about one turn. Every target
               gets a turn at least every CHORES_EVERY seconds, due or not, for its
               rescue of expired leases and its retention
-    sharing   (``Dispatcher``) a turn's parts run on the fleet's long-lived threads and
-              its connections come from the fleet's pool and go back to it (``crew``):
-              a turn of a target whose database another turn used starts no thread and
-              opens no connection. The pool holds at most the turns' share of the
-              budget, idle connections included. Each target's schema is checked at its
-              first turn only
+    sharing   a turn's parts run on the fleet's long-lived threads and its connections
+              come from the fleet's pool and go back to it (``crew``): a turn of a
+              target whose database another turn used starts no thread and opens no
+              connection. The pool holds at most the budget less the listening scouts',
+              idle connections included, the least recently used let go first. Each
+              target's schema is checked at its first turn only. ``Dispatcher``'s
+              engines are handed the crew and the pool (``_share``); an
+              ``AsyncDispatcher``'s turn, a task, sees them in ``crew.turn_share`` (an
+              ``AsyncPool`` of its loop, the crew for its sync effects' threads)
     isolation a turn or a look that fails marks its target down: one log line, the
               observer's target_state (metric outbox_target_up{target}), then retried
               with backoff (RETRY_FIRST seconds doubling to RETRY_MAX); the other
               targets go on. No target's failure stops the fleet.
 
-The scheduling decisions are in ``Schedule`` (no I/O, under one lock); ``Fleet`` runs
-the turns on threads. ``AsyncDispatcher`` runs its engines' turns as tasks of its loop
-(``Fleet.run_async``), with the same schedule and scouts.
+The scheduling decisions are in ``Schedule`` (no I/O, under one lock); what a run does
+is ``Fleet._steps`` (read the targets, start the chosen turns, wait), carried out on
+threads by ``Fleet.run`` (``Dispatcher``) and as tasks of one loop by
+``Fleet.run_async`` (``AsyncDispatcher``), with the same schedule, scouts and turn
+(``Fleet._turn``). A run is started once: checked and set under one lock.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
@@ -58,8 +66,9 @@ from .._pg import configuration_error, is_pooled, unreachable
 from .._sql import queries
 from ..errors import ConfigurationError, DispatcherFailed, SchemaError
 from ..targets import Target
+from .connection import connect
 from .counting import DispatchStats
-from .crew import Crew, Pool, Started, start_thread
+from .crew import AsyncPool, Crew, Pool, Share, Started, start_thread, turn_share
 from .network import network_options
 from .settings import Settings
 
@@ -104,6 +113,9 @@ class TargetState:
     retry_at: float = 0.0
     last_turn: float = 0.0  # monotonic end of its last turn (0: never)
     error: str = ""
+    # Its database is past the budget's look-outs: the shared scout's look, which holds
+    # a connection to it, also starts its chores turn (``Scout.check``).
+    polled: bool = False
 
 
 @dataclass
@@ -117,6 +129,7 @@ class Schedule:
     states: dict[Target, TargetState] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     scout_connections: int = 0  # reserved for the scouts
+    listening: int = 0  # of which the persistent (listening) ones
 
     @property
     def slots(self) -> int:
@@ -135,7 +148,8 @@ class Schedule:
             return []
         waiting = [s for s in self.states.values()
                    if not s.active and not s.removed and s.retry_at <= now
-                   and (s.due or (not until_idle and now - s.last_turn >= CHORES_EVERY))]
+                   and (s.due or (not until_idle and not s.polled
+                                  and now - s.last_turn >= CHORES_EVERY))]
         waiting.sort(key=lambda s: s.last_turn)
         chosen = waiting[:free]
         for state in chosen:
@@ -212,6 +226,37 @@ def add_stats(total: DispatchStats, turn: DispatchStats) -> None:
             setattr(total, f.name, getattr(total, f.name) + getattr(turn, f.name))
 
 
+@dataclass
+class Turn:
+    """What a turn returned: its counters (None until it returns)."""
+
+    stats: DispatchStats | None = None
+
+
+@dataclass(frozen=True)
+class Refresh:
+    """A run's step: read the targets again (``scouting``: and place the scouts)."""
+
+    scouting: bool
+
+
+@dataclass(frozen=True)
+class Turns:
+    """A run's step: start a turn of each of ``states``."""
+
+    states: list[TargetState]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A run's step: wait for a wake-up, at most ``seconds``."""
+
+    seconds: float
+
+
+Step = Refresh | Turns | Wait
+
+
 class Scout:
     """The look-out of some databases: a due check of each idle target every poll
     interval. ``persistent`` (one database): keeps its connection and LISTENs on its
@@ -276,14 +321,12 @@ class Scout:
                 if self.stopping.is_set():
                     return
                 try:
-                    self.check(self.connect(found[0].target.dsn), found)
-                except psycopg.Error as exc:  # this database only: the others go on
+                    self.look_at(found)
+                except (psycopg.Error, ConfigurationError) as exc:  # this database only
                     with self.fleet.schedule.lock:
                         for state in found:
                             if not state.active:
                                 self.fleet.schedule.mark(state, up=False, error=exc)
-                finally:
-                    self.close()
             return
         conn = self.connect(states[0].target.dsn)
         if not is_pooled(conn):
@@ -296,6 +339,31 @@ class Scout:
         else:
             self.stopping.wait(self.fleet.poll_interval)
         self.check(conn, self.targets())
+
+    def look_at(self, found: list[TargetState]) -> None:
+        """One database past the budget, polled: its targets asked on a claimer
+        connection of the fleet's pool (``Dispatcher``'s shared run), a kept one when
+        there is one. Given back as recently used when a target is due (its turn takes
+        it next), else as the first to go: the pool keeps the connections of the
+        databases with recent work. Without a pool, one opened for the look."""
+        now = time.monotonic()
+        if all(s.active or s.due or s.retry_at > now for s in found):
+            return  # nothing to ask: no connection taken
+        self.fleet.looks += 1  # one thread: the polling look-out's
+        pool = self.fleet.pool if self.fleet.share_looks else None
+        if pool is None:
+            try:
+                self.check(self.connect(found[0].target.dsn), found)
+            finally:
+                self.close()
+            return
+        settings = found[0].engine.settings
+        conn = pool.take((settings.conninfo, "claimer"), partial(connect, settings, "claimer"))
+        woke = False
+        try:
+            woke = self.check(conn, found)
+        finally:
+            pool.give(conn, recent=woke)
 
     def connect(self, dsn: str) -> psycopg.Connection[Any]:
         if self.conn is None or self.conn.closed:
@@ -314,11 +382,18 @@ class Scout:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
                 self.listening.add(channel)
 
-    def check(self, conn: psycopg.Connection[Any], states: list[TargetState]) -> None:
-        """Ask each idle target that is not known due whether it has work."""
+    def check(self, conn: psycopg.Connection[Any], states: list[TargetState]) -> bool:
+        """Ask each idle target that is not known due whether it has work (a polled one
+        owed its chores is due without asking); whether one was woken."""
         effects = self.fleet.effect_names
+        woke = False
         for state in states:
-            if state.active or state.due or state.retry_at > time.monotonic():
+            now = time.monotonic()
+            if state.active or state.due or state.retry_at > now:
+                continue
+            if state.polled and now - state.last_turn >= CHORES_EVERY:
+                self.fleet.wake_targets([state])
+                woke = True
                 continue
             try:
                 cursor = conn.cursor(row_factory=dict_row)
@@ -333,6 +408,8 @@ class Scout:
                 continue
             if row is not None and row["due"]:
                 self.fleet.wake_targets([state])
+                woke = True
+        return woke
 
     def close(self) -> None:
         if self.conn is not None:
@@ -361,18 +438,41 @@ class Fleet:
         self.stats = DispatchStats()
         self._stats_lock = threading.Lock()
         self._targets_read_at = 0.0
-        self._running = False
+        self._running = False  # under _control: a run is started once
+        self._control = threading.Lock()
         # The threads and connections turns share (``crew``) during a run of
         # ``Dispatcher``'s; ``shared = False`` makes each turn's own (the cost it
         # replaces, for the benchmark that measures the difference).
         self.shared = True
+        # ``share_looks = False``: the polling look-out opens a connection of its own
+        # per look, apart from the turns' pool (the cost it replaces, for the benchmark).
+        self.share_looks = True
+        self.looks = 0  # databases looked at by the polling look-out (for the benchmark)
         self.crew: Crew | None = None
         self.pool: Pool | None = None
+        self.async_pool: AsyncPool | None = None  # AsyncDispatcher's turns' connections
 
-    def _start(self) -> None:
-        if self._running:
-            raise ConfigurationError("this dispatcher is already running")
-        self._running = True
+    @property
+    def running(self) -> bool:
+        """Whether a run is under way."""
+        with self._control:
+            return self._running
+
+    @contextlib.contextmanager
+    def _running_once(self) -> Iterator[None]:
+        """A run, refused while another is under way: checked and set under one lock,
+        so of two run() calls racing, one runs and the other raises."""
+        with self._control:
+            if self._running:
+                raise ConfigurationError("this dispatcher is already running")
+            self._running = True
+        self.stats = DispatchStats()
+        try:
+            yield
+        finally:
+            with self._control:
+                self.stopping.clear()
+                self._running = False
 
     # -- called from any thread ----------------------------------------------------------
 
@@ -428,6 +528,8 @@ class Fleet:
             log.info("target %s added", target.name)
         if scouting:
             self._place_scouts()
+        if self.pool is not None:  # the polling look-out may take from it before a turn
+            self.pool.capacity = self._turns_share()
 
     def _place_scouts(self) -> None:
         """A scout per database with targets: persistent ones while the budget leaves a
@@ -444,6 +546,9 @@ class Fleet:
         shared = len(databases) > len(persistent)
         with self.schedule.lock:
             self.schedule.scout_connections = len(persistent) + (1 if shared else 0)
+            self.schedule.listening = len(persistent)
+            for state in self.schedule.states.values():
+                state.polled = shared and state.target.dsn not in persistent
         wanted = {frozenset([d]): (True, labels[d]) for d in persistent}
         if shared:
             rest = frozenset(d for d in databases if d not in persistent)
@@ -504,18 +609,55 @@ class Fleet:
         if self.crew is None or self.pool is None:
             return start_thread(partial(self._run_turn, state), name)
         self._share(state.engine)
-        # The turns' share of the budget (the scouts' may change as targets come).
-        self.pool.capacity = self.schedule.slots * self.schedule.engine_connections
+        self.pool.capacity = self._turns_share()
         return self.crew.start(partial(self._run_turn, state), name)
 
-    def _run_turn(self, state: TargetState) -> None:
+    def _turns_share(self) -> int:
+        """The pool's share of the budget: all but the listening look-outs' (which
+        may change as targets come). The turns hold at most their slots' connections
+        and the polling look-out one more, for a look."""
+        with self.schedule.lock:
+            return self.schedule.max_connections - self.schedule.listening
+
+    @contextlib.contextmanager
+    def _turn(self, state: TargetState) -> Iterator[Turn]:
+        """One turn of ``state``'s engine, however it is run: what it returns (or the
+        failure it raises, which stops only this target's turn) goes to the schedule."""
         started = time.monotonic()
+        turn = Turn()
         try:
-            turn = state.engine.run_until_idle(timeout=TURN)
+            yield turn
         except Exception as exc:  # isolation: a target's failure stops only its turn
             self._turn_ended(state, None, exc, started)
             return
-        self._turn_ended(state, turn, None, started)
+        self._turn_ended(state, turn.stats, None, started)
+
+    def _run_turn(self, state: TargetState) -> None:
+        with self._turn(state) as turn:
+            turn.stats = state.engine.run_until_idle(timeout=TURN)
+
+    async def _run_turn_async(self, state: TargetState) -> None:
+        with self._turn(state) as turn, self._sharing_async(state):
+            turn.stats = await state.engine.run_until_idle(timeout=TURN)
+
+    @contextlib.contextmanager
+    def _sharing_async(self, state: TargetState) -> Iterator[None]:
+        """Have this turn (an ``AsyncDispatcher``'s, run as this task) take its
+        connections from the fleet's async pool and its threads from the crew, and
+        check its target's schema at its first turn only (``crew.turn_share``)."""
+        if self.crew is None or self.async_pool is None:
+            yield
+            return
+        with self.schedule.lock:  # the turns' share: its look-outs keep connections apart
+            self.async_pool.capacity = self.schedule.slots * self.schedule.engine_connections
+        share = Share(self.async_pool, self.crew.start,
+                      schema_seen=getattr(state.engine, "_schema_seen", False))
+        token = turn_share.set(share)
+        try:
+            yield
+        finally:
+            turn_share.reset(token)
+            state.engine._schema_seen = share.schema_seen  # a failed turn clears it
 
     def _idle(self) -> bool:
         """Under run_until_idle: every target served until idle (or failed once)."""
@@ -523,43 +665,96 @@ class Fleet:
             return all(not s.active and (not s.due or s.failures > 0)
                        for s in self.schedule.states.values())
 
+    # -- a run: one policy (``_steps``), two drivers ---------------------------------------
+
+    def _steps(self, *, until_idle: bool, deadline: float | None) -> Iterator[Step]:
+        """What a run does, in order, whatever runs the turns: read the targets, start
+        the turns the schedule chooses, wait for a wake-up or the clock; until stopped
+        (or, ``until_idle``, until each target is idle or ``deadline`` passes)."""
+        yield Refresh(scouting=not until_idle)
+        self.schedule.fresh_run()
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return
+            if not until_idle and now - self._targets_read_at >= self.targets_interval:
+                yield Refresh(scouting=True)
+            with self.schedule.lock:
+                chosen = self.schedule.next_turns(now, until_idle=until_idle)
+            if chosen:
+                yield Turns(chosen)
+            if until_idle and not chosen and self._idle():
+                return
+            yield Wait(self._sleep(now, deadline))
+
     def run(self, *, until_idle: bool, timeout: float | None) -> DispatchStats:
         """Serve the targets on threads until stopped (or, ``until_idle``, until each
         is idle or ``timeout`` passes)."""
-        self._start()
-        self.stats = DispatchStats()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        threads: list[Started] = []
-        if self.shared:
-            self.crew, self.pool = Crew("outbox-fleet"), Pool(1)
-        try:
-            self.refresh(scouting=not until_idle)
-            self.schedule.fresh_run()
-            while not self.stopping.is_set():
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    break
-                if not until_idle and now - self._targets_read_at >= self.targets_interval:
-                    self.refresh(scouting=True)
-                with self.schedule.lock:
-                    chosen = self.schedule.next_turns(now, until_idle=until_idle)
-                threads.extend(self._start_turn(state) for state in chosen)
-                threads = [t for t in threads if t.is_alive()]
-                if until_idle and not chosen and self._idle():
-                    break
-                self.wake.wait(self._sleep(now, deadline))
-                self.wake.clear()
-        finally:
-            self.stop()
-            for thread in threads:
-                thread.join()
-            self._stop_scouts()
-            if self.crew is not None and self.pool is not None:
-                self.crew.close()
-                self.pool.close()
-            self.crew = self.pool = None
-            self.stopping.clear()
-            self._running = False
+        with self._running_once():
+            deadline = None if timeout is None else time.monotonic() + timeout
+            threads: list[Started] = []
+            if self.shared:
+                self.crew, self.pool = Crew("outbox-fleet"), Pool(1)
+            try:
+                for step in self._steps(until_idle=until_idle, deadline=deadline):
+                    if isinstance(step, Refresh):
+                        self.refresh(scouting=step.scouting)
+                    elif isinstance(step, Turns):
+                        threads.extend(self._start_turn(state) for state in step.states)
+                        threads = [t for t in threads if t.is_alive()]
+                    else:
+                        self.wake.wait(step.seconds)
+                        self.wake.clear()
+            finally:
+                self.stop()
+                for thread in threads:
+                    thread.join()
+                self._stop_scouts()
+                if self.crew is not None and self.pool is not None:
+                    self.crew.close()
+                    self.pool.close()
+                self.crew = self.pool = None
+        return self.stats
+
+    async def run_async(self, *, until_idle: bool,
+                        timeout: float | None) -> DispatchStats:  # noqa: ASYNC109
+        """``run`` for ``AsyncDispatcher``: the engines' turns are tasks of this loop,
+        sharing the fleet's async pool and crew; the scouts are threads (blocking, one
+        small query a look)."""
+        with self._running_once():
+            deadline = None if timeout is None else time.monotonic() + timeout
+            tasks: set[asyncio.Task[None]] = set()
+            loop = asyncio.get_running_loop()
+            wake = asyncio.Event()
+            watcher = threading.Thread(target=self._forward_wake, args=(loop, wake),
+                                       name="outbox-fleet-wake", daemon=True)
+            watcher.start()
+            if self.shared:
+                self.crew, self.async_pool = Crew("outbox-fleet"), AsyncPool(1)
+            try:
+                for step in self._steps(until_idle=until_idle, deadline=deadline):
+                    if isinstance(step, Refresh):
+                        await asyncio.to_thread(self.refresh, scouting=step.scouting)
+                    elif isinstance(step, Turns):
+                        for state in step.states:
+                            task = asyncio.create_task(self._run_turn_async(state))
+                            tasks.add(task)
+                            task.add_done_callback(tasks.discard)
+                    else:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(wake.wait(), step.seconds)
+                        wake.clear()
+            finally:
+                self.stop()
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                self.stopping.set()  # ends the wake watcher
+                await asyncio.to_thread(self._stop_scouts)
+                watcher.join(1.0)
+                if self.crew is not None and self.async_pool is not None:
+                    self.crew.close()
+                    await self.async_pool.close()
+                self.crew, self.async_pool = None, None
         return self.stats
 
     def _sleep(self, now: float, deadline: float | None) -> float:
@@ -574,50 +769,6 @@ class Fleet:
             wait = min(wait, deadline - now)
         return max(0.001, wait)
 
-    async def run_async(self, *, until_idle: bool,
-                        timeout: float | None) -> DispatchStats:  # noqa: ASYNC109
-        """``run`` for ``AsyncDispatcher``: the engines' turns are tasks of this loop;
-        the scouts are threads (blocking, one small query a look)."""
-        self._start()
-        self.stats = DispatchStats()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        tasks: set[asyncio.Task[None]] = set()
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        watcher = threading.Thread(target=self._forward_wake, args=(loop, wake),
-                                   name="outbox-fleet-wake", daemon=True)
-        watcher.start()
-        try:
-            await asyncio.to_thread(self.refresh, scouting=not until_idle)
-            self.schedule.fresh_run()
-            while not self.stopping.is_set():
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    break
-                if not until_idle and now - self._targets_read_at >= self.targets_interval:
-                    await asyncio.to_thread(self.refresh, scouting=True)
-                with self.schedule.lock:
-                    chosen = self.schedule.next_turns(now, until_idle=until_idle)
-                for state in chosen:
-                    task = asyncio.create_task(self._turn_async(state))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                if until_idle and not chosen and self._idle():
-                    break
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), self._sleep(now, deadline))
-                wake.clear()
-        finally:
-            self.stop()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-            self.stopping.set()  # ends the wake watcher
-            await asyncio.to_thread(self._stop_scouts)
-            watcher.join(1.0)
-            self.stopping.clear()
-            self._running = False
-        return self.stats
-
     def _forward_wake(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
         """Carry the scouts' wake-ups (a threading.Event) to the loop's event."""
         while not self.stopping.is_set():
@@ -627,12 +778,3 @@ class Fleet:
                     loop.call_soon_threadsafe(wake.set)
                 except RuntimeError:  # the loop closed
                     return
-
-    async def _turn_async(self, state: TargetState) -> None:
-        started = time.monotonic()
-        try:
-            turn = await state.engine.run_until_idle(timeout=TURN)
-        except Exception as exc:  # isolation: a target's failure stops only its turn
-            self._turn_ended(state, None, exc, started)
-            return
-        self._turn_ended(state, turn, None, started)

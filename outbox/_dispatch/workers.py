@@ -30,7 +30,7 @@ from .._cancelling import signal_of
 from .._enqueue import jsonb_problem
 from ..effect import Job
 from ..errors import Permanent
-from .crew import Started, start_thread
+from .crew import Started, start_thread, turn_share
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, supervised
 
@@ -410,8 +410,11 @@ class DaemonPool(Executor):
         self._name = name
         self._lock = threading.Lock()
         self._queue: SimpleQueue[tuple[Future[Any], Callable[[], None]] | None] = SimpleQueue()
-        self._threads: list[threading.Thread] = []  # under _lock
+        self._threads: list[Started] = []  # under _lock
         self._shut = False  # under _lock
+        # In a fleet's turn, the fleet's long-lived threads (``crew.turn_share``).
+        share = turn_share.get()
+        self._start = start_thread if share is None else share.start
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         """Run ``fn(*args, **kwargs)`` on one of the threads; its future."""
@@ -432,10 +435,8 @@ class DaemonPool(Executor):
                 raise RuntimeError("cannot submit to a pool that was shut down")
             self._queue.put((future, call))
             if len(self._threads) < self._size:
-                thread = threading.Thread(target=self._serve, daemon=True,
-                                          name=f"{self._name}-{len(self._threads)}")
-                self._threads.append(thread)
-                thread.start()
+                self._threads.append(
+                    self._start(self._serve, f"{self._name}-{len(self._threads)}"))
         return future
 
     def _serve(self) -> None:

@@ -66,3 +66,12 @@ def statuses(target: Target) -> Counter[str]:
         rows = conn.execute(sql.SQL("SELECT status, count(*) FROM {}.jobs GROUP BY 1").format(
             sql.Identifier(target.schema))).fetchall()
     return Counter({status: n for status, n in rows})
+
+
+class Started:
+    """Counts the dispatcher's threads started and connections opened (by name)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.threads = 0
+        self.connections = 0

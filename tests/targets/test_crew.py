@@ -1,10 +1,12 @@
 """The threads and connections a fleet's turns share (``outbox._dispatch.crew``): a crew
 reuses its idle threads and grows only to the parts running at once; a pool reuses a
 connection per (connection string, role), never holds more than its capacity, and
-never hands out one that is broken, closed or inside a transaction."""
+never hands out one that is broken, closed or inside a transaction. And the fleet's
+schedule leaves a polled target's chores to its look."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
 import time
@@ -12,7 +14,10 @@ from typing import Any
 
 import psycopg
 
-from outbox._dispatch.crew import Crew, Pool
+from outbox import Target
+from outbox._dispatch.crew import AsyncPool, Crew, Pool
+from outbox._dispatch.fleet import CHORES_EVERY, Schedule, TargetState
+from outbox.observe import DispatchObserver
 
 
 def test_parts_one_after_another_run_on_one_thread() -> None:
@@ -154,3 +159,97 @@ def test_a_pool_drops_a_connection_broken_closed_or_in_a_transaction(dsn: str) -
         pool.give(again)
     finally:
         pool.close()
+
+
+def test_an_async_pool_reuses_per_key_within_its_capacity(dsn: str) -> None:
+    async def scenario() -> None:
+        pool = AsyncPool(2)
+        made: list[psycopg.AsyncConnection[Any]] = []
+
+        async def open_() -> psycopg.AsyncConnection[Any]:
+            conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+            made.append(conn)
+            return conn
+
+        try:
+            first = await pool.take((dsn, "claimer"), open_)
+            await pool.give(first)
+            assert await pool.take((dsn, "claimer"), open_) is first
+            other = await pool.take((dsn, "recorder"), open_)
+            assert other is not first and pool.opened == 2
+            await pool.give(first)
+            await pool.give(other)
+            third = await pool.take((dsn, "reconciler"), open_)  # full: the oldest goes
+            assert first.closed and not other.closed and pool.held() == 2
+            await third.execute("BEGIN")  # inside a transaction: never kept
+            await pool.give(third)
+            assert third.closed and pool.held() == 1
+        finally:
+            await pool.close()
+        assert all(conn.closed for conn in made)
+
+    asyncio.run(scenario())
+
+
+def test_a_connection_being_opened_holds_its_place_in_the_pool(dsn: str) -> None:
+    # One idle connection in a pool of two; a take is opening another (outside the
+    # pool's lock) when a second take comes: the second sees the pool full and lets the
+    # idle one go, so the pool never holds three.
+    pool, opened = Pool(2), list[psycopg.Connection[Any]]()
+    open_ = _opener(dsn, opened)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_open() -> psycopg.Connection[Any]:
+        inside.set()
+        release.wait(30)
+        conn: psycopg.Connection[Any] = open_()
+        return conn
+
+    taken: list[psycopg.Connection[Any]] = []
+    try:
+        idle = pool.take((dsn, "a"), open_)
+        pool.give(idle)
+        opener = threading.Thread(
+            target=lambda: taken.append(pool.take((dsn, "b"), slow_open)))
+        opener.start()
+        assert inside.wait(30)
+        second = pool.take((dsn, "c"), open_)
+        assert idle.closed  # let go for the connection being opened
+        release.set()
+        opener.join(30)
+        assert pool.held() == 2 and sum(not conn.closed for conn in opened) == 2
+        pool.give(second)
+        pool.give(taken[0])
+    finally:
+        release.set()
+        pool.close()
+
+
+def test_a_connection_given_back_as_not_recent_is_the_first_to_go(dsn: str) -> None:
+    # A look that found no work gives its connection back as the least recently used:
+    # the next one opened in a full pool lets it go, not the busy database's.
+    pool, opened = Pool(2), list[psycopg.Connection[Any]]()
+    open_ = _opener(dsn, opened)
+    try:
+        busy = pool.take((dsn, "busy"), open_)
+        quiet = pool.take((dsn, "quiet"), open_)
+        pool.give(busy)
+        pool.give(quiet, recent=False)
+        pool.give(pool.take((dsn, "next"), open_))
+        assert quiet.closed and not busy.closed
+    finally:
+        pool.close()
+
+
+def test_a_polled_targets_chores_wait_for_its_look() -> None:
+    # Owed its chores, a target of a polled database is not started by the schedule
+    # (its look, holding a connection to it, wakes it); a listened-to one is.
+    schedule = Schedule(16, 2, DispatchObserver())
+    listened = TargetState(Target("dbname=a"), engine=None, due=False, last_turn=1.0)
+    polled = TargetState(Target("dbname=b"), engine=None, due=False, last_turn=1.0,
+                         polled=True)
+    schedule.states = {listened.target: listened, polled.target: polled}
+    chosen = schedule.next_turns(1.0 + CHORES_EVERY, until_idle=False)
+    assert chosen == [listened]
+    polled.due = True  # its look woke it
+    assert schedule.next_turns(1.0 + CHORES_EVERY, until_idle=False) == [polled]

@@ -7,52 +7,19 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
 import psycopg
-import pytest
 
 from outbox import Dispatcher, Target
 
-from .support import Databases, Recorded, enqueue
+from .support import Databases, Recorded, Started, enqueue
 
 TARGETS = 8
 ROUNDS = 4
 CONCURRENCY = 4
 BUDGET = 8  # max_connections
-
-
-class Started:
-    """Counts the dispatcher's threads started and connections opened (by name)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.threads = 0
-        self.connections = 0
-
-
-@pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> Iterator[Started]:
-    counts = Started()
-    start = threading.Thread.start
-    connect = psycopg.connect
-
-    def counted_start(thread: threading.Thread) -> None:
-        if thread.name.startswith("outbox"):
-            with counts.lock:
-                counts.threads += 1
-        start(thread)
-
-    def counted_connect(*args: Any, **kwargs: Any) -> Any:
-        if str(kwargs.get("application_name", "")).startswith("outbox"):
-            with counts.lock:
-                counts.connections += 1
-        return connect(*args, **kwargs)
-
-    monkeypatch.setattr(threading.Thread, "start", counted_start)
-    monkeypatch.setattr(psycopg, "connect", counted_connect)
-    yield counts
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
@@ -63,7 +30,15 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -
         time.sleep(0.05)
 
 
-def serve_rounds(dispatcher: Dispatcher, targets: list[Target], effect: Recorded) -> int:
+class Runs(Protocol):
+    """A dispatcher run on a thread: ``Dispatcher``, or an ``AsyncDispatcher`` on a loop."""
+
+    def run(self) -> object: ...
+
+    def stop(self) -> None: ...
+
+
+def serve_rounds(dispatcher: Runs, targets: list[Target], effect: Recorded) -> int:
     """Run ``dispatcher`` while ROUNDS times every target gets one job, each round
     performed before the next is enqueued: at least ROUNDS x TARGETS turns."""
     runner = threading.Thread(target=dispatcher.run, name="test-runner")
