@@ -17,6 +17,8 @@ from click.testing import CliRunner
 
 from outbox.cli import main
 
+from .support import hearing_ctrl_c
+
 OUTBOX = str(Path(sys.executable).parent / "outbox")
 APP = """\
 import os
@@ -100,7 +102,8 @@ def test_ctrl_c_while_waiting_for_the_database_is_one_line(tmp_path: Path) -> No
     port = _refused_port()
     env = {**os.environ, "PYTHONPATH": str(tmp_path),
            "OUTBOX_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{port}/postgres"}
-    with subprocess.Popen([OUTBOX, "run", "app:dispatcher", "--wait-for-database", "0"],
+    with subprocess.Popen(hearing_ctrl_c([OUTBOX, "run", "app:dispatcher",
+                                          "--wait-for-database", "0"]),
                           cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True) as run:
         assert run.stderr is not None
         warning = run.stderr.readline()  # said once it is waiting: it is in the loop

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from ..test_readme import ROOT
-from .support import own_database
+from .support import hearing_ctrl_c, own_database
 
 PAGE = ROOT / "docs" / "tutorial" / "index.md"
 CODE = ROOT / "docs" / "tutorial" / "code"
@@ -84,7 +84,7 @@ def test_the_tutorial_as_written(empty_database: str, tmp_path: Path) -> None:
     shown = _after(blocks, "outbox migrate").splitlines()[-1]
     assert migrated.stdout.strip() == shown, (migrated.stdout, shown)
 
-    with subprocess.Popen(["python", "fakes.py"], cwd=tmp_path, env=env, text=True,
+    with subprocess.Popen(hearing_ctrl_c(["python", "fakes.py"]), cwd=tmp_path, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as fakes:
         try:
             assert fakes.stdout is not None
@@ -124,7 +124,7 @@ def _the_rest(blocks: list[tuple[str, str]], cwd: Path, env: dict[str, str]) -> 
     # "Now start the dispatcher again (it runs until Ctrl-C)"
     line = next(line for lang, body in blocks if lang == "sh" for line in body.splitlines()
                 if line.split("  #", 1)[0].strip() == "outbox run shop:dispatcher")
-    again = subprocess.Popen(["bash", "-c", "exec " + line],
+    again = subprocess.Popen(hearing_ctrl_c(["bash", "-c", "exec " + line]),
                              cwd=cwd, env=env, text=True, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
     try:
