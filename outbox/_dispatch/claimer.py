@@ -274,15 +274,7 @@ class Claimer:
             "worker": settings.worker_id, "after": self.turns.json(),
         }, named=True)
         self.turns.served((row.effect, row.group_key) for row in rows)
-        if self.rescued_due:  # a loop over the claim's rows only while some are waited for
-            for row in rows:
-                self.rescued_due.pop(row.id, None)
-        parents = yield from self.after_results(rows)
-        elapsed = time.monotonic() - started
-        batch = self._helds(rows, parents)
-        self.state.hold(batch)
-        guarded(self.state.events.claimed, elapsed, Waits(rows))
-        return batch
+        return (yield from self._taken(rows, started))
 
     def claim_limited(self) -> ClaimStep[list[Held]]:
         """The gated effects' jobs, each claimed within its shared budget."""
@@ -301,12 +293,19 @@ class Claimer:
             lambda: min(share, self.capacity() - len(self.state.held)))
         if not rows:
             return []
-        for row in rows:
-            self.rescued_due.pop(row.id, None)
+        return (yield from self._taken(rows, started))
+
+    def _taken(self, rows: list[Any], started: float) -> Step[list[Held]]:
+        """What every claim does with the rows it took (since ``started``): no longer
+        waited for as rescued, their parents' results read, held as jobs, and counted."""
+        if self.rescued_due:  # a loop over the claim's rows only while some are waited for
+            for row in rows:
+                self.rescued_due.pop(row.id, None)
         parents = yield from self.after_results(rows)
+        elapsed = time.monotonic() - started
         batch = self._helds(rows, parents)
         self.state.hold(batch)
-        guarded(self.state.events.claimed, time.monotonic() - started, Waits(rows))
+        guarded(self.state.events.claimed, elapsed, Waits(rows))
         return batch
 
     def after_results(self, rows: list[Any]) -> Step[dict[int, dict[str, Any]]]:
