@@ -38,6 +38,7 @@ from psycopg.rows import namedtuple_row
 
 from outbox.sql import Queries
 
+from ._cpu import process_seconds
 from ._db import Server, migrated, server
 from ._drain_workers import (
     FLOOR_CLAIM,
@@ -61,12 +62,6 @@ class Drained:
     complete: float
 
 
-def _backend_cpu(pid: int) -> float:
-    """Seconds on a CPU of the server process ``pid`` (its scheduler's own count)."""
-    with open(f"/proc/{pid}/schedstat", encoding="ascii") as f:
-        return int(f.read().split()[0]) / 1e9
-
-
 def _drain(conn: psycopg.Connection[Any], claim: Callable[[], list[Any]],
            complete: Callable[[list[Any]], None]) -> Drained:
     row = conn.execute("SELECT pg_backend_pid() AS pid").fetchone()
@@ -74,15 +69,15 @@ def _drain(conn: psycopg.Connection[Any], claim: Callable[[], list[Any]],
     pid = row.pid
     jobs, in_claim, in_complete = 0, 0.0, 0.0
     while True:
-        before = _backend_cpu(pid)
+        before = process_seconds(pid)
         rows = claim()
-        after = _backend_cpu(pid)
+        after = process_seconds(pid)
         in_claim += after - before
         if not rows:
             return Drained(jobs, in_claim, in_complete)
         jobs += len(rows)
         complete(rows)
-        in_complete += _backend_cpu(pid) - after
+        in_complete += process_seconds(pid) - after
 
 
 def _outbox(conn: psycopg.Connection[Any], batch: int) -> Drained:
