@@ -34,21 +34,12 @@ from typing import Any
 
 import psycopg
 
-from ._dispatch.cancellation import watch as watch_cancellation
-from ._dispatch.cancellation import watch_async as watch_cancellation_async
-from ._dispatch.claimer import (
-    Claimer,
-    run_claimer,
-    run_claimer_async,
-    wait_for_schema,
-    wait_for_schema_async,
-)
+from ._dispatch.claimer import wait_for_schema, wait_for_schema_async
 from ._dispatch.connection import AsyncConnection, Connection, connect
 from ._dispatch.counting import DispatchStats
 from ._dispatch.crew import Started, start_thread
 from ._dispatch.fleet import ENGINE_CONNECTIONS, Fleet, TargetsSource
 from ._dispatch.hook_lookup import require_sync_hooks
-from ._dispatch.listener import Listener, listen_async
 from ._dispatch.options import (
     ENGINE_OPTIONS,
     OPTIONS,
@@ -57,28 +48,23 @@ from ._dispatch.options import (
     docstring,
     settings_options,
 )
-from ._dispatch.reconciler import Reconciler, reconcilers, run_reconciler, run_reconciler_async
-from ._dispatch.recorder import Recorder, run_recorder, run_recorder_async
+from ._dispatch.reconciler import reconcilers
 from ._dispatch.replicas import AsyncReplicaGate, ReplicaGate, check_access, check_access_async
-from ._dispatch.runtime import Program, Wait, drive, drive_async
-from ._dispatch.scheduler import (
-    Scheduler,
-    check_schedules,
-    run_scheduler,
-    run_scheduler_async,
-)
+from ._dispatch.runtime import Program, drive, drive_async
+from ._dispatch.scheduler import check_schedules
+from ._dispatch.serving import serve, serving
 from ._dispatch.settings import Settings, text_array
 from ._dispatch.severance import AsyncStopWatch, Severance
 from ._dispatch.shared import held
 from ._dispatch.state import (
-    CLOSE_GRACE,
     AsyncState,
+    Held,
     LoopEvent,
     SharedState,
+    ThreadState,
     guarded,
-    supervised,
-    supervised_async,
 )
+from ._dispatch.supervision import supervising
 from ._dispatch.workers import DaemonPool, TaskWorkers, ThreadWorkers
 from ._lifecycle import Backoff
 from .effect import Effect
@@ -93,7 +79,6 @@ __all__ = ["AsyncDispatcher", "DispatchStats", "Dispatcher"]
 log = logging.getLogger("outbox.dispatcher")
 
 _text_array = text_array  # the claim's effects parameter, for tests that claim by hand
-DRAIN_CHECK = 0.05  # seconds between checks that every held job is recorded
 
 OPTION_NAMES = frozenset(option.name for option in OPTIONS)
 SETTINGS_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings))
@@ -568,134 +553,90 @@ class Dispatcher(_Options):
             for sig, old in previous.items():
                 signal.signal(sig, old)
 
-    # -- building, starting and joining the parts -------------------------------------------
+    # -- a run: ``_dispatch.serving`` on the caller's thread, its parts on threads -----------
 
     def _serve(self, *, until_idle: bool, timeout: float | None) -> DispatchStats:
-        with self._control:  # checked and set at once: two run() calls cannot both start
-            if self._running:
-                raise ConfigurationError("this Dispatcher is already running")
-            self._running = True
-        state = self._state
-        self.stats = state.stats = DispatchStats()
-        claimer = Connection(self._connect, "claimer", self._release)
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._watch = self._severance.watch(state, self.settings.stop_timeout,
-                                            self.settings.lease)
-        try:
-            with held(self.settings.limits_home):
-                if not self._schema_seen:
-                    wait_for_schema(claimer, self.settings, state, deadline)
-                    self._schema_seen = self._schema_once
-                check_access(claimer, self.settings)
-                self._dispatch(claimer, until_idle, deadline)
-            failure = state.failure
-        finally:
-            self._watch.returned()
-            claimer.discard()
-            # Reset here rather than on entry, so a stop() that comes before run() (or a
-            # SIGTERM during start-up) is not forgotten.
-            with self._control:
-                state.reset()
-                self._running = False
-        if isinstance(failure, ConfigurationError):
-            raise failure  # the set-up is wrong, not the code: say what is wrong
-        if failure is not None:
-            raise self._failed(failure) from failure
-        return self.stats
+        return drive(serve(self, _Threads(self), until_idle=until_idle, deadline=deadline))
 
-    def _dispatch(self, claimer: Connection, until_idle: bool, deadline: float | None) -> None:
-        settings, state = self.settings, self._state
-        listener = threading.Thread(
-            target=supervised(state, "listener", Listener(settings, state, self._connect).run),
-            name="outbox-listener", daemon=True)
-        reconciler = self._reconciler(until_idle)
-        scheduler = self._scheduler(claimer, until_idle)
-        # Started here, as the watcher: a reconciler's or scheduler's pass above that
-        # raised leaves no part running.
-        recorder = self._start(
-            supervised(state, "recorder", lambda: run_recorder(
-                Recorder(settings, state), Connection(self._connect, "recorder",
-                                                      self._release))),
-            "outbox-recorder")
-        watcher = self._start(  # tells performs their timeout or lease passed
-            supervised(state, "cancellation watcher", partial(
-                watch_cancellation, state, settings.lease)),
-            "outbox-cancel-watch")
-        if not until_idle:
-            listener.start()
-        try:
-            with ThreadWorkers(settings, state, self._start).running() as submit:
-                try:  # with wait_for_replicas, each batch waits for the standbys
-                    run_claimer(Claimer(settings, state, until_idle=until_idle), claimer,
-                                ReplicaGate(settings, state, claimer, submit), deadline)
-                finally:
-                    self._watch.claimer_left()
-                    self._drain()
-        finally:
-            state.workers_ended()
-            # After stop_timeout the recorder has nothing left to write, but it may be
-            # waiting on an unreachable database: the stop does not wait for it.
-            _join(recorder, self._watch.grace(CLOSE_GRACE) if state.abandoned else None)
-            state.drop_unrecorded()  # a part died: what it will never write still counts
-            _join(watcher, self._watch.grace(CLOSE_GRACE))
-            if listener.is_alive():
-                _join(listener, self._watch.grace(CLOSE_GRACE))
-            if reconciler is not None:
-                _join(reconciler, self._watch.grace(CLOSE_GRACE))
-            if scheduler is not None:
-                _join(scheduler, self._watch.grace(CLOSE_GRACE))
-
-    def _scheduler(self, claimer: Connection, until_idle: bool) -> threading.Thread | None:
-        """The schedules' part: under ``run_until_idle`` one pass now, on the claimer's
-        connection, before claiming (the slots due are then performed in this run);
-        under ``run`` a thread of its own with its own connection."""
-        scheduler = Scheduler(self.settings, self._state, self.schedules, self._schedule_clock)
-        if until_idle:
-            run_scheduler(scheduler, claimer, once=True)
-            return None
-        body = partial(run_scheduler, scheduler, Connection(self._connect, "scheduler"),
-                       once=False)
-        thread = threading.Thread(target=supervised(self._state, "scheduler", body),
-                                  name="outbox-scheduler", daemon=True)
-        thread.start()
-        return thread
-
-    def _reconciler(self, until_idle: bool) -> threading.Thread | None:
-        """Where an effect reconciles: under ``run_until_idle`` one pass now, before
-        claiming (what it sends back to pending is then claimed in this run); under
-        ``run`` a thread of its own, a pass every ``reconcile_interval``."""
-        settings, state = self.settings, self._state
-        if not reconcilers(settings):
-            return None
-        body = partial(run_reconciler, Reconciler(settings, state),
-                       Connection(self._connect, "reconciler", self._release),
-                       once=until_idle)
-        if until_idle:
-            body()
-            return None
-        thread = threading.Thread(target=supervised(state, "reconciler", body),
-                                  name="outbox-reconciler", daemon=True)
-        thread.start()
-        return thread
-
-    def _drain(self) -> None:
-        """``draining`` on the caller's thread."""
-        drive(draining(self._state, self.settings, self._watch.deadline()))
+    _dispatch = serving  # the parts started, the claimer run, the drain, the parts joined
 
 
-def draining(state: SharedState[Any], settings: Settings, deadline: float) -> Program[None]:
-    """Both dispatchers' drain, written once (a program of ``_dispatch.runtime``): stop
-    claiming; release queued jobs; wait until every held job is recorded (unless a part
-    died: then what it held is left to the rescuer) until ``deadline`` (``stop_timeout``
-    from the stop): what is still held then is left to its lease."""
-    state.start_draining()
-    while (state.held and state.failure is None and not state.abandoned
-           and time.monotonic() < deadline):
-        state.outcome_ready.set()
-        yield Wait(state.wake, DRAIN_CHECK)
-        state.wake.clear()
-    if state.held and state.failure is None and not state.abandoned:
-        state.abandon(settings.stop_timeout, settings.lease)
+class _Threads:
+    """``Dispatcher``'s way of one run (``serving.Flavour``): its parts on threads of
+    their own (a fleet's crew: ``_start``), its connections from ``_connect`` (given
+    back to a fleet's pool: ``_release``), its stop watch a thread, its state the
+    dispatcher's own for its life (reset between runs, so a stop() before run() is
+    honoured)."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+        self.settings = dispatcher.settings
+        self.claimer = self.connection("claimer")
+        self._workers = contextlib.ExitStack()
+
+    def begin(self) -> ThreadState:
+        dispatcher, settings = self.dispatcher, self.settings
+        self.state = state = dispatcher._state
+        dispatcher.stats = state.stats = DispatchStats()
+        self.watch = dispatcher._severance.watch(state, settings.stop_timeout, settings.lease)
+        return state
+
+    def prepare(self, state: ThreadState, deadline: float | None) -> None:
+        dispatcher = self.dispatcher
+        if not dispatcher._schema_seen:
+            wait_for_schema(self.claimer, self.settings, state, deadline)
+            dispatcher._schema_seen = dispatcher._schema_once
+        check_access(self.claimer, self.settings)
+
+    def connection(self, role: str) -> Connection:
+        return Connection(self.dispatcher._connect, role, self.dispatcher._release)
+
+    def hooks_apart(self) -> None:
+        return None  # a Dispatcher's hooks are plain: its connections run them
+
+    def start(self, part: str, program: Program[None]) -> Started:
+        # A thread is never cancelled: whatever ends it is a death.
+        return self.dispatcher._start(partial(drive, supervising(self.state, part, program, ())),
+                                      THREADS[part])
+
+    def join(self, thread: Started, grace: float | None) -> None:
+        _join(thread, grace)
+
+    def end(self, thread: Started, grace: float) -> None:
+        _join(thread, grace)  # it ends at the stop it watches
+
+    def workers(self) -> Callable[[list[Held]], None]:
+        return self._workers.enter_context(
+            ThreadWorkers(self.settings, self.state, self.dispatcher._start).running())
+
+    def gate(self, submit: Callable[[list[Held]], None]) -> Callable[[list[Held]], None]:
+        return ReplicaGate(self.settings, self.state, self.claimer, submit)
+
+    def join_workers(self) -> None:
+        self._workers.close()  # after stop_timeout: the stuck ones get STUCK_GRACE
+
+    end_workers = join_workers  # a thread cannot be cancelled: told to stop, joined
+
+    def abandons(self, error: BaseException) -> bool:
+        return False  # no cancellation: every stop drains
+
+    def close(self) -> None:
+        return None
+
+    def returned(self) -> None:
+        self.watch.returned()
+
+    def finish(self, state: ThreadState) -> None:
+        # Reset here rather than on entry, so a stop() that comes before run() (or a
+        # SIGTERM during start-up) is not forgotten.
+        state.reset()
+
+
+# The threads of ``Dispatcher``'s parts, by part.
+THREADS = {"reconciler": "outbox-reconciler", "scheduler": "outbox-scheduler",
+           "recorder": "outbox-recorder", "cancellation watcher": "outbox-cancel-watch",
+           "listener": "outbox-listener"}
 
 
 def _join(thread: Started, seconds: float | None) -> None:
@@ -792,141 +733,115 @@ class AsyncDispatcher(_Options):
         await task
 
     async def _serve(self, *, until_idle: bool, deadline: float | None) -> DispatchStats:
-        settings = self.settings
-        # Under the lock stop() takes: either stop() came first (the flag is read here)
-        # or it finds this state; nothing in between for it to fall into.
-        with self._control:
-            if self._running:
-                raise ConfigurationError("this AsyncDispatcher is already running")
-            self._running = True
-            self.stats = DispatchStats()
-            state = SharedState(self.stats, settings.observer, settings.concurrency,
-                                LoopEvent)
-            self._state = state
-            if self._stop_early:
-                state.request_stop()
-        try:
-            with held(settings.limits_home):
-                await wait_for_schema_async(settings, state, deadline)
-                await check_access_async(settings)
-                await self._dispatch(state, until_idle, deadline)
-        finally:
-            with self._control:
-                self._state = None
-                self._stop_early = False
-                self._running = False
-        if isinstance(state.failure, ConfigurationError):
-            raise state.failure  # the set-up is wrong, not the code: say what is wrong
-        if state.failure is not None:
-            raise self._failed(state.failure) from state.failure
-        return self.stats
+        return await drive_async(serve(self, _Tasks(self), until_idle=until_idle,
+                                       deadline=deadline))
 
-    async def _dispatch(
-        self, state: AsyncState, until_idle: bool, deadline: float | None
-    ) -> None:
-        settings = self.settings
-        loop = asyncio.get_running_loop()
+    _dispatch = serving  # the parts started, the claimer run, the drain, the parts joined
+
+
+class _Tasks:
+    """``AsyncDispatcher``'s way of one run (``serving.Flavour``): its parts are tasks
+    on the running loop, ended by cancellation; sync effects run on daemon threads; a
+    state made for the run (its signals belong to this loop). asyncio's cancellation:
+    the first drains; a second (or one during the wind-down) abandons the rest to the
+    rescuer, every task cancelled."""
+
+    def __init__(self, dispatcher: AsyncDispatcher) -> None:
+        self.dispatcher = dispatcher
+        self.settings = dispatcher.settings
+        self.claimer = AsyncConnection(self.settings, "claimer")
+        self._pool: DaemonPool | None = None
+        self._workers: TaskWorkers | None = None
+        self._gate: AsyncReplicaGate | None = None
+
+    def begin(self) -> AsyncState:
+        dispatcher, settings = self.dispatcher, self.settings
+        dispatcher.stats = DispatchStats()
+        self.state = state = SharedState(dispatcher.stats, settings.observer,
+                                         settings.concurrency, LoopEvent)
+        dispatcher._state = state
+        if dispatcher._stop_early:
+            state.request_stop()
+        # Its connections are cut at stop_timeout if the database hangs.
+        self.watch = AsyncStopWatch(dispatcher._severance, state, settings.stop_timeout,
+                                    settings.lease)
+        return state
+
+    async def prepare(self, state: AsyncState, deadline: float | None) -> None:
+        await wait_for_schema_async(self.settings, state, deadline)
+        await check_access_async(self.settings)
+
+    def connection(self, role: str) -> AsyncConnection:
+        return AsyncConnection(self.settings, role)
+
+    def hooks_apart(self) -> Connection:
+        # Plain hooks write on a thread, with a blocking connection of their own.
+        return Connection(partial(connect, self.settings), "reconciler")
+
+    async def start(self, part: str, program: Program[None]) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(
+            drive_async(supervising(self.state, part, program)))
+
+    async def join(self, task: asyncio.Task[None], grace: float | None) -> None:
+        await asyncio.wait({task}, timeout=grace)
+        if not task.done():
+            await self.end(task, 0.0)
+
+    async def end(self, task: asyncio.Task[None], grace: float) -> None:
+        task.cancel()
+        await asyncio.wait({task}, timeout=max(grace, CANCELLED_WITHIN))
+        if not task.done():
+            log.warning("dispatcher task %s did not end within %gs of its cancellation; "
+                        "left behind", task.get_name(), max(grace, CANCELLED_WITHIN))
+
+    def workers(self) -> Callable[[list[Held]], None]:
         # Daemon threads: a sync perform that never returns must not keep the process
         # alive once run() has returned after stop_timeout (ThreadPoolExecutor's threads
         # are joined at interpreter exit).
-        pool = (DaemonPool(settings.concurrency, "outbox-worker")
-                if settings.has_sync else None)
-        workers = TaskWorkers(state, pool)
-        recorder = loop.create_task(supervised_async(state, "recorder", run_recorder_async(
-            Recorder(settings, state), AsyncConnection(settings, "recorder"))))
-        listener = (None if until_idle else loop.create_task(
-            supervised_async(state, "listener", listen_async(settings, state))))
-        reconciler = await self._reconciler(state, until_idle)
-        watcher = loop.create_task(supervised_async(  # timeouts and leases, on time
-            state, "cancellation watcher", watch_cancellation_async(state, settings.lease)))
-        claimer = AsyncConnection(settings, "claimer")
-        scheduler: asyncio.Task[None] | None = None
-        self._watch = AsyncStopWatch(self._severance, state, settings.stop_timeout,
-                                     settings.lease)
-        # With wait_for_replicas, each batch waits for the standbys.
-        gate = AsyncReplicaGate(settings, state, workers.submit)
-        cancelled = abandon = False
-        error: BaseException | None = None
-        try:
-            scheduler = await self._scheduler(state, claimer, until_idle)
-            await run_claimer_async(Claimer(settings, state, until_idle=until_idle),
-                                    claimer, gate, deadline)
-        except asyncio.CancelledError:
-            cancelled = True
-            current = asyncio.current_task()
-            # Cancelled twice already (the second came while the claimer finished its
-            # round): abandon, as a second cancellation during the drain would.
-            abandon = current is not None and current.cancelling() > 1
-            if not abandon:  # the first cancellation drains
-                log.info("dispatcher cancelled: finishing in-flight work, handing back "
-                         "the rest")
-        except BaseException as exc:
-            error = exc
-        self._watch.claimer_left()
-        try:
-            await claimer.discard()
-            if not abandon:
-                await self._wind_down(state, workers, recorder)
-        finally:
-            await self._watch.close()
-            await gate.close()
-            # Only left after a second cancellation (or a failure while winding down):
-            # what still runs is abandoned; its jobs come back when their leases expire.
-            leftovers = [*workers.cancel(), recorder, watcher,
-                         *([listener] if listener else []),
-                         *([reconciler] if reconciler else []),
-                         *([scheduler] if scheduler else [])]
-            for task in leftovers:
-                task.cancel()
-            await asyncio.gather(*leftovers, return_exceptions=True)
-            state.drop_unrecorded()  # a part died: what it will never write still counts
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
-        if error is not None:
-            raise error
-        if cancelled:
-            raise asyncio.CancelledError
+        if self.settings.has_sync:
+            self._pool = DaemonPool(self.settings.concurrency, "outbox-worker")
+        self._workers = TaskWorkers(self.state, self._pool)
+        return self._workers.submit
 
-    async def _reconciler(self, state: AsyncState,
-                          until_idle: bool) -> asyncio.Task[None] | None:
-        """As ``Dispatcher``'s: one pass first, or a task of its own."""
-        if not reconcilers(self.settings):
-            return None
-        run = run_reconciler_async(Reconciler(self.settings, state),
-                                   AsyncConnection(self.settings, "reconciler"),
-                                   once=until_idle)
-        if until_idle:
-            await supervised_async(state, "reconciler", run)
-            return None
-        return asyncio.get_running_loop().create_task(
-            supervised_async(state, "reconciler", run))
+    def gate(self, submit: Callable[[list[Held]], None]) -> Callable[[list[Held]], None]:
+        self._gate = AsyncReplicaGate(self.settings, self.state, submit)
+        return self._gate
 
-    async def _scheduler(self, state: AsyncState, claimer: AsyncConnection,
-                         until_idle: bool) -> asyncio.Task[None] | None:
-        """As ``Dispatcher``'s: one pass now on the claimer's connection, or a task."""
-        scheduler = Scheduler(self.settings, state, self.schedules, self._schedule_clock)
-        if until_idle:
-            await run_scheduler_async(scheduler, claimer, once=True)
-            return None
-        return asyncio.get_running_loop().create_task(supervised_async(
-            state, "scheduler", run_scheduler_async(
-                scheduler, AsyncConnection(self.settings, "scheduler"), once=False)))
-
-    async def _wind_down(
-        self, state: AsyncState, workers: TaskWorkers, recorder: asyncio.Task[None]
-    ) -> None:
-        """``draining``, then the workers joined (what has not started handed back, what
-        runs past ``stop_timeout`` cancelled) and the recorder awaited."""
-        await drive_async(draining(state, self.settings, self._watch.deadline()))
-        if state.abandoned:
+    async def join_workers(self) -> None:
+        assert self._workers is not None
+        if self.state.abandoned:
             # stop_timeout passed: what is still held is left to its lease; async
             # performs are cancelled, sync ones on the pool are left to finish unheard.
-            workers.cancel()
-        await workers.join()
-        state.workers_ended()
-        if state.abandoned:
-            # The recorder has nothing left to write; it may be waiting on an
-            # unreachable database: the stop does not wait for it.
-            await asyncio.wait({recorder}, timeout=self._watch.grace(CLOSE_GRACE))
-        else:
-            await recorder
+            self._workers.cancel()
+        await self._workers.join()
+
+    async def end_workers(self) -> None:
+        if self._workers is not None:
+            await asyncio.gather(*self._workers.cancel(), return_exceptions=True)
+
+    def abandons(self, error: BaseException) -> bool:
+        if not isinstance(error, asyncio.CancelledError):
+            return False
+        current = asyncio.current_task()
+        # Cancelled twice already (the second came while the claimer finished its
+        # round): abandon, as a second cancellation during the drain would.
+        if current is not None and current.cancelling() > 1:
+            return True
+        log.info("dispatcher cancelled: finishing in-flight work, handing back the rest")
+        return False
+
+    async def close(self) -> None:
+        if self._gate is not None:
+            await self._gate.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def returned(self) -> None:
+        await self.watch.close()
+
+    def finish(self, state: AsyncState) -> None:
+        self.dispatcher._state = None
+        self.dispatcher._stop_early = False
+
+
+CANCELLED_WITHIN = 1.0  # seconds a cancelled part's task gets to run its clean-up

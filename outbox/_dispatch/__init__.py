@@ -12,6 +12,8 @@
                 (``drive_async``)
     supervision every part supervised (its death stops the dispatcher loudly), and
                 ``guarded`` observer calls
+    serving     a run written once: the order the parts start and end in, the claimer,
+                the drain, failures surfaced; each flavour's threads or tasks
     connection  how connections are opened (one function) and replaced when they break
     network     the timeouts and keepalives every connection gets, under the DSN's own
     standby     a standby (or read-only server) reached: refused as a connection opens,
@@ -54,8 +56,10 @@
 
 Their database work is written once as steps (``outbox._steps``), and their loops once as
 programs (``runtime``): the claimer's ``claiming``, the recorder's ``recording``, the
-scheduler's ``scheduling``, the reconciler's ``reconciling``. ``Dispatcher`` drives each on
-a thread and ``AsyncDispatcher`` as a task (``run_claimer`` and ``run_claimer_async``, ...,
-one line each); what differs by flavour lives in the two drivers only.
-``outbox.dispatcher`` builds, starts and joins them.
+scheduler's ``scheduling``, the reconciler's ``reconciling``, the listener's ``listening``,
+the watcher's ``watching``. A run is one program too (``serving.serve``): it starts them,
+runs the claimer and the drain, and ends them, in one order for both dispatchers.
+``Dispatcher`` drives it on the caller's thread, its parts on threads, and
+``AsyncDispatcher`` as a task, its parts as tasks (``outbox.dispatcher``'s ``_Threads`` and
+``_Tasks``: what differs by flavour lives there and in the two drivers only).
 """

@@ -13,24 +13,23 @@ The reasons (``outbox._cancelling``) and who tells them::
     lease     the signal's own clock (no heartbeat renewed the lease before it expired)
 
 The two clocks are read by the perform itself at each ``is_set()``; the watcher
-(``watch`` on a thread, ``watch_async`` as a task) checks them every ``SWEEP`` seconds so
+(``watching``, on a thread or as a task) checks them every ``SWEEP`` seconds so
 that a perform blocked in ``wait()`` wakes, and an async perform's task is cancelled, on
 time. What a job becomes once its perform was told is decided by ``_lifecycle.settle``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from .._cancelling import signal_of
+from .runtime import Program, Sleep
 from .state import SharedState
 
-__all__ = ["CANCEL_PREFIX", "SWEEP", "notified", "sweep", "told_to_stop", "watch",
-           "watch_async"]
+__all__ = ["CANCEL_PREFIX", "SWEEP", "notified", "sweep", "told_to_stop", "watching"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -83,15 +82,9 @@ def sweep(state: SharedState[Any], lease: float, now: float) -> None:
                         held.job.claim_version)
 
 
-def watch(state: SharedState[Any], lease: float) -> None:
-    """``Dispatcher``'s watcher thread: sweeps until every worker has returned."""
+def watching(state: SharedState[Any], lease: float) -> Program[None]:
+    """The watcher's loop (a program of ``runtime``): sweeps until every worker has
+    returned (``AsyncDispatcher`` may cancel it sooner)."""
     while not state.workers_done:
-        time.sleep(SWEEP)
-        sweep(state, lease, time.monotonic())
-
-
-async def watch_async(state: SharedState[Any], lease: float) -> None:
-    """``AsyncDispatcher``'s watcher task: sweeps until cancelled."""
-    while True:
-        await asyncio.sleep(SWEEP)
+        yield Sleep(SWEEP)
         sweep(state, lease, time.monotonic())

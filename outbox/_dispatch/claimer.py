@@ -37,7 +37,7 @@ from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .counting import Waits
 from .crew import turn_share
 from .presence import Presence
-from .rescuer import RescueHooks, Rescuer, run_rescue_hooks, run_rescue_hooks_async
+from .rescuer import RescueHooks, Rescuer, rescue_hooks
 from .runtime import Blocking, Call, Cut, Flavoured, Program, Run, Wait, drive, drive_async
 from .settings import Settings
 from .shared import HomeCall
@@ -517,15 +517,7 @@ def claim_instruction(conn: Connection | AsyncConnection,
     thread), the rescue's hooks in a transaction of the claimer's connection."""
     if isinstance(instruction, HomeCall):
         return Blocking(instruction.fn)
-    return Flavoured(_rescue_hooks, _rescue_hooks_async, instruction, conn)
-
-
-def _rescue_hooks(instruction: RescueHooks, conn: Connection) -> set[int]:
-    return run_rescue_hooks(instruction, conn.get())
-
-
-async def _rescue_hooks_async(instruction: RescueHooks, conn: AsyncConnection) -> set[int]:
-    return await run_rescue_hooks_async(instruction, await conn.get())
+    return Flavoured(drive, drive_async, rescue_hooks(instruction, conn))
 
 
 def claim_executor(conn: Connection) -> Callable[[Statement | HomeCall | RescueHooks], Any]:

@@ -12,42 +12,33 @@ One batch is two statements, whatever its size: ``rescue`` reads the expired cla
 the database's clock, and ``settle`` (the recorder's) applies every decision, fenced on
 the claim_version read and on the lease still being expired (``expired: true``), so a
 heartbeat or an outcome that commits between the two wins. A decision that runs a hook
-is written in a transaction of its own with the hook (``RescueHooks``, rare: an
-operator's cancel of a job whose worker died).
+is written in a transaction of its own with the hook (``RescueHooks``, written by
+``rescue_hooks``; rare: an operator's cancel of a job whose worker died).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import random
 from collections.abc import Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
+from functools import partial
 from typing import Any, TypeVar
-
-import psycopg
 
 from .. import _lifecycle
 from .._lifecycle import Decision
 from .._sql import Queries
-from .._steps import Statement, run, run_async
+from .._steps import Statement
 from ..effect import Job
 from ..errors import UnknownOutcome
-from .connection import connect
+from .connection import AsyncConnection, Connection, connect
 from .flowsql import flow_queries
 from .hook_lookup import is_async_hook
-from .hooked import (
-    RELEASE,
-    ROLLBACK,
-    SAVEPOINT,
-    HookStep,
-    call_hook,
-    in_transaction,
-    in_transaction_async,
-)
+from .hooked import RELEASE, ROLLBACK, SAVEPOINT, HookStep, call_hook, with_hooks
 from .reconciler import reconcilers
+from .runtime import Blocking, Program, drive
 from .settings import Settings
 
 __all__ = [
@@ -55,8 +46,7 @@ __all__ = [
     "RescueHooks",
     "Rescued",
     "Rescuer",
-    "run_rescue_hooks",
-    "run_rescue_hooks_async",
+    "rescue_hooks",
 ]
 
 log = logging.getLogger("outbox.dispatcher")
@@ -199,29 +189,27 @@ def _with_payload(item: Rescued, payload: Any) -> Rescued:
     return Rescued(full, item.outcome, item.rules, item.decision, item.now, item.hook)
 
 
-def run_rescue_hooks(instruction: RescueHooks, pg: psycopg.Connection[Any]) -> set[int]:
-    """Write ``instruction``'s items with their (plain) hooks in one transaction on a
-    blocking connection."""
-    with pg.transaction():
-        return run(instruction.step(instruction.items), in_transaction(pg, instruction.schema))
-
-
-def _on_own_connection(instruction: RescueHooks, items: tuple[Rescued, ...]) -> set[int]:
-    with connect(instruction.settings, "claimer") as pg, pg.transaction():
-        return run(instruction.step(items), in_transaction(pg, instruction.schema))
-
-
-async def run_rescue_hooks_async(instruction: RescueHooks,
-                                 pg: psycopg.AsyncConnection[Any]) -> set[int]:
-    """``run_rescue_hooks`` for ``AsyncDispatcher``: ``async def`` hooks on its asyncio
-    connection, plain ones on a thread with a blocking connection of their own."""
-    written: set[int] = set()
-    awaited = tuple(i for i in instruction.items if is_async_hook(i.hook))
-    plain = tuple(i for i in instruction.items if not is_async_hook(i.hook))
+def rescue_hooks(instruction: RescueHooks,
+                 conn: Connection | AsyncConnection) -> Program[set[int]]:
+    """Write ``instruction``'s items with their hooks in one transaction of ``conn`` (the
+    claimer's connection); the ids written. A program of ``runtime``: on an asyncio
+    connection (``AsyncDispatcher``) the ``async def`` hooks' items are written so, and
+    the plain hooks' items by this very program driven on a thread with a blocking
+    connection of their own (opened for them, then closed)."""
+    items, schema = instruction.items, instruction.schema
+    if not isinstance(conn, AsyncConnection):
+        written: set[int] = yield with_hooks(instruction.step(items), conn, schema)
+        return written
+    awaited = tuple(i for i in items if is_async_hook(i.hook))
+    plain = tuple(i for i in items if not is_async_hook(i.hook))
+    written = set()
     if awaited:
-        async with pg.transaction():
-            written |= await run_async(instruction.step(awaited),
-                                       in_transaction_async(pg, instruction.schema))
+        written |= yield with_hooks(instruction.step(awaited), conn, schema)
     if plain:
-        written |= await asyncio.to_thread(_on_own_connection, instruction, plain)
+        own = Connection(partial(connect, instruction.settings), "claimer")
+        try:
+            written |= yield Blocking(drive, rescue_hooks(replace(instruction, items=plain),
+                                                          own))
+        finally:
+            yield Blocking(own.discard)
     return written

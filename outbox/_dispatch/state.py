@@ -21,8 +21,8 @@ the database.
 
 The signals are ``threading.Event`` in ``Dispatcher`` (``ThreadState``) and ``LoopEvent``
 in ``AsyncDispatcher`` (``AsyncState``), from ``signals`` with ``Slots`` and ``Timer``.
-Every part runs supervised (``supervision``: ``supervised`` for a thread,
-``supervised_async`` for a task): its unexpected death stops the dispatcher loudly
+Every part runs supervised (``supervision``: ``supervising``, on a thread or as a
+task): its unexpected death stops the dispatcher loudly
 (``fail``). ``Held`` and the outcomes (``held``), the signals and the supervision are
 re-exported here for the parts that take them all with the state.
 """
@@ -43,7 +43,7 @@ from .budget import LimitView, is_transient
 from .counting import DispatchStats, StatsObserver
 from .held import Held, Outcome, Release, Success
 from .signals import LoopEvent, Signal, Slots, Timer
-from .supervision import guarded, supervised, supervised_async
+from .supervision import guarded, supervised
 
 __all__ = [
     "CLOSE_GRACE",
@@ -60,7 +60,6 @@ __all__ = [
     "Timer",
     "guarded",
     "supervised",
-    "supervised_async",
 ]
 
 log = logging.getLogger("outbox.dispatcher")

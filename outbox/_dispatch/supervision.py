@@ -1,15 +1,21 @@
 """Supervision: every part runs supervised, so its unexpected death stops the dispatcher
 loudly (``SharedState.fail``) instead of leaving it silently degraded; and ``guarded``,
-how an observer's error is kept from changing what happens to a job."""
+how an observer's error is kept from changing what happens to a job.
+
+The rule is written once, as a program of ``runtime`` (``supervising``): a part that is
+a program is supervised as it is, on a thread (``drive``) or as a task (``drive_async``);
+``supervised`` makes a thread target of a plain function (the workers' threads)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["Failing", "guarded", "supervised", "supervised_async"]
+from .runtime import Call, Program, drive
+
+__all__ = ["Failing", "guarded", "supervised", "supervising"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -39,25 +45,27 @@ def guarded(method: Callable[..., None], *args: object) -> None:
             log.debug("observer %s raised; ignored", name, exc_info=True)
 
 
-def supervised(state: Failing, part: str, body: Callable[[], None]) -> Callable[[], None]:
-    """``body`` as a thread target whose unexpected death stops the dispatcher loudly
-    (``run`` and ``run_until_idle`` then raise) instead of leaving it silently degraded."""
-
-    def target() -> None:
-        try:
-            body()
-        except BaseException as exc:
-            state.fail(part, exc)
-
-    return target
-
-
-async def supervised_async(state: Failing, part: str, body: Awaitable[None]) -> None:
-    """Await ``body`` (a part's task); its unexpected death stops the dispatcher loudly,
-    as ``supervised`` does for a thread. Cancellation is not a death: it is re-raised."""
+def supervising(state: Failing, part: str, program: Program[None],
+                passes: tuple[type[BaseException], ...] = (asyncio.CancelledError,),
+                ) -> Program[None]:
+    """``program`` (a part's loop, or one pass of it), supervised: whatever it dies of,
+    ``BaseException`` included, is reported (``state.fail``: the dispatcher stops and
+    its run raises ``DispatcherFailed``) instead of propagating. ``passes``: what is not
+    a death and propagates (a cancellation; for a pass run on the caller's own thread or
+    task, its ``KeyboardInterrupt`` too)."""
     try:
-        await body
-    except asyncio.CancelledError:
+        yield from program
+    except passes:
         raise
     except BaseException as exc:  # reported, then the dispatcher stops
         state.fail(part, exc)
+
+
+def supervised(state: Failing, part: str, body: Callable[[], None]) -> Callable[[], None]:
+    """``body`` as a thread target, supervised (``supervising``; a thread is never
+    cancelled: whatever ends it is a death)."""
+    return lambda: drive(supervising(state, part, _calling(body), ()))
+
+
+def _calling(body: Callable[[], None]) -> Program[None]:
+    yield Call(body)
