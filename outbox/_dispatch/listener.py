@@ -10,7 +10,6 @@ polling.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -21,11 +20,11 @@ from .._pg import is_pooled
 from ..errors import ConfigurationError
 from .cancellation import notified
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
-from .runtime import Call, Flavoured, Program, Wait, drive, drive_async
+from .runtime import Call, Flavoured, Program, Wait
 from .settings import Settings
-from .state import AsyncState, SharedState
+from .state import SharedState
 
-__all__ = ["POLLING", "Listener", "listen_async", "listen_statement", "listening"]
+__all__ = ["POLLING", "listen_statement", "listening"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -86,24 +85,3 @@ def _heard(state: SharedState[Any], notify: psycopg.Notify) -> None:
     if notify.payload:  # an operator's cancel of a running job
         notified(state, notify.payload)
     state.wake.set()
-
-
-class Listener:
-    """``listening`` on ``Dispatcher``'s listener thread."""
-
-    def __init__(
-        self, settings: Settings, state: SharedState[Any],
-        open_: Callable[[str], psycopg.Connection[Any]],
-    ) -> None:
-        self.settings = settings
-        self.state = state
-        self.conn = Connection(open_, "listener")
-
-    def run(self) -> None:
-        """Listen until the dispatcher stops."""
-        drive(listening(self.settings, self.state, self.conn))
-
-
-async def listen_async(settings: Settings, state: AsyncState) -> None:
-    """``listening`` as a task of ``AsyncDispatcher``."""
-    await drive_async(listening(settings, state, AsyncConnection(settings, "listener")))

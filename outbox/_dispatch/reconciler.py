@@ -23,8 +23,7 @@ pass before claiming). Each pass::
 How a reply is read (``read_reply``), where an answer sends the job
 (``_lifecycle.settle_answer``) and the resolutions (``resolve``, a step that yields statements
 and hook calls) are written once, and the loop that runs the passes once as a program
-(``reconciling``, see ``runtime``): ``run_reconciler`` drives it on a thread,
-``run_reconciler_async`` as a task.
+(``reconciling``, see ``runtime``), run on a thread or as a task (``serving``).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from .._steps import Statement, Step
 from ..effect import Effect, Job
 from ..errors import ConfigurationError, Permanent
 from ..flows import NotPerformed, Performed
-from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
+from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
 from .flowsql import flow_queries
 from .hook_lookup import is_async_hook, overrides
 from .hooked import (
@@ -53,14 +52,13 @@ from .hooked import (
     call_hook,
     with_hooks,
 )
-from .runtime import Blocking, Call, Flavoured, Program, Run, Wait, drive, drive_async
+from .runtime import Blocking, Call, Flavoured, Program, Run, Wait, drive
 from .settings import Settings
 from .standby import ReadOnlyServer
 from .state import SharedState
 from .workers import result_json
 
-__all__ = ["Answer", "Reconciler", "read_reply", "reconcile_pass", "reconciling", "resolving",
-           "run_reconciler", "run_reconciler_async"]
+__all__ = ["Answer", "Reconciler", "read_reply", "reconcile_pass", "reconciling", "resolving"]
 
 log = logging.getLogger("outbox.reconciler")
 
@@ -313,20 +311,6 @@ def reconciling(reconciler: Reconciler, conn: Connection | AsyncConnection, *, o
         if blocking is not None:
             blocking.discard()
         yield Call(conn.discard)
-
-
-def run_reconciler(reconciler: Reconciler, conn: Connection, *, once: bool) -> None:
-    """``reconciling`` on its own thread (``Dispatcher``), or once on the caller's."""
-    drive(reconciling(reconciler, conn, once=once))
-
-
-async def run_reconciler_async(reconciler: Reconciler, conn: AsyncConnection, *,
-                               once: bool) -> None:
-    """``reconciling`` as a task of ``AsyncDispatcher`` (plain hooks on a thread, with a
-    blocking connection of their own)."""
-    settings = reconciler.settings
-    blocking = Connection(lambda role: connect(settings, role), "reconciler")
-    await drive_async(reconciling(reconciler, conn, once=once, blocking=blocking))
 
 
 def resolving(reconciler: Reconciler, conn: Connection | AsyncConnection, answer: Answer,

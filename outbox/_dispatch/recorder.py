@@ -1,12 +1,11 @@
 """The recorder: writes outcomes in fenced batches and heartbeats the leases held.
 
 Written once as steps (``outbox._steps``) and a loop (``recording``, a program of
-``runtime``), driven by ``run_recorder`` (the recorder thread of ``Dispatcher``) and
-``run_recorder_async`` (its task in ``AsyncDispatcher``). A batch is
-at most two statements: ``complete`` (the fenced ``running -> done`` update and the
-ledger row, together) and ``settle`` (retry, release, failed, reconcile). A fenced write
-that changes 0 rows means the claim was lost: counted, reported, never retried as if it
-had landed.
+``runtime``), driven on the recorder thread of ``Dispatcher`` and as a task of
+``AsyncDispatcher`` (``serving``). A batch is at most two statements: ``complete``
+(the fenced ``running -> done`` update and the ledger row, together) and ``settle``
+(retry, release, failed, reconcile). A fenced write that changes 0 rows means the claim
+was lost: counted, reported, never retried as if it had landed.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from .cancellation import told_to_stop
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
 from .hooked import HookedOutcomes, close_quietly, flush_hooked
 from .reconciler import reconcilers
-from .runtime import Call, Program, Run, Sleep, Wait, drive, drive_async
+from .runtime import Call, Program, Run, Sleep, Wait
 from .settings import Settings
 from .standby import ReadOnlyServer
 from .state import (
@@ -46,7 +45,7 @@ from .state import (
     guarded,
 )
 
-__all__ = ["Recorder", "recording", "run_recorder", "run_recorder_async"]
+__all__ = ["Recorder", "recording"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -338,16 +337,6 @@ def recording(recorder: Recorder, conn: Connection | AsyncConnection) -> Program
     finally:
         close_quietly(recorder.hooked)
         yield Call(conn.discard)
-
-
-def run_recorder(recorder: Recorder, conn: Connection) -> None:
-    """``recording`` on the recorder's own thread (``Dispatcher``)."""
-    drive(recording(recorder, conn))
-
-
-async def run_recorder_async(recorder: Recorder, conn: AsyncConnection) -> None:
-    """``recording`` as a task of ``AsyncDispatcher``."""
-    await drive_async(recording(recorder, conn))
 
 
 def _heartbeat_timer(settings: Settings) -> Timer:

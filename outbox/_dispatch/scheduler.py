@@ -17,8 +17,8 @@ stored schedules run without any schedule declared in code. Each pass::
                is picked up within it); the pass begins with that probe, so an idle pass
                is one statement on the index, and no transaction
 
-The decisions are steps (``outbox._steps``), written once; ``run_scheduler`` and
-``run_scheduler_async`` drive them, side by side as the other parts' drivers are.
+The decisions are steps (``outbox._steps``), written once, and the loop once as a program
+(``scheduling``), run on a thread or as a task as the other parts are (``serving``).
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ from .._steps import Statement, Step
 from ..errors import ConfigurationError, EnqueueError
 from ..schedules import MAX_CATCH_UP, Schedule, slot_key
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection
-from .runtime import Call, Program, Run, Transaction, Wait, drive, drive_async
+from .runtime import Call, Program, Run, Transaction, Wait
 from .settings import Settings
 from .state import SharedState
 
-__all__ = ["Scheduler", "check_schedules", "run_scheduler", "run_scheduler_async",
-           "schedule_pass", "scheduling"]
+__all__ = ["Scheduler", "check_schedules", "schedule_pass", "scheduling"]
 
 log = logging.getLogger("outbox.schedules")
 
@@ -271,17 +270,6 @@ def scheduling(scheduler: Scheduler, conn: Connection | AsyncConnection, *,
     finally:
         if not once:
             yield Call(conn.discard)
-
-
-def run_scheduler(scheduler: Scheduler, conn: Connection, *, once: bool) -> None:
-    """``scheduling`` on its own thread (``Dispatcher``), or once on the caller's."""
-    drive(scheduling(scheduler, conn, once=once))
-
-
-async def run_scheduler_async(scheduler: Scheduler, conn: AsyncConnection, *,
-                              once: bool) -> None:
-    """``scheduling`` as a task of ``AsyncDispatcher``, or once in its start."""
-    await drive_async(scheduling(scheduler, conn, once=once))
 
 
 def _failed_pass(scheduler: Scheduler, exc: psycopg.Error, once: bool) -> float | None:

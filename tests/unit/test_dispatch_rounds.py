@@ -513,7 +513,7 @@ def test_a_batch_sent_again_after_a_lost_connection_counts_what_landed_the_first
     gone = psycopg.OperationalError("server closed the connection")
     with pytest.raises(psycopg.OperationalError):
         Script(rec.queries).then("complete", gone).drive(rec.flush(pending))
-    rec.failed(gone, lost=True, pending=pending)  # what run_recorder does, then waits
+    rec.failed(gone, lost=True, pending=pending)  # what recording does, then waits
     assert rec.retrying and len(pending) == 4 and events.recorded_ == Counter()
     # Sent again: 1 and 2 landed the first time (the ledger knows, though the reply said
     # only 3), and the settle, never sent before, goes now.
