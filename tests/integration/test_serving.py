@@ -64,6 +64,10 @@ class Seen:
         self.calls: list[tuple[str, str]] = []
         self.parts: dict[int, str] = {}
         self.claiming = threading.Event()
+        self.before: Callable[[tuple[str, str]], None] = lambda call: None
+
+    def starting(self, part: str) -> None:
+        self.before(("start", part))
 
     def started(self, part: str, handle: Any) -> Any:
         self.parts[id(handle)] = part
@@ -71,7 +75,9 @@ class Seen:
         return handle
 
     def saw(self, what: str, handle: Any = None) -> None:
-        self.calls.append((what, "" if handle is None else self.parts[id(handle)]))
+        call = (what, "" if handle is None else self.parts[id(handle)])
+        self.before(call)
+        self.calls.append(call)
 
 
 @pytest.fixture()
@@ -85,6 +91,7 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[Seen]:
             super().prepare(*args)
 
         def start(self, part: str, program: Program[None]) -> Any:
+            record.starting(part)
             return record.started(part, super().start(part, program))
 
         def join(self, handle: Any, grace: float | None) -> None:
@@ -96,6 +103,7 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[Seen]:
             super().end(handle, grace)
 
         def workers(self) -> Any:
+            record.starting("workers")
             return record.started("workers", super().workers())
 
         def gate(self, submit: Any) -> Any:
@@ -117,6 +125,7 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[Seen]:
             await super().prepare(*args)
 
         async def start(self, part: str, program: Program[None]) -> Any:
+            record.starting(part)
             return record.started(part, await super().start(part, program))
 
         async def join(self, handle: Any, grace: float | None) -> None:
@@ -128,6 +137,7 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[Seen]:
             await super().end(handle, grace)
 
         def workers(self) -> Any:
+            record.starting("workers")
             return record.started("workers", super().workers())
 
         def gate(self, submit: Any) -> Any:
@@ -249,27 +259,6 @@ def test_a_second_cancellation_abandons_the_wind_down(
         ("returned", "")]
 
 
-# -- a part's death, surfaced the same way by both ----------------------------------------------
-
-
-class Fatal(BaseException):
-    """Not an Exception: nothing on the way may swallow it as an ordinary error."""
-
-
-def _dies(part: str) -> Callable[..., Program[None]]:
-    def program(*args: Any, **kwargs: Any) -> Program[None]:
-        raise Fatal(f"{part} died")
-        yield  # a program: the raise comes from its first step, in the part's driver
-
-    return program
-
-
-PROGRAMS = {"reconciler": "reconciling", "scheduler": "scheduling", "recorder": "recording",
-            "cancellation watcher": "watching", "listener": "listening"}
-DEATHS = [(part, until_idle) for part in PROGRAMS for until_idle in (False, True)
-          if not (part == "listener" and until_idle)]
-
-
 def _until_it_returns(dispatcher: Dispatcher | AsyncDispatcher,
                       until_idle: bool) -> DispatchStats:
     """The run, not stopped: a part's death must end it."""
@@ -297,6 +286,68 @@ def _until_it_returns(dispatcher: Dispatcher | AsyncDispatcher,
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
+
+
+# -- a stop from another thread as each part starts ---------------------------------------------
+
+STARTS = IN_ORDER[False][:IN_ORDER[False].index(("claim", "")) + 1]
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_stop_from_another_thread_as_any_part_starts_ends_run(
+    dsn: str, schema: str, seen: Seen, flavour: str,
+) -> None:
+    """At the entry of each step of the start the run's program takes (the schema, each
+    part, the workers, the claimer), ``stop()`` from another thread, waited for: ``run()``
+    returns, having ended every part it started, in the order it always does."""
+    enqueue(dsn, schema, "k", 5)
+    for point in STARTS:
+        seen.calls, seen.claiming = [], threading.Event()
+        seen.claiming.set()  # nothing to wait for: the stop comes from the hook
+        stoppers: list[threading.Thread] = []
+        dispatcher: Dispatcher | AsyncDispatcher = (
+            Dispatcher(dsn, [Noop()], schema=schema, poll_interval=0.05)
+            if flavour == "sync" else
+            AsyncDispatcher(dsn, [AsyncNoop()], schema=schema, poll_interval=0.05))
+
+        def stop_at(call: tuple[str, str], point: tuple[str, str] = point,
+                    dispatcher: Dispatcher | AsyncDispatcher = dispatcher,
+                    stoppers: list[threading.Thread] = stoppers) -> None:
+            if call == point and not stoppers:
+                stopper = threading.Thread(target=dispatcher.stop, name="stopper")
+                stoppers.append(stopper)
+                stopper.start()
+                stopper.join(RETURNS_WITHIN)
+                assert not stopper.is_alive(), "stop() blocked"
+
+        seen.before = stop_at
+        _until_it_returns(dispatcher, until_idle=False)
+        assert stoppers, f"{point} was not reached: the stop tested nothing"
+        started = [call for call in seen.calls if call[0] == "start"]
+        ended = [call for call in seen.calls if call[0] in ("join", "end")]
+        assert {part for _, part in ended} == {part for _, part in started}, point
+        assert not dispatcher._running
+
+
+# -- a part's death, surfaced the same way by both ----------------------------------------------
+
+
+class Fatal(BaseException):
+    """Not an Exception: nothing on the way may swallow it as an ordinary error."""
+
+
+def _dies(part: str) -> Callable[..., Program[None]]:
+    def program(*args: Any, **kwargs: Any) -> Program[None]:
+        raise Fatal(f"{part} died")
+        yield  # a program: the raise comes from its first step, in the part's driver
+
+    return program
+
+
+PROGRAMS = {"reconciler": "reconciling", "scheduler": "scheduling", "recorder": "recording",
+            "cancellation watcher": "watching", "listener": "listening"}
+DEATHS = [(part, until_idle) for part in PROGRAMS for until_idle in (False, True)
+          if not (part == "listener" and until_idle)]
 
 
 @pytest.mark.parametrize(("part", "until_idle"), DEATHS,
