@@ -31,7 +31,11 @@ it out (a call to the limits' home becomes a ``Blocking``, for instance). As in
 
 A program of ``AsyncDispatcher``'s may hand part of its work to the blocking driver on a
 thread, ``yield Blocking(drive, program)``: its plain (sync) hooks are written so, by the
-same program that writes its ``async def`` ones.
+same program that writes its ``async def`` ones. A program may drive another in the
+flavour it runs in, ``yield Flavoured(drive, drive_async, program)`` (the rescue's hooks).
+
+A dispatcher's whole run is a program too (``serving.serve``): it hands each part's
+program to its flavour, which starts it on a thread or as a task.
 """
 
 from __future__ import annotations
