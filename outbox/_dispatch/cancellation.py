@@ -84,9 +84,9 @@ def sweep(state: SharedState[Any], lease: float, now: float) -> None:
 
 
 def watch(state: SharedState[Any], lease: float) -> None:
-    """``Dispatcher``'s watcher thread: sweeps until every worker has returned."""
-    while not state.workers_done:
-        time.sleep(SWEEP)
+    """``Dispatcher``'s watcher thread: sweeps until every worker has returned (and
+    ends as soon as they have: the run joins it before it returns)."""
+    while not state.workers_ended_signal.wait(SWEEP):
         sweep(state, lease, time.monotonic())
 
 

@@ -101,6 +101,9 @@ class SharedState(Generic[E]):
         self.releasing = False
         # Set by workers_ended(): nothing more to record after what is queued.
         self.workers_done = False
+        # Set by workers_ended() with workers_done: what the cancellation watcher waits
+        # on between its sweeps, so that a run's end does not wait out a sweep's sleep.
+        self.workers_ended_signal: E = event()
         # Set once by abandon(): stop_timeout passed with jobs still held; they are left
         # to their leases and whatever their performs return later is not recorded.
         self.abandoned = False
@@ -292,12 +295,14 @@ class SharedState(Generic[E]):
         self.workers_done = True
         self.stopping.set()
         self.outcome_ready.set()
+        self.workers_ended_signal.set()
 
     def reset(self) -> None:
         """Ready for the next run (the last one has joined every part)."""
         self.stopping.clear()
         self.wake.clear()
         self.outcome_ready.clear()
+        self.workers_ended_signal.clear()
         self.releasing = False
         self.workers_done = False
         self.abandoned = False
