@@ -44,6 +44,9 @@ RUN_SECONDS = 0.002  # of measured perform time in one run at least, when there 
 # Seconds the workers still running after stop_timeout (told to stop) get to end, all
 # together, before the stop goes on without them.
 STUCK_GRACE = 0.5
+# The outcome of every perform that returned None (most do): one object for all, never
+# changed, rather than one more for the collector to count per job.
+RETURNED_NONE = Success("null")
 
 
 class Performer:
@@ -82,7 +85,8 @@ class Performer:
             else:
                 with tracing.activated(held.span):
                     result = held.effect.perform(prepare(held))
-            outcome: Outcome = Success(result_json(held.job, result))
+            outcome: Outcome = (RETURNED_NONE if result is None
+                                else Success(result_json(held.job, result)))
         except BaseException as exc:
             # Every failure is an outcome to record, even SystemExit raised by an effect:
             # the job must not vanish with its thread.
@@ -104,7 +108,8 @@ class Performer:
             else:
                 with tracing.activated(held.span):
                     result = await held.effect.perform(prepare(held))  # type: ignore[misc]
-            outcome: Outcome = Success(result_json(held.job, result))
+            outcome: Outcome = (RETURNED_NONE if result is None
+                                else Success(result_json(held.job, result)))
         except BaseException as exc:  # CancelledError included: settled as told (if told)
             outcome = exc
         signal.ended()
