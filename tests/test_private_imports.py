@@ -37,6 +37,8 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/integration/test_step_rows.py": {"outbox._steps"},
     "tests/unit/test_dispatch_rounds.py": {"outbox._after", "outbox._dispatch", "outbox._steps"},
     "tests/unit/test_task_workers.py": {"outbox._dispatch"},
+    "tests/unit/test_claimed_jobs.py": {"outbox._cancelling", "outbox._dispatch", "outbox._steps"},
+    "tests/integration/test_claimed_columns.py": {"outbox._dispatch", "outbox._steps"},
     "tests/unit/test_embedded_bounds.py": {"outbox._embedded"},
     "tests/crash/test_claim_round_connection_loss.py": {"outbox._dispatch", "outbox._steps"},
     "tests/failover/test_network_options.py": {"outbox._dispatch"},
