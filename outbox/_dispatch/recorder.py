@@ -17,7 +17,7 @@ import random
 import time
 from collections import Counter
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 
@@ -121,7 +121,8 @@ class Recorder:
         """Write one batch of outcomes: at most two statements, each fenced. ``decided``:
         settlements already taken (by job id), not settled again."""
         # The pairs themselves, not copies: a tuple a job less for the collector.
-        successes = [pair for pair in batch if isinstance(pair[1], Success)]
+        successes = cast(list[tuple[Held, Success]],
+                         [pair for pair in batch if isinstance(pair[1], Success)])
         if successes:
             claims = ",".join(
                 f'{{"id":{h.job.id},"version":{h.job.claim_version},"result":{o.result_json}}}'
