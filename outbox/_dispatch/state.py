@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -130,6 +131,7 @@ class SharedState(Generic[E]):
         # What the held jobs' ``job.cancelled`` signals share (outbox._cancelling):
         # renewed by the recorder's heartbeat, timeouts armed by the workers.
         self.watch = Watch()
+        self._nothing_held()
 
     @property
     def stats(self) -> DispatchStats:
@@ -309,7 +311,16 @@ class SharedState(Generic[E]):
         self.failure = None
         self.held.clear()
         self.outcomes.clear()
+        self._nothing_held()
         self.slots = Slots(self.concurrency)  # nothing can be waiting after a join
+
+    def _nothing_held(self) -> None:
+        """Nothing is held: every lease held is renewed now, as a heartbeat would say,
+        so the cancellation watcher does not check each held job's lease at every sweep
+        until the first heartbeat (a lease runs from its claim, which comes later). Left
+        at its start (no heartbeat yet), the watcher walked every job held ten times a
+        second for the first third of a lease: 0.3 to 0.5 µs of CPU a job of a drain."""
+        self.watch.renewed = max(self.watch.renewed, time.monotonic())
 
     # -- anyone ----------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -191,3 +192,30 @@ def test_the_cancellation_watcher_ends_with_the_workers_not_at_its_next_sweep(
     shared.reset()  # the next run's watcher sweeps again until its workers end
     assert not shared.workers_ended_signal.is_set()
 
+
+
+class CountedSignal(CancelSignal):
+    """A job's signal that counts the watcher's looks at its lease."""
+
+    __slots__ = ("looks",)
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.looks = 0
+
+    def check(self, now: float) -> bool:
+        self.looks += 1
+        return super().check(now)
+
+
+def test_the_watcher_looks_at_no_lease_before_one_can_have_expired() -> None:
+    shared = state()
+    signal = CountedSignal(shared.watch, 60.0, None)
+    held = Held(outbox.Job(1, "test.noop", "k1", {}, 1, 1, cancelled=signal), Noop(), False,
+                started=True)
+    shared.hold([held])
+    now = time.monotonic()
+    cancellation.sweep(shared, 60.0, now)  # no heartbeat yet, and no lease 60 s old
+    assert signal.looks == 0
+    cancellation.sweep(shared, 60.0, now + 61.0)  # no heartbeat for a lease: each looked at
+    assert signal.looks == 1 and signal.reason == "lease"
