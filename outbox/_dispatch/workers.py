@@ -39,7 +39,7 @@ __all__ = ["DaemonPool", "LoopRunner", "Performer", "TaskWorkers", "ThreadWorker
 log = logging.getLogger("outbox.dispatcher")
 
 FAST_EFFECT = 0.001  # seconds: effects faster than this are handed to threads in runs
-MAX_RUN = 1000  # jobs in one run at most
+MAX_RUN = 256  # jobs in one run at most: what one perform that stalls holds up
 RUN_SECONDS = 0.002  # of measured perform time in one run at least, when there are enough
 # Seconds the workers still running after stop_timeout (told to stop) get to end, all
 # together, before the stop goes on without them.
@@ -193,7 +193,7 @@ class ThreadWorkers:
         # Spread over the workers, but each run at least RUN_SECONDS of measured work
         # (at most MAX_RUN jobs): with the interpreter's lock, one thread performs as
         # fast as many, and each thread woken costs its hand-offs of the lock (a 2,000-job
-        # batch of no-ops went to 63 threads).
+        # batch of no-ops went to 63 threads; now to 8, and 2 did no better).
         size = max(-(-len(batch) // concurrency), int(RUN_SECONDS / max(mean, 1e-9)))
         size = min(MAX_RUN, size)
         return [batch[i:i + size] for i in range(0, len(batch), size)]

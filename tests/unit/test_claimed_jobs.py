@@ -155,7 +155,7 @@ def _helds(count: int) -> list[Held]:
     (None, 100, [1] * 100),  # nothing measured yet: one job a unit
     (0.5, 100, [1] * 100),  # slow: one job a unit, every worker busy
     (1e-6, 4, [1] * 4),  # no more jobs than workers
-    (1e-6, 2000, [1000, 1000]),  # no-ops: runs of MAX_RUN
+    (1e-6, 2000, [256] * 7 + [208]),  # no-ops: runs of MAX_RUN
     (1e-5, 2000, [200] * 10),  # RUN_SECONDS of work a run
     (5e-4, 2000, [32] * 62 + [16]),  # spread over the 64 workers
 ])
