@@ -39,13 +39,18 @@ log = logging.getLogger("benchmarks.drain")
 # that no claim is HOT, as none of ours is; "floor-busy" the floor with FLOOR_HELD older
 # jobs claimed and held throughout (a HOT claim leaves claimed rows in the claim index, so
 # each claim walks past the jobs in flight: the price of a HOT claim in a busy fleet).
-SYSTEMS = ("outbox", "outbox-retained", "outbox-sql", "floor", "floor-indexed",
-           "floor-busy", "probe", "pgqueuer", "procrastinate")
+# "outbox-gc-frozen" is "outbox" in a process that froze what it held before the release
+# (gc.freeze()): what the cyclic collector's full passes over a process's modules cost
+# the drain.
+SYSTEMS = ("outbox", "outbox-retained", "outbox-gc-frozen", "outbox-sql", "floor",
+           "floor-indexed", "floor-busy", "probe", "pgqueuer", "procrastinate")
 FLOOR_HELD = 10_000
 # The rows comparing two systems run in the same invocation: (system, baseline, what the
 # baseline is), each row shown when both ran.
 COMPARISONS = (
     ("outbox", "outbox-retained", "outbox-retained"),
+    ("outbox-gc-frozen", "outbox", "outbox"),
+    ("outbox-gc-frozen", "floor", "the design floor"),
     ("outbox", "outbox-sql", "its SQL alone"),
     ("outbox-sql", "floor", "the design floor"),
     ("outbox", "floor", "the design floor"),
@@ -215,6 +220,10 @@ _REGISTRY: dict[str, _System] = {
         _prepare_outbox, workers.outbox_worker,
         lambda c, dsn, t: workers.OutboxSpec(dsn, c.outbox.retained(), t),
         _verify_outbox),
+    "outbox-gc-frozen": _System(
+        _prepare_outbox, workers.outbox_worker,
+        lambda c, dsn, t: workers.OutboxSpec(dsn, c.outbox, t, gc_frozen=True),
+        _verify_outbox),
     "outbox-sql": _System(_prepare_outbox, workers.sql_ceiling_worker, _statements_spec,
                           _verify_outbox),
     "floor": _System(_prepare_floor, workers.floor_worker, _statements_spec, _verify_floor),
@@ -350,6 +359,8 @@ def run(server: Server, config: DrainConfig) -> Section:
                         results.append(measure(server, config, system, size, procs))
     settings = {"outbox": config.outbox.describe(),
                 "outbox-retained": config.outbox.retained().describe(),
+                "outbox-gc-frozen": "outbox, gc.freeze() in each worker process before the "
+                "release",
                 "outbox-sql": "claim + complete_delete, the batch_size of outbox, "
                 f"{config.sql_ceiling_connections} connections, no dispatcher",
                 "floor": "HOT claim (lease + fencing token) + fenced delete + key-only "

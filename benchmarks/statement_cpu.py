@@ -51,6 +51,9 @@ from ._effects import Noop
 from ._seed import enqueue_outbox
 
 SYSTEMS = ("outbox", "floor", "floor-indexed")
+# With --variants: our statements on the schema less one index each, to price what each
+# index the claim writes to costs it (a plan needs each: see the performance page).
+VARIANTS = {"outbox-no-leases": "DROP INDEX outbox.jobs_leases"}
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,10 @@ def measure(srv: Server, template: str, system: str, batch: int) -> Drained:
     try:
         with psycopg.connect(srv.database(name), autocommit=True,
                              row_factory=namedtuple_row) as conn:
-            if system == "outbox":
+            if system in VARIANTS:
+                conn.execute(VARIANTS[system])
+                conn.execute("VACUUM ANALYZE outbox.jobs")
+            if system == "outbox" or system in VARIANTS:
                 return _outbox(conn, batch)
             return _floor(conn, batch, lease_index=system == "floor-indexed")
     finally:
@@ -140,10 +146,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=20_000)
     parser.add_argument("--batch", type=int, default=2_000)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--variants", action="store_true",
+                        help="also our statements less one index each (VARIANTS)")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     started = time.time()
-    runs: dict[str, list[Drained]] = {system: [] for system in SYSTEMS}
+    systems = SYSTEMS + (tuple(VARIANTS) if args.variants else ())
+    runs: dict[str, list[Drained]] = {system: [] for system in systems}
     with server(args.dsn) as srv:
         version = srv.version()
         template = f"cpu_template_{uuid.uuid4().hex[:8]}"
@@ -155,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             with psycopg.connect(srv.database(template), autocommit=True) as conn:
                 conn.execute("VACUUM ANALYZE")
             for _ in range(args.runs):
-                for system in SYSTEMS:
+                for system in systems:
                     drained = measure(srv, template, system, args.batch)
                     if drained.jobs != args.jobs:
                         raise AssertionError(f"{system} drained {drained.jobs} of {args.jobs}")

@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.rows import BaseRowFactory, kwargs_row, namedtuple_row, scalar_row, tuple_row
 
-__all__ = ["Rows", "Statement", "Step", "execute", "execute_async", "row_factory", "run",
-           "run_async", "shaped"]
+__all__ = ["ColumnsChanged", "Rows", "Statement", "Step", "execute", "execute_async",
+           "row_factory", "run", "run_async", "shaped"]
 
 T = TypeVar("T")
 I = TypeVar("I")  # noqa: E741  the instruction a step yields
@@ -53,8 +53,12 @@ class Statement:
     names the columns it reads instead of counting them. With ``scalar``, each row is
     answered as the value of its one column (``RETURNING j.id``), as cheaply as a tuple:
     the fenced writes of the recorder's hot path. With ``named``, each row is a named
-    tuple (psycopg's ``namedtuple_row``: columns by name at nearly a tuple's cost): the
-    claim's hot path. Without any, rows are tuples (the steps an ORM's cursor runs)."""
+    tuple (psycopg's ``namedtuple_row``: columns by name at nearly a tuple's cost). With
+    ``columns``, each row is a plain tuple of exactly these columns, in this order: their
+    names are checked against the statement's once per execution (``ColumnsChanged``
+    otherwise), and no row object is made: the claim's hot path, which reads its
+    thousands of rows by the places ``columns`` names. Without any, rows are tuples
+    (the steps an ORM's cursor runs)."""
 
     query: str
     params: Mapping[str, Any]
@@ -62,6 +66,27 @@ class Statement:
     row: Callable[..., Any] | None = None
     scalar: bool = False
     named: bool = False
+    columns: tuple[str, ...] | None = None
+
+
+class ColumnsChanged(Exception):
+    """A statement answered other columns than its ``Statement.columns`` name: the
+    query and its reader disagree (a bug, never a database state)."""
+
+
+def _check_columns(expected: tuple[str, ...], names: Sequence[str]) -> None:
+    if tuple(names) != expected:
+        raise ColumnsChanged(f"the statement answered the columns {list(names)}, its "
+                             f"reader expects {list(expected)}")
+
+
+def _columns_row(expected: tuple[str, ...]) -> BaseRowFactory[Any]:
+    def factory(cursor: Any) -> Any:
+        description = cursor.description
+        if description is not None:
+            _check_columns(expected, [column.name for column in description])
+        return tuple  # the very type: psycopg's C rows take their fast path on it
+    return factory
 
 
 Step = Generator[Statement, Rows, T]
@@ -96,6 +121,8 @@ def row_factory(statement: Statement) -> BaseRowFactory[Any]:
         return kwargs_row(statement.row)
     if statement.named:
         return namedtuple_row
+    if statement.columns is not None:
+        return _columns_row(statement.columns)
     return tuple_row
 
 
@@ -111,6 +138,8 @@ def shaped(statement: Statement, names: Sequence[str], rows: Iterable[Sequence[A
     if statement.named:
         record = _named_tuple(tuple(names))
         return [record._make(row) for row in rows]
+    if statement.columns is not None:
+        _check_columns(statement.columns, names)
     return [tuple(row) for row in rows]
 
 

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .._cancelling import signal_of
-from .runtime import Program, Sleep
+from .runtime import Program, Wait
 from .state import SharedState
 
 __all__ = ["CANCEL_PREFIX", "SWEEP", "notified", "sweep", "told_to_stop", "watching"]
@@ -84,7 +84,9 @@ def sweep(state: SharedState[Any], lease: float, now: float) -> None:
 
 def watching(state: SharedState[Any], lease: float) -> Program[None]:
     """The watcher's loop (a program of ``runtime``): sweeps until every worker has
-    returned (``AsyncDispatcher`` may cancel it sooner)."""
+    returned, and ends as soon as they have (it waits on ``workers_ended_signal``
+    between sweeps, so a run's end does not wait out a sweep's sleep)."""
     while not state.workers_done:
-        yield Sleep(SWEEP)
+        if (yield Wait(state.workers_ended_signal, SWEEP)):
+            return
         sweep(state, lease, time.monotonic())

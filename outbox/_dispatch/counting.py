@@ -110,9 +110,14 @@ class StatsObserver(DispatchObserver):
         self.stats.purged += count
 
 
+# Where a claimed row holds its effect and how long it was due (claimer.CLAIMED).
+EFFECT_COLUMN, WAITED_COLUMN = 1, 9
+
+
 class Waits(Sequence[tuple[str, float]]):
     """The ``(effect, seconds due)`` pairs of one claim, made only when read: counting
-    needs the length alone, so a dispatcher without a metrics observer builds none."""
+    needs the length alone, so a dispatcher without a metrics observer builds none.
+    The rows are a claim's (tuples in the order of ``claimer.CLAIMED``)."""
 
     __slots__ = ("_rows",)
 
@@ -130,9 +135,10 @@ class Waits(Sequence[tuple[str, float]]):
 
     def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
-            return [(row.effect, float(row.waited)) for row in self._rows[index]]
+            return [(row[EFFECT_COLUMN], float(row[WAITED_COLUMN]))
+                    for row in self._rows[index]]
         row = self._rows[index]
-        return (row.effect, float(row.waited))
+        return (row[EFFECT_COLUMN], float(row[WAITED_COLUMN]))
 
     def __iter__(self) -> Iterator[tuple[str, float]]:
-        return ((row.effect, float(row.waited)) for row in self._rows)
+        return ((row[EFFECT_COLUMN], float(row[WAITED_COLUMN])) for row in self._rows)
