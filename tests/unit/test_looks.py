@@ -6,6 +6,7 @@ interval ago; anything it cannot compare is looked at."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import psycopg
 import pytest
@@ -50,7 +51,7 @@ def test_a_transaction_that_wrote_nothing_does_not_count_as_a_move() -> None:
     {"tup_inserted": 11}, {"tup_updated": 6}, {"tup_deleted": 2},
     {"stats_reset": 1_700_000_100.0},  # counters reset: they can no longer be compared
 ])
-def test_a_counter_that_moved_is_looked_at(moved: dict[str, float]) -> None:
+def test_a_counter_that_moved_is_looked_at(moved: dict[str, Any]) -> None:
     assert must_look(seen(), rows(dataclasses.replace(BEFORE, **moved)), 101.0, every=EVERY)
 
 
