@@ -410,7 +410,8 @@ class Scout:
             try:
                 read[key], _ = self.on_pool(states, read_counters(states[0].target.schema),
                                             recent=lambda _: True)
-            except (psycopg.Error, ConfigurationError) as exc:
+            except (psycopg.OperationalError, psycopg.InterfaceError,
+                    psycopg.errors.InsufficientPrivilege, ConfigurationError) as exc:
                 log.debug("the counters of %s could not be read (%s); its databases are "
                           "looked at", states[0].target.database, type(exc).__name__)
         self.fleet.counter_reads += len(read)

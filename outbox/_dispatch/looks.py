@@ -3,10 +3,12 @@
 A fleet's databases past its look-outs' budget are polled (``fleet.Scout``): every poll
 interval, each is asked whether a target in it has work. Most of them, most of the
 time, have none, and asking costs a connection to each. One connection per server can
-read ``pg_stat_database`` for every database on it instead, and a database whose write
-counters (``tup_inserted``, ``tup_updated``, ``tup_deleted``, and ``stats_reset``) have
-not moved since its last look, and whose last look said its next job falls due later
-than now, has nothing new: its look is skipped (``must_look``).
+read ``pg_stat_database`` and ``pg_stat_activity`` for every database on it instead
+(``database_counters``), and a database whose write counters (``tup_inserted``,
+``tup_updated``, ``tup_deleted``, and ``stats_reset``) have not moved since its last
+look, none of whose client backends changed state since, and whose last look said its
+next job falls due later than now, has nothing new: its look is skipped
+(``must_look``).
 
 Why that is safe, and its bounds:
 
@@ -16,13 +18,17 @@ Why that is safe, and its bounds:
               pause's end): the look remembers the earliest of the clock's
               (``target_due``'s ``next_in``), and a write moves the counters
     lag       a backend's counters reach the shared statistics when it goes idle, at
-              most once a second: a backend that flushed less than a second before
-              holds them up to 10 s (PostgreSQL 15+; the collector's 0.5 s before), so a
-              write may be seen that much later; and ``every`` (the dispatcher's
-              ``quiet_look_interval``) bounds any miss: every database is looked at at
-              least that often, counters or not
-    baseline  the counters a look is compared against are the ones read before it: a
-              write after that read is seen by the look or moves them for the next round
+              most once a second, and one that flushed less than a second before holds
+              them up to 10 s (PostgreSQL 15+; the collector's 0.5 s before); a backend
+              that exits flushes at once. A live backend's commit is seen at once
+              instead as its state change (``changed_at``: ``pg_stat_activity``, of
+              the client backends not named ``outbox ...``, the dispatchers' own), when
+              the reading role may see that backend (the same role, or
+              ``pg_read_all_stats``); otherwise its write is seen within that lag. And
+              ``every`` (the dispatcher's ``quiet_look_interval``) bounds any miss:
+              every database is looked at at least that often, whatever it shows
+    baseline  what a look is compared against was read before it: a write after that
+              read is seen by the look or shows at a later round
     identity  a row is matched to a database by the server's start time and the
               database's oid, both read by the look itself on its own connection: a
               restarted server, a database dropped and made again, or a connection
@@ -78,6 +84,9 @@ class Counters:
     tup_updated: int
     tup_deleted: int
     stats_reset: float | None
+    read_at: float = 0.0  # the server's clock when read (epoch seconds)
+    # the latest state change of its client backends but dispatchers' (None: none seen)
+    changed_at: float | None = None
 
     @property
     def identity(self) -> Identity:
@@ -141,7 +150,8 @@ def server_key(dsn: str) -> str | None:
 def must_look(seen: Seen | None, rows: ServerRows | None, now: float, *,
               every: float) -> bool:
     """Whether a polled database must be looked at now: unless its counters stand
-    where they stood before its last look, that look said no job falls due before
+    where they stood before its last look, none of its client backends (dispatchers'
+    aside) changed state since they were read, that look said no job falls due before
     now, and it was less than ``every`` seconds ago. A database never looked at, or
     whose row is missing (counters unreadable, another server, a pooler), is looked at."""
     if seen is None or rows is None:
@@ -153,6 +163,8 @@ def must_look(seen: Seen | None, rows: ServerRows | None, now: float, *,
         return True
     if seen.next_due is not None and now >= seen.next_due:
         return True
+    if current.changed_at is not None and current.changed_at > seen.counters.read_at:
+        return True  # a backend did something since: a commit, seen before its counters
     return current.writes != seen.counters.writes
 
 

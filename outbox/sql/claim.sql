@@ -262,12 +262,25 @@ date_part('epoch', least(
 -- Every database's write counters on this server (pg_stat_database, readable by any
 -- role), and the server's start time, which with datid says which database a row is:
 -- a fleet's polling look-out skips a database whose counters stand still since its
--- last look (outbox/_dispatch/looks.py). Read in autocommit: each statement a fresh
--- statistics snapshot (stats_fetch_consistency caches one per transaction).
+-- last look (outbox/_dispatch/looks.py). The counters lag (a backend flushes its own at
+-- most once a second, holding them up to 10 s when it flushed less than a second
+-- before); changed_at does not: the latest state change of the database's client
+-- backends other than dispatchers' (pg_stat_activity, live; NULL for the backends of
+-- roles this one may not see), which a commit moves at once. Read in autocommit: each
+-- statement a fresh snapshot (stats_fetch_consistency caches one per transaction).
 SELECT date_part('epoch', pg_postmaster_start_time()) AS server, d.datid,
        d.xact_commit, d.tup_inserted, d.tup_updated, d.tup_deleted,
-       date_part('epoch', d.stats_reset) AS stats_reset
+       date_part('epoch', d.stats_reset) AS stats_reset,
+       date_part('epoch', statement_timestamp()) AS read_at,
+       date_part('epoch', a.changed_at) AS changed_at
 FROM pg_stat_database d
+LEFT JOIN (
+    SELECT s.datid, max(s.state_change) AS changed_at
+    FROM pg_stat_activity s
+    WHERE s.backend_type = 'client backend' AND s.pid <> pg_backend_pid()
+      AND NOT starts_with(s.application_name, 'outbox ')
+    GROUP BY s.datid
+) a ON a.datid = d.datid
 WHERE d.datid <> 0;
 
 -- name: database_identity

@@ -12,6 +12,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -20,6 +21,8 @@ import pytest
 import outbox
 from outbox import AsyncDispatcher, Dispatcher, Effect, Job, Target
 from outbox._dispatch.fleet import Fleet
+from outbox._dispatch.looks import Counters, Identity, Seen, look, must_look, read_counters
+from outbox._steps import execute, run
 from outbox.observe import DispatchObserver
 
 from .support import Databases
@@ -195,3 +198,40 @@ def test_quiet_databases_are_skipped_and_their_work_is_still_noticed(
     assert fleet.looks > looks
     assert opened.snapshot().get("sync scout", 0) == before.get("sync scout", 0), (
         before, opened.snapshot())
+
+
+def test_a_commit_on_a_live_connection_shows_at_once_and_a_dispatchers_does_not(
+        databases: Databases) -> None:
+    # An application's kept connection that enqueues twice within a second holds its
+    # second write's counters up to 10 s (PostgreSQL 15+); its state change is seen at
+    # once. A dispatcher's own connections (``outbox <role> ...``: its looks and turns)
+    # change nothing the look-out compares.
+    target = Target(databases.make("outbox"))
+    with (psycopg.connect(target.dsn, autocommit=True) as reader,
+          psycopg.connect(target.dsn, autocommit=True) as app,
+          psycopg.connect(target.dsn, autocommit=True,
+                          application_name="outbox claimer test") as ours):
+        identity = run(look(["outbox"], "{}"), partial(execute, reader)).identity
+        assert identity is not None
+
+        def current() -> dict[Identity, Counters]:
+            return run(read_counters("outbox"), partial(execute, reader))
+
+        for n in range(2):  # the first may flush the counters, the second is held
+            with outbox.transaction(app) as tx:
+                tx.enqueue(Done.name, key=f"warm-{n}", payload={})
+        before = current()
+        last = Seen(before[identity], at=0.0, next_due=None)
+        ours.execute("SELECT count(*) FROM outbox.jobs")
+        with outbox.transaction(ours) as tx:
+            tx.enqueue(Done.name, key="by-a-dispatcher", payload={})
+        # the application's last state change still the latest seen (the reader's own
+        # is never counted)
+        assert current()[identity].changed_at == last.counters.changed_at is not None
+        before = current()
+        last = Seen(before[identity], at=0.0, next_due=None)
+        with outbox.transaction(app) as tx:
+            tx.enqueue(Done.name, key="live", payload={})
+        after = current()[identity]
+        assert after.changed_at is not None and after.changed_at > last.counters.read_at
+        assert must_look(last, {identity: after}, 1.0, every=3600)

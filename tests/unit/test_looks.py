@@ -24,8 +24,10 @@ from outbox._dispatch.looks import (
 
 EVERY = 30.0
 HERE = Identity(server=1_700_000_000.25, datid=16_384)
+READ_AT = 1_765_000_000.5  # the server's clock when BEFORE was read
 BEFORE = Counters(server=HERE.server, datid=HERE.datid, xact_commit=100, tup_inserted=10,
-                  tup_updated=5, tup_deleted=1, stats_reset=None)
+                  tup_updated=5, tup_deleted=1, stats_reset=None, read_at=READ_AT,
+                  changed_at=READ_AT - 60)
 
 
 def rows(*counters: Counters) -> dict[Identity, Counters]:
@@ -53,6 +55,17 @@ def test_a_transaction_that_wrote_nothing_does_not_count_as_a_move() -> None:
 ])
 def test_a_counter_that_moved_is_looked_at(moved: dict[str, Any]) -> None:
     assert must_look(seen(), rows(dataclasses.replace(BEFORE, **moved)), 101.0, every=EVERY)
+
+
+def test_a_backend_that_changed_state_since_the_read_is_looked_at() -> None:
+    # a commit not yet in the counters (its backend holds them up to 10 s): its state
+    # change is seen at once
+    later = dataclasses.replace(BEFORE, read_at=READ_AT + 1, changed_at=READ_AT + 0.2)
+    assert must_look(seen(), rows(later), 101.0, every=EVERY)
+    # state changes up to the read, or none seen (no other backend, or hidden): counters
+    for changed_at in (READ_AT, READ_AT - 5, None):
+        still = dataclasses.replace(BEFORE, read_at=READ_AT + 1, changed_at=changed_at)
+        assert not must_look(seen(), rows(still), 101.0, every=EVERY), changed_at
 
 
 def test_the_quiet_interval_passed_is_looked_at() -> None:
