@@ -14,10 +14,13 @@ limits (counted in each target's database), flows, reconciliation, retention.
               the channel of every target schema in it (an enqueue makes that target due
               at once) and, every poll interval, asks each idle target whether it has
               work (one small query). Databases past the budget share one scout, and are
-              polled only: under ``Dispatcher`` its looks take their connection from the
-              turns' pool (a kept one when the database had recent work) and give it
+              polled only: its looks take their connection from the turns' pool (either
+              flavour's: an ``AsyncDispatcher``'s looks run on its loop) and give it
               back for the turn they wake, or as the first to go; a polled target's
-              chores turn starts from its look, which holds a connection to it
+              chores turn starts from its look. Each round it first reads each server's
+              counters on one kept connection, and skips the databases that show
+              nothing new since their last look (``looks``), each still looked at every
+              ``quiet_look_interval``
     turns     at most ``slots`` engines run at once (each holds ENGINE_CONNECTIONS, or
               one more when an effect reconciles); a due target waits for a free slot,
               the least recently served first, and a turn lasts at most TURN seconds: a
@@ -293,7 +296,8 @@ class Scout:
     """The look-out of some databases: a due check of each idle target every poll
     interval. ``persistent`` (one database): keeps its connection and LISTENs on its
     targets' channels, so an enqueue wakes its target at once; else (the databases past
-    the connection budget) one connection at a time, opened for a look and closed."""
+    the connection budget) one connection at a time, from the turns' pool, and only for
+    the databases whose servers' counters show something new (``poll``)."""
 
     def __init__(self, fleet: Fleet, dsns: frozenset[str], label: str, *,
                  persistent: bool) -> None:
