@@ -373,6 +373,8 @@ class Scout:
         """A round of the databases past the budget: each with an idle target is looked
         at, but those its server's counters show quiet since their last look
         (``looks.must_look``), read first on one connection per server."""
+        for gone in self.fleet.seen.keys() - by_dsn.keys():  # removed, or listened to now
+            self.fleet.seen.pop(gone, None)
         now = time.monotonic()
         idle = {dsn: found for dsn, found in by_dsn.items()
                 if not all(s.active or s.due or s.retry_at > now for s in found)}

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -133,6 +134,7 @@ class Seen:
     next_due: float | None
 
 
+@lru_cache(maxsize=4096)
 def server_key(dsn: str) -> str | None:
     """The server a connection string names, for reading its databases' counters on
     one connection: host, address and port; None when it cannot be told (several
