@@ -476,11 +476,12 @@ class Scout:
         settings = states[0].engine.settings
         key, *others = [(s.engine.settings.conninfo, role) for role in ("claimer", "recorder")
                         for s in states]
-        if self.fleet.pool is None:
-            assert self.fleet.async_pool is not None and self.fleet.loop is not None
-            return self.on_loop(self.fleet.loop, on_async_pool(
-                self.fleet.async_pool, key, others, settings, step, recent))
-        pool = self.fleet.pool
+        pool, async_pool, loop = self.fleet.pool, self.fleet.async_pool, self.fleet.loop
+        if pool is None:
+            if async_pool is None or loop is None:
+                raise Gone  # the run ended under this look
+            return self.on_loop(loop, on_async_pool(async_pool, key, others, settings,
+                                                    step, recent))
         conn = pool.take(key, partial(connect, settings, "claimer"), *others)
         finished = False
         try:
