@@ -6,11 +6,13 @@ interval ago; anything it cannot compare is looked at."""
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
 
+from outbox import AsyncDispatcher, ConfigurationError, Dispatcher, Effect, Job, Target
 from outbox._dispatch.looks import (
     Counters,
     Due,
@@ -137,3 +139,24 @@ def test_a_look_that_cannot_be_compared_later_is_not_remembered(
 ])
 def test_the_server_of_a_connection_string(dsn: str, key: str | None) -> None:
     assert server_key(dsn) == key
+
+
+class _Noop(Effect):
+    name = "test.noop"
+
+    def perform(self, job: Job) -> None:
+        return None
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "30", None])
+def test_a_quiet_look_interval_that_is_no_positive_duration_is_refused(bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match="quiet_look_interval must be a positive"):
+        Dispatcher(effects=[_Noop()], targets=[Target("dbname=tenant")],
+                   quiet_look_interval=bad)
+
+
+def test_a_quiet_look_interval_is_seconds_or_a_timedelta() -> None:
+    for given in (timedelta(minutes=2), 120):
+        fleet = AsyncDispatcher(effects=[_Noop()], targets=[Target("dbname=tenant")],
+                                quiet_look_interval=given)._fleet
+        assert fleet is not None and fleet.quiet_look_interval == 120.0
