@@ -3,7 +3,8 @@ are over, rounds go by in which the polling look-out reads the server's counters
 (``pg_stat_database``) on a kept connection and opens none, yet a job enqueued into one
 of them is noticed by its counters and done, and a job enqueued to run later is looked
 at again when it falls due: with ``quiet_look_interval`` at an hour, nothing else could
-have found them. ``AsyncDispatcher``'s look-out does the same on its async pool.
+have found them. ``AsyncDispatcher``'s look-out does the same on its async pool. A
+database behind a pooler is looked at every round, as before.
 (Counted and awaited, never timed; the skip rule alone: tests/unit/test_looks.py.)"""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
 from outbox import AsyncDispatcher, Dispatcher, Effect, Job, Target
@@ -25,6 +27,7 @@ from outbox._dispatch.looks import Counters, Identity, Seen, look, must_look, re
 from outbox._steps import execute, run
 from outbox.observe import DispatchObserver
 
+from ..operations import pgbouncer
 from .support import Databases
 from .test_fleet import wait_for
 
@@ -235,3 +238,42 @@ def test_a_commit_on_a_live_connection_shows_at_once_and_a_dispatchers_does_not(
         after = current()[identity]
         assert after.changed_at is not None and after.changed_at > last.counters.read_at
         assert must_look(last, {identity: after}, 1.0, every=3600)
+
+
+def test_a_database_behind_a_pooler_is_looked_at_every_round(
+        dsn: str, databases: Databases) -> None:
+    # Through a pooler, the look's connection may reach any session of the pool: the
+    # look-out never skips it, while the quiet databases reached directly are skipped.
+    bouncer = pgbouncer.start(dsn)
+    try:
+        names = [databases.make("outbox") for _ in range(4)]
+        pooled = Target(make_conninfo(bouncer.dsn, dbname=conninfo_to_dict(names[0])["dbname"]))
+        targets = [pooled, *(Target(name) for name in names[1:])]
+        effect, watch = Done(), FirstTurns(len(targets))
+        dispatcher = Dispatcher(effects=[effect], targets=targets, max_connections=4,
+                                poll_interval=0.1, quiet_look_interval=timedelta(hours=1),
+                                observer=watch)
+        fleet = fleet_of(dispatcher)
+        runner = threading.Thread(target=dispatcher.run, name="test-runner")
+        runner.start()
+        try:
+            assert watch.all_up.wait(120), f"only {len(watch.up)} targets served"
+            polled = [t for t in targets if not any(
+                s.persistent and t.dsn in key for key, s in fleet.scouts.items())]
+            assert pooled in polled and len(polled) == 3, polled
+            direct = [t for t in polled if t is not pooled]
+            wait_for(lambda: all(t.dsn in fleet.seen for t in direct), "the direct looks")
+            skipped, looks = fleet.skipped, fleet.looks
+            wait_for(lambda: fleet.skipped >= skipped + 10 * len(direct)
+                     and fleet.looks >= looks + 10, "ten rounds")
+            assert pooled.dsn not in fleet.seen  # never remembered: looked at each round
+            with psycopg.connect(pooled.dsn, prepare_threshold=None) as conn, \
+                    outbox.transaction(conn) as tx:
+                tx.enqueue(Done.name, key="pooled", payload={})
+            assert effect.event("pooled").wait(120), "the job enqueued through the pooler"
+        finally:
+            dispatcher.stop()
+            runner.join(60)
+        assert not runner.is_alive()
+    finally:
+        bouncer.stop()
