@@ -16,7 +16,7 @@ Why that is safe, and its bounds:
               completion freeing its ordering key, an operator's retry, a parent's
               done) or by the clock (its ``available_at``, a lease's end, a group
               pause's end): the look remembers the earliest of the clock's
-              (``target_due``'s ``next_in``), and a write moves the counters
+              (``target_due_next``'s ``next_in``), and a write moves the counters
     lag       a backend's counters reach the shared statistics when it goes idle, at
               most once a second, and one that flushed less than a second before holds
               them up to 10 s (PostgreSQL 15+; the collector's 0.5 s before); a backend
@@ -108,7 +108,8 @@ class Due:
     """One target's answer to a look (``target_due``)."""
 
     due: bool
-    next_in: float | None  # seconds until a job could be due with nothing written
+    # seconds until a job could be due with nothing written (asked with ``identify``)
+    next_in: float | None = None
 
 
 @dataclass(frozen=True)
@@ -202,18 +203,19 @@ def read_counters(schema: str) -> Step[dict[Identity, Counters]]:
 
 def look(schemas: Sequence[str], effects: str, *, identify: bool = True) -> Step[Looked]:
     """Ask each of one database's target ``schemas`` whether it has work for
-    ``effects`` (a text array literal: ``Settings.effect_names``) and when it next
-    could, after (``identify``) where the connection is (``database_identity``). A
-    schema missing or unreadable is that target's answer; any other error ends the
-    look."""
+    ``effects`` (a text array literal: ``Settings.effect_names``); with ``identify``
+    (the polling look-out's looks), where the connection is (``database_identity``)
+    first, and when each next could (``target_due_next``). A schema missing or
+    unreadable is that target's answer; any other error ends the look."""
     found: list[Identity] = []
     if identify:
         found = yield Statement(queries(schemas[0]).database_identity, {}, row=Identity)
     answers: dict[str, Due | psycopg.Error] = {}
     for schema in schemas:
         try:
-            rows = yield Statement(queries(schema).target_due, {"effects": effects},
-                                   row=Due)
+            q = queries(schema)
+            rows = yield Statement(q.target_due_next if identify else q.target_due,
+                                   {"effects": effects}, row=Due)
         except UNREADABLE as exc:
             answers[schema] = exc
             continue

@@ -229,24 +229,32 @@ SELECT EXISTS (
     WHERE {claimable} AND j.effect = %(effect)s::text
 ) AS claimable;
 
--- name: target_due
+-- fragment: target_is_due
 -- Whether a dispatcher serving several targets should give this one a turn: a job of
 -- %(effects)s claimable now (fragment claimable), or one whose lease expired (its worker
 -- died: a turn rescues it). Running jobs held by live workers elsewhere are theirs.
--- next_in: the seconds until one could be due with nothing written meanwhile (the
--- earliest of a pending job's future available_at, one effect at a time down
--- jobs_claimable_effect, a running job's lease_until, a group pause's end); NULL when
--- nothing is pending, running or paused. Anything else that makes a job claimable is a
--- write (an enqueue, a completion freeing an ordering key, an operator's retry), which
--- the database's statistics show (database_counters).
-SELECT EXISTS (
+EXISTS (
     SELECT 1 FROM {schema}.jobs j
     WHERE {claimable} AND j.effect = ANY(%(effects)s::text[])
 ) OR EXISTS (
     SELECT 1 FROM {schema}.jobs j
     WHERE j.status = 'running' AND j.lease_until < now()
       AND j.effect = ANY(%(effects)s::text[])
-) AS due,
+)
+
+-- name: target_due
+-- Whether a target is due (fragment target_is_due): a listening look-out's check.
+SELECT {target_is_due} AS due;
+
+-- name: target_due_next
+-- target_due, and next_in: the seconds until it could be due with nothing written
+-- meanwhile (the earliest of a pending job's future available_at, one effect at a time
+-- down jobs_claimable_effect, a running job's lease_until, a group pause's end); NULL
+-- when nothing is pending, running or paused. Anything else that makes a job claimable
+-- is a write (an enqueue, a completion freeing an ordering key, an operator's retry),
+-- which the database's statistics show (database_counters). The polling look-out's
+-- look: it skips the database until then while nothing is written there.
+SELECT {target_is_due} AS due,
 date_part('epoch', least(
     (SELECT min(n.at) FROM unnest(%(effects)s::text[]) AS e(effect)
      CROSS JOIN LATERAL (SELECT j.available_at AS at FROM {schema}.jobs j
