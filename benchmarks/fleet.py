@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -47,6 +47,7 @@ from outbox.observe import DispatchObserver
 
 from ._db import fresh_database, migrated, server, settle
 from ._effects import NOOP, Noop, payload
+from ._stats import percentile
 
 log = logging.getLogger("benchmarks")
 
@@ -61,6 +62,11 @@ class Counts:
     jobs: int = 0
     seconds: float = 0.0
     looks: int = 0  # databases the polling look-out looked at
+    skipped: int = 0  # ... and skipped: their server's counters stood still
+    tasks: int = 0  # asyncio tasks started on AsyncDispatcher's loop
+    # commit-to-done (the ledger's recorded_at less the job's created_at) of the jobs fed
+    # into polled databases (past the look-outs' budget), seconds
+    polled_done: list[float] = field(default_factory=list)
 
     @property
     def all_connections(self) -> int:
@@ -73,6 +79,7 @@ class Counts:
 class _Counter:
     counting = False
     threads = 0
+    tasks = 0
     connections = 0
     scout_connections = 0
     lock = threading.Lock()
@@ -135,9 +142,23 @@ class _FirstTurns(DispatchObserver):
                 self.all_up.set()
 
 
+async def _counting_tasks(dispatcher: AsyncDispatcher) -> None:
+    """``dispatcher.run()``, counting the tasks its loop starts while counting is on."""
+    loop = asyncio.get_running_loop()
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+        if _Counter.counting:
+            with _Counter.lock:
+                _Counter.tasks += 1
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(factory)
+    await dispatcher.run()
+
+
 def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
             seed: int, max_connections: int, flavour: str = "sync",
-            share_looks: bool = True) -> Counts:
+            share_looks: bool = True, skip_quiet: bool = True, tag: str = "") -> Counts:
     """One run of the fleet over ``targets``: the counts of the measured window."""
     watch = _FirstTurns(len(targets))
     kind = AsyncDispatcher if flavour == "async" else Dispatcher
@@ -146,8 +167,9 @@ def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
     assert dispatcher._fleet is not None
     dispatcher._fleet.shared = shared
     dispatcher._fleet.share_looks = share_looks
+    dispatcher._fleet.skip_quiet = skip_quiet
     if isinstance(dispatcher, AsyncDispatcher):
-        runner = threading.Thread(target=asyncio.run, args=(dispatcher.run(),),
+        runner = threading.Thread(target=asyncio.run, args=(_counting_tasks(dispatcher),),
                                   name="bench-fleet")
     else:
         runner = threading.Thread(target=dispatcher.run, name="bench-fleet")
@@ -160,7 +182,10 @@ def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
                 raise RuntimeError(f"only {len(watch.up)} of {len(targets)} targets served "
                                    "within 600 s")
             counter.threads = counter.connections = counter.scout_connections = 0
-            looks = dispatcher._fleet.looks
+            counter.tasks = 0
+            looks, skipped = dispatcher._fleet.looks, dispatcher._fleet.skipped
+            listened = {dsn for key, scout in dispatcher._fleet.scouts.items()
+                        if scout.persistent for dsn in key}
             counter.counting = True
             began = time.monotonic()
             feeders: dict[str, psycopg.Connection[Any]] = {}
@@ -171,7 +196,7 @@ def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
                     if target.dsn not in feeders:
                         feeders[target.dsn] = psycopg.connect(target.dsn, autocommit=True)
                     with outbox.transaction(feeders[target.dsn], schema=target.schema) as tx:
-                        tx.enqueue(NOOP, key=f"{'s' if shared else 'e'}-{n}", payload=payload(n))
+                        tx.enqueue(NOOP, key=f"{tag}-{n}", payload=payload(n))
                     n += 1
                     time.sleep(max(0.0, began + n / rate - time.monotonic()))
             finally:
@@ -183,11 +208,38 @@ def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
                 counter.threads, counter.connections, n)
             counts.scout_connections = counter.scout_connections
             counts.looks = dispatcher._fleet.looks - looks
+            counts.skipped = dispatcher._fleet.skipped - skipped
+            counts.tasks = counter.tasks
+            polled = [t for t in targets if t.dsn not in listened]
+            counts.polled_done = _commit_to_done(targets, polled, tag, n)
         finally:
             counter.counting = False
             dispatcher.stop()
             runner.join(120)
     return counts
+
+
+def _commit_to_done(targets: list[Target], polled: list[Target], tag: str,
+                    fed: int) -> list[float]:
+    """Once every job fed is done (at most 300 s), the commit-to-done of those fed into
+    ``polled``: the ledger's ``recorded_at`` less the job's ``created_at`` (the server's
+    clock, both)."""
+    like = f"{tag}-%"
+    deadline = time.monotonic() + 300
+    while _done(targets, like) < fed:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {_done(targets, like)} of {fed} jobs done in 300 s")
+        time.sleep(1.0)
+    found: list[float] = []
+    for target in polled:
+        with psycopg.connect(target.dsn, autocommit=True) as conn:
+            rows = conn.execute(sql.SQL(
+                "SELECT extract(epoch FROM r.recorded_at - j.created_at)::float8 "
+                "FROM {schema}.jobs j JOIN {schema}.effect_results r ON r.key = j.key "
+                "WHERE j.key LIKE %s").format(schema=sql.Identifier(target.schema)),
+                (like,)).fetchall()
+        found.extend(float(r[0]) for r in rows)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=46)
     parser.add_argument("--async", dest="flavour", action="store_const", const="async",
                         default="sync", help="AsyncDispatcher's fleet (turns as tasks)")
+    parser.add_argument("--looks-only", action="store_true", help="with --databases: only "
+                        "the runs looking every round and reading the counters first")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     width = max(3, len(str(args.schemas - 1)))
@@ -230,18 +284,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.schemas} targets ({layout}) migrated in {time.monotonic() - began:.0f} s; "
               f"{kind}, window {args.seconds:g} s, {args.rate:g} jobs/s, "
               f"max_connections={args.max_connections}", flush=True)
-        # Past the look-outs' budget (databases only, and only Dispatcher's run: its
-        # polling look-out shares the turns' pool), the turns' pool shared with the
-        # looks or apart from them.
-        runs = [("each turn its own", False, False), ("shared", True, True)]
-        if args.databases and args.flavour == "sync":
-            runs.insert(1, ("looks apart", True, False))
+        # (label, shared, share_looks, skip_quiet). Past the look-outs' budget
+        # (databases only): the turns' pool shared with the looks or apart from them
+        # (Dispatcher's), then every polled database looked at each round as before
+        # (AsyncDispatcher's looks apart, as they were) against the counters read first.
+        runs = [("each turn its own", False, False, False)]
+        if not args.databases:
+            runs.append(("shared", True, True, True))
+        else:
+            if args.flavour == "sync":
+                runs.append(("looks apart", True, False, False))
+            runs += [("looks every round", True, args.flavour == "sync", False),
+                     ("counters first", True, True, True)]
+            if args.looks_only:
+                runs = runs[-2:]
         results = {}
-        for label, shared, share_looks in runs:
+        for n, (label, shared, share_looks, skip_quiet) in enumerate(runs):
             results[label] = measure(targets, shared=shared, seconds=args.seconds,
                                      rate=args.rate, seed=args.seed,
                                      max_connections=args.max_connections,
-                                     flavour=args.flavour, share_looks=share_looks)
+                                     flavour=args.flavour, share_looks=share_looks,
+                                     skip_quiet=skip_quiet, tag=f"r{n}")
             print(f"  {label}: {results[label].jobs} jobs fed, {_done(targets)} done so far",
                   flush=True)
     _table(results)
@@ -254,9 +317,10 @@ def _table(results: dict[str, Counts]) -> None:
     print()
     print(f"{'per minute':<22}" + "".join(f"{label:>20}" for label in labels)
           + "".join(f"{f'ratio {n + 1}/{n}':>10}" for n in range(1, len(labels))))
-    rows = (("threads", "threads started"), ("connections", "connections opened"),
+    rows = (("threads", "threads started"), ("tasks", "tasks started"),
+            ("connections", "connections opened"),
             ("scout_connections", "look-out connections"), ("all_connections", "all connections"),
-            ("looks", "polled looks"))
+            ("looks", "polled looks"), ("skipped", "skipped looks"))
     for what, label in rows:
         values = [results[name].per_minute(getattr(results[name], what)) for name in labels]
         ratios = "".join(f"{f'{v / b:.3f}' if b else '-':>10}"
@@ -270,15 +334,24 @@ def _table(results: dict[str, Counts]) -> None:
         print(f"{'connections per look':<22}" + "".join(f"{v:>20.2f}" for v in per_look)
               + "".join(f"{f'{v / b:.3f}' if b else '-':>10}"
                         for b, v in itertools.pairwise(per_look)))
+    # Not per minute: how long a job fed into a polled database took to be done.
+    print("commit-to-done of the jobs fed into polled databases, seconds:")
+    for q, name in ((0.5, "p50"), (0.95, "p95"), (1.0, "max")):
+        values = [percentile(results[n].polled_done, q) for n in labels]
+        print(f"{'  ' + name:<22}" + "".join(f"{v:>20.2f}" for v in values)
+              + "".join(f"{f'{v / b:.3f}' if b else '-':>10}"
+                        for b, v in itertools.pairwise(values)))
+    print(f"{'  jobs':<22}" + "".join(f"{len(results[n].polled_done):>20}" for n in labels))
 
 
-def _done(targets: list[Target]) -> int:
-    """Ledger rows over every target: the jobs done so far."""
+def _done(targets: list[Target], like: str = "%") -> int:
+    """Ledger rows over every target (whose key is ``like``): the jobs done so far."""
     total = 0
     for target in targets:
         with psycopg.connect(target.dsn, autocommit=True) as conn:
-            row = conn.execute(sql.SQL("SELECT count(*) FROM {}.effect_results").format(
-                sql.Identifier(target.schema))).fetchone()
+            row = conn.execute(sql.SQL("SELECT count(*) FROM {}.effect_results "
+                                       "WHERE key LIKE %s").format(
+                sql.Identifier(target.schema)), (like,)).fetchone()
         total += int(row[0]) if row else 0
     return total
 

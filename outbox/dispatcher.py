@@ -144,6 +144,7 @@ class _Options:
         targets: TargetsSource | None = None,
         targets_interval: float | timedelta = 30.0,
         max_connections: int = 16,
+        quiet_look_interval: float | timedelta = 30.0,
         limits_home: Target | str | None = None,
         schedules: Sequence[Schedule] | None = None,
         wait_for_replicas: bool | Sequence[str] = False,
@@ -188,7 +189,8 @@ class _Options:
         self._control = threading.RLock()  # re-entrant: a signal handler may call stop()
         self._fleet: Fleet | None = None
         if targets is not None:
-            self._fleet = self._make_fleet(targets, targets_interval, max_connections)
+            self._fleet = self._make_fleet(targets, targets_interval, max_connections,
+                                           quiet_look_interval)
         self._setup()
         guarded(self.settings.observer.effects_registered, sorted(self.settings.effects))
 
@@ -228,7 +230,8 @@ class _Options:
         """What a flavour prepares once, after the options are checked."""
 
     def _make_fleet(self, targets: TargetsSource, interval: float | timedelta,
-                    max_connections: int) -> Fleet:
+                    max_connections: int, quiet_look_interval: float | timedelta = 30.0,
+                    ) -> Fleet:
         """The fleet serving ``targets``, each with an engine of this flavour."""
         if not callable(targets) and (isinstance(targets, str | bytes | Target)
                                       or not isinstance(targets, Sequence)):
@@ -245,9 +248,15 @@ class _Options:
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
             raise ConfigurationError(
                 f"targets_interval must be a positive number of seconds, got {interval!r}")
+        quiet = (quiet_look_interval.total_seconds()
+                 if isinstance(quiet_look_interval, timedelta) else quiet_look_interval)
+        if isinstance(quiet, bool) or not isinstance(quiet, int | float) or quiet <= 0:
+            raise ConfigurationError("quiet_look_interval must be a positive number of "
+                                     f"seconds, got {quiet_look_interval!r}")
         return Fleet(targets, self._engine, settings=self.settings,
                      targets_interval=float(seconds), max_connections=max_connections,
-                     engine_connections=engine_connections)
+                     engine_connections=engine_connections,
+                     quiet_look_interval=float(quiet))
 
     def _same_options(self) -> dict[str, Any]:
         """This dispatcher's effects and options as keyword arguments, as they stand now
@@ -269,6 +278,7 @@ class _Options:
         """A dispatcher of this flavour with the same effects and options serving
         ``targets`` (``outbox run --target``, ``--targets``)."""
         return type(self)(targets=targets, max_connections=max_connections,
+                          quiet_look_interval=self._given["quiet_look_interval"],
                           **self._same_options())
 
     @property

@@ -160,17 +160,19 @@ class _Kept(Generic[C]):
     def held(self) -> int:
         return len(self.idle) + len(self.in_use) + self.opening
 
-    def reuse(self, key: Key) -> tuple[C | None, list[C]]:
-        """A kept connection of ``key`` to hand out (None: open one), and the ones to
-        close: dead ones met on the way and, when a new one must be opened in a full
-        pool, the least recently used idle ones of any key."""
+    def reuse(self, key: Key, *others: Key) -> tuple[C | None, list[C]]:
+        """A kept connection of ``key`` (or of any of ``others``) to hand out (None: open
+        one for ``key``), and the ones to close: dead ones met on the way and, when a
+        new one must be opened in a full pool, the least recently used idle ones of any
+        key."""
         evicted: list[C] = []
+        wanted = {key, *others}
         for ident, (kept_key, conn) in list(self.idle.items()):
-            if kept_key != key:
+            if kept_key not in wanted:
                 continue
             del self.idle[ident]
             if _reusable(conn):
-                self.in_use[ident] = key
+                self.in_use[ident] = kept_key
                 return conn, evicted
             evicted.append(conn)
         while self.idle and self.held() >= self.capacity:
@@ -248,10 +250,12 @@ class Pool(_Pooled[psycopg.Connection[Any]]):
     twin, over the same bookkeeping."""
 
     def take(self, key: Key, open_: Callable[[], psycopg.Connection[Any]],
-             ) -> psycopg.Connection[Any]:
-        """A connection for ``key``: a kept one, else a new one from ``open_``."""
+             *others: Key) -> psycopg.Connection[Any]:
+        """A connection for ``key``: a kept one (or one kept for any of ``others``, when
+        any will do: the polling look-out reads a server's statistics on a connection
+        to any database of it), else a new one from ``open_``."""
         with self._kept.lock:
-            found, evicted = self._kept.reuse(key)
+            found, evicted = self._kept.reuse(key, *others)
         for old in evicted:
             _close(old)
         if found is not None:
@@ -288,10 +292,11 @@ class AsyncPool(_Pooled[psycopg.AsyncConnection[Any]]):
 
     async def take(self, key: Key,
                    open_: Callable[[], Awaitable[psycopg.AsyncConnection[Any]]],
-                   ) -> psycopg.AsyncConnection[Any]:
-        """A connection for ``key``: a kept one, else a new one from ``open_``."""
+                   *others: Key) -> psycopg.AsyncConnection[Any]:
+        """A connection for ``key`` (or ``others``): a kept one, else a new one from
+        ``open_``."""
         with self._kept.lock:
-            found, evicted = self._kept.reuse(key)
+            found, evicted = self._kept.reuse(key, *others)
         for old in evicted:
             await _close_async(old)
         if found is not None:
@@ -304,10 +309,12 @@ class AsyncPool(_Pooled[psycopg.AsyncConnection[Any]]):
                 self._kept.opened_for(key, conn)
         return conn
 
-    async def give(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """Take ``conn`` back after a turn (or close it when it cannot be kept)."""
+    async def give(self, conn: psycopg.AsyncConnection[Any], *, recent: bool = True,
+                   ) -> None:
+        """Take ``conn`` back after a turn (or close it when it cannot be kept);
+        ``recent=False``: as the first to go (``Pool.give``)."""
         with self._kept.lock:
-            keep, evicted = self._kept.back(conn)
+            keep, evicted = self._kept.back(conn, recent=recent)
         for old in evicted if keep else [conn, *evicted]:
             await _close_async(old)
 

@@ -14,10 +14,13 @@ limits (counted in each target's database), flows, reconciliation, retention.
               the channel of every target schema in it (an enqueue makes that target due
               at once) and, every poll interval, asks each idle target whether it has
               work (one small query). Databases past the budget share one scout, and are
-              polled only: under ``Dispatcher`` its looks take their connection from the
-              turns' pool (a kept one when the database had recent work) and give it
+              polled only: its looks take their connection from the turns' pool (either
+              flavour's: an ``AsyncDispatcher``'s looks run on its loop) and give it
               back for the turn they wake, or as the first to go; a polled target's
-              chores turn starts from its look, which holds a connection to it
+              chores turn starts from its look. Each round it first reads each server's
+              counters on one kept connection, and skips the databases that show
+              nothing new since their last look (``looks``), each still looked at every
+              ``quiet_look_interval``
     turns     at most ``slots`` engines run at once (each holds ENGINE_CONNECTIONS, or
               one more when an effect reconciles); a due target waits for a free slot,
               the least recently served first, and a turn lasts at most TURN seconds: a
@@ -48,31 +51,43 @@ threads by ``Fleet.run`` (``Dispatcher``) and as tasks of one loop by
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import dict_row
 
 from .._enqueue import notify_channel
 from .._pg import configuration_error, is_pooled, unreachable
-from .._sql import queries
+from .._steps import Step, execute, execute_async, run, run_async
 from ..errors import ConfigurationError, DispatcherFailed, SchemaError
 from ..targets import Target
-from .connection import connect
+from .connection import connect, connect_async
 from .counting import DispatchStats
-from .crew import AsyncPool, Crew, Pool, Share, Started, start_thread, turn_share
+from .crew import AsyncPool, Crew, Key, Pool, Share, Started, start_thread, turn_share
+from .looks import (
+    Due,
+    Looked,
+    Seen,
+    ServerRows,
+    look,
+    must_look,
+    read_counters,
+    seen_after,
+    server_key,
+)
 from .network import network_options
 from .settings import Settings
 
-__all__ = ["CHORES_EVERY", "ENGINE_CONNECTIONS", "TURN", "Fleet", "Schedule"]
+__all__ = ["CHORES_EVERY", "ENGINE_CONNECTIONS", "QUIET_LOOK_EVERY", "TURN", "Fleet",
+           "Schedule"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -81,6 +96,9 @@ CHORES_EVERY = 60.0  # every target gets a turn this often, due or not (rescue, 
 ENGINE_CONNECTIONS = 2  # a turn's claimer and recorder (one more when an effect reconciles)
 RETRY_FIRST = 1.0  # seconds before a failed target is tried again, doubling ...
 RETRY_MAX = 60.0  # ... up to this
+QUIET_LOOK_EVERY = 30.0  # a polled database is looked at this often, counters still or not
+
+T = TypeVar("T")
 
 TargetsSource = Sequence[Target] | Callable[[], Sequence[Target]]
 
@@ -254,14 +272,32 @@ class Wait:
     seconds: float
 
 
-Step = Refresh | Turns | Wait
+RunStep = Refresh | Turns | Wait
+
+
+class Gone(Exception):
+    """``AsyncDispatcher``'s loop ended before a look it was given could run."""
+
+
+async def on_async_pool(pool: AsyncPool, key: Key, others: list[Key], settings: Settings,
+                        step: Step[T], recent: Callable[[T], bool]) -> tuple[T, bool]:
+    """``Scout.on_pool`` on ``AsyncDispatcher``'s pool, in its loop."""
+    conn = await pool.take(key, partial(connect_async, settings, "claimer"), *others)
+    finished = False
+    try:
+        result = await run_async(step, partial(execute_async, conn))
+        finished = True
+    finally:
+        await pool.give(conn, recent=finished and recent(result))
+    return result, is_pooled(conn)
 
 
 class Scout:
     """The look-out of some databases: a due check of each idle target every poll
     interval. ``persistent`` (one database): keeps its connection and LISTENs on its
     targets' channels, so an enqueue wakes its target at once; else (the databases past
-    the connection budget) one connection at a time, opened for a look and closed."""
+    the connection budget) one connection at a time, from the turns' pool, and only for
+    the databases whose servers' counters show something new (``poll``)."""
 
     def __init__(self, fleet: Fleet, dsns: frozenset[str], label: str, *,
                  persistent: bool) -> None:
@@ -287,6 +323,8 @@ class Scout:
             try:
                 self.look()
                 failures = 0
+            except Gone:
+                break
             except psycopg.Error as exc:
                 self.close()
                 failures += 1
@@ -317,16 +355,7 @@ class Scout:
             by_dsn: dict[str, list[TargetState]] = {}
             for state in states:
                 by_dsn.setdefault(state.target.dsn, []).append(state)
-            for found in by_dsn.values():
-                if self.stopping.is_set():
-                    return
-                try:
-                    self.look_at(found)
-                except (psycopg.Error, ConfigurationError) as exc:  # this database only
-                    with self.fleet.schedule.lock:
-                        for state in found:
-                            if not state.active:
-                                self.fleet.schedule.mark(state, up=False, error=exc)
+            self.poll(by_dsn)
             return
         conn = self.connect(states[0].target.dsn)
         if not is_pooled(conn):
@@ -340,30 +369,173 @@ class Scout:
             self.stopping.wait(self.fleet.poll_interval)
         self.check(conn, self.targets())
 
-    def look_at(self, found: list[TargetState]) -> None:
-        """One database past the budget, polled: its targets asked on a claimer
-        connection of the fleet's pool (``Dispatcher``'s shared run), a kept one when
-        there is one. Given back as recently used when a target is due (its turn takes
-        it next), else as the first to go: the pool keeps the connections of the
-        databases with recent work. Without a pool, one opened for the look."""
+    def poll(self, by_dsn: dict[str, list[TargetState]]) -> None:
+        """A round of the databases past the budget: each with an idle target is looked
+        at, but those its server's counters show quiet since their last look
+        (``looks.must_look``), read first on one connection per server."""
+        for gone in self.fleet.seen.keys() - by_dsn.keys():  # removed, or listened to now
+            self.fleet.seen.pop(gone, None)
         now = time.monotonic()
-        if all(s.active or s.due or s.retry_at > now for s in found):
+        idle = {dsn: found for dsn, found in by_dsn.items()
+                if not all(s.active or s.due or s.retry_at > now for s in found)}
+        counters = self.counters(idle) if self.skipping() else {}
+        for dsn, found in idle.items():
+            if self.stopping.is_set():
+                return
+            key = server_key(dsn)
+            rows = None if key is None else counters.get(key)
+            now = time.monotonic()
+            if not self.owes_chores(found, now) and not must_look(
+                    self.fleet.seen.get(dsn), rows, now, every=self.fleet.quiet_look_interval):
+                self.fleet.skipped += 1
+                continue
+            try:
+                self.look_at(dsn, found, rows)
+            except (psycopg.Error, ConfigurationError) as exc:  # this database only
+                self.fleet.seen.pop(dsn, None)
+                with self.fleet.schedule.lock:
+                    for state in found:
+                        if not state.active:
+                            self.fleet.schedule.mark(state, up=False, error=exc)
+
+    def counters(self, idle: dict[str, list[TargetState]]) -> dict[str, ServerRows]:
+        """The counters of every database of each server named among ``idle``, by
+        server, read on a connection the pool keeps to any database of it (a database
+        whose last look went well first, when one must be opened). A server whose
+        counters cannot be read is left out: its databases are looked at."""
+        servers: dict[str, list[TargetState]] = {}
+        for dsn, found in idle.items():
+            key = server_key(dsn)
+            if key is not None:
+                servers.setdefault(key, []).append(found[0])
+        read: dict[str, ServerRows] = {}
+        for key, states in servers.items():
+            if self.stopping.is_set():
+                break
+            states.sort(key=lambda s: s.target.dsn not in self.fleet.seen)
+            try:
+                read[key], _ = self.on_pool(states, read_counters(states[0].target.schema),
+                                            recent=lambda _: True)
+            except (psycopg.OperationalError, psycopg.InterfaceError,
+                    psycopg.errors.InsufficientPrivilege, ConfigurationError) as exc:
+                log.debug("the counters of %s could not be read (%s); its databases are "
+                          "looked at", states[0].target.database, type(exc).__name__)
+        self.fleet.counter_reads += len(read)
+        return read
+
+    def owes_chores(self, found: list[TargetState], now: float) -> bool:
+        """Whether an idle polled target of ``found`` is owed its chores turn (its look
+        starts it)."""
+        return any(s.polled and now - s.last_turn >= CHORES_EVERY and not s.active
+                   and not s.due and s.retry_at <= now for s in found)
+
+    def skipping(self) -> bool:
+        return self.fleet.skip_quiet and self.sharing()
+
+    def sharing(self) -> bool:
+        """Whether looks take their connections from the turns' pool (either flavour's)."""
+        return self.fleet.share_looks and (
+            self.fleet.pool is not None
+            or (self.fleet.async_pool is not None and self.fleet.loop is not None))
+
+    def look_at(self, dsn: str, found: list[TargetState], rows: ServerRows | None) -> None:
+        """One database past the budget, polled: its targets asked on a claimer
+        connection of the fleet's pool (the turns' pool of either flavour), a kept one
+        when there is one. Given back as recently used when a target is due (its turn
+        takes it next), else as the first to go: the pool keeps the connections of the
+        databases with recent work. What it found is remembered against ``rows``, the
+        counters read before it (``looks.seen_after``). Without a pool, one opened for
+        the look."""
+        states = self.asking(found)
+        if not states:
             return  # nothing to ask: no connection taken
         self.fleet.looks += 1  # one thread: the polling look-out's
-        pool = self.fleet.pool if self.fleet.share_looks else None
-        if pool is None:
+        if not self.sharing():
             try:
-                self.check(self.connect(found[0].target.dsn), found)
+                self.check(self.connect(dsn), states)
             finally:
                 self.close()
             return
-        settings = found[0].engine.settings
-        conn = pool.take((settings.conninfo, "claimer"), partial(connect, settings, "claimer"))
-        woke = False
+        at = time.monotonic()
+        schemas = [s.target.schema for s in states]
+        looked, pooled = self.on_pool(states, look(schemas, self.fleet.effect_names),
+                                      recent=lambda done: done.found_work)
+        self.settle(states, looked)
+        seen = seen_after(looked, rows, at, pooled=pooled) if len(states) == len(found) else None
+        if seen is None:
+            self.fleet.seen.pop(dsn, None)
+        else:
+            self.fleet.seen[dsn] = seen
+
+    def on_pool(self, states: list[TargetState], step: Step[T],
+                recent: Callable[[T], bool]) -> tuple[T, bool]:
+        """Run ``step`` on a connection of the turns' pool kept for any database of
+        ``states`` (else one opened for the first), and give it back (as recently used
+        when ``recent`` says so); its result, and whether that connection goes through
+        a pooler."""
+        settings = states[0].engine.settings
+        key, *others = [(s.engine.settings.conninfo, role) for role in ("claimer", "recorder")
+                        for s in states]
+        pool, async_pool, loop = self.fleet.pool, self.fleet.async_pool, self.fleet.loop
+        if pool is None:
+            if async_pool is None or loop is None:
+                raise Gone  # the run ended under this look
+            return self.on_loop(loop, on_async_pool(async_pool, key, others, settings,
+                                                    step, recent))
+        conn = pool.take(key, partial(connect, settings, "claimer"), *others)
+        finished = False
         try:
-            woke = self.check(conn, found)
+            result = run(step, partial(execute, conn))
+            finished = True
         finally:
-            pool.give(conn, recent=woke)
+            pool.give(conn, recent=finished and recent(result))
+        return result, is_pooled(conn)
+
+    def on_loop(self, loop: asyncio.AbstractEventLoop,
+                work: Coroutine[Any, Any, tuple[T, bool]]) -> tuple[T, bool]:
+        """``work`` run on ``AsyncDispatcher``'s loop, its answer awaited here; ``Gone``
+        when the loop ended first."""
+        future = asyncio.run_coroutine_threadsafe(work, loop)
+        while True:
+            try:
+                return future.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                if loop.is_closed() or not loop.is_running():
+                    future.cancel()
+                    raise Gone from None
+
+    def asking(self, states: list[TargetState]) -> list[TargetState]:
+        """Of ``states``, the idle ones to ask, not known due; a polled one owed its
+        chores is due without asking, and woken here."""
+        now = time.monotonic()
+        owed: list[TargetState] = []
+        asked: list[TargetState] = []
+        for state in states:
+            if state.active or state.due or state.retry_at > now:
+                continue
+            if state.polled and now - state.last_turn >= CHORES_EVERY:
+                owed.append(state)
+            else:
+                asked.append(state)
+        if owed:
+            self.fleet.wake_targets(owed)
+        return asked
+
+    def settle(self, states: list[TargetState], looked: Looked) -> bool:
+        """Wake the targets a look found due, mark down the ones it could not read;
+        whether one was woken."""
+        woken: list[TargetState] = []
+        for state in states:
+            answer = looked.answers.get(state.target.schema)
+            if isinstance(answer, Due):
+                if answer.due:
+                    woken.append(state)
+            elif answer is not None:  # this target's schema is missing or not readable
+                with self.fleet.schedule.lock:
+                    self.fleet.schedule.mark(state, up=False, error=answer)
+        if woken:
+            self.fleet.wake_targets(woken)
+        return bool(woken)
 
     def connect(self, dsn: str) -> psycopg.Connection[Any]:
         if self.conn is None or self.conn.closed:
@@ -385,31 +557,12 @@ class Scout:
     def check(self, conn: psycopg.Connection[Any], states: list[TargetState]) -> bool:
         """Ask each idle target that is not known due whether it has work (a polled one
         owed its chores is due without asking); whether one was woken."""
-        effects = self.fleet.effect_names
-        woke = False
-        for state in states:
-            now = time.monotonic()
-            if state.active or state.due or state.retry_at > now:
-                continue
-            if state.polled and now - state.last_turn >= CHORES_EVERY:
-                self.fleet.wake_targets([state])
-                woke = True
-                continue
-            try:
-                cursor = conn.cursor(row_factory=dict_row)
-                row = cursor.execute(queries(state.target.schema).target_due,
-                                     {"effects": effects}).fetchone()
-            except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName,
-                    psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedColumn,
-                    ) as exc:
-                # This target's schema is missing or not readable: the others go on.
-                with self.fleet.schedule.lock:
-                    self.fleet.schedule.mark(state, up=False, error=exc)
-                continue
-            if row is not None and row["due"]:
-                self.fleet.wake_targets([state])
-                woke = True
-        return woke
+        asked = self.asking(states)
+        if not asked:
+            return False
+        step = look([s.target.schema for s in asked], self.fleet.effect_names,
+                    identify=False)
+        return self.settle(asked, run(step, partial(execute, conn)))
 
     def close(self) -> None:
         if self.conn is not None:
@@ -424,7 +577,8 @@ class Fleet:
 
     def __init__(self, source: TargetsSource, make_engine: Callable[[Target], Any], *,
                  settings: Settings, targets_interval: float, max_connections: int,
-                 engine_connections: int) -> None:
+                 engine_connections: int, quiet_look_interval: float = QUIET_LOOK_EVERY,
+                 ) -> None:
         self.source = source
         self.make_engine = make_engine
         self.poll_interval = settings.poll_interval
@@ -447,7 +601,15 @@ class Fleet:
         # ``share_looks = False``: the polling look-out opens a connection of its own
         # per look, apart from the turns' pool (the cost it replaces, for the benchmark).
         self.share_looks = True
+        # ``skip_quiet = False``: every polled database is looked at each round, its
+        # counters unread (the cost it replaces, for the benchmark and the tests).
+        self.skip_quiet = True
+        self.quiet_look_interval = quiet_look_interval
+        self.seen: dict[str, Seen] = {}  # by connection string: each polled one's last look
         self.looks = 0  # databases looked at by the polling look-out (for the benchmark)
+        self.skipped = 0  # ... and not looked at: their counters stood still
+        self.counter_reads = 0  # servers whose counters it read
+        self.loop: asyncio.AbstractEventLoop | None = None  # AsyncDispatcher's, in a run
         self.crew: Crew | None = None
         self.pool: Pool | None = None
         self.async_pool: AsyncPool | None = None  # AsyncDispatcher's turns' connections
@@ -530,6 +692,8 @@ class Fleet:
             self._place_scouts()
         if self.pool is not None:  # the polling look-out may take from it before a turn
             self.pool.capacity = self._turns_share()
+        if self.async_pool is not None and self.share_looks:
+            self.async_pool.capacity = self._turns_share()
 
     def _place_scouts(self) -> None:
         """A scout per database with targets: persistent ones while the budget leaves a
@@ -648,8 +812,12 @@ class Fleet:
         if self.crew is None or self.async_pool is None:
             yield
             return
-        with self.schedule.lock:  # the turns' share: its look-outs keep connections apart
-            self.async_pool.capacity = self.schedule.slots * self.schedule.engine_connections
+        if self.share_looks:  # the polling look-out takes from it too
+            self.async_pool.capacity = self._turns_share()
+        else:
+            with self.schedule.lock:  # the turns' share: the look-outs' apart
+                self.async_pool.capacity = (self.schedule.slots
+                                            * self.schedule.engine_connections)
         share = Share(self.async_pool, self.crew.start,
                       schema_seen=getattr(state.engine, "_schema_seen", False))
         token = turn_share.set(share)
@@ -667,7 +835,7 @@ class Fleet:
 
     # -- a run: one policy (``_steps``), two drivers ---------------------------------------
 
-    def _steps(self, *, until_idle: bool, deadline: float | None) -> Iterator[Step]:
+    def _steps(self, *, until_idle: bool, deadline: float | None) -> Iterator[RunStep]:
         """What a run does, in order, whatever runs the turns: read the targets, start
         the turns the schedule chooses, wait for a wake-up or the clock; until stopped
         (or, ``until_idle``, until each target is idle or ``deadline`` passes)."""
@@ -731,6 +899,7 @@ class Fleet:
             watcher.start()
             if self.shared:
                 self.crew, self.async_pool = Crew("outbox-fleet"), AsyncPool(1)
+                self.loop = loop  # the polling look-out's looks run on it, on the pool
             try:
                 for step in self._steps(until_idle=until_idle, deadline=deadline):
                     if isinstance(step, Refresh):
@@ -754,7 +923,7 @@ class Fleet:
                 if self.crew is not None and self.async_pool is not None:
                     self.crew.close()
                     await self.async_pool.close()
-                self.crew, self.async_pool = None, None
+                self.crew, self.async_pool, self.loop = None, None, None
         return self.stats
 
     def _sleep(self, now: float, deadline: float | None) -> float:

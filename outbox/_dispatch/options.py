@@ -136,6 +136,10 @@ OPTIONS: tuple[Option, ...] = (
            unit=_SECONDS, settings=False),
     Option("max_connections", 16, "The most connections this process holds across all its "
            "targets.", unit="connections", settings=False, cli=("--max-connections",)),
+    Option("quiet_look_interval", 30.0, "With ``targets``: how often a polled database "
+           "(past the budget's listeners) is still looked at while its server's statistics "
+           "show no write in it since its last look and no job of it falls due; otherwise "
+           "every ``poll_interval``.", unit=_SECONDS, settings=False),
     Option("limits_home", None, "Where ``Limit(shared=True)`` limits are counted: an "
            "``outbox.Target``, or a connection string for schema ``outbox``.",
            cli=("--limits-home",)),

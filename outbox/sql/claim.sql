@@ -229,15 +229,71 @@ SELECT EXISTS (
     WHERE {claimable} AND j.effect = %(effect)s::text
 ) AS claimable;
 
--- name: target_due
+-- fragment: target_is_due
 -- Whether a dispatcher serving several targets should give this one a turn: a job of
 -- %(effects)s claimable now (fragment claimable), or one whose lease expired (its worker
 -- died: a turn rescues it). Running jobs held by live workers elsewhere are theirs.
-SELECT EXISTS (
+EXISTS (
     SELECT 1 FROM {schema}.jobs j
     WHERE {claimable} AND j.effect = ANY(%(effects)s::text[])
 ) OR EXISTS (
     SELECT 1 FROM {schema}.jobs j
     WHERE j.status = 'running' AND j.lease_until < now()
       AND j.effect = ANY(%(effects)s::text[])
-) AS due;
+)
+
+-- name: target_due
+-- Whether a target is due (fragment target_is_due): a listening look-out's check.
+SELECT {target_is_due} AS due;
+
+-- name: target_due_next
+-- target_due, and next_in: the seconds until it could be due with nothing written
+-- meanwhile (the earliest of a pending job's future available_at, one effect at a time
+-- down jobs_claimable_effect, a running job's lease_until, a group pause's end); NULL
+-- when nothing is pending, running or paused. Anything else that makes a job claimable
+-- is a write (an enqueue, a completion freeing an ordering key, an operator's retry),
+-- which the database's statistics show (database_counters). The polling look-out's
+-- look: it skips the database until then while nothing is written there.
+SELECT {target_is_due} AS due,
+date_part('epoch', least(
+    (SELECT min(n.at) FROM unnest(%(effects)s::text[]) AS e(effect)
+     CROSS JOIN LATERAL (SELECT j.available_at AS at FROM {schema}.jobs j
+                         WHERE j.status = 'pending' AND j.effect = e.effect
+                           AND j.available_at > now()
+                         ORDER BY j.available_at LIMIT 1) n),
+    (SELECT min(j.lease_until) FROM {schema}.jobs j
+     WHERE j.status = 'running' AND j.effect = ANY(%(effects)s::text[])),
+    (SELECT min(gp.paused_until) FROM {schema}.group_pauses gp WHERE gp.paused_until > now())
+) - now()) AS next_in;
+
+-- name: database_counters
+-- Every database's write counters on this server (pg_stat_database, readable by any
+-- role), and the server's start time, which with datid says which database a row is:
+-- a fleet's polling look-out skips a database whose counters stand still since its
+-- last look (outbox/_dispatch/looks.py). The counters lag (a backend flushes its own at
+-- most once a second, holding them up to 10 s when it flushed less than a second
+-- before); changed_at does not: the latest state change of the database's client
+-- backends other than dispatchers' (pg_stat_activity, live; NULL for the backends of
+-- roles this one may not see), which a commit moves at once. Read in autocommit: each
+-- statement a fresh snapshot (stats_fetch_consistency caches one per transaction).
+SELECT date_part('epoch', pg_postmaster_start_time()) AS server, d.datid,
+       d.xact_commit, d.tup_inserted, d.tup_updated, d.tup_deleted,
+       date_part('epoch', d.stats_reset) AS stats_reset,
+       date_part('epoch', statement_timestamp()) AS read_at,
+       date_part('epoch', a.changed_at) AS changed_at
+FROM pg_stat_database d
+LEFT JOIN (
+    SELECT s.datid, max(s.state_change) AS changed_at
+    FROM pg_stat_activity s
+    WHERE s.backend_type = 'client backend' AND s.pid <> pg_backend_pid()
+      AND NOT starts_with(s.application_name, 'outbox ')
+    GROUP BY s.datid
+) a ON a.datid = d.datid
+WHERE d.datid <> 0;
+
+-- name: database_identity
+-- Which database of which server a connection reached (matched against
+-- database_counters' rows): the server's start time and the database's oid.
+SELECT date_part('epoch', pg_postmaster_start_time()) AS server, d.oid AS datid
+FROM pg_database d
+WHERE d.datname = current_database();

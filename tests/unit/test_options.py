@@ -104,9 +104,10 @@ NOT_DEFAULT: dict[str, Any] = {
     "breaker_threshold": 2, "stop_timeout": 4, "limits_home": Target("dbname=home"),
     "schedules": [Schedule("tick", effect=Send.name, every=60)],
     "wait_for_replicas": True,
-    "targets_interval": 5, "max_connections": 9,
+    "targets_interval": 5, "max_connections": 9, "quiet_look_interval": 12,
 }
-FLEET_ONLY = {"targets", "targets_interval", "max_connections"}  # the fleet's, not an engine's
+# the fleet's, not an engine's
+FLEET_ONLY = {"targets", "targets_interval", "max_connections", "quiet_look_interval"}
 NOT_WITH_TARGETS = {"conninfo", "listen_conninfo", "schema"}  # each target has its own
 
 
@@ -125,6 +126,7 @@ def test_each_engine_of_a_fleet_gets_every_option_of_its_dispatcher() -> None:
     assert fleet._fleet is not None
     assert fleet._fleet.targets_interval == 5.0
     assert fleet._fleet.schedule.max_connections == 9
+    assert fleet._fleet.quiet_look_interval == 12.0
 
 
 def test_a_dispatcher_made_for_targets_keeps_every_option() -> None:
