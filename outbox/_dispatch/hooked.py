@@ -7,8 +7,9 @@ due) between them: a chunk is sized to take at most half a heartbeat interval at
 pace the last chunk was written (``HookedOutcomes.took``), and holds at most
 ``HOOKED_CHUNK_MAX`` outcomes. First optimistically (``fast``): the
 chunk's fenced status changes in one statement each (done + ledger rows; failed), then
-each hook whose job's fence held, their statements in one pipeline (``Pipelined``: one
-wait for them all, not a round trip a hook), then COMMIT. Should any hook raise, that
+each hook whose job's fence held, called one after the other by one instruction
+(``CallHooks``), their statements in one pipeline (one wait for them all, not a round
+trip a hook), then COMMIT. Should any hook raise, that
 transaction is rolled back whole and the chunk is written again (``mended``): the
 raising job settled from its hook's error in one fenced statement (the hook not called
 again), the rest in segments of ``HOOKED_SEGMENT``, each the same fast write inside a
@@ -32,23 +33,25 @@ what it writes through ``tx`` is once.
 
 The decisions are written once, as steps (``outbox._steps``) that yield ``Statement``s
 (run in the transaction), ``CallHook``s (the hook called with a transaction object of
-the flavour) and ``Pipelined`` (the chunk's hook statements sent in one pipeline):
-``in_transaction`` and ``in_transaction_async`` execute them, and the steps' two drivers
-run them. ``writing_hooked`` (a program of ``runtime``) writes on either flavour's
-connection; on ``AsyncDispatcher``'s, its sync hooks' items go to the same program driven
-on a thread, with a blocking connection of their own.
+the flavour) and ``CallHooks`` (a chunk's hooks, their statements in one pipeline):
+``in_transaction`` and ``in_transaction_async`` execute them, both flavours pipelined
+alike, and the steps' two drivers run them. ``writing_hooked`` (a program of
+``runtime``) writes on either flavour's connection; on ``AsyncDispatcher``'s, its sync
+hooks' items go to the same program driven on a thread, with a blocking connection of
+their own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -70,8 +73,8 @@ from .runtime import Blocking, Call, Program, Transaction, drive
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, guarded
 
-__all__ = ["HOOKED_CHUNK_MAX", "CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes",
-           "Pipelined", "Pipelines", "call_hook", "in_transaction", "in_transaction_async",
+__all__ = ["HOOKED_CHUNK_MAX", "CallHook", "CallHooks", "HookRaised", "HookStep", "Hooked",
+           "HookedOutcomes", "call_hook", "in_transaction", "in_transaction_async",
            "with_hooks", "writing_hooked"]
 
 log = logging.getLogger("outbox.dispatcher")
@@ -96,6 +99,21 @@ class CallHook:
     value: Any
 
 
+@dataclass(frozen=True, slots=True)
+class CallHooks:
+    """Call each of ``calls``, in order, in the transaction, their statements in one
+    psycopg pipeline, sent ``SENT_TOGETHER`` at a time or when a hook waits for an
+    answer (``_sent_together``), then waited for once, with the check that no hook
+    left the transaction aborted.
+    Answers the ids of the follow-up jobs each hook created, in order. A hook that raises
+    stops the calls: ``HookRaised`` with ``at`` its index; a statement's error (whose
+    hook is not known: in a pipeline it shows at a later statement, or at the wait)
+    ``HookRaised`` with ``at`` None. Python's cyclic garbage collector waits while the
+    hooks are called (``_collection_paused``)."""
+
+    calls: list[CallHook]
+
+
 HOOKED_CHUNK_MAX = 500
 """At most this many hooked outcomes are written in one transaction, however fast their
 hooks: past a few hundred a commit costs nothing more worth saving, while a hook that
@@ -114,11 +132,13 @@ take 0.64 s, inside the heartbeat interval of a lease of 2 s (0.67 s), and a com
 
 
 class HookRaised(Exception):
-    """Thrown into the step (raised by its executor): the hook raised ``error``."""
+    """Thrown into the step (raised by its executor): the hook raised ``error``; for
+    ``CallHooks``, ``at`` is the index of that hook (None: not known)."""
 
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error: Exception, at: int | None = None) -> None:
         super().__init__(error)
         self.error = error
+        self.at = at
 
 
 # What makes the optimistic write of a batch go careful: a hook raised, or left the
@@ -130,23 +150,9 @@ class HookLeftAborted(Exception):
     """The hook returned normally, but one of its statements had failed."""
 
 
-@dataclass(frozen=True, slots=True)
-class Pipelined:
-    """Enter (``on``) or leave psycopg's pipeline mode on the executor's connection: the
-    hooks of a chunk send their statements without waiting for each answer, and leaving
-    waits for them all (a statement's error raises there, as ``HookRaised``, whose hook
-    unknown), answering whether it checked that no hook left the transaction aborted.
-    An executor that answers each statement at once (asyncio) ignores it (None)."""
-
-    on: bool
-
-
-PIPELINE_ON = Pipelined(True)
-PIPELINE_OFF = Pipelined(False)
-
-HookStep = Generator[Statement | CallHook | Pipelined, Any, T]
+HookStep = Generator[Statement | CallHook | CallHooks, Any, T]
 """A step that calls hooks: yields ``Statement`` (sent rows), ``CallHook`` (sent the
-ids of the follow-up jobs the hook created) and ``Pipelined`` (sent None)."""
+ids of the follow-up jobs the hook created) and ``CallHooks`` (sent those of each)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -297,37 +303,31 @@ class HookedOutcomes:
         return [outcomes[id(item)] for item in items]
 
     def _fast_hooks(self, calls: list[tuple[Hooked, Any]]) -> HookStep[None]:
-        """Call each hook of ``calls``, their statements in one pipeline; then adopt
-        their follow-ups. Only the hooks run in the pipeline: what our statements
-        answer is known when they return."""
-        adoptions: list[tuple[Hooked, list[int]]] = []
-        yield PIPELINE_ON
+        """Call each hook of ``calls``, their statements in one pipeline (``CallHooks``:
+        one instruction for them all, one wait for their statements); then adopt their
+        follow-ups. Only the hooks run in the pipeline: what our statements answer is
+        known when they return. A hook that raises is ``calling`` (``mended`` settles
+        its job from ``raised``); a statement's error leaves ``calling`` None."""
+        self.calling = None
         try:
-            for item, value in calls:
-                self.calling = item  # the one to blame if the hook raises (``mended``)
-                try:
-                    created = yield CallHook(item.hook, item.held.job, value)
-                except HookRaised as raised:
-                    if isinstance(raised.error, psycopg.Error):
-                        self.calling = None  # perhaps an earlier hook's statement's
-                    else:
-                        item.raised = raised.error  # settled as it says (``mended``)
-                    self.raising = True
-                    raise
-                if created:
-                    adoptions.append((item, created))
-        except Exception:
-            with contextlib.suppress(Exception):  # what was raised first is what counts
-                yield PIPELINE_OFF
+            created = yield CallHooks([CallHook(item.hook, item.held.job, value)
+                                       for item, value in calls])
+        except HookRaised as raised:
+            self.raising = True
+            # A psycopg error, even raised through a hook, may be an earlier hook's
+            # statement's: whose, unknown.
+            if raised.at is not None and not isinstance(raised.error, psycopg.Error):
+                item = calls[raised.at][0]
+                item.raised = raised.error  # settled as it says (``mended``)
+                self.calling = item
             raise
-        self.calling = None  # from here on, an error is a statement's: whose, unknown
-        # Waits for every hook's statement (the first error raises); the executor's own
-        # check that no hook left the transaction aborted is in the same wait.
-        checked = yield PIPELINE_OFF
-        for item, created in adoptions:
-            yield Statement(self.queries.adopt_followups,
-                            {"parent": item.held.job.key, "ids": created})
-        if not checked or adoptions:
+        adopted = False
+        for (item, _), made in zip(calls, created, strict=True):
+            if made:
+                adopted = True
+                yield Statement(self.queries.adopt_followups,
+                                {"parent": item.held.job.key, "ids": made})
+        if adopted:
             yield Statement("SELECT 1", {})  # fails if a hook left the transaction aborted
 
     def mended(self, items: list[Hooked],
@@ -508,18 +508,17 @@ def call_hook(fn: Callable[..., Any], job: Job, value: Any,
 
 
 def in_transaction(conn: psycopg.Connection[Any],
-                   schema: str) -> Callable[[Statement | CallHook | Pipelined], Any]:
+                   schema: str) -> Callable[[Statement | CallHook | CallHooks], Any]:
     """Execute a ``HookStep``'s instructions on ``conn``, in its open transaction: a
     statement answers its rows; a hook is called with a ``HookTransaction`` and answers
-    the follow-ups it created, or raises ``HookRaised`` (see ``_hook_error``)."""
+    the follow-ups it created, or raises ``HookRaised`` (see ``_hook_error``); a
+    chunk's hooks (``CallHooks``) are called so, their statements in one pipeline."""
 
-    pipelines = Pipelines(conn)
-
-    def execute_instruction(instruction: Statement | CallHook | Pipelined) -> Any:
+    def execute_instruction(instruction: Statement | CallHook | CallHooks) -> Any:
         if isinstance(instruction, Statement):
             return execute(conn, instruction)
-        if isinstance(instruction, Pipelined):
-            return pipelines.switch(instruction)
+        if isinstance(instruction, CallHooks):
+            return _call_hooks(conn, schema, instruction.calls)
         tx = HookTransaction(conn, schema)
         try:
             instruction.fn(tx, instruction.job, instruction.value)
@@ -532,14 +531,14 @@ def in_transaction(conn: psycopg.Connection[Any],
 
 def in_transaction_async(conn: psycopg.AsyncConnection[Any],
                          schema: str,
-                         ) -> Callable[[Statement | CallHook | Pipelined], Awaitable[Any]]:
+                         ) -> Callable[[Statement | CallHook | CallHooks], Awaitable[Any]]:
     """``in_transaction`` on an asyncio connection (the hooks are ``async def``)."""
 
-    async def execute_instruction(instruction: Statement | CallHook | Pipelined) -> Any:
+    async def execute_instruction(instruction: Statement | CallHook | CallHooks) -> Any:
         if isinstance(instruction, Statement):
             return await execute_async(conn, instruction)
-        if isinstance(instruction, Pipelined):
-            return None  # each statement answered at once: an awaited rowcount is exact
+        if isinstance(instruction, CallHooks):
+            return await _call_hooks_async(conn, schema, instruction.calls)
         tx = AsyncHookTransaction(conn, schema)
         try:
             await instruction.fn(tx, instruction.job, instruction.value)
@@ -550,44 +549,130 @@ def in_transaction_async(conn: psycopg.AsyncConnection[Any],
     return execute_instruction
 
 
-def _raise_hook_error(exc: Exception, closed: bool) -> NoReturn:
-    """Raise what ``exc``, raised by a hook, is for the step (``_hook_error``)."""
-    error = _hook_error(exc, closed)
+def _call_hooks(conn: psycopg.Connection[Any], schema: str,
+                calls: list[CallHook]) -> list[list[int]]:
+    """``CallHooks`` on a blocking connection."""
+    created: list[list[int]] = []
+    with _collection_paused():
+        try:
+            with conn.pipeline() as pipeline:
+                _sent_together(pipeline)
+                for at, call in enumerate(calls):
+                    tx = HookTransaction(conn, schema)
+                    try:
+                        call.fn(tx, call.job, call.value)
+                    except Exception as exc:
+                        _raise_hook_error(exc, conn.closed, at)
+                    created.append(tx.created)
+                conn.execute("SELECT 1")  # refused if a hook left the transaction aborted
+        except HookRaised:
+            raise
+        except Exception as exc:  # at the wait: a statement's, or the connection's
+            _raise_hook_error(exc, conn.closed)
+    return created
+
+
+async def _call_hooks_async(conn: psycopg.AsyncConnection[Any], schema: str,
+                            calls: list[CallHook]) -> list[list[int]]:
+    """``CallHooks`` on an asyncio connection (the hooks are ``async def``)."""
+    created: list[list[int]] = []
+    with _collection_paused():
+        try:
+            async with conn.pipeline() as pipeline:
+                _sent_together(pipeline)
+                for at, call in enumerate(calls):
+                    tx = AsyncHookTransaction(conn, schema)
+                    try:
+                        await call.fn(tx, call.job, call.value)
+                    except Exception as exc:
+                        _raise_hook_error(exc, conn.closed, at)
+                    created.append(tx.created)
+                await conn.execute("SELECT 1")
+        except HookRaised:
+            raise
+        except Exception as exc:
+            _raise_hook_error(exc, conn.closed)
+    return created
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector waits while a chunk's hooks are called (at most
+    ``HOOKED_CHUNK_MAX`` of them, half a heartbeat interval): each hook's cursor and
+    transaction objects trigger collections otherwise, a full one now and then, each
+    walking every object of the dispatcher, about a quarter of the recorder's CPU a hook
+    (measured, docs/explanation/performance.md). Left as it was if it was off; the
+    cycles made meanwhile are collected after, as they would have been."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+SENT_TOGETHER = 32
+"""A chunk's hooks' statements go to the server this many at a time (``_sent_together``):
+one write and one look for answers for them all, and the server at work on them while
+the next hooks are called."""
+
+
+def _sent_together(pipeline: Any) -> None:
+    """Send the statements executed in ``pipeline`` (psycopg's, either flavour) to the
+    server ``SENT_TOGETHER`` at a time, and whenever an answer is waited for (a cursor's
+    rows, a nested pipeline's sync, the pipeline's end). psycopg sends each statement as
+    it is executed, a poll and a write each (and on a thread the interpreter's lock
+    given up and taken back each time, waiting for the dispatcher's other threads):
+    held back, a chunk's hooks' statements are put in libpq's buffer and written
+    together. The order of the statements, their answers and errors are psycopg's own:
+    only when they are written moves. On a psycopg whose pipeline lacks what this relies
+    on (its queue of statements to send and its two generators), nothing is changed."""
+    queue = getattr(pipeline, "command_queue", None)
+    communicate = getattr(pipeline, "_communicate_gen", None)
+    fetch = getattr(pipeline, "_fetch_gen", None)
+    if queue is None or not callable(communicate) or not callable(fetch):
+        return
+
+    def sent() -> Generator[Any, Any, None]:
+        while queue:  # into libpq's buffer: written by the one flush that follows
+            queue.popleft()()
+        yield from communicate()  # the flush, and the answers already in
+
+    def held_back() -> Generator[Any, Any, None]:
+        if len(queue) >= SENT_TOGETHER:
+            yield from sent()
+
+    def sent_then_fetched(*, flush: bool) -> Generator[Any, Any, Any]:
+        try:
+            yield from sent()  # everything held back, then what it waits for
+        except BaseException:
+            # An error among the answers that came while sending: the others are still
+            # collected (else the pipeline could not end), the first error raised.
+            with contextlib.suppress(Exception):
+                yield from fetch(flush=flush)
+            raise
+        return (yield from fetch(flush=flush))
+
+    pipeline._communicate_gen = held_back
+    pipeline._fetch_gen = sent_then_fetched
+
+
+def _raise_hook_error(exc: Exception, closed: bool, at: int | None = None) -> NoReturn:
+    """Raise what ``exc``, raised by a hook (the ``at``-th of ``CallHooks``), is for
+    the step (``_hook_error``)."""
+    error = _hook_error(exc, closed, at)
     if error is exc:
         raise exc
     raise error from exc
 
 
-class Pipelines:
-    """An executor's side of ``Pipelined`` on a blocking connection: enters psycopg's
-    pipeline mode, and leaves it, waiting for every statement sent; an error there is
-    the step's ``HookRaised`` (a hook's statement failed, or its transaction was left
-    aborted), or the lost connection's."""
-
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        self.conn = conn
-        self.open = contextlib.ExitStack()
-
-    def switch(self, instruction: Pipelined) -> bool:
-        """Enter, or leave (answering True: the transaction was checked)."""
-        if instruction.on:
-            self.open.enter_context(self.conn.pipeline())
-            return False
-        try:
-            try:  # refused (and the pipeline's sync raises) if a hook left it aborted
-                self.conn.execute("SELECT 1")
-            finally:
-                self.open.close()
-        except Exception as exc:
-            _raise_hook_error(exc, self.conn.closed)
-        return True
-
-
-def _hook_error(exc: Exception, closed: bool) -> Exception:
+def _hook_error(exc: Exception, closed: bool, at: int | None = None) -> Exception:
     """What a hook's exception is for the step: ``HookRaised``; or, when the connection
     went down with it, a lost connection (retried as one, never blamed on the hook)."""
     if not closed:
-        return HookRaised(exc)
+        return HookRaised(exc, at)
     if isinstance(exc, CONNECTION_ERRORS):
         return exc
     return psycopg.OperationalError(
