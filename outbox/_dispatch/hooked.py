@@ -87,6 +87,9 @@ ROLLBACK = Statement("ROLLBACK TO SAVEPOINT outbox_hook", {})
 SEGMENT = Statement("SAVEPOINT outbox_segment", {})
 SEGMENT_RELEASE = Statement("RELEASE SAVEPOINT outbox_segment", {})
 SEGMENT_ROLLBACK = Statement("ROLLBACK TO SAVEPOINT outbox_segment", {})
+# Ours, rolling back a hook's writes only (never a table's creation): psycopg's prepared
+# statements are kept across them (``_rolled_back_to``).
+_ROLLBACKS = frozenset((ROLLBACK.query, SEGMENT_ROLLBACK.query))
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +112,14 @@ class CallHooks:
     stops the calls: ``HookRaised`` with ``at`` its index; a statement's error (whose
     hook is not known: in a pipeline it shows at a later statement, or at the wait)
     ``HookRaised`` with ``at`` None. Python's cyclic garbage collector waits while the
-    hooks are called (``_collection_paused``)."""
+    hooks are called (``_collection_paused``). In the same pipeline: ``adopt`` (the
+    follow-ups' adoption, ``adopt_followups``) after each hook that created follow-ups,
+    and after the check the commands ``then`` (a segment's release and the next one's
+    savepoint: ``mended``), none of which runs if a hook raised."""
 
     calls: list[CallHook]
+    adopt: str | None = None
+    then: tuple[str, ...] = ()
 
 
 HOOKED_CHUNK_MAX = 500
@@ -204,6 +212,7 @@ class HookedOutcomes:
         self.chunk_seconds = _lifecycle.heartbeat_interval(recorder.settings.lease) / 2
         self.chunk_size = HOOKED_CHUNK_FIRST
         self.calling: Hooked | None = None  # the hook ``fast`` is calling
+        self.then_ran = False  # the last ``CallHooks`` ran its ``then``
         self.raising = False  # a hook raised in the last chunk: write the next in segments
         # Whether each hook is ``async def``: asked once, not per outcome.
         self.asynchronous = {id(fn): is_async_hook(fn) for hooks in (
@@ -261,13 +270,17 @@ class HookedOutcomes:
             return (yield from self.mended(items))
         return (yield from self.optimistic(items))
 
-    def optimistic(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
+    def optimistic(self, items: list[Hooked],
+                   then: tuple[str, ...] = ()) -> HookStep[list[AttemptOutcome]]:
         """Write ``items`` with one statement per kind and no savepoints, then call the
         hooks of the jobs whose fence held, their statements pipelined (``Pipelined``:
         one wait for them all, not a round trip a hook). Anything a hook raises
         propagates (the caller rolls back and goes ``mended``), with ``calling`` the
         hook to blame, or None when unknown (a statement's error, which in a pipeline
-        may show in a later hook's call, or only when the pipeline is left)."""
+        may show in a later hook's call, or only when the pipeline is left).
+        ``then``: commands sent after the hooks, in their pipeline (``CallHooks``);
+        ``then_ran`` says whether they were (not if no hook was called)."""
+        self.then_ran = False
         outcomes: dict[int, AttemptOutcome] = {}
         calls: list[tuple[Hooked, Any]] = []  # the hooks to call, with their values
         done = [i for i in items if isinstance(i.outcome, Success)]
@@ -299,19 +312,21 @@ class HookedOutcomes:
                     calls.append((item, item.outcome))
                 outcomes[id(item)] = "failed" if item.held.job.id in written else "lost"
         if calls:
-            yield from self._fast_hooks(calls)
+            yield from self._fast_hooks(calls, then)
         return [outcomes[id(item)] for item in items]
 
-    def _fast_hooks(self, calls: list[tuple[Hooked, Any]]) -> HookStep[None]:
-        """Call each hook of ``calls``, their statements in one pipeline (``CallHooks``:
-        one instruction for them all, one wait for their statements); then adopt their
-        follow-ups. Only the hooks run in the pipeline: what our statements answer is
-        known when they return. A hook that raises is ``calling`` (``mended`` settles
-        its job from ``raised``); a statement's error leaves ``calling`` None."""
+    def _fast_hooks(self, calls: list[tuple[Hooked, Any]],
+                    then: tuple[str, ...] = ()) -> HookStep[None]:
+        """Call each hook of ``calls``, their statements and their follow-ups'
+        adoptions in one pipeline (``CallHooks``: one instruction for them all, one wait
+        for their statements), then ``then``. Only the hooks and what follows them run
+        in the pipeline: what our statements before answer is known when they return.
+        A hook that raises is ``calling`` (``mended`` settles its job from ``raised``);
+        a statement's error leaves ``calling`` None."""
         self.calling = None
         try:
-            created = yield CallHooks([CallHook(item.hook, item.held.job, value)
-                                       for item, value in calls])
+            yield CallHooks([CallHook(item.hook, item.held.job, value) for item, value in calls],
+                            self.queries.adopt_followups, then)
         except HookRaised as raised:
             self.raising = True
             # A psycopg error, even raised through a hook, may be an earlier hook's
@@ -321,14 +336,7 @@ class HookedOutcomes:
                 item.raised = raised.error  # settled as it says (``mended``)
                 self.calling = item
             raise
-        adopted = False
-        for (item, _), made in zip(calls, created, strict=True):
-            if made:
-                adopted = True
-                yield Statement(self.queries.adopt_followups,
-                                {"parent": item.held.job.key, "ids": made})
-        if adopted:
-            yield Statement("SELECT 1", {})  # fails if a hook left the transaction aborted
+        self.then_ran = True
 
     def mended(self, items: list[Hooked],
                culprit: Hooked | None = None) -> HookStep[list[AttemptOutcome]]:
@@ -345,12 +353,17 @@ class HookedOutcomes:
         if culprit is not None and culprit in queue:
             written[id(culprit)] = yield from self._culprit(culprit)
             queue.remove(culprit)
+        opened = False  # the next segment's savepoint set (by the last one's ``then``)
         while queue:
             segment, queue = queue[:HOOKED_SEGMENT], queue[HOOKED_SEGMENT:]
             self.calling = None
-            yield SEGMENT
+            if not opened:
+                yield SEGMENT
+            opened = False
+            # Released, and the next one's savepoint set, in the hooks' pipeline.
+            then = (SEGMENT_RELEASE.query, SEGMENT.query) if queue else (SEGMENT_RELEASE.query,)
             try:
-                outcomes = yield from self.optimistic(segment)
+                outcomes = yield from self.optimistic(segment, then)
             except HookRaised:
                 culprit = self.calling
                 yield SEGMENT_ROLLBACK
@@ -368,7 +381,10 @@ class HookedOutcomes:
                 yield SEGMENT_RELEASE
                 outcomes = yield from self.careful(segment)
             else:
-                yield SEGMENT_RELEASE
+                if self.then_ran:
+                    opened = bool(queue)
+                else:  # no hook called (every claim of the segment lost)
+                    yield SEGMENT_RELEASE
             written.update(zip(map(id, segment), outcomes, strict=True))
         return [written[id(item)] for item in items]
 
@@ -516,9 +532,12 @@ def in_transaction(conn: psycopg.Connection[Any],
 
     def execute_instruction(instruction: Statement | CallHook | CallHooks) -> Any:
         if isinstance(instruction, Statement):
+            if instruction.query in _ROLLBACKS:
+                return _rolled_back_to(conn, instruction.query)
             return execute(conn, instruction)
         if isinstance(instruction, CallHooks):
-            return _call_hooks(conn, schema, instruction.calls)
+            return _call_hooks(conn, schema, instruction.calls, instruction.adopt,
+                               instruction.then)
         tx = HookTransaction(conn, schema)
         try:
             instruction.fn(tx, instruction.job, instruction.value)
@@ -536,9 +555,12 @@ def in_transaction_async(conn: psycopg.AsyncConnection[Any],
 
     async def execute_instruction(instruction: Statement | CallHook | CallHooks) -> Any:
         if isinstance(instruction, Statement):
+            if instruction.query in _ROLLBACKS:
+                return await _rolled_back_to_async(conn, instruction.query)
             return await execute_async(conn, instruction)
         if isinstance(instruction, CallHooks):
-            return await _call_hooks_async(conn, schema, instruction.calls)
+            return await _call_hooks_async(conn, schema, instruction.calls,
+                                           instruction.adopt, instruction.then)
         tx = AsyncHookTransaction(conn, schema)
         try:
             await instruction.fn(tx, instruction.job, instruction.value)
@@ -549,8 +571,8 @@ def in_transaction_async(conn: psycopg.AsyncConnection[Any],
     return execute_instruction
 
 
-def _call_hooks(conn: psycopg.Connection[Any], schema: str,
-                calls: list[CallHook]) -> list[list[int]]:
+def _call_hooks(conn: psycopg.Connection[Any], schema: str, calls: list[CallHook],
+                adopt: str | None, then: tuple[str, ...]) -> list[list[int]]:
     """``CallHooks`` on a blocking connection."""
     created: list[list[int]] = []
     with _collection_paused():
@@ -564,7 +586,11 @@ def _call_hooks(conn: psycopg.Connection[Any], schema: str,
                     except Exception as exc:
                         _raise_hook_error(exc, conn.closed, at)
                     created.append(tx.created)
+                    if tx.created and adopt is not None:
+                        conn.execute(adopt, {"parent": call.job.key, "ids": tx.created})
                 conn.execute("SELECT 1")  # refused if a hook left the transaction aborted
+                for command in then:
+                    conn.execute(command)
         except HookRaised:
             raise
         except Exception as exc:  # at the wait: a statement's, or the connection's
@@ -573,7 +599,8 @@ def _call_hooks(conn: psycopg.Connection[Any], schema: str,
 
 
 async def _call_hooks_async(conn: psycopg.AsyncConnection[Any], schema: str,
-                            calls: list[CallHook]) -> list[list[int]]:
+                            calls: list[CallHook], adopt: str | None,
+                            then: tuple[str, ...]) -> list[list[int]]:
     """``CallHooks`` on an asyncio connection (the hooks are ``async def``)."""
     created: list[list[int]] = []
     with _collection_paused():
@@ -587,12 +614,40 @@ async def _call_hooks_async(conn: psycopg.AsyncConnection[Any], schema: str,
                     except Exception as exc:
                         _raise_hook_error(exc, conn.closed, at)
                     created.append(tx.created)
+                    if tx.created and adopt is not None:
+                        await conn.execute(adopt, {"parent": call.job.key, "ids": tx.created})
                 await conn.execute("SELECT 1")
+                for command in then:
+                    await conn.execute(command)
         except HookRaised:
             raise
         except Exception as exc:
             _raise_hook_error(exc, conn.closed)
     return created
+
+
+def _rolled_back_to(conn: psycopg.Connection[Any], query: str) -> list[Any]:
+    """Run one of our ``ROLLBACK TO SAVEPOINT`` (``_ROLLBACKS``) as psycopg runs its own
+    transaction commands, past its cache of prepared statements: run as a statement,
+    its "ROLLBACK" tag makes psycopg drop every statement it prepared (in case the
+    rollback undid a table the plans name), and after each hook that raised the chunk's
+    status changes were planned anew for the next five runs, about a millisecond each
+    (measured: most of the time of the raising drain). What a hook created and rolled
+    back here, a later statement naming it fails, as without a cache."""
+    command = getattr(conn, "_exec_command", None)
+    if command is None:  # another psycopg: a statement, as any
+        return execute(conn, Statement(query, {}))
+    conn.wait(command(query))
+    return []
+
+
+async def _rolled_back_to_async(conn: psycopg.AsyncConnection[Any], query: str) -> list[Any]:
+    """``_rolled_back_to`` on an asyncio connection."""
+    command = getattr(conn, "_exec_command", None)
+    if command is None:
+        return await execute_async(conn, Statement(query, {}))
+    await conn.wait(command(query))
+    return []
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -57,6 +58,8 @@ class Hook:
     schema: str
     raising: set[str] = field(default_factory=set)
     swallowing: set[str] = field(default_factory=set)  # catch an error of their statement
+    following: bool = False  # enqueue a follow-up job, "after-<key>"
+    collecting: list[bool] = field(default_factory=list)  # gc.isenabled() in each call
     calls: Counter[str] = field(default_factory=Counter)
     rowcounts: list[int] = field(default_factory=list)
     pipelined: list[bool] = field(default_factory=list)
@@ -64,10 +67,13 @@ class Hook:
     def __call__(self, tx: outbox.HookTransaction, job: outbox.Job, result: Any) -> None:
         self.calls[job.key] += 1
         self.pipelined.append(bool(tx.connection.pgconn.pipeline_status))
+        self.collecting.append(gc.isenabled())
         ident = sql.Identifier(self.schema)
         tx.execute(sql.SQL("INSERT INTO {}.hooked VALUES (%s)").format(ident), (job.key,))
         cursor = tx.execute(sql.SQL("UPDATE {}.counted SET n = n + 1").format(ident))
         self.rowcounts.append(cursor.rowcount)
+        if self.following:
+            tx.enqueue(EFFECT, key=f"after-{job.key}", payload={})
         if job.key in self.swallowing:
             # Fetching waits for the answer: the error shows here, and is swallowed.
             with contextlib.suppress(psycopg.errors.DivisionByZero):
@@ -89,9 +95,12 @@ class AsyncHook(Hook):
             self, tx: outbox.AsyncHookTransaction, job: outbox.Job, result: Any) -> None:
         self.calls[job.key] += 1
         self.pipelined.append(bool(tx.connection.pgconn.pipeline_status))
+        self.collecting.append(gc.isenabled())
         ident = sql.Identifier(self.schema)
         await tx.execute(sql.SQL("INSERT INTO {}.hooked VALUES (%s)").format(ident),
                          (job.key,))
+        if self.following:
+            await tx.enqueue(EFFECT, key=f"after-{job.key}", payload={})
         cursor = await tx.execute(sql.SQL("UPDATE {}.counted SET n = n + 1").format(ident))
         if self.syncing:
             try:
@@ -357,3 +366,41 @@ def test_a_hook_that_swallows_its_statement_error_in_the_pipeline_is_blamed_alon
     assert all(found[key(n)]["status"] == "done" for n in range(CHUNK) if key(n) != swallower)
     assert chunk.counted() == CHUNK - 1
     assert chunk.stats.done == CHUNK - 1 and chunk.stats.retried == 1
+
+
+@pytest.mark.parametrize("raising", [[], [3, HOOKED_SEGMENT + 5]],
+                         ids=["none-raising", "two-raising"])
+def test_follow_ups_are_adopted_in_the_pipeline_and_rolled_back_with_their_hook(
+    chunk_of: Callable[..., Chunk], raising: list[int],
+) -> None:
+    """Each hook enqueues a follow-up, adopted (its parent recorded) in the hooks'
+    pipeline: a raising hook's follow-up is rolled back with its segment, every other
+    one kept once, its parent the job whose hook enqueued it, in every segment."""
+    chunk = chunk_of(raising=raising)
+    chunk.hook.following = True
+    chunk.write(key(n) for n in range(CHUNK))
+    raised = {key(n) for n in raising}
+    found = chunk.jobs()
+    follow_ups = {k: j for k, j in found.items() if k.startswith("after-")}
+    assert sorted(follow_ups) == sorted(f"after-{key(n)}" for n in range(CHUNK)
+                                        if key(n) not in raised)
+    assert all(j["parent_key"] == k.removeprefix("after-") for k, j in follow_ups.items())
+    assert all(found[key(n)]["parent_key"] is None for n in range(CHUNK))
+    assert chunk.stats.done == CHUNK - len(raised)
+
+
+def test_the_garbage_collector_waits_while_the_hooks_run_and_is_back_after(
+    chunk_of: Callable[..., Chunk],
+) -> None:
+    """Paused for the hooks' calls (fewer collections, each walking every object), it is
+    on again after the chunk, a raising one included, and left off if it was off."""
+    chunk = chunk_of(count=2 * CHUNK, raising=[HOOKED_SEGMENT + 1])
+    chunk.write(key(n) for n in range(CHUNK))  # a raise: the chunk written again
+    assert chunk.hook.collecting and not any(chunk.hook.collecting)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        chunk.write(key(n) for n in range(CHUNK, 2 * CHUNK))
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
