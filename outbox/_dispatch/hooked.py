@@ -346,12 +346,16 @@ class HookedOutcomes:
         (its retry or failure), and the rest of the segment written again; a segment
         whose hook left the transaction aborted, or whose statement failed (which hook,
         unknown: in a pipeline the error may show later), goes ``careful`` whole. So a
-        hook that raises costs its segment, not its chunk, a savepoint a job.
-        ``culprit``, the job whose hook raised in ``fast``, is written carefully first."""
+        hook that raises costs its segment, not its chunk, a savepoint a job. The rest
+        of a segment is written again inside the same savepoint (a rollback to it keeps
+        it), and the jobs whose hooks raised are settled at the end, out of every
+        segment, so that no rollback undoes their settlement. ``culprit``, the job whose
+        hook raised in ``fast``, is one of them."""
         written: dict[int, AttemptOutcome] = {}
         queue = list(items)
+        culprits: list[Hooked] = []
         if culprit is not None and culprit in queue:
-            written[id(culprit)] = yield from self._culprit(culprit)
+            culprits.append(culprit)
             queue.remove(culprit)
         opened = False  # the next segment's savepoint set (by the last one's ``then``)
         while queue:
@@ -366,13 +370,14 @@ class HookedOutcomes:
                 outcomes = yield from self.optimistic(segment, then)
             except HookRaised:
                 culprit = self.calling
-                yield SEGMENT_ROLLBACK
-                yield SEGMENT_RELEASE
+                yield SEGMENT_ROLLBACK  # the savepoint stays set
                 if culprit is None:  # a statement's error, whose hook is unknown
+                    yield SEGMENT_RELEASE
                     outcomes = yield from self.careful(segment)
                 else:
-                    written[id(culprit)] = yield from self._culprit(culprit)
+                    culprits.append(culprit)
                     queue = [item for item in segment if item is not culprit] + queue
+                    opened = True  # the rest written again inside the same savepoint
                     continue
             except CONNECTION_ERRORS:
                 raise
@@ -386,6 +391,8 @@ class HookedOutcomes:
                 else:  # no hook called (every claim of the segment lost)
                     yield SEGMENT_RELEASE
             written.update(zip(map(id, segment), outcomes, strict=True))
+        for raised in culprits:
+            written[id(raised)] = yield from self._culprit(raised)
         return [written[id(item)] for item in items]
 
     def _culprit(self, item: Hooked) -> HookStep[AttemptOutcome]:
