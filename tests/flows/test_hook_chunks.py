@@ -59,6 +59,7 @@ class Hook:
     raising: set[str] = field(default_factory=set)
     swallowing: set[str] = field(default_factory=set)  # catch an error of their statement
     following: bool = False  # enqueue a follow-up job, "after-<key>"
+    undoing: bool = False  # also insert "undone-<key>" in a savepoint of its own, undone
     collecting: list[bool] = field(default_factory=list)  # gc.isenabled() in each call
     calls: Counter[str] = field(default_factory=Counter)
     rowcounts: list[int] = field(default_factory=list)
@@ -74,6 +75,11 @@ class Hook:
         self.rowcounts.append(cursor.rowcount)
         if self.following:
             tx.enqueue(EFFECT, key=f"after-{job.key}", payload={})
+        if self.undoing:
+            with contextlib.suppress(Broke), tx.connection.transaction():
+                tx.execute(sql.SQL("INSERT INTO {}.hooked VALUES (%s)").format(ident),
+                           (f"undone-{job.key}",))
+                raise Broke("rolled back to the hook's own savepoint")
         if job.key in self.swallowing:
             # Fetching waits for the answer: the error shows here, and is swallowed.
             with contextlib.suppress(psycopg.errors.DivisionByZero):
@@ -101,6 +107,12 @@ class AsyncHook(Hook):
                          (job.key,))
         if self.following:
             await tx.enqueue(EFFECT, key=f"after-{job.key}", payload={})
+        if self.undoing:
+            with contextlib.suppress(Broke):
+                async with tx.connection.transaction():
+                    await tx.execute(sql.SQL("INSERT INTO {}.hooked VALUES (%s)").format(ident),
+                                     (f"undone-{job.key}",))
+                    raise Broke("rolled back to the hook's own savepoint")
         cursor = await tx.execute(sql.SQL("UPDATE {}.counted SET n = n + 1").format(ident))
         if self.syncing:
             try:
@@ -404,3 +416,19 @@ def test_the_garbage_collector_waits_while_the_hooks_run_and_is_back_after(
         assert not gc.isenabled()  # off before: left off
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("raising", [[], [HOOKED_SEGMENT + 2]], ids=["none-raising", "raising"])
+def test_a_hooks_own_savepoint_rolled_back_in_the_pipeline_keeps_the_rest(
+    chunk_of: Callable[..., Chunk], raising: list[int],
+) -> None:
+    """A hook that writes inside a savepoint of its own (``tx.connection.transaction()``)
+    and rolls it back: in the pipeline, its statements held back, that write alone is
+    undone, every other one kept once."""
+    chunk = chunk_of(raising=raising)
+    chunk.hook.undoing = True
+    chunk.write(key(n) for n in range(CHUNK))
+    raised = {key(n) for n in raising}
+    assert chunk.rows() == sorted({key(n) for n in range(CHUNK)} - raised)
+    assert chunk.counted() == CHUNK - len(raised)
+    assert chunk.stats.done == CHUNK - len(raised)
