@@ -13,9 +13,11 @@ trip a hook), then COMMIT. Should any hook raise, that
 transaction is rolled back whole and the chunk is written again (``mended``): the
 raising job settled from its hook's error in one fenced statement (the hook not called
 again), the rest in segments of ``HOOKED_SEGMENT``, each the same fast write inside a
-savepoint; a segment whose hook raises is rolled back to its savepoint, its raising job
-settled so, and the rest of the segment written again. After a chunk with a raise, the
-next is written in segments from the start. A statement's error, whose hook is not
+savepoint (released, and the next one set, in the hooks' pipeline); a segment whose
+hook raises is rolled back to its savepoint, which stays set, and the rest of the
+segment written again inside it; the raising jobs are settled so at the end of the
+chunk, out of every segment. After a chunk with a raise, the next is written in
+segments from the start. A statement's error, whose hook is not
 known in a pipeline, sends its segment to be written carefully (``careful``), each job
 inside a savepoint of its own::
 
@@ -396,9 +398,9 @@ class HookedOutcomes:
         return [written[id(item)] for item in items]
 
     def _culprit(self, item: Hooked) -> HookStep[AttemptOutcome]:
-        """The job whose hook raised in ``fast`` (that write rolled back): settled as its
-        hook's error says, in one fenced statement, the hook not called again; without
-        the error (not the hook's own), written ``careful``ly."""
+        """A job whose hook raised (in ``fast``, or in a segment: that write rolled
+        back): settled as its hook's error says, in one fenced statement, the hook not
+        called again; without the error (not the hook's own), written ``careful``ly."""
         if item.raised is None:
             [outcome] = yield from self.careful([item])
             return outcome
