@@ -77,6 +77,35 @@ class _AnsweredCursor(psycopg.Cursor[Any]):
         return super().description
 
 
+class _AnsweredAsyncCursor(psycopg.AsyncCursor[Any]):
+    """An ``async def`` hook's cursor in the dispatcher's pipeline: its rows are awaited
+    as always (``await cursor.fetchone()``), but ``rowcount``, ``statusmessage`` and
+    ``description`` are not awaited, so cannot wait: before the statement's answer came
+    they raise, saying how to wait for it, rather than answer -1 or None."""
+
+    def _answered(self, what: str) -> None:
+        if self.pgresult is None and self.connection.pgconn.pipeline_status:
+            raise psycopg.InterfaceError(
+                f"cursor.{what} is not known yet: the dispatcher sends an async hook's "
+                "statements in a pipeline and this one's answer has not come; "
+                "`await tx.sync()` first (or fetch its rows: `await cursor.fetchall()`)")
+
+    @property
+    def rowcount(self) -> int:
+        self._answered("rowcount")
+        return super().rowcount
+
+    @property
+    def statusmessage(self) -> str | None:
+        self._answered("statusmessage")
+        return super().statusmessage
+
+    @property
+    def description(self) -> list[psycopg.Column] | None:
+        self._answered("description")
+        return super().description
+
+
 class HookTransaction(Transaction):
     """The transaction a completion hook runs in, on the dispatcher's connection.
 
@@ -143,8 +172,27 @@ class AsyncHookTransaction(AsyncTransaction):
         self.created: list[int] = []
 
     async def execute(self, query: Any, params: Any = None) -> psycopg.AsyncCursor[Any]:
-        """Run ``query`` with ``params`` in the hook's transaction; return the cursor."""
-        return await self.connection.execute(query, params)
+        """Run ``query`` with ``params`` in the hook's transaction; return the cursor.
+
+        The dispatcher sends the statements of a chunk's hooks in a pipeline, waiting
+        for their answers once, after the last hook: the cursor's rows are awaited as
+        always (``await cursor.fetchone()``), which waits for its answer; its
+        ``rowcount``, ``statusmessage`` and ``description`` raise until the answer came
+        (``await tx.sync()`` waits for it). A statement that fails may raise only
+        then, or in a later statement (the job is then written again, its hook called
+        again on its own)."""
+        if not self.connection.pgconn.pipeline_status:
+            return await self.connection.execute(query, params)
+        cursor = _AnsweredAsyncCursor(self.connection)
+        return await cursor.execute(query, params)
+
+    async def sync(self) -> None:
+        """Wait for the answers to every statement sent so far in the hook's
+        transaction (raising the first error among them): in the dispatcher's pipeline,
+        what a cursor's ``rowcount`` needs. Outside a pipeline, nothing to wait for."""
+        if self.connection.pgconn.pipeline_status:
+            async with self.connection.pipeline():  # a nested block syncs
+                pass
 
     async def enqueue(
         self, effect: str, *, key: str, payload: Payload,

@@ -7,14 +7,17 @@ due) between them: a chunk is sized to take at most half a heartbeat interval at
 pace the last chunk was written (``HookedOutcomes.took``), and holds at most
 ``HOOKED_CHUNK_MAX`` outcomes. First optimistically (``fast``): the
 chunk's fenced status changes in one statement each (done + ledger rows; failed), then
-each hook whose job's fence held, their statements in one pipeline (``Pipelined``: one
-wait for them all, not a round trip a hook), then COMMIT. Should any hook raise, that
+each hook whose job's fence held, called one after the other by one instruction
+(``CallHooks``), their statements in one pipeline (one wait for them all, not a round
+trip a hook), then COMMIT. Should any hook raise, that
 transaction is rolled back whole and the chunk is written again (``mended``): the
 raising job settled from its hook's error in one fenced statement (the hook not called
 again), the rest in segments of ``HOOKED_SEGMENT``, each the same fast write inside a
-savepoint; a segment whose hook raises is rolled back to its savepoint, its raising job
-settled so, and the rest of the segment written again. After a chunk with a raise, the
-next is written in segments from the start. A statement's error, whose hook is not
+savepoint (released, and the next one set, in the hooks' pipeline); a segment whose
+hook raises is rolled back to its savepoint, which stays set, and the rest of the
+segment written again inside it; the raising jobs are settled so at the end of the
+chunk, out of every segment. After a chunk with a raise, the next is written in
+segments from the start. A statement's error, whose hook is not
 known in a pipeline, sends its segment to be written carefully (``careful``), each job
 inside a savepoint of its own::
 
@@ -32,23 +35,25 @@ what it writes through ``tx`` is once.
 
 The decisions are written once, as steps (``outbox._steps``) that yield ``Statement``s
 (run in the transaction), ``CallHook``s (the hook called with a transaction object of
-the flavour) and ``Pipelined`` (the chunk's hook statements sent in one pipeline):
-``in_transaction`` and ``in_transaction_async`` execute them, and the steps' two drivers
-run them. ``writing_hooked`` (a program of ``runtime``) writes on either flavour's
-connection; on ``AsyncDispatcher``'s, its sync hooks' items go to the same program driven
-on a thread, with a blocking connection of their own.
+the flavour) and ``CallHooks`` (a chunk's hooks, their statements in one pipeline):
+``in_transaction`` and ``in_transaction_async`` execute them, both flavours pipelined
+alike, and the steps' two drivers run them. ``writing_hooked`` (a program of
+``runtime``) writes on either flavour's connection; on ``AsyncDispatcher``'s, its sync
+hooks' items go to the same program driven on a thread, with a blocking connection of
+their own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -70,8 +75,8 @@ from .runtime import Blocking, Call, Program, Transaction, drive
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, guarded
 
-__all__ = ["HOOKED_CHUNK_MAX", "CallHook", "HookRaised", "HookStep", "Hooked", "HookedOutcomes",
-           "Pipelined", "Pipelines", "call_hook", "in_transaction", "in_transaction_async",
+__all__ = ["HOOKED_CHUNK_MAX", "CallHook", "CallHooks", "HookRaised", "HookStep", "Hooked",
+           "HookedOutcomes", "call_hook", "in_transaction", "in_transaction_async",
            "with_hooks", "writing_hooked"]
 
 log = logging.getLogger("outbox.dispatcher")
@@ -84,6 +89,9 @@ ROLLBACK = Statement("ROLLBACK TO SAVEPOINT outbox_hook", {})
 SEGMENT = Statement("SAVEPOINT outbox_segment", {})
 SEGMENT_RELEASE = Statement("RELEASE SAVEPOINT outbox_segment", {})
 SEGMENT_ROLLBACK = Statement("ROLLBACK TO SAVEPOINT outbox_segment", {})
+# Ours, rolling back a hook's writes only (never a table's creation): psycopg's prepared
+# statements are kept across them (``_rolled_back_to``).
+_ROLLBACKS = frozenset((ROLLBACK.query, SEGMENT_ROLLBACK.query))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +102,26 @@ class CallHook:
     fn: Callable[..., Any]
     job: Job
     value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class CallHooks:
+    """Call each of ``calls``, in order, in the transaction, their statements in one
+    psycopg pipeline, sent ``SENT_TOGETHER`` at a time or when a hook waits for an
+    answer (``_sent_together``), then waited for once, with the check that no hook
+    left the transaction aborted.
+    Answers the ids of the follow-up jobs each hook created, in order. A hook that raises
+    stops the calls: ``HookRaised`` with ``at`` its index; a statement's error (whose
+    hook is not known: in a pipeline it shows at a later statement, or at the wait)
+    ``HookRaised`` with ``at`` None. Python's cyclic garbage collector waits while the
+    hooks are called (``_collection_paused``). In the same pipeline: ``adopt`` (the
+    follow-ups' adoption, ``adopt_followups``) after each hook that created follow-ups,
+    and after the check the commands ``then`` (a segment's release and the next one's
+    savepoint: ``mended``), none of which runs if a hook raised."""
+
+    calls: list[CallHook]
+    adopt: str | None = None
+    then: tuple[str, ...] = ()
 
 
 HOOKED_CHUNK_MAX = 500
@@ -114,11 +142,13 @@ take 0.64 s, inside the heartbeat interval of a lease of 2 s (0.67 s), and a com
 
 
 class HookRaised(Exception):
-    """Thrown into the step (raised by its executor): the hook raised ``error``."""
+    """Thrown into the step (raised by its executor): the hook raised ``error``; for
+    ``CallHooks``, ``at`` is the index of that hook (None: not known)."""
 
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error: Exception, at: int | None = None) -> None:
         super().__init__(error)
         self.error = error
+        self.at = at
 
 
 # What makes the optimistic write of a batch go careful: a hook raised, or left the
@@ -130,23 +160,9 @@ class HookLeftAborted(Exception):
     """The hook returned normally, but one of its statements had failed."""
 
 
-@dataclass(frozen=True, slots=True)
-class Pipelined:
-    """Enter (``on``) or leave psycopg's pipeline mode on the executor's connection: the
-    hooks of a chunk send their statements without waiting for each answer, and leaving
-    waits for them all (a statement's error raises there, as ``HookRaised``, whose hook
-    unknown), answering whether it checked that no hook left the transaction aborted.
-    An executor that answers each statement at once (asyncio) ignores it (None)."""
-
-    on: bool
-
-
-PIPELINE_ON = Pipelined(True)
-PIPELINE_OFF = Pipelined(False)
-
-HookStep = Generator[Statement | CallHook | Pipelined, Any, T]
+HookStep = Generator[Statement | CallHook | CallHooks, Any, T]
 """A step that calls hooks: yields ``Statement`` (sent rows), ``CallHook`` (sent the
-ids of the follow-up jobs the hook created) and ``Pipelined`` (sent None)."""
+ids of the follow-up jobs the hook created) and ``CallHooks`` (sent those of each)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -198,6 +214,7 @@ class HookedOutcomes:
         self.chunk_seconds = _lifecycle.heartbeat_interval(recorder.settings.lease) / 2
         self.chunk_size = HOOKED_CHUNK_FIRST
         self.calling: Hooked | None = None  # the hook ``fast`` is calling
+        self.then_ran = False  # the last ``CallHooks`` ran its ``then``
         self.raising = False  # a hook raised in the last chunk: write the next in segments
         # Whether each hook is ``async def``: asked once, not per outcome.
         self.asynchronous = {id(fn): is_async_hook(fn) for hooks in (
@@ -255,13 +272,17 @@ class HookedOutcomes:
             return (yield from self.mended(items))
         return (yield from self.optimistic(items))
 
-    def optimistic(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
+    def optimistic(self, items: list[Hooked],
+                   then: tuple[str, ...] = ()) -> HookStep[list[AttemptOutcome]]:
         """Write ``items`` with one statement per kind and no savepoints, then call the
         hooks of the jobs whose fence held, their statements pipelined (``Pipelined``:
         one wait for them all, not a round trip a hook). Anything a hook raises
         propagates (the caller rolls back and goes ``mended``), with ``calling`` the
         hook to blame, or None when unknown (a statement's error, which in a pipeline
-        may show in a later hook's call, or only when the pipeline is left)."""
+        may show in a later hook's call, or only when the pipeline is left).
+        ``then``: commands sent after the hooks, in their pipeline (``CallHooks``);
+        ``then_ran`` says whether they were (not if no hook was called)."""
+        self.then_ran = False
         outcomes: dict[int, AttemptOutcome] = {}
         calls: list[tuple[Hooked, Any]] = []  # the hooks to call, with their values
         done = [i for i in items if isinstance(i.outcome, Success)]
@@ -293,42 +314,31 @@ class HookedOutcomes:
                     calls.append((item, item.outcome))
                 outcomes[id(item)] = "failed" if item.held.job.id in written else "lost"
         if calls:
-            yield from self._fast_hooks(calls)
+            yield from self._fast_hooks(calls, then)
         return [outcomes[id(item)] for item in items]
 
-    def _fast_hooks(self, calls: list[tuple[Hooked, Any]]) -> HookStep[None]:
-        """Call each hook of ``calls``, their statements in one pipeline; then adopt
-        their follow-ups. Only the hooks run in the pipeline: what our statements
-        answer is known when they return."""
-        adoptions: list[tuple[Hooked, list[int]]] = []
-        yield PIPELINE_ON
+    def _fast_hooks(self, calls: list[tuple[Hooked, Any]],
+                    then: tuple[str, ...] = ()) -> HookStep[None]:
+        """Call each hook of ``calls``, their statements and their follow-ups'
+        adoptions in one pipeline (``CallHooks``: one instruction for them all, one wait
+        for their statements), then ``then``. Only the hooks and what follows them run
+        in the pipeline: what our statements before answer is known when they return.
+        A hook that raises is ``calling`` (``mended`` settles its job from ``raised``);
+        a statement's error leaves ``calling`` None."""
+        self.calling = None
         try:
-            for item, value in calls:
-                self.calling = item  # the one to blame if the hook raises (``mended``)
-                try:
-                    created = yield CallHook(item.hook, item.held.job, value)
-                except HookRaised as raised:
-                    if isinstance(raised.error, psycopg.Error):
-                        self.calling = None  # perhaps an earlier hook's statement's
-                    else:
-                        item.raised = raised.error  # settled as it says (``mended``)
-                    self.raising = True
-                    raise
-                if created:
-                    adoptions.append((item, created))
-        except Exception:
-            with contextlib.suppress(Exception):  # what was raised first is what counts
-                yield PIPELINE_OFF
+            yield CallHooks([CallHook(item.hook, item.held.job, value) for item, value in calls],
+                            self.queries.adopt_followups, then)
+        except HookRaised as raised:
+            self.raising = True
+            # A psycopg error, even raised through a hook, may be an earlier hook's
+            # statement's: whose, unknown.
+            if raised.at is not None and not isinstance(raised.error, psycopg.Error):
+                item = calls[raised.at][0]
+                item.raised = raised.error  # settled as it says (``mended``)
+                self.calling = item
             raise
-        self.calling = None  # from here on, an error is a statement's: whose, unknown
-        # Waits for every hook's statement (the first error raises); the executor's own
-        # check that no hook left the transaction aborted is in the same wait.
-        checked = yield PIPELINE_OFF
-        for item, created in adoptions:
-            yield Statement(self.queries.adopt_followups,
-                            {"parent": item.held.job.key, "ids": created})
-        if not checked or adoptions:
-            yield Statement("SELECT 1", {})  # fails if a hook left the transaction aborted
+        self.then_ran = True
 
     def mended(self, items: list[Hooked],
                culprit: Hooked | None = None) -> HookStep[list[AttemptOutcome]]:
@@ -338,28 +348,38 @@ class HookedOutcomes:
         (its retry or failure), and the rest of the segment written again; a segment
         whose hook left the transaction aborted, or whose statement failed (which hook,
         unknown: in a pipeline the error may show later), goes ``careful`` whole. So a
-        hook that raises costs its segment, not its chunk, a savepoint a job.
-        ``culprit``, the job whose hook raised in ``fast``, is written carefully first."""
+        hook that raises costs its segment, not its chunk, a savepoint a job. The rest
+        of a segment is written again inside the same savepoint (a rollback to it keeps
+        it), and the jobs whose hooks raised are settled at the end, out of every
+        segment, so that no rollback undoes their settlement. ``culprit``, the job whose
+        hook raised in ``fast``, is one of them."""
         written: dict[int, AttemptOutcome] = {}
         queue = list(items)
+        culprits: list[Hooked] = []
         if culprit is not None and culprit in queue:
-            written[id(culprit)] = yield from self._culprit(culprit)
+            culprits.append(culprit)
             queue.remove(culprit)
+        opened = False  # the next segment's savepoint set (by the last one's ``then``)
         while queue:
             segment, queue = queue[:HOOKED_SEGMENT], queue[HOOKED_SEGMENT:]
             self.calling = None
-            yield SEGMENT
+            if not opened:
+                yield SEGMENT
+            opened = False
+            # Released, and the next one's savepoint set, in the hooks' pipeline.
+            then = (SEGMENT_RELEASE.query, SEGMENT.query) if queue else (SEGMENT_RELEASE.query,)
             try:
-                outcomes = yield from self.optimistic(segment)
+                outcomes = yield from self.optimistic(segment, then)
             except HookRaised:
                 culprit = self.calling
-                yield SEGMENT_ROLLBACK
-                yield SEGMENT_RELEASE
+                yield SEGMENT_ROLLBACK  # the savepoint stays set
                 if culprit is None:  # a statement's error, whose hook is unknown
+                    yield SEGMENT_RELEASE
                     outcomes = yield from self.careful(segment)
                 else:
-                    written[id(culprit)] = yield from self._culprit(culprit)
+                    culprits.append(culprit)
                     queue = [item for item in segment if item is not culprit] + queue
+                    opened = True  # the rest written again inside the same savepoint
                     continue
             except CONNECTION_ERRORS:
                 raise
@@ -368,14 +388,19 @@ class HookedOutcomes:
                 yield SEGMENT_RELEASE
                 outcomes = yield from self.careful(segment)
             else:
-                yield SEGMENT_RELEASE
+                if self.then_ran:
+                    opened = bool(queue)
+                else:  # no hook called (every claim of the segment lost)
+                    yield SEGMENT_RELEASE
             written.update(zip(map(id, segment), outcomes, strict=True))
+        for raised in culprits:
+            written[id(raised)] = yield from self._culprit(raised)
         return [written[id(item)] for item in items]
 
     def _culprit(self, item: Hooked) -> HookStep[AttemptOutcome]:
-        """The job whose hook raised in ``fast`` (that write rolled back): settled as its
-        hook's error says, in one fenced statement, the hook not called again; without
-        the error (not the hook's own), written ``careful``ly."""
+        """A job whose hook raised (in ``fast``, or in a segment: that write rolled
+        back): settled as its hook's error says, in one fenced statement, the hook not
+        called again; without the error (not the hook's own), written ``careful``ly."""
         if item.raised is None:
             [outcome] = yield from self.careful([item])
             return outcome
@@ -508,18 +533,20 @@ def call_hook(fn: Callable[..., Any], job: Job, value: Any,
 
 
 def in_transaction(conn: psycopg.Connection[Any],
-                   schema: str) -> Callable[[Statement | CallHook | Pipelined], Any]:
+                   schema: str) -> Callable[[Statement | CallHook | CallHooks], Any]:
     """Execute a ``HookStep``'s instructions on ``conn``, in its open transaction: a
     statement answers its rows; a hook is called with a ``HookTransaction`` and answers
-    the follow-ups it created, or raises ``HookRaised`` (see ``_hook_error``)."""
+    the follow-ups it created, or raises ``HookRaised`` (see ``_hook_error``); a
+    chunk's hooks (``CallHooks``) are called so, their statements in one pipeline."""
 
-    pipelines = Pipelines(conn)
-
-    def execute_instruction(instruction: Statement | CallHook | Pipelined) -> Any:
+    def execute_instruction(instruction: Statement | CallHook | CallHooks) -> Any:
         if isinstance(instruction, Statement):
+            if instruction.query in _ROLLBACKS:
+                return _rolled_back_to(conn, instruction.query)
             return execute(conn, instruction)
-        if isinstance(instruction, Pipelined):
-            return pipelines.switch(instruction)
+        if isinstance(instruction, CallHooks):
+            return _call_hooks(conn, schema, instruction.calls, instruction.adopt,
+                               instruction.then)
         tx = HookTransaction(conn, schema)
         try:
             instruction.fn(tx, instruction.job, instruction.value)
@@ -532,14 +559,17 @@ def in_transaction(conn: psycopg.Connection[Any],
 
 def in_transaction_async(conn: psycopg.AsyncConnection[Any],
                          schema: str,
-                         ) -> Callable[[Statement | CallHook | Pipelined], Awaitable[Any]]:
+                         ) -> Callable[[Statement | CallHook | CallHooks], Awaitable[Any]]:
     """``in_transaction`` on an asyncio connection (the hooks are ``async def``)."""
 
-    async def execute_instruction(instruction: Statement | CallHook | Pipelined) -> Any:
+    async def execute_instruction(instruction: Statement | CallHook | CallHooks) -> Any:
         if isinstance(instruction, Statement):
+            if instruction.query in _ROLLBACKS:
+                return await _rolled_back_to_async(conn, instruction.query)
             return await execute_async(conn, instruction)
-        if isinstance(instruction, Pipelined):
-            return None  # each statement answered at once: an awaited rowcount is exact
+        if isinstance(instruction, CallHooks):
+            return await _call_hooks_async(conn, schema, instruction.calls,
+                                           instruction.adopt, instruction.then)
         tx = AsyncHookTransaction(conn, schema)
         try:
             await instruction.fn(tx, instruction.job, instruction.value)
@@ -550,44 +580,163 @@ def in_transaction_async(conn: psycopg.AsyncConnection[Any],
     return execute_instruction
 
 
-def _raise_hook_error(exc: Exception, closed: bool) -> NoReturn:
-    """Raise what ``exc``, raised by a hook, is for the step (``_hook_error``)."""
-    error = _hook_error(exc, closed)
+def _call_hooks(conn: psycopg.Connection[Any], schema: str, calls: list[CallHook],
+                adopt: str | None, then: tuple[str, ...]) -> list[list[int]]:
+    """``CallHooks`` on a blocking connection."""
+    created: list[list[int]] = []
+    with _collection_paused():
+        try:
+            with conn.pipeline() as pipeline:
+                _sent_together(pipeline)
+                for at, call in enumerate(calls):
+                    tx = HookTransaction(conn, schema)
+                    try:
+                        call.fn(tx, call.job, call.value)
+                    except Exception as exc:
+                        _raise_hook_error(exc, conn.closed, at)
+                    created.append(tx.created)
+                    if tx.created and adopt is not None:
+                        conn.execute(adopt, {"parent": call.job.key, "ids": tx.created})
+                conn.execute("SELECT 1")  # refused if a hook left the transaction aborted
+                for command in then:
+                    conn.execute(command)
+        except HookRaised:
+            raise
+        except Exception as exc:  # at the wait: a statement's, or the connection's
+            _raise_hook_error(exc, conn.closed)
+    return created
+
+
+async def _call_hooks_async(conn: psycopg.AsyncConnection[Any], schema: str,
+                            calls: list[CallHook], adopt: str | None,
+                            then: tuple[str, ...]) -> list[list[int]]:
+    """``CallHooks`` on an asyncio connection (the hooks are ``async def``)."""
+    created: list[list[int]] = []
+    with _collection_paused():
+        try:
+            async with conn.pipeline() as pipeline:
+                _sent_together(pipeline)
+                for at, call in enumerate(calls):
+                    tx = AsyncHookTransaction(conn, schema)
+                    try:
+                        await call.fn(tx, call.job, call.value)
+                    except Exception as exc:
+                        _raise_hook_error(exc, conn.closed, at)
+                    created.append(tx.created)
+                    if tx.created and adopt is not None:
+                        await conn.execute(adopt, {"parent": call.job.key, "ids": tx.created})
+                await conn.execute("SELECT 1")
+                for command in then:
+                    await conn.execute(command)
+        except HookRaised:
+            raise
+        except Exception as exc:
+            _raise_hook_error(exc, conn.closed)
+    return created
+
+
+def _rolled_back_to(conn: psycopg.Connection[Any], query: str) -> list[Any]:
+    """Run one of our ``ROLLBACK TO SAVEPOINT`` (``_ROLLBACKS``) as psycopg runs its own
+    transaction commands, past its cache of prepared statements: run as a statement,
+    its "ROLLBACK" tag makes psycopg drop every statement it prepared (in case the
+    rollback undid a table the plans name), and after each hook that raised the chunk's
+    status changes were planned anew for the next five runs, about a millisecond each
+    (measured: most of the time of the raising drain). What a hook created and rolled
+    back here, a later statement naming it fails, as without a cache."""
+    command = getattr(conn, "_exec_command", None)
+    if command is None:  # another psycopg: a statement, as any
+        return execute(conn, Statement(query, {}))
+    conn.wait(command(query))
+    return []
+
+
+async def _rolled_back_to_async(conn: psycopg.AsyncConnection[Any], query: str) -> list[Any]:
+    """``_rolled_back_to`` on an asyncio connection."""
+    command = getattr(conn, "_exec_command", None)
+    if command is None:
+        return await execute_async(conn, Statement(query, {}))
+    await conn.wait(command(query))
+    return []
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector waits while a chunk's hooks are called (at most
+    ``HOOKED_CHUNK_MAX`` of them, half a heartbeat interval): each hook's cursor and
+    transaction objects trigger collections otherwise, a full one now and then, each
+    walking every object of the dispatcher, about a quarter of the recorder's CPU a hook
+    (measured, docs/explanation/performance.md). Left as it was if it was off; the
+    cycles made meanwhile are collected after, as they would have been."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+SENT_TOGETHER = 32
+"""A chunk's hooks' statements go to the server this many at a time (``_sent_together``):
+one write and one look for answers for them all, and the server at work on them while
+the next hooks are called."""
+
+
+def _sent_together(pipeline: Any) -> None:
+    """Send the statements executed in ``pipeline`` (psycopg's, either flavour) to the
+    server ``SENT_TOGETHER`` at a time, and whenever an answer is waited for (a cursor's
+    rows, a nested pipeline's sync, the pipeline's end). psycopg sends each statement as
+    it is executed, a poll and a write each (and on a thread the interpreter's lock
+    given up and taken back each time, waiting for the dispatcher's other threads):
+    held back, a chunk's hooks' statements are put in libpq's buffer and written
+    together. The order of the statements, their answers and errors are psycopg's own:
+    only when they are written moves. On a psycopg whose pipeline lacks what this relies
+    on (its queue of statements to send and its two generators), nothing is changed."""
+    queue = getattr(pipeline, "command_queue", None)
+    communicate = getattr(pipeline, "_communicate_gen", None)
+    fetch = getattr(pipeline, "_fetch_gen", None)
+    if queue is None or not callable(communicate) or not callable(fetch):
+        return
+
+    def sent() -> Generator[Any, Any, None]:
+        while queue:  # into libpq's buffer: written by the one flush that follows
+            queue.popleft()()
+        yield from communicate()  # the flush, and the answers already in
+
+    def held_back() -> Generator[Any, Any, None]:
+        if len(queue) >= SENT_TOGETHER:
+            yield from sent()
+
+    def sent_then_fetched(*, flush: bool) -> Generator[Any, Any, Any]:
+        try:
+            yield from sent()  # everything held back, then what it waits for
+        except BaseException:
+            # An error among the answers that came while sending: the others are still
+            # collected (else the pipeline could not end), the first error raised.
+            with contextlib.suppress(Exception):
+                yield from fetch(flush=flush)
+            raise
+        return (yield from fetch(flush=flush))
+
+    pipeline._communicate_gen = held_back
+    pipeline._fetch_gen = sent_then_fetched
+
+
+def _raise_hook_error(exc: Exception, closed: bool, at: int | None = None) -> NoReturn:
+    """Raise what ``exc``, raised by a hook (the ``at``-th of ``CallHooks``), is for
+    the step (``_hook_error``)."""
+    error = _hook_error(exc, closed, at)
     if error is exc:
         raise exc
     raise error from exc
 
 
-class Pipelines:
-    """An executor's side of ``Pipelined`` on a blocking connection: enters psycopg's
-    pipeline mode, and leaves it, waiting for every statement sent; an error there is
-    the step's ``HookRaised`` (a hook's statement failed, or its transaction was left
-    aborted), or the lost connection's."""
-
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        self.conn = conn
-        self.open = contextlib.ExitStack()
-
-    def switch(self, instruction: Pipelined) -> bool:
-        """Enter, or leave (answering True: the transaction was checked)."""
-        if instruction.on:
-            self.open.enter_context(self.conn.pipeline())
-            return False
-        try:
-            try:  # refused (and the pipeline's sync raises) if a hook left it aborted
-                self.conn.execute("SELECT 1")
-            finally:
-                self.open.close()
-        except Exception as exc:
-            _raise_hook_error(exc, self.conn.closed)
-        return True
-
-
-def _hook_error(exc: Exception, closed: bool) -> Exception:
+def _hook_error(exc: Exception, closed: bool, at: int | None = None) -> Exception:
     """What a hook's exception is for the step: ``HookRaised``; or, when the connection
     went down with it, a lost connection (retried as one, never blamed on the hook)."""
     if not closed:
-        return HookRaised(exc)
+        return HookRaised(exc, at)
     if isinstance(exc, CONNECTION_ERRORS):
         return exc
     return psycopg.OperationalError(

@@ -1,6 +1,7 @@
 -- Flows and reconciliation: the statements of completion hooks and of the reconciler.
 -- Same rules as the core's other files (outbox/_sql.py CORE_FILES): {schema} is the quoted schema identifier, values are bound
--- by name, and every write about a claimed job is fenced on its claim_version.
+-- by name, and every write about a claimed job is fenced on its claim_version (its status
+-- test written as record.sql's header says, so that the job is found by its primary key).
 
 -- name: adopt_followups
 -- Follow-up jobs a completion hook created remember the job that enqueued them.
@@ -18,7 +19,7 @@ SET status = 'pending',
     lease_until = NULL,
     claimed_by = NULL,
     updated_at = now()
-WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'running'
+WHERE j.id = CAST(%(id)s AS bigint) AND j.status IS NOT DISTINCT FROM 'running'
   AND j.claim_version = CAST(%(version)s AS bigint)
 RETURNING j.id;
 
@@ -35,7 +36,7 @@ WITH finished AS (
         lease_until = NULL,
         claimed_by = NULL,
         updated_at = now()
-    WHERE j.id = CAST(%(id)s AS bigint) AND j.status = 'running'
+    WHERE j.id = CAST(%(id)s AS bigint) AND j.status IS NOT DISTINCT FROM 'running'
       AND j.claim_version = CAST(%(version)s AS bigint)
     RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint,
               CAST(%(result)s AS jsonb) AS result, j.last_error

@@ -9,6 +9,15 @@
 -- claim_version = the claim's version, so a stale worker's write changes 0 rows. A
 -- `-- fragment: X` block is no statement: its text is bound into every block of the core
 -- files and the dashboard's that names {X}, so a rule used by several is written once.
+--
+-- The fenced writes below find their claims by the primary key, one probe a claim, so
+-- each costs its batch whatever the number of running jobs. Their fence on the status
+-- is written `j.status IS NOT DISTINCT FROM 'running'` (the same test: status is NOT
+-- NULL) so that the planner cannot read the claims through jobs_leases, the partial
+-- index of the running jobs: with statistics taken while few jobs ran (a drain's start,
+-- a queue filled in bulk) it takes that index for nearly empty and hashes the batch
+-- against every running job, 4,000 rows read for a claim of 17 when the recorder lags
+-- (tests/plans/test_fenced_writes.py).
 
 -- name: heartbeat
 -- Extend the leases of the claims this worker still holds; ids missing from the result
@@ -18,7 +27,7 @@
 UPDATE {schema}.jobs j
 SET lease_until = now() + %(lease)s::float8 * interval '1 second'
 FROM jsonb_to_recordset(%(claims)s::jsonb) AS h(id bigint, version bigint)
-WHERE j.id = h.id AND j.status = 'running' AND j.claim_version = h.version
+WHERE j.id = h.id AND j.status IS NOT DISTINCT FROM 'running' AND j.claim_version = h.version
 RETURNING j.id, j.cancel_version IS NOT DISTINCT FROM j.claim_version AS cancel;
 
 -- fragment: recorded
@@ -38,7 +47,8 @@ WITH finished AS (
     SET status = 'done', lease_until = NULL, claimed_by = NULL, last_error = NULL,
         updated_at = now()
     FROM jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
-    WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
+    WHERE j.id = d.id AND j.status IS NOT DISTINCT FROM 'running'
+      AND j.claim_version = d.version
     RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
 ), {recorded}, parents AS (
     -- jobs waiting on these (after=[...]) count them done (fragment after_released)
@@ -59,7 +69,8 @@ SELECT f.id FROM finished f;
 WITH finished AS (
     DELETE FROM {schema}.jobs j
     USING jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
-    WHERE j.id = d.id AND j.status = 'running' AND j.claim_version = d.version
+    WHERE j.id = d.id AND j.status IS NOT DISTINCT FROM 'running'
+      AND j.claim_version = d.version
     RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result, j.after_failed
 ), {recorded}, parents AS (
     -- jobs waiting on these (after=[...]) count them done (fragment after_released)
@@ -107,7 +118,8 @@ SET status = CASE WHEN s.status = 'pending' AND j.cancel_version = j.claim_versi
 FROM jsonb_to_recordset(%(claims)s::jsonb)
      AS s(id bigint, version bigint, status text, delay float8, error text, refund boolean,
           expired boolean)
-WHERE j.id = s.id AND j.status = 'running' AND j.claim_version = s.version
+WHERE j.id = s.id AND j.status IS NOT DISTINCT FROM 'running'
+  AND j.claim_version = s.version
   AND (s.expired IS NOT TRUE OR j.lease_until < now())
 RETURNING j.id, j.key, j.status, j.last_error
 ), parents AS (

@@ -4,12 +4,16 @@ statement fails and of a claim fenced out chosen: the hooks' statements go in on
 pipeline, so these show what the pipeline must not change. A raising hook settles its
 own job (retried, the provider's answer kept) and nothing of it is kept; every other
 hook's row is written exactly once; a job whose claim was lost runs no hook and writes
-nothing; a cursor's ``rowcount`` is what it is without a pipeline.
+nothing; a cursor's ``rowcount`` is what it is without a pipeline. Each runs for both
+flavours: ``Dispatcher``'s plain hooks on a blocking connection, and ``AsyncDispatcher``'s
+``async def`` hooks on its asyncio connection, pipelined alike.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -22,11 +26,11 @@ from psycopg import sql
 
 import outbox
 from outbox import NewJob
-from outbox._dispatch.connection import Connection, connect
+from outbox._dispatch.connection import AsyncConnection, Connection, connect
 from outbox._dispatch.held import Held, Success
 from outbox._dispatch.hooked import HOOKED_SEGMENT, HookedOutcomes, writing_hooked
 from outbox._dispatch.recorder import Recorder
-from outbox._dispatch.runtime import drive
+from outbox._dispatch.runtime import drive, drive_async
 from outbox._dispatch.state import SharedState
 from outbox.testing import jobs
 
@@ -54,6 +58,9 @@ class Hook:
     schema: str
     raising: set[str] = field(default_factory=set)
     swallowing: set[str] = field(default_factory=set)  # catch an error of their statement
+    following: bool = False  # enqueue a follow-up job, "after-<key>"
+    undoing: bool = False  # also insert "undone-<key>" in a savepoint of its own, undone
+    collecting: list[bool] = field(default_factory=list)  # gc.isenabled() in each call
     calls: Counter[str] = field(default_factory=Counter)
     rowcounts: list[int] = field(default_factory=list)
     pipelined: list[bool] = field(default_factory=list)
@@ -61,14 +68,63 @@ class Hook:
     def __call__(self, tx: outbox.HookTransaction, job: outbox.Job, result: Any) -> None:
         self.calls[job.key] += 1
         self.pipelined.append(bool(tx.connection.pgconn.pipeline_status))
+        self.collecting.append(gc.isenabled())
         ident = sql.Identifier(self.schema)
         tx.execute(sql.SQL("INSERT INTO {}.hooked VALUES (%s)").format(ident), (job.key,))
         cursor = tx.execute(sql.SQL("UPDATE {}.counted SET n = n + 1").format(ident))
         self.rowcounts.append(cursor.rowcount)
+        if self.following:
+            tx.enqueue(EFFECT, key=f"after-{job.key}", payload={})
+        if self.undoing:
+            with contextlib.suppress(Broke), tx.connection.transaction():
+                tx.execute(sql.SQL("INSERT INTO {}.hooked VALUES (%s)").format(ident),
+                           (f"undone-{job.key}",))
+                raise Broke("rolled back to the hook's own savepoint")
         if job.key in self.swallowing:
             # Fetching waits for the answer: the error shows here, and is swallowed.
             with contextlib.suppress(psycopg.errors.DivisionByZero):
                 tx.execute("SELECT 1 / 0").fetchone()
+        if job.key in self.raising:
+            raise Broke(f"hook broke for {job.key}")
+
+
+@dataclass
+class AsyncHook(Hook):
+    """``Hook`` as an ``async def`` hook of ``AsyncDispatcher``. In the pipeline a
+    cursor's ``rowcount`` is not known before its answer (a property cannot wait): it
+    raises, and ``await tx.sync()`` waits for it (with ``syncing``)."""
+
+    syncing: bool = False
+    unanswered: list[bool] = field(default_factory=list)  # rowcount raised before sync
+
+    async def __call__(  # type: ignore[override]
+            self, tx: outbox.AsyncHookTransaction, job: outbox.Job, result: Any) -> None:
+        self.calls[job.key] += 1
+        self.pipelined.append(bool(tx.connection.pgconn.pipeline_status))
+        self.collecting.append(gc.isenabled())
+        ident = sql.Identifier(self.schema)
+        await tx.execute(sql.SQL("INSERT INTO {}.hooked VALUES (%s)").format(ident),
+                         (job.key,))
+        if self.following:
+            await tx.enqueue(EFFECT, key=f"after-{job.key}", payload={})
+        if self.undoing:
+            with contextlib.suppress(Broke):
+                async with tx.connection.transaction():
+                    await tx.execute(sql.SQL("INSERT INTO {}.hooked VALUES (%s)").format(ident),
+                                     (f"undone-{job.key}",))
+                    raise Broke("rolled back to the hook's own savepoint")
+        cursor = await tx.execute(sql.SQL("UPDATE {}.counted SET n = n + 1").format(ident))
+        if self.syncing:
+            try:
+                self.rowcounts.append(cursor.rowcount)
+            except psycopg.InterfaceError as exc:
+                assert "await tx.sync()" in str(exc)
+                self.unanswered.append(True)
+                await tx.sync()
+                self.rowcounts.append(cursor.rowcount)
+        if job.key in self.swallowing:
+            with contextlib.suppress(psycopg.errors.DivisionByZero):
+                await (await tx.execute("SELECT 1 / 0")).fetchone()
         if job.key in self.raising:
             raise Broke(f"hook broke for {job.key}")
 
@@ -84,7 +140,7 @@ class Chunk:
     hooked: HookedOutcomes
     recorder: Recorder
     stats: outbox.DispatchStats
-    conn: Connection
+    conn: Connection | AsyncConnection
 
     def write(self, keys: Iterable[str], fenced: Iterable[str] = ()) -> None:
         """Hand the successes of ``keys`` to the hooked path as one chunk and write it;
@@ -97,8 +153,17 @@ class Chunk:
         self.recorder.state.hold(claimed)
         self.hooked.take(pending, self.recorder.settlement)  # type: ignore[arg-type]
         assert not pending and len(self.hooked.items) == len(wanted)
-        drive(writing_hooked(self.hooked, self.conn, list(self.hooked.items)))
+        if isinstance(self.conn, AsyncConnection):
+            asyncio.run(self._write_async(self.conn))
+        else:
+            drive(writing_hooked(self.hooked, self.conn, list(self.hooked.items)))
         assert not self.hooked.items
+
+    async def _write_async(self, conn: AsyncConnection) -> None:
+        try:
+            await drive_async(writing_hooked(self.hooked, conn, list(self.hooked.items)))
+        finally:
+            await conn.discard()  # its connection belongs to this event loop
 
     def claim(self, keys: set[str]) -> list[Held]:
         ident = sql.Identifier(self.schema)
@@ -150,6 +215,8 @@ def _position(k: str) -> int:
 
 
 def make_chunk(dsn: str, schema: str, hook: Hook, count: int) -> Chunk:
+    """The jobs ``key(0..count)`` pending, and a recorder of the hook's flavour: an
+    ``AsyncHook`` is ``AsyncDispatcher``'s, written on an asyncio connection."""
     ident = sql.Identifier(schema)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE TABLE {}.hooked (key text PRIMARY KEY)").format(ident))
@@ -157,30 +224,38 @@ def make_chunk(dsn: str, schema: str, hook: Hook, count: int) -> Chunk:
         conn.execute(sql.SQL("INSERT INTO {}.counted VALUES (0)").format(ident))
     with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
         tx.enqueue_many([NewJob(EFFECT, key(n), {}, max_attempts=5) for n in range(count)])
-    dispatcher = outbox.Dispatcher(dsn, [Noop()], schema=schema, on_done={EFFECT: hook},
-                                   backoff=outbox.Backoff(base=60, cap=60))
+    flavour = outbox.AsyncDispatcher if isinstance(hook, AsyncHook) else outbox.Dispatcher
+    dispatcher = flavour(dsn, [Noop()], schema=schema, on_done={EFFECT: hook},
+                         backoff=outbox.Backoff(base=60, cap=60))
     settings = dispatcher.settings
     stats = outbox.DispatchStats()
     state: SharedState[threading.Event] = SharedState(stats, settings.observer, 64,
                                                       threading.Event)
     recorder = Recorder(settings, state)
     assert recorder.hooked is not None
-    recording = Connection(lambda role: connect(settings, role), "recorder")
+    recording: Connection | AsyncConnection = (
+        AsyncConnection(settings, "recorder") if isinstance(hook, AsyncHook)
+        else Connection(lambda role: connect(settings, role), "recorder"))
     return Chunk(dsn, schema, hook, recorder.hooked, recorder, stats, recording)
 
 
-@pytest.fixture
-def chunk_of(dsn: str, schema: str) -> Iterator[Callable[..., Chunk]]:
+@pytest.fixture(params=["sync", "async"])
+def chunk_of(dsn: str, schema: str, request: pytest.FixtureRequest,
+             ) -> Iterator[Callable[..., Chunk]]:
+    """Chunks of the flavour: ``Dispatcher``'s plain hook, or ``AsyncDispatcher``'s
+    ``async def`` one."""
     made: list[Chunk] = []
+    kind = AsyncHook if request.param == "async" else Hook
 
     def make(count: int = CHUNK, raising: Iterable[int] = ()) -> Chunk:
-        chunk = make_chunk(dsn, schema, Hook(schema, {key(n) for n in raising}), count)
+        chunk = make_chunk(dsn, schema, kind(schema, {key(n) for n in raising}), count)
         made.append(chunk)
         return chunk
 
     yield make
     for chunk in made:
-        chunk.conn.discard()
+        if isinstance(chunk.conn, Connection):
+            chunk.conn.discard()
 
 
 @pytest.mark.parametrize("raising", [
@@ -215,11 +290,15 @@ def test_without_a_raise_each_hook_is_called_once_in_one_pipeline_with_true_rowc
     chunk_of: Callable[..., Chunk],
 ) -> None:
     chunk = chunk_of()
+    if isinstance(chunk.hook, AsyncHook):
+        chunk.hook.syncing = True
     chunk.write(key(n) for n in range(CHUNK))
     assert chunk.rows() == [key(n) for n in range(CHUNK)]
     assert set(chunk.hook.calls.values()) == {1}
     assert chunk.hook.pipelined == [True] * CHUNK  # the statements were pipelined...
     assert chunk.hook.rowcounts == [1] * CHUNK  # ...and rowcount still answered
+    if isinstance(chunk.hook, AsyncHook):  # (an async hook's, after ``await tx.sync()``)
+        assert chunk.hook.unanswered == [True] * CHUNK
     assert chunk.stats.done == CHUNK and not chunk.hooked.raising
 
 
@@ -299,3 +378,57 @@ def test_a_hook_that_swallows_its_statement_error_in_the_pipeline_is_blamed_alon
     assert all(found[key(n)]["status"] == "done" for n in range(CHUNK) if key(n) != swallower)
     assert chunk.counted() == CHUNK - 1
     assert chunk.stats.done == CHUNK - 1 and chunk.stats.retried == 1
+
+
+@pytest.mark.parametrize("raising", [[], [3, HOOKED_SEGMENT + 5]],
+                         ids=["none-raising", "two-raising"])
+def test_follow_ups_are_adopted_in_the_pipeline_and_rolled_back_with_their_hook(
+    chunk_of: Callable[..., Chunk], raising: list[int],
+) -> None:
+    """Each hook enqueues a follow-up, adopted (its parent recorded) in the hooks'
+    pipeline: a raising hook's follow-up is rolled back with its segment, every other
+    one kept once, its parent the job whose hook enqueued it, in every segment."""
+    chunk = chunk_of(raising=raising)
+    chunk.hook.following = True
+    chunk.write(key(n) for n in range(CHUNK))
+    raised = {key(n) for n in raising}
+    found = chunk.jobs()
+    follow_ups = {k: j for k, j in found.items() if k.startswith("after-")}
+    assert sorted(follow_ups) == sorted(f"after-{key(n)}" for n in range(CHUNK)
+                                        if key(n) not in raised)
+    assert all(j["parent_key"] == k.removeprefix("after-") for k, j in follow_ups.items())
+    assert all(found[key(n)]["parent_key"] is None for n in range(CHUNK))
+    assert chunk.stats.done == CHUNK - len(raised)
+
+
+def test_the_garbage_collector_waits_while_the_hooks_run_and_is_back_after(
+    chunk_of: Callable[..., Chunk],
+) -> None:
+    """Paused for the hooks' calls (fewer collections, each walking every object), it is
+    on again after the chunk, a raising one included, and left off if it was off."""
+    chunk = chunk_of(count=2 * CHUNK, raising=[HOOKED_SEGMENT + 1])
+    chunk.write(key(n) for n in range(CHUNK))  # a raise: the chunk written again
+    assert chunk.hook.collecting and not any(chunk.hook.collecting)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        chunk.write(key(n) for n in range(CHUNK, 2 * CHUNK))
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("raising", [[], [HOOKED_SEGMENT + 2]], ids=["none-raising", "raising"])
+def test_a_hooks_own_savepoint_rolled_back_in_the_pipeline_keeps_the_rest(
+    chunk_of: Callable[..., Chunk], raising: list[int],
+) -> None:
+    """A hook that writes inside a savepoint of its own (``tx.connection.transaction()``)
+    and rolls it back: in the pipeline, its statements held back, that write alone is
+    undone, every other one kept once."""
+    chunk = chunk_of(raising=raising)
+    chunk.hook.undoing = True
+    chunk.write(key(n) for n in range(CHUNK))
+    raised = {key(n) for n in raising}
+    assert chunk.rows() == sorted({key(n) for n in range(CHUNK)} - raised)
+    assert chunk.counted() == CHUNK - len(raised)
+    assert chunk.stats.done == CHUNK - len(raised)

@@ -227,12 +227,14 @@ def test_a_pooled_role_that_defaults_to_serializable_is_a_configuration_error(
             conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
+@pytest.mark.parametrize("flavour", ["sync", "async"])
 def test_hooks_pipelined_through_pgbouncer_write_once_and_a_raise_costs_its_own_job(
-    bouncer: PgBouncer, schema: str,
+    bouncer: PgBouncer, schema: str, flavour: str,
 ) -> None:
     """The hooks of a chunk send their statements in one pipeline, with savepoints when
     one raises: through the pooler too, each hook's row is written once, the raising
-    job is retried (its row never kept), and no other client sees the transaction."""
+    job is retried (its row never kept), and no other client sees the transaction;
+    ``AsyncDispatcher``'s ``async def`` hooks alike."""
     keys = [f"k{i}" for i in range(300)]
     with psycopg.connect(bouncer.direct, autocommit=True) as conn:
         conn.execute(f'CREATE TABLE "{schema}".paid (key text PRIMARY KEY)')
@@ -246,14 +248,27 @@ def test_hooks_pipelined_through_pgbouncer_write_once_and_a_raise_costs_its_own_
             raised.append(job.key)
             raise RuntimeError("the order is locked")
 
-    stats = outbox.Dispatcher(bouncer.dsn, [effect], schema=schema, concurrency=8,
-                              listen_conninfo=bouncer.direct,
-                              backoff=outbox.Backoff(base=0.001, cap=0.005),
-                              on_done={Recording.name: record}).run_until_idle(timeout=120)
+    async def record_async(tx: outbox.AsyncHookTransaction, job: outbox.Job,
+                           result: Any) -> None:
+        await tx.execute(f'INSERT INTO "{schema}".paid VALUES (%s)', (job.key,))
+        if job.key == "k150" and job.attempt == 1:
+            raised.append(job.key)
+            raise RuntimeError("the order is locked")
+
+    def drain(**options: Any) -> outbox.DispatchStats:
+        if flavour == "sync":
+            return outbox.Dispatcher(
+                bouncer.dsn, [effect], schema=schema, concurrency=8,
+                listen_conninfo=bouncer.direct, on_done={Recording.name: record},
+                **options).run_until_idle(timeout=120)
+        return asyncio.run(outbox.AsyncDispatcher(
+            bouncer.dsn, [effect], schema=schema, concurrency=8,
+            listen_conninfo=bouncer.direct, on_done={Recording.name: record_async},
+            **options).run_until_idle(timeout=120))
+
+    stats = drain(backoff=outbox.Backoff(base=0.001, cap=0.005))
     if stats.done < len(keys):  # the retry was not due yet when the first run went idle
-        stats = outbox.Dispatcher(bouncer.dsn, [effect], schema=schema, concurrency=8,
-                                  listen_conninfo=bouncer.direct,
-                                  on_done={Recording.name: record}).run_until_idle(timeout=120)
+        stats = drain()
     assert raised == ["k150"]
     with psycopg.connect(bouncer.direct, autocommit=True) as conn:
         paid = [k for k, in conn.execute(f'SELECT key FROM "{schema}".paid ORDER BY key')]
