@@ -51,6 +51,7 @@ import gc
 import json
 import logging
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Generator, Iterator
@@ -659,22 +660,41 @@ async def _rolled_back_to_async(conn: psycopg.AsyncConnection[Any], query: str) 
     return []
 
 
-@contextlib.contextmanager
-def _collection_paused() -> Iterator[None]:
+class _CollectorPause:
     """Python's cyclic garbage collector waits while a chunk's hooks are called (at most
     ``HOOKED_CHUNK_MAX`` of them, half a heartbeat interval): each hook's cursor and
     transaction objects trigger collections otherwise, a full one now and then, each
     walking every object of the dispatcher, about a quarter of the recorder's CPU a hook
-    (measured, docs/explanation/performance.md). Left as it was if it was off; the
-    cycles made meanwhile are collected after, as they would have been."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+    (measured, docs/explanation/performance.md). The collector is process-wide and
+    several recorders may share a process (dispatchers side by side, a fleet): the pauses
+    are counted under a lock, the first turns it off if it was on and the last turns it
+    back on, so one recorder's end never re-enables it under another's chunk, and a
+    collector that was off is left off. The cycles made meanwhile are collected after,
+    as they would have been."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pausing = 0
+        self._was_enabled = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._pausing == 0:
+                self._was_enabled = gc.isenabled()
+                if self._was_enabled:
+                    gc.disable()
+            self._pausing += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pausing -= 1
+                if self._pausing == 0 and self._was_enabled:
+                    gc.enable()
+
+
+_collection_paused = _CollectorPause()
 
 
 SENT_TOGETHER = 32

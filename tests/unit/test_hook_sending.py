@@ -6,6 +6,7 @@ them. And the garbage collector paused for the hooks, restored whatever happens.
 from __future__ import annotations
 
 import gc
+import threading
 from collections import deque
 from collections.abc import Generator
 from typing import Any
@@ -81,3 +82,31 @@ def test_the_collector_is_paused_and_back_after_a_raise_and_left_off_if_off() ->
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_overlapping_pauses_of_two_recorders_keep_the_collector_off_until_the_last_ends() -> None:
+    """Two recorders of one process: the first to end must not turn the collector back
+    on under the other's chunk; the last to end does."""
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def first() -> None:
+        with _collection_paused():
+            first_in.set()
+            second_in.wait(30)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(30)
+        with _collection_paused():
+            second_in.set()
+            first_out.wait(30)
+            seen["after the first ended"] = gc.isenabled()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert seen == {"after the first ended": False}
+    assert gc.isenabled()
