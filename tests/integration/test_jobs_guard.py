@@ -170,3 +170,28 @@ def test_a_schema_at_version_20_keeps_its_jobs_and_is_guarded_the_same(
         with outbox.transaction(conn, schema=schema_at_20) as tx:
             created = tx.enqueue("email.send", key="after-21", payload={"to": "a"})
         assert created.created
+
+
+def test_a_role_granted_only_the_tables_enqueues_and_is_guarded(dsn: str, schema: str) -> None:
+    # The guard is a function the check calls as the writing role: PUBLIC may execute it,
+    # so an application's role needs nothing beyond what it needed before 0021.
+    app = f"app_{uuid.uuid4().hex[:8]}"
+    names = {"schema": sql.Identifier(schema), "app": sql.Identifier(app)}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        try:
+            conn.execute(sql.SQL("CREATE ROLE {app}").format(**names))
+            conn.execute(sql.SQL("GRANT USAGE ON SCHEMA {schema} TO {app}").format(**names))
+            conn.execute(sql.SQL(
+                "GRANT SELECT, INSERT ON {schema}.jobs, {schema}.effect_results TO {app}"
+            ).format(**names))
+            conn.execute(sql.SQL("GRANT SELECT ON {schema}.awake TO {app}").format(**names))
+            conn.execute(sql.SQL("SET ROLE {app}").format(**names))
+            with outbox.transaction(conn, schema=schema) as tx:
+                assert tx.enqueue("email.send", key="by-app", payload={"to": "a"}).created
+            with pytest.raises(psycopg.errors.CheckViolation) as refused:
+                _insert(conn, schema, "by-app-bad", ", max_attempts", ", 0")
+            assert refused.value.diag.constraint_name == "jobs_max_attempts_check"
+        finally:
+            conn.execute("RESET ROLE")
+            conn.execute(sql.SQL("DROP OWNED BY {app}").format(**names))
+            conn.execute(sql.SQL("DROP ROLE {app}").format(**names))
