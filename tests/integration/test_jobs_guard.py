@@ -150,6 +150,16 @@ def _checks(conn: psycopg.Connection[Any], schema: str) -> set[str]:
     return {str(name) for name, in rows}
 
 
+def _seq_scans(conn: psycopg.Connection[Any], schema: str) -> int:
+    """Sequential scans of the schema's jobs table so far, this session's included."""
+    conn.execute("SELECT pg_stat_force_next_flush()")  # flushed when the session idles
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = conn.execute("SELECT seq_scan FROM pg_stat_user_tables "
+                       "WHERE schemaname = %s AND relname = 'jobs'", (schema,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def test_a_schema_at_version_20_keeps_its_jobs_and_is_guarded_the_same(
         dsn: str, schema_at_20: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -159,7 +169,10 @@ def test_a_schema_at_version_20_keeps_its_jobs_and_is_guarded_the_same(
         _insert(conn, schema_at_20, "running", ", status, lease_until, claimed_by",
                 ", 'running', now(), 'w1'")
         _insert(conn, schema_at_20, "done", ", status", ", 'done'")
+        scans_before = _seq_scans(conn, schema_at_20)
         assert outbox.migrate(conn, schema=schema_at_20) == [21]
+        # No scan of the table under the migration's lock: the check is added NOT VALID.
+        assert _seq_scans(conn, schema_at_20) == scans_before
         assert _checks(conn, schema_at_20) == {"jobs_row_valid"}
         rows = conn.execute(bind_schema("SELECT key, status FROM {schema}.jobs ORDER BY id",
                                         schema_at_20).encode()).fetchall()
