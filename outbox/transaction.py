@@ -17,6 +17,8 @@ from types import TracebackType
 from typing import Any, NoReturn, TypeVar, overload
 
 import psycopg
+from psycopg.pq import ExecStatus
+from psycopg.pq.abc import PGresult
 
 from . import _enqueue, tracing
 from ._enqueue import EnqueueResult, NewJob, Payload
@@ -25,6 +27,7 @@ from ._sql import Queries, queries
 from ._steps import Rows, Statement, Step, row_factory, run, run_async
 
 T = TypeVar("T")
+_TUPLES_OK = ExecStatus.TUPLES_OK
 
 __all__ = ["AsyncOperations", "AsyncTransaction", "Operations", "Transaction", "transaction"]
 
@@ -240,6 +243,11 @@ class AsyncOperations:
 _PRUNE_AT = 256
 
 
+def _has_rows(result: PGresult | None) -> bool:
+    """Whether a statement's result holds rows to fetch (a SELECT, a RETURNING)."""
+    return result is not None and result.status == _TUPLES_OK
+
+
 def _never_started(call: Coroutine[Any, Any, Any]) -> bool:
     return inspect.getcoroutinestate(call) == inspect.CORO_CREATED
 
@@ -272,7 +280,9 @@ class Transaction(Operations):
             cur.execute(statement.query, statement.params)
         if statement.count:
             return [(cur.rowcount,)]
-        return cur.fetchall() if cur.description else []
+        # Rows only from a statement that answers some; read from the result's status,
+        # not from cur.description, which builds a list of columns at each call.
+        return cur.fetchall() if _has_rows(cur.pgresult) else []
 
     def __enter__(self) -> Transaction:
         tx = self.connection.transaction()
@@ -315,7 +325,7 @@ class AsyncTransaction(AsyncOperations):
             await cur.execute(statement.query, statement.params)
         if statement.count:
             return [(cur.rowcount,)]
-        return await cur.fetchall() if cur.description else []
+        return await cur.fetchall() if _has_rows(cur.pgresult) else []
 
     async def __aenter__(self) -> AsyncTransaction:
         tx = self.connection.transaction()
