@@ -12,7 +12,7 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox.migrate import latest_version, migrations
+from outbox.migrate import migrations
 from outbox.sql import bind_schema
 
 INLINED = next(m.version for m in migrations() if m.name.endswith("claim_rank_inline"))
@@ -42,6 +42,7 @@ def test_the_migration_waits_for_no_open_enqueue_or_claim(
             before_inline).encode())
         assert business.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
         with psycopg.connect(dsn, autocommit=True) as migrating:
-            assert outbox.migrate(migrating, schema=before_inline, lock_timeout=0.2) == list(
-                range(INLINED, latest_version() + 1))
+            # This migration alone: a later one may wait for its lock (0021 alters jobs).
+            assert outbox.migrate(migrating, schema=before_inline, lock_timeout=0.2,
+                                  target=INLINED) == [INLINED]
     assert not [r for r in caplog.records if "not granted" in r.getMessage()]
