@@ -155,3 +155,48 @@ def test_a_release_of_a_claim_an_operator_cancelled_is_written_as_never_performe
     assert (after["kept"]["status"], after["kept"]["last_error"]) == ("pending", None)
     assert after["kept"]["attempts"] == 0
     assert after["kept"]["available_at"] == after["kept"]["updated_at"]  # due now
+
+
+class HookRaises(Effect):
+    """Fails for good; its on_failed raises, so the failure is retried (``settle`` with
+    ``hook_error``) on the completion hooks' path."""
+
+    name = "test.hook_raises"
+
+    def perform(self, job: Job) -> None:
+        raise outbox.Permanent("declined")
+
+    def on_failed(self, tx: Any, job: Job, error: BaseException) -> None:
+        raise RuntimeError("hook down")
+
+
+def test_a_hooks_retry_decided_before_an_operators_cancel_is_written_as_the_lifecycle_decides(
+    dsn: str, schema: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = _lifecycle.settle
+    decided: list[Decision] = []
+    at_cancel: list[dict[str, Any]] = []
+
+    def settle(*args: Any, **kwargs: Any) -> Decision:
+        decision = real(*args, **kwargs)
+        if kwargs.get("hook_error") is not None:  # the hook raised: decided, then cancelled
+            decided.append(decision)
+            at_cancel.append(_cancel(dsn, schema, "k"))
+        return decision
+
+    monkeypatch.setattr(_lifecycle, "settle", settle)
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        tx.enqueue_many([NewJob(HookRaises.name, "k", {}, max_attempts=5)])
+    Dispatcher(dsn, [HookRaises()], schema=schema).run_until_idle(timeout=60)
+    [decision], [before] = decided, at_cancel
+    assert decision.status == "pending"  # the hook's failure retried, decided
+    assert before["cancel_version"] == before["claim_version"]
+    expected = _lifecycle.cancelled_meanwhile(decision)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        after = _row(conn, schema, "k")
+    assert (after["status"], after["last_error"]) == (expected.status, expected.error) == (
+        "failed", "cancelled by an operator while running: Permanent: declined; on_failed "
+        "raised RuntimeError: hook down")
+    assert after["attempts"] == before["attempts"] == 1
+    assert after["available_at"] == before["available_at"]
+    assert (after["lease_until"], after["claimed_by"]) == (None, None)
