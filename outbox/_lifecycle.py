@@ -34,7 +34,8 @@ from .errors import Permanent, Retry, Throttled, UnknownOutcome
 
 __all__ = ["ACTS_ON", "MAX_ASK_DELAY", "MAX_UNKNOWN_PASSES", "NEVER", "RELEASED", "TRANSITIONS",
            "Action", "Answered", "Attempted", "Backoff", "Decision", "Mode", "Released",
-           "Rules", "Settled", "Told", "Transition", "after_told", "expired",
+           "Rules", "Settled", "Told", "Transition", "after_told", "cancelled_meanwhile",
+           "expired",
            "heartbeat_interval", "lease_expired", "next_ask", "operator_action",
            "parent_settled", "seconds", "settle", "settle_answer"]
 
@@ -279,6 +280,28 @@ def after_told(outcome: BaseException | Released, told: Told,
     if isinstance(outcome, Released | Permanent | Retry | UnknownOutcome | Throttled):
         return outcome
     return UnknownOutcome(f"told to stop ({_TOLD[told]}), then raised {describe(outcome)}")
+
+
+def cancelled_meanwhile(decision: Decision, *, released: bool = False) -> Decision:
+    """What is written instead of ``decision`` (``settle``'s or ``expired``'s, for an
+    attempt that ended untold, or a release: ``released``) when an operator cancelled its
+    claim after it was decided and before it was written. Decided with ``decision``, up
+    front: the settling statement picks one of the two by what it reads as it writes (the
+    row's ``cancel_version`` equal to its ``claim_version``), with no rule of its own.
+
+    - pending (a retry, ``Throttled``, a release): failed, never back to pending (the
+      cancel stands, as ``after_told``'s): a release "cancelled by an operator before it
+      started: never performed"; any other "cancelled by an operator while running", with
+      the decided error after it. Due as it was (``delay`` 0: a failed job is never due).
+    - any other decision (failed, reconcile): as decided; the cancel changes nothing.
+    """
+    if decision.status != "pending":
+        return decision
+    if released:
+        return Decision("failed", error="cancelled by an operator before it started: "
+                                        "never performed")
+    note = "" if decision.error is None else f": {decision.error}"
+    return Decision("failed", error=f"cancelled by an operator while running{note}")
 
 
 def _after_error(error: BaseException, job: Attempted, rules: Rules, *, now: datetime,
@@ -567,6 +590,8 @@ TRANSITIONS: tuple[Transition, ...] = (
        "operator_apply"),
     _t("cancel", "running", "failed", "cancelled while running: told to stop, its outcome "
        "then settled (reconcile for an effect that reconciles)", "after_told", "settle"),
+    _t("cancel", "running", "failed", "cancelled after its outcome was decided a retry or a "
+       "release, before that was written", "cancelled_meanwhile", "settle"),
     _t("parent", "pending", "failed", "a parent failed, the child says after_failed='fail'",
        "parent_settled", "after_released"),
     _t("parent", "pending", "failed", "enqueued after a parent that had failed, "

@@ -58,6 +58,9 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
                                                   "outbox._lifecycle", "outbox._queue",
                                                   "outbox._steps"},
     "tests/property/test_operator_decisions.py": {"outbox._lifecycle"},
+    "tests/unit/test_cancelled_meanwhile.py": {"outbox._lifecycle"},
+    "tests/cancel/test_cancelled_meanwhile.py": {"outbox._dispatch", "outbox._lifecycle",
+                                                 "outbox._queue"},
     # The loops' two drivers, and their instructions on a real database.
     "tests/unit/test_runtime.py": {"outbox._dispatch"},
     "tests/integration/test_runtime_loops.py": {"outbox._dispatch", "outbox._steps"},

@@ -74,6 +74,7 @@ from .flowsql import flow_queries
 from .hook_lookup import is_async_hook
 from .runtime import Blocking, Call, Program, Transaction, drive
 from .settings import Settings
+from .settling import settle_claim, settle_claims
 from .state import Held, Outcome, SharedState, Success, guarded
 
 __all__ = ["HOOKED_CHUNK_MAX", "CallHook", "CallHooks", "HookRaised", "HookStep", "Hooked",
@@ -305,10 +306,10 @@ class HookedOutcomes:
                     calls.append((item, json.loads(item.outcome.result_json)))  # type: ignore[union-attr]
                 outcomes[id(item)] = "done" if job.id in written | landed else "lost"
         if failed:
-            rows = yield Statement(self.recorder.queries.settle, {"claims": json.dumps([
-                {"id": i.held.job.id, "version": i.held.job.claim_version, "status": "failed",
-                 "delay": 0.0, "error": i.decision.error if i.decision else None,
-                 "refund": False} for i in failed])}, scalar=True)  # the ids settled
+            rows = yield Statement(self.recorder.queries.settle, {"claims": settle_claims(
+                settle_claim(i.held.job, Decision(
+                    "failed", error=i.decision.error if i.decision else None))
+                for i in failed)}, scalar=True)  # the ids settled
             written = set(rows)
             for item in failed:
                 if item.held.job.id in written:
@@ -443,7 +444,7 @@ class HookedOutcomes:
             retry = self._settle_hook_error(item, item.outcome, error)
             log.warning("job %s (key %s) attempt %s: on_failed raised %s -> %s", job.id,
                         job.key, job.attempt, type(error).__name__, retry.status)
-            rows = yield from self._settle(job, retry.status, retry.delay, retry.error)
+            rows = yield from self._settle(job, retry)
             return ("retry" if retry.status == "pending" else "failed") if rows else "lost"
         success = item.outcome
         assert isinstance(success, Success)
@@ -462,7 +463,7 @@ class HookedOutcomes:
     def _failed(self, item: Hooked) -> HookStep[AttemptOutcome]:
         job, decision = item.held.job, item.decision
         assert decision is not None and isinstance(item.outcome, BaseException)
-        rows = yield from self._settle(job, "failed", 0.0, decision.error)
+        rows = yield from self._settle(job, Decision("failed", error=decision.error))
         if not rows:
             return "lost"
         error = yield from self._hook(item, item.outcome)
@@ -471,10 +472,9 @@ class HookedOutcomes:
         yield ROLLBACK
         return (yield from self._raised(item, error))
 
-    def _settle(self, job: Job, status: str, delay: float, error: str | None) -> HookStep[Rows]:
-        rows: Rows = yield Statement(self.recorder.queries.settle, {"claims": json.dumps([
-            {"id": job.id, "version": job.claim_version, "status": status, "delay": delay,
-             "error": error, "refund": False}])})
+    def _settle(self, job: Job, decision: Decision) -> HookStep[Rows]:
+        rows: Rows = yield Statement(self.recorder.queries.settle, {
+            "claims": settle_claims([settle_claim(job, decision)])})
         return rows
 
     def _settle_hook_error(self, item: Hooked, outcome: BaseException | None,

@@ -10,7 +10,6 @@ was lost: counted, reported, never retried as if it had landed.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -34,6 +33,7 @@ from .hooked import HookedOutcomes, close_quietly, flush_hooked
 from .reconciler import reconcilers
 from .runtime import Call, Program, Run, Sleep, Wait
 from .settings import Settings
+from .settling import settle_claim, settle_claims
 from .standby import ReadOnlyServer
 from .state import (
     Held,
@@ -152,11 +152,9 @@ class Recorder:
         decided = decided or {}
         settles = [(h, isinstance(o, Release | Throttled),
                     decided.get(h.job.id) or self.settlement(h, o)) for h, o in batch]
-        rows = yield Statement(self.queries.settle, {"claims": json.dumps([
-            {"id": h.job.id, "version": h.job.claim_version, "status": d.status,
-             "delay": d.delay, "error": d.error, "refund": released}
-            for h, released, d in settles
-        ])}, scalar=True)  # the ids of the jobs settled
+        rows = yield Statement(self.queries.settle, {"claims": settle_claims(
+            settle_claim(h.job, d, refund=released) for h, released, d in settles
+        )}, scalar=True)  # the ids of the jobs settled
         written = set(rows)
         counts: Counter[AttemptOutcome] = Counter()
         for held, released, decision in settles:

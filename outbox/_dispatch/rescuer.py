@@ -40,6 +40,7 @@ from .hooked import RELEASE, ROLLBACK, SAVEPOINT, HookStep, call_hook, with_hook
 from .reconciler import reconcilers
 from .runtime import Blocking, Program, drive
 from .settings import Settings
+from .settling import settle_claim, settle_claims
 
 __all__ = [
     "RESCUE_BATCH",
@@ -109,9 +110,7 @@ RescueStep = Generator["Statement | RescueHooks", Any, T]
 
 def _claims(decided: list[tuple[Job, Decision]]) -> str:
     """The JSON claims of ``settle`` for the rescuer's decisions (fenced on the lease)."""
-    return json.dumps([
-        {"id": job.id, "version": job.claim_version, "status": d.status, "delay": d.delay,
-         "error": d.error, "refund": False, "expired": True} for job, d in decided])
+    return settle_claims(settle_claim(job, d, expired=True) for job, d in decided)
 
 
 class Rescuer:

@@ -98,26 +98,34 @@ JOIN jsonb_to_recordset(%(claims)s::jsonb) AS c(id bigint, version bigint)
 -- the decisions of outbox._lifecycle (settle, and expired for the rescuer's). A claim the
 -- rescuer found expired (expired: true) is also fenced on its lease still being expired,
 -- so a heartbeat that commits first wins.
--- A claim an operator cancelled (cancel_version) never goes back to pending: failed.
+-- Each claim carries two decisions taken up front (outbox._dispatch.settling): its own,
+-- and the one for a claim an operator cancelled (cancel_version) before this write
+-- (outbox._lifecycle.cancelled_meanwhile, the cancelled_* fields); the statement picks
+-- one by what it reads, with no rule of its own.
 -- A job failed for good settles the jobs waiting on it (fragment after_released).
 WITH settled AS (
 UPDATE {schema}.jobs j
-SET status = CASE WHEN s.status = 'pending' AND j.cancel_version = j.claim_version
-                  THEN 'failed' ELSE s.status END,
-    attempts = j.attempts - CASE WHEN s.refund THEN 1 ELSE 0 END,
-    available_at = CASE WHEN s.status = 'pending'
+SET status = CASE WHEN j.cancel_version = j.claim_version
+                  THEN s.cancelled_status ELSE s.status END,
+    attempts = j.attempts - CASE WHEN (CASE WHEN j.cancel_version = j.claim_version
+                                            THEN s.cancelled_refund ELSE s.refund END)
+                                 THEN 1 ELSE 0 END,
+    available_at = CASE WHEN j.cancel_version = j.claim_version
+                        THEN CASE WHEN s.cancelled_status = 'pending'
+                                  THEN now() + s.cancelled_delay * interval '1 second'
+                                  ELSE j.available_at END
+                        WHEN s.status = 'pending'
                         THEN now() + s.delay * interval '1 second'
                         ELSE j.available_at END,
-    last_error = CASE WHEN s.status = 'pending' AND j.cancel_version = j.claim_version
-                      THEN 'cancelled by an operator while running'
-                           || coalesce(': ' || s.error, '')
-                      ELSE coalesce(s.error, j.last_error) END,
+    last_error = coalesce(CASE WHEN j.cancel_version = j.claim_version
+                               THEN s.cancelled_error ELSE s.error END, j.last_error),
     lease_until = NULL,
     claimed_by = NULL,
     updated_at = now()
 FROM jsonb_to_recordset(%(claims)s::jsonb)
      AS s(id bigint, version bigint, status text, delay float8, error text, refund boolean,
-          expired boolean)
+          expired boolean, cancelled_status text, cancelled_delay float8,
+          cancelled_error text, cancelled_refund boolean)
 WHERE j.id = s.id AND j.status IS NOT DISTINCT FROM 'running'
   AND j.claim_version = s.version
   AND (s.expired IS NOT TRUE OR j.lease_until < now())

@@ -139,6 +139,9 @@ CASES: dict[tuple[str, str | None, str], Callable[[], Decision]] = {
     ("settle", "failed", "cancelled while running: told to stop, its outcome then settled "
      "(reconcile for an effect that reconciles)"):
         lambda: _settle(RuntimeError("stopped"), told="operator"),
+    ("settle", "failed", "cancelled after its outcome was decided a retry or a release, "
+     "before that was written"):
+        lambda: _lifecycle.cancelled_meanwhile(_settle(Retry("again"))),
     ("reconcile_not_performed", "failed", "no trace of a job an operator cancelled"):
         lambda: _lifecycle.settle_answer("not_performed", cancelled=True),
     ("operator_apply", "pending", "retry (attempts reset)"):
