@@ -54,7 +54,7 @@ from ._dispatch.runtime import Program, drive, drive_async
 from ._dispatch.scheduler import check_schedules
 from ._dispatch.serving import serve, serving
 from ._dispatch.settings import Settings, text_array
-from ._dispatch.severance import AsyncStopWatch, Severance
+from ._dispatch.severance import Severance
 from ._dispatch.shared import held
 from ._dispatch.state import (
     AsyncState,
@@ -184,8 +184,9 @@ class _Options:
         self._schedule_clock: Callable[[], Any] | None = None
         self.stats = DispatchStats()
         self._running = False
+        self._stop_early = False  # stop() came between runs: the next run stops at once
         # One lock for a run's start and end and for stop(): a run is started once, and a
-        # stop() from any thread is seen by the run it races with (see _begin / stop).
+        # stop() from any thread is seen by the run it races with (see serving.serve).
         self._control = threading.RLock()  # re-entrant: a signal handler may call stop()
         self._fleet: Fleet | None = None
         if targets is not None:
@@ -317,6 +318,26 @@ class _Options:
         self._refuse_while_running("add limits")
         self.settings = self.settings.with_limits(limits)
         self._setup()
+
+    # The state of the run under way (a ``Dispatcher`` keeps one for its life).
+    _state: SharedState[Any] | None
+
+    def stop(self) -> None:
+        """Ask ``run`` to stop: nothing new is claimed; in-flight work finishes or is
+        released (jobs not started go back to ``pending`` with the attempt refunded).
+
+        Safe to call from any thread (or a signal handler), before or during a run, and
+        never lost: it takes the lock a run's start and end take, so it reaches the run
+        under way, or else the next run, which then returns at once. A run that a stop
+        ended leaves nothing behind: the run after it starts afresh."""
+        with self._control:
+            state = self._state if self._running else None
+            if state is None:
+                self._stop_early = True
+            else:
+                state.request_stop()
+        if self._fleet is not None:
+            self._fleet.stop()
 
     def _refuse_while_running(self, what: str) -> None:
         if (self._running or getattr(self, "_task", None) is not None
@@ -485,9 +506,11 @@ class Dispatcher(_Options):
     _schema_once = False
     _schema_seen = False
 
+    _state: ThreadState
+
     def _setup(self) -> None:
         require_sync_hooks(self.settings.done_hooks, self.settings.failed_hooks)
-        # One state for the dispatcher's life, so a stop() before run() is honoured.
+        # One state for the dispatcher's life (reset between runs).
         self._state = SharedState(self.stats, self.settings.observer,
                                   self.settings.concurrency, threading.Event)
         # Its connections are cut at stop_timeout if the database hangs.
@@ -498,15 +521,6 @@ class Dispatcher(_Options):
         return connect(self.settings, role)
 
     # -- public control ------------------------------------------------------------------
-
-    def stop(self) -> None:
-        """Ask ``run`` to stop: nothing new is claimed; in-flight work finishes or is
-        released (jobs not started go back to ``pending`` with the attempt refunded).
-        Safe to call from any thread or a signal handler."""
-        with self._control:  # not between a run's reset and its end: never half-undone
-            self._state.request_stop()
-        if self._fleet is not None:
-            self._fleet.stop()
 
     def run_until_idle(self, timeout: float | None = None) -> DispatchStats:
         """Process every job that is due now, then return the counters of this call.
@@ -589,7 +603,10 @@ class _Threads:
         dispatcher, settings = self.dispatcher, self.settings
         self.state = state = dispatcher._state
         dispatcher.stats = state.stats = DispatchStats()
-        self.watch = dispatcher._severance.watch(state, settings.stop_timeout, settings.lease)
+        severance = dispatcher._severance
+        self.watch = severance.watch(state, settings.stop_timeout, settings.lease,
+                                     threading.Event)
+        severance.start(partial(drive, self.watch.watching()), "outbox-stop-watch")
         return state
 
     def prepare(self, state: ThreadState, deadline: float | None) -> None:
@@ -638,8 +655,6 @@ class _Threads:
         self.watch.returned()
 
     def finish(self, state: ThreadState) -> None:
-        # Reset here rather than on entry, so a stop() that comes before run() (or a
-        # SIGTERM during start-up) is not forgotten.
         state.reset()
 
 
@@ -684,22 +699,7 @@ class AsyncDispatcher(_Options):
         # Its connections are cut at stop_timeout if the database hangs.
         self._severance = Severance(self.settings.worker_id)
         self._state: AsyncState | None = None  # during a run only
-        self._stop_early = False  # stop() came before the run had its state
         self._task: asyncio.Task[DispatchStats] | None = None
-
-    def stop(self) -> None:
-        """Ask ``run`` to stop: nothing new is claimed; in-flight work finishes or is
-        handed back. Safe to call from any thread, before or during a run: the run's
-        state and this flag are read and written under one lock, so a stop() that races
-        with a run's start is seen by that run (it stops at once) and is never lost."""
-        with self._control:
-            state = self._state
-            if state is None:
-                self._stop_early = True
-            else:
-                state.request_stop()
-        if self._fleet is not None:
-            self._fleet.stop()
 
     async def run_until_idle(self, timeout: float | None = None) -> DispatchStats:  # noqa: ASYNC109 - the contract's name
         """Process every job that is due now, then return the counters of this call.
@@ -770,11 +770,11 @@ class _Tasks:
         self.state = state = SharedState(dispatcher.stats, settings.observer,
                                          settings.concurrency, LoopEvent)
         dispatcher._state = state
-        if dispatcher._stop_early:
-            state.request_stop()
         # Its connections are cut at stop_timeout if the database hangs.
-        self.watch = AsyncStopWatch(dispatcher._severance, state, settings.stop_timeout,
-                                    settings.lease)
+        self.watch = dispatcher._severance.watch(state, settings.stop_timeout,
+                                                 settings.lease, LoopEvent)
+        self._watching = asyncio.get_running_loop().create_task(
+            drive_async(self.watch.watching()), name="outbox-stop-watch")
         return state
 
     async def prepare(self, state: AsyncState, deadline: float | None) -> None:
@@ -847,11 +847,13 @@ class _Tasks:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def returned(self) -> None:
-        await self.watch.close()
+        self.watch.returned()
+        self._watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._watching
 
     def finish(self, state: AsyncState) -> None:
         self.dispatcher._state = None
-        self.dispatcher._stop_early = False
 
 
 CANCELLED_WITHIN = 1.0  # seconds a cancelled part's task gets to run its clean-up

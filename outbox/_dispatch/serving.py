@@ -4,7 +4,8 @@ stop; each flavour's ``Flavour`` carries out what it does its own way.
 
 One run (``serve``)::
 
-    begin      under the lock ``stop()`` takes: one run at a time, an early stop kept
+    begin      under the lock ``stop()`` takes: one run at a time, a stop that came
+               between runs taken by this one, the stop watch started
     prepare    the schema is current (waited for while unreachable), the role's access
     serving    the parts started, the claimer run on the caller's thread or task, the
                drain, the parts joined (below)
@@ -26,8 +27,9 @@ The parts (``serving``), in this order::
 Every part runs supervised (``supervision.supervising``): its unexpected death stops the
 run, which then raises ``DispatcherFailed``; a pass before claiming is supervised the
 same way. What differs by flavour is only what the ``Flavour`` does: threads or tasks, how
-a part is ended (a thread ends at the stop it watches; a task is cancelled), the stop
-watch, the replica gate, and asyncio's cancellation (the first drains, a second
+a part is ended (a thread ends at the stop it watches; a task is cancelled), where the
+stop watch's program runs (``severance.StopWatch``: a thread, a task), the replica gate,
+and asyncio's cancellation (the first drains, a second
 abandons: the wind-down is skipped and every part cancelled).
 """
 
@@ -78,7 +80,8 @@ class Flavour(Protocol):
         """The claimer's connection."""
 
     def begin(self) -> SharedState[Any]:
-        """Under the run's lock: the run's state (counters new, an early stop kept)."""
+        """Under the run's lock: the run's state (counters new), its stop watch
+        (``severance.StopWatch``) started."""
 
     def prepare(self, state: SharedState[Any], deadline: float | None) -> Any:
         """The schema waited for, the role's access checked."""
@@ -133,6 +136,7 @@ class Serves(Protocol):
     stats: DispatchStats
     schedules: tuple[Schedule, ...]
     _running: bool
+    _stop_early: bool
     _control: RLock
     _schedule_clock: Callable[[], Any] | None
 
@@ -149,9 +153,12 @@ def serve(dispatcher: Serves, flavour: Flavour, *, until_idle: bool,
     with dispatcher._control:  # checked and set at once: two runs cannot both start
         if dispatcher._running:
             raise ConfigurationError(f"this {type(dispatcher).__name__} is already running")
-        # Under the lock stop() takes: either stop() came first (the state says so) or
-        # it finds this run's state; nothing in between for it to fall into.
+        # Under the lock stop() takes: either stop() came first (and this run stops at
+        # once) or it finds this run's state; nothing in between for it to fall into.
         state = flavour.begin()
+        if dispatcher._stop_early:
+            dispatcher._stop_early = False  # taken by this run: the next starts afresh
+            state.request_stop()
         dispatcher._running = True
     try:
         with held(dispatcher.settings.limits_home):

@@ -1,8 +1,8 @@
-"""A stop that ends even when the database does not answer: ``Dispatcher``'s connections
+"""A stop that ends even when the database does not answer: a dispatcher's connections
 cut at ``stop_timeout``.
 
-``Dispatcher`` runs its claimer on the caller's thread, so a claim blocked on a server
-that stopped answering would hold ``run()`` however long the server takes. Keepalives and
+A dispatcher runs its claimer on the caller's thread (or task), so a claim blocked on a
+server that stopped answering would hold ``run()`` however long the server takes. Keepalives and
 ``tcp_user_timeout`` (``network``) end that within seconds when the network or the host
 is gone; a server that is frozen while its machine still answers TCP (every process
 stopped, a storage stall) acknowledges every packet, and nothing ends it. So when a stop
@@ -13,30 +13,35 @@ fails at once as a lost connection, the jobs still held are left to their leases
 (``SharedState.abandon``), and ``run()`` returns. The drain counts its ``stop_timeout``
 from the stop too, and a part still waiting for the database ``CUT_AFTER`` past it (the
 recorder on a heartbeat) is cut the same way.
+
+The watch that decides this is written once for both dispatchers (``StopWatch.watching``,
+a program of ``runtime``): ``Dispatcher`` runs it on a thread, ``AsyncDispatcher`` as a
+task of its loop, where its abandon runs beside the run's other tasks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 import socket
-import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 
 from .connection import opened
 from .crew import start_thread
-from .state import AsyncState, ThreadState
+from .runtime import Program, Wait
+from .signals import Signal
+from .state import SharedState
 
-__all__ = ["AsyncStopWatch", "Severance", "StopWatch", "cut"]
+__all__ = ["Severance", "StopWatch", "cut"]
 
 log = logging.getLogger("outbox.dispatcher")
 
-STOP_CHECK = 0.25  # seconds between looks for a stop, while running
+STOP_CHECK = 0.25  # seconds between looks for a run that returned without a stop
 # After a cut, how long the parts get to end: the server did not answer, so what they
 # still had to write will not be written (those jobs are left to their leases).
 CUT_GRACE = 0.5
@@ -46,7 +51,7 @@ CUT_AFTER = 1.0
 
 
 class Severance:
-    """The open connections of one ``Dispatcher``, to cut at ``stop_timeout``."""
+    """The open connections of one dispatcher, to cut at ``stop_timeout``."""
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
@@ -57,11 +62,14 @@ class Severance:
         (``connection.opened``: each part's, the vacuum's too); how many were cut."""
         return sum(1 for conn in opened(self.worker_id) if cut(conn))
 
-    def watch(self, state: ThreadState, stop_timeout: float, lease: float) -> StopWatch:
+    def watch(self, state: SharedState[Any], stop_timeout: float, lease: float,
+              event: Callable[[], Signal]) -> StopWatch:
         """Watch one run: ``stop_timeout`` after a stop, if ``run()`` has not returned,
         cut the connections (and, if the claimer is still in its loop, leave what is
-        held to its leases, as the drain does at its own deadline)."""
-        return StopWatch(self, state, stop_timeout, lease)
+        held to its leases, as the drain does at its own deadline). ``event`` makes the
+        flavour's signals (``threading.Event``, ``LoopEvent``); the flavour runs the
+        watch's program (``StopWatch.watching``)."""
+        return StopWatch(self, state, stop_timeout, lease, event)
 
 
 def cut(conn: Any) -> bool:
@@ -75,23 +83,29 @@ def cut(conn: Any) -> bool:
 
 
 class StopWatch:
-    """One run's watch (``Severance.watch``): told when the claimer leaves its loop
-    (``claimer_left``) and when ``run()`` returns (``returned``)."""
+    """One run's watch (``Severance.watch``), the same policy for both dispatchers:
+    ``watching`` is a program (``runtime``) that the flavour runs beside the run, on a
+    thread (``Severance.start``) or as a task of its loop. Told when the claimer leaves
+    its loop (``claimer_left``) and when ``run()`` returns (``returned``).
 
-    def __init__(self, severance: Severance, state: ThreadState, stop_timeout: float,
-                 lease: float) -> None:
+    The policy: wait for a stop; ``stop_timeout`` after it, if the run has not returned,
+    leave what is held to its leases when the claimer is still in its loop (nobody else
+    will), else wait ``CUT_AFTER`` more for the drain's own abandon to end the run; then
+    cut the dispatcher's connections, wake the claimer's wait, and say so."""
+
+    def __init__(self, severance: Severance, state: SharedState[Any], stop_timeout: float,
+                 lease: float, event: Callable[[], Signal]) -> None:
         self._severance = severance
         self._state = state
         self._stop_timeout = stop_timeout
         self._lease = lease
-        self._left = threading.Event()
-        self._returned = threading.Event()
+        self._left = False
+        self._returned = event()  # of the flavour's kind: what the program waits on
         self.cut = False
         self.stopped_at: float | None = None  # when the stop was seen
-        severance.start(self._watch, "outbox-stop-watch")
 
     def claimer_left(self) -> None:
-        self._left.set()
+        self._left = True
 
     def returned(self) -> None:
         self._returned.set()
@@ -100,90 +114,37 @@ class StopWatch:
         """How long to wait for a part to end after ``stop_timeout``: ``default``, but
         never past the stop + ``stop_timeout`` + ``CUT_AFTER`` + ``CUT_GRACE`` (a part
         still connecting to a server that does not answer cannot be cut)."""
-        return _grace(self.stopped_at, self._stop_timeout, self.cut, default)
+        if self.stopped_at is None:
+            return CUT_GRACE if self.cut else default
+        last = self.stopped_at + self._stop_timeout + CUT_AFTER + CUT_GRACE
+        return max(0.0, min(default, last - time.monotonic()))
 
     def deadline(self) -> float:
         """When the drain gives up: ``stop_timeout`` after the stop (not after the
         claimer left its loop, which a hung database may have delayed)."""
-        return _deadline(self.stopped_at, self._stop_timeout)
+        now = time.monotonic()
+        if self.stopped_at is None:
+            return now + self._stop_timeout
+        return min(now, self.stopped_at) + self._stop_timeout
 
-    def _watch(self) -> None:
-        state = self._state
-        while not state.stopping.wait(STOP_CHECK):
-            if self._returned.is_set():
-                return
-        self.stopped_at = time.monotonic() - STOP_CHECK / 2  # seen within STOP_CHECK
-        if self._returned.wait(self._stop_timeout):
+    def watching(self) -> Program[None]:
+        """The watch, until the run returns (or a task of it is cancelled)."""
+        state, returned = self._state, self._returned
+        while not (yield Wait(state.stopping, STOP_CHECK)):
+            if returned.is_set():
+                return  # ended without a stop (a start that failed)
+        self.stopped_at = time.monotonic()
+        if (yield Wait(returned, self._stop_timeout)):
             return
-        if not self._left.is_set():  # the claimer is blocked: nobody else will abandon
+        if not self._left:  # the claimer is blocked: nobody else will abandon
             state.abandon(self._stop_timeout, self._lease)
-        elif self._returned.wait(CUT_AFTER):
+        elif (yield Wait(returned, CUT_AFTER)):
             return  # the drain's abandon was enough
         self.cut = True
         cut = self._severance.sever()
+        state.wake.set()  # the claimer's wait and the drain look again
         log.warning("stop_timeout (%gs) passed and the dispatcher still waits for the "
                     "database (a frozen or unreachable server?): %d connection(s) cut",
                     self._stop_timeout, cut)
 
 
-class AsyncStopWatch:
-    """``StopWatch`` for ``AsyncDispatcher``: a task on its loop."""
-
-    def __init__(self, severance: Severance, state: AsyncState, stop_timeout: float,
-                 lease: float) -> None:
-        self._severance = severance
-        self._state = state
-        self._stop_timeout = stop_timeout
-        self._lease = lease
-        self._left = False
-        self.cut = False
-        self.stopped_at: float | None = None
-        self._task = asyncio.get_running_loop().create_task(self._watch())
-
-    def claimer_left(self) -> None:
-        self._left = True
-
-    def grace(self, default: float) -> float:
-        """As ``StopWatch.grace``."""
-        return _grace(self.stopped_at, self._stop_timeout, self.cut, default)
-
-    async def _watch(self) -> None:
-        state = self._state
-        while not await state.stopping.wait(STOP_CHECK):
-            pass
-        self.stopped_at = time.monotonic()
-        await asyncio.sleep(self._stop_timeout)
-        if not self._left:  # the claimer is blocked: nobody else will abandon
-            state.abandon(self._stop_timeout, self._lease)
-        else:
-            await asyncio.sleep(CUT_AFTER)  # cancelled if the run ends meanwhile
-        self.cut = True
-        cut = self._severance.sever()
-        state.wake.set()  # the wind-down looks again
-        log.warning("stop_timeout (%gs) passed and the dispatcher still waits for the "
-                    "database (a frozen or unreachable server?): %d connection(s) cut",
-                    self._stop_timeout, cut)
-
-    def deadline(self) -> float:
-        """As ``StopWatch.deadline``."""
-        return _deadline(self.stopped_at, self._stop_timeout)
-
-    async def close(self) -> None:
-        """The run is over: stop watching."""
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-
-
-def _deadline(stopped_at: float | None, stop_timeout: float) -> float:
-    now = time.monotonic()
-    if stopped_at is None:
-        return now + stop_timeout
-    return min(now + stop_timeout, stopped_at + stop_timeout)
-
-
-def _grace(stopped_at: float | None, stop_timeout: float, cut: bool, default: float) -> float:
-    if stopped_at is None:
-        return CUT_GRACE if cut else default
-    last = stopped_at + stop_timeout + CUT_AFTER + CUT_GRACE
-    return max(0.0, min(default, last - time.monotonic()))
