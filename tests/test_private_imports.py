@@ -40,6 +40,7 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/unit/test_claimed_jobs.py": {"outbox._cancelling", "outbox._dispatch", "outbox._steps"},
     "tests/integration/test_claimed_columns.py": {"outbox._dispatch", "outbox._steps"},
     "tests/integration/test_serving.py": {"outbox._dispatch"},
+    "tests/unit/test_stop_watch.py": {"outbox._dispatch"},
     "tests/targets/test_fleet_quiet.py": {"outbox._dispatch", "outbox._steps"},
     "tests/unit/test_looks.py": {"outbox._dispatch"},
     "tests/plans/test_fenced_writes.py": {"outbox._dispatch"},
