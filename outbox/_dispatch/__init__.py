@@ -19,7 +19,7 @@
     standby     a standby (or read-only server) reached: refused as a connection opens,
                 said once per host
     severance   a stop that ends while the database hangs: connections cut at
-                stop_timeout
+                stop_timeout; its watch one program for both flavours
     watchdog    a server that stops answering while running: a waiting statement's
                 server asked, said and its connections cut when it does not answer
     claimer     claim batches, rescue expired leases, retention
