@@ -21,21 +21,17 @@ task of its loop, where its abandon runs beside the run's other tasks.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
-
-import psycopg
 
 from .connection import opened
 from .crew import start_thread
 from .runtime import Program, Wait
 from .signals import Signal
 from .state import SharedState
+from .watchdog import cut
 
 __all__ = ["Severance", "StopWatch", "cut"]
 
@@ -70,16 +66,6 @@ class Severance:
         flavour's signals (``threading.Event``, ``LoopEvent``); the flavour runs the
         watch's program (``StopWatch.watching``)."""
         return StopWatch(self, state, stop_timeout, lease, event)
-
-
-def cut(conn: Any) -> bool:
-    """Shut down ``conn``'s socket (``shutdown(2)``: the descriptor stays psycopg's, to
-    close): what waits on it fails at once as a lost connection. Whether it was cut."""
-    with contextlib.suppress(OSError, psycopg.Error, ValueError):
-        with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
-        return True
-    return False
 
 
 class StopWatch:

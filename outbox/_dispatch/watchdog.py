@@ -43,6 +43,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
+import socket
 import threading
 import time
 import weakref
@@ -52,7 +54,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-__all__ = ["HANG_AFTER", "PROBE_TIMEOUT", "begin", "end", "known", "watching"]
+__all__ = ["HANG_AFTER", "PROBE_TIMEOUT", "begin", "cut", "end", "known", "watching"]
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -264,8 +266,17 @@ def _probe(dial: _Dial, where: tuple[str, str], result: list[str]) -> None:
 
 def sever(where: tuple[str, str]) -> int:
     """Shut down the socket of every open dispatcher connection to ``where``; how many."""
-    from .severance import cut  # severance imports connection, which imports this
-
     with _watch.lock:
         conns = [c for c in _watch.conninfo if not c.closed]
     return sum(1 for conn in conns if _where(conn) == where and cut(conn))
+
+
+def cut(conn: Any) -> bool:
+    """Shut down ``conn``'s socket (``shutdown(2)``: the descriptor stays psycopg's, to
+    close): what waits on it fails at once as a lost connection. Whether it was cut.
+    (A stop's cuts too: ``severance``.)"""
+    with contextlib.suppress(OSError, psycopg.Error, ValueError):
+        with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+        return True
+    return False
