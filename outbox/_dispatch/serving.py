@@ -29,8 +29,8 @@ run, which then raises ``DispatcherFailed``; a pass before claiming is supervise
 same way. What differs by flavour is only what the ``Flavour`` does: threads or tasks, how
 a part is ended (a thread ends at the stop it watches; a task is cancelled), where the
 stop watch's program runs (``severance.StopWatch``: a thread, a task), the replica gate,
-and asyncio's cancellation (the first drains, a second
-abandons: the wind-down is skipped and every part cancelled).
+and asyncio's cancellation (the first drains, a second abandons: the wind-down is skipped
+and every part cancelled).
 """
 
 from __future__ import annotations

@@ -2,14 +2,14 @@
 cut at ``stop_timeout``.
 
 A dispatcher runs its claimer on the caller's thread (or task), so a claim blocked on a
-server that stopped answering would hold ``run()`` however long the server takes. Keepalives and
-``tcp_user_timeout`` (``network``) end that within seconds when the network or the host
-is gone; a server that is frozen while its machine still answers TCP (every process
-stopped, a storage stall) acknowledges every packet, and nothing ends it. So when a stop
-was asked and ``stop_timeout`` has passed while the claimer is still in its loop, the
-sockets of the dispatcher's open connections are shut down (``shutdown(2)``, not closed:
-the descriptor stays the connection's own until psycopg closes it): the blocked call
-fails at once as a lost connection, the jobs still held are left to their leases
+server that stopped answering would hold ``run()`` however long the server takes.
+Keepalives and ``tcp_user_timeout`` (``network``) end that within seconds when the network
+or the host is gone; a server that is frozen while its machine still answers TCP (every
+process stopped, a storage stall) acknowledges every packet, and nothing ends it. So when
+a stop was asked and ``stop_timeout`` has passed while the claimer is still in its loop,
+the sockets of the dispatcher's open connections are shut down (``shutdown(2)``, not
+closed: the descriptor stays the connection's own until psycopg closes it): the blocked
+call fails at once as a lost connection, the jobs still held are left to their leases
 (``SharedState.abandon``), and ``run()`` returns. The drain counts its ``stop_timeout``
 from the stop too, and a part still waiting for the database ``CUT_AFTER`` past it (the
 recorder on a heartbeat) is cut the same way.
