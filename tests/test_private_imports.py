@@ -66,6 +66,12 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/integration/test_runtime_loops.py": {"outbox._dispatch", "outbox._steps"},
     # The rescue's batch timed beside the statement it replaced: the rescuer itself.
     "benchmarks/rescue.py": {"outbox._dispatch", "outbox._steps"},
+    # The recorder's settle, its claims built as the recorder builds them.
+    "benchmarks/statement_cpu.py": {"outbox._dispatch", "outbox._lifecycle"},
+    # The rule of a parent's settlement as data, and the SQL rendered from it.
+    "tests/unit/test_parent_rule.py": {"outbox._lifecycle", "outbox._rule_sql"},
+    "tests/after/test_parent_rule_sql.py": {"outbox._dispatch", "outbox._lifecycle",
+                                            "outbox._rule_sql", "outbox._sql"},
 }
 
 
