@@ -61,6 +61,8 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/unit/test_cancelled_meanwhile.py": {"outbox._lifecycle"},
     "tests/cancel/test_cancelled_meanwhile.py": {"outbox._dispatch", "outbox._lifecycle",
                                                  "outbox._queue"},
+    "tests/cancel/test_cancelled_meanwhile_reported.py": {"outbox._dispatch",
+                                                          "outbox._lifecycle"},
     # The loops' two drivers, and their instructions on a real database.
     "tests/unit/test_runtime.py": {"outbox._dispatch"},
     "tests/integration/test_runtime_loops.py": {"outbox._dispatch", "outbox._steps"},
