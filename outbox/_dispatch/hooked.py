@@ -451,8 +451,13 @@ class HookedOutcomes:
             rows = yield from self._settled(claim)
             if not rows:
                 return "lost"
-            # An operator's cancel that came after the retry was decided: written failed.
-            return reported(claim, cancelled=rows[0][1])
+            cancelled = bool(rows[0][1])
+            if cancelled and claim["cancelled_status"] != retry.status:
+                # An operator's cancel came after the retry was decided: written failed.
+                log.warning("job %s (key %s): an operator cancelled its claim before its "
+                            "%s was written -> %s", job.id, job.key, retry.status,
+                            claim["cancelled_status"])
+            return reported(claim, cancelled=cancelled)
         success = item.outcome
         assert isinstance(success, Success)
         decision = self._settle_hook_error(item, None, error)

@@ -483,6 +483,9 @@ def test_a_settlement_settle_found_cancelled_is_reported_as_it_wrote_it() -> Non
     rec, shared = recorder(events)
     jobs = held(3, 4, 5)
     shared.hold(jobs)
+    spans = {h.job.id: Span() for h in jobs}
+    for h in jobs:
+        h.span = spans[h.job.id]
     batch = outcomes(jobs, outbox.Retry(after=30), outbox.Permanent("no"), Release())
     script = Script(rec.queries).then("settle", settled(3, 4, 5, cancelled=(3, 4, 5)))
     script.drive(rec.record(batch))
@@ -490,6 +493,28 @@ def test_a_settlement_settle_found_cancelled_is_reported_as_it_wrote_it() -> Non
     assert [claims[i]["cancelled_status"] for i in (3, 4, 5)] == ["failed"] * 3
     assert events.finished == events.recorded_ == Counter(failed=3)
     assert (shared.stats.failed, shared.stats.retried, shared.stats.released) == (3, 0, 0)
+    assert {i: (s.attributes["outbox.outcome"], s.ended) for i, s in spans.items()} == {
+        i: ("failed", True) for i in (3, 4, 5)}
+
+
+class Span:
+    """What the tracing of a settled attempt calls on its span, recorded."""
+
+    def __init__(self) -> None:
+        self.attributes: dict[str, Any] = {}
+        self.ended = False
+
+    def add_event(self, name: str, attributes: dict[str, Any]) -> None:
+        pass
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        self.attributes.update(attributes)
+
+    def set_status(self, status: Any) -> None:
+        pass
+
+    def end(self) -> None:
+        self.ended = True
 
 
 def test_only_failures_need_no_complete() -> None:
