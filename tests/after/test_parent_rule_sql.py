@@ -15,6 +15,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from psycopg import sql
 
 import outbox
@@ -73,10 +75,10 @@ ORDER BY v.i
 """
 
 
-@pytest.mark.parametrize("name", list(RULES))
-def test_postgresql_evaluates_the_rendered_rule_as_parent_settled_decides(
-        dsn: str, name: str) -> None:
-    rule = RULES[name]
+def _evaluated(dsn: str, rule: tuple[ParentCase, ...]) -> set[tuple[str, float]]:
+    """PostgreSQL's evaluation of ``rule`` rendered, over every combination of the facts,
+    asserted equal to ``parent_settled``'s with the same rule; the (status, delay)
+    decisions met."""
     modes: tuple[Mode, ...] = ("fail", "run")
     cases = list(itertools.product(modes, (1, 2, 3), (1, 2, 3), (None, *PARENTS)))
     grid = [{"i": i, "after_failed": mode, "after_waiting": waiting, "n": settled,
@@ -87,7 +89,7 @@ def test_postgresql_evaluates_the_rendered_rule_as_parent_settled_decides(
         rows = conn.execute(statement, {"grid": json.dumps(grid),
                                         "parents": json.dumps(parents)}).fetchall()
     assert len(rows) == len(cases) == 72
-    statuses = set()
+    met: set[tuple[str, float]] = set()
     for case, (_, status, error, delay) in zip(cases, rows, strict=True):
         mode, waiting, settled, failed = case
         decision = parent_settled(mode, waiting, failed,
@@ -99,8 +101,55 @@ def test_postgresql_evaluates_the_rendered_rule_as_parent_settled_decides(
             assert delay is None, case
         else:
             assert delay is not None and float(delay) == pytest.approx(decision.delay), case
-        statuses.add((decision.status, decision.delay))
-    assert len(statuses) > 1  # the grid reaches more than one case of the rule
+        met.add((decision.status, decision.delay))
+    return met
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_postgresql_evaluates_the_rendered_rule_as_parent_settled_decides(
+        dsn: str, name: str) -> None:
+    assert len(_evaluated(dsn, RULES[name])) > 1  # the grid reaches several cases
+
+
+# Rules of any shape the vocabulary can state: conditions on every fact, errors quoting
+# and saying them (a nullable one said only where its case tested it), any delay.
+NUMBERS = st.sampled_from(["waiting", "settled"])
+conditions = st.one_of(
+    st.builds(Given, st.sampled_from(["failed", "failed_error"])),
+    st.builds(Equals, st.just("mode"), st.sampled_from(["fail", "run"])),
+    st.builds(Equals, NUMBERS, st.integers(0, 4)),
+    st.builds(AtMost, NUMBERS, NUMBERS),
+)
+texts = st.text(alphabet="ab '\"é:()-", max_size=8)
+parts = st.one_of(
+    texts,
+    st.builds(Said, st.sampled_from(["mode", "waiting", "settled", "failed"])),
+    st.builds(Quoted, st.sampled_from(["failed", "failed_error", "mode", "waiting"]), texts,
+              texts, st.integers(0, 30)),
+)
+
+
+@st.composite
+def parent_cases(draw: st.DrawFn, *, last: bool = False) -> ParentCase:
+    when = () if last else tuple(draw(st.lists(conditions, min_size=1, max_size=3)))
+    given = {c.fact for c in when if isinstance(c, Given)}
+    error = draw(st.none() | st.lists(parts, max_size=4).map(tuple))
+    if error is not None:  # a nullable fact is said only where its case tested it
+        error = tuple(p for p in error if not isinstance(p, Said) or p.fact != "failed"
+                      or "failed" in given)
+    return ParentCase(when, draw(st.sampled_from(["pending", "failed", "reconcile"])),
+                      draw(st.sampled_from([0.0, NEVER, 1.5, 3600.0])), error, "drawn")
+
+
+rules = st.builds(lambda cases, last: (*cases, last),
+                  st.lists(parent_cases(), max_size=4), parent_cases(last=True))
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(rule=rules)
+def test_postgresql_evaluates_any_rendered_rule_as_parent_settled_decides(
+        dsn: str, rule: tuple[ParentCase, ...]) -> None:
+    _evaluated(dsn, rule)
 
 
 # -- the real statements, bound from an altered rule ------------------------------------------

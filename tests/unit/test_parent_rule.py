@@ -11,6 +11,7 @@ import pytest
 from outbox._lifecycle import (
     NEVER,
     PARENT_SETTLED,
+    TRANSITIONS,
     AtMost,
     Decision,
     Equals,
@@ -111,3 +112,13 @@ def test_a_negative_delay_is_refused() -> None:
     rule = (ParentCase((), "pending", -1.0, None, "x"),)
     with pytest.raises(ValueError, match="delay must be 0 or more"):
         parent_fragments(rule)
+
+
+def test_the_transitions_a_parents_settlement_makes_are_the_rules_cases() -> None:
+    # Each status change the rule can make (pending to another) is a row of TRANSITIONS
+    # (and so of the docs' table), decided by parent_settled, applied by after_released.
+    changes = {case.status for case in PARENT_SETTLED if case.status != "pending"}
+    listed = {t.after for t in TRANSITIONS if t.statement == "after_released"}
+    assert changes == listed == {"failed"}
+    assert {(t.source, t.decided_by) for t in TRANSITIONS
+            if t.statement == "after_released"} == {("parent", "parent_settled")}
