@@ -6,6 +6,8 @@ against the function: ``tests/after/test_parent_rule_sql.py``.)"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from outbox._lifecycle import (
@@ -23,6 +25,7 @@ from outbox._lifecycle import (
     parent_settled,
 )
 from outbox._rule_sql import parent_fragments
+from outbox.sql import parse_sql
 
 # Any failed parent fails the child, whatever its mode; the error quotes less.
 ANY_FAILURE = (
@@ -122,3 +125,17 @@ def test_the_transitions_a_parents_settlement_makes_are_the_rules_cases() -> Non
     assert changes == listed == {"failed"}
     assert {(t.source, t.decided_by) for t in TRANSITIONS
             if t.statement == "after_released"} == {("parent", "parent_settled")}
+
+
+def test_the_rule_is_written_nowhere_else_in_the_products_sql() -> None:
+    # Its texts and its test of the mode are in the lifecycle's table only: the SQL names
+    # the rendered fragments, so no hand-written copy can drift from it.
+    parsed = [parse_sql(path.read_text("utf-8"))
+              for path in (Path(__file__).parents[2] / "outbox").rglob("*.sql")]
+    sql_text = "\n".join(body for found in parsed  # the statements, comments left out
+                         for body in (*found.blocks.values(), *found.fragments.values()))
+    texts = [part for case in PARENT_SETTLED for part in case.error or ()
+             if isinstance(part, str) and part.strip()]
+    assert texts and not [text for text in texts if text in sql_text]
+    assert "after_failed = 'fail'" not in sql_text
+    assert "status = {parent_status}" in sql_text
