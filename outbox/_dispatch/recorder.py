@@ -51,6 +51,7 @@ __all__ = ["Recorder", "recording"]
 
 log = logging.getLogger("outbox.dispatcher")
 
+
 class Recorder:
     """The recorder's logic. Runs on one thread (or task) only."""
 
