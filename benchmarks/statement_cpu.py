@@ -10,6 +10,9 @@ statement, so a loaded machine changes the figures little. Each system drains th
 it) on one connection, claiming ``--batch`` at a time, nothing performed:
 
 - ``outbox``: the dispatcher's ``claim`` and ``complete_delete`` (``retention=0``);
+- ``outbox-settle`` (with ``--settle``): the same claim, and the recorder's ``settle``
+  writing each job failed (as ``settling.settle_claim`` builds its claims: both
+  decisions, the one for a claim an operator cancelled meanwhile too);
 - ``floor`` and ``floor-indexed``: the design floor's claim and fenced completion
   (``benchmarks._drain_workers``), its lease not indexed (a HOT claim) and indexed.
 
@@ -45,6 +48,9 @@ from psycopg import sql
 from psycopg.rows import namedtuple_row
 from psycopg.types.json import Jsonb
 
+from outbox._dispatch.settling import settle_claim, settle_claims
+from outbox._lifecycle import Decision
+from outbox.effect import Job
 from outbox.sql import Queries
 
 from ._cpu import process_seconds
@@ -92,12 +98,19 @@ def _drain(conn: psycopg.Connection[Any], claim: Callable[[], list[Any]],
         in_complete += process_seconds(pid) - after
 
 
-def _outbox(conn: psycopg.Connection[Any], batch: int) -> Drained:
+def _outbox(conn: psycopg.Connection[Any], batch: int, *, settle: bool = False) -> Drained:
     queries = Queries("outbox")
     params = {"effects": [Noop.name], "limit": batch, "lease": 60.0, "worker": "cpu",
               "after": "{}"}
+    failed = Decision("failed", error="Permanent: declined")
 
     def complete(rows: list[Any]) -> None:
+        if settle:
+            conn.execute(queries.settle, {"claims": settle_claims(
+                settle_claim(Job(id=r.id, effect=Noop.name, key="", payload={}, attempt=1,
+                                 claim_version=r.claim_version), failed)
+                for r in rows)}, prepare=True)
+            return
         claims = json.dumps([{"id": r.id, "version": r.claim_version, "result": None}
                              for r in rows])
         conn.execute(queries.complete_delete, {"claims": claims}, prepare=True)
@@ -135,6 +148,8 @@ def measure(srv: Server, template: str, system: str, batch: int) -> Drained:
             if system in VARIANTS:
                 conn.execute(VARIANTS[system])
                 conn.execute("VACUUM ANALYZE outbox.jobs")
+            if system == "outbox-settle":
+                return _outbox(conn, batch, settle=True)
             if system == "outbox" or system in VARIANTS:
                 return _outbox(conn, batch)
             return _floor(conn, batch, lease_index=system == "floor-indexed")
@@ -245,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--variants", action="store_true",
                         help="also our statements less one index each (VARIANTS)")
+    parser.add_argument("--settle", action="store_true",
+                        help="also the recorder's settle in place of the completion")
     parser.add_argument("--enqueue", action="store_true",
                         help="the business's enqueue statement against a plain INSERT")
     parser.add_argument("--transactions", type=int, default=2_000,
@@ -255,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     load_before = os.getloadavg()
     started = time.time()
-    systems = SYSTEMS + (tuple(VARIANTS) if args.variants else ())
+    systems = (SYSTEMS + (tuple(VARIANTS) if args.variants else ())
+               + (("outbox-settle",) if args.settle else ()))
     runs: dict[str, list[Drained]] = {system: [] for system in systems}
     with server(args.dsn) as srv:
         version = srv.version()

@@ -18,8 +18,9 @@ parent key) in ``after_edges`` (migration 0015) links them.
   fenced ``complete`` and ``settle``, the rescue, the hooks' and the reconciler's fenced
   writes, an operator's cancel or resolve) resolves its edges and counts its children
   down in the same transaction (fragment ``after_released``): set-based, one statement
-  however many children, the rule of ``_lifecycle.parent_settled`` (a test runs the
-  fragment against it).
+  however many children, the rule of ``_lifecycle.parent_settled``, whose table of cases
+  (``_lifecycle.PARENT_SETTLED``) the fragment's CASE expressions are rendered from
+  (``outbox._rule_sql``), so the two cannot differ.
 - The race: a child enqueued in a transaction still open while its parent's settlement
   commits. Under READ COMMITTED neither sees the other (the child's check saw the parent
   unsettled; the settlement did not see the uncommitted edges). Locks could order them,

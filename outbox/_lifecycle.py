@@ -32,11 +32,12 @@ from typing import Literal, Protocol
 
 from .errors import Permanent, Retry, Throttled, UnknownOutcome
 
-__all__ = ["ACTS_ON", "MAX_ASK_DELAY", "MAX_UNKNOWN_PASSES", "NEVER", "RELEASED", "TRANSITIONS",
-           "Action", "Answered", "Attempted", "Backoff", "Decision", "Mode", "Released",
-           "Rules", "Settled", "Told", "Transition", "after_told", "cancelled_meanwhile",
-           "expired",
-           "heartbeat_interval", "lease_expired", "next_ask", "operator_action",
+__all__ = ["ACTS_ON", "MAX_ASK_DELAY", "MAX_UNKNOWN_PASSES", "NEVER", "NULLABLE_FACTS",
+           "PARENT_SETTLED", "RELEASED", "TRANSITIONS", "Action", "Answered", "AtMost",
+           "Attempted", "Backoff", "Condition", "Decision", "Equals", "ErrorPart", "Fact",
+           "Given", "Mode", "ParentCase", "Quoted", "Released", "Rules", "Said", "Settled",
+           "Told", "Transition", "after_told", "cancelled_meanwhile", "check_parent_rule",
+           "expired", "heartbeat_interval", "lease_expired", "next_ask", "operator_action",
            "parent_settled", "seconds", "settle", "settle_answer"]
 
 Status = Literal["pending", "running", "done", "failed", "reconcile"]
@@ -480,14 +481,128 @@ Mode = Literal["fail", "run"]
 PARENT_ERROR_LENGTH = 200
 """The characters of a failed parent's ``last_error`` a child's error quotes."""
 
+Fact = Literal["mode", "waiting", "settled", "failed", "failed_error"]
+"""What a parent's settlement decides a child with (``parent_settled``'s arguments): its
+``after_failed`` (``mode``), the parents it waits on (``waiting``), how many of them were
+settled for good at once (``settled``), the least key among those that failed
+(``failed``; None: all done) and that parent's ``last_error`` (``failed_error``)."""
+NULLABLE_FACTS: frozenset[Fact] = frozenset({"failed", "failed_error"})
+"""The facts that may be None (in SQL: NULL): a condition or an error names them only as
+``Given``, ``Quoted``, or, once ``Given`` holds in its case, as ``Said``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Given:
+    """Holds when the fact ``fact`` is not None (a parent failed: ``Given("failed")``)."""
+
+    fact: Fact
+
+
+@dataclass(frozen=True, slots=True)
+class Equals:
+    """Holds when the fact ``fact`` (never None) equals ``value``."""
+
+    fact: Fact
+    value: str | int
+
+
+@dataclass(frozen=True, slots=True)
+class AtMost:
+    """Holds when the fact ``fact`` is at most the fact ``other`` (both numbers, never
+    None): ``AtMost("waiting", "settled")``, the last parent settled."""
+
+    fact: Fact
+    other: Fact
+
+
+Condition = Given | Equals | AtMost
+
+
+@dataclass(frozen=True, slots=True)
+class Said:
+    """A part of an error: the fact ``fact``, as text."""
+
+    fact: Fact
+
+
+@dataclass(frozen=True, slots=True)
+class Quoted:
+    """A part of an error: nothing when the fact ``fact`` is None, else ``before``, its
+    first ``limit`` characters, ``after``."""
+
+    fact: Fact
+    before: str
+    after: str
+    limit: int
+
+
+ErrorPart = str | Said | Quoted
+
+
+@dataclass(frozen=True, slots=True)
+class ParentCase:
+    """One case of the rule of a parent's settlement: when every condition of ``when``
+    holds (an empty ``when``: always), the child's next ``status``, its ``delay`` (0: due
+    now; ``NEVER``: still waiting, its ``available_at`` as it stands) and its error (the
+    parts of ``error`` joined; None: the error it has is kept). ``means`` says it in
+    words."""
+
+    when: tuple[Condition, ...]
+    status: Status
+    delay: float
+    error: tuple[ErrorPart, ...] | None
+    means: str
+
+
+PARENT_SETTLED: tuple[ParentCase, ...] = (
+    ParentCase((Given("failed"), Equals("mode", "fail")), "failed", 0.0,
+               ("not performed: parent ", Said("failed"), " failed for good",
+                Quoted("failed_error", " (", ")", PARENT_ERROR_LENGTH)),
+               "a parent failed and the child says after_failed='fail': failed, never "
+               "performed, the error naming the parent's key (and the start of its error)"),
+    ParentCase((AtMost("waiting", "settled"),), "pending", 0.0, None,
+               "else, its last parent settled: pending and due now"),
+    ParentCase((), "pending", NEVER, None, "else: pending, still waiting on the others"),
+)
+"""The rule of a parent's settlement, as data: its cases in order, the first that holds
+decides. Written here once: ``parent_settled`` evaluates it, and the fragment
+``after_released`` (``sql/after.sql``), which applies it to every child of the parents a
+statement settles, gets its CASE expressions rendered from it (``outbox._rule_sql``) when
+the SQL is loaded, so the two cannot differ."""
+
+
+def check_parent_rule(rule: tuple[ParentCase, ...]) -> tuple[ParentCase, ...]:
+    """``rule``, if each of its facts is named as its kind allows (``NULLABLE_FACTS``) and
+    its last case holds always (so one always decides); else ``ValueError`` saying which
+    case is wrong."""
+    if not rule or rule[-1].when:
+        raise ValueError("the rule's last case must hold always (when=()), so that one "
+                         "case decides every child")
+    for index, case in enumerate(rule):
+        given = {c.fact for c in case.when if isinstance(c, Given)}
+        named = [c.fact for c in case.when if isinstance(c, Equals)]
+        named += [f for c in case.when if isinstance(c, AtMost) for f in (c.fact, c.other)]
+        named += [p.fact for p in case.error or () if isinstance(p, Said)
+                  and p.fact not in given]
+        nullable = sorted(set(named) & NULLABLE_FACTS)
+        if nullable:
+            raise ValueError(f"case {index} of the rule ({case.means}) compares or says "
+                             f"{nullable}, which may be None: test them with Given first")
+    return rule
+
+
+check_parent_rule(PARENT_SETTLED)
+
 
 def parent_settled(mode: Mode, waiting: int, failed: str | None,
-                   failed_error: str | None = None, *, settled: int = 1) -> Decision:
+                   failed_error: str | None = None, *, settled: int = 1,
+                   rule: tuple[ParentCase, ...] = PARENT_SETTLED) -> Decision:
     """The next state of a pending child waiting on ``waiting`` parents (``mode``: its
     ``after_failed``) once ``settled`` of them were settled for good in one statement;
     ``failed``: the least key among those that failed (None: all done), with its
     ``last_error``. The one decision of a parent's settlement (and of a child enqueued
-    after parents settled already: ``waiting`` is then how many it names).
+    after parents settled already: ``waiting`` is then how many it names): the first case
+    of ``rule`` (``PARENT_SETTLED``) that holds.
 
     - a parent failed and the child says ``"fail"``: failed, never performed, the error
       naming the parent's key (and the start of its error).
@@ -497,16 +612,37 @@ def parent_settled(mode: Mode, waiting: int, failed: str | None,
     At enqueue, ``outbox._after.link_steps`` calls it for each child and ``after_link``
     writes its decision. When a parent settles, the fragment ``after_released``
     (``sql/after.sql``, bound into every settlement, set-based: one statement however
-    many children) applies the same rule, and a test runs it against this function for
-    every case.
+    many children) applies the same cases, rendered as SQL from ``rule``, and a test runs
+    it against this function for every case.
     """
-    if failed is not None and mode == "fail":
-        quoted = "" if failed_error is None else f" ({failed_error[:PARENT_ERROR_LENGTH]})"
-        return Decision("failed", error=f"not performed: parent {failed} failed for "
-                                        f"good{quoted}")
-    if waiting <= settled:
-        return Decision("pending")
-    return Decision("pending", delay=NEVER)
+    facts: dict[Fact, str | int | None] = {"mode": mode, "waiting": waiting,
+                                           "settled": settled, "failed": failed,
+                                           "failed_error": failed_error}
+    for case in rule:
+        if all(_holds(condition, facts) for condition in case.when):
+            error = (None if case.error is None
+                     else "".join(_said(part, facts) for part in case.error))
+            return Decision(case.status, delay=case.delay, error=error)
+    raise ValueError("no case of the rule holds (its last must hold always)")
+
+
+def _holds(condition: Condition, facts: dict[Fact, str | int | None]) -> bool:
+    if isinstance(condition, Given):
+        return facts[condition.fact] is not None
+    if isinstance(condition, Equals):
+        return facts[condition.fact] == condition.value
+    value, other = facts[condition.fact], facts[condition.other]
+    assert isinstance(value, int) and isinstance(other, int)
+    return value <= other
+
+
+def _said(part: ErrorPart, facts: dict[Fact, str | int | None]) -> str:
+    if isinstance(part, str):
+        return part
+    value = facts[part.fact]
+    if isinstance(part, Said):
+        return str(value)
+    return "" if value is None else f"{part.before}{str(value)[:part.limit]}{part.after}"
 
 
 def _delay(after: float | None, attempt: int, backoff: Backoff, rng: random.Random) -> float:

@@ -6,7 +6,9 @@ declared ``-- fragment: X`` in a file is no statement of its own but SQL text (a
 predicate, a CTE) bound into every block that names it as ``{X}``. A rule written once as
 a fragment (which jobs a claim takes, which jobs an operator's filter selects) reads the
 same in every statement that applies it. The fragments of the core files
-(``CORE_FILES``) are bound into every core block and the dashboard's.
+(``CORE_FILES``) are bound into every core block and the dashboard's, and with them the
+fragments rendered from a rule of the lifecycle (``RENDERED``: the CASE expressions of a
+parent's settlement, ``outbox._rule_sql``), so that rule is written once, as data.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from importlib import resources
 
 from psycopg import sql
 
+from ._rule_sql import parent_fragments
 from .errors import ConfigurationError
 
 _NAME_LINE = re.compile(r"^-- (name|fragment): (\w+)\s*$", re.MULTILINE)
@@ -30,6 +33,9 @@ claimer, the recorder and rescuer, upkeep, presence, limits, the operators' read
 set of names, each defined once among them."""
 CORE_FILES = (*QUERY_FILES, "sql/queue.sql", "sql/flows.sql", "sql/after.sql")
 """The core's files of named blocks (package ``outbox``), whose fragments any block uses."""
+RENDERED = (parent_fragments,)
+"""Functions answering fragments rendered from the lifecycle's rules ({name: sql}), bound
+as the core files' fragments are."""
 
 
 def check_schema_name(schema: str) -> str:
@@ -101,12 +107,15 @@ def read_sql(package: str, path: str) -> SqlFile:
 
 @cache
 def core_fragments() -> dict[str, str]:
-    """The fragments of every core file, by name (a name is defined once among them)."""
+    """The fragments of every core file and those ``RENDERED``, by name (a name is
+    defined once among them)."""
     merged: dict[str, str] = {}
-    for path in CORE_FILES:
-        for name, body in read_sql("outbox", path).fragments.items():
+    found = [read_sql("outbox", path).fragments for path in CORE_FILES]
+    for fragments in (*found, *(render() for render in RENDERED)):
+        for name, body in fragments.items():
             if name in merged:
-                raise ValueError(f"fragment {name!r} is defined twice in {CORE_FILES}")
+                raise ValueError(f"fragment {name!r} is defined twice in {CORE_FILES} "
+                                 "and RENDERED")
             merged[name] = body
     return merged
 

@@ -62,6 +62,8 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/unit/test_cancelled_meanwhile.py": {"outbox._lifecycle"},
     "tests/cancel/test_cancelled_meanwhile.py": {"outbox._dispatch", "outbox._lifecycle",
                                                  "outbox._queue"},
+    "tests/cancel/test_cancelled_meanwhile_reported.py": {"outbox._dispatch",
+                                                          "outbox._lifecycle"},
     # The loops' two drivers, and their instructions on a real database.
     "tests/unit/test_runtime.py": {"outbox._dispatch"},
     "tests/integration/test_runtime_loops.py": {"outbox._dispatch", "outbox._steps"},
@@ -69,6 +71,12 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "benchmarks/rescue.py": {"outbox._dispatch", "outbox._steps"},
     # The steps' drivers timed beside the one driver that would replace both.
     "benchmarks/step_drivers.py": {"outbox._steps"},
+    # The recorder's settle, its claims built as the recorder builds them.
+    "benchmarks/statement_cpu.py": {"outbox._dispatch", "outbox._lifecycle"},
+    # The rule of a parent's settlement as data, and the SQL rendered from it.
+    "tests/unit/test_parent_rule.py": {"outbox._lifecycle", "outbox._rule_sql"},
+    "tests/after/test_parent_rule_sql.py": {"outbox._dispatch", "outbox._lifecycle",
+                                            "outbox._rule_sql", "outbox._sql"},
 }
 
 

@@ -74,7 +74,7 @@ from .flowsql import flow_queries
 from .hook_lookup import is_async_hook
 from .runtime import Blocking, Call, Program, Transaction, drive
 from .settings import Settings
-from .settling import settle_claim, settle_claims
+from .settling import reported, settle_claim, settle_claims
 from .state import Held, Outcome, SharedState, Success, guarded
 
 __all__ = ["HOOKED_CHUNK_MAX", "CallHook", "CallHooks", "HookRaised", "HookStep", "Hooked",
@@ -306,15 +306,18 @@ class HookedOutcomes:
                     calls.append((item, json.loads(item.outcome.result_json)))  # type: ignore[union-attr]
                 outcomes[id(item)] = "done" if job.id in written | landed else "lost"
         if failed:
-            rows = yield Statement(self.recorder.queries.settle, {"claims": settle_claims(
-                settle_claim(i.held.job, Decision(
-                    "failed", error=i.decision.error if i.decision else None))
-                for i in failed)}, scalar=True)  # the ids settled
-            written = set(rows)
-            for item in failed:
-                if item.held.job.id in written:
-                    calls.append((item, item.outcome))
-                outcomes[id(item)] = "failed" if item.held.job.id in written else "lost"
+            settling = [settle_claim(i.held.job, Decision(
+                "failed", error=i.decision.error if i.decision else None)) for i in failed]
+            rows = yield Statement(self.recorder.queries.settle,
+                                   {"claims": settle_claims(settling)})
+            settled = dict(rows)  # (id, cancelled) of each job settled
+            for item, claim in zip(failed, settling, strict=True):
+                cancelled = settled.get(item.held.job.id)
+                if cancelled is None:
+                    outcomes[id(item)] = "lost"
+                    continue
+                calls.append((item, item.outcome))
+                outcomes[id(item)] = reported(claim, cancelled=cancelled)
         if calls:
             yield from self._fast_hooks(calls, then)
         return [outcomes[id(item)] for item in items]
@@ -444,8 +447,17 @@ class HookedOutcomes:
             retry = self._settle_hook_error(item, item.outcome, error)
             log.warning("job %s (key %s) attempt %s: on_failed raised %s -> %s", job.id,
                         job.key, job.attempt, type(error).__name__, retry.status)
-            rows = yield from self._settle(job, retry)
-            return ("retry" if retry.status == "pending" else "failed") if rows else "lost"
+            claim = settle_claim(job, retry)
+            rows = yield from self._settled(claim)
+            if not rows:
+                return "lost"
+            cancelled = bool(rows[0][1])
+            if cancelled and claim["cancelled_status"] != retry.status:
+                # An operator's cancel came after the retry was decided: written failed.
+                log.warning("job %s (key %s): an operator cancelled its claim before its "
+                            "%s was written -> %s", job.id, job.key, retry.status,
+                            claim["cancelled_status"])
+            return reported(claim, cancelled=cancelled)
         success = item.outcome
         assert isinstance(success, Success)
         decision = self._settle_hook_error(item, None, error)
@@ -473,8 +485,13 @@ class HookedOutcomes:
         return (yield from self._raised(item, error))
 
     def _settle(self, job: Job, decision: Decision) -> HookStep[Rows]:
+        """``job``'s claim settled as ``decision``: ``settle``'s rows, (id, cancelled)."""
+        return (yield from self._settled(settle_claim(job, decision)))
+
+    def _settled(self, claim: dict[str, Any]) -> HookStep[Rows]:
+        """``settle`` of one claim (``settle_claim``'s): its rows, (id, cancelled)."""
         rows: Rows = yield Statement(self.recorder.queries.settle, {
-            "claims": settle_claims([settle_claim(job, decision)])})
+            "claims": settle_claims([claim])})
         return rows
 
     def _settle_hook_error(self, item: Hooked, outcome: BaseException | None,

@@ -5,7 +5,9 @@ Written once as steps (``outbox._steps``) and a loop (``recording``, a program o
 ``AsyncDispatcher`` (``serving``). A batch is at most two statements: ``complete``
 (the fenced ``running -> done`` update and the ledger row, together) and ``settle``
 (retry, release, failed, reconcile). A fenced write that changes 0 rows means the claim
-was lost: counted, reported, never retried as if it had landed.
+was lost: counted, reported, never retried as if it had landed. What is reported of a
+settled job (its count, the observer's events, its span) is the decision ``settle``
+wrote: the one for a claim an operator cancelled meanwhile, when it found it so.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from .hooked import HookedOutcomes, close_quietly, flush_hooked
 from .reconciler import reconcilers
 from .runtime import Call, Program, Run, Sleep, Wait
 from .settings import Settings
-from .settling import settle_claim, settle_claims
+from .settling import as_written, reported, settle_claim, settle_claims
 from .standby import ReadOnlyServer
 from .state import (
     Held,
@@ -48,10 +50,6 @@ from .state import (
 __all__ = ["Recorder", "recording"]
 
 log = logging.getLogger("outbox.dispatcher")
-
-_OBSERVED: dict[str, AttemptOutcome] = {
-    "pending": "retry", "failed": "failed", "reconcile": "reconcile", "done": "done",
-}
 
 
 class Recorder:
@@ -146,24 +144,30 @@ class Recorder:
                 guarded(state.events.recorded, "lost", stale)
             state.wake.set()  # room for the claimer
             batch[:] = [pair for pair in batch if not isinstance(pair[1], Success)]
-        if not batch:
-            return
+        if batch:
+            yield from self.settle(batch, decided or {})
+
+    def settle(self, batch: list[tuple[Held, Outcome]],
+               decided: dict[int, Decision]) -> Step[None]:
+        """Write the outcomes of ``batch`` that are no success, in one fenced ``settle``
+        (``decided``: settlements already taken, by job id), and report each as written."""
         # Released and throttled jobs go back with their attempt refunded.
-        decided = decided or {}
         settles = [(h, isinstance(o, Release | Throttled),
                     decided.get(h.job.id) or self.settlement(h, o)) for h, o in batch]
-        rows = yield Statement(self.queries.settle, {"claims": settle_claims(
-            settle_claim(h.job, d, refund=released) for h, released, d in settles
-        )}, scalar=True)  # the ids of the jobs settled
-        written = set(rows)
+        claims = [settle_claim(h.job, d, refund=released) for h, released, d in settles]
+        rows = yield Statement(self.queries.settle, {"claims": settle_claims(claims)})
+        settled = dict(rows)  # (id, cancelled) of each job settled: which claim was written
         counts: Counter[AttemptOutcome] = Counter()
-        for held, released, decision in settles:
-            if held.job.id in written:
-                outcome: AttemptOutcome = "released" if released else _OBSERVED[decision.status]
-                self.state.settled(held, outcome)
-            else:
-                outcome = "lost"
+        for (held, _, decision), claim in zip(settles, claims, strict=True):
+            cancelled = settled.get(held.job.id)
+            if cancelled is None:
+                outcome: AttemptOutcome = "lost"
                 self._lost(held)
+            else:
+                if cancelled:
+                    self.cancelled_meanwhile(held, decision, claim)
+                outcome = reported(claim, cancelled=cancelled)
+                self.state.settled(held, outcome)
             counts[outcome] += 1
         for outcome, count in counts.items():
             guarded(self.state.events.recorded, outcome, count)
@@ -214,6 +218,18 @@ class Recorder:
                 decision.error[:300] if decision.error else type(settled).__name__,
             )
         return decision
+
+    def cancelled_meanwhile(self, held: Held, decision: Decision,
+                            claim: dict[str, Any]) -> None:
+        """``settle`` found ``held``'s claim cancelled by an operator after it was
+        settled as ``decision``, and wrote ``claim``'s decision for that case
+        (``as_written``): said in the log when it differs from what was decided."""
+        wrote = as_written(claim, cancelled=True)
+        if (wrote.status, wrote.error) != (decision.status, decision.error):
+            log.warning("job %s (key %s) attempt %s: an operator cancelled its claim before "
+                        "its outcome (%s) was written -> %s: %s", held.job.id, held.job.key,
+                        held.job.attempt, decision.status, wrote.status,
+                        (wrote.error or "")[:300])
 
     def rules(self, held: Held) -> _lifecycle.Rules:
         """The rules that settle ``held``'s attempts (its window, the backoff, whether

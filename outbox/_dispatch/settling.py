@@ -4,18 +4,28 @@ Every caller that settles a claim (the recorder, the completion hooks, the rescu
 its claims here, so that each carries the decision taken for it and the decision for the
 same claim had an operator cancelled it before the write
 (``_lifecycle.cancelled_meanwhile``): the statement picks one of the two by the row it
-reads as it writes, and decides nothing of its own.
+reads as it writes, and decides nothing of its own. It answers which it wrote (per job
+settled: its id and ``cancelled``), and ``as_written`` and ``reported`` turn that into the
+decision written and the outcome reported (counted, observed, traced), so a retry an
+operator's cancel turned into a failure is reported failed, as it was written.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .. import _lifecycle
 from .._lifecycle import Decision
 from ..effect import Job
+from ..observe import AttemptOutcome
+
+__all__ = ["as_written", "reported", "settle_claim", "settle_claims"]
+
+_OBSERVED: dict[str, AttemptOutcome] = {
+    "pending": "retry", "failed": "failed", "reconcile": "reconcile", "done": "done",
+}
 
 
 def settle_claim(job: Job, decision: Decision, *, refund: bool = False,
@@ -35,3 +45,24 @@ def settle_claim(job: Job, decision: Decision, *, refund: bool = False,
 def settle_claims(claims: Iterable[dict[str, Any]]) -> str:
     """The ``claims`` parameter of ``settle``: the JSON array of ``settle_claim``'s."""
     return json.dumps(list(claims))
+
+
+def as_written(claim: Mapping[str, Any], *, cancelled: bool) -> Decision:
+    """The decision ``settle`` wrote for ``claim`` (``settle_claim``'s) by what it
+    answered: ``cancelled``, the one for a claim an operator cancelled between the
+    decision and the write (its ``cancelled_*`` fields), else the claim's own. Read from
+    the claim sent, so it is what the statement was given, not decided again."""
+    if cancelled:
+        return Decision(claim["cancelled_status"], delay=claim["cancelled_delay"],
+                        error=claim["cancelled_error"])
+    return Decision(claim["status"], delay=claim["delay"], error=claim["error"])
+
+
+def reported(claim: Mapping[str, Any], *, cancelled: bool) -> AttemptOutcome:
+    """How the attempt of ``claim`` ended, as ``settle`` wrote it (``as_written``): handed
+    back to pending with its attempt refunded, ``released``; else by the status written
+    (``retry`` for pending)."""
+    status = claim["cancelled_status"] if cancelled else claim["status"]
+    if status == "pending" and claim["cancelled_refund" if cancelled else "refund"]:
+        return "released"
+    return _OBSERVED[status]

@@ -7,7 +7,8 @@ fingerprint stored with each job (and the canonical JSON it is taken over, the s
 as the SQL ``<schema>.canonical_json`` makes), the mapping of the SQL ``<schema>.enqueue``
 function's refusals to the outbox errors (``enqueue_error``), and the loader for files of
 named blocks of your own (with ``-- fragment: X`` blocks bound into the statements that
-name ``{X}``). The blocks follow the schema version of this release; applications
+name ``{X}``; ``core_fragments``: the core's, those rendered from the lifecycle's rules
+too). The blocks follow the schema version of this release; applications
 enqueue and dispatch through ``outbox.transaction`` and ``outbox.Dispatcher`` instead.
 """
 
@@ -22,6 +23,7 @@ from .._sql import (
     bind_blocks,
     bind_schema,
     check_schema_name,
+    core_fragments,
     parse_blocks,
     parse_sql,
     queries,
@@ -37,6 +39,7 @@ __all__ = [  # noqa: RUF022 - in sorted() order, as tests/test_public_api.py che
     "bind_schema",
     "canonical_json",
     "check_schema_name",
+    "core_fragments",
     "enqueue_error",
     "fingerprint",
     "notify_channel",

@@ -19,7 +19,8 @@ timestamptz '9999-01-01 00:00:00+00'
 -- The parents settled for good in this statement, as a CTE parents(key, outcome, error)
 -- before it (outcome 'done' or 'failed'; error: the parent's last_error), resolve their
 -- unresolved edges (resolved_edges) and count their children down (woken), one set-based
--- statement however many children: a child whose last parent this was becomes due now; a
+-- statement however many children, each as outbox._lifecycle.parent_settled decides
+-- (its rule, rendered here): a child whose last parent this was becomes due now; a
 -- child of a failed parent fails (never performed, last_error naming the parent's key)
 -- unless it was enqueued with after_failed='run', which counts the failed parent as
 -- resolved. An edge is resolved once: its row lock orders two statements resolving it at
@@ -40,16 +41,14 @@ resolved_edges AS (
 ), woken AS (
     UPDATE {schema}.jobs j
     SET after_waiting = greatest(0, j.after_waiting - c.n),
-        status = CASE WHEN c.failed IS NOT NULL AND j.after_failed = 'fail' THEN 'failed'
-                      ELSE j.status END,
-        last_error = CASE WHEN c.failed IS NOT NULL AND j.after_failed = 'fail'
-                          THEN 'not performed: parent ' || c.failed || ' failed for good'
-                               || coalesce(' (' || (SELECT left(p.error, 200) FROM parents p
-                                                    WHERE p.key = c.failed) || ')', '')
-                          ELSE j.last_error END,
-        available_at = CASE WHEN (c.failed IS NOT NULL AND j.after_failed = 'fail')
-                                 OR j.after_waiting <= c.n THEN now()
-                            ELSE j.available_at END,
+        -- What outbox._lifecycle.parent_settled decides, applied: its rule's cases
+        -- (PARENT_SETTLED) rendered as CASE expressions when this file is loaded
+        -- (outbox._rule_sql), over the facts as this statement reads them: mode
+        -- j.after_failed, waiting j.after_waiting, settled c.n, failed c.failed, and
+        -- failed_error that parent's error in parents (read only where it is written).
+        status = {parent_status},
+        last_error = {parent_error},
+        available_at = {parent_available_at},
         updated_at = now()
     FROM (SELECT r.child_id, count(*) AS n,
                  min(r.parent_key) FILTER (WHERE r.outcome = 'failed') AS failed

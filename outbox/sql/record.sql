@@ -101,7 +101,10 @@ JOIN jsonb_to_recordset(%(claims)s::jsonb) AS c(id bigint, version bigint)
 -- Each claim carries two decisions taken up front (outbox._dispatch.settling): its own,
 -- and the one for a claim an operator cancelled (cancel_version) before this write
 -- (outbox._lifecycle.cancelled_meanwhile, the cancelled_* fields); the statement picks
--- one by what it reads, with no rule of its own.
+-- one by what it reads, with no rule of its own, and answers which it wrote: per job
+-- settled, its id and cancelled (true: the cancelled_* decision), so that what is
+-- reported (the recorder's counts, events and spans) is what was written. The id comes
+-- first: a reader of the ids alone (the rescuer's, scalar) takes the first column.
 -- A job failed for good settles the jobs waiting on it (fragment after_released).
 WITH settled AS (
 UPDATE {schema}.jobs j
@@ -129,12 +132,13 @@ FROM jsonb_to_recordset(%(claims)s::jsonb)
 WHERE j.id = s.id AND j.status IS NOT DISTINCT FROM 'running'
   AND j.claim_version = s.version
   AND (s.expired IS NOT TRUE OR j.lease_until < now())
-RETURNING j.id, j.key, j.status, j.last_error
+RETURNING j.id, j.key, j.status, j.last_error,
+          (j.cancel_version = j.claim_version) IS TRUE AS cancelled
 ), parents AS (
     SELECT t.key, 'failed'::text AS outcome, t.last_error AS error
     FROM settled t WHERE t.status = 'failed'
 ), {after_released}
-SELECT t.id FROM settled t;
+SELECT t.id, t.cancelled FROM settled t;
 
 -- name: rescue
 -- Claims whose lease expired (the worker died or stalled), oldest first, with what the

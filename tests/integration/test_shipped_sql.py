@@ -18,7 +18,7 @@ import pytest
 from psycopg import sql
 
 from effects.chaos._sql import chaos_queries
-from outbox.sql import CORE_FILES, bind_blocks, parse_sql
+from outbox.sql import CORE_FILES, bind_blocks, core_fragments, parse_sql
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = tuple(f"outbox/{path}" for path in CORE_FILES)
@@ -29,15 +29,11 @@ def _text(path: str) -> str:
     return (ROOT / path).read_text("utf-8")
 
 
-def _core_fragments() -> dict[str, str]:
-    return {name: body for path in CORE for name, body in parse_sql(_text(path)).fragments.items()}
-
-
 def _with_fragments(path: str) -> Callable[[str], dict[str, str]]:
     """A file bound as the product binds it: ``{schema}`` and the core's fragments."""
     def bind(schema: str) -> dict[str, str]:
         found = parse_sql(_text(path))
-        return bind_blocks(found.blocks, schema, {**_core_fragments(), **found.fragments})
+        return bind_blocks(found.blocks, schema, {**core_fragments(), **found.fragments})
     return bind
 
 

@@ -27,7 +27,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox.sql import CORE_FILES, bind_blocks, parse_sql, queries
+from outbox.sql import bind_blocks, core_fragments, parse_sql, queries
 from outbox.testing import create_schema, drop_schema
 
 DONE = 150_000
@@ -49,18 +49,10 @@ SAMPLE_PAGES = 200  # pages a block sample reads
 
 
 @cache
-def _fragments() -> dict[str, str]:
-    found: dict[str, str] = {}
-    for path in CORE_FILES:
-        found |= parse_sql(resources.files("outbox").joinpath(path).read_text("utf-8")).fragments
-    return found
-
-
-@cache
 def blocks(package: str, path: str, schema: str) -> dict[str, str]:
     """The named statements of ``path`` (in ``package``) bound to ``schema``."""
     own = parse_sql(resources.files(package).joinpath(path).read_text("utf-8"))
-    return bind_blocks(own.blocks, schema, {**_fragments(), **own.fragments})
+    return bind_blocks(own.blocks, schema, {**core_fragments(), **own.fragments})
 
 
 def queue(schema: str) -> dict[str, str]:

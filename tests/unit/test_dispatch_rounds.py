@@ -433,6 +433,12 @@ def written(*ids: int) -> Rows:
     return list(ids)
 
 
+def settled(*ids: int, cancelled: Sequence[int] = ()) -> Rows:
+    """What ``settle`` answers: (id, cancelled) of each job it settled; ``cancelled``:
+    those whose claim it found cancelled by an operator (it wrote their other decision)."""
+    return [(job_id, job_id in cancelled) for job_id in ids]
+
+
 def landed(*ids: int) -> Rows:
     """What ``recorded_claims`` answers (``scalar``): the ids whose claim is recorded."""
     return list(ids)
@@ -455,25 +461,67 @@ def test_a_batch_splits_into_one_complete_and_one_settle() -> None:
     batch = outcomes(jobs, Success('{"a":1}'), Success("null"), outbox.Retry(after=30),
                      outbox.Permanent("no"), Release())
     script = (Script(rec.queries).then("complete", written(1, 2))
-              .then("settle", written(3, 4, 5)))
+              .then("settle", settled(3, 4, 5)))
     script.drive(rec.record(batch))
     assert json.loads(script.params("complete")["claims"]) == [
         {"id": 1, "version": 7, "result": {"a": 1}}, {"id": 2, "version": 7, "result": None}]
-    settled = {c["id"]: c for c in json.loads(script.params("settle")["claims"])}
-    assert set(settled) == {3, 4, 5}
-    assert (settled[3]["status"], settled[3]["delay"]) == ("pending", 30)
-    assert settled[4]["status"] == "failed" and settled[4]["error"]
-    assert (settled[5]["status"], settled[5]["refund"]) == ("pending", True)
+    claims = {c["id"]: c for c in json.loads(script.params("settle")["claims"])}
+    assert set(claims) == {3, 4, 5}
+    assert (claims[3]["status"], claims[3]["delay"]) == ("pending", 30)
+    assert claims[4]["status"] == "failed" and claims[4]["error"]
+    assert (claims[5]["status"], claims[5]["refund"]) == ("pending", True)
     assert batch == [] and shared.held == {}
     assert events.recorded_ == Counter(done=2, retry=1, failed=1, released=1)
     assert shared.stats.done == 2 and shared.stats.released == 1
+
+
+def test_a_settlement_settle_found_cancelled_is_reported_as_it_wrote_it() -> None:
+    # settle answers that it found claims 3 (a retry) and 5 (a release) cancelled by an
+    # operator: it wrote their cancelled_* decisions (failed), and they are reported so;
+    # 4 (failed either way) stays failed.
+    events = Events()
+    rec, shared = recorder(events)
+    jobs = held(3, 4, 5)
+    shared.hold(jobs)
+    spans = {h.job.id: Span() for h in jobs}
+    for h in jobs:
+        h.span = spans[h.job.id]
+    batch = outcomes(jobs, outbox.Retry(after=30), outbox.Permanent("no"), Release())
+    script = Script(rec.queries).then("settle", settled(3, 4, 5, cancelled=(3, 4, 5)))
+    script.drive(rec.record(batch))
+    claims = {c["id"]: c for c in json.loads(script.params("settle")["claims"])}
+    assert [claims[i]["cancelled_status"] for i in (3, 4, 5)] == ["failed"] * 3
+    assert events.finished == events.recorded_ == Counter(failed=3)
+    assert (shared.stats.failed, shared.stats.retried, shared.stats.released) == (3, 0, 0)
+    assert {i: (s.attributes["outbox.outcome"], s.ended) for i, s in spans.items()} == {
+        i: ("failed", True) for i in (3, 4, 5)}
+
+
+class Span:
+    """What the tracing of a settled attempt calls on its span, recorded."""
+
+    def __init__(self) -> None:
+        self.attributes: dict[str, Any] = {}
+        self.ended = False
+
+    def add_event(self, name: str, attributes: dict[str, Any]) -> None:
+        pass
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        self.attributes.update(attributes)
+
+    def set_status(self, status: Any) -> None:
+        pass
+
+    def end(self) -> None:
+        self.ended = True
 
 
 def test_only_failures_need_no_complete() -> None:
     rec, shared = recorder(Events())
     jobs = held(1)
     shared.hold(jobs)
-    Script(rec.queries).then("settle", written(1)).drive(
+    Script(rec.queries).then("settle", settled(1)).drive(
         rec.record(outcomes(jobs, RuntimeError("boom"))))
     assert shared.stats.retried == 1
 
@@ -483,7 +531,7 @@ def test_fenced_writes_that_change_nothing_are_lost_claims() -> None:
     rec, shared = recorder(events)
     jobs = held(1, 2)
     shared.hold(jobs)
-    (Script(rec.queries).then("complete", written()).then("settle", written())
+    (Script(rec.queries).then("complete", written()).then("settle", settled())
      .drive(rec.record(outcomes(jobs, Success("null"), outbox.Retry()))))
     assert events.finished == Counter(lost=2) and events.fenced == 2
     assert shared.stats.stale_completions == 2 and shared.held == {}
@@ -519,7 +567,7 @@ def test_a_batch_sent_again_after_a_lost_connection_counts_what_landed_the_first
     # only 3), and the settle, never sent before, goes now.
     script = (Script(rec.queries).then("complete", written(3))
               .then("recorded_claims", landed(1, 2))
-              .then("settle", written(4)))
+              .then("settle", settled(4)))
     script.drive(rec.flush(pending))
     assert [c["id"] for c in json.loads(script.params("recorded_claims")["claims"])] == [1, 2]
     assert pending == [] and shared.held == {}
@@ -588,7 +636,7 @@ def test_a_refused_write_of_the_limit_state_still_records_the_outcomes() -> None
     pending = outcomes(jobs, outbox.Retry())  # transient: counted toward the breaker
     (Script(rec.queries).then("limit_ensure", psycopg.errors.CheckViolation("refused"))
      .then("limit_failed", psycopg.errors.CheckViolation("refused"))
-     .then("settle", written(1)).drive(rec.flush(pending)))
+     .then("settle", settled(1)).drive(rec.flush(pending)))
     assert pending == [] and events.recorded_ == Counter(retry=1)
 
 

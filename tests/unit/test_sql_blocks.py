@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from outbox import ConfigurationError
-from outbox.sql import CORE_FILES, bind_blocks, bind_schema, parse_blocks, parse_sql, queries
+from outbox.sql import bind_blocks, bind_schema, core_fragments, parse_blocks, parse_sql, queries
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,8 +55,7 @@ def test_the_claimable_rule_is_written_once_in_the_products_sql() -> None:
     assert sum(p.read_text().count(rule) for p in sql_files) == 1
     claim_users = ("claim", "has_due_work", "limit_claim")
     assert all(rule in getattr(queries("outbox"), name) for name in claim_users)
-    files = [parse_sql((REPO / "outbox" / path).read_text()) for path in CORE_FILES]
-    fragments = {name: body for found in files for name, body in found.fragments.items()}
+    fragments = core_fragments()
     queue_file = parse_sql((REPO / "outbox" / "sql" / "queue.sql").read_text())
     queue = bind_blocks(queue_file.blocks, "outbox", fragments)
     assert rule in queue["effect_health"] and rule in queue["due_by_effect"]

@@ -15,7 +15,7 @@ import pytest
 
 from outbox import Job, Permanent, Retry, UnknownOutcome, _lifecycle
 from outbox._lifecycle import TRANSITIONS, Decision, Rules, Transition
-from outbox._sql import CORE_FILES, parse_sql
+from outbox._sql import CORE_FILES, core_fragments, parse_sql
 
 DOC = Path(__file__).parents[2] / "docs" / "explanation" / "failure-windows.md"
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
@@ -72,6 +72,9 @@ DECISION_PARAMETER = {
     "reconcile_not_performed": r"SET status = CAST\(%\(status\)s AS text\)",
     "after_link": r"status = k\.status",  # parent_settled's, per child
 }
+# The fragments whose status is rendered from a rule of the lifecycle (the rule's table,
+# outbox._rule_sql), by the fragment of the status they name.
+RENDERED = {"after_released": "parent_status"}
 
 
 @pytest.mark.parametrize("transition", TRANSITIONS, ids=lambda t: f"{t.statement}->{t.after}")
@@ -83,6 +86,10 @@ def test_each_statement_can_write_the_status_the_table_says(transition: Transiti
         assert "s.status" in text and "status text" in text
     elif transition.statement in DECISION_PARAMETER:  # the decision's status, bound
         assert re.search(DECISION_PARAMETER[transition.statement], text)
+    elif transition.statement in RENDERED:  # the rule's cases, rendered into the fragment
+        fragment = RENDERED[transition.statement]
+        assert f"status = {{{fragment}}}" in text
+        assert f"'{transition.after}'" in core_fragments()[fragment]
     else:
         assert f"'{transition.after}'" in text
     if transition.decided_by != "SQL":
