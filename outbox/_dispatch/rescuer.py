@@ -40,7 +40,7 @@ from .hooked import RELEASE, ROLLBACK, SAVEPOINT, HookStep, call_hook, with_hook
 from .reconciler import reconcilers
 from .runtime import Blocking, Program, drive
 from .settings import Settings
-from .settling import settle_claim, settle_claims
+from .settling import as_written, settle_claim, settle_claims
 
 __all__ = [
     "RESCUE_BATCH",
@@ -156,15 +156,22 @@ class Rescuer:
             return []
         decided = self.decide(rows)
         plain = [r for r in decided if r.hook is None]
-        written: set[int] = set()
+        written: dict[int, Rescued] = {}
         if plain:
-            ids = yield Statement(queries.settle, {"claims": _claims(
-                [(r.job, r.decision) for r in plain])}, scalar=True)
-            written |= set(ids)
+            claims = [settle_claim(r.job, r.decision, expired=True) for r in plain]
+            sent = {r.job.id: (r, claim) for r, claim in zip(plain, claims, strict=True)}
+            settled = yield Statement(queries.settle, {"claims": settle_claims(claims)})
+            for job_id, cancelled in settled:
+                item, claim = sent[job_id]
+                # An operator's cancel that came after the rescue's read: what settle
+                # wrote is the cancelled decision, and that is what is logged and waited for.
+                written[job_id] = (replace(item, decision=as_written(claim, cancelled=True))
+                                   if cancelled else item)
         hooked = [r for r in decided if r.hook is not None]
         if hooked:
-            written |= yield from self._hooked(queries, hooked)
-        return [r for r in decided if r.job.id in written]
+            hooked_ids = yield from self._hooked(queries, hooked)
+            written.update((r.job.id, r) for r in hooked if r.job.id in hooked_ids)
+        return [written[r.job.id] for r in decided if r.job.id in written]
 
     def _hooked(self, queries: Queries, hooked: list[Rescued]) -> RescueStep[set[int]]:
         """The decisions that run an ``on_failed`` hook: their jobs' payloads, then the

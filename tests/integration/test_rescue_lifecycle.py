@@ -173,3 +173,41 @@ def test_an_expired_claim_an_operator_cancelled_ends_failed_with_its_hook(
     assert list(hooked) == ["cancelled"]
     assert hooked["cancelled"].startswith("UnknownOutcome: lease expired on attempt 1 of 3")
     assert "on_failed raised RuntimeError: the hook broke" in found["broken"]["last_error"]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_rescue_cancelled_after_its_decision_is_reported_as_written(
+    dsn: str, schema: str, flavour: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An operator cancels the claim after the rescue read it and decided a retry, before
+    the write: ``settle`` writes it failed, and the rescuer says so (and does not wait for
+    a retry that will never come)."""
+    _prepare(dsn, schema)
+    _enqueue(dsn, schema, "raced", max_attempts=3)
+    _claimed_by_a_dead_worker(dsn, schema, "raced")
+    real = outbox._lifecycle.expired
+    decided: list[str] = []
+
+    def expired(*args: Any, **kwargs: Any) -> outbox._lifecycle.Decision:
+        decision = real(*args, **kwargs)
+        decided.append(decision.status)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            [[job_id]] = conn.execute(sql.SQL("SELECT id FROM {}.jobs WHERE key = 'raced'")
+                                      .format(sql.Identifier(schema))).fetchall()
+            done = _queue.on(conn, _queue.cancel(
+                schema, job_id, _queue.Operator("a test", "command line")))
+            assert done.changed
+        return decision
+
+    monkeypatch.setattr(outbox._lifecycle, "expired", expired)
+    caplog.set_level("WARNING", logger="outbox.dispatcher")
+    stats = _run(flavour, dsn, schema)
+    assert decided == ["pending"]  # the rescue decided a retry
+    assert stats.rescued == 1
+    found = jobs(dsn, schema)["raced"]
+    assert found["status"] == "failed"  # the cancel's decision was written
+    assert found["last_error"].startswith("cancelled by an operator")
+    rescued = [r.getMessage() for r in caplog.records if "after its lease expired" in
+               r.getMessage()]
+    assert len(rescued) == 1 and rescued[0].endswith("now failed"), rescued
