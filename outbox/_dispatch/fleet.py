@@ -595,8 +595,12 @@ class Scout:
         for gone in self.asked.keys() - here:
             del self.asked[gone]
         idle = self.asking(states)
+        if not self.fleet.skip_quiet_schemas:  # every idle schema each round, as before
+            self.fleet.count_asks(len(idle), 0)
+            self.check(conn, idle)
+            return
         every = self.fleet.quiet_look_interval
-        asked = [s for s in idle if not self.fleet.skip_quiet_schemas or must_ask(
+        asked = [s for s in idle if must_ask(
             self.asked.get(s.target), now, last_turn=s.last_turn, every=every)]
         self.fleet.count_asks(len(asked), len(idle) - len(asked))
         if not asked:
