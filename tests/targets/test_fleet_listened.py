@@ -5,7 +5,8 @@ rounds go by in which no schema is asked, yet a job enqueued into one of them is
 after its backoff is done (the look after the turn that failed it said when), and a job
 whose enqueue sent no NOTIFY, silenced by a dispatcher marked awake, is done once that
 mark ends: with ``quiet_look_interval`` at an hour, nothing else could have found them.
-A lost connection makes the look-out LISTEN again and ask every schema. ``Dispatcher``
+A lost connection makes the look-out LISTEN again and ask every schema; a schema added
+while running is listened to and asked after its first turn. ``Dispatcher``
 and ``AsyncDispatcher`` alike (the look-out is one thread for both).
 (Counted and awaited, never timed; the rule alone: tests/unit/test_looks.py.)"""
 
@@ -235,6 +236,38 @@ def test_a_lost_connection_listens_again_and_asks_every_schema(schemas_db: str) 
         wait_quiet(fleet)
         enqueue(targets[5], "after-reconnect")
         assert effect.event("after-reconnect").wait(60), "a job after the new LISTEN"
+    finally:
+        dispatcher.stop()
+        runner.join(60)
+    assert not runner.is_alive()
+
+
+def test_a_target_added_is_listened_to_and_asked(schemas_db: str) -> None:
+    # A schema added while running: its first turn does what was enqueued before
+    # anyone listened to it, the look after that turn is remembered, and from then on
+    # its notification wakes it (with quiet_look_interval at an hour, nothing else would).
+    with psycopg.connect(schemas_db, autocommit=True) as conn:
+        outbox.migrate(conn, schema="added")
+    added = Target(schemas_db, "added")
+    current = [Target(schemas_db, f"t{n}") for n in range(SCHEMAS)]
+    effect, watch = Done(), FirstTurns(SCHEMAS)
+    dispatcher = Dispatcher(effects=[effect], targets=lambda: list(current),
+                            targets_interval=0.2, max_connections=8, poll_interval=0.1,
+                            quiet_look_interval=timedelta(hours=1), observer=watch)
+    fleet = dispatcher._fleet
+    runner = threading.Thread(target=dispatcher.run, name="test-runner")
+    runner.start()
+    try:
+        assert watch.all_up.wait(120), f"only {len(watch.up)} targets served"
+        scout = scout_of(fleet)
+        wait_quiet(fleet)
+        enqueue(added, "before-added")
+        current.append(added)
+        assert effect.event("before-added").wait(60), "the job enqueued before it was added"
+        wait_for(lambda: added in scout.asked, "the look after its first turn")
+        wait_quiet(fleet)
+        enqueue(added, "added-later", run_at=timedelta(seconds=2))
+        assert effect.event("added-later").wait(60), "a delayed job of the added schema"
     finally:
         dispatcher.stop()
         runner.join(60)
