@@ -13,9 +13,11 @@ and ``AsyncDispatcher`` alike (the look-out is one thread for both).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -24,11 +26,13 @@ from psycopg import sql
 
 import outbox
 from outbox import AsyncDispatcher, Dispatcher, Effect, Job, Retry, Target
+from outbox._dispatch.looks import Due, ask
 from outbox._enqueue import notify_channel
-from outbox.observe import DispatchObserver
+from outbox._steps import execute, run
 
 from .support import Databases
 from .test_fleet import wait_for
+from .test_fleet_quiet import FirstTurns
 
 SCHEMAS = 8
 QUIET_ROUNDS = 5  # rounds in a row with no schema asked
@@ -57,23 +61,6 @@ class Done(Effect):
         if job.key.startswith("retry") and job.attempt == 1:
             raise Retry("not yet", after=2.0)
         self.event(job.key).set()
-
-
-class FirstTurns(DispatchObserver):
-    """``all_up`` once every target has ended a turn well."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self.up: set[str] = set()
-        self.lock = threading.Lock()
-        self.all_up = threading.Event()
-
-    def target_state(self, name: str, up: bool) -> None:
-        with self.lock:
-            if up:
-                self.up.add(name)
-            if len(self.up) >= self.count:
-                self.all_up.set()
 
 
 @pytest.fixture(scope="module")
@@ -165,24 +152,34 @@ def wake(target: Target) -> None:
         conn.execute("SELECT pg_notify(%s, '')", (notify_channel(target.schema),))
 
 
+@contextlib.contextmanager
+def running(dispatcher: Any, watch: FirstTurns) -> Iterator[Any]:
+    """The fleet's run on a thread, once every target has had its first turn: its one
+    look-out, once no schema is asked any more; stopped after."""
+    def serving() -> object:
+        if isinstance(dispatcher, AsyncDispatcher):
+            return asyncio.run(dispatcher.run())
+        return dispatcher.run()
+
+    runner = threading.Thread(target=serving, name="test-runner")
+    runner.start()
+    try:
+        assert watch.all_up.wait(120), f"only {len(watch.up)} targets served"
+        scout = scout_of(dispatcher._fleet)
+        wait_quiet(dispatcher._fleet)
+        yield scout
+    finally:
+        dispatcher.stop()
+        runner.join(60)
+    assert not runner.is_alive()
+
+
 def serve(dispatcher: Any, targets: list[Target], effect: Done, watch: FirstTurns,
           tag: str) -> None:
     """Run the fleet; once no schema is asked any more, the jobs of the module's
     docstring, each done."""
     fleet = dispatcher._fleet
-
-    def run() -> object:
-        if isinstance(dispatcher, AsyncDispatcher):
-            return asyncio.run(dispatcher.run())
-        return dispatcher.run()
-
-    runner = threading.Thread(target=run, name="test-runner")
-    runner.start()
-    try:
-        assert watch.all_up.wait(120), f"only {len(watch.up)} targets served"
-        scout = scout_of(fleet)
-        wait_quiet(fleet)
-
+    with running(dispatcher, watch) as scout:
         enqueue(targets[0], f"{tag}-now")
         assert effect.event(f"{tag}-now").wait(60), "the job enqueued into a quiet schema"
         wait_quiet(fleet)
@@ -203,10 +200,6 @@ def serve(dispatcher: Any, targets: list[Target], effect: Done, watch: FirstTurn
         assert effect.event(f"retry-{tag}").wait(60), "the job retried after its backoff"
         assert effect.attempts[f"retry-{tag}"] == 2
         assert effect.event(f"{tag}-silenced").wait(60), "the job enqueued silently"
-    finally:
-        dispatcher.stop()
-        runner.join(60)
-    assert not runner.is_alive()
 
 
 @pytest.mark.parametrize("kind", [Dispatcher, AsyncDispatcher])
@@ -219,12 +212,7 @@ def test_quiet_schemas_are_not_asked_and_their_work_is_still_done(
 def test_a_lost_connection_listens_again_and_asks_every_schema(schemas_db: str) -> None:
     dispatcher, targets, effect, watch = listening_fleet(schemas_db, Dispatcher)
     fleet = dispatcher._fleet
-    runner = threading.Thread(target=dispatcher.run, name="test-runner")
-    runner.start()
-    try:
-        assert watch.all_up.wait(120), f"only {len(watch.up)} targets served"
-        scout = scout_of(fleet)
-        wait_quiet(fleet)
+    with running(dispatcher, watch) as scout:
         lost = scout.conn
         asks = fleet.asks
         with psycopg.connect(schemas_db, autocommit=True) as admin:
@@ -236,10 +224,6 @@ def test_a_lost_connection_listens_again_and_asks_every_schema(schemas_db: str) 
         wait_quiet(fleet)
         enqueue(targets[5], "after-reconnect")
         assert effect.event("after-reconnect").wait(60), "a job after the new LISTEN"
-    finally:
-        dispatcher.stop()
-        runner.join(60)
-    assert not runner.is_alive()
 
 
 def test_a_target_added_is_listened_to_and_asked(schemas_db: str) -> None:
@@ -255,12 +239,7 @@ def test_a_target_added_is_listened_to_and_asked(schemas_db: str) -> None:
                             targets_interval=0.2, max_connections=8, poll_interval=0.1,
                             quiet_look_interval=timedelta(hours=1), observer=watch)
     fleet = dispatcher._fleet
-    runner = threading.Thread(target=dispatcher.run, name="test-runner")
-    runner.start()
-    try:
-        assert watch.all_up.wait(120), f"only {len(watch.up)} targets served"
-        scout = scout_of(fleet)
-        wait_quiet(fleet)
+    with running(dispatcher, watch) as scout:
         enqueue(added, "before-added")
         current.append(added)
         assert effect.event("before-added").wait(60), "the job enqueued before it was added"
@@ -268,7 +247,28 @@ def test_a_target_added_is_listened_to_and_asked(schemas_db: str) -> None:
         wait_quiet(fleet)
         enqueue(added, "added-later", run_at=timedelta(seconds=2))
         assert effect.event("added-later").wait(60), "a delayed job of the added schema"
-    finally:
-        dispatcher.stop()
-        runner.join(60)
-    assert not runner.is_alive()
+
+
+def test_the_question_says_when_to_ask_again(dsn: str, schema: str) -> None:
+    # Nothing pending: nothing to wait for. An awake mark: its end. A schema whose
+    # awake marks cannot be read: asked as before, and again every round (next_in 0).
+    # A missing schema: the error is its answer.
+    target = Target(dsn, schema)
+    effects = "{" + Done.name + "}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        def answer(name: str = schema) -> Any:
+            return run(ask([name], effects), partial(execute, conn)).answers[name]
+
+        assert answer() == Due(False, None)
+        mark_awake(target, 30.0)
+        marked = answer()
+        assert not marked.due and 10.0 < marked.next_in <= 30.0, marked
+        enqueue(target, "soon", run_at=timedelta(seconds=10))
+        soon = answer()
+        assert not soon.due and 0.0 < soon.next_in <= 10.0, soon
+        conn.execute(sql.SQL("DROP TABLE {}.awake CASCADE").format(sql.Identifier(schema)))
+        assert answer() == Due(False, 0.0)
+        conn.execute(sql.SQL("UPDATE {}.jobs SET available_at = now()").format(
+            sql.Identifier(schema)))
+        assert answer() == Due(True, 0.0)
+        assert isinstance(answer("no_such_schema"), psycopg.errors.UndefinedTable)
