@@ -17,9 +17,9 @@ limits (counted in each target's database), flows, reconciliation, retention.
               since it last asked: a turn since, the time its last look gave (a job's
               run_at, a backoff, a lease, an awake mark's end), or that look older than
               ``quiet_look_interval`` (``looks.must_ask``). Databases past the
-              budget share one scout, and are
-              polled only: its looks take their connection from the turns' pool (either
-              flavour's: an ``AsyncDispatcher``'s looks run on its loop) and give it
+              budget share one scout, and are polled only: its looks take their
+              connection from the turns' pool (either flavour's: an
+              ``AsyncDispatcher``'s looks run on its loop) and give it
               back for the turn they wake, or as the first to go; a polled target's
               chores turn starts from its look. Each round it first reads each server's
               counters on one kept connection, and skips the databases that show
@@ -557,7 +557,7 @@ class Scout:
                 dsn, autocommit=True, **network_options(dsn),
                 application_name=f"outbox scout {self.fleet.worker_id}"[:63])
             self.listening = set()
-            self.asked = {}  # what was seen before this connection's LISTENs counts not
+            self.asked = {}  # nothing seen before this connection's LISTENs counts
         return self.conn
 
     def listen(self, conn: psycopg.Connection[Any], states: list[TargetState]) -> None:
