@@ -1,6 +1,7 @@
 """What a fleet's turns cost: threads started and connections opened per minute.
 
-``python -m benchmarks.fleet [--dsn DSN] [--schemas 200] [--seconds 60] [--rate 5]``
+``python -m benchmarks.fleet [--dsn DSN] [--schemas 200] [--seconds 60] [--rate 5]
+[--looks-only]``
 
 One database holds ``--schemas`` migrated outbox schemas, a target each (or, with
 ``--databases``, as many databases, a target each: the fleet's tests use both layouts).
@@ -10,7 +11,16 @@ with ``--async``, ``AsyncDispatcher``'s) with ``run()``, twice:
 - ``each turn its own``: the fleet's former way (``Fleet.shared = False``), every turn a
   whole ``run_until_idle`` starting its threads and opening its connections;
 - ``shared``: the turns run on the fleet's long-lived threads and take their connections
-  from its pool (``outbox._dispatch.crew``).
+  from its pool (``outbox._dispatch.crew``), and its listening look-out asks every idle
+  schema each round (``Fleet.skip_quiet_schemas = False``, as it did);
+- ``asks when changed`` (schemas of one database): the same, the look-out asking only the
+  schemas where something may have changed since their last look (``looks.must_ask``).
+  With ``--looks-only``, these last two runs only.
+
+With 200 schemas of one database and the default budget (16), that database has a
+listening look-out (a budget leaves a look-out connection per database for at most half
+of it); with ``--databases``, the first seven databases (in the order of their
+connection strings) have one, the others are polled.
 
 Each run first waits until every target has had its first turn (the observer's
 ``target_state``), then, for ``--seconds``, a feeder commits ``--rate`` jobs a second,
@@ -21,6 +31,10 @@ and the connections it opens whose ``application_name`` begins ``outbox``
 the feeder's; the look-outs' connections apart, and all of them together. A window of
 60 seconds or more also holds every target's chores turn (``CHORES_EVERY``). Figures are per minute;
 the ratio is shared over each-turn-its-own, measured in the same invocation.
+
+The listening look-outs' asks are schemas asked (one statement each: ``looks.ask``),
+counted by the fleet (``Fleet.asks``, ``Fleet.asks_skipped``); commit-to-done is given
+for the jobs fed into listened schemas and into polled databases apart.
 """
 
 from __future__ import annotations
@@ -64,6 +78,10 @@ class Counts:
     looks: int = 0  # databases the polling look-out looked at
     skipped: int = 0  # ... and skipped: their server's counters stood still
     tasks: int = 0  # asyncio tasks started on AsyncDispatcher's loop
+    asks: int = 0  # schemas the listening look-outs asked (a statement each)
+    asks_skipped: int = 0  # ... and did not: nothing may have changed there
+    # commit-to-done of the jobs fed into listened databases, seconds
+    listened_done: list[float] = field(default_factory=list)
     # commit-to-done (the ledger's recorded_at less the job's created_at) of the jobs fed
     # into polled databases (past the look-outs' budget), seconds
     polled_done: list[float] = field(default_factory=list)
@@ -158,7 +176,8 @@ async def _counting_tasks(dispatcher: AsyncDispatcher) -> None:
 
 def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
             seed: int, max_connections: int, flavour: str = "sync",
-            share_looks: bool = True, skip_quiet: bool = True, tag: str = "") -> Counts:
+            share_looks: bool = True, skip_quiet: bool = True,
+            skip_quiet_schemas: bool = True, tag: str = "") -> Counts:
     """One run of the fleet over ``targets``: the counts of the measured window."""
     watch = _FirstTurns(len(targets))
     kind = AsyncDispatcher if flavour == "async" else Dispatcher
@@ -168,6 +187,7 @@ def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
     dispatcher._fleet.shared = shared
     dispatcher._fleet.share_looks = share_looks
     dispatcher._fleet.skip_quiet = skip_quiet
+    dispatcher._fleet.skip_quiet_schemas = skip_quiet_schemas
     if isinstance(dispatcher, AsyncDispatcher):
         runner = threading.Thread(target=asyncio.run, args=(_counting_tasks(dispatcher),),
                                   name="bench-fleet")
@@ -184,6 +204,7 @@ def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
             counter.threads = counter.connections = counter.scout_connections = 0
             counter.tasks = 0
             looks, skipped = dispatcher._fleet.looks, dispatcher._fleet.skipped
+            asks, asks_skipped = dispatcher._fleet.asks, dispatcher._fleet.asks_skipped
             listened = {dsn for key, scout in dispatcher._fleet.scouts.items()
                         if scout.persistent for dsn in key}
             counter.counting = True
@@ -209,9 +230,13 @@ def measure(targets: list[Target], *, shared: bool, seconds: float, rate: float,
             counts.scout_connections = counter.scout_connections
             counts.looks = dispatcher._fleet.looks - looks
             counts.skipped = dispatcher._fleet.skipped - skipped
+            counts.asks = dispatcher._fleet.asks - asks
+            counts.asks_skipped = dispatcher._fleet.asks_skipped - asks_skipped
             counts.tasks = counter.tasks
             polled = [t for t in targets if t.dsn not in listened]
             counts.polled_done = _commit_to_done(targets, polled, tag, n)
+            counts.listened_done = _commit_to_done(
+                targets, [t for t in targets if t.dsn in listened], tag, n)
         finally:
             counter.counting = False
             dispatcher.stop()
@@ -256,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=46)
     parser.add_argument("--async", dest="flavour", action="store_const", const="async",
                         default="sync", help="AsyncDispatcher's fleet (turns as tasks)")
-    parser.add_argument("--looks-only", action="store_true", help="with --databases: only "
-                        "the runs looking every round and reading the counters first")
+    parser.add_argument("--looks-only", action="store_true", help="only the runs looking "
+                        "every round and skipping quiet ones: with --databases, polled "
+                        "looks and the counters read first; else the listening "
+                        "look-out's asks")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     width = max(3, len(str(args.schemas - 1)))
@@ -284,27 +311,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.schemas} targets ({layout}) migrated in {time.monotonic() - began:.0f} s; "
               f"{kind}, window {args.seconds:g} s, {args.rate:g} jobs/s, "
               f"max_connections={args.max_connections}", flush=True)
-        # (label, shared, share_looks, skip_quiet). Past the look-outs' budget
-        # (databases only): the turns' pool shared with the looks or apart from them
-        # (Dispatcher's), then every polled database looked at each round as before
-        # (AsyncDispatcher's looks apart, as they were) against the counters read first.
-        runs = [("each turn its own", False, False, False)]
+        # (label, shared, share_looks, skip_quiet, skip_quiet_schemas). Past the
+        # look-outs' budget (databases only): the turns' pool shared with the looks or
+        # apart from them (Dispatcher's), then every polled database looked at each round
+        # as before (AsyncDispatcher's looks apart, as they were) against the counters
+        # read first. Schemas of one database (listened): every idle schema asked each
+        # round as before, against only those where something may have changed.
+        runs = [("each turn its own", False, False, False, False)]
         if not args.databases:
-            runs.append(("shared", True, True, True))
+            runs += [("shared", True, True, True, False),
+                     ("asks when changed", True, True, True, True)]
         else:
             if args.flavour == "sync":
-                runs.append(("looks apart", True, False, False))
-            runs += [("looks every round", True, args.flavour == "sync", False),
-                     ("counters first", True, True, True)]
-            if args.looks_only:
-                runs = runs[-2:]
+                runs.append(("looks apart", True, False, False, True))
+            runs += [("looks every round", True, args.flavour == "sync", False, True),
+                     ("counters first", True, True, True, True)]
+        if args.looks_only:
+            runs = runs[-2:]
         results = {}
-        for n, (label, shared, share_looks, skip_quiet) in enumerate(runs):
+        for n, (label, shared, share_looks, skip_quiet, skip_schemas) in enumerate(runs):
             results[label] = measure(targets, shared=shared, seconds=args.seconds,
                                      rate=args.rate, seed=args.seed,
                                      max_connections=args.max_connections,
                                      flavour=args.flavour, share_looks=share_looks,
-                                     skip_quiet=skip_quiet, tag=f"r{n}")
+                                     skip_quiet=skip_quiet,
+                                     skip_quiet_schemas=skip_schemas, tag=f"r{n}")
             print(f"  {label}: {results[label].jobs} jobs fed, {_done(targets)} done so far",
                   flush=True)
     _table(results)
@@ -320,7 +351,8 @@ def _table(results: dict[str, Counts]) -> None:
     rows = (("threads", "threads started"), ("tasks", "tasks started"),
             ("connections", "connections opened"),
             ("scout_connections", "look-out connections"), ("all_connections", "all connections"),
-            ("looks", "polled looks"), ("skipped", "skipped looks"))
+            ("looks", "polled looks"), ("skipped", "skipped looks"),
+            ("asks", "listened asks"), ("asks_skipped", "skipped asks"))
     for what, label in rows:
         values = [results[name].per_minute(getattr(results[name], what)) for name in labels]
         ratios = "".join(f"{f'{v / b:.3f}' if b else '-':>10}"
@@ -334,14 +366,20 @@ def _table(results: dict[str, Counts]) -> None:
         print(f"{'connections per look':<22}" + "".join(f"{v:>20.2f}" for v in per_look)
               + "".join(f"{f'{v / b:.3f}' if b else '-':>10}"
                         for b, v in itertools.pairwise(per_look)))
-    # Not per minute: how long a job fed into a polled database took to be done.
-    print("commit-to-done of the jobs fed into polled databases, seconds:")
-    for q, name in ((0.5, "p50"), (0.95, "p95"), (1.0, "max")):
-        values = [percentile(results[n].polled_done, q) for n in labels]
-        print(f"{'  ' + name:<22}" + "".join(f"{v:>20.2f}" for v in values)
-              + "".join(f"{f'{v / b:.3f}' if b else '-':>10}"
-                        for b, v in itertools.pairwise(values)))
-    print(f"{'  jobs':<22}" + "".join(f"{len(results[n].polled_done):>20}" for n in labels))
+    # Not per minute: how long a job fed into a polled database (a listened one) took
+    # to be done.
+    for where, attribute in (("polled databases", "polled_done"),
+                             ("listened databases", "listened_done")):
+        done = [getattr(results[n], attribute) for n in labels]
+        if not any(done):
+            continue
+        print(f"commit-to-done of the jobs fed into {where}, seconds:")
+        for q, name in ((0.5, "p50"), (0.95, "p95"), (1.0, "max")):
+            values = [percentile(found, q) for found in done]
+            print(f"{'  ' + name:<22}" + "".join(f"{v:>20.2f}" for v in values)
+                  + "".join(f"{f'{v / b:.3f}' if b else '-':>10}"
+                            for b, v in itertools.pairwise(values)))
+        print(f"{'  jobs':<22}" + "".join(f"{len(found):>20}" for found in done))
 
 
 def _done(targets: list[Target], like: str = "%") -> int:

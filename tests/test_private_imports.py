@@ -42,6 +42,8 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/integration/test_serving.py": {"outbox._dispatch"},
     "tests/unit/test_stop_watch.py": {"outbox._dispatch"},
     "tests/targets/test_fleet_quiet.py": {"outbox._dispatch", "outbox._steps"},
+    "tests/targets/test_fleet_listened.py": {"outbox._dispatch", "outbox._enqueue",
+                                             "outbox._steps"},
     "tests/unit/test_looks.py": {"outbox._dispatch"},
     "tests/plans/test_fenced_writes.py": {"outbox._dispatch"},
     "tests/unit/test_hook_sending.py": {"outbox._dispatch"},

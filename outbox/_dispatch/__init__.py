@@ -56,7 +56,9 @@
                 database, turns of each target's own engine, isolation of failing ones
     crew        the threads and connections a fleet's turns share (long-lived, pooled)
     looks       a fleet's polled databases: the look (a step), and the skip of those whose
-                server's counters show nothing new since their last look
+                server's counters show nothing new since their last look; its listened
+                schemas: the question, and the skip of those where nothing may have
+                changed since their last look
 
 Their database work is written once as steps (``outbox._steps``), and their loops once as
 programs (``runtime``): the claimer's ``claiming``, the recorder's ``recording``, the

@@ -42,6 +42,32 @@ Why that is safe, and its bounds:
 The look itself (``look``) and the counters' read (``read_counters``) are steps
 (``outbox._steps``): one text for ``Dispatcher``'s blocking connections and
 ``AsyncDispatcher``'s asyncio ones. No I/O here.
+
+A database within the budget has a listening look-out instead, which keeps a connection
+LISTENing on its target schemas' channels: an enqueue that notifies wakes its target at
+once. Such a look-out asks a schema (``ask``: one small statement) only when something
+may have changed there since it was last asked (``must_ask``), not every poll interval:
+
+    notified  an enqueue that notifies wakes its target; a schema not asked since its
+              channel was LISTENed to (a new target, a new connection: nothing
+              remembered) is asked
+    turns     a turn of the target that ended after its last look began: what the turn
+              left behind (a retry's backoff, a lease, a job enqueued while it ran whose
+              notification it made moot) is asked about after it
+    clock     the look said when the schema could next be due with nothing written
+              (``target_due_quiet``'s ``next_in``: a future ``run_at``, a backoff, a
+              lease to rescue, a group pause's end) and that time has come
+    silenced  an enqueue sends no NOTIFY while a dispatcher serving its effect is marked
+              awake (``awake``): the look also says when the latest such mark it sees
+              ends, and the schema is asked again then. A fleet's turns never mark (they
+              run until idle); a mark made after the look, by another dispatcher, is that
+              dispatcher's to act on (its last claim before it sleeps sees the job); if it
+              died marked, its jobs wait for the next rule
+    every     ``quiet_look_interval`` (the safety net: a notification lost with the
+              connection, a mark made by a dispatcher that then died): every schema is
+              asked at least that often
+Enqueues outside READ COMMITTED always notify. A look-out through a pooler cannot
+LISTEN: it asks every schema every poll interval, as before.
 """
 
 from __future__ import annotations
@@ -56,8 +82,8 @@ from psycopg.conninfo import conninfo_to_dict
 from .._sql import queries
 from .._steps import Statement, Step
 
-__all__ = ["Counters", "Due", "Identity", "Looked", "Seen", "look", "must_look",
-           "read_counters", "seen_after", "server_key"]
+__all__ = ["Asked", "Counters", "Due", "Identity", "Looked", "Seen", "ask", "asked_after",
+           "look", "must_ask", "must_look", "read_counters", "seen_after", "server_key"]
 
 # A target whose schema is missing or not readable: that target is marked down, the
 # others of its database are still asked.
@@ -192,6 +218,62 @@ def seen_after(looked: Looked, rows: ServerRows | None, at: float, *,
         elif answer.next_in is not None:
             nexts.append(max(0.0, answer.next_in))
     return Seen(counters, at, at + min(nexts) if nexts else None)
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A listened schema's last look: when it began (monotonic seconds), and when it
+    must be asked again with nothing written nor notified meanwhile (None: only at
+    ``every``)."""
+
+    at: float
+    next_due: float | None
+
+
+def must_ask(asked: Asked | None, now: float, *, last_turn: float, every: float) -> bool:
+    """Whether a listened schema, idle and not woken, must be asked now: never asked
+    (since its LISTEN), a turn of it ended after its last look began (``last_turn``,
+    monotonic; 0: none), the time that look gave has come, or that look is ``every``
+    seconds old."""
+    if asked is None or last_turn >= asked.at:
+        return True
+    if now - asked.at >= every:
+        return True
+    return asked.next_due is not None and now >= asked.next_due
+
+
+def asked_after(answer: Due | psycopg.Error | None, at: float) -> Asked | None:
+    """What to remember of a listened schema's look that began at ``at`` (monotonic):
+    None (ask again next round) when it found work (its turn comes; asked after it
+    anyway) or could not read the schema. ``next_in`` is counted from the server's
+    clock at the statement, later than ``at``: the time remembered is never late."""
+    if not isinstance(answer, Due) or answer.due:
+        return None
+    return Asked(at, None if answer.next_in is None else at + max(0.0, answer.next_in))
+
+
+def ask(schemas: Sequence[str], effects: str) -> Step[Looked]:
+    """A listening look-out's question to each of one database's target ``schemas``:
+    is it due, and when must it be asked again (``target_due_quiet``). A schema whose
+    awake marks cannot be read (a role without rights there, a schema migrated before
+    them) is asked as before (``target_due``) and answers ``next_in`` 0: asked every
+    round. A schema missing or unreadable is that target's answer; any other error
+    ends the look."""
+    answers: dict[str, Due | psycopg.Error] = {}
+    for schema in schemas:
+        q = queries(schema)
+        try:
+            rows = yield Statement(q.target_due_quiet, {"effects": effects}, row=Due)
+            answers[schema] = rows[0]
+            continue
+        except UNREADABLE as exc:
+            answers[schema] = exc
+        try:
+            rows = yield Statement(q.target_due, {"effects": effects}, row=Due)
+        except UNREADABLE:
+            continue  # the first error is the answer
+        answers[schema] = Due(rows[0].due, next_in=0.0)
+    return Looked(None, answers)
 
 
 def read_counters(schema: str) -> Step[dict[Identity, Counters]]:

@@ -139,7 +139,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("quiet_look_interval", 30.0, "With ``targets``: how often a polled database "
            "(past the budget's listeners) is still looked at while its server's statistics "
            "show no write in it since its last look and no job of it falls due; otherwise "
-           "every ``poll_interval``.", unit=_SECONDS, settings=False),
+           "every ``poll_interval``. A listened schema is likewise still asked while no "
+           "notification, turn, due job or awake mark's end came since its last look.",
+           unit=_SECONDS, settings=False),
     Option("limits_home", None, "Where ``Limit(shared=True)`` limits are counted: an "
            "``outbox.Target``, or a connection string for schema ``outbox``.",
            cli=("--limits-home",)),

@@ -255,7 +255,14 @@ SELECT {target_is_due} AS due;
 -- which the database's statistics show (database_counters). The polling look-out's
 -- look: it skips the database until then while nothing is written there.
 SELECT {target_is_due} AS due,
-date_part('epoch', least(
+date_part('epoch', {target_next_at} - now()) AS next_in;
+
+-- fragment: target_next_at
+-- When a target could next be due with nothing written meanwhile (target_due_next):
+-- the earliest of a pending job's future available_at (one effect at a time down
+-- jobs_claimable_effect), a running job's lease_until, a group pause's end; NULL when
+-- nothing is pending, running or paused.
+least(
     (SELECT min(n.at) FROM unnest(%(effects)s::text[]) AS e(effect)
      CROSS JOIN LATERAL (SELECT j.available_at AS at FROM {schema}.jobs j
                          WHERE j.status = 'pending' AND j.effect = e.effect
@@ -264,6 +271,18 @@ date_part('epoch', least(
     (SELECT min(j.lease_until) FROM {schema}.jobs j
      WHERE j.status = 'running' AND j.effect = ANY(%(effects)s::text[])),
     (SELECT min(gp.paused_until) FROM {schema}.group_pauses gp WHERE gp.paused_until > now())
+)
+
+-- name: target_due_quiet
+-- target_due_next for a listening look-out, which asks a schema again only when
+-- something may have changed there (outbox/_dispatch/looks.py, must_ask): next_in also
+-- counts the end of the latest live awake mark of %(effects)s (presence.sql, awake_mark),
+-- until which an enqueue of those effects may commit without a NOTIFY.
+SELECT {target_is_due} AS due,
+date_part('epoch', least(
+    {target_next_at},
+    (SELECT max(a.until) FROM {schema}.awake a
+     WHERE a.effect = ANY(%(effects)s::text[]) AND a.until > now())
 ) - now()) AS next_in;
 
 -- name: database_counters

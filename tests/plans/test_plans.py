@@ -289,7 +289,7 @@ def test_the_rescue_reads_the_expired_leases_only(dsn: str, big: str) -> None:
 
 def test_the_dispatchers_idle_checks_read_next_to_nothing(dsn: str, big: str) -> None:
     q = queries(big)
-    for name in ("has_due_work", "target_due", "target_due_next"):
+    for name in ("has_due_work", "target_due", "target_due_next", "target_due_quiet"):
         explain(dsn, getattr(q, name), {"effects": list(EFFECTS)}).check(jobs=50)
     explain(dsn, q.effect_claimable, {"effect": "plan.e2"}).check(jobs=50)
     explain(dsn, q.lookup_keys, {"keys": ["due-1", "done-1", "gone-1", "new-1"]}).check(

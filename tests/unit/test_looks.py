@@ -1,7 +1,10 @@
 """The polling look-out's skip rule (``outbox._dispatch.looks``), without a database: a
 database is skipped only while its counters stand where they stood before its last
 look, that look said no job falls due before now, and it was less than the quiet
-interval ago; anything it cannot compare is looked at."""
+interval ago; anything it cannot compare is looked at. The listening look-out's rule
+(``must_ask``): a schema is skipped only while no turn of it ended since its last look
+began, the time that look gave has not come, and it was less than the quiet interval
+ago; a schema never asked, or whose look found work or could not read it, is asked."""
 
 from __future__ import annotations
 
@@ -14,11 +17,14 @@ import pytest
 
 from outbox import AsyncDispatcher, ConfigurationError, Dispatcher, Effect, Job, Target
 from outbox._dispatch.looks import (
+    Asked,
     Counters,
     Due,
     Identity,
     Looked,
     Seen,
+    asked_after,
+    must_ask,
     must_look,
     seen_after,
     server_key,
@@ -139,6 +145,55 @@ def test_a_look_that_cannot_be_compared_later_is_not_remembered(
 ])
 def test_the_server_of_a_connection_string(dsn: str, key: str | None) -> None:
     assert server_key(dsn) == key
+
+
+def test_a_schema_asked_lately_with_nothing_since_is_not_asked() -> None:
+    asked = Asked(at=100.0, next_due=None)
+    assert not must_ask(asked, 100.0 + EVERY - 0.01, last_turn=99.0, every=EVERY)
+    assert not must_ask(asked, 101.0, last_turn=0.0, every=EVERY)  # never had a turn
+    assert not must_ask(Asked(130.0, 150.0), 149.9, last_turn=99.0, every=EVERY)
+
+
+def test_a_schema_never_asked_is_asked() -> None:
+    # a new target, or every schema after a new connection's LISTENs
+    assert must_ask(None, 101.0, last_turn=0.0, every=EVERY)
+
+
+def test_a_turn_that_ended_after_the_look_began_brings_it_back() -> None:
+    # a retry's backoff, a lease it took, a job enqueued while it ran: asked after it
+    asked = Asked(at=100.0, next_due=None)
+    assert must_ask(asked, 101.0, last_turn=100.0, every=EVERY)
+    assert must_ask(asked, 101.0, last_turn=100.5, every=EVERY)
+
+
+def test_the_time_the_look_gave_brings_it_back() -> None:
+    # a run_at, a backoff, a lease's end, an awake mark's end
+    assert must_ask(Asked(100.0, 150.0), 150.0, last_turn=99.0, every=EVERY)
+
+
+def test_the_quiet_interval_passed_brings_it_back() -> None:
+    assert must_ask(Asked(100.0, None), 100.0 + EVERY, last_turn=99.0, every=EVERY)
+    assert must_ask(Asked(100.0, 500.0), 100.0 + EVERY, last_turn=99.0, every=EVERY)
+
+
+def test_a_look_remembers_when_to_ask_again() -> None:
+    assert asked_after(Due(False, 12.5), 100.0) == Asked(100.0, 112.5)
+    assert asked_after(Due(False, None), 100.0) == Asked(100.0, None)
+    # a time already past (the clock moved while asking): asked at the next round
+    assert asked_after(Due(False, -0.2), 100.0) == Asked(100.0, 100.0)
+    # its awake marks unreadable: asked as before, every round
+    zero = asked_after(Due(False, 0.0), 100.0)
+    assert zero is not None and must_ask(zero, 100.1, last_turn=0.0, every=EVERY)
+
+
+@pytest.mark.parametrize("answer", [
+    Due(True, None),  # due: its turn comes, and it is asked after that turn
+    psycopg.errors.UndefinedTable("no jobs"),  # unreadable: marked down, asked again
+    None,  # not answered
+])
+def test_a_look_that_found_work_or_none_is_not_remembered(
+        answer: Due | psycopg.Error | None) -> None:
+    assert asked_after(answer, 100.0) is None
 
 
 class _Noop(Effect):
