@@ -54,7 +54,7 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/targets/test_crew.py": {"outbox._dispatch"},
     "tests/crash/test_claim_races.py": {"outbox._lifecycle"},
     "tests/integration/test_lifecycle_sources.py": {"outbox._lifecycle", "outbox._queue"},
-    "tests/integration/test_rescue_lifecycle.py": {"outbox._queue"},
+    "tests/integration/test_rescue_lifecycle.py": {"outbox._queue", "outbox._lifecycle"},
     "tests/property/test_rescue_decision.py": {"outbox._lifecycle"},
     "tests/unit/test_transitions.py": {"outbox._lifecycle", "outbox._sql"},
     "tests/integration/test_decided_sources.py": {"outbox._after", "outbox._dispatch",

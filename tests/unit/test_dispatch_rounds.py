@@ -205,7 +205,7 @@ def test_the_first_round_rescues_purges_and_claims(clock: Clock) -> None:
     script = (Script(claimer.queries)
               .then("rescue", [(1, "test.noop", "k1", 1, 3, None, 25, datetime.now(UTC),
                                 "w", None, 0, None, False, datetime.now(UTC))])
-              .then("settle", [1])  # the rescue's decision, applied fenced
+              .then("settle", settled(1))  # the rescue's decision, applied fenced
               .then("after_sweep", [(None, None, 0)])  # fan-in's repair, with the rescue
               .then("purge_done", [(RETENTION_BATCH,)])  # a full batch: go on
               .then("purge_done", [(3,)])
@@ -391,7 +391,7 @@ def test_run_until_idle_waits_for_the_jobs_it_rescued_until_it_claims_them(
                       state(), until_idle=True)
     first_round_done(claimer)
     (Script(claimer.queries).claiming([]).then("has_due_work", [(True,)])
-     .then("rescue", [_expired_row(1), _expired_row(2)]).then("settle", [1, 2])
+     .then("rescue", [_expired_row(1), _expired_row(2)]).then("settle", settled(1, 2))
      .drive(claimer.round()))
     due = dict(claimer.rescued_due)
     assert set(due) == {1, 2} and all(clock.now <= d <= clock.now + 3.0 for d in due.values())
