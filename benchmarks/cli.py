@@ -254,7 +254,7 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
             runs, backlog=sizes.scrape_backlog)),
         "graphile": lambda srv: graphile.run(srv, graphile.GraphileConfig(
             runs, sizes.drain_sizes, outbox=best,
-            graphile=graphile.TUNED.with_options(args.graphile_option))),
+            graphile=graphile.tuned(args.graphile_option))),
         "soak": lambda srv: soak.run(srv, soak.SoakConfig(
             seconds=sizes.soak_seconds, rate=sizes.soak_rate,
             retention=min(60.0, sizes.soak_seconds / 4))),
@@ -337,7 +337,7 @@ def _validate(args: argparse.Namespace) -> None:
     if args.runs < 1:
         raise SystemExit("--runs must be at least 1")
     try:
-        graphile.TUNED.with_options(args.graphile_option)
+        graphile.tuned(args.graphile_option)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"--graphile-option: {e}") from None
 

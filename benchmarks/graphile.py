@@ -27,15 +27,10 @@ settings, interleaved, and prints each one's rate and CPU a job: how ``TUNED`` w
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import os
-import select
-import shutil
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -43,84 +38,40 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from psycopg.conninfo import conninfo_to_dict
-
 from . import drain
 from ._cpu import ServerCpu, wait_for_clients_to_leave
 from ._db import Server, fresh_database, scalar, server, settle
 from ._drain_workers import OutboxSettings
+from ._graphile import (
+    DRIVER,
+    TUNED,
+    UNTUNED,
+    VERSION,
+    GraphileError,
+    GraphileSettings,
+    check_drain,
+    environment,
+    install,
+    missing_tools,
+    parse_report,
+    read_line,
+    seed,
+)
 from ._results import Row, Section, Target
 from ._stats import Figure, ratios
 
 log = logging.getLogger("benchmarks.graphile")
 
-PEER = Path(__file__).resolve().parent / "peers" / "graphile"
-DRIVER = PEER / "drain.js"
-PACKAGE_FILES = ("package.json", "package-lock.json")
-VERSION = "0.17.3"
 OURS = "outbox-gc-frozen"
 THEIRS = "graphile"
 # The issue's target: our drain at least 1.5 times Graphile Worker's, tuned.
 TARGET = Target(">=", 1.5)
-INSTALL_HINT = ("install Node.js (18 or later) and npm, e.g. `apt-get install nodejs npm` "
-                "on Debian, or from https://nodejs.org/, then run this section again")
 
 
-class GraphileError(RuntimeError):
-    """Graphile Worker's driver failed, said something unreadable, or drained wrongly."""
-
-
-@dataclass(frozen=True)
-class GraphileSettings:
-    """Graphile Worker's options for the drain, each a ``preset.worker`` option:
-    ``concurrency`` (``concurrentJobs``), ``pool`` (the connections of the ``pg`` pool
-    given to it, its ``maxPoolSize``), ``local_queue`` (``localQueue.size``: jobs fetched
-    per query and handed out locally; -1 off), ``refetch_delay_ms``
-    (``localQueue.refetchDelay.durationMs``; None: none), ``complete_batch_delay`` and
-    ``fail_batch_delay`` (``completeJobBatchDelay`` / ``failJobBatchDelay``, ms: completions
-    batched into one statement; -1 off, 0 the next tick), ``prepared_statements``."""
-
-    concurrency: int = 24
-    pool: int = 25
-    local_queue: int = 2000
-    refetch_delay_ms: int | None = None
-    complete_batch_delay: int = 0
-    fail_batch_delay: int = 0
-    prepared_statements: bool = True
-
-    def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.pool < 1:
-            raise ValueError(f"graphile: concurrency and pool must be at least 1, got "
-                             f"concurrency={self.concurrency} pool={self.pool}")
-        if self.local_queue == 0 or self.local_queue < -1:
-            raise ValueError(f"graphile: local_queue must be -1 (off) or at least 1, "
-                             f"got {self.local_queue}")
-
-    def as_json(self) -> str:
-        """The settings as ``drain.js drain`` reads them."""
-        return json.dumps(asdict(self), sort_keys=True)
-
-    def describe(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in asdict(self).items())
-
-    def with_options(self, options: Sequence[tuple[str, Any]]) -> GraphileSettings:
-        """These settings with ``(name, value)`` pairs replacing some; a clear error for
-        a name that is not one of them."""
-        known = set(asdict(self))
-        unknown = [name for name, _ in options if name not in known]
-        if unknown:
-            raise ValueError(f"graphile: unknown setting(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-        return replace(self, **dict(options))
-
-
-# The settings Graphile Worker's performance page recommends for throughput (a local
-# queue, completions and failures batched at delay 0, concurrency 24 with a pool of 25),
-# with the local queue's size chosen by `--sweep` on this machine.
-TUNED = GraphileSettings()
-# Its defaults for fetching and completing (no local queue: a query per job fetched; no
-# batching: a statement per job completed) at the tuned concurrency and pool.
-UNTUNED = GraphileSettings(local_queue=-1, complete_batch_delay=-1, fail_batch_delay=-1)
+def tuned(options: Sequence[tuple[str, Any]] = ()) -> GraphileSettings:
+    """The tuned settings with ``(name, value)`` pairs replacing some (``--graphile-option``);
+    ValueError or TypeError for a name or value that is not one of them."""
+    return TUNED.with_options(options)
 
 
 @dataclass(frozen=True)
@@ -135,144 +86,6 @@ class GraphileConfig:
         return 60.0 + jobs / 100
 
 
-# -- the driver's output ---------------------------------------------------------------
-
-def parse_report(line: str | bytes, expected: str) -> dict[str, Any]:
-    """One line the driver printed: a JSON object holding ``expected`` (``ready``,
-    ``done`` or ``seeded``); a GraphileError saying what was wrong otherwise."""
-    text = line.decode(errors="replace") if isinstance(line, bytes) else line
-    text = text.strip()
-    if not text:
-        raise GraphileError(f"graphile driver: expected a {expected!r} report, got nothing "
-                            "(did it exit?)")
-    try:
-        report = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise GraphileError(f"graphile driver: expected a JSON {expected!r} report, got "
-                            f"{text[:200]!r} ({e.msg} at column {e.colno})") from None
-    if not isinstance(report, dict) or expected not in report:
-        raise GraphileError(f"graphile driver: expected a {expected!r} report, got "
-                            f"{text[:200]!r}")
-    return report
-
-
-def check_drain(report: dict[str, Any], jobs: int, settings: GraphileSettings) -> None:
-    """A drain report must account for every job, and a local queue that was asked for
-    must have fetched in batches (else its settings were not applied)."""
-    for name in ("performed", "seconds", "cpu_seconds", "fetches"):
-        if not isinstance(report.get(name), int | float):
-            raise GraphileError(f"graphile drain report: {name!r} missing or not a number "
-                                f"in {report}")
-    if report["performed"] != jobs:
-        raise GraphileError(f"graphile drain: performed {report['performed']} jobs, "
-                            f"expected {jobs}")
-    if settings.local_queue > 0 and report["fetches"] == 0:
-        raise GraphileError("graphile drain: local_queue was set but the local queue never "
-                            "fetched: the settings did not reach the worker")
-
-
-# -- installing the pinned package -------------------------------------------------------
-
-def missing_tools() -> str | None:
-    """Why the section cannot run here (node or npm not found), or None."""
-    missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
-    if missing:
-        return f"{' and '.join(missing)} not found: {INSTALL_HINT}"
-    return None
-
-
-def cache_root() -> Path:
-    """Where peers' packages are installed: outside the repository."""
-    explicit = os.environ.get("OUTBOX_BENCH_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "outbox-benchmarks"
-
-
-def _package_hash() -> str:
-    digest = hashlib.sha256()
-    for name in PACKAGE_FILES:
-        digest.update((PEER / name).read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def install(cache: Path | None = None) -> Path:
-    """The ``node_modules`` directory holding the pinned Graphile Worker, installed with
-    ``npm ci`` (the lock file's exact versions, no install scripts) on first use."""
-    target = (cache or cache_root()) / f"graphile-worker-{VERSION}-{_package_hash()}"
-    modules = target / "node_modules"
-    if (modules / "graphile-worker" / "package.json").exists():
-        return modules
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix="graphile-", dir=target.parent))
-    try:
-        for name in PACKAGE_FILES:
-            shutil.copy2(PEER / name, staging / name)
-        log.warning("installing graphile-worker %s into %s (once)", VERSION, target)
-        done = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--ignore-scripts"],
-                              cwd=staging, capture_output=True, text=True, timeout=600,
-                              check=False)
-        if done.returncode != 0:
-            raise GraphileError(f"npm ci failed in {staging} (exit {done.returncode}):\n"
-                                f"{done.stderr[-2000:]}")
-        try:
-            staging.rename(target)
-        except OSError:
-            # Another invocation installed it meanwhile; theirs is as good as ours.
-            if not (modules / "graphile-worker" / "package.json").exists():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return modules
-
-
-# -- one drain of Graphile Worker ------------------------------------------------------
-
-def _environment(dsn: str, modules: Path) -> dict[str, str]:
-    """The driver's environment: the database as PG* variables, the installed package
-    on NODE_PATH."""
-    parts = conninfo_to_dict(dsn)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    for key, var in (("host", "PGHOST"), ("port", "PGPORT"), ("user", "PGUSER"),
-                     ("dbname", "PGDATABASE"), ("password", "PGPASSWORD")):
-        if parts.get(key):
-            env[var] = str(parts[key])
-    env["NODE_PATH"] = str(modules)
-    return env
-
-
-def _read_line(proc: subprocess.Popen[bytes], deadline: float) -> bytes:
-    """One line of the driver's stdout, waiting until ``deadline`` at most."""
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    chunks: list[bytes] = []
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise GraphileError("graphile driver: no report in time")
-        ready, _, _ = select.select([fd], [], [], remaining)
-        if not ready:
-            continue
-        byte = os.read(fd, 1)
-        if not byte or byte == b"\n":
-            return b"".join(chunks)
-        chunks.append(byte)
-
-
-def seed(dsn: str, jobs: int, modules: Path, timeout: float) -> float:
-    """Graphile Worker's schema and ``jobs`` no-op jobs added with ``addJobs``; jobs/s."""
-    done = subprocess.run(["node", str(DRIVER), "seed", str(jobs)], env=_environment(dsn, modules),
-                          capture_output=True, timeout=timeout, check=False)
-    if done.returncode != 0:
-        raise GraphileError(f"graphile seed failed (exit {done.returncode}):\n"
-                            f"{done.stderr.decode(errors='replace')[-2000:]}")
-    report = parse_report(done.stdout.strip().splitlines()[-1] if done.stdout.strip() else b"",
-                          "seeded")
-    return jobs / float(report["seconds"])
-
-
 def measure(srv: Server, config: GraphileConfig, jobs: int, modules: Path,
             settings: GraphileSettings | None = None) -> drain.DrainRun:
     """One drain of ``jobs`` by one Graphile Worker process in a fresh database."""
@@ -284,17 +97,17 @@ def measure(srv: Server, config: GraphileConfig, jobs: int, modules: Path,
         server_cpu = ServerCpu.of(dsn)
         proc = subprocess.Popen(
             ["node", str(DRIVER), "drain", str(jobs), settings.as_json()],
-            env=_environment(dsn, modules), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=environment(dsn, modules), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE)
         try:
             assert proc.stdin is not None and proc.stderr is not None
             deadline = time.monotonic() + timeout
-            parse_report(_read_line(proc, deadline), "ready")
+            parse_report(read_line(proc, deadline), "ready")
             before = server_cpu.seconds() if server_cpu else 0.0
             started = time.perf_counter()
             proc.stdin.write(b"go\n")
             proc.stdin.flush()
-            line = _read_line(proc, deadline)
+            line = read_line(proc, deadline)
             seconds = time.perf_counter() - started
             proc.stdin.close()
             proc.wait(max(1.0, deadline - time.monotonic()))
@@ -418,7 +231,7 @@ def grid() -> list[GraphileSettings]:
     base = TUNED
     variants = [UNTUNED, replace(UNTUNED, local_queue=500),
                 replace(base, complete_batch_delay=-1, fail_batch_delay=-1)]
-    variants += [replace(base, local_queue=size) for size in (100, 500, 1000, 2000, 5000)]
+    variants += [replace(base, local_queue=size) for size in (100, 500, 1000, 2000, 5000, 10_000)]
     variants += [replace(base, concurrency=c, pool=c + 1) for c in (4, 10, 64)]
     variants += [replace(base, pool=4), replace(base, complete_batch_delay=1,
                                                 fail_batch_delay=1),
@@ -453,6 +266,8 @@ def _sweep_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dsn")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--jobs", type=int, default=20_000)
+    p.add_argument("--local-queues", help="only the tuned settings with each of these "
+                   "local queue sizes, e.g. 1000,2000,5000 (default: the whole grid)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     why = missing_tools()
@@ -462,7 +277,10 @@ def _sweep_main(argv: Sequence[str] | None = None) -> int:
     config = GraphileConfig(runs=args.runs, sizes=(args.jobs,))
     load_before = _load()
     with server(args.dsn) as srv:
-        found = sweep(srv, config, grid())
+        variants = ([replace(TUNED, local_queue=int(size))
+                     for size in args.local_queues.split(",")]
+                    if args.local_queues else grid())
+        found = sweep(srv, config, variants)
     print(f"graphile-worker {VERSION}, {args.jobs} jobs, {args.runs} runs each, "
           f"load {load_before} -> {_load()}")
     print(f"{'jobs/s median (min..max)':>28}  {'CPU us/job server+client':>26}  settings")
