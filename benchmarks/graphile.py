@@ -27,13 +27,16 @@ settings, interleaved, and prints each one's rate and CPU a job: how ``TUNED`` w
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,7 @@ from ._results import Row, Section, Target
 from ._stats import Figure, ratios
 
 log = logging.getLogger("benchmarks.graphile")
+RESULTS = Path(__file__).resolve().parent / "results"
 
 OURS = "outbox-gc-frozen"
 THEIRS = "graphile"
@@ -275,7 +279,7 @@ def _sweep_main(argv: Sequence[str] | None = None) -> int:
         print(f"skipped: {why}")
         return 0
     config = GraphileConfig(runs=args.runs, sizes=(args.jobs,))
-    load_before = _load()
+    started, load_before = datetime.now(UTC), _load()
     with server(args.dsn) as srv:
         variants = ([replace(TUNED, local_queue=int(size))
                      for size in args.local_queues.split(",")]
@@ -294,6 +298,15 @@ def _sweep_main(argv: Sequence[str] | None = None) -> int:
                f"{statistics.median(c for _, c in cpus):.1f}") if cpus else "-"
         print(f"{statistics.median(rates):>10,.0f} ({min(rates):,.0f}..{max(rates):,.0f})"
               f"  {cpu:>26}  {variant.describe()}")
+    out = RESULTS / f"graphile-sweep-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "timestamp": started.isoformat(), "argv": list(argv if argv is not None
+                                                       else sys.argv[1:]),
+        "version": VERSION, "load": {"before": load_before, "after": _load()},
+        "variants": [{"settings": asdict(variant), "runs": [asdict(r) for r in drained]}
+                     for variant, drained in found]}, indent=2, default=str) + "\n")
+    print(f"runs written to {out}")
     return 0
 
 
