@@ -33,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -99,30 +100,35 @@ def measure(srv: Server, config: GraphileConfig, jobs: int, modules: Path,
         enqueue_rate = seed(dsn, jobs, modules, timeout)
         settle(dsn)
         server_cpu = ServerCpu.of(dsn)
-        proc = subprocess.Popen(
-            ["node", str(DRIVER), "drain", str(jobs), settings.as_json()],
-            env=environment(dsn, modules), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE)
-        try:
-            assert proc.stdin is not None and proc.stderr is not None
-            deadline = time.monotonic() + timeout
-            parse_report(read_line(proc, deadline), "ready")
-            before = server_cpu.seconds() if server_cpu else 0.0
-            started = time.perf_counter()
-            proc.stdin.write(b"go\n")
-            proc.stdin.flush()
-            line = read_line(proc, deadline)
-            seconds = time.perf_counter() - started
-            proc.stdin.close()
-            proc.wait(max(1.0, deadline - time.monotonic()))
-            stderr = proc.stderr.read().decode(errors="replace")
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        if proc.returncode != 0:
+        # Its stderr to a file, read once it has exited: a pipe nobody reads could fill.
+        with tempfile.TemporaryFile() as errors:
+            proc = subprocess.Popen(
+                ["node", str(DRIVER), "drain", str(jobs), settings.as_json()],
+                env=environment(dsn, modules), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=errors)
+            try:
+                assert proc.stdin is not None
+                deadline = time.monotonic() + timeout
+                ready = read_line(proc, deadline)
+                before = server_cpu.seconds() if server_cpu else 0.0
+                started = time.perf_counter()
+                if ready:
+                    proc.stdin.write(b"go\n")
+                    proc.stdin.flush()
+                line = read_line(proc, deadline) if ready else b""
+                seconds = time.perf_counter() - started
+                proc.stdin.close()
+                proc.wait(max(1.0, deadline - time.monotonic()))
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                errors.seek(0)
+                stderr = errors.read().decode(errors="replace")
+        if proc.returncode != 0 or not ready:
             raise GraphileError(f"graphile drain failed (exit {proc.returncode}):\n"
                                 f"{stderr[-2000:]}")
+        parse_report(ready, "ready")
         report = parse_report(line, "done")
         check_drain(report, jobs, settings)
         if stderr.strip():
