@@ -175,7 +175,7 @@ def parser() -> argparse.ArgumentParser:
                    "(JSON value), e.g. prefetch=1000; repeatable")
     p.add_argument("--graphile-option", type=_option, action="append", default=[],
                    metavar="KEY=VALUE", help="graphile: one of Graphile Worker's settings "
-                   "(benchmarks.graphile.GraphileSettings), e.g. local_queue=500; repeatable")
+                   "(benchmarks._graphile.GraphileSettings), e.g. local_queue=500; repeatable")
     p.add_argument("--burn", type=int, default=0, metavar="N",
                    help="keep N busy loops (processes) running beside the sections: a "
                    "loaded machine, measured on purpose")
