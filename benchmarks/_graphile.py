@@ -113,15 +113,19 @@ def parse_report(line: str | bytes, expected: str) -> dict[str, Any]:
 
 
 def check_drain(report: dict[str, Any], jobs: int, settings: GraphileSettings) -> None:
-    """A drain report must account for every job, and a local queue that was asked for
-    must have fetched in batches (else its settings were not applied)."""
-    for name in ("performed", "seconds", "cpu_seconds", "fetches"):
+    """A drain report must account for every job, each performed once, and a local queue
+    that was asked for must have fetched in batches (else its settings were not
+    applied)."""
+    for name in ("performed", "distinct", "seconds", "cpu_seconds", "fetches"):
         if not isinstance(report.get(name), int | float):
             raise GraphileError(f"graphile drain report: {name!r} missing or not a number "
                                 f"in {report}")
     if report["performed"] != jobs:
         raise GraphileError(f"graphile drain: performed {report['performed']} jobs, "
                             f"expected {jobs}")
+    if report["distinct"] != jobs:
+        raise GraphileError(f"graphile drain: performed {report['distinct']} distinct jobs "
+                            f"of {jobs}: some more than once")
     if settings.local_queue > 0 and report["fetches"] == 0:
         raise GraphileError("graphile drain: local_queue was set but the local queue never "
                             "fetched: the settings did not reach the worker")

@@ -81,6 +81,11 @@ def test_a_drain_that_performed_fewer_jobs_is_an_error() -> None:
         check_drain(_done(performed=99), 100, TUNED)
 
 
+def test_a_drain_that_performed_a_job_twice_is_an_error() -> None:
+    with pytest.raises(GraphileError, match="performed 99 distinct jobs of 100: some more"):
+        check_drain(_done(distinct=99), 100, TUNED)
+
+
 def test_a_local_queue_that_never_fetched_means_the_settings_were_not_applied() -> None:
     with pytest.raises(GraphileError, match="did not reach the worker"):
         check_drain(_done(fetches=0), 100, TUNED)

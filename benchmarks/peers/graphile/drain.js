@@ -78,9 +78,10 @@ async function seed(jobs) {
 
 // SETTINGS_JSON: {"concurrency": int, "pool": int, "local_queue": int (-1: off),
 // "refetch_delay_ms": int or null, "complete_batch_delay": int (-1: off),
-// "fail_batch_delay": int (-1: off), "prepared_statements": bool}. Every one is a
-// preset.worker option: given at the top level of run()'s options (as RunnerOptions),
-// localQueue and the batch delays are not options at all and are ignored.
+// "fail_batch_delay": int (-1: off), "prepared_statements": bool}. "pool" sizes the pg
+// pool given to the worker; every other one is a preset.worker option. (Given at the top
+// level of run()'s options, as RunnerOptions, localQueue and the batch delays are not
+// options at all: the worker drops them with a console warning.)
 function preset(settings) {
   const worker = {
     concurrentJobs: settings.concurrency,
@@ -128,8 +129,9 @@ async function drain(jobs, settings) {
   await runOnce(options);
   const seconds = Number(process.hrtime.bigint() - started) / 1e9;
   const used = process.cpuUsage(cpu);
-  say({ done: true, jobs, performed, distinct: distinct.size, seconds, cpu_seconds: (used.user + used.system) / 1e6,
-        fetches: fetches.length, largest_fetch: Math.max(0, ...fetches) });
+  say({ done: true, jobs, performed, distinct: distinct.size, seconds,
+        cpu_seconds: (used.user + used.system) / 1e6, fetches: fetches.length,
+        largest_fetch: Math.max(0, ...fetches) });
   await pool.end();
 }
 
