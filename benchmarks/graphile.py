@@ -210,7 +210,11 @@ def run(srv: Server, config: GraphileConfig) -> Section:
     why = missing_tools()
     if why is not None:
         return _skipped(why, config)
-    modules = install(config.cache)
+    try:
+        modules = install(config.cache)
+    except (GraphileError, OSError, subprocess.SubprocessError) as e:
+        # No registry reachable, say: the other sections' figures still count.
+        return _skipped(f"graphile-worker {VERSION} could not be installed: {e}", config)
     ours = drain.DrainConfig(sizes=config.sizes, procs=(1,), runs=1, systems=(OURS,),
                              outbox=config.outbox)
     results: list[drain.DrainRun] = []
