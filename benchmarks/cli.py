@@ -29,6 +29,7 @@ from . import (
     fairness,
     fairness_scale,
     flows,
+    graphile,
     latency,
     limits,
     memory,
@@ -48,7 +49,7 @@ log = logging.getLogger("benchmarks")
 
 SECTIONS = ("drain", "enqueue", "business", "wake", "latency", "async", "bloat", "memory", "flows",
             "events", "limits", "fairness", "fairness-scale", "targets", "retention",
-            "upgrade", "soak", "schedules", "scrape")
+            "upgrade", "soak", "schedules", "scrape", "graphile")
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVER_SETTINGS = ("shared_buffers", "max_connections", "fsync", "synchronous_commit",
                    "wal_level", "max_wal_size", "autovacuum")
@@ -172,6 +173,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--outbox-option", type=_option, action="append", default=[],
                    metavar="KEY=VALUE", help="another Dispatcher keyword argument "
                    "(JSON value), e.g. prefetch=1000; repeatable")
+    p.add_argument("--graphile-option", type=_option, action="append", default=[],
+                   metavar="KEY=VALUE", help="graphile: one of Graphile Worker's settings "
+                   "(benchmarks._graphile.GraphileSettings), e.g. local_queue=500; repeatable")
     p.add_argument("--burn", type=int, default=0, metavar="N",
                    help="keep N busy loops (processes) running beside the sections: a "
                    "loaded machine, measured on purpose")
@@ -248,6 +252,9 @@ def _runners(args: argparse.Namespace, sizes: Sizes) -> dict[str, Callable[[Serv
             runs, jobs=sizes.schedules_jobs)),
         "scrape": lambda srv: scrape.run(srv, scrape.ScrapeConfig(
             runs, backlog=sizes.scrape_backlog)),
+        "graphile": lambda srv: graphile.run(srv, graphile.GraphileConfig(
+            runs, sizes.drain_sizes, outbox=best,
+            graphile=graphile.tuned(args.graphile_option))),
         "soak": lambda srv: soak.run(srv, soak.SoakConfig(
             seconds=sizes.soak_seconds, rate=sizes.soak_rate,
             retention=min(60.0, sizes.soak_seconds / 4))),
@@ -329,6 +336,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise SystemExit(f"unknown system(s): {', '.join(sorted(unknown))}")
     if args.runs < 1:
         raise SystemExit("--runs must be at least 1")
+    try:
+        graphile.tuned(args.graphile_option)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--graphile-option: {e}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
