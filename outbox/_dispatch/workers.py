@@ -462,6 +462,11 @@ class DaemonPool(Executor):
         """How many threads this pool has started (at most ``size``)."""
         return self._counted
 
+    @property
+    def idle(self) -> int:
+        """Threads started that wait for a call no ``put`` has counted on yet."""
+        return self._idle
+
     def put(self, call: Callable[[], object]) -> None:
         """Queue ``call`` for a thread: an idle one, else a new one (while fewer than
         ``size`` are started), else the first to finish its call."""

@@ -1,0 +1,185 @@
+"""``DaemonPool``: both dispatchers' worker threads, each started only when a call is
+queued and no thread already started is idle, never more than ``size``; daemon threads
+that a stop can leave behind; a call that raises ends its thread through the supervision
+the pool was given."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError
+
+import pytest
+
+from outbox._dispatch.crew import Crew
+from outbox._dispatch.workers import DaemonPool
+
+WITHIN = 30.0  # generous: a loaded machine
+
+
+def wait_until(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WITHIN
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.001)
+
+
+class Blocked:
+    """Calls that each report they started, then wait until released."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started: list[str] = []
+        self.release = threading.Event()
+
+    def __call__(self) -> None:
+        with self.lock:
+            self.started.append(threading.current_thread().name)
+        self.release.wait(WITHIN)
+
+
+def test_a_pool_handed_nothing_starts_nothing() -> None:
+    pool = DaemonPool(64, "test-pool")
+    pool.shutdown()
+    assert pool.threads_started == 0
+
+
+def test_calls_at_once_start_a_thread_each_up_to_size() -> None:
+    calls = Blocked()
+    pool = DaemonPool(3, "test-pool")
+    try:
+        for _ in range(5):
+            pool.put(calls)
+        wait_until(lambda: len(calls.started) == 3, "three calls at once")
+        assert pool.threads_started == 3  # the other two wait for a thread
+        assert sorted(calls.started) == ["test-pool-0", "test-pool-1", "test-pool-2"]
+    finally:
+        calls.release.set()
+        pool.shutdown()
+    assert len(calls.started) == 5 and pool.threads_started == 3
+
+
+def test_an_idle_thread_takes_the_next_call_and_none_starts() -> None:
+    pool = DaemonPool(64, "test-pool")
+    names: list[str] = []
+    try:
+        for _ in range(20):
+            pool.put(lambda: names.append(threading.current_thread().name))
+            wait_until(lambda: pool.idle == 1, "the thread to be idle again")
+    finally:
+        pool.shutdown()
+    assert pool.threads_started == 1 and names == ["test-pool-0"] * 20
+
+
+def test_a_busy_thread_does_not_count_as_idle() -> None:
+    calls = Blocked()
+    pool = DaemonPool(64, "test-pool")
+    try:
+        pool.put(lambda: None)
+        wait_until(lambda: pool.idle == 1, "the first thread to be idle")
+        pool.put(calls)  # takes the idle thread
+        wait_until(lambda: len(calls.started) == 1, "the first call to start")
+        pool.put(calls)  # none idle: a second thread
+        wait_until(lambda: len(calls.started) == 2, "the second call to start")
+        assert pool.threads_started == 2 and pool.idle == 0
+    finally:
+        calls.release.set()
+        pool.shutdown()
+
+
+def test_the_threads_are_daemons_and_end_at_shutdown() -> None:
+    calls = Blocked()
+    pool = DaemonPool(4, "test-pool")
+    for _ in range(4):
+        pool.put(calls)
+    wait_until(lambda: len(calls.started) == 4, "four calls at once")
+    ours = [t for t in threading.enumerate() if t.name.startswith("test-pool-")]
+    assert len(ours) == 4 and all(t.daemon for t in ours)
+    calls.release.set()
+    pool.shutdown()
+    assert not any(t.is_alive() for t in ours)
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.put(calls)
+
+
+def test_a_join_with_a_deadline_leaves_a_call_that_never_returns_behind() -> None:
+    calls = Blocked()
+    pool = DaemonPool(4, "test-pool")
+    pool.put(calls)
+    pool.put(lambda: None)
+    wait_until(lambda: len(calls.started) == 1, "the stuck call to start")
+    pool.shutdown(wait=False)
+    pool.join(time.monotonic() + 0.1)  # returns though one thread still performs
+    stuck = [t for t in threading.enumerate() if t.name in calls.started]
+    assert len(stuck) == 1 and stuck[0].is_alive()
+    calls.release.set()
+    pool.join()
+    assert not stuck[0].is_alive()
+
+
+def test_a_call_that_raises_ends_its_thread_through_the_supervision() -> None:
+    deaths: list[BaseException] = []
+
+    def supervise(serve: Callable[[], None]) -> Callable[[], None]:
+        def supervised() -> None:
+            try:
+                serve()
+            except BaseException as exc:
+                deaths.append(exc)
+        return supervised
+
+    pool = DaemonPool(4, "test-pool", supervise=supervise)
+
+    def dies() -> None:
+        raise KeyboardInterrupt("a worker died")
+
+    pool.put(dies)
+    wait_until(lambda: bool(deaths), "the death to be reported")
+    assert isinstance(deaths[0], KeyboardInterrupt) and pool.idle == 0
+    done = threading.Event()
+    pool.put(done.set)  # the dead thread is not idle: another one serves this
+    assert done.wait(WITHIN) and pool.threads_started == 2
+    pool.shutdown()  # the dead thread's end-of-work marker is left unread: no hang
+
+
+def test_submit_is_an_executor_and_cancels_what_never_started() -> None:
+    calls = Blocked()
+    pool = DaemonPool(1, "test-pool")
+    blocking = pool.submit(calls)
+    wait_until(lambda: len(calls.started) == 1, "the first call to start")
+    waiting = pool.submit(lambda: 1)
+    pool.shutdown(wait=False, cancel_futures=True)
+    calls.release.set()
+    pool.join()
+    assert blocking.result(WITHIN) is None and waiting.cancelled()
+    with pytest.raises(CancelledError):
+        waiting.result(0)
+
+    pool = DaemonPool(2, "test-pool")
+    assert pool.submit(lambda a, b=0: a + b, 2, b=3).result(WITHIN) == 5
+    failed = pool.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failed.result(WITHIN)
+    pool.shutdown()
+
+
+def test_a_fleets_crew_lends_its_threads_and_gets_them_back() -> None:
+    """With a crew's ``start``: the pool's threads are crew members, named as the
+    pool's; once the pool is shut down they serve the next pool, none started anew."""
+    crew = Crew("test-crew")
+    try:
+        for _ in range(3):
+            calls = Blocked()
+            pool = DaemonPool(8, "test-pool", crew.start)
+            pool.put(calls)
+            pool.put(calls)
+            wait_until(lambda calls=calls: len(calls.started) == 2, "two calls at once")
+            assert sorted(calls.started) == ["test-pool-0", "test-pool-1"]
+            calls.release.set()
+            pool.shutdown()
+            assert pool.threads_started == 2
+        assert crew.threads_started == 2
+    finally:
+        crew.close()
