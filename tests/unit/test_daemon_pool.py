@@ -158,7 +158,10 @@ def test_submit_is_an_executor_and_cancels_what_never_started() -> None:
         waiting.result(0)
 
     pool = DaemonPool(2, "test-pool")
-    assert pool.submit(lambda a, b=0: a + b, 2, b=3).result(WITHIN) == 5
+    def add(a: int, b: int = 0) -> int:
+        return a + b
+
+    assert pool.submit(add, 2, b=3).result(WITHIN) == 5
     failed = pool.submit(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         failed.result(WITHIN)
@@ -175,7 +178,7 @@ def test_a_fleets_crew_lends_its_threads_and_gets_them_back() -> None:
             pool = DaemonPool(8, "test-pool", crew.start)
             pool.put(calls)
             pool.put(calls)
-            wait_until(lambda calls=calls: len(calls.started) == 2, "two calls at once")
+            wait_until(lambda: len(calls.started) == 2, "two calls at once")  # noqa: B023
             assert sorted(calls.started) == ["test-pool-0", "test-pool-1"]
             calls.release.set()
             pool.shutdown()
