@@ -12,13 +12,13 @@ is left out of the cyclic collector's passes). The runs go to
 
 ``--small [--rounds 30] [--small-jobs 10] [--concurrency 16] [--against DIR]`` times
 what a small, cron-style drain pays instead: ``run_until_idle`` over ``--small-jobs``
-no-op jobs, and over none, wall clock and process CPU, round after round of one
-dispatcher in a process of its own (``_small_drain.py``). With ``--against``, a second
-such process imports ``outbox`` from ``DIR``, another checkout (e.g. ``git archive
-<commit> | tar -x -C DIR``), in a schema of its own in the same database; the two
-alternate in every round (which goes first swaps each round), after 3 rounds each not
-counted. Prints the median with the quartiles and min..max of each, and each side's
-median over the baseline's (``--against``); writes
+no-op jobs, and over none (wall clock, process CPU, worker threads started), round
+after round of one dispatcher in a process of its own (``_small_drain.py``). With
+``--against``, a second such process imports ``outbox`` from ``DIR``, another checkout
+(e.g. ``git archive <commit> | tar -x -C DIR``), in a schema of its own in the same
+database; the two alternate in every round (which goes first swaps each round), after 3
+rounds each not counted. Prints the median with the quartiles and min..max of each, and
+ours over the baseline's (``--against``); writes
 ``benchmarks/results/drain-small-<UTC timestamp>.json``.
 """
 
@@ -109,13 +109,14 @@ class Side:
             raise RuntimeError(f"{self.name} ended (exit code {self.proc.wait()})")
         return line
 
-    def drain(self, jobs: int) -> tuple[float, float]:
-        """Wall and process CPU seconds of one ``run_until_idle`` over ``jobs`` jobs."""
+    def drain(self, jobs: int) -> tuple[float, float, int]:
+        """Wall and process CPU seconds of one ``run_until_idle`` over ``jobs`` jobs, and
+        the worker threads it started."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(f"{jobs}\n")
         self.proc.stdin.flush()
-        wall, cpu = self.readline().split()
-        return float(wall), float(cpu)
+        wall, cpu, threads = self.readline().split()
+        return float(wall), float(cpu), int(threads)
 
     def close(self) -> None:
         assert self.proc.stdin is not None
@@ -136,7 +137,7 @@ def small(args: argparse.Namespace) -> None:
         trees["base"] = args.against.resolve()
     sizes = (args.small_jobs, 0)
     seconds: dict[str, dict[int, dict[str, list[float]]]] = {
-        side: {n: {"wall": [], "cpu": []} for n in sizes} for side in trees}
+        side: {n: {"wall": [], "cpu": [], "threads": []} for n in sizes} for side in trees}
     with server(args.dsn) as srv, fresh_database(srv, "small") as dsn:
         sides = [Side(name, tree, dsn, args.concurrency) for name, tree in trees.items()]
         try:
@@ -144,10 +145,11 @@ def small(args: argparse.Namespace) -> None:
                 order = sides if number % 2 == 0 else sides[::-1]
                 for jobs in sizes:
                     for side in order:
-                        wall, cpu = side.drain(jobs)
+                        wall, cpu, threads = side.drain(jobs)
                         if number >= WARM_ROUNDS:
                             seconds[side.name][jobs]["wall"].append(wall)
                             seconds[side.name][jobs]["cpu"].append(cpu)
+                            seconds[side.name][jobs]["threads"].append(threads)
         finally:
             for side in sides:
                 side.close()
@@ -169,6 +171,11 @@ def small(args: argparse.Namespace) -> None:
                 ours, base = (statistics.median(seconds[s][jobs][measure])
                               for s in ("ours", "base"))
                 lines.append(f"  {jobs:3d} jobs {measure:4s} ours / base {ours / base:.3f}")
+        for side in sides:
+            started = seconds[side.name][jobs]["threads"]
+            lines.append(f"  {jobs:3d} jobs worker threads started, {side.name:5s} "
+                         f"median {statistics.median(started):g} "
+                         f"({min(started):g}..{max(started):g})")
     print("\n".join(lines))
     out = args.out or Path("benchmarks/results") / (
         f"drain-small-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json")

@@ -420,11 +420,19 @@ T = TypeVar("T")
 
 
 class DaemonPool(Executor):
-    """At most ``size`` daemon threads serving one queue of calls in order, each thread
-    started only when a call is queued and no thread already started is idle: a pool
-    that is handed nothing starts nothing, one handed three slow calls at once starts
-    three. ``Dispatcher``'s worker threads (``put``, a plain call per unit of work) and
-    ``AsyncDispatcher``'s threads for sync effects (``submit``, an ``Executor``).
+    """At most ``size`` daemon threads serving one queue of calls in order, started as
+    calls come: a pool that is handed nothing starts nothing, one handed three slow
+    calls at once starts three. ``Dispatcher``'s worker threads (``put``, a plain call
+    per unit of work) and ``AsyncDispatcher``'s threads for sync effects (``submit``, an
+    ``Executor``).
+
+    A thread is started only while calls wait that no idle thread will take, one at a
+    time: ``put`` starts one when none is being started; a thread that takes a call
+    with more still waiting and none idle starts the next before it performs its call.
+    So a burst of quick calls is served by the few threads that start while it lasts
+    (each start costs more than such a call), a burst of slow ones grows the pool until
+    every call has a thread or ``size`` are running, and a call that never returns never
+    holds up the calls behind it while fewer than ``size`` threads are started.
 
     Unlike ``ThreadPoolExecutor``'s threads, which the interpreter joins at exit, a call
     that never returns does not keep the process alive once the run has returned after
@@ -448,14 +456,15 @@ class DaemonPool(Executor):
         self._name = name
         self._start = start
         self._target = self._serve if supervise is None else supervise(self._serve)
-        self._lock = threading.Lock()
         self._queue: SimpleQueue[Callable[[], object] | None] = SimpleQueue()
-        self._threads: list[Started] = []  # under _lock
-        self._counted = 0  # threads started or being started, under _lock
-        # Threads that finished a call and have not been counted on for a new one since,
-        # under _lock: a call queued takes one of these rather than start a thread.
-        self._idle = 0
-        self._shut = False  # under _lock
+        # The counts below, and the list, are read and written under _lock.
+        self._lock = threading.Lock()
+        self._threads: list[Started] = []
+        self._counted = 0  # threads started or being started
+        self._starting = False  # a thread is being started (not yet serving)
+        self._idle = 0  # threads serving and not in a call: waiting for one, or about to
+        self._queued = 0  # calls put and not yet taken by a thread
+        self._shut = False
 
     @property
     def threads_started(self) -> int:
@@ -464,28 +473,37 @@ class DaemonPool(Executor):
 
     @property
     def idle(self) -> int:
-        """Threads started that wait for a call no ``put`` has counted on yet."""
+        """Threads started and not in a call (waiting for one)."""
         return self._idle
 
     def put(self, call: Callable[[], object]) -> None:
-        """Queue ``call`` for a thread: an idle one, else a new one (while fewer than
-        ``size`` are started), else the first to finish its call."""
+        """Queue ``call`` for a thread: an idle one, else one started for it (while
+        fewer than ``size`` are and none is being started), else the first free."""
         with self._lock:
             if self._shut:
                 raise RuntimeError("cannot put work into a pool that was shut down")
             self._queue.put(call)
-            if self._idle:
-                self._idle -= 1
-                return
-            if self._counted >= self._size:
-                return
-            number = self._counted
-            self._counted += 1
+            self._queued += 1
+            number = self._growing()
+        if number is not None:
+            self._spawn(number)
+
+    def _growing(self) -> int | None:
+        """Under ``_lock``: the number of a thread to start now, if calls wait that no
+        idle thread will take, none is being started and fewer than ``size`` are."""
+        if self._starting or self._queued <= self._idle or self._counted >= self._size:
+            return None
+        self._starting = True
+        self._counted += 1
+        return self._counted - 1
+
+    def _spawn(self, number: int) -> None:
         try:  # outside the lock: the threads that finish calls do not wait for a start
             thread = self._start(self._target, f"{self._name}-{number}")
         except BaseException:
             with self._lock:
                 self._counted -= 1
+                self._starting = False
             raise
         with self._lock:
             self._threads.append(thread)
@@ -498,7 +516,16 @@ class DaemonPool(Executor):
 
     def _serve(self) -> None:
         get, lock = self._queue.get, self._lock
+        with lock:
+            self._starting = False
+            self._idle += 1
         while (call := get()) is not None:
+            with lock:
+                self._queued -= 1
+                self._idle -= 1
+                number = self._growing()
+            if number is not None:  # more wait behind this call: a thread for them first
+                self._spawn(number)
             call()
             with lock:
                 self._idle += 1

@@ -65,9 +65,10 @@ def test_an_idle_thread_takes_the_next_call_and_none_starts() -> None:
     pool = DaemonPool(64, "test-pool")
     names: list[str] = []
     try:
-        for _ in range(20):
+        for n in range(1, 21):
             pool.put(lambda: names.append(threading.current_thread().name))
-            wait_until(lambda: pool.idle == 1, "the thread to be idle again")
+            wait_until(lambda n=n: len(names) == n and pool.idle == 1,  # type: ignore[misc]
+                       "the call to be done and its thread idle again")
     finally:
         pool.shutdown()
     assert pool.threads_started == 1 and names == ["test-pool-0"] * 20
@@ -77,8 +78,9 @@ def test_a_busy_thread_does_not_count_as_idle() -> None:
     calls = Blocked()
     pool = DaemonPool(64, "test-pool")
     try:
-        pool.put(lambda: None)
-        wait_until(lambda: pool.idle == 1, "the first thread to be idle")
+        done = threading.Event()
+        pool.put(done.set)
+        wait_until(lambda: done.is_set() and pool.idle == 1, "the first thread to be idle")
         pool.put(calls)  # takes the idle thread
         wait_until(lambda: len(calls.started) == 1, "the first call to start")
         pool.put(calls)  # none idle: a second thread
@@ -186,3 +188,21 @@ def test_a_fleets_crew_lends_its_threads_and_gets_them_back() -> None:
         assert crew.threads_started == 2
     finally:
         crew.close()
+
+
+def test_a_call_that_never_returns_holds_up_no_call_behind_it() -> None:
+    """Threads start one at a time, but the thread that takes a call with more waiting
+    starts the next before it performs: the calls behind a stuck one are served."""
+    stuck = Blocked()
+    pool = DaemonPool(4, "test-pool")
+    served = [threading.Event() for _ in range(3)]
+    try:
+        pool.put(stuck)
+        for event in served:
+            pool.put(event.set)
+        assert all(event.wait(WITHIN) for event in served)
+        assert len(stuck.started) == 1 and not stuck.release.is_set()
+    finally:
+        stuck.release.set()
+        pool.shutdown()
+    assert 2 <= pool.threads_started <= 4
