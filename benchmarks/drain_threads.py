@@ -18,7 +18,8 @@ after round of one dispatcher in a process of its own (``_small_drain.py``). Wit
 (e.g. ``git archive <commit> | tar -x -C DIR``), in a schema of its own in the same
 database; the two alternate in every round (which goes first swaps each round), after 3
 rounds each not counted. Prints the median with the quartiles and min..max of each, and
-ours over the baseline's (``--against``); writes
+ours over the baseline's (``--against``): the ratio of the medians, and the median of
+each round's ratio (its pair ran back to back); writes
 ``benchmarks/results/drain-small-<UTC timestamp>.json``.
 """
 
@@ -168,9 +169,14 @@ def small(args: argparse.Namespace) -> None:
                     f"{figure['p75'] * 1e3:.3f}; {figure['min'] * 1e3:.3f}.."
                     f"{figure['max'] * 1e3:.3f})")
             if len(sides) > 1:
-                ours, base = (statistics.median(seconds[s][jobs][measure])
-                              for s in ("ours", "base"))
-                lines.append(f"  {jobs:3d} jobs {measure:4s} ours / base {ours / base:.3f}")
+                ours, base = (seconds[s][jobs][measure] for s in ("ours", "base"))
+                # Each round's pair ran back to back: its ratio cancels slower drift.
+                paired = spread([o / b for o, b in zip(ours, base, strict=True)])
+                summary[f"{jobs} jobs {measure} paired ours / base"] = paired
+                lines.append(
+                    f"  {jobs:3d} jobs {measure:4s} ours / base: of the medians "
+                    f"{statistics.median(ours) / statistics.median(base):.3f}, paired "
+                    f"{paired['median']:.3f} ({paired['p25']:.3f}..{paired['p75']:.3f})")
         for side in sides:
             started = seconds[side.name][jobs]["threads"]
             lines.append(f"  {jobs:3d} jobs worker threads started, {side.name:5s} "
@@ -187,7 +193,7 @@ def small(args: argparse.Namespace) -> None:
         "load_average": {"before": load_before, "after": os.getloadavg()},
         "outbox": {side.name: side.outbox for side in sides},
         "concurrency": args.concurrency, "rounds": args.rounds,
-        "seconds": seconds, "summary": lines}, indent=2))
+        "seconds": seconds, "figures": summary, "summary": lines}, indent=2))
     print(f"written to {out}")
 
 
