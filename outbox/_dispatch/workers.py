@@ -459,9 +459,11 @@ class DaemonPool(Executor):
         self._queue: SimpleQueue[Callable[[], object] | None] = SimpleQueue()
         # The counts below, and the list, are read and written under _lock.
         self._lock = threading.Lock()
+        self._added = threading.Condition(self._lock)  # a thread handle added to the list
         self._threads: list[Started] = []
         self._counted = 0  # threads started or being started
         self._starting = False  # a thread is being started (not yet serving)
+        self._spawning = 0  # threads being started whose handle is not in the list yet
         self._idle = 0  # threads serving and not in a call: waiting for one, or about to
         self._queued = 0  # calls put and not yet taken by a thread
         self._shut = False
@@ -494,19 +496,25 @@ class DaemonPool(Executor):
         if self._starting or self._queued <= self._idle or self._counted >= self._size:
             return None
         self._starting = True
+        self._spawning += 1
         self._counted += 1
+        if self._shut:  # its end marker, after the calls queued and the others' markers
+            self._queue.put(None)
         return self._counted - 1
 
     def _spawn(self, number: int) -> None:
+        thread = None
         try:  # outside the lock: the threads that finish calls do not wait for a start
             thread = self._start(self._target, f"{self._name}-{number}")
-        except BaseException:
-            with self._lock:
-                self._counted -= 1
-                self._starting = False
-            raise
-        with self._lock:
-            self._threads.append(thread)
+        finally:
+            with self._added:
+                self._spawning -= 1
+                if thread is None:  # it could not start: the calls wait for the others
+                    self._counted -= 1
+                    self._starting = False
+                else:
+                    self._threads.append(thread)
+                self._added.notify_all()
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         """Run ``fn(*args, **kwargs)`` on one of the threads; its future."""
@@ -532,25 +540,36 @@ class DaemonPool(Executor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """End the threads once the calls queued are served (``cancel_futures``: those
-        not started are dropped, their futures cancelled); ``wait``: join them."""
+        not started are dropped, their futures cancelled); ``wait``: join them. A thread
+        started after this (for calls queued before it) gets its end marker as it
+        starts."""
         with self._lock:
             self._shut = True
-            counted = self._counted
-        if cancel_futures:
-            while not self._queue.empty():
-                if isinstance(call := self._queue.get_nowait(), _FutureCall):
-                    call.future.cancel()
-        for _ in range(counted):
-            self._queue.put(None)
+            if cancel_futures:
+                while not self._queue.empty():
+                    if isinstance(call := self._queue.get_nowait(), _FutureCall):
+                        call.future.cancel()
+                        self._queued -= 1
+            for _ in range(self._counted):
+                self._queue.put(None)
         if wait:
             self.join()
 
     def join(self, until: float | None = None) -> None:
-        """Wait for the threads to end (after ``shutdown``); with ``until`` (a
-        ``time.monotonic()`` deadline), no longer than that, leaving the rest behind."""
-        with self._lock:
-            threads = list(self._threads)
-        for thread in threads:
+        """Wait for the threads to end (after ``shutdown``), those started meanwhile
+        too; with ``until`` (a ``time.monotonic()`` deadline), no longer than that,
+        leaving the rest behind."""
+        joined = 0
+        while True:
+            with self._added:
+                while joined == len(self._threads) and self._spawning:
+                    if not self._added.wait(None if until is None
+                                            else max(0.0, until - time.monotonic())):
+                        return  # past the deadline, a thread still starting
+                if joined == len(self._threads):
+                    return
+                thread = self._threads[joined]
+            joined += 1
             thread.join(None if until is None else max(0.0, until - time.monotonic()))
 
 

@@ -206,3 +206,42 @@ def test_a_call_that_never_returns_holds_up_no_call_behind_it() -> None:
         stuck.release.set()
         pool.shutdown()
     assert 2 <= pool.threads_started <= 4
+
+
+def test_threads_started_after_shutdown_serve_what_was_queued_and_are_joined() -> None:
+    """Calls queued before the shutdown while a thread was still starting: the thread
+    that takes one of them with more waiting starts the next even after the shutdown
+    (each with its end marker), and the join waits for every one of them."""
+    let_start = threading.Event()
+    stuck = Blocked()
+
+    def start(target: Callable[[], object], name: str) -> threading.Thread:
+        if name != "test-pool-0":
+            let_start.wait(WITHIN)  # the second thread starts only when the test says
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    pool = DaemonPool(3, "test-pool", start)
+    pool.put(stuck)
+    wait_until(lambda: len(stuck.started) == 1, "the first call to start")
+    performed: list[str] = []
+    putter = threading.Thread(target=pool.put, args=(lambda: performed.append("b"),))
+    putter.start()  # starts the second thread, held in start()
+    wait_until(lambda: pool.threads_started == 2, "the second thread to be starting")
+    pool.put(lambda: performed.append("c"))  # one is starting: none started for these
+    pool.put(lambda: performed.append("d"))
+    assert pool.threads_started == 2
+    pool.shutdown(wait=False)
+    joiner = threading.Thread(target=pool.join)
+    joiner.start()
+    let_start.set()
+    putter.join(WITHIN)
+    wait_until(lambda: sorted(performed) == ["b", "c", "d"], "the calls queued to be served")
+    assert pool.threads_started == 3  # the third started after the shutdown
+    joiner.join(0.2)
+    assert joiner.is_alive(), "the join returned with a call still performing"
+    stuck.release.set()
+    joiner.join(WITHIN)
+    assert not joiner.is_alive()
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-pool-")]
