@@ -9,9 +9,10 @@ workers, on its loop (sync effects through a ``DaemonPool`` too). The one limit 
 all of them is ``SharedState.slots``.
 
 Nothing is started before there is work for it: a run's threads start as its jobs come
-(a new one only when no thread already started is idle), and its event loop with its
-first async job. A run that claims nothing starts no worker at all; one that claims three
-slow jobs starts three threads, not ``concurrency``.
+(one at a time, only while work waits that no thread already started is idle to take),
+and its event loop with its first async job. A run that claims nothing starts no worker
+at all; one that claims three slow jobs starts three threads, not ``concurrency``; a
+run of a few quick ones, the few threads that start while they last.
 """
 
 from __future__ import annotations
@@ -149,8 +150,8 @@ class ThreadWorkers:
         them (after stop_timeout, within ``STUCK_GRACE``).
 
         Sync effects run on at most ``concurrency`` daemon threads fed by one
-        C-implemented queue (no per-job futures), each started only when a unit of work
-        is queued and no thread already started is idle (``DaemonPool``); async effects
+        C-implemented queue (no per-job futures), started only while units of work wait
+        that no thread already started is idle to take (``DaemonPool``); async effects
         run as tasks on one event loop, started with the first async job.
         """
         state = self.state
