@@ -98,7 +98,7 @@ class Side:
             [sys.executable, str(SIDE), dsn, name, str(concurrency)],
             env={**os.environ, "PYTHONPATH": str(tree)}, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True)
-        ready = self.readline().split(maxsplit=1)
+        ready = self.readline().strip().split(maxsplit=1)
         if ready[:1] != ["ready"] or not Path(ready[1]).is_relative_to(tree):
             raise RuntimeError(f"{name}: imported outbox from {ready[1:]}, not {tree}")
         self.outbox = ready[1]

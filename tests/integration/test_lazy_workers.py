@@ -5,6 +5,7 @@ async effects with the first async job. Threads are counted as they start (every
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 
@@ -12,7 +13,7 @@ import psycopg
 import pytest
 
 import outbox
-from outbox import Dispatcher, Effect, Job, NewJob
+from outbox import AsyncDispatcher, Dispatcher, Effect, Job, NewJob
 from outbox.testing import jobs
 
 RUN_WITHIN = 60.0  # generous: a loaded machine
@@ -133,3 +134,18 @@ def test_concurrency_is_still_the_limit(dsn: str, schema: str, started: list[str
     assert dispatcher.run_until_idle(timeout=RUN_WITHIN).done == 64
     assert effect.peak == limit
     assert len(workers(started)) == limit, started
+
+
+def test_async_dispatchers_threads_for_sync_effects_start_as_jobs_come(
+    dsn: str, schema: str, started: list[str],
+) -> None:
+    """``AsyncDispatcher`` runs sync effects on the same pool: no thread for a run with
+    no job, three for three slow jobs at once, not 64."""
+    effect = Waits(3)
+    dispatcher = AsyncDispatcher(dsn, [effect], schema=schema, concurrency=64)
+    assert asyncio.run(dispatcher.run_until_idle(RUN_WITHIN)).done == 0
+    assert not workers(started), started
+    enqueue(dsn, schema, *[NewJob(effect.name, f"k{i}", {}) for i in range(3)])
+    assert asyncio.run(dispatcher.run_until_idle(RUN_WITHIN)).done == 3
+    assert effect.peak == 3
+    assert len(workers(started)) == 3, started
