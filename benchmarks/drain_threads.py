@@ -45,7 +45,7 @@ from ._db import fresh_database, migrated, server, settle
 from ._drain_workers import _dispatcher
 from ._seed import enqueue_outbox
 from ._stats import percentile
-from .cli import BEST_OUTBOX
+from .cli import BEST_OUTBOX, _source
 
 CLAIMER = "claimer (the caller's thread)"
 
@@ -191,7 +191,8 @@ def small(args: argparse.Namespace) -> None:
                              "benchmarks.drain_threads", *sys.argv[1:]]),
         "timestamp": datetime.now(UTC).isoformat(), "cpus": os.cpu_count(),
         "load_average": {"before": load_before, "after": os.getloadavg()},
-        "outbox": {side.name: side.outbox for side in sides},
+        # Ours: this checkout's commit; the baseline: the directory given.
+        "source": {"ours": _source(), **({"base": str(args.against)} if args.against else {})},
         "concurrency": args.concurrency, "rounds": args.rounds,
         "seconds": seconds, "figures": summary, "summary": lines}, indent=2))
     print(f"written to {out}")
