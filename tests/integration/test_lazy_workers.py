@@ -16,6 +16,8 @@ import outbox
 from outbox import AsyncDispatcher, Dispatcher, Effect, Job, NewJob
 from outbox.testing import jobs
 
+from .helpers import wait_until
+
 RUN_WITHIN = 60.0  # generous: a loaded machine
 
 
@@ -149,3 +151,41 @@ def test_async_dispatchers_threads_for_sync_effects_start_as_jobs_come(
     assert asyncio.run(dispatcher.run_until_idle(RUN_WITHIN)).done == 3
     assert effect.peak == 3
     assert len(workers(started)) == 3, started
+
+
+class HangsFirst(Effect):
+    """The job with key "stuck" waits until released; the others return at once."""
+
+    name = "test.hangs_first"
+
+    def __init__(self) -> None:
+        self.hanging = threading.Event()
+        self.release = threading.Event()
+
+    def perform(self, job: Job) -> None:
+        if job.key == "stuck":
+            self.hanging.set()
+            self.release.wait(RUN_WITHIN)
+
+
+def test_a_perform_that_hangs_holds_up_none_of_the_jobs_behind_it(
+    dsn: str, schema: str,
+) -> None:
+    """Threads start one at a time, yet the jobs claimed with a hanging one are all
+    performed while it hangs (the thread that took it started the next first)."""
+    effect = HangsFirst()
+    enqueue(dsn, schema, NewJob(effect.name, "stuck", {}),
+            *[NewJob(effect.name, f"k{i}", {}) for i in range(5)])
+    dispatcher = Dispatcher(dsn, [effect], schema=schema, concurrency=4)
+    runner = threading.Thread(target=dispatcher.run_until_idle, args=(RUN_WITHIN,))
+    runner.start()
+    try:
+        assert effect.hanging.wait(RUN_WITHIN)
+        wait_until(lambda: sum(j["status"] == "done" for j in jobs(dsn, schema).values()) == 5,
+                   what="the five other jobs done while one hangs")
+        assert jobs(dsn, schema)["stuck"]["status"] == "running"
+    finally:
+        effect.release.set()
+        runner.join(RUN_WITHIN)
+    assert not runner.is_alive()
+    assert {j["status"] for j in jobs(dsn, schema).values()} == {"done"}
