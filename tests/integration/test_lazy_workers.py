@@ -1,7 +1,8 @@
-"""A run starts only the workers it uses: a worker thread when a job is handed over and no
-thread already started is idle (never more than ``concurrency``), the event loop for
-async effects with the first async job. Threads are counted as they start (every
-``threading.Thread.start`` of the run is recorded by name)."""
+"""A run starts only the workers it uses: worker threads as jobs are handed over (one at a
+time, only while work waits that no thread already started is idle to take; never more
+than ``concurrency``), the event loop for async effects with the first async job; and a
+perform that hangs holds up none of the jobs behind it. Threads are counted as they
+start (every ``threading.Thread.start`` of the run is recorded by name)."""
 
 from __future__ import annotations
 
