@@ -37,6 +37,7 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
     "tests/integration/test_step_rows.py": {"outbox._steps"},
     "tests/unit/test_dispatch_rounds.py": {"outbox._after", "outbox._dispatch", "outbox._steps"},
     "tests/unit/test_task_workers.py": {"outbox._dispatch"},
+    "tests/unit/test_daemon_pool.py": {"outbox._dispatch"},
     "tests/unit/test_claimed_jobs.py": {"outbox._cancelling", "outbox._dispatch", "outbox._steps"},
     "tests/integration/test_claimed_columns.py": {"outbox._dispatch", "outbox._steps"},
     "tests/integration/test_serving.py": {"outbox._dispatch"},

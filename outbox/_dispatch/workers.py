@@ -2,10 +2,17 @@
 
 ``Performer`` holds what both dispatchers do around one ``perform`` (the slot, the start
 check, payload validation, timing, turning the result or the exception into an outcome).
-``ThreadWorkers`` is ``Dispatcher``'s pool: sync effects on ``concurrency`` threads fed by
-one queue, async effects as ``TaskWorkers`` on one event loop of its own (``LoopRunner``).
-``TaskWorkers`` are all of ``AsyncDispatcher``'s workers, on its loop (sync effects
-through a thread pool). The one limit across all of them is ``SharedState.slots``.
+``ThreadWorkers`` is ``Dispatcher``'s pool: sync effects on at most ``concurrency``
+threads fed by one queue (a ``DaemonPool``), async effects as ``TaskWorkers`` on one event
+loop of its own (``LoopRunner``). ``TaskWorkers`` are all of ``AsyncDispatcher``'s
+workers, on its loop (sync effects through a ``DaemonPool`` too). The one limit across
+all of them is ``SharedState.slots``.
+
+Nothing is started before there is work for it: a run's threads start as its jobs come
+(one at a time, only while work waits that no thread already started is idle to take),
+and its event loop with its first async job. A run that claims nothing starts no worker
+at all; one that claims three slow jobs starts three threads, not ``concurrency``; a
+run of a few quick ones, the few threads that start while they last.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
+from functools import partial
 from queue import SimpleQueue
 from typing import Any, ParamSpec, TypeVar
 
@@ -133,51 +141,53 @@ class ThreadWorkers:
         self.state = state
         self.performer = Performer(state)
         self._start = start  # a thread of its own each, or a fleet's crew
+        # With no async effects, the ``concurrency`` threads are the limit by themselves.
+        self._gated = bool(settings.async_names)
 
     @contextmanager
     def running(self) -> Iterator[Callable[[list[Held]], None]]:
-        """Start the workers; yield a function that hands them a batch of claimed jobs.
+        """Yield a function that hands the workers a batch of claimed jobs; on exit, end
+        them (after stop_timeout, within ``STUCK_GRACE``).
 
-        Sync effects run on ``concurrency`` threads fed by one C-implemented queue (no
-        per-job futures); async effects run as tasks on one event loop.
+        Sync effects run on at most ``concurrency`` daemon threads fed by one
+        C-implemented queue (no per-job futures), started only while units of work wait
+        that no thread already started is idle to take (``DaemonPool``); async effects
+        run as tasks on one event loop, started with the first async job.
         """
-        queue: SimpleQueue[list[Held] | None] = SimpleQueue()
-        threads = [
-            self._start(supervised(self.state, "worker", lambda: self._work(queue)),
-                        f"outbox-worker-{n}")
-            for n in range(self.settings.concurrency if self.settings.has_sync else 0)
-        ]
-        runner = LoopRunner(self.performer) if self.settings.async_names else None
+        state = self.state
+        pool = DaemonPool(self.settings.concurrency, "outbox-worker", self._start,
+                          supervise=lambda serve: supervised(state, "worker", serve))
+        loop: list[LoopRunner] = []  # made when the first async job comes
+        mixed = bool(self.settings.async_names)
+        put, perform = pool.put, self._perform
 
         def submit(batch: list[Held]) -> None:
-            sync = batch if runner is None else [h for h in batch if not h.is_async]
+            sync = [h for h in batch if not h.is_async] if mixed else batch
             for chunk in self._chunks(sync):
-                queue.put(chunk)
-            if runner is not None and len(sync) < len(batch):
-                runner.submit([h for h in batch if h.is_async])
+                put(partial(perform, chunk))
+            if len(sync) < len(batch):
+                if not loop:
+                    loop.append(LoopRunner(self.performer))
+                loop[0].submit([h for h in batch if h.is_async])
 
         try:
             yield submit
         finally:
-            for _ in threads:
-                queue.put(None)
+            pool.shutdown(wait=False)
             # After stop_timeout a perform that never returns keeps its (daemon) thread:
             # told to stop (job.cancelled), it gets a moment (STUCK_GRACE, for all of
             # them together), and the stop does not wait longer; its outcome is not
             # recorded.
-            until = time.monotonic() + STUCK_GRACE if self.state.abandoned else None
-            for thread in threads:
-                thread.join(None if until is None else max(0.0, until - time.monotonic()))
-            if runner is not None:
+            until = time.monotonic() + STUCK_GRACE if state.abandoned else None
+            pool.join(until)
+            for runner in loop:
                 runner.close(None if until is None else max(0.01, until - time.monotonic()))
 
-    def _work(self, queue: SimpleQueue[list[Held] | None]) -> None:
-        # With no async effects, the ``concurrency`` threads are the limit by themselves.
-        gated = bool(self.settings.async_names)
-        while (chunk := queue.get()) is not None:
-            for held in chunk:
-                self.performer.perform_sync(held, signal=False, gated=gated)
-            self.state.outcome_ready.set()  # once per chunk: the recorder takes them all
+    def _perform(self, chunk: list[Held]) -> None:
+        gated = self._gated
+        for held in chunk:
+            self.performer.perform_sync(held, signal=False, gated=gated)
+        self.state.outcome_ready.set()  # once per chunk: the recorder takes them all
 
     def _chunks(self, batch: list[Held]) -> list[list[Held]]:
         """Split a claimed batch into the units workers take from the queue.
@@ -411,61 +421,174 @@ T = TypeVar("T")
 
 
 class DaemonPool(Executor):
-    """``AsyncDispatcher``'s threads for sync effects: at most ``size`` daemon threads,
-    started as calls come, serving calls in order. Unlike ``ThreadPoolExecutor``,
-    whose threads the interpreter joins at exit, a ``perform`` that never returns does
-    not keep the process alive once ``run`` has returned after its stop timeout."""
+    """At most ``size`` daemon threads serving one queue of calls in order, started as
+    calls come: a pool that is handed nothing starts nothing, one handed three slow
+    calls at once starts three. ``Dispatcher``'s worker threads (``put``, a plain call
+    per unit of work) and ``AsyncDispatcher``'s threads for sync effects (``submit``, an
+    ``Executor``).
 
-    def __init__(self, size: int, name: str) -> None:
+    A thread is started only while calls wait that no idle thread will take, one at a
+    time: ``put`` starts one when none is being started; a thread that takes a call
+    with more still waiting and none idle starts the next before it performs its call.
+    So a burst of quick calls is served by the few threads that start while it lasts
+    (each start costs more than such a call), a burst of slow ones grows the pool until
+    every call has a thread or ``size`` are running, and a call that never returns never
+    holds up the calls behind it while fewer than ``size`` threads are started.
+
+    Unlike ``ThreadPoolExecutor``'s threads, which the interpreter joins at exit, a call
+    that never returns does not keep the process alive once the run has returned after
+    its stop timeout, and ``join`` can give up after a deadline. Threads come from
+    ``start`` (a fleet's crew), else from the fleet's turn (``crew.turn_share``), else
+    are threads of their own; ``supervise`` wraps each thread's loop (the dispatcher's
+    supervision: a call that raises ends its thread, which is a death to report).
+
+    ``put``/``submit`` and ``shutdown`` are called from one thread at a time (the
+    claimer's; the event loop's)."""
+
+    def __init__(self, size: int, name: str,
+                 start: Callable[[Callable[[], object], str], Started] | None = None,
+                 *, supervise: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
+                 ) -> None:
+        if start is None:
+            # In a fleet's turn, the fleet's long-lived threads (``crew.turn_share``).
+            share = turn_share.get()
+            start = start_thread if share is None else share.start
         self._size = size
         self._name = name
+        self._start = start
+        self._target = self._serve if supervise is None else supervise(self._serve)
+        self._queue: SimpleQueue[Callable[[], object] | None] = SimpleQueue()
+        # The counts below, and the list, are read and written under _lock.
         self._lock = threading.Lock()
-        self._queue: SimpleQueue[tuple[Future[Any], Callable[[], None]] | None] = SimpleQueue()
-        self._threads: list[Started] = []  # under _lock
-        self._shut = False  # under _lock
-        # In a fleet's turn, the fleet's long-lived threads (``crew.turn_share``).
-        share = turn_share.get()
-        self._start = start_thread if share is None else share.start
+        self._added = threading.Condition(self._lock)  # a thread handle added to the list
+        self._threads: list[Started] = []
+        self._counted = 0  # threads started or being started
+        self._starting = False  # a thread is being started (not yet serving)
+        self._spawning = 0  # threads being started whose handle is not in the list yet
+        self._idle = 0  # threads serving and not in a call: waiting for one, or about to
+        self._queued = 0  # calls put and not yet taken by a thread
+        self._shut = False
+
+    @property
+    def threads_started(self) -> int:
+        """How many threads this pool has started (at most ``size``)."""
+        return self._counted
+
+    @property
+    def idle(self) -> int:
+        """Threads started and not in a call (waiting for one)."""
+        return self._idle
+
+    def put(self, call: Callable[[], object]) -> None:
+        """Queue ``call`` for a thread: an idle one, else one started for it (while
+        fewer than ``size`` are and none is being started), else the first free."""
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot put work into a pool that was shut down")
+            self._queue.put(call)
+            self._queued += 1
+            number = self._growing()
+        if number is not None:
+            self._spawn(number)
+
+    def _growing(self) -> int | None:
+        """Under ``_lock``: the number of a thread to start now, if calls wait that no
+        idle thread will take, none is being started and fewer than ``size`` are."""
+        if self._starting or self._queued <= self._idle or self._counted >= self._size:
+            return None
+        self._starting = True
+        self._spawning += 1
+        self._counted += 1
+        if self._shut:  # its end marker, after the calls queued and the others' markers
+            self._queue.put(None)
+        return self._counted - 1
+
+    def _spawn(self, number: int) -> None:
+        thread = None
+        try:  # outside the lock: the threads that finish calls do not wait for a start
+            thread = self._start(self._target, f"{self._name}-{number}")
+        finally:
+            with self._added:
+                self._spawning -= 1
+                if thread is None:  # it could not start: the calls wait for the others
+                    self._counted -= 1
+                    self._starting = False
+                else:
+                    self._threads.append(thread)
+                self._added.notify_all()
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         """Run ``fn(*args, **kwargs)`` on one of the threads; its future."""
-        future: Future[T] = Future()
-
-        def call() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-
-        with self._lock:
-            if self._shut:
-                raise RuntimeError("cannot submit to a pool that was shut down")
-            self._queue.put((future, call))
-            if len(self._threads) < self._size:
-                self._threads.append(
-                    self._start(self._serve, f"{self._name}-{len(self._threads)}"))
-        return future
+        call = _FutureCall(partial(fn, *args, **kwargs))
+        self.put(call)
+        return call.future
 
     def _serve(self) -> None:
-        while (item := self._queue.get()) is not None:
-            item[1]()
+        get, lock = self._queue.get, self._lock
+        with lock:
+            self._starting = False
+            self._idle += 1
+        while (call := get()) is not None:
+            with lock:
+                self._queued -= 1
+                self._idle -= 1
+                number = self._growing()
+            if number is not None:  # more wait behind this call: a thread for them first
+                self._spawn(number)
+            call()
+            with lock:
+                self._idle += 1
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """End the threads once the calls queued are served (``cancel_futures``: those
-        not started are dropped, their futures cancelled)."""
+        not started are dropped, their futures cancelled); ``wait``: join them. A thread
+        started after this (for calls queued before it) gets its end marker as it
+        starts."""
         with self._lock:
             self._shut = True
-            threads = list(self._threads)
-        if cancel_futures:
-            while not self._queue.empty():
-                if (item := self._queue.get_nowait()) is not None:
-                    item[0].cancel()
-        for _ in threads:
-            self._queue.put(None)
+            if cancel_futures:
+                while not self._queue.empty():
+                    if isinstance(call := self._queue.get_nowait(), _FutureCall):
+                        call.future.cancel()
+                        self._queued -= 1
+            for _ in range(self._counted):
+                self._queue.put(None)
         if wait:
-            for thread in threads:
-                thread.join()
+            self.join()
+
+    def join(self, until: float | None = None) -> None:
+        """Wait for the threads to end (after ``shutdown``), those started meanwhile
+        too; with ``until`` (a ``time.monotonic()`` deadline), no longer than that,
+        leaving the rest behind."""
+        joined = 0
+        while True:
+            with self._added:
+                while joined == len(self._threads) and self._spawning:
+                    if not self._added.wait(None if until is None
+                                            else max(0.0, until - time.monotonic())):
+                        return  # past the deadline, a thread still starting
+                if joined == len(self._threads):
+                    return
+                thread = self._threads[joined]
+            joined += 1
+            thread.join(None if until is None else max(0.0, until - time.monotonic()))
+
+
+class _FutureCall:
+    """A call whose outcome goes to ``future`` (``DaemonPool.submit``); never raises."""
+
+    __slots__ = ("fn", "future")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.future: Future[Any] = Future()
+
+    def __call__(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = self.fn()
+        except BaseException as exc:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)

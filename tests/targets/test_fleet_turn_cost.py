@@ -74,15 +74,16 @@ def test_many_turns_start_threads_and_open_connections_within_a_bound(
         databases: Databases, started: Started) -> None:
     dispatcher, targets, effect = fleet(databases, "c")
     turns = serve_rounds(dispatcher, targets, effect)
-    # A turn alone starts CONCURRENCY workers, a recorder, a cancellation watcher and a
-    # stop watch (and the turn's thread), and opens a claimer and a recorder connection:
-    # made fresh each turn, at least turns x 7 threads and turns x 2 connections.
-    # Shared, the threads are at most the parts of the turns that run at once (slots of
-    # 2 connections in the budget, CONCURRENCY + 4 parts each) plus the look-out and
-    # its wake-up; the connections at most the budget.
+    # A turn alone starts a recorder, a cancellation watcher and a stop watch (and the
+    # turn's thread), and a worker for its job (workers start as jobs come, at most
+    # CONCURRENCY), and opens a claimer and a recorder connection: made fresh each turn,
+    # at least turns x 4 threads and turns x 2 connections. Shared, the threads are at
+    # most the parts of the turns that run at once (slots of 2 connections in the
+    # budget, CONCURRENCY + 4 parts each) plus the look-out and its wake-up; the
+    # connections at most the budget.
     slots = BUDGET // 2
     assert started.threads <= slots * (CONCURRENCY + 4) + 2, started.threads
-    assert started.threads < turns * (CONCURRENCY + 3)
+    assert started.threads < turns * 4
     assert started.connections <= BUDGET, started.connections
     assert Counter(effect.performed.values()) == Counter({1: turns})
 
@@ -95,7 +96,9 @@ def test_without_sharing_each_turn_pays_for_its_threads_and_connections(
     assert dispatcher._fleet is not None
     dispatcher._fleet.shared = False
     turns = serve_rounds(dispatcher, targets, effect)
-    assert started.threads >= turns * (CONCURRENCY + 3), started.threads
+    # Each turn performs one job (the rounds come one after another): its parts and a
+    # worker for the job.
+    assert started.threads >= turns * 4, started.threads
     assert started.connections >= turns * 2, started.connections
 
 
