@@ -102,9 +102,14 @@ class NewJob:
     after_failed: str = "fail"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PreparedJob:
-    """A validated job, ready to bind: payload as canonical JSON text plus fingerprint."""
+    """A validated job, ready to bind: payload as canonical JSON text plus fingerprint.
+
+    Never changed once made (``prepare`` makes it from validated input). Not a frozen
+    dataclass only because a frozen one sets each field through ``object.__setattr__``:
+    three times the cost of the plain ``__init__``, paid for every job of every enqueue
+    (about 3 µs a job, a tenth of an ``enqueue_many``'s work per job, measured)."""
 
     effect: str
     key: str
@@ -487,6 +492,15 @@ def _many_results(
 
 def enqueue_steps(job: PreparedJob, queries: Queries) -> Step[EnqueueResult]:
     """Insert one prepared job unless its key is known; the result or the conflict."""
+    if not (job.after or tracing.enabled()):
+        # The common case, with no span to open (its context manager cost a tenth of
+        # this path's Python) and no parents: the statement, and a lookup for a known key.
+        created = yield Statement(queries.enqueue, single_params(
+            job, notify_channel(queries.schema)), named=True)
+        if created:  # the new job's id (and whether the statement notified)
+            return EnqueueResult(job_id=created[0].id, created=True)
+        [known] = yield Statement(queries.lookup_keys, {"keys": [job.key]}, named=True)
+        return existing_result(job, known.id, known.effect, known.fingerprint)
     with tracing.producer_span(job.effect) as send:
         if job.after:  # parents that exist, checked before anything is written
             yield from _after.check_steps([job], queries.schema)
