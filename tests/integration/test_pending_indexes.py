@@ -73,7 +73,7 @@ def test_a_pending_job_is_written_to_four_indexes(dsn: str, before_drop: str) ->
         assert _pending_indexes(conn, before_drop) == {
             "jobs_pkey", "jobs_key_unique", "jobs_claimable", "jobs_claimable_effect",
             "jobs_fair"}
-        assert outbox.migrate(conn, schema=before_drop) == [DROPPED]
+        assert outbox.migrate(conn, schema=before_drop, target=DROPPED) == [DROPPED]
         # the two partial indexes left serve every reader (tests/plans)
         assert _pending_indexes(conn, before_drop) == {
             "jobs_pkey", "jobs_key_unique", "jobs_claimable_effect", "jobs_fair"}
@@ -94,7 +94,7 @@ def test_the_migration_waits_its_turn_behind_an_open_enqueue(
             def migrate() -> None:
                 try:
                     with psycopg.connect(dsn, autocommit=True) as migrating:
-                        applied.extend(outbox.migrate(migrating, schema=before_drop,
+                        applied.extend(outbox.migrate(migrating, schema=before_drop, target=DROPPED,
                                                       lock_timeout=0.1))
                 except BaseException as exc:  # reported below
                     failed.append(exc)
