@@ -49,9 +49,12 @@ WITH RECURSIVE {pending_effects}
 SELECT u.effect, u.due, u.oldest_age
 FROM (
     SELECT p.effect,
+           -- in the index's order: the ORDER BY holds the planner to it (with a LIMIT
+           -- alone, PostgreSQL 15 may walk the table's history instead)
            (SELECT count(*) FROM (SELECT 1 FROM {schema}.jobs j
                                   WHERE j.status = 'pending' AND j.effect = p.effect
                                     AND j.available_at <= now()
+                                  ORDER BY j.available_at
                                   LIMIT 2 * %(limit)s::integer) d) AS due,
            extract(epoch FROM now() - (
                SELECT min(j.available_at) FROM {schema}.jobs j
