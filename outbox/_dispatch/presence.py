@@ -35,7 +35,7 @@ TTL = 4 * BEAT_INTERVAL
 REPEAT_INTERVAL = 600.0
 """Seconds between repeated warnings about one unserved effect."""
 SCAN_LIMIT = 10_000
-"""The oldest and the newest due jobs the check looks at, this many of each (see the
+"""The due jobs of an unserved effect the check counts: up to twice this many (see the
 ``unhandled_due`` query)."""
 
 

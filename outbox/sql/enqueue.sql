@@ -44,8 +44,9 @@ RETURNING j.id,
 -- name: enqueue_many
 -- The bulk path: one statement for any number of jobs, created ids out. The jobs arrive
 -- as one JSON array (each payload already canonical JSON, embedded as is): one
--- parameter, parsed by the server, however many jobs. The batch shares one enqueue span,
--- so one trace context (NULL when tracing is off).
+-- parameter, parsed by the server, however many jobs. A field at its default is left
+-- out of a job's object (run_at, ordering_key, group_key: NULL; priority: 0). The batch
+-- shares one enqueue span, so one trace context (NULL when tracing is off).
 WITH wanted AS (
     SELECT *
     FROM ROWS FROM (jsonb_to_recordset(CAST(%(jobs)s AS jsonb))
@@ -59,7 +60,7 @@ WITH wanted AS (
     INSERT INTO {schema}.jobs (effect, key, payload, fingerprint, available_at, ordering_key, max_attempts,
                                trace_context, group_key, priority)
     SELECT w.effect, w.key, w.payload, w.fingerprint, coalesce(w.run_at, now()), w.ordering_key, w.max_attempts,
-           CAST(%(trace_context)s AS jsonb), w.group_key, w.priority
+           CAST(%(trace_context)s AS jsonb), w.group_key, coalesce(w.priority, 0)
     FROM wanted w
     WHERE NOT EXISTS (SELECT 1 FROM {schema}.effect_results r WHERE r.key = w.key)
     ORDER BY w.ord

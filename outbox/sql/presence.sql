@@ -39,29 +39,35 @@ SELECT {schema}.fall_asleep(%(worker)s, %(timeout)s);
 DELETE FROM {schema}.dispatchers WHERE worker_id = %(worker)s;
 
 -- name: unhandled_due
--- Due pending jobs of effects no live dispatcher serves, per effect: how many, and how
--- long the oldest has waited. Looks only at the %(limit)s oldest and the %(limit)s newest
--- due jobs (the claimable index, read from both ends), so the check stays cheap behind a
--- large backlog of served effects: jobs nobody claims grow oldest, and a fresh typo is
--- among the newest. The counts are exact up to 2 x %(limit)s due jobs.
-WITH due AS (
-    (SELECT id, effect, available_at FROM {schema}.jobs
-     WHERE status = 'pending' AND available_at <= now()
-     ORDER BY available_at, id
-     LIMIT %(limit)s)
-    UNION
-    (SELECT id, effect, available_at FROM {schema}.jobs
-     WHERE status = 'pending' AND available_at <= now()
-     ORDER BY available_at DESC, id DESC
-     LIMIT %(limit)s)
-)
-SELECT effect, count(*) AS due,
-       extract(epoch FROM now() - min(available_at))::float8 AS oldest_age
-FROM due
-WHERE NOT EXISTS (SELECT 1 FROM {schema}.dispatchers d
-                  WHERE d.expires_at > now() AND due.effect = ANY(d.effects))
-GROUP BY effect
-ORDER BY effect;
+-- Due pending jobs of effects no live dispatcher serves, per effect: how many (counted up
+-- to 2 x %(limit)s), and how long the oldest has waited. The effects with pending jobs
+-- come from a loose index scan (pending_effects, one probe each), and only an effect
+-- nobody serves has its due jobs read, in its range of jobs_claimable_effect (the oldest
+-- one probe): the check stays cheap behind any backlog of served effects, and a typo's
+-- jobs are found however many jobs of other effects are due before or after them.
+WITH RECURSIVE {pending_effects}
+SELECT u.effect, u.due, u.oldest_age
+FROM (
+    SELECT p.effect,
+           -- in the index's order: the ORDER BY holds the planner to it (with a LIMIT
+           -- alone, PostgreSQL 15 may walk the table's history instead)
+           (SELECT count(*) FROM (SELECT 1 FROM {schema}.jobs j
+                                  WHERE j.status = 'pending' AND j.effect = p.effect
+                                    AND j.available_at <= now()
+                                  ORDER BY j.available_at
+                                  LIMIT 2 * %(limit)s::integer) d) AS due,
+           extract(epoch FROM now() - (
+               SELECT min(j.available_at) FROM {schema}.jobs j
+               WHERE j.status = 'pending' AND j.effect = p.effect
+                 AND j.available_at <= now()))::float8 AS oldest_age
+    FROM pending_effects p
+    WHERE p.effect IS NOT NULL
+      AND NOT EXISTS (SELECT 1 FROM {schema}.dispatchers d
+                      WHERE d.expires_at > now() AND p.effect = ANY(d.effects))
+    OFFSET 0  -- a subquery of its own: flattened, the count would run again for the WHERE
+) u
+WHERE u.due > 0
+ORDER BY u.effect;
 
 -- name: live_dispatchers
 -- The dispatchers whose heartbeat is current, with the effects each serves.

@@ -88,7 +88,7 @@ pending_effects(effect) AS (
 -- Nothing here reads the due backlog: the effects with pending jobs come from a loose
 -- index scan (pending_effects), and the rest reads the running jobs (as many as the
 -- dispatchers hold), the reconcile jobs and the jobs waiting on parents (whose
--- available_at is after_never: one range of the claim index).
+-- available_at is after_never: one range of jobs_claimable_effect per effect).
 WITH RECURSIVE {pending_effects}, running AS (
     SELECT j.effect, count(*) FILTER (WHERE j.lease_until < now()) AS leases
     FROM {schema}.jobs j
@@ -100,10 +100,13 @@ WITH RECURSIVE {pending_effects}, running AS (
     WHERE j.status = 'reconcile'
     GROUP BY j.effect
 ), waiting AS (
-    SELECT j.effect, count(*) AS waiting
-    FROM {schema}.jobs j
-    WHERE j.status = 'pending' AND j.available_at = {after_never} AND j.after_waiting > 0
-    GROUP BY j.effect
+    -- per effect with pending jobs, its range of jobs_claimable_effect at after_never
+    SELECT p.effect,
+           (SELECT count(*) FROM {schema}.jobs j
+            WHERE j.status = 'pending' AND j.effect = p.effect
+              AND j.available_at = {after_never} AND j.after_waiting > 0) AS waiting
+    FROM pending_effects p
+    WHERE p.effect IS NOT NULL
 ), effects AS (
     SELECT p.effect FROM pending_effects p WHERE p.effect IS NOT NULL
     UNION

@@ -170,7 +170,7 @@ def test_a_schema_at_version_20_keeps_its_jobs_and_is_guarded_the_same(
                 ", 'running', now(), 'w1'")
         _insert(conn, schema_at_20, "done", ", status", ", 'done'")
         scans_before = _seq_scans(conn, schema_at_20)
-        assert outbox.migrate(conn, schema=schema_at_20) == [21]
+        assert outbox.migrate(conn, schema=schema_at_20, target=21) == [21]
         # No scan of the table under the migration's lock: the check is added NOT VALID.
         assert _seq_scans(conn, schema_at_20) == scans_before
         assert _checks(conn, schema_at_20) == {"jobs_row_valid"}

@@ -1,0 +1,27 @@
+-- One index fewer on every pending job: jobs_claimable (0001), (available_at, id) of the
+-- pending jobs, goes.
+--
+-- Each pending row was written to five indexes (the primary key, jobs_key_unique,
+-- jobs_claimable, jobs_claimable_effect and jobs_fair); this one cost every insert about
+-- 1.9 µs of the server's CPU a row, a sixth of a bare INSERT into jobs (measured with
+-- 1,000-row inserts, docs/explanation/performance.md), and the same again for vacuum to
+-- clean its entries once the job is claimed. Its readers now walk jobs_claimable_effect,
+-- (effect, available_at, id) of the same rows, one effect at a time: the claims already
+-- did (the claim's top-up, target_due_next), and the last two readers that walked it
+-- across effects (the presence check's unhandled_due, the queue model's jobs waiting on
+-- their parents) take the effects with pending jobs from a loose index scan and read each
+-- effect's range of jobs_claimable_effect (tests/plans: none reads the table
+-- sequentially, each reads a bounded part of the backlog).
+--
+-- jobs_claimable_effect and jobs_fair stay: the first serves what needs an effect's due
+-- jobs oldest first (the claim's top-up, the next-due probes, the oldest due job of
+-- effect_health, unserved_due), the second the fair claim's walk per group in claim_rank
+-- order; neither order can be read from the other.
+--
+-- Online: a catalogue change under a brief lock of jobs, which the migration runner waits
+-- for at most lock_timeout (then rolls back and tries again). Dispatchers of the previous
+-- release keep working on the migrated schema: none of their statements needs this index
+-- to be right. Those that walked it (the presence check every presence interval, and in
+-- releases before schema version 10 the claim, which filtered it on the effect) read an
+-- effect's range of jobs_claimable_effect and sort it instead, until they are replaced.
+DROP INDEX IF EXISTS {schema}.jobs_claimable;
