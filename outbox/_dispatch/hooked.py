@@ -451,7 +451,7 @@ class HookedOutcomes:
             rows = yield from self._settled(claim)
             if not rows:
                 return "lost"
-            cancelled = bool(rows[0][1])
+            [(_, cancelled)] = rows  # one claim settled: (id, cancelled)
             if cancelled and claim["cancelled_status"] != retry.status:
                 # An operator's cancel came after the retry was decided: written failed.
                 log.warning("job %s (key %s): an operator cancelled its claim before its "
