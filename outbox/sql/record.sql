@@ -18,16 +18,55 @@
 -- a queue filled in bulk) it takes that index for nearly empty and hashes the batch
 -- against every running job, 4,000 rows read for a claim of 17 when the recorder lags
 -- (tests/plans/test_fenced_writes.py).
+-- Nor do they join their batch with jobs: on such statistics (few jobs, none running)
+-- the planner counted on about one running job and read the whole batch again for each
+-- running job, a nested loop comparing 4,000,000 pairs for a batch of 2,000 (30 times
+-- a hash join's time), in custom and generic plans alike. With no join there is no plan
+-- to choose: the batch is read once (fragment claims); the jobs are found by their ids
+-- as the primary key's index condition (an array, evaluated once), each fenced on its
+-- claim by a lookup in an object built once (fragment claimed), and a job's own claim
+-- read the same way (fragment claim_of).
+
+-- fragment: claims
+-- The batch %(claims)s, a JSON array of {id, version, ...} objects (one parameter,
+-- parsed by the server, whatever the batch size), read once, as one row: its jobs' ids;
+-- by_claim, each claim's place in the batch under the key "<id>/<version>" (jsonb keeps
+-- an object's keys sorted: a lookup is a binary search); expired, the keys of the claims
+-- marked expired (settle's, the rescuer's), NULL when none is; batch, the array itself.
+-- A job claimed at two versions has two keys (an outcome of its former claim may wait
+-- while it is claimed again); of two equal claims the later is kept.
+claims AS (
+    SELECT array_agg(c.id) AS ids,
+           jsonb_object_agg(concat(c.id, '/', c.version), c.place - 1) AS by_claim,
+           jsonb_object_agg(concat(c.id, '/', c.version), true) FILTER (WHERE c.expired)
+               AS expired,
+           %(claims)s::jsonb AS batch
+    FROM ROWS FROM (jsonb_to_recordset(%(claims)s::jsonb)
+                    AS (id bigint, version bigint, expired boolean))
+         WITH ORDINALITY AS c(id, version, expired, place)
+)
+
+-- fragment: claimed
+-- Job j is one of the batch's (fragment claims) at its claim_version: found by the
+-- primary key (the ids, an initplan, as its index condition), then fenced on the version
+-- by a lookup of "<id>/<claim_version>" (both subqueries uncorrelated: evaluated once).
+j.id = ANY (CAST((SELECT c.ids FROM claims c) AS bigint[]))
+AND (SELECT c.by_claim FROM claims c) ? concat(j.id, '/', j.claim_version)
+
+-- fragment: claim_of
+-- The claim of job j in the batch (fragment claims) at its claim_version, or NULL: one
+-- lookup and the batch's element at that place.
+((SELECT c.batch FROM claims c)
+ -> ((SELECT c.by_claim FROM claims c) ->> concat(j.id, '/', j.claim_version))::int)
 
 -- name: heartbeat
 -- Extend the leases of the claims this worker still holds; ids missing from the result
 -- are claims it has lost; cancel says an operator asked this claim to stop (outbox
--- cancel: the fallback of its notification). Batches arrive as one JSON array of {id, version, ...}
--- objects: one parameter, parsed by the server, whatever the batch size.
+-- cancel: the fallback of its notification). The claims: {id, version} (fragment claims).
+WITH {claims}
 UPDATE {schema}.jobs j
 SET lease_until = now() + %(lease)s::float8 * interval '1 second'
-FROM jsonb_to_recordset(%(claims)s::jsonb) AS h(id bigint, version bigint)
-WHERE j.id = h.id AND j.status IS NOT DISTINCT FROM 'running' AND j.claim_version = h.version
+WHERE {claimed} AND j.status IS NOT DISTINCT FROM 'running'
 RETURNING j.id, j.cancel_version IS NOT DISTINCT FROM j.claim_version AS cancel;
 
 -- fragment: recorded
@@ -41,15 +80,15 @@ recorded AS (
 )
 
 -- name: complete
--- running -> done and the ledger row, in one statement and so in one transaction.
-WITH finished AS (
+-- running -> done and the ledger row, in one statement and so in one transaction. The
+-- claims: {id, version, result} (fragment claims; a result JSON null is written NULL).
+WITH {claims}, finished AS (
     UPDATE {schema}.jobs j
     SET status = 'done', lease_until = NULL, claimed_by = NULL, last_error = NULL,
         updated_at = now()
-    FROM jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
-    WHERE j.id = d.id AND j.status IS NOT DISTINCT FROM 'running'
-      AND j.claim_version = d.version
-    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result
+    WHERE {claimed} AND j.status IS NOT DISTINCT FROM 'running'
+    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint,
+              nullif({claim_of} -> 'result', 'null') AS result
 ), {recorded}, parents AS (
     -- jobs waiting on these (after=[...]) count them done (fragment after_released)
     SELECT f.key, 'done'::text AS outcome, NULL::text AS error FROM finished f
@@ -65,13 +104,12 @@ SELECT f.id FROM finished f;
 -- exactly like complete, so a stale claim deletes nothing and writes no ledger row. A
 -- delete adds no index entries where the done update adds one to every index of the
 -- table, and leaves no row for retention to delete later. Enqueue dedup then rests on
--- the ledger row alone, which recorded_claims reads too.
-WITH finished AS (
+-- the ledger row alone, which recorded_claims reads too. The claims: as complete's.
+WITH {claims}, finished AS (
     DELETE FROM {schema}.jobs j
-    USING jsonb_to_recordset(%(claims)s::jsonb) AS d(id bigint, version bigint, result jsonb)
-    WHERE j.id = d.id AND j.status IS NOT DISTINCT FROM 'running'
-      AND j.claim_version = d.version
-    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint, d.result, j.after_failed
+    WHERE {claimed} AND j.status IS NOT DISTINCT FROM 'running'
+    RETURNING j.id, j.key, j.effect, j.claim_version, j.fingerprint,
+              nullif({claim_of} -> 'result', 'null') AS result, j.after_failed
 ), {recorded}, parents AS (
     -- jobs waiting on these (after=[...]) count them done (fragment after_released)
     SELECT f.key, 'done'::text AS outcome, NULL::text AS error FROM finished f
@@ -87,11 +125,13 @@ SELECT f.id FROM finished f;
 
 -- name: recorded_claims
 -- Which of these claims already completed: after a lost reply, tells "my own done
--- landed" apart from "my claim was lost".
+-- landed" apart from "my claim was lost". The claims: {id, version} (fragment claims),
+-- found as the fenced writes find theirs, the ledger by its index of the job ids.
+WITH {claims}
 SELECT r.job_id
 FROM {schema}.effect_results r
-JOIN jsonb_to_recordset(%(claims)s::jsonb) AS c(id bigint, version bigint)
-  ON r.job_id = c.id AND r.claim_version = c.version;
+WHERE r.job_id = ANY (CAST((SELECT c.ids FROM claims c) AS bigint[]))
+  AND (SELECT c.by_claim FROM claims c) ? concat(r.job_id, '/', r.claim_version);
 
 -- name: settle
 -- running -> pending (retry, or release with the attempt refunded), failed or reconcile:
@@ -105,33 +145,41 @@ JOIN jsonb_to_recordset(%(claims)s::jsonb) AS c(id bigint, version bigint)
 -- settled, its id and cancelled (true: the cancelled_* decision), so that what is
 -- reported (the recorder's counts, events and spans) is what was written. The id comes
 -- first: a reader of the ids alone (the rescuer's, scalar) takes the first column.
+-- The claims: {id, version, status, delay, error, refund, expired, cancelled_status,
+-- cancelled_delay, cancelled_error, cancelled_refund} (fragment claims). A job's claim
+-- is looked up once (the subquery of its new values, s) and its fields read from it.
 -- A job failed for good settles the jobs waiting on it (fragment after_released).
-WITH settled AS (
+WITH {claims}, settled AS (
 UPDATE {schema}.jobs j
-SET status = CASE WHEN j.cancel_version = j.claim_version
-                  THEN s.cancelled_status ELSE s.status END,
-    attempts = j.attempts - CASE WHEN (CASE WHEN j.cancel_version = j.claim_version
-                                            THEN s.cancelled_refund ELSE s.refund END)
+SET (status, attempts, available_at, last_error) = (
+        SELECT CASE WHEN j.cancel_version = j.claim_version
+                    THEN s.claim ->> 'cancelled_status' ELSE s.claim ->> 'status' END,
+               j.attempts - CASE WHEN (CASE WHEN j.cancel_version = j.claim_version
+                                            THEN s.claim ->> 'cancelled_refund'
+                                            ELSE s.claim ->> 'refund' END)::boolean
                                  THEN 1 ELSE 0 END,
-    available_at = CASE WHEN j.cancel_version = j.claim_version
-                        THEN CASE WHEN s.cancelled_status = 'pending'
-                                  THEN now() + s.cancelled_delay * interval '1 second'
-                                  ELSE j.available_at END
-                        WHEN s.status = 'pending'
-                        THEN now() + s.delay * interval '1 second'
-                        ELSE j.available_at END,
-    last_error = coalesce(CASE WHEN j.cancel_version = j.claim_version
-                               THEN s.cancelled_error ELSE s.error END, j.last_error),
+               CASE WHEN j.cancel_version = j.claim_version
+                    THEN CASE WHEN s.claim ->> 'cancelled_status' = 'pending'
+                              THEN now() + (s.claim ->> 'cancelled_delay')::float8
+                                           * interval '1 second'
+                              ELSE j.available_at END
+                    WHEN s.claim ->> 'status' = 'pending'
+                    THEN now() + (s.claim ->> 'delay')::float8 * interval '1 second'
+                    ELSE j.available_at END,
+               coalesce(CASE WHEN j.cancel_version = j.claim_version
+                             THEN s.claim ->> 'cancelled_error'
+                             ELSE s.claim ->> 'error' END, j.last_error)
+        -- OFFSET 0 keeps the lookup in its own subquery: pulled up, it would be made
+        -- again for every field read.
+        FROM (SELECT {claim_of} AS claim OFFSET 0) s),
     lease_until = NULL,
     claimed_by = NULL,
     updated_at = now()
-FROM jsonb_to_recordset(%(claims)s::jsonb)
-     AS s(id bigint, version bigint, status text, delay float8, error text, refund boolean,
-          expired boolean, cancelled_status text, cancelled_delay float8,
-          cancelled_error text, cancelled_refund boolean)
-WHERE j.id = s.id AND j.status IS NOT DISTINCT FROM 'running'
-  AND j.claim_version = s.version
-  AND (s.expired IS NOT TRUE OR j.lease_until < now())
+WHERE {claimed} AND j.status IS NOT DISTINCT FROM 'running'
+  -- a claim marked expired only while its lease still is (none is marked: no lookup)
+  AND ((SELECT c.expired FROM claims c) IS NULL
+       OR NOT (SELECT c.expired FROM claims c) ? concat(j.id, '/', j.claim_version)
+       OR j.lease_until < now())
 RETURNING j.id, j.key, j.status, j.last_error,
           (j.cancel_version = j.claim_version) IS TRUE AS cancelled
 ), parents AS (
