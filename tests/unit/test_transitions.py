@@ -19,8 +19,10 @@ from outbox._sql import CORE_FILES, core_fragments, parse_sql
 
 DOC = Path(__file__).parents[2] / "docs" / "explanation" / "failure-windows.md"
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
-# A statement writes a status when it sets one, or deletes jobs.
-WRITES_STATUS = re.compile(r"(?:SET|,)\s+status\s*=|DELETE\s+FROM\s+\{schema\}\.jobs")
+# A statement writes a status when it sets one (alone, or first of a row of columns set
+# from a subquery), or deletes jobs.
+WRITES_STATUS = re.compile(
+    r"(?:SET|,)\s+status\s*=|SET\s+\(status\s*,|DELETE\s+FROM\s+\{schema\}\.jobs")
 
 
 def _row(transition: Transition) -> tuple[str, ...]:
@@ -82,8 +84,9 @@ def test_each_statement_can_write_the_status_the_table_says(transition: Transiti
     text = _sql_blocks()[transition.statement]
     if transition.after is None:
         assert re.search(r"DELETE\s+FROM\s+\{schema\}\.jobs", text)
-    elif transition.statement == "settle":  # the status is the decision, a parameter
-        assert "s.status" in text and "status text" in text
+    elif transition.statement == "settle":  # the status is the claim's decision, a parameter
+        assert re.search(r"SET\s+\(status\s*,", text)
+        assert "->> 'status'" in text and "->> 'cancelled_status'" in text
     elif transition.statement in DECISION_PARAMETER:  # the decision's status, bound
         assert re.search(DECISION_PARAMETER[transition.statement], text)
     elif transition.statement in RENDERED:  # the rule's cases, rendered into the fragment
