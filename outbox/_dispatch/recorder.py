@@ -36,6 +36,7 @@ from .reconciler import reconcilers
 from .runtime import Call, Program, Run, Sleep, Wait
 from .settings import Settings
 from .settling import as_written, reported, settle_claim, settle_claims
+from .shared import home_budget
 from .standby import ReadOnlyServer
 from .state import (
     Held,
@@ -171,8 +172,30 @@ class Recorder:
             counts[outcome] += 1
         for outcome, count in counts.items():
             guarded(self.state.events.recorded, outcome, count)
+        if counts["released"]:
+            self.owe_shared_tokens(batch, settled)
         self.state.wake.set()  # room for the claimer
         batch.clear()
+
+    def owe_shared_tokens(self, batch: list[tuple[Held, Outcome]],
+                          settled: dict[int, bool]) -> None:
+        """The claims handed back unperformed (``Release``, written as such: not
+        cancelled meanwhile) of effects under a shared limit spent a token each in the
+        limits home: owed back to it (``HomeBudget.owe``), so a job claimed again costs
+        the shared rate one token in all, not one a claim. (A ``Throttled`` attempt did
+        call the provider: its token was used.)"""
+        home = self.settings.limits_home
+        if home is None:
+            return
+        owed: Counter[str] = Counter()
+        for held, outcome in batch:
+            limit = self.settings.limits.get(held.job.effect)
+            if (isinstance(outcome, Release) and limit is not None and limit.shared
+                    and settled.get(held.job.id) is False):
+                owed[held.job.effect] += 1
+        budget = home_budget(home)
+        for effect, count in owed.items():
+            budget.owe(effect, count)
 
     def landed_before(self, helds: list[Held]) -> Step[set[int]]:
         """Ids among ``helds`` whose completion by this very claim already committed: a

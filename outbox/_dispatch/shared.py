@@ -86,10 +86,39 @@ class HomeBudget:
         self._generation = 0  # close() moves it on: a connection opened before is dropped
         self._down = False
         self.holders = 0
+        # Tokens of claims handed back unperformed (a run's end released them), by effect:
+        # given back with the next grant of the effect, or when the last holder lets go.
+        self._owed: dict[str, int] = {}
+        self._owed_lock = threading.Lock()
+
+    def owe(self, effect: str, count: int) -> None:
+        """``count`` tokens of ``effect`` were spent on claims handed back unperformed (a
+        release: the job goes back to pending and is claimed again, with a token of its
+        own then): they are given back with the effect's next grant, or when the last
+        holder lets go. No I/O: safe on any thread, and on an event loop."""
+        if count > 0:
+            with self._owed_lock:
+                self._owed[effect] = self._owed.get(effect, 0) + count
+
+    def _take_owed(self, effect: str | None = None) -> dict[str, int]:
+        with self._owed_lock:
+            if effect is None:
+                owed, self._owed = self._owed, {}
+                return owed
+            count = self._owed.pop(effect, 0)
+            return {effect: count} if count else {}
+
+    def give_back_owed(self, effect: str | None = None) -> None:
+        """Give back what ``owe`` kept (of ``effect``, or of every effect). Dropped if the
+        home does not answer, as a refund is: under-used for a moment, never over-used."""
+        for owed_effect, count in self._take_owed(effect).items():
+            self.refund(owed_effect, count)
 
     def grant(self, effect: str, want: int, rate: float, burst: float | None) -> Grant:
         """Take up to ``want`` tokens of ``effect``'s shared bucket (``burst`` None: half a
-        second's worth, at least 1, as an unshared limit's)."""
+        second's worth, at least 1, as an unshared limit's); what ``owe`` kept of the
+        effect is given back first."""
+        self.give_back_owed(effect)
         params = {"effect": effect, "want": want, "rate": rate,
                   "burst": max(1.0, rate / 2.0) if burst is None else burst}
         rows = self._execute(self.queries.shared_grant, params, "take tokens")
@@ -222,4 +251,5 @@ def held(home: Target | None) -> Iterator[None]:
         with _homes_lock:
             budget.holders -= 1
             if budget.holders == 0:
+                budget.give_back_owed()
                 budget.close()

@@ -293,3 +293,48 @@ def test_the_start_line_names_the_home_and_never_its_password() -> None:
     line = start_line(dispatcher)
     assert f"the limits of {QUICK_EFFECT} counted in {home.name}" in line, line
     assert "s3cret" not in line and "s3cret" not in home.name
+
+
+class Held(outbox.Effect):
+    """The first job holds its worker until told; the others wait claimed behind it."""
+
+    name = "shared.held"
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.go = threading.Event()
+
+    def perform(self, job: outbox.Job) -> None:
+        self.started.set()
+        assert self.go.wait(60), "never told to finish"
+
+
+def test_the_tokens_of_claims_handed_back_unperformed_go_back_to_the_home(
+        databases: Databases) -> None:
+    """A stop hands back the jobs claimed and not started (a fleet's turn ends the same
+    way): each spent a token of the shared bucket, which goes back to the home, so the
+    jobs performed, not the claims, are what the shared rate counts."""
+    target = Target(databases.make("outbox"))
+    home = make_home(databases)
+    with psycopg.connect(target.dsn) as conn, \
+            outbox.transaction(conn, schema=target.schema) as tx:
+        tx.enqueue_many([NewJob(Held.name, f"held/{i}", {}) for i in range(5)])
+    effect = Held()
+    dispatcher = Dispatcher(target.dsn, [effect], schema=target.schema, concurrency=1,
+                            prefetch=4, limits={Held.name: parse_limit("100/s,burst=5,shared")},
+                            limits_home=home, poll_interval=0.1)
+    run = threading.Thread(target=dispatcher.run)
+    run.start()
+    try:
+        assert effect.started.wait(60)
+        dispatcher.stop()  # the 4 others, claimed behind the first, are handed back
+    finally:
+        effect.go.set()
+        run.join(60)
+    assert not run.is_alive()
+    assert statuses(target) == Counter(done=1, pending=4)
+    with psycopg.connect(home.dsn, autocommit=True) as conn:
+        [(granted,)] = conn.execute(
+            "SELECT granted_total FROM limits_home.shared_limits WHERE effect = %s",
+            (Held.name,)).fetchall()
+    assert granted == 1  # 5 granted for the claim; the 4 handed back were given back
