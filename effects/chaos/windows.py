@@ -17,7 +17,10 @@ from the others'. The windows:
 ``after_claim`` / ``after_provider``
     The runner waits until the worker holds a job it has not handed to the provider yet
     (no audit row for that claim version), or one the provider has performed but whose
-    outcome is not recorded (job still ``running``), then kills.
+    outcome is not recorded (job still ``running``), pauses it (SIGSTOP), looks again
+    and kills the paused worker if it is still there (else lets it go on and waits
+    again): the few milliseconds between a look and the kill can no longer carry the
+    job out of its window.
 ``anytime``
     A plain kill at the scheduled moment.
 
@@ -26,12 +29,14 @@ still, same start, after it (it cannot end before the lock is released). The job
 are judged from what the dead worker left behind once its backends are gone: held jobs
 without an audit row (``after_claim``), with one but not performed by the provider
 (``during_provider_call``), and performed but never recorded (``after_provider``).
-Aiming is bounded by ``AIM_SECONDS``; a kill whose aim was not seen goes ahead anyway.
+Aiming is bounded by ``AIM_SECONDS`` (``JOB_AIM_SECONDS`` for the job windows); a kill
+whose aim was not seen goes ahead anyway.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -46,6 +51,7 @@ from .settings import application_name
 
 __all__ = [
     "AIM_SECONDS",
+    "JOB_AIM_SECONDS",
     "JOB_WINDOWS",
     "LOCK_SECONDS",
     "WINDOWS",
@@ -57,6 +63,9 @@ __all__ = [
 ]
 
 AIM_SECONDS = 2.0
+# A job window is met only while the worker claims (after_claim) or calls a provider that
+# answers (after_provider); a worker full of slow calls meets neither for seconds.
+JOB_AIM_SECONDS = 5.0
 LOCK_SECONDS = 1.0
 _VANISH_SECONDS = 3.0
 JOB_WINDOWS = ("after_claim", "during_provider_call", "after_provider")
@@ -134,14 +143,29 @@ class Aimer:
             yield self._wait_for_jobs(worker, window)
 
     def _wait_for_jobs(self, worker: WorkerProcess, window: str) -> tuple[list[Backend], bool]:
-        deadline = time.monotonic() + AIM_SECONDS
-        for _ in range(1000):  # bounded in count as well as in time
-            if window == "anytime" or self._holds(worker, window):
+        if window == "anytime":
+            return self.backends(worker), True
+        deadline = time.monotonic() + JOB_AIM_SECONDS
+        for _ in range(2000):  # bounded in count as well as in time
+            if self._holds(worker, window) and self._paused_inside(worker, window):
                 return self.backends(worker), True
             if time.monotonic() > deadline:
                 break
             time.sleep(0.005)
         return self.backends(worker), False
+
+    def _paused_inside(self, worker: WorkerProcess, window: str) -> bool:
+        """Pause ``worker`` and look again: whether it is still in ``window``, paused (the
+        kill comes next). If it left meanwhile it goes on, as if never paused."""
+        worker.proc.send_signal(signal.SIGSTOP)
+        try:
+            inside = self._holds(worker, window)
+        except BaseException:
+            worker.proc.send_signal(signal.SIGCONT)
+            raise
+        if not inside:
+            worker.proc.send_signal(signal.SIGCONT)
+        return inside
 
     def _holds(self, worker: WorkerProcess, window: str) -> bool:
         held = self.held(worker)
