@@ -426,15 +426,20 @@ def existing_result(
     return EnqueueResult(job_id=job_id, created=False)
 
 
-def dedupe_batch(jobs: Sequence[PreparedJob]) -> list[PreparedJob]:
+def dedupe_batch(jobs: Sequence[PreparedJob],
+                 seen: dict[str, PreparedJob] | None = None) -> list[PreparedJob]:
     """Unique jobs of a batch in first-seen order; a key repeated with another request
-    raises IdempotencyKeyConflict before anything is sent."""
-    seen: dict[str, PreparedJob] = {}
+    raises IdempotencyKeyConflict before anything is sent. ``seen``: the unique jobs of
+    the batch's earlier parts (filled in), whose keys count as seen."""
+    seen = {} if seen is None else seen
+    new = []
     for job in jobs:
         first = seen.setdefault(job.key, job)
         if first is not job:
             existing_result(job, None, first.effect, first.fingerprint)
-    return list(seen.values())
+        else:
+            new.append(job)
+    return new
 
 
 @cache
@@ -446,8 +451,17 @@ def notify_channel(schema: str) -> str:
 
 def prepare_many(jobs: Iterable[NewJob]) -> list[PreparedJob]:
     """Validate every job of a batch; the error names the job's position and key."""
+    prepared = prepare_part(jobs)
+    _parents_come_first(prepared)
+    return prepared
+
+
+def prepare_part(jobs: Iterable[NewJob], first: int = 0) -> list[PreparedJob]:
+    """Validate a part of a batch whose first job is the batch's ``first``: the error
+    names the job's position in the batch and its key. (``_parents_come_first`` is the
+    whole batch's check.)"""
     prepared = []
-    for index, job in enumerate(jobs):
+    for index, job in enumerate(jobs, first):
         try:
             prepared.append(
                 prepare(job.effect, job.key, job.payload, job.run_at, job.ordering_key,
@@ -456,7 +470,6 @@ def prepare_many(jobs: Iterable[NewJob]) -> list[PreparedJob]:
             )
         except (InvalidKey, InvalidPayload, UnknownEffect, InvalidArgument) as exc:
             raise type(exc)(f"job #{index} ({job.key!r}): {exc}") from None
-    _parents_come_first(prepared)
     return prepared
 
 
@@ -475,10 +488,13 @@ def _parents_come_first(jobs: Sequence[PreparedJob]) -> None:
                     "same batch: a parent must come before the jobs that wait on it")
 
 
-def _many_results(
+def many_results(
     jobs: Sequence[PreparedJob], unique: Sequence[PreparedJob], created: dict[str, int],
     found: dict[str, Row],
 ) -> list[EnqueueResult]:
+    """Each job's result, in the batch's order: ``created`` (key: id) for the keys the
+    batch inserted, ``found`` (``lookup_keys``'s rows) for the others, which are repeats
+    or conflicts (``existing_result``)."""
     by_key: dict[str, EnqueueResult] = {}
     for job in unique:
         if job.key in created:
@@ -556,7 +572,7 @@ def enqueue_many_steps(jobs: Sequence[PreparedJob],
             looked_up = yield Statement(queries.lookup_keys, {"keys": missing}, named=True)
             found = {known.key: known for known in looked_up}
         send.enqueued_many(len(created), len(unique))
-        return _many_results(jobs, unique, created, found)
+        return many_results(jobs, unique, created, found)
 
 
 def receive_steps(consumer: str, message_id: str, queries: Queries) -> Step[bool]:

@@ -734,6 +734,8 @@ TRANSITIONS: tuple[Transition, ...] = (
        "after_failed='fail'", "parent_settled", "after_link"),
     _t("event", "reconcile", "pending", "the provider's event says it acted (the result "
        "kept)", "SQL", "resolve_by_event"),
+    _t("enqueue", "pending", None, "created by an enqueue_many sent in parts whose later "
+       "part was refused, in the same transaction", "SQL", "enqueue_withdrawn"),
     _t("retention", "done", None, "older than retention", "SQL", "purge_done"),
 )
 """Every status change a job makes, one row each (the docs' table of transitions in

@@ -2,7 +2,9 @@
 
 Every transaction kind is a thin shell over the pure steps of ``_enqueue``: it opens and
 closes its block and executes a ``Statement``, nothing else (``_steps``'s drivers run the
-steps). ``Operations`` and ``AsyncOperations`` hold the public methods once for all kinds
+steps). One exception, for speed: psycopg's ``Transaction.enqueue_many`` sends a large
+batch in parts through psycopg's pipeline (``ENQUEUE_PART``), built from the same
+pieces of ``_enqueue`` as the step. ``Operations`` and ``AsyncOperations`` hold the public methods once for all kinds
 (psycopg here, SQLAlchemy and Django in ``outbox.contrib``), so they all validate, write
 and answer alike.
 """
@@ -19,9 +21,10 @@ from typing import Any, NoReturn, TypeVar, overload
 import psycopg
 from psycopg.pq import ExecStatus
 from psycopg.pq.abc import PGresult
+from psycopg.rows import namedtuple_row
 
 from . import _enqueue, tracing
-from ._enqueue import EnqueueResult, NewJob, Payload
+from ._enqueue import EnqueueResult, NewJob, Payload, PreparedJob
 from ._pg import read_only, unmigrated
 from ._sql import Queries, queries
 from ._steps import Rows, Statement, Step, row_factory, run, run_async
@@ -252,6 +255,20 @@ def _never_started(call: Coroutine[Any, Any, Any]) -> bool:
     return inspect.getcoroutinestate(call) == inspect.CORO_CREATED
 
 
+ENQUEUE_PART = 250
+"""``Transaction.enqueue_many`` sends a batch of at least twice this many jobs in parts
+of this many, each prepared while the server inserts the one before."""
+
+
+def _sent_in_parts(batch: Sequence[NewJob], conn: psycopg.Connection[Any]) -> bool:
+    """Whether ``Transaction.enqueue_many`` sends ``batch`` in parts: a batch of a few
+    parts, no job waiting on parents (their checks need the whole batch first), no
+    span to open for it, and not inside the caller's own pipeline."""
+    return (len(batch) >= 2 * ENQUEUE_PART and not tracing.enabled()
+            and not conn.pgconn.pipeline_status
+            and not any(getattr(job, "after", None) for job in batch))
+
+
 class Transaction(Operations):
     """A business transaction on a ``psycopg.Connection`` that can enqueue and receive.
 
@@ -259,7 +276,65 @@ class Transaction(Operations):
     transaction commits. If the connection is already inside a transaction, the block is
     a savepoint in it and the jobs commit when the caller commits. Enqueue is idempotent
     per key: see ``enqueue``.
+
+    ``enqueue_many`` of a large batch overlaps the client's work with the server's: the
+    jobs are prepared in parts (``ENQUEUE_PART``), each part sent in psycopg's pipeline
+    while the next is prepared, where one statement would make the server wait for the
+    whole batch's preparation and the client for the whole insert. Its guarantees are
+    ``Operations.enqueue_many``'s: a job found invalid in a later part takes back what
+    the earlier parts created, so the batch keeps nothing.
     """
+
+    def enqueue_many(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
+        """As ``Operations.enqueue_many``: results in input order; an invalid or
+        conflicting job raises ``EnqueueError`` and the batch keeps nothing."""
+        batch = jobs if isinstance(jobs, Sequence) else list(jobs)
+        if not _sent_in_parts(batch, self.connection):
+            return super().enqueue_many(batch)
+        try:
+            return self._enqueue_in_parts(batch)
+        except Exception as exc:
+            missing = unmigrated(exc, self.schema) or read_only(exc)
+            if missing is None:
+                raise
+            raise missing from exc
+
+    def _enqueue_in_parts(self, batch: Sequence[NewJob]) -> list[EnqueueResult]:
+        conn, named = self.connection, namedtuple_row
+        channel = _enqueue.notify_channel(self.schema)
+        seen: dict[str, PreparedJob] = {}  # the unique jobs, in first-seen order
+        prepared: list[PreparedJob] = []
+        sent: list[psycopg.Cursor[Any]] = []
+        refused: Exception | None = None
+        with conn.pipeline():
+            for first in range(0, len(batch), ENQUEUE_PART):
+                try:
+                    part = _enqueue.prepare_part(batch[first:first + ENQUEUE_PART], first)
+                    new = _enqueue.dedupe_batch(part, seen)
+                except Exception as exc:  # sent parts are taken back once they answered
+                    refused = exc
+                    break
+                prepared.extend(part)
+                if new:
+                    cur = conn.cursor(row_factory=named)
+                    cur.execute(self._queries.enqueue_many, _enqueue.many_params(new, channel))
+                    conn.pgconn.flush()  # sent: inserted while the next part is prepared
+                    sent.append(cur)
+        # The pipeline synced when left: every part's rows (or its error) are here.
+        created = {row.key: row.id for cur in sent for row in cur.fetchall()
+                   if row.key is not None}
+        if refused is not None:
+            if created:
+                conn.execute(self._queries.enqueue_withdrawn, {"ids": list(created.values())})
+            raise refused
+        found: dict[str, Any] = {}
+        missing = [key for key in seen if key not in created]
+        if missing:
+            lookup: psycopg.Cursor[Any] = conn.cursor(row_factory=named)
+            found = {known.key: known
+                     for known in lookup.execute(self._queries.lookup_keys,
+                                                 {"keys": missing}).fetchall()}
+        return _enqueue.many_results(prepared, list(seen.values()), created, found)
 
     def __init__(self, conn: psycopg.Connection[Any], schema: str = "outbox") -> None:
         self.connection = conn

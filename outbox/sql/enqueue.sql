@@ -77,6 +77,13 @@ SELECT NULL, NULL FROM (
                   WHERE NOT EXISTS (SELECT 1 FROM {schema}.awake a
                                     WHERE a.effect = e.effect AND a.until > now()))) woken;
 
+-- name: enqueue_withdrawn
+-- A batch sent in parts (``Transaction.enqueue_many``) whose later part proved invalid:
+-- the jobs its earlier parts created in this transaction are taken back, so that the
+-- batch keeps nothing, as one refused before anything was sent. No other transaction
+-- can see them yet; found by the primary key.
+DELETE FROM {schema}.jobs WHERE id = ANY(CAST(%(ids)s AS bigint[])) AND status = 'pending';
+
 -- name: lookup_keys
 -- What already holds each key: a job (id, effect, fingerprint) or only the ledger.
 SELECT k.key, j.id, coalesce(j.effect, r.effect) AS effect,
