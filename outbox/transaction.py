@@ -4,9 +4,9 @@ Every transaction kind is a thin shell over the pure steps of ``_enqueue``: it o
 closes its block and executes a ``Statement``, nothing else (``_steps``'s drivers run the
 steps). One exception, for speed: psycopg's ``Transaction.enqueue_many`` sends a large
 batch in parts through psycopg's pipeline (``ENQUEUE_PART``), built from the same
-pieces of ``_enqueue`` as the step. ``Operations`` and ``AsyncOperations`` hold the public methods once for all kinds
-(psycopg here, SQLAlchemy and Django in ``outbox.contrib``), so they all validate, write
-and answer alike.
+pieces of ``_enqueue`` as the step. ``Operations`` and ``AsyncOperations`` hold the
+public methods once for all kinds (psycopg here, SQLAlchemy and Django in
+``outbox.contrib``), so they all validate, write and answer alike.
 """
 
 from __future__ import annotations
