@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -512,6 +512,51 @@ def many_results(
         reported.add(job.key)
         results.append(result)
     return results
+
+
+class BatchInParts:
+    """The client's side of a batch sent in parts (``Transaction.enqueue_many`` and its
+    asyncio mirror, which do the sending): each part prepared and its repeats dropped
+    only when the part before has been sent, so that the server inserts one part while
+    the client prepares the next; what refused a part (a job invalid, a key repeated
+    with another request); each job's result from the parts' rows. No I/O of its own."""
+
+    def __init__(self, batch: Sequence[NewJob], part: int, schema: str) -> None:
+        self.batch = batch
+        self.part = part
+        self.channel = notify_channel(schema)
+        self.seen: dict[str, PreparedJob] = {}  # the unique jobs, in first-seen order
+        self.prepared: list[PreparedJob] = []
+        self.refused: Exception | None = None  # raised once the sent parts are taken back
+        self.created: dict[str, int] = {}
+
+    def parts(self) -> Iterator[dict[str, Any]]:
+        """The ``enqueue_many`` parameters of each part with new keys, prepared as they
+        are asked for; a part that refuses ends them (``refused``)."""
+        for first in range(0, len(self.batch), self.part):
+            try:
+                part = prepare_part(self.batch[first:first + self.part], first)
+                new = dedupe_batch(part, self.seen)
+            except Exception as exc:  # the parts sent are taken back, then it is raised
+                self.refused = exc
+                return
+            self.prepared.extend(part)
+            if new:
+                yield many_params(new, self.channel)
+
+    def answered(self, rows: Iterable[Row]) -> list[int]:
+        """Take the parts' rows (``enqueue_many``'s): the ids of the jobs they created."""
+        self.created = {row.key: row.id for row in rows if row.key is not None}
+        return list(self.created.values())
+
+    def missing(self) -> list[str]:
+        """The batch's keys no part created: repeats or conflicts, for ``lookup_keys``."""
+        return [key for key in self.seen if key not in self.created]
+
+    def results(self, found: Iterable[Row]) -> list[EnqueueResult]:
+        """Each job's result in the batch's order, ``found`` the ``lookup_keys`` rows."""
+        return many_results(self.prepared, list(self.seen.values()), self.created,
+                            {known.key: known for known in found})
 
 
 def enqueue_steps(job: PreparedJob, queries: Queries) -> Step[EnqueueResult]:

@@ -24,7 +24,7 @@ from psycopg.pq.abc import PGresult
 from psycopg.rows import namedtuple_row
 
 from . import _enqueue, tracing
-from ._enqueue import EnqueueResult, NewJob, Payload, PreparedJob
+from ._enqueue import EnqueueResult, NewJob, Payload
 from ._pg import read_only, unmigrated
 from ._sql import Queries, queries
 from ._steps import Rows, Statement, Step, row_factory, run, run_async
@@ -256,17 +256,22 @@ def _never_started(call: Coroutine[Any, Any, Any]) -> bool:
 
 
 ENQUEUE_PART = 250
-"""``Transaction.enqueue_many`` sends a batch of at least twice this many jobs in parts
-of this many, each prepared while the server inserts the one before."""
+"""``enqueue_many`` on a psycopg connection sends a batch of at least twice this many jobs
+in parts of this many, each prepared while the server inserts the one before."""
 
 
-def _sent_in_parts(batch: Sequence[NewJob], conn: psycopg.Connection[Any]) -> bool:
-    """Whether ``Transaction.enqueue_many`` sends ``batch`` in parts: a batch of a few
-    parts, no job waiting on parents (their checks need the whole batch first), no
-    span to open for it, and not inside the caller's own pipeline."""
+def _sent_in_parts(batch: Sequence[NewJob],
+                   conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """Whether ``enqueue_many`` sends ``batch`` in parts (``_enqueue.BatchInParts``): a
+    batch of a few parts, no job waiting on parents (their checks need the whole batch
+    first), no span to open for it, and not inside the caller's own pipeline."""
     return (len(batch) >= 2 * ENQUEUE_PART and not tracing.enabled()
             and not conn.pgconn.pipeline_status
             and not any(getattr(job, "after", None) for job in batch))
+
+
+def _as_sequence(jobs: Iterable[NewJob]) -> Sequence[NewJob]:
+    return jobs if isinstance(jobs, Sequence) else list(jobs)
 
 
 class Transaction(Operations):
@@ -288,53 +293,37 @@ class Transaction(Operations):
     def enqueue_many(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
         """As ``Operations.enqueue_many``: results in input order; an invalid or
         conflicting job raises ``EnqueueError`` and the batch keeps nothing."""
-        batch = jobs if isinstance(jobs, Sequence) else list(jobs)
+        batch = _as_sequence(jobs)
         if not _sent_in_parts(batch, self.connection):
             return super().enqueue_many(batch)
         try:
-            return self._enqueue_in_parts(batch)
+            return self._enqueue_in_parts(_enqueue.BatchInParts(batch, ENQUEUE_PART,
+                                                                self.schema))
         except Exception as exc:
             missing = unmigrated(exc, self.schema) or read_only(exc)
             if missing is None:
                 raise
             raise missing from exc
 
-    def _enqueue_in_parts(self, batch: Sequence[NewJob]) -> list[EnqueueResult]:
-        conn, named = self.connection, namedtuple_row
-        channel = _enqueue.notify_channel(self.schema)
-        seen: dict[str, PreparedJob] = {}  # the unique jobs, in first-seen order
-        prepared: list[PreparedJob] = []
+    def _enqueue_in_parts(self, batch: _enqueue.BatchInParts) -> list[EnqueueResult]:
+        conn, queries_ = self.connection, self._queries
         sent: list[psycopg.Cursor[Any]] = []
-        refused: Exception | None = None
         with conn.pipeline():
-            for first in range(0, len(batch), ENQUEUE_PART):
-                try:
-                    part = _enqueue.prepare_part(batch[first:first + ENQUEUE_PART], first)
-                    new = _enqueue.dedupe_batch(part, seen)
-                except Exception as exc:  # sent parts are taken back once they answered
-                    refused = exc
-                    break
-                prepared.extend(part)
-                if new:
-                    cur = conn.cursor(row_factory=named)
-                    cur.execute(self._queries.enqueue_many, _enqueue.many_params(new, channel))
-                    conn.pgconn.flush()  # sent: inserted while the next part is prepared
-                    sent.append(cur)
+            for params in batch.parts():
+                sent.append(cur := conn.cursor(row_factory=namedtuple_row))
+                cur.execute(queries_.enqueue_many, params)
+                conn.pgconn.flush()  # sent: inserted while the next part is prepared
         # The pipeline synced when left: every part's rows (or its error) are here.
-        created = {row.key: row.id for cur in sent for row in cur.fetchall()
-                   if row.key is not None}
-        if refused is not None:
+        created = batch.answered([row for cur in sent for row in cur.fetchall()])
+        if batch.refused is not None:
             if created:
-                conn.execute(self._queries.enqueue_withdrawn, {"ids": list(created.values())})
-            raise refused
-        found: dict[str, Any] = {}
-        missing = [key for key in seen if key not in created]
-        if missing:
-            lookup: psycopg.Cursor[Any] = conn.cursor(row_factory=named)
-            found = {known.key: known
-                     for known in lookup.execute(self._queries.lookup_keys,
-                                                 {"keys": missing}).fetchall()}
-        return _enqueue.many_results(prepared, list(seen.values()), created, found)
+                conn.execute(queries_.enqueue_withdrawn, {"ids": created})
+            raise batch.refused
+        found: list[Any] = []
+        if missing := batch.missing():
+            lookup: psycopg.Cursor[Any] = conn.cursor(row_factory=namedtuple_row)
+            found = lookup.execute(queries_.lookup_keys, {"keys": missing}).fetchall()
+        return batch.results(found)
 
     def __init__(self, conn: psycopg.Connection[Any], schema: str = "outbox") -> None:
         self.connection = conn
@@ -382,7 +371,8 @@ class Transaction(Operations):
 
 
 class AsyncTransaction(AsyncOperations):
-    """The ``psycopg.AsyncConnection`` mirror of ``Transaction``, with the same guarantees."""
+    """The ``psycopg.AsyncConnection`` mirror of ``Transaction``, with the same guarantees
+    (``enqueue_many`` of a large batch in parts, as there)."""
 
     def __init__(self, conn: psycopg.AsyncConnection[Any], schema: str = "outbox") -> None:
         self.connection = conn
@@ -401,6 +391,39 @@ class AsyncTransaction(AsyncOperations):
         if statement.count:
             return [(cur.rowcount,)]
         return await cur.fetchall() if _has_rows(cur.pgresult) else []
+
+    async def _enqueue_batch(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
+        batch = _as_sequence(jobs)
+        if not _sent_in_parts(batch, self.connection):
+            return await super()._enqueue_batch(batch)
+        try:
+            return await self._enqueue_in_parts(_enqueue.BatchInParts(batch, ENQUEUE_PART,
+                                                                      self.schema))
+        except Exception as exc:
+            missing = unmigrated(exc, self.schema) or read_only(exc)
+            if missing is None:
+                raise
+            raise missing from exc
+
+    async def _enqueue_in_parts(self, batch: _enqueue.BatchInParts) -> list[EnqueueResult]:
+        conn, queries_ = self.connection, self._queries
+        sent: list[psycopg.AsyncCursor[Any]] = []
+        async with conn.pipeline():
+            for params in batch.parts():
+                sent.append(cur := conn.cursor(row_factory=namedtuple_row))
+                await cur.execute(queries_.enqueue_many, params)
+                conn.pgconn.flush()  # sent: inserted while the next part is prepared
+        created = batch.answered([row for cur in sent for row in await cur.fetchall()])
+        if batch.refused is not None:
+            if created:
+                await conn.execute(queries_.enqueue_withdrawn, {"ids": created})
+            raise batch.refused
+        found: list[Any] = []
+        if missing := batch.missing():
+            lookup: psycopg.AsyncCursor[Any] = conn.cursor(row_factory=namedtuple_row)
+            found = await (await lookup.execute(queries_.lookup_keys,
+                                                {"keys": missing})).fetchall()
+        return batch.results(found)
 
     async def __aenter__(self) -> AsyncTransaction:
         tx = self.connection.transaction()

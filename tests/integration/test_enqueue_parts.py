@@ -1,14 +1,17 @@
-"""``Transaction.enqueue_many`` sends a large batch in parts, each prepared while the
-server inserts the one before (``ENQUEUE_PART``): it answers and stores exactly what
-the one-statement path does, and a job refused in a later part leaves nothing of the
-batch behind, even when the caller catches the error and commits.
+"""``enqueue_many`` on a psycopg connection, blocking or asyncio, sends a large batch in
+parts, each prepared while the server inserts the one before (``ENQUEUE_PART``): it
+answers and stores exactly what the one-statement path does, and a job refused in a
+later part leaves nothing of the batch behind, even when the caller catches the error
+and commits.
 
-Each scenario runs twice on one server: through the parts (``Transaction.enqueue_many``)
-in one schema and through the one statement (``Operations.enqueue_many``, the path of
-the SQLAlchemy and Django transactions) in another, and the two are compared."""
+Each scenario runs on one server in schemas of its own: through the parts
+(``Transaction.enqueue_many``, ``AsyncTransaction.enqueue_many``) and through the one
+statement (``Operations.enqueue_many``, the path of the SQLAlchemy and Django
+transactions), and the schemas are compared."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -34,6 +37,16 @@ def in_parts(tx: Transaction, batch: Sequence[NewJob]) -> list[EnqueueResult]:
 
 def in_one_statement(tx: Transaction, batch: Sequence[NewJob]) -> list[EnqueueResult]:
     return Operations.enqueue_many(tx, batch)
+
+
+def in_parts_async(dsn: str, schema: str, batch: Sequence[NewJob]) -> list[EnqueueResult]:
+    """The batch in parts through ``AsyncTransaction``, in a transaction of its own."""
+    async def enqueue() -> list[EnqueueResult]:
+        async with (await psycopg.AsyncConnection.connect(dsn) as conn,
+                    outbox.transaction(conn, schema=schema) as tx):
+            assert _sent_in_parts(batch, conn)
+            return await tx.enqueue_many(batch)
+    return asyncio.run(enqueue())
 
 
 @pytest.fixture
@@ -117,10 +130,19 @@ def test_a_batch_in_parts_answers_and_stores_what_one_statement_does(
     assert [place for _, place in again] == [place for _, place in first]
 
 
-@pytest.mark.parametrize("enqueue", [in_parts, in_one_statement])
-@pytest.mark.parametrize("refusal", ["key", "payload", "conflict"])
-def test_a_job_refused_in_the_last_part_leaves_nothing_of_the_batch(
-        dsn: str, schema: str, enqueue: Enqueue, refusal: str) -> None:
+def test_a_batch_in_parts_on_asyncio_answers_and_stores_what_one_statement_does(
+        dsn: str, schema: str, other_schema: str) -> None:
+    with psycopg.connect(dsn) as conn:
+        one = _scenario(conn, other_schema, in_one_statement)
+
+        def on_asyncio(tx: Transaction, batch: Sequence[NewJob]) -> list[EnqueueResult]:
+            return in_parts_async(dsn, schema, batch)  # its own connection and transaction
+
+        parts = _scenario(conn, schema, on_asyncio)
+    assert parts == one
+
+
+def _refused_batch(refusal: str) -> tuple[list[NewJob], int, type[Exception]]:
     batch = [NewJob("test.parts", key=f"r-{n}", payload={"n": n}) for n in range(BATCH)]
     last = BATCH - 2
     expected: type[Exception]
@@ -133,6 +155,14 @@ def test_a_job_refused_in_the_last_part_leaves_nothing_of_the_batch(
     else:  # a repeat of the first part's key with another payload
         batch[last] = NewJob("test.parts", key="r-5", payload={"n": "other"})
         expected = IdempotencyKeyConflict
+    return batch, last, expected
+
+
+@pytest.mark.parametrize("enqueue", [in_parts, in_one_statement])
+@pytest.mark.parametrize("refusal", ["key", "payload", "conflict"])
+def test_a_job_refused_in_the_last_part_leaves_nothing_of_the_batch(
+        dsn: str, schema: str, enqueue: Enqueue, refusal: str) -> None:
+    batch, last, expected = _refused_batch(refusal)
     with psycopg.connect(dsn) as conn:
         with outbox.transaction(conn, schema=schema) as tx:
             with pytest.raises(expected) as refused:
@@ -142,6 +172,26 @@ def test_a_job_refused_in_the_last_part_leaves_nothing_of_the_batch(
         assert kept.created
         if refusal != "conflict":
             assert f"job #{last}" in str(refused.value)
+        assert [row[0] for row in _rows(conn, schema)] == ["after-the-refusal"]
+
+
+@pytest.mark.parametrize("refusal", ["key", "payload", "conflict"])
+def test_on_asyncio_a_job_refused_in_the_last_part_leaves_nothing_of_the_batch(
+        dsn: str, schema: str, refusal: str) -> None:
+    batch, last, expected = _refused_batch(refusal)
+
+    async def caught_then_committed() -> None:
+        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+            async with outbox.transaction(conn, schema=schema) as tx:
+                assert _sent_in_parts(batch, conn)
+                with pytest.raises(expected) as refused:
+                    await tx.enqueue_many(batch)
+                await tx.enqueue("test.parts", key="after-the-refusal", payload={})
+            if refusal != "conflict":
+                assert f"job #{last}" in str(refused.value)
+
+    asyncio.run(caught_then_committed())
+    with psycopg.connect(dsn) as conn:
         assert [row[0] for row in _rows(conn, schema)] == ["after-the-refusal"]
 
 
