@@ -34,6 +34,17 @@ _TUPLES_OK = ExecStatus.TUPLES_OK
 
 __all__ = ["AsyncOperations", "AsyncTransaction", "Operations", "Transaction", "transaction"]
 
+
+def _raise_as_ours(exc: Exception, schema: str) -> None:
+    """If ``exc`` means the schema is not migrated, or the server is a read-only standby,
+    raise our error that says so (``outbox._pg``), from it; else return (the caller
+    re-raises ``exc`` unchanged). A function, not a context manager: it is on the path of
+    every enqueue only when one fails."""
+    missing = unmigrated(exc, schema) or read_only(exc)
+    if missing is not None:
+        raise missing from exc
+
+
 class Operations:
     """``enqueue``, ``enqueue_many`` and ``receive`` for a synchronous transaction kind.
 
@@ -88,10 +99,8 @@ class Operations:
         try:
             return run(step, self._execute)
         except Exception as exc:
-            missing = unmigrated(exc, self.schema) or read_only(exc)
-            if missing is None:
-                raise
-            raise missing from exc
+            _raise_as_ours(exc, self.schema)
+            raise
 
     def enqueue_many(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
         """Enqueue many jobs in one round trip (two if some keys already exist).
@@ -181,10 +190,8 @@ class AsyncOperations:
         try:
             return await run_async(step, self._execute)
         except Exception as exc:
-            missing = unmigrated(exc, self.schema) or read_only(exc)
-            if missing is None:
-                raise
-            raise missing from exc
+            _raise_as_ours(exc, self.schema)
+            raise
 
     def enqueue_many(self, jobs: Iterable[NewJob]) -> Coroutine[Any, Any, list[EnqueueResult]]:
         """As ``Operations.enqueue_many``; await it."""
@@ -300,10 +307,8 @@ class Transaction(Operations):
             return self._enqueue_in_parts(_enqueue.BatchInParts(batch, ENQUEUE_PART,
                                                                 self.schema))
         except Exception as exc:
-            missing = unmigrated(exc, self.schema) or read_only(exc)
-            if missing is None:
-                raise
-            raise missing from exc
+            _raise_as_ours(exc, self.schema)
+            raise
 
     def _enqueue_in_parts(self, batch: _enqueue.BatchInParts) -> list[EnqueueResult]:
         conn, queries_ = self.connection, self._queries
@@ -400,10 +405,8 @@ class AsyncTransaction(AsyncOperations):
             return await self._enqueue_in_parts(_enqueue.BatchInParts(batch, ENQUEUE_PART,
                                                                       self.schema))
         except Exception as exc:
-            missing = unmigrated(exc, self.schema) or read_only(exc)
-            if missing is None:
-                raise
-            raise missing from exc
+            _raise_as_ours(exc, self.schema)
+            raise
 
     async def _enqueue_in_parts(self, batch: _enqueue.BatchInParts) -> list[EnqueueResult]:
         conn, queries_ = self.connection, self._queries

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -49,7 +50,13 @@ def workers(names: list[str]) -> list[str]:
 
 class Waits(Effect):
     """Slow: each perform waits at ``barrier`` until ``parties`` performs are in flight
-    together, counting the most in flight at once (``peak``)."""
+    together, counting the most in flight at once (``peak``), then works ``WORK``
+    seconds. The work keeps the effect measured slow: the barrier alone can release a
+    wave within a millisecond, and an effect measured that fast has a large batch handed
+    to threads in runs of several jobs (``workers.FAST_EFFECT``), fewer runs than
+    ``parties``: a wave that never fills, and a broken barrier."""
+
+    WORK = 0.01
 
     name = "test.waits"
 
@@ -67,6 +74,7 @@ class Waits(Effect):
             self.threads.add(threading.current_thread().name)
         try:
             self.barrier.wait()
+            time.sleep(self.WORK)  # the effect's own work, not a wait for anything
         finally:
             with self.lock:
                 self.in_flight -= 1
