@@ -148,7 +148,11 @@ class Aimer:
         deadline = time.monotonic() + JOB_AIM_SECONDS
         for _ in range(2000):  # bounded in count as well as in time
             if self._holds(worker, window) and self._paused_inside(worker, window):
-                return self.backends(worker), True
+                try:
+                    return self.backends(worker), True
+                except BaseException:  # no kill follows: the worker must not stay paused
+                    worker.proc.send_signal(signal.SIGCONT)
+                    raise
             if time.monotonic() > deadline:
                 break
             time.sleep(0.005)
