@@ -297,39 +297,6 @@ class Transaction(Operations):
     the earlier parts created, so the batch keeps nothing.
     """
 
-    def enqueue_many(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
-        """As ``Operations.enqueue_many``: results in input order; an invalid or
-        conflicting job raises ``EnqueueError`` and the batch keeps nothing."""
-        batch = _as_sequence(jobs)
-        if not _sent_in_parts(batch, self.connection):
-            return super().enqueue_many(batch)
-        try:
-            return self._enqueue_in_parts(_enqueue.BatchInParts(batch, ENQUEUE_PART,
-                                                                self.schema))
-        except Exception as exc:
-            _raise_as_ours(exc, self.schema)
-            raise
-
-    def _enqueue_in_parts(self, batch: _enqueue.BatchInParts) -> list[EnqueueResult]:
-        conn, queries_ = self.connection, self._queries
-        sent: list[psycopg.Cursor[Any]] = []
-        with conn.pipeline():
-            for params in batch.parts():
-                sent.append(cur := conn.cursor(row_factory=namedtuple_row))
-                cur.execute(queries_.enqueue_many, params)
-                conn.pgconn.flush()  # sent: inserted while the next part is prepared
-        # The pipeline synced when left: every part's rows (or its error) are here.
-        created = batch.answered([row for cur in sent for row in cur.fetchall()])
-        if batch.refused is not None:
-            if created:
-                conn.execute(queries_.enqueue_withdrawn, {"ids": created})
-            raise batch.refused
-        found: list[Any] = []
-        if missing := batch.missing():
-            lookup: psycopg.Cursor[Any] = conn.cursor(row_factory=namedtuple_row)
-            found = lookup.execute(queries_.lookup_keys, {"keys": missing}).fetchall()
-        return batch.results(found)
-
     def __init__(self, conn: psycopg.Connection[Any], schema: str = "outbox") -> None:
         self.connection = conn
         self.schema = schema
@@ -373,6 +340,39 @@ class Transaction(Operations):
         finally:
             self._tx = None
         tracing.close_block(self._trace, exc)
+
+    def enqueue_many(self, jobs: Iterable[NewJob]) -> list[EnqueueResult]:
+        """As ``Operations.enqueue_many``: results in input order; an invalid or
+        conflicting job raises ``EnqueueError`` and the batch keeps nothing."""
+        batch = _as_sequence(jobs)
+        if not _sent_in_parts(batch, self.connection):
+            return super().enqueue_many(batch)
+        try:
+            return self._enqueue_in_parts(_enqueue.BatchInParts(batch, ENQUEUE_PART,
+                                                                self.schema))
+        except Exception as exc:
+            _raise_as_ours(exc, self.schema)
+            raise
+
+    def _enqueue_in_parts(self, batch: _enqueue.BatchInParts) -> list[EnqueueResult]:
+        conn, queries_ = self.connection, self._queries
+        sent: list[psycopg.Cursor[Any]] = []
+        with conn.pipeline():
+            for params in batch.parts():
+                sent.append(cur := conn.cursor(row_factory=namedtuple_row))
+                cur.execute(queries_.enqueue_many, params)
+                conn.pgconn.flush()  # sent: inserted while the next part is prepared
+        # The pipeline synced when left: every part's rows (or its error) are here.
+        created = batch.answered([row for cur in sent for row in cur.fetchall()])
+        if batch.refused is not None:
+            if created:
+                conn.execute(queries_.enqueue_withdrawn, {"ids": created})
+            raise batch.refused
+        found: list[Any] = []
+        if missing := batch.missing():
+            lookup: psycopg.Cursor[Any] = conn.cursor(row_factory=namedtuple_row)
+            found = lookup.execute(queries_.lookup_keys, {"keys": missing}).fetchall()
+        return batch.results(found)
 
 
 class AsyncTransaction(AsyncOperations):
