@@ -16,8 +16,12 @@ again), the rest in segments of ``HOOKED_SEGMENT``, each the same fast write ins
 savepoint (released, and the next one set, in the hooks' pipeline); a segment whose
 hook raises is rolled back to its savepoint, which stays set, and the rest of the
 segment written again inside it; the raising jobs are settled so at the end of the
-chunk, out of every segment. After a chunk with a raise, the next is written in
-segments from the start. A statement's error, whose hook is not
+chunk, out of every segment. After a chunk with a raise, the next is written hooks first
+(``locked``) if every hook that raised had sent no statement yet (``CallHooks`` counts
+what each sends): the chunk's done jobs locked, fenced (a lost claim runs no hook), their
+hooks called, and only then the completion of those whose hook returned, so that a hook
+that raises before writing costs one fenced statement and nothing else; otherwise the
+next is written in segments from the start. A statement's error, whose hook is not
 known in a pipeline, sends its segment to be written carefully (``careful``), each job
 inside a savepoint of its own::
 
@@ -53,7 +57,7 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -112,18 +116,22 @@ class CallHooks:
     psycopg pipeline, sent ``SENT_TOGETHER`` at a time or when a hook waits for an
     answer (``_sent_together``), then waited for once, with the check that no hook
     left the transaction aborted.
-    Answers the ids of the follow-up jobs each hook created, in order. A hook that raises
-    stops the calls: ``HookRaised`` with ``at`` its index; a statement's error (whose
-    hook is not known: in a pipeline it shows at a later statement, or at the wait)
-    ``HookRaised`` with ``at`` None. Python's cyclic garbage collector waits while the
-    hooks are called (``_collection_paused``). In the same pipeline: ``adopt`` (the
-    follow-ups' adoption, ``adopt_followups``) after each hook that created follow-ups,
-    and after the check the commands ``then`` (a segment's release and the next one's
-    savepoint: ``mended``), none of which runs if a hook raised."""
+    A hook that raises stops the calls: ``HookRaised`` with ``at`` its index (and
+    ``clean`` if it had sent no statement); a statement's error (whose hook is not
+    known: in a pipeline it shows at a later statement, or at the wait) ``HookRaised``
+    with ``at`` None. With ``tolerant``, a hook that raises before sending any statement
+    (not a psycopg error) does not stop the calls: nothing of it is in the transaction.
+    Answers those hooks' errors by their index (``tolerant``; else none). Python's
+    cyclic garbage collector waits while the hooks are called (``_collection_paused``).
+    In the same pipeline: ``adopt`` (the follow-ups' adoption, ``adopt_followups``)
+    after each hook that created follow-ups, and after the check the commands ``then``
+    (a segment's release and the next one's savepoint: ``mended``), none of which runs
+    if a hook raised."""
 
     calls: list[CallHook]
     adopt: str | None = None
     then: tuple[str, ...] = ()
+    tolerant: bool = False
 
 
 HOOKED_CHUNK_MAX = 500
@@ -145,12 +153,16 @@ take 0.64 s, inside the heartbeat interval of a lease of 2 s (0.67 s), and a com
 
 class HookRaised(Exception):
     """Thrown into the step (raised by its executor): the hook raised ``error``; for
-    ``CallHooks``, ``at`` is the index of that hook (None: not known)."""
+    ``CallHooks``, ``at`` is the index of that hook (None: not known). ``clean``: the
+    hook had sent no statement when it raised (``CallHooks`` counts them), so nothing
+    of it needs rolling back."""
 
-    def __init__(self, error: Exception, at: int | None = None) -> None:
+    def __init__(self, error: Exception, at: int | None = None, *,
+                 clean: bool = False) -> None:
         super().__init__(error)
         self.error = error
         self.at = at
+        self.clean = clean
 
 
 # What makes the optimistic write of a batch go careful: a hook raised, or left the
@@ -217,7 +229,10 @@ class HookedOutcomes:
         self.chunk_size = HOOKED_CHUNK_FIRST
         self.calling: Hooked | None = None  # the hook ``fast`` is calling
         self.then_ran = False  # the last ``CallHooks`` ran its ``then``
-        self.raising = False  # a hook raised in the last chunk: write the next in segments
+        # A hook raised in the last chunk: the next is written ``locked`` (every hook that
+        # raised had sent nothing) or in segments (one had: ``dirty``).
+        self.raising = False
+        self.dirty = False
         # Whether each hook is ``async def``: asked once, not per outcome.
         self.asynchronous = {id(fn): is_async_hook(fn) for hooks in (
             recorder.settings.done_hooks, recorder.settings.failed_hooks)
@@ -265,14 +280,71 @@ class HookedOutcomes:
 
     def fast(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
         """Write ``items`` optimistically (``optimistic``); but after a chunk in which a
-        hook raised, in savepointed segments from the start (``mended``): hooks that
+        hook raised, hooks first (``locked``) if every hook that raised had sent no
+        statement, else in savepointed segments from the start (``mended``): hooks that
         raised in the last chunk are likely to raise in this one (1 in 100 raising
         leaves few chunks of hundreds without one), and an optimistic write rolled back
         costs every hook called before the raise."""
-        if self.raising and len(items) > 1:
-            self.raising = False  # again only if a hook raises in this chunk
-            return (yield from self.mended(items))
+        raising, dirty = self.raising, self.dirty
+        self.raising = self.dirty = False  # again only if a hook raises in this chunk
+        if raising and len(items) > 1:
+            if dirty:
+                return (yield from self.mended(items))
+            return (yield from self.locked(items))
         return (yield from self.optimistic(items))
+
+    def locked(self, items: list[Hooked]) -> HookStep[list[AttemptOutcome]]:
+        """Write ``items`` hooks first, no savepoint: the jobs of the successes locked
+        (``lock_claims``: a claim lost meanwhile is not locked, and runs no hook), their
+        hooks called in one pipeline, then the completion of those whose hook returned,
+        in one statement, and each whose hook raised before sending any statement
+        settled from its error (nothing of that hook is in the transaction: no rollback,
+        no other hook called twice). A hook that raises after sending a statement, or a
+        statement's error, propagates as in ``optimistic`` (the caller rolls back and
+        goes ``mended``). The failures are written as ``optimistic`` writes them."""
+        outcomes: dict[int, AttemptOutcome] = {}
+        done = [i for i in items if isinstance(i.outcome, Success)]
+        failed = [i for i in items if not isinstance(i.outcome, Success)]
+        if done:
+            claims = ",".join(f'{{"id":{i.held.job.id},"version":{i.held.job.claim_version}}}'
+                              for i in done)
+            locked = set((yield Statement(self.recorder.queries.lock_claims,
+                                          {"claims": f"[{claims}]"}, scalar=True)))
+            mine = [i for i in done if i.held.job.id in locked]
+            unlocked = [i for i in done if i.held.job.id not in locked]
+            landed: set[int] = set()
+            if unlocked and self.recorder.retrying:  # our own commit may have landed
+                landed = yield from self.recorder.landed_before([i.held for i in unlocked])
+            for item in unlocked:
+                outcomes[id(item)] = "done" if item.held.job.id in landed else "lost"
+            if mine:
+                refused = yield from self._fast_hooks(
+                    [(i, json.loads(i.outcome.result_json))  # type: ignore[union-attr]
+                     for i in mine], tolerant=True)
+                returned = [i for at, i in enumerate(mine) if at not in refused]
+                if returned:
+                    yield from self._completed(returned)
+                    for item in returned:
+                        outcomes[id(item)] = "done"
+                for at, error in refused.items():
+                    outcomes[id(mine[at])] = yield from self._raised(mine[at], error)
+                if refused:
+                    self.raising = True
+        if failed:
+            outcomes.update(zip(map(id, failed), (yield from self.optimistic(failed)),
+                                strict=True))
+        return [outcomes[id(item)] for item in items]
+
+    def _completed(self, items: list[Hooked]) -> HookStep[None]:
+        """The completion of ``items``, whose jobs this transaction locked (``locked``):
+        each is written, or the hooks' writes must not commit (a lost claim's)."""
+        claims = ",".join(
+            f'{{"id":{i.held.job.id},"version":{i.held.job.claim_version},'
+            f'"result":{i.outcome.result_json}}}' for i in items)  # type: ignore[union-attr]
+        rows = yield Statement(self.recorder.complete, {"claims": f"[{claims}]"}, scalar=True)
+        if len(rows) != len(items):  # cannot happen while the locks hold
+            raise HookRaised(RuntimeError(
+                f"{len(items) - len(rows)} locked claims were not completed"))
 
     def optimistic(self, items: list[Hooked],
                    then: tuple[str, ...] = ()) -> HookStep[list[AttemptOutcome]]:
@@ -322,20 +394,24 @@ class HookedOutcomes:
             yield from self._fast_hooks(calls, then)
         return [outcomes[id(item)] for item in items]
 
-    def _fast_hooks(self, calls: list[tuple[Hooked, Any]],
-                    then: tuple[str, ...] = ()) -> HookStep[None]:
+    def _fast_hooks(self, calls: list[tuple[Hooked, Any]], then: tuple[str, ...] = (),
+                    *, tolerant: bool = False) -> HookStep[dict[int, Exception]]:
         """Call each hook of ``calls``, their statements and their follow-ups'
         adoptions in one pipeline (``CallHooks``: one instruction for them all, one wait
         for their statements), then ``then``. Only the hooks and what follows them run
         in the pipeline: what our statements before answer is known when they return.
         A hook that raises is ``calling`` (``mended`` settles its job from ``raised``);
-        a statement's error leaves ``calling`` None."""
+        a statement's error leaves ``calling`` None. ``tolerant``: the hooks that raised
+        before sending any statement, by their index in ``calls``, are answered instead
+        (``CallHooks``)."""
         self.calling = None
         try:
-            yield CallHooks([CallHook(item.hook, item.held.job, value) for item, value in calls],
-                            self.queries.adopt_followups, then)
+            refused: dict[int, Exception] = yield CallHooks(
+                [CallHook(item.hook, item.held.job, value) for item, value in calls],
+                self.queries.adopt_followups, then, tolerant)
         except HookRaised as raised:
             self.raising = True
+            self.dirty = self.dirty or not raised.clean
             # A psycopg error, even raised through a hook, may be an earlier hook's
             # statement's: whose, unknown.
             if raised.at is not None and not isinstance(raised.error, psycopg.Error):
@@ -344,6 +420,7 @@ class HookedOutcomes:
                 self.calling = item
             raise
         self.then_ran = True
+        return refused
 
     def mended(self, items: list[Hooked],
                culprit: Hooked | None = None) -> HookStep[list[AttemptOutcome]]:
@@ -563,8 +640,7 @@ def in_transaction(conn: psycopg.Connection[Any],
                 return _rolled_back_to(conn, instruction.query)
             return execute(conn, instruction)
         if isinstance(instruction, CallHooks):
-            return _call_hooks(conn, schema, instruction.calls, instruction.adopt,
-                               instruction.then)
+            return _call_hooks(conn, schema, instruction)
         tx = HookTransaction(conn, schema)
         try:
             instruction.fn(tx, instruction.job, instruction.value)
@@ -586,8 +662,7 @@ def in_transaction_async(conn: psycopg.AsyncConnection[Any],
                 return await _rolled_back_to_async(conn, instruction.query)
             return await execute_async(conn, instruction)
         if isinstance(instruction, CallHooks):
-            return await _call_hooks_async(conn, schema, instruction.calls,
-                                           instruction.adopt, instruction.then)
+            return await _call_hooks_async(conn, schema, instruction)
         tx = AsyncHookTransaction(conn, schema)
         try:
             await instruction.fn(tx, instruction.job, instruction.value)
@@ -598,59 +673,78 @@ def in_transaction_async(conn: psycopg.AsyncConnection[Any],
     return execute_instruction
 
 
-def _call_hooks(conn: psycopg.Connection[Any], schema: str, calls: list[CallHook],
-                adopt: str | None, then: tuple[str, ...]) -> list[list[int]]:
+def _call_hooks(conn: psycopg.Connection[Any], schema: str,
+                instruction: CallHooks) -> dict[int, Exception]:
     """``CallHooks`` on a blocking connection."""
-    created: list[list[int]] = []
+    refused: dict[int, Exception] = {}
+    adopt = instruction.adopt
     with _collection_paused():
         try:
             with conn.pipeline() as pipeline:
-                _sent_together(pipeline)
-                for at, call in enumerate(calls):
+                sent = _sent_together(pipeline)
+                for at, call in enumerate(instruction.calls):
+                    before = sent()
                     tx = HookTransaction(conn, schema)
                     try:
                         call.fn(tx, call.job, call.value)
                     except Exception as exc:
-                        _raise_hook_error(exc, conn.closed, at)
-                    created.append(tx.created)
+                        clean = _raised_clean(exc, before, sent(), conn.closed)
+                        if clean and instruction.tolerant:
+                            refused[at] = exc
+                            continue
+                        _raise_hook_error(exc, conn.closed, at, clean=clean)
                     if tx.created and adopt is not None:
                         conn.execute(adopt, {"parent": call.job.key, "ids": tx.created})
                 conn.execute("SELECT 1")  # refused if a hook left the transaction aborted
-                for command in then:
+                for command in instruction.then:
                     conn.execute(command)
         except HookRaised:
             raise
         except Exception as exc:  # at the wait: a statement's, or the connection's
             _raise_hook_error(exc, conn.closed)
-    return created
+    return refused
 
 
 async def _call_hooks_async(conn: psycopg.AsyncConnection[Any], schema: str,
-                            calls: list[CallHook], adopt: str | None,
-                            then: tuple[str, ...]) -> list[list[int]]:
+                            instruction: CallHooks) -> dict[int, Exception]:
     """``CallHooks`` on an asyncio connection (the hooks are ``async def``)."""
-    created: list[list[int]] = []
+    refused: dict[int, Exception] = {}
+    adopt = instruction.adopt
     with _collection_paused():
         try:
             async with conn.pipeline() as pipeline:
-                _sent_together(pipeline)
-                for at, call in enumerate(calls):
+                sent = _sent_together(pipeline)
+                for at, call in enumerate(instruction.calls):
+                    before = sent()
                     tx = AsyncHookTransaction(conn, schema)
                     try:
                         await call.fn(tx, call.job, call.value)
                     except Exception as exc:
-                        _raise_hook_error(exc, conn.closed, at)
-                    created.append(tx.created)
+                        clean = _raised_clean(exc, before, sent(), conn.closed)
+                        if clean and instruction.tolerant:
+                            refused[at] = exc
+                            continue
+                        _raise_hook_error(exc, conn.closed, at, clean=clean)
                     if tx.created and adopt is not None:
                         await conn.execute(adopt, {"parent": call.job.key, "ids": tx.created})
                 await conn.execute("SELECT 1")
-                for command in then:
+                for command in instruction.then:
                     await conn.execute(command)
         except HookRaised:
             raise
         except Exception as exc:
             _raise_hook_error(exc, conn.closed)
-    return created
+    return refused
+
+
+def _raised_clean(exc: Exception, before: int | None, after: int | None,
+                  closed: bool) -> bool:
+    """Whether a hook that raised ``exc`` left nothing in the transaction: it sent no
+    statement (the pipeline's count of commands did not move, and is known), the error
+    is not a database's (which may be an earlier statement's, surfacing), and the
+    connection is up."""
+    return (before is not None and before == after and not closed
+            and not isinstance(exc, psycopg.Error))
 
 
 def _rolled_back_to(conn: psycopg.Connection[Any], query: str) -> list[Any]:
@@ -720,7 +814,24 @@ one write and one look for answers for them all, and the server at work on them 
 the next hooks are called."""
 
 
-def _sent_together(pipeline: Any) -> None:
+class _CountedQueue(deque[Any]):
+    """psycopg's queue of a pipeline's commands to send, counting every command put in
+    it (a statement, a transaction command, a sync): ``_sent_together``'s count."""
+
+    def __init__(self, commands: deque[Any]) -> None:
+        super().__init__(commands)
+        self.queued = 0
+
+    def append(self, command: Any) -> None:
+        self.queued += 1
+        super().append(command)
+
+
+def _unknown() -> None:
+    return None
+
+
+def _sent_together(pipeline: Any) -> Callable[[], int | None]:
     """Send the statements executed in ``pipeline`` (psycopg's, either flavour) to the
     server ``SENT_TOGETHER`` at a time, and whenever an answer is waited for (a cursor's
     rows, a nested pipeline's sync, the pipeline's end). psycopg sends each statement as
@@ -728,13 +839,16 @@ def _sent_together(pipeline: Any) -> None:
     given up and taken back each time, waiting for the dispatcher's other threads):
     held back, a chunk's hooks' statements are put in libpq's buffer and written
     together. The order of the statements, their answers and errors are psycopg's own:
-    only when they are written moves. On a psycopg whose pipeline lacks what this relies
-    on (its queue of statements to send and its two generators), nothing is changed."""
-    queue = getattr(pipeline, "command_queue", None)
+    only when they are written moves. Answers a count of the commands queued in the
+    pipeline so far, which tells whether a hook sent anything. On a psycopg whose
+    pipeline lacks what this relies on (its queue of statements to send and its two
+    generators), nothing is changed and the count is unknown (None)."""
+    commands = getattr(pipeline, "command_queue", None)
     communicate = getattr(pipeline, "_communicate_gen", None)
     fetch = getattr(pipeline, "_fetch_gen", None)
-    if queue is None or not callable(communicate) or not callable(fetch):
-        return
+    if not isinstance(commands, deque) or not callable(communicate) or not callable(fetch):
+        return _unknown
+    queue = pipeline.command_queue = _CountedQueue(commands)
 
     def sent() -> Generator[Any, Any, None]:
         while queue:  # into libpq's buffer: written by the one flush that follows
@@ -759,21 +873,28 @@ def _sent_together(pipeline: Any) -> None:
     pipeline._communicate_gen = held_back
     pipeline._fetch_gen = sent_then_fetched
 
+    def queued() -> int:
+        return queue.queued
 
-def _raise_hook_error(exc: Exception, closed: bool, at: int | None = None) -> NoReturn:
+    return queued
+
+
+def _raise_hook_error(exc: Exception, closed: bool, at: int | None = None, *,
+                      clean: bool = False) -> NoReturn:
     """Raise what ``exc``, raised by a hook (the ``at``-th of ``CallHooks``), is for
     the step (``_hook_error``)."""
-    error = _hook_error(exc, closed, at)
+    error = _hook_error(exc, closed, at, clean=clean)
     if error is exc:
         raise exc
     raise error from exc
 
 
-def _hook_error(exc: Exception, closed: bool, at: int | None = None) -> Exception:
+def _hook_error(exc: Exception, closed: bool, at: int | None = None, *,
+                clean: bool = False) -> Exception:
     """What a hook's exception is for the step: ``HookRaised``; or, when the connection
     went down with it, a lost connection (retried as one, never blamed on the hook)."""
     if not closed:
-        return HookRaised(exc, at)
+        return HookRaised(exc, at, clean=clean)
     if isinstance(exc, CONNECTION_ERRORS):
         return exc
     return psycopg.OperationalError(

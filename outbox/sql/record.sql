@@ -133,6 +133,19 @@ FROM {schema}.effect_results r
 WHERE r.job_id = ANY (CAST((SELECT c.ids FROM claims c) AS bigint[]))
   AND (SELECT c.by_claim FROM claims c) ? concat(r.job_id, '/', r.claim_version);
 
+-- name: lock_claims
+-- Lock the jobs of these claims that still hold their fence (running at the claim's
+-- version), before their completion hooks are called and before their status changes
+-- (outbox/_dispatch/hooked.py, ``locked``): a claim lost meanwhile is not locked, and its
+-- hook is not called; a locked job cannot be claimed again, rescued or cancelled until
+-- this transaction ends, so the completion written after the hooks finds every one. The
+-- ids of the jobs locked. The claims: {id, version} (fragment claims).
+WITH {claims}
+SELECT j.id
+FROM {schema}.jobs j
+WHERE {claimed} AND j.status IS NOT DISTINCT FROM 'running'
+FOR UPDATE OF j;
+
 -- name: settle
 -- running -> pending (retry, or release with the attempt refunded), failed or reconcile:
 -- the decisions of outbox._lifecycle (settle, and expired for the rescuer's). A claim the

@@ -57,6 +57,7 @@ class Hook:
 
     schema: str
     raising: set[str] = field(default_factory=set)
+    refusing: set[str] = field(default_factory=set)  # raise before any statement
     swallowing: set[str] = field(default_factory=set)  # catch an error of their statement
     following: bool = False  # enqueue a follow-up job, "after-<key>"
     undoing: bool = False  # also insert "undone-<key>" in a savepoint of its own, undone
@@ -67,6 +68,8 @@ class Hook:
 
     def __call__(self, tx: outbox.HookTransaction, job: outbox.Job, result: Any) -> None:
         self.calls[job.key] += 1
+        if job.key in self.refusing:
+            raise Broke(f"hook refused {job.key}")
         self.pipelined.append(bool(tx.connection.pgconn.pipeline_status))
         self.collecting.append(gc.isenabled())
         ident = sql.Identifier(self.schema)
@@ -100,6 +103,8 @@ class AsyncHook(Hook):
     async def __call__(  # type: ignore[override]
             self, tx: outbox.AsyncHookTransaction, job: outbox.Job, result: Any) -> None:
         self.calls[job.key] += 1
+        if job.key in self.refusing:
+            raise Broke(f"hook refused {job.key}")
         self.pipelined.append(bool(tx.connection.pgconn.pipeline_status))
         self.collecting.append(gc.isenabled())
         ident = sql.Identifier(self.schema)
@@ -247,8 +252,10 @@ def chunk_of(dsn: str, schema: str, request: pytest.FixtureRequest,
     made: list[Chunk] = []
     kind = AsyncHook if request.param == "async" else Hook
 
-    def make(count: int = CHUNK, raising: Iterable[int] = ()) -> Chunk:
-        chunk = make_chunk(dsn, schema, kind(schema, {key(n) for n in raising}), count)
+    def make(count: int = CHUNK, raising: Iterable[int] = (),
+             refusing: Iterable[int] = ()) -> Chunk:
+        hook = kind(schema, {key(n) for n in raising}, {key(n) for n in refusing})
+        chunk = make_chunk(dsn, schema, hook, count)
         made.append(chunk)
         return chunk
 
@@ -432,3 +439,84 @@ def test_a_hooks_own_savepoint_rolled_back_in_the_pipeline_keeps_the_rest(
     assert chunk.rows() == sorted({key(n) for n in range(CHUNK)} - raised)
     assert chunk.counted() == CHUNK - len(raised)
     assert chunk.stats.done == CHUNK - len(raised)
+
+
+def _refused_first(chunk: Chunk) -> None:
+    """Write the chunk ``key(0..CHUNK)`` whose hook refuses at job 1 (before any
+    statement): the next chunk is written hooks first (``locked``)."""
+    chunk.write(key(n) for n in range(CHUNK))
+    assert chunk.hooked.raising and not chunk.hooked.dirty
+    chunk.hook.calls.clear()
+
+
+def test_after_hooks_that_refused_before_writing_the_next_chunk_calls_each_hook_once(
+    chunk_of: Callable[..., Chunk],
+) -> None:
+    """Written hooks first, a chunk whose hooks refuse (raise before sending anything)
+    rolls nothing back: every other hook is called once (in segments, those of a
+    refusing hook's segment before it would be called twice), each refusing job is
+    settled from its error, its provider's answer kept, and the next chunk is written
+    hooks first again."""
+    refusing = [CHUNK + 3, CHUNK + 40, 2 * CHUNK - 1]
+    chunk = chunk_of(count=2 * CHUNK, refusing=[1, *refusing])
+    _refused_first(chunk)
+    chunk.write(key(n) for n in range(CHUNK, 2 * CHUNK))
+    assert [chunk.hook.calls[key(n)] for n in range(CHUNK, 2 * CHUNK)] == [1] * CHUNK
+    refused = {key(n) for n in [1, *refusing]}
+    assert chunk.rows() == sorted({key(n) for n in range(2 * CHUNK)} - refused)
+    assert chunk.counted() == 2 * CHUNK - len(refused)
+    found = chunk.jobs()
+    for k in refused:
+        assert found[k]["status"] == "pending", found[k]
+        assert "hook refused" in found[k]["last_error"]
+        assert found[k]["performed_result"] == {"n": 1}  # not performed again
+    assert all(found[key(n)]["status"] == "done" for n in range(2 * CHUNK)
+               if key(n) not in refused)
+    assert chunk.stats.retried == len(refused)
+    assert chunk.stats.done == 2 * CHUNK - len(refused)
+    assert chunk.hooked.raising and not chunk.hooked.dirty
+
+
+def test_written_hooks_first_a_claim_fenced_out_runs_no_hook_and_writes_nothing(
+    chunk_of: Callable[..., Chunk],
+) -> None:
+    """Hooks first, the jobs are locked before any hook is called: a claim lost
+    meanwhile is not locked, so its hook is never called (not called and rolled back)."""
+    chunk = chunk_of(count=2 * CHUNK, refusing=[1, CHUNK + 10])
+    _refused_first(chunk)
+    fenced = {key(CHUNK), key(CHUNK + 33), key(2 * CHUNK - 1)}
+    claimed = [key(n) for n in range(CHUNK, 2 * CHUNK)]
+    chunk.write(claimed, fenced)
+    assert not any(chunk.hook.calls[k] for k in fenced)
+    assert all(chunk.hook.calls[k] == 1 for k in claimed if k not in fenced)
+    refused = {key(1), key(CHUNK + 10)}
+    assert chunk.rows() == sorted({key(n) for n in range(2 * CHUNK)} - fenced - refused)
+    found = chunk.jobs()
+    assert all(found[k]["status"] == "running" for k in fenced)  # left to their new claim
+    assert found[key(CHUNK + 10)]["status"] == "pending"
+    assert chunk.stats.done == 2 * CHUNK - len(fenced) - len(refused)
+
+
+def test_written_hooks_first_a_hook_raising_after_writing_sends_the_chunk_to_segments(
+    chunk_of: Callable[..., Chunk],
+) -> None:
+    """A hook that raises after sending its statements cannot be left out alone: the
+    chunk written hooks first is rolled back and written again in segments (each hook
+    before it called twice), nothing of the raising hook kept; the next chunk goes to
+    segments from the start."""
+    chunk = chunk_of(count=3 * CHUNK, refusing=[1], raising=[CHUNK + 40, 2 * CHUNK + 40])
+    _refused_first(chunk)
+    chunk.write(key(n) for n in range(CHUNK, 2 * CHUNK))
+    calls = [chunk.hook.calls[key(CHUNK + n)] for n in range(CHUNK)]
+    assert calls[:40] == [2] * 40  # the locked attempt, rolled back, then its segments
+    assert calls[40:] == [1] * (CHUNK - 40)  # the raising one settled from its error
+    assert chunk.hooked.raising and chunk.hooked.dirty
+    chunk.hook.calls.clear()
+    chunk.write(key(n) for n in range(2 * CHUNK, 3 * CHUNK))
+    calls = [chunk.hook.calls[key(2 * CHUNK + n)] for n in range(CHUNK)]
+    assert calls[:HOOKED_SEGMENT] == [1] * HOOKED_SEGMENT  # in segments: only its own
+    assert calls[HOOKED_SEGMENT:40] == [2] * (40 - HOOKED_SEGMENT)
+    raised = {key(1), key(CHUNK + 40), key(2 * CHUNK + 40)}
+    assert chunk.rows() == sorted({key(n) for n in range(3 * CHUNK)} - raised)
+    assert chunk.counted() == 3 * CHUNK - len(raised)
+    assert chunk.stats.retried == len(raised)
