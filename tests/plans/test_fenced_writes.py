@@ -37,7 +37,7 @@ from outbox.testing import create_schema, drop_schema
 PENDING = 20_000
 RUNNING = 4_000  # claimed after the statistics were taken
 MODES = ("force_custom_plan", "force_generic_plan")
-FENCED = ["complete", "complete_delete", "settle", "heartbeat"]
+FENCED = ["complete", "complete_delete", "settle", "heartbeat", "lock_claims"]
 SMALL, ADDED, CLAIMED = 300, 4_700, 2_000  # a fresh deployment's first drain
 
 
@@ -180,7 +180,7 @@ def batch_params(name: str, ids: list[int]) -> dict[str, Any]:
         return {"claims": json.dumps([{"id": i, "version": 1, "status": "failed",
                                        "delay": 0.0, "error": "boom", "refund": False}
                                       for i in ids])}
-    if name == "recorded_claims":
+    if name in ("recorded_claims", "lock_claims"):
         return {"claims": json.dumps([{"id": i, "version": 1} for i in ids])}
     assert name == "heartbeat"
     return {"claims": json.dumps([{"id": i, "version": 1} for i in ids]), "lease": 30.0}
