@@ -60,6 +60,7 @@ class Hook:
     refusing: set[str] = field(default_factory=set)  # raise before any statement
     swallowing: set[str] = field(default_factory=set)  # catch an error of their statement
     following: bool = False  # enqueue a follow-up job, "after-<key>"
+    waiting: bool = False  # the follow-up waits on its parent: after=[<key>]
     undoing: bool = False  # also insert "undone-<key>" in a savepoint of its own, undone
     collecting: list[bool] = field(default_factory=list)  # gc.isenabled() in each call
     calls: Counter[str] = field(default_factory=Counter)
@@ -77,7 +78,8 @@ class Hook:
         cursor = tx.execute(sql.SQL("UPDATE {}.counted SET n = n + 1").format(ident))
         self.rowcounts.append(cursor.rowcount)
         if self.following:
-            tx.enqueue(EFFECT, key=f"after-{job.key}", payload={})
+            tx.enqueue(EFFECT, key=f"after-{job.key}", payload={},
+                       after=[job.key] if self.waiting else None)
         if self.undoing:
             with contextlib.suppress(Broke), tx.connection.transaction():
                 tx.execute(sql.SQL("INSERT INTO {}.hooked VALUES (%s)").format(ident),
@@ -111,7 +113,8 @@ class AsyncHook(Hook):
         await tx.execute(sql.SQL("INSERT INTO {}.hooked VALUES (%s)").format(ident),
                          (job.key,))
         if self.following:
-            await tx.enqueue(EFFECT, key=f"after-{job.key}", payload={})
+            await tx.enqueue(EFFECT, key=f"after-{job.key}", payload={},
+                             after=[job.key] if self.waiting else None)
         if self.undoing:
             with contextlib.suppress(Broke):
                 async with tx.connection.transaction():
@@ -520,3 +523,28 @@ def test_written_hooks_first_a_hook_raising_after_writing_sends_the_chunk_to_seg
     assert chunk.rows() == sorted({key(n) for n in range(3 * CHUNK)} - raised)
     assert chunk.counted() == 3 * CHUNK - len(raised)
     assert chunk.stats.retried == len(raised)
+
+
+@pytest.mark.parametrize("hooks_first", [False, True], ids=["optimistic", "hooks-first"])
+def test_a_follow_up_waiting_on_its_parent_is_due_once_the_chunk_commits(
+    chunk_of: Callable[..., Chunk], hooks_first: bool,
+) -> None:
+    """A hook may run before its job's completion is written (hooks first) or after it
+    (optimistic): a follow-up it enqueues with ``after=[the job's key]`` is due once the
+    chunk commits either way, its parent's result at hand, nothing waiting."""
+    chunk = chunk_of(count=2 * CHUNK, refusing=[1] if hooks_first else [])
+    first = range(CHUNK)
+    if hooks_first:
+        _refused_first(chunk)
+    else:
+        chunk.write(key(n) for n in first)
+        assert not chunk.hooked.raising
+    chunk.hook.following = chunk.hook.waiting = True
+    chunk.write(key(n) for n in range(CHUNK, 2 * CHUNK))
+    found = chunk.jobs()
+    follow_ups = {k: j for k, j in found.items() if k.startswith("after-")}
+    assert sorted(follow_ups) == [f"after-{key(n)}" for n in range(CHUNK, 2 * CHUNK)]
+    for k, j in follow_ups.items():
+        assert j["status"] == "pending" and j["after_waiting"] == 0, j
+        assert j["parent_key"] == k.removeprefix("after-")
+    assert chunk.stats.done == 2 * CHUNK - (1 if hooks_first else 0)
