@@ -58,11 +58,11 @@ import random
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Generator, Iterator
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar, cast
 
 import psycopg
 
@@ -78,7 +78,13 @@ from .flowsql import flow_queries
 from .hook_lookup import is_async_hook
 from .runtime import Blocking, Call, Program, Transaction, drive
 from .settings import Settings
-from .settling import reported, settle_claim, settle_claims
+from .settling import (
+    completion_claims,
+    fenced_claims,
+    reported,
+    settle_claim,
+    settle_claims,
+)
 from .state import Held, Outcome, SharedState, Success, guarded
 
 __all__ = ["HOOKED_CHUNK_MAX", "CallHook", "CallHooks", "HookRaised", "HookStep", "Hooked",
@@ -195,6 +201,11 @@ class Hooked:
             self.is_async = is_async_hook(self.hook)
 
 
+def _successes(items: Iterable[Hooked]) -> Iterator[tuple[Held, Success]]:
+    """The (held, success) pairs of hooked items whose outcome is a success."""
+    return ((item.held, cast(Success, item.outcome)) for item in items)
+
+
 class Recording(Protocol):
     """What the hooked path shares with the recorder that owns it (``Recorder``): its
     options, state and statements, its retry flag, and the jitter and rules that settle
@@ -306,10 +317,8 @@ class HookedOutcomes:
         done = [i for i in items if isinstance(i.outcome, Success)]
         failed = [i for i in items if not isinstance(i.outcome, Success)]
         if done:
-            claims = ",".join(f'{{"id":{i.held.job.id},"version":{i.held.job.claim_version}}}'
-                              for i in done)
-            locked = set((yield Statement(self.recorder.queries.lock_claims,
-                                          {"claims": f"[{claims}]"}, scalar=True)))
+            locked = set((yield Statement(self.recorder.queries.lock_claims, {
+                "claims": fenced_claims(i.held for i in done)}, scalar=True)))
             mine = [i for i in done if i.held.job.id in locked]
             unlocked = [i for i in done if i.held.job.id not in locked]
             landed: set[int] = set()
@@ -338,10 +347,8 @@ class HookedOutcomes:
     def _completed(self, items: list[Hooked]) -> HookStep[None]:
         """The completion of ``items``, whose jobs this transaction locked (``locked``):
         each is written, or the hooks' writes must not commit (a lost claim's)."""
-        claims = ",".join(
-            f'{{"id":{i.held.job.id},"version":{i.held.job.claim_version},'
-            f'"result":{i.outcome.result_json}}}' for i in items)  # type: ignore[union-attr]
-        rows = yield Statement(self.recorder.complete, {"claims": f"[{claims}]"}, scalar=True)
+        rows = yield Statement(self.recorder.complete,
+                               {"claims": completion_claims(_successes(items))}, scalar=True)
         if len(rows) != len(items):  # cannot happen while the locks hold
             raise HookRaised(RuntimeError(
                 f"{len(items) - len(rows)} locked claims were not completed"))
@@ -362,10 +369,8 @@ class HookedOutcomes:
         done = [i for i in items if isinstance(i.outcome, Success)]
         failed = [i for i in items if not isinstance(i.outcome, Success)]
         if done:
-            claims = ",".join(
-                f'{{"id":{i.held.job.id},"version":{i.held.job.claim_version},'
-                f'"result":{i.outcome.result_json}}}' for i in done)  # type: ignore[union-attr]
-            rows = yield Statement(self.recorder.complete, {"claims": f"[{claims}]"},
+            rows = yield Statement(self.recorder.complete,
+                                   {"claims": completion_claims(_successes(done))},
                                    scalar=True)  # the ids of the jobs completed
             written = set(rows)
             landed: set[int] = set()
@@ -502,9 +507,8 @@ class HookedOutcomes:
         return written
 
     def _done(self, item: Hooked, success: Success) -> HookStep[AttemptOutcome]:
-        job = item.held.job
-        rows = yield Statement(self.recorder.complete, {"claims": (
-            f'[{{"id":{job.id},"version":{job.claim_version},"result":{success.result_json}}}]')})
+        rows = yield Statement(self.recorder.complete,
+                               {"claims": completion_claims([(item.held, success)])})
         if not rows:
             if self.recorder.retrying and (yield from self.recorder.landed_before([item.held])):
                 return "done"  # our own commit landed; its reply was lost

@@ -35,7 +35,14 @@ from .hooked import HookedOutcomes, close_quietly, flush_hooked
 from .reconciler import reconcilers
 from .runtime import Call, Program, Run, Sleep, Wait
 from .settings import Settings
-from .settling import as_written, reported, settle_claim, settle_claims
+from .settling import (
+    as_written,
+    completion_claims,
+    fenced_claims,
+    reported,
+    settle_claim,
+    settle_claims,
+)
 from .shared import home_budget
 from .standby import ReadOnlyServer
 from .state import (
@@ -122,11 +129,7 @@ class Recorder:
         successes = cast(list[tuple[Held, Success]],
                          [pair for pair in batch if isinstance(pair[1], Success)])
         if successes:
-            claims = ",".join(
-                f'{{"id":{h.job.id},"version":{h.job.claim_version},"result":{o.result_json}}}'
-                for h, o in successes
-            )
-            rows = yield Statement(self.complete, {"claims": f"[{claims}]"},
+            rows = yield Statement(self.complete, {"claims": completion_claims(successes)},
                                    scalar=True)  # the ids of the jobs completed
             written = set(rows)
             if self.retrying and len(written) < len(successes):
@@ -202,8 +205,7 @@ class Recorder:
         retried batch whose first attempt landed but whose reply was lost. Read from the
         ledger (job id and claim version), which a completion writes whether it updates
         the job row or, with retention 0, deletes it."""
-        claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in helds)
-        rows = yield Statement(self.queries.recorded_claims, {"claims": f"[{claims}]"},
+        rows = yield Statement(self.queries.recorded_claims, {"claims": fenced_claims(helds)},
                                scalar=True)  # the ids of the jobs whose claim recorded
         return set(rows)
 
@@ -296,8 +298,7 @@ class Recorder:
         if not held:
             self.state.watch.renewed = sent
             return
-        claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in held)
-        rows = yield Statement(self.queries.heartbeat, {"claims": f"[{claims}]",
+        rows = yield Statement(self.queries.heartbeat, {"claims": fenced_claims(held),
                                                         "lease": self.settings.lease},
                                named=True)
         # (id, cancel) of each lease extended; cancel: an operator cancelled the claim

@@ -1,4 +1,6 @@
-"""The claims ``settle`` (``sql/record.sql``) applies, each with both its decisions.
+"""The claims the fenced writes of ``sql/record.sql`` are given: ``settle``'s, each with
+both its decisions, and the plainer ones of the others (``fenced_claims``,
+``completion_claims``).
 
 Every caller that settles a claim (the recorder, the completion hooks, the rescuer) builds
 its claims here, so that each carries the decision taken for it and the decision for the
@@ -20,8 +22,10 @@ from .. import _lifecycle
 from .._lifecycle import Decision
 from ..effect import Job
 from ..observe import AttemptOutcome
+from .held import Held, Success
 
-__all__ = ["as_written", "reported", "settle_claim", "settle_claims"]
+__all__ = ["as_written", "completion_claims", "fenced_claims", "reported", "settle_claim",
+           "settle_claims"]
 
 _OBSERVED: dict[str, AttemptOutcome] = {
     "pending": "retry", "failed": "failed", "reconcile": "reconcile", "done": "done",
@@ -66,3 +70,20 @@ def reported(claim: Mapping[str, Any], *, cancelled: bool) -> AttemptOutcome:
     if status == "pending" and claim["cancelled_refund" if cancelled else "refund"]:
         return "released"
     return _OBSERVED[status]
+
+
+def fenced_claims(helds: Iterable[Held]) -> str:
+    """The ``claims`` parameter of a fenced statement that needs only each claim
+    (``heartbeat``, ``recorded_claims``, ``lock_claims``): the JSON array of their
+    ``{id, version}``, written as text (no object a job: the recorder's own path)."""
+    claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in helds)
+    return f"[{claims}]"
+
+
+def completion_claims(successes: Iterable[tuple[Held, Success]]) -> str:
+    """The ``claims`` parameter of ``complete`` and ``complete_delete``: the JSON array of
+    each claim's ``{id, version, result}``, the result the outcome's JSON text as is."""
+    claims = ",".join(
+        f'{{"id":{h.job.id},"version":{h.job.claim_version},"result":{o.result_json}}}'
+        for h, o in successes)
+    return f"[{claims}]"
