@@ -19,8 +19,10 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from effects.testing import FakeProvider
 
 from ._sql import ChaosQueries, chaos_queries
 from .config import ChaosConfig
@@ -30,7 +32,7 @@ from .providers import Providers
 from .schedule import PROVIDERS, FaultEvent
 from .windows import AIM_SECONDS, Aimer, died_inside, statement_windows
 
-__all__ = ["FaultInjector", "FaultLog", "KillRecord"]
+__all__ = ["FaultInjector", "FaultLog", "KillRecord", "disarm_unmet"]
 
 log = logging.getLogger("effects.chaos")
 
@@ -89,6 +91,26 @@ class FaultLog:
         return Counter(window for kill in self.kills for window in kill.hit)
 
 
+# A provider fault of the schedule -> the fake's kind of one-shot fault it arms.
+_FAKE_FAULT_KIND: dict[str | tuple[str, str], str] = {
+    "5xx": "failure", "429": "429", "timeout": "stall",
+    ("drop", "before"): "drop", ("drop", "after"): "post_drop",
+}
+
+
+def disarm_unmet(fakes: Mapping[str, FakeProvider], provider: str,
+                 armed_kinds: Collection[str]) -> int:
+    """Drop the faults armed at ``provider`` that no request met; how many. A burst of
+    errors belongs to its moment: what the last one left unmet (the dispatchers paused
+    the effect, its breaker open) is not queued for whichever probe comes next. Except
+    a kind (of ``armed_kinds``, the fakes' names) no request has met at any of
+    ``fakes`` yet: it stays armed until one does, or a run could end with a fault
+    enabled and never injected."""
+    never_met = {kind for kind in armed_kinds
+                 if not any(fake.faults_met(kind) for fake in fakes.values())}
+    return fakes[provider].disarm_pending(keep=never_met)
+
+
 class FaultInjector:
     """Runs the schedule on its own thread: ``run(events, stop)``, then ``finish()``."""
 
@@ -109,6 +131,7 @@ class FaultInjector:
         self._spikes: dict[int, tuple[str, int]] = {}  # by ref: (provider, requests then)
         # (kind, provider) -> the fake's (throttled, outage_requests) when it began
         self._disarmed = 0  # unmet provider faults dropped when the next was armed
+        self._armed_kinds: set[str] = set()  # the fakes' fault kinds armed in this run
         self._push_backs: dict[tuple[str, str], tuple[int, int]] = {}
         # (kind, provider) -> until when a window past its end, unmet, stays in force
         self._lingering: dict[tuple[str, str], float] = {}
@@ -139,7 +162,7 @@ class FaultInjector:
         # armed, they would fail the probes of an effect whose breaker the burst opened,
         # one per probe interval, long after the provider's bad moment.
         for name in PROVIDERS:
-            self._disarmed += self._providers.by_name(name).disarm_pending()
+            self._disarm(name)
         while (self._lingering or self._lingering_spikes) and not stop.wait(0.1):
             self._settle_push_backs()
 
@@ -376,10 +399,7 @@ class FaultInjector:
 
     def _provider_fault(self, event: FaultEvent) -> None:
         fake = self._providers.by_name(event.provider)
-        # A burst of errors belongs to its moment: what the last one left unmet (the
-        # dispatchers paused the effect, its breaker open) is dropped, not queued for
-        # whichever probe comes next.
-        self._disarmed += fake.disarm_pending()
+        self._disarm(event.provider)
         if event.kind in ("5xx", "429"):
             retry_after = event.seconds if event.kind == "429" else None
             fake.fail_next(event.count, event.status, retry_after=retry_after)
@@ -391,7 +411,13 @@ class FaultInjector:
             fake.succeed_then_drop(event.count)
         else:
             raise ValueError(f"unknown fault kind {event.kind!r}")
+        self._armed_kinds.add(_FAKE_FAULT_KIND[(event.kind, event.variant)]
+                              if event.kind == "drop" else _FAKE_FAULT_KIND[event.kind])
         self.log.armed[event.kind] += event.count
+
+    def _disarm(self, provider: str) -> None:
+        fakes = {name: self._providers.by_name(name) for name in PROVIDERS}
+        self._disarmed += disarm_unmet(fakes, provider, self._armed_kinds)
 
     def _push_back(self, event: FaultEvent) -> None:
         """A rate limit (throttle) or an outage at one provider until its end event;

@@ -6,7 +6,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Self
 
 from ._faults import Failure, Faults, Hold, PostFault, PreFault
@@ -157,12 +157,20 @@ class FakeProvider:
         """Delay every following request by ``seconds`` before handling it (0 stops)."""
         self._faults.set_latency(seconds)
 
-    def disarm_pending(self) -> int:
+    def disarm_pending(self, keep: Collection[str] = ()) -> int:
         """Disarm the faults armed by ``fail_next``, ``drop_connection``,
         ``succeed_then_timeout`` and ``succeed_then_drop`` that no request has met yet,
         and return how many there were: errors come in bursts in time, and a client that
-        stopped sending (a breaker) would otherwise meet a queue of them later."""
-        return self._faults.disarm_pending()
+        stopped sending (a breaker) would otherwise meet a queue of them later. Faults
+        of a kind in ``keep`` stay armed: ``"failure"`` (``fail_next`` with a status
+        other than 429), ``"429"``, ``"drop"`` (``drop_connection``), ``"stall"``
+        (``succeed_then_timeout``), ``"post_drop"`` (``succeed_then_drop``)."""
+        return self._faults.disarm_pending(keep)
+
+    def faults_met(self, kind: str) -> int:
+        """How many armed one-shot faults of ``kind`` (named as for ``disarm_pending``'s
+        ``keep``) requests have met so far."""
+        return self._faults.met(kind)
 
     def set_rate_limit(self, rate: float | None) -> None:
         """Admit at most ``rate`` requests per second (a token bucket holding one second

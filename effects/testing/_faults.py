@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Failure", "Faults", "Hold", "PostFault", "PreFault"]
+__all__ = ["Failure", "Faults", "Hold", "PostFault", "PreFault", "fault_kind"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Faults:
         self._stalled = threading.Condition(self._lock)
         self._stalled_count = 0
         self._closed = False
+        self._met: Counter[str] = Counter()  # by fault_kind: armed faults a request met
 
     @property
     def latency(self) -> float:
@@ -122,15 +124,24 @@ class Faults:
             self._closed = True
         self._release_waiting()
 
-    def disarm_pending(self) -> int:
-        """Disarm the failures, drops and post-perform faults no request has met yet;
-        how many there were. Latency, holds and stalled answers stay."""
+    def disarm_pending(self, keep: Collection[str] = ()) -> int:
+        """Disarm the failures, drops and post-perform faults no request has met yet,
+        except those whose ``fault_kind`` is in ``keep``; how many were disarmed.
+        Latency, holds and stalled answers stay."""
         with self._lock:
+            failures = [f for f in self._failures if fault_kind(f) in keep]
+            posts = [f for f in self._post_faults if fault_kind(f) in keep]
+            drops = self._drops if fault_kind(PreFault.DROP) in keep else 0
             pending = len(self._failures) + self._drops + len(self._post_faults)
-            self._failures.clear()
-            self._drops = 0
-            self._post_faults.clear()
-        return pending
+            self._failures = deque(failures)
+            self._drops = drops
+            self._post_faults = deque(posts)
+        return pending - len(failures) - len(posts) - drops
+
+    def met(self, kind: str) -> int:
+        """How many armed faults of ``kind`` (a ``fault_kind``) requests have met."""
+        with self._lock:
+            return self._met[kind]
 
     def clear(self) -> None:
         """Disarm everything and release whatever is waiting."""
@@ -154,15 +165,24 @@ class Faults:
     def take_pre(self) -> PreFault | Failure | None:
         """The fault for a request about to be handled: a drop first, then a failure."""
         with self._lock:
+            fault: PreFault | Failure | None = None
             if self._drops:
                 self._drops -= 1
-                return PreFault.DROP
-            return self._failures.popleft() if self._failures else None
+                fault = PreFault.DROP
+            elif self._failures:
+                fault = self._failures.popleft()
+            if fault is not None:
+                self._met[fault_kind(fault)] += 1
+            return fault
 
     def take_post(self) -> PostFault | None:
         """The fault for a request that was just performed."""
         with self._lock:
-            return self._post_faults.popleft() if self._post_faults else None
+            if not self._post_faults:
+                return None
+            fault = self._post_faults.popleft()
+            self._met[fault_kind(fault)] += 1
+            return fault
 
     def hold_if_armed(self) -> None:
         """Block the calling request on the next armed hold, if any."""
@@ -191,6 +211,17 @@ class Faults:
         with self._lock:
             if not self._stalled.wait_for(lambda: self._stalled_count >= n, timeout):
                 raise AssertionError(f"{n} stalled answer(s) expected within {timeout} s")
+
+
+def fault_kind(fault: Failure | PreFault | PostFault) -> str:
+    """The kind a one-shot fault is counted and kept by: ``"429"`` and ``"failure"``
+    (any other status) answered before performing, ``"drop"`` before performing,
+    ``"stall"`` and ``"post_drop"`` after."""
+    if isinstance(fault, Failure):
+        return "429" if fault.status == 429 else "failure"
+    if isinstance(fault, PreFault):
+        return "drop"
+    return "stall" if fault is PostFault.STALL else "post_drop"
 
 
 def _count(n: int) -> int:

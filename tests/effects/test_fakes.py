@@ -530,3 +530,20 @@ def test_disarm_pending_drops_only_the_faults_no_request_met(
     assert resend.disarm_pending() == 3  # two failures and the drop
     assert post_email(http, resend, "k1").status_code == 200
     assert resend.disarm_pending() == 0
+
+
+def test_disarm_pending_keeps_the_kinds_asked_and_counts_what_requests_met(
+    resend: FakeEmailProvider, http: httpx.Client
+) -> None:
+    resend.fail_next(2, 503)
+    resend.fail_next(1, 429)
+    assert post_email(http, resend, "k0").status_code == 503
+    resend.succeed_then_drop(2)
+    assert resend.faults_met("failure") == 1 and resend.faults_met("429") == 0
+
+    # The 503 left and the drops after performing go; the 429 stays, first in line.
+    assert resend.disarm_pending(keep={"429"}) == 3
+    assert post_email(http, resend, "k1").status_code == 429
+    assert resend.faults_met("429") == 1 and resend.faults_met("post_drop") == 0
+    assert post_email(http, resend, "k2").status_code == 200
+    assert resend.disarm_pending(keep={"429", "post_drop"}) == 0
