@@ -34,6 +34,8 @@
                 settlement itself is ``outbox._lifecycle.settle``
     hooked      the recorder's per-job path for outcomes with a completion hook, and
                 how a hook is called in a transaction
+    collector   Python's cyclic garbage collector paused around a burst of allocation
+                (a claim's jobs made, a chunk's hooks called), counted across threads
     settling    the claims ``settle`` applies, each with its decision and the one for a
                 claim an operator cancelled meanwhile (``_lifecycle.cancelled_meanwhile``)
     hook_lookup which effects have completion hooks and reconcilers (build time)

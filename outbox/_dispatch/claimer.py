@@ -34,6 +34,7 @@ from ..migrate import latest_version, require_current
 from ..observe import PurgedTable
 from .awake import Awake
 from .budget import ClaimStep, LimitedClaims
+from .collector import collection_paused
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .counting import Waits
 from .crew import turn_share
@@ -356,8 +357,9 @@ class Claimer:
                 self.rescued_due.pop(row[_ID], None)
         parents = yield from self.after_results(rows)
         elapsed = time.monotonic() - started
-        batch = self._helds(rows, parents)
-        self.state.hold(batch)
+        with collection_paused():  # thousands of jobs made at once (collector.py)
+            batch = self._helds(rows, parents)
+            self.state.hold(batch)
         guarded(self.state.events.claimed, elapsed, Waits(rows))
         return batch
 

@@ -51,11 +51,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import logging
 import random
-import threading
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
@@ -73,6 +71,7 @@ from .._steps import Rows, Statement, Step, execute, execute_async
 from ..effect import Job
 from ..flows import AsyncHookTransaction, HookTransaction
 from ..observe import AttemptOutcome
+from .collector import collection_paused
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .flowsql import flow_queries
 from .hook_lookup import is_async_hook
@@ -128,7 +127,8 @@ class CallHooks:
     with ``at`` None. With ``tolerant``, a hook that raises before sending any statement
     (not a psycopg error) does not stop the calls: nothing of it is in the transaction.
     Answers those hooks' errors by their index (``tolerant``; else none). Python's
-    cyclic garbage collector waits while the hooks are called (``_collection_paused``).
+    cyclic garbage collector waits while the hooks are called
+    (``collector.collection_paused``).
     In the same pipeline: ``adopt`` (the follow-ups' adoption, ``adopt_followups``)
     after each hook that created follow-ups, and after the check the commands ``then``
     (a segment's release and the next one's savepoint: ``mended``), none of which runs
@@ -682,7 +682,7 @@ def _call_hooks(conn: psycopg.Connection[Any], schema: str,
     """``CallHooks`` on a blocking connection."""
     refused: dict[int, Exception] = {}
     adopt = instruction.adopt
-    with _collection_paused():
+    with collection_paused():
         try:
             with conn.pipeline() as pipeline:
                 sent = _sent_together(pipeline)
@@ -714,7 +714,7 @@ async def _call_hooks_async(conn: psycopg.AsyncConnection[Any], schema: str,
     """``CallHooks`` on an asyncio connection (the hooks are ``async def``)."""
     refused: dict[int, Exception] = {}
     adopt = instruction.adopt
-    with _collection_paused():
+    with collection_paused():
         try:
             async with conn.pipeline() as pipeline:
                 sent = _sent_together(pipeline)
@@ -773,43 +773,6 @@ async def _rolled_back_to_async(conn: psycopg.AsyncConnection[Any], query: str) 
         return await execute_async(conn, Statement(query, {}))
     await conn.wait(command(query))
     return []
-
-
-class _CollectorPause:
-    """Python's cyclic garbage collector waits while a chunk's hooks are called (at most
-    ``HOOKED_CHUNK_MAX`` of them, half a heartbeat interval): each hook's cursor and
-    transaction objects trigger collections otherwise, a full one now and then, each
-    walking every object of the dispatcher, about a quarter of the recorder's CPU a hook
-    (measured, docs/explanation/performance.md). The collector is process-wide and
-    several recorders may share a process (dispatchers side by side, a fleet): the pauses
-    are counted under a lock, the first turns it off if it was on and the last turns it
-    back on, so one recorder's end never re-enables it under another's chunk, and a
-    collector that was off is left off. The cycles made meanwhile are collected after,
-    as they would have been."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pausing = 0
-        self._was_enabled = False
-
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        with self._lock:
-            if self._pausing == 0:
-                self._was_enabled = gc.isenabled()
-                if self._was_enabled:
-                    gc.disable()
-            self._pausing += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._pausing -= 1
-                if self._pausing == 0 and self._was_enabled:
-                    gc.enable()
-
-
-_collection_paused = _CollectorPause()
 
 
 SENT_TOGETHER = 32

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from outbox._dispatch.hooked import SENT_TOGETHER, _collection_paused, _sent_together
+from outbox._dispatch.collector import collection_paused
+from outbox._dispatch.hooked import SENT_TOGETHER, _sent_together
 
 
 class FakePipeline:
@@ -71,13 +72,13 @@ def test_a_pipeline_without_the_parts_relied_on_is_left_alone() -> None:
 
 def test_the_collector_is_paused_and_back_after_a_raise_and_left_off_if_off() -> None:
     assert gc.isenabled()
-    with pytest.raises(RuntimeError), _collection_paused():
+    with pytest.raises(RuntimeError), collection_paused():
         assert not gc.isenabled()
         raise RuntimeError("a hook's bug")
     assert gc.isenabled()
     gc.disable()
     try:
-        with _collection_paused():
+        with collection_paused():
             pass
         assert not gc.isenabled()
     finally:
@@ -91,14 +92,14 @@ def test_overlapping_pauses_of_two_recorders_keep_the_collector_off_until_the_la
     seen: dict[str, bool] = {}
 
     def first() -> None:
-        with _collection_paused():
+        with collection_paused():
             first_in.set()
             second_in.wait(30)
         first_out.set()
 
     def second() -> None:
         first_in.wait(30)
-        with _collection_paused():
+        with collection_paused():
             second_in.set()
             first_out.wait(30)
             seen["after the first ended"] = gc.isenabled()
