@@ -9,6 +9,7 @@ import asyncio
 import gc
 import sys
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ def collections_in_helds() -> Iterator[list[int]]:
     def callback(phase: str, info: dict[str, Any]) -> None:
         if phase != "start":
             return
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None:
             if frame.f_code.co_name == "_helds":
                 seen.append(info["generation"])
