@@ -84,7 +84,7 @@ def test_a_job_made_from_its_slots_equals_the_dataclass_made_one() -> None:
 
 
 def test_a_job_is_refused_a_field_short() -> None:
-    with pytest.raises(ValueError, match="zip"):
+    with pytest.raises(ValueError, match="values to unpack"):
         _new_job((1, "test.echo", "k"))
 
 
