@@ -91,13 +91,6 @@ class FaultLog:
         return Counter(window for kill in self.kills for window in kill.hit)
 
 
-# A provider fault of the schedule -> the fake's kind of one-shot fault it arms.
-_FAKE_FAULT_KIND: dict[str | tuple[str, str], str] = {
-    "5xx": "failure", "429": "429", "timeout": "stall",
-    ("drop", "before"): "drop", ("drop", "after"): "post_drop",
-}
-
-
 def disarm_unmet(fakes: Mapping[str, FakeProvider], provider: str,
                  armed_kinds: Collection[str]) -> int:
     """Drop the faults armed at ``provider`` that no request met; how many. A burst of
@@ -403,16 +396,19 @@ class FaultInjector:
         if event.kind in ("5xx", "429"):
             retry_after = event.seconds if event.kind == "429" else None
             fake.fail_next(event.count, event.status, retry_after=retry_after)
+            armed = "429" if event.status == 429 else "failure"
         elif event.kind == "timeout":
             fake.succeed_then_timeout(event.count)
+            armed = "stall"
         elif event.kind == "drop" and event.variant == "before":
             fake.drop_connection(event.count)
+            armed = "drop"
         elif event.kind == "drop":
             fake.succeed_then_drop(event.count)
+            armed = "post_drop"
         else:
             raise ValueError(f"unknown fault kind {event.kind!r}")
-        self._armed_kinds.add(_FAKE_FAULT_KIND[(event.kind, event.variant)]
-                              if event.kind == "drop" else _FAKE_FAULT_KIND[event.kind])
+        self._armed_kinds.add(armed)  # the fake's name of what was armed (fault_kind)
         self.log.armed[event.kind] += event.count
 
     def _disarm(self, provider: str) -> None:

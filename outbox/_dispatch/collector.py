@@ -7,7 +7,7 @@ transaction objects. Every 700 or so containers made and still alive, the collec
 walks the young ones; every tenth such walk, the older ones too; now and then every
 object of the process. Those walks are most of what the burst costs beyond its own
 work (measured: the claimer's 2,000-job claim, 136 young collections and 12 older ones
-per 20,000 jobs; paused, 15 and 1, and the drain about a tenth faster;
+per 20,000 jobs; paused, 15 and 1, and the client's CPU a job about a tenth less;
 docs/explanation/performance.md). Paused, the burst's objects are walked once, by the
 first collection after it, and those that died meanwhile not at all.
 
