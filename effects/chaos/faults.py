@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from effects.testing import FakeProvider
+from effects.testing._faults import Failure, PostFault, PreFault, fault_kind
 
 from ._sql import ChaosQueries, chaos_queries
 from .config import ChaosConfig
@@ -396,19 +397,19 @@ class FaultInjector:
         if event.kind in ("5xx", "429"):
             retry_after = event.seconds if event.kind == "429" else None
             fake.fail_next(event.count, event.status, retry_after=retry_after)
-            armed = "429" if event.status == 429 else "failure"
+            armed = fault_kind(Failure(event.status))
         elif event.kind == "timeout":
             fake.succeed_then_timeout(event.count)
-            armed = "stall"
+            armed = fault_kind(PostFault.STALL)
         elif event.kind == "drop" and event.variant == "before":
             fake.drop_connection(event.count)
-            armed = "drop"
+            armed = fault_kind(PreFault.DROP)
         elif event.kind == "drop":
             fake.succeed_then_drop(event.count)
-            armed = "post_drop"
+            armed = fault_kind(PostFault.DROP)
         else:
             raise ValueError(f"unknown fault kind {event.kind!r}")
-        self._armed_kinds.add(armed)  # the fake's name of what was armed (fault_kind)
+        self._armed_kinds.add(armed)
         self.log.armed[event.kind] += event.count
 
     def _disarm(self, provider: str) -> None:
