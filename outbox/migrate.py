@@ -47,6 +47,10 @@ _INDEX_LOCK_NAMESPACE = "outbox.migrate.indexes:"
 # CONCURRENTLY (outside any transaction), when migrate() owns the transaction.
 AFTER_COMMIT = "-- outbox: built concurrently, after commit"
 _INDEX = re.compile(r"^CREATE (?:UNIQUE )?INDEX IF NOT EXISTS (\w+) ON ", re.IGNORECASE)
+# An index a migration drops (in its run): a later migration may drop an after-commit
+# index of an earlier one, which the runner must then no longer build.
+_DROPPED_INDEX = re.compile(r"^DROP INDEX (?:CONCURRENTLY )?IF EXISTS \{schema\}\.(\w+)",
+                            re.IGNORECASE | re.MULTILINE)
 LOCK_TIMEOUT = 1.0
 LOCK_ATTEMPTS = 60
 _RETRY_PAUSE = (0.2, 2.0)  # first and longest pause between attempts, seconds
@@ -74,6 +78,7 @@ class Migration:
     name: str
     sql: str
     indexes: tuple[Index, ...] = ()
+    drops: tuple[str, ...] = ()  # the indexes its run drops (DROP INDEX IF EXISTS)
 
 
 def _code(statement: str) -> str:
@@ -96,7 +101,8 @@ def _parse(version: int, name: str, text: str) -> Migration:
                 f"migration {version:04d}_{name}: only CREATE INDEX IF NOT EXISTS statements "
                 f"may follow {AFTER_COMMIT!r}, found: {code.splitlines()[0]}")
         indexes.append(Index(match[1], code))
-    return Migration(version, name, body, tuple(indexes))
+    drops = tuple(_DROPPED_INDEX.findall(_code(body)))
+    return Migration(version, name, body, tuple(indexes), drops)
 
 
 def _migrations_dir() -> Traversable:
@@ -267,9 +273,19 @@ def _apply_once(conn: psycopg.Connection[Any], schema: str, lock_timeout: float 
         return apply_through(execute, schema, indexes_in_run=indexes_in_run, target=target)
 
 
+def wanted_indexes(version: int) -> list[Index]:
+    """The after-commit indexes a schema at ``version`` has: those of the migrations it
+    applied, less any a later one it applied dropped."""
+    applied = [m for m in migrations() if m.version <= version]
+    return [index for m in applied for index in m.indexes
+            if not any(index.name in later.drops for later in applied
+                       if later.version > m.version)]
+
+
 def build_indexes(conn: psycopg.Connection[Any], schema: str) -> list[str]:
     """Build, ``CONCURRENTLY`` and outside any transaction, the after-commit indexes of
-    every migration ``schema`` has applied that are missing or invalid (a build that was
+    every migration ``schema`` has applied that are missing or invalid, less those a
+    later applied migration dropped (``wanted_indexes``; a build that was
     interrupted leaves an invalid index: it is dropped and built again). Runs on an idle
     connection; one process at a time per schema (a session advisory lock), so a second
     finds the first's work done. Returns the names built."""
@@ -279,7 +295,9 @@ def build_indexes(conn: psycopg.Connection[Any], schema: str) -> list[str]:
     built: list[str] = []
     try:
         version = current_version(conn, schema) or 0
-        wanted = [index for m in migrations() if m.version <= version for index in m.indexes]
+        # A schema a newer release migrated meanwhile: which of these indexes it still
+        # has is that release's to say (it may have dropped one of them).
+        wanted = wanted_indexes(version) if version <= latest_version() else []
         if not wanted:
             return built
         # Polled, not waited for: a session waiting on the lock would be a transaction

@@ -47,6 +47,7 @@ UNIT_TESTS_OF_PRIVATE_MODULES = {
                                              "outbox._steps"},
     "tests/unit/test_looks.py": {"outbox._dispatch"},
     "tests/plans/test_fenced_writes.py": {"outbox._dispatch"},
+    "tests/integration/test_ledger_indexes.py": {"outbox._dispatch"},
     "tests/unit/test_hook_sending.py": {"outbox._dispatch"},
     "tests/unit/test_embedded_bounds.py": {"outbox._embedded"},
     "tests/crash/test_claim_round_connection_loss.py": {"outbox._dispatch", "outbox._steps"},

@@ -39,6 +39,7 @@ from .settling import (
     as_written,
     completion_claims,
     fenced_claims,
+    recorded_claims,
     reported,
     settle_claim,
     settle_claims,
@@ -204,8 +205,9 @@ class Recorder:
         """Ids among ``helds`` whose completion by this very claim already committed: a
         retried batch whose first attempt landed but whose reply was lost. Read from the
         ledger (job id and claim version), which a completion writes whether it updates
-        the job row or, with retention 0, deletes it."""
-        rows = yield Statement(self.queries.recorded_claims, {"claims": fenced_claims(helds)},
+        the job row or, with retention 0, deletes it; found by the jobs' keys."""
+        rows = yield Statement(self.queries.recorded_claims,
+                               {"claims": recorded_claims(helds)},
                                scalar=True)  # the ids of the jobs whose claim recorded
         return set(rows)
 

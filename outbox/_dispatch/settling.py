@@ -74,9 +74,19 @@ def reported(claim: Mapping[str, Any], *, cancelled: bool) -> AttemptOutcome:
 
 def fenced_claims(helds: Iterable[Held]) -> str:
     """The ``claims`` parameter of a fenced statement that needs only each claim
-    (``heartbeat``, ``recorded_claims``, ``lock_claims``): the JSON array of their
+    (``heartbeat``, ``lock_claims``): the JSON array of their
     ``{id, version}``, written as text (no object a job: the recorder's own path)."""
     claims = ",".join(f'{{"id":{h.job.id},"version":{h.job.claim_version}}}' for h in helds)
+    return f"[{claims}]"
+
+
+def recorded_claims(helds: Iterable[Held]) -> str:
+    """The ``claims`` parameter of ``recorded_claims``: the JSON array of each claim's
+    ``{id, version, key}``; the statement finds a completion's ledger row by its key
+    (the ledger's primary key) and fences it on the id and version."""
+    claims = ",".join(
+        f'{{"id":{h.job.id},"version":{h.job.claim_version},"key":{json.dumps(h.job.key)}}}'
+        for h in helds)
     return f"[{claims}]"
 
 

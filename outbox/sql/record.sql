@@ -125,12 +125,19 @@ SELECT f.id FROM finished f;
 
 -- name: recorded_claims
 -- Which of these claims already completed: after a lost reply, tells "my own done
--- landed" apart from "my claim was lost". The claims: {id, version} (fragment claims),
--- found as the fenced writes find theirs, the ledger by its index of the job ids.
-WITH {claims}
+-- landed" apart from "my claim was lost". The claims: {id, version, key}, the job's key
+-- with each (their own batch, not fragment claims, which reads no keys). A completion's
+-- ledger row holds its job's key, id and claim version: found by the ledger's primary key
+-- (the keys, an initplan, as its index condition), then fenced on the claim by a lookup
+-- of "<id>/<claim_version>" as the fenced writes are (no join: no plan to choose).
+WITH claims AS (
+    SELECT array_agg(c.key) AS keys,
+           jsonb_object_agg(concat(c.id, '/', c.version), true) AS by_claim
+    FROM jsonb_to_recordset(%(claims)s::jsonb) AS c(id bigint, version bigint, key text)
+)
 SELECT r.job_id
 FROM {schema}.effect_results r
-WHERE r.job_id = ANY (CAST((SELECT c.ids FROM claims c) AS bigint[]))
+WHERE r.key = ANY (CAST((SELECT c.keys FROM claims c) AS text[]))
   AND (SELECT c.by_claim FROM claims c) ? concat(r.job_id, '/', r.claim_version);
 
 -- name: lock_claims

@@ -219,13 +219,13 @@ def explain(dsn: str, query: str, params: Mapping[str, Any],
 
 
 def claims(dsn: str, schema: str, where: str, *, limit: int = 50) -> list[dict[str, Any]]:
-    """(id, version) of ``limit`` jobs ``where`` (a literal condition on jobs j)."""
+    """(id, version, key) of ``limit`` jobs ``where`` (a literal condition on jobs j)."""
     with psycopg.connect(dsn) as conn:
-        rows = conn.execute(sql.SQL("SELECT j.id, j.claim_version FROM {} j WHERE " + where
-                                    + " ORDER BY j.id LIMIT %(limit)s").format(
+        rows = conn.execute(sql.SQL("SELECT j.id, j.claim_version, j.key FROM {} j WHERE "
+                                    + where + " ORDER BY j.id LIMIT %(limit)s").format(
             sql.Identifier(schema, "jobs")), {"limit": limit}).fetchall()
     assert len(rows) == limit
-    return [{"id": job_id, "version": version} for job_id, version in rows]
+    return [{"id": job_id, "version": version, "key": key} for job_id, version, key in rows]
 
 
 def live_claims(dsn: str, schema: str) -> list[dict[str, Any]]:
@@ -263,7 +263,7 @@ def test_done_writes_reads_the_claims_jobs_only(dsn: str, big: str, name: str) -
 
 
 def test_recorded_claims_reads_the_claims_ledger_rows_only(dsn: str, big: str) -> None:
-    # after a lost reply: which of these claims' done landed (the ledger by job, 0018)
+    # after a lost reply: which of these claims' done landed (the ledger by key, 0023)
     recorded = claims(dsn, big, "j.status = 'done'")
     plan = explain(dsn, queries(big).recorded_claims, {"claims": json.dumps(recorded)})
     plan.check(jobs=0, ledger=200)

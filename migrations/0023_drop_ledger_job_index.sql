@@ -1,0 +1,21 @@
+-- One index fewer on every ledger row: effect_results_job (0018), (job_id, claim_version),
+-- goes.
+--
+-- Every completion writes a ledger row, and each row was written to three indexes (the
+-- key, recorded_at and this one): this one cost a completion about 0.6 to 1.6 µs of the
+-- server's CPU a job, of the 8 to 12 its whole statement costs (measured with 20,000-job
+-- drains, docs/explanation/performance.md), and the storage and vacuum of one entry per
+-- row the ledger keeps (90 days by default). Its one reader, recorded_claims (after a
+-- reply to a done transaction was lost, which of a batch of claims already have their
+-- ledger row), now finds each claim's row by the job's key, the ledger's primary key,
+-- and fences it on the job id and claim version as before: a completion's ledger row
+-- holds its job's key.
+--
+-- Online: a catalogue change under a brief lock of effect_results, which the migration
+-- runner waits for at most lock_timeout (then rolls back and tries again). The runner
+-- no longer builds 0018's after-commit index on a schema that has applied this file (it
+-- builds the after-commit indexes no later applied migration drops). Dispatchers of the
+-- previous release keep working on the migrated schema: their recorded_claims, which
+-- looked for the claims by job id, answers the same, reading the ledger without that
+-- index, as before 0018, and only after a lost reply, until they are replaced.
+DROP INDEX IF EXISTS {schema}.effect_results_job;
