@@ -146,3 +146,18 @@ def test_the_check_after_a_lost_reply_finds_the_claims_that_landed_by_their_keys
             "claims": json.dumps([{"id": h.job.id, "version": h.job.claim_version}
                                   for h in [stale, *asked]])}).fetchall()
         assert sorted(job_id for job_id, in previous) == [job.id for job in landed[1:]]
+
+
+def test_a_release_older_than_the_schema_builds_none_of_its_indexes(
+        dsn: str, schema: str) -> None:
+    # An older release's runner cannot know which after-commit indexes a newer schema
+    # still has (a newer migration may have dropped one): it builds none.
+    newer = migrate_module.latest_version() + 1
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(bind_schema("DROP INDEX {schema}.jobs_fair", schema).encode())
+        conn.execute(bind_schema("INSERT INTO {schema}.schema_migrations (version, name) "
+                                 "VALUES (%s, 'from_a_newer_release')", schema), (newer,))
+        assert migrate_module.build_indexes(conn, schema) == []
+        conn.execute(bind_schema("DELETE FROM {schema}.schema_migrations WHERE version = %s",
+                                 schema), (newer,))
+        assert migrate_module.build_indexes(conn, schema) == ["jobs_fair"]
