@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+import outbox
 from outbox import Dispatcher
 
 
@@ -54,3 +56,18 @@ def wait_for_listener(dsn: str) -> None:
     wait_until(lambda: bool(fetch(dsn, "SELECT 1 FROM pg_stat_activity "
                                        "WHERE application_name LIKE 'outbox listener %%' "
                                        "AND query LIKE 'LISTEN%%'")), what="listener")
+
+
+@contextmanager
+def schema_at(dsn: str, version: int, prefix: str) -> Iterator[str]:
+    """A schema of its own (``prefix`` and a random suffix) migrated up to ``version``, as
+    a release that knew no later migration left it; dropped after the block."""
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        outbox.migrate(conn, schema=name, target=version)
+    try:
+        yield name
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                sql.Identifier(name)))

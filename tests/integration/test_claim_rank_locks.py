@@ -4,16 +4,16 @@ theirs), so business transactions and dispatchers run through it."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import psycopg
 import pytest
-from psycopg import sql
 
 import outbox
 from outbox.migrate import migrations
 from outbox.sql import bind_schema
+
+from .helpers import schema_at
 
 INLINED = next(m.version for m in migrations() if m.name.endswith("claim_rank_inline"))
 
@@ -21,12 +21,8 @@ INLINED = next(m.version for m in migrations() if m.name.endswith("claim_rank_in
 @pytest.fixture
 def before_inline(dsn: str) -> Iterator[str]:
     """A schema migrated up to the version before claim_rank_inline."""
-    name = f"rank_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        outbox.migrate(conn, schema=name, target=INLINED - 1)
-    yield name
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+    with schema_at(dsn, INLINED - 1, "rank") as name:
+        yield name
 
 
 def test_the_migration_waits_for_no_open_enqueue_or_claim(

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 from psycopg.rows import namedtuple_row
 
 import outbox
@@ -23,6 +21,8 @@ from outbox._dispatch.state import Success
 from outbox.effect import Job
 from outbox.migrate import _parse, migrations, wanted_indexes
 from outbox.sql import bind_schema, queries
+
+from .helpers import schema_at
 
 # outbox.migrate is also the name of the function the package exports.
 migrate_module = importlib.import_module("outbox.migrate")
@@ -51,12 +51,8 @@ KEYS = ['plain-1', 'quote-"-2', 'back\\slash-3', '{"id":4}', "it's-5", 'last-6\\
 @pytest.fixture
 def before_drop(dsn: str) -> Iterator[str]:
     """A schema migrated up to the version before drop_ledger_job_index."""
-    name = f"ledger_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        outbox.migrate(conn, schema=name, target=DROPPED - 1)
-    yield name
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+    with schema_at(dsn, DROPPED - 1, "ledger") as name:
+        yield name
 
 
 def _ledger_indexes(conn: psycopg.Connection[Any], schema: str) -> set[str]:

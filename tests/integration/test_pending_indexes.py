@@ -5,7 +5,6 @@ release's statement that walked the dropped index answers as before."""
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -16,6 +15,8 @@ from psycopg import sql
 import outbox
 from outbox.migrate import migrations
 from outbox.sql import bind_schema, queries
+
+from .helpers import schema_at
 
 DROPPED = next(m.version for m in migrations() if m.name == "drop_jobs_claimable")
 
@@ -46,12 +47,8 @@ ORDER BY effect
 @pytest.fixture
 def before_drop(dsn: str) -> Iterator[str]:
     """A schema migrated up to the version before drop_jobs_claimable."""
-    name = f"pending_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        outbox.migrate(conn, schema=name, target=DROPPED - 1)
-    yield name
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+    with schema_at(dsn, DROPPED - 1, "pending") as name:
+        yield name
 
 
 def _pending_indexes(conn: psycopg.Connection[tuple[object, ...]], schema: str) -> set[str]:
