@@ -5,8 +5,8 @@ business thread enqueues 10 jobs a transaction, back to back, and times every
 transaction, while the schema is migrated to this release's version:
 
 - ``online``: ``outbox.migrate(conn)`` on an idle connection, as ``outbox migrate`` runs
-  it (each lock waited for at most ``lock_timeout``, the index on ``jobs`` built
-  ``CONCURRENTLY`` after the run commits);
+  it (each migration a transaction of its own, each lock waited for at most
+  ``lock_timeout``, the index on ``jobs`` built ``CONCURRENTLY`` after the run commits);
 - ``in one transaction``: the same migrations inside a transaction the caller opened
   (what Django's ``migrate`` does): the index is built there, holding its lock.
 

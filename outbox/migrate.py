@@ -1,16 +1,17 @@
 """Applies the numbered SQL files of ``migrations/`` to a schema, once each, in order.
 
-Safe to run from several processes at once: the whole run holds a transaction-level
-advisory lock derived from the schema name, so concurrent starts queue up and find the
-work done. Migrations are forward-only; a database that records a version this code does
-not know is refused rather than touched.
+Safe to run from several processes at once: each transaction of a run holds a
+transaction-level advisory lock derived from the schema name, so concurrent starts queue
+up and find the work done. Migrations are forward-only; a database that records a version
+this code does not know is refused rather than touched.
 
 Online: a live system is migrated while business transactions enqueue and dispatchers
-run. Every lock the run takes is waited for at most ``lock_timeout``, so it never queues
-business transactions behind it for longer (a lock it cannot get in time rolls the run
-back and it tries again), and an index on a large table is built ``CONCURRENTLY`` after
-the run commits (the part of a file after the ``-- outbox: built concurrently, after
-commit`` line), so no write waits for the build.
+run. Each migration of an existing schema is a transaction of its own, so its locks are
+held only while it runs; every lock is waited for at most ``lock_timeout``, so the run
+never queues business transactions behind it for longer (a lock it cannot get in time
+rolls that migration back and it tries again), and an index on a large table is built
+``CONCURRENTLY`` after the run commits (the part of a file after the ``-- outbox: built
+concurrently, after commit`` line), so no write waits for the build.
 """
 
 from __future__ import annotations
@@ -189,22 +190,31 @@ def migrate(conn: psycopg.Connection[Any], schema: str = "outbox", *,
 
     Idempotent, and safe when several processes run it at once (an advisory lock on the
     schema name serialises them; the later ones apply nothing), whatever the database's
-    or role's ``default_transaction_isolation``: on an idle connection the run is its
-    own READ COMMITTED transaction. All pending migrations apply in one transaction:
-    either the schema reaches the latest version or it is left as it was. Joins the
-    caller's transaction if ``conn`` is inside one; under REPEATABLE READ or SERIALIZABLE
-    that transaction's snapshot may predate a concurrent run, which is then reported as
-    a ``SchemaError`` (run it again) rather than applied twice. Needs a direct
-    connection, not one through a transaction-pooling PgBouncer.
+    or role's ``default_transaction_isolation``: on an idle connection every transaction
+    of the run is READ COMMITTED. Needs a direct connection, not one through a
+    transaction-pooling PgBouncer.
+
+    On an idle connection each pending migration of an existing schema applies in a
+    transaction of its own (a new schema gets all of them in one), so a migration's locks
+    are held only while it runs, not until the last of a long upgrade commits. A run that
+    stops part way (a lock never granted, a crash) leaves the schema at the last version
+    it applied, which every release that knows that version runs on, and the next run
+    goes on from there.
 
     Online, on an idle connection: each lock is waited for at most ``lock_timeout``
     seconds (None: without bound), so business transactions never queue behind the run
-    for longer; a lock not granted in time rolls the run back and it is tried again, up
-    to ``LOCK_ATTEMPTS`` times, then ``SchemaError``. Indexes of large tables are then
-    built ``CONCURRENTLY``, outside any transaction (writes go on meanwhile), and every
-    run checks them again: one a crash left unbuilt or invalid is built now. Joined to the
-    caller's transaction, the run waits for its locks like any statement there and builds
-    those indexes in that transaction.
+    for longer; a lock not granted in time rolls that migration back and it is tried
+    again, up to ``LOCK_ATTEMPTS`` times, then ``SchemaError`` (saying which versions the
+    run applied). Indexes of large tables are then built ``CONCURRENTLY``, outside any
+    transaction (writes go on meanwhile), and every run checks them again: one a crash
+    left unbuilt or invalid is built now.
+
+    Joined to the caller's transaction if ``conn`` is inside one: every pending migration
+    applies in it (the schema reaches the target or is left as it was), the run waits for
+    its locks like any statement there and builds those indexes in that transaction.
+    Under REPEATABLE READ or SERIALIZABLE that transaction's snapshot may predate a
+    concurrent run, which is then reported as a ``SchemaError`` (run it again) rather
+    than applied twice.
 
     ``target`` stops at that version (None: the latest): the schema an older release
     left, for testing an upgrade from it.
@@ -239,18 +249,39 @@ def _joined(conn: psycopg.Connection[Any], schema: str, target: int | None) -> l
 
 def _apply(conn: psycopg.Connection[Any], schema: str, lock_timeout: float | None,
            target: int | None) -> list[int]:
+    # One migration a transaction (all of them when the schema is new: no one uses its
+    # tables yet): a migration's locks are held only while it runs, not until the last
+    # one of a long upgrade commits, and each version is a schema the releases that know
+    # it run on.
+    applied: list[int] = []
+    while True:
+        step = _apply_step(conn, schema, lock_timeout, target, applied)
+        if not step:
+            return applied
+        applied.extend(step)
+
+
+def _apply_step(conn: psycopg.Connection[Any], schema: str, lock_timeout: float | None,
+                target: int | None, applied: list[int]) -> list[int]:
     pause = _RETRY_PAUSE[0]
     for attempt in range(1, LOCK_ATTEMPTS + 1):
         try:
-            return _apply_once(conn, schema, lock_timeout, target, indexes_in_run=False)
+            return _apply_once(conn, schema, lock_timeout, target, indexes_in_run=False,
+                               one_at_a_time=True)
         except psycopg.errors.LockNotAvailable as exc:
             # None: the server's own lock_timeout (or a NOWAIT) gave up, not ours.
             waited = "in time" if lock_timeout is None else f"within {lock_timeout:g} s"
             if attempt == LOCK_ATTEMPTS:
+                if applied:
+                    kept = (f"this run applied {_versions(applied)} (the schema is at version "
+                            f"{applied[-1]}, kept: a version every release that knows it "
+                            "runs on); run it again to go on")
+                else:
+                    kept = "nothing was changed"
                 raise SchemaError(
                     f"could not migrate schema {schema!r}: a lock it needs was not granted "
                     f"{waited} in {attempt} attempts (a long transaction holds one of its "
-                    "tables; see pg_stat_activity); nothing was changed"
+                    f"tables; see pg_stat_activity); {kept}"
                 ) from exc
             log.warning("migrating schema %r: a lock was not granted %s (attempt %d of %d, "
                         "rolled back); trying again in %.1f s", schema, waited, attempt,
@@ -260,8 +291,14 @@ def _apply(conn: psycopg.Connection[Any], schema: str, lock_timeout: float | Non
     raise AssertionError("unreachable")
 
 
+def _versions(applied: list[int]) -> str:
+    return (f"version {applied[0]}" if len(applied) == 1
+            else f"versions {applied[0]} to {applied[-1]}")
+
+
 def _apply_once(conn: psycopg.Connection[Any], schema: str, lock_timeout: float | None,
-                target: int | None, *, indexes_in_run: bool) -> list[int]:
+                target: int | None, *, indexes_in_run: bool,
+                one_at_a_time: bool = False) -> list[int]:
     def execute(statement: str, params: tuple[Any, ...] | None) -> list[tuple[Any, ...]]:
         cursor = conn.execute(statement.encode() if params is None else statement, params)
         return cursor.fetchall() if cursor.description else []
@@ -270,7 +307,8 @@ def _apply_once(conn: psycopg.Connection[Any], schema: str, lock_timeout: float 
         if lock_timeout is not None:
             conn.execute("SELECT set_config('lock_timeout', %s, true)",
                          (f"{max(1, round(lock_timeout * 1000))}ms",))
-        return apply_through(execute, schema, indexes_in_run=indexes_in_run, target=target)
+        return apply_through(execute, schema, indexes_in_run=indexes_in_run, target=target,
+                             one_at_a_time=one_at_a_time)
 
 
 def wanted_indexes(version: int) -> list[Index]:
@@ -330,7 +368,7 @@ Execute = Callable[[str, "tuple[Any, ...] | None"], list[tuple[Any, ...]]]
 
 
 def apply_through(execute: Execute, schema: str, *, indexes_in_run: bool = True,
-                  target: int | None = None) -> list[int]:
+                  target: int | None = None, one_at_a_time: bool = False) -> list[int]:
     """Apply the pending migrations of ``schema`` with ``execute(statement, params)``, in
     the caller's transaction; return the versions applied. Their after-commit indexes are
     built in that transaction too unless ``indexes_in_run`` is False (``migrate`` builds
@@ -339,8 +377,9 @@ def apply_through(execute: Execute, schema: str, *, indexes_in_run: bool = True,
     The one sequence every route runs (``migrate`` on a psycopg connection, Django's
     migrations on a Django cursor, on psycopg 3 or psycopg2): the advisory lock, the
     schema and its ``schema_migrations``, then each pending file recorded as it applies
-    (up to ``target``, when given). Statements are plain strings with ``%s``
-    placeholders, so any DB-API cursor runs them.
+    (up to ``target``, when given; only the next one when ``one_at_a_time``, unless the
+    schema is new). Statements are plain strings with ``%s`` placeholders, so any DB-API
+    cursor runs them.
     """
     check_schema_name(schema)
     execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
@@ -373,4 +412,6 @@ def apply_through(execute: Execute, schema: str, *, indexes_in_run: bool = True,
         execute(bind_schema("INSERT INTO {schema}.schema_migrations (version, name) "
                             "VALUES (%s, %s)", schema), (migration.version, migration.name))
         applied.append(migration.version)
+        if one_at_a_time and version != 0:
+            break
     return applied

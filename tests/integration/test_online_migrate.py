@@ -123,6 +123,69 @@ def test_a_lock_never_granted_leaves_the_schema_as_it_was(
         assert migrate_module.current_version(conn, old_schema) == GROUPS - 1
 
 
+def _applied_at(conn: psycopg.Connection[Any], schema: str) -> dict[int, Any]:
+    """Each version's applied_at: the start of the transaction that applied it."""
+    return dict(conn.execute(sql.SQL("SELECT version, applied_at FROM {}.schema_migrations")
+                             .format(sql.Identifier(schema))).fetchall())
+
+
+def test_each_migration_of_an_existing_schema_is_a_transaction_of_its_own(
+        dsn: str, old_schema: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert outbox.migrate(conn, schema=old_schema) == list(range(GROUPS,
+                                                                     latest_version() + 1))
+        upgraded = _applied_at(conn, old_schema)
+        # now() is the start of the transaction: one value for every version of one
+        # transaction, another for each later one.
+        later = [upgraded[v] for v in range(GROUPS, latest_version() + 1)]
+        assert len(set(later)) == len(later)
+        assert later == sorted(later) and min(later) > upgraded[GROUPS - 1]
+
+
+def test_a_new_schema_gets_every_migration_in_one_transaction(dsn: str) -> None:
+    name = f"new_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        try:
+            assert outbox.migrate(conn, schema=name) == list(range(1, latest_version() + 1))
+            assert len(set(_applied_at(conn, name).values())) == 1
+        finally:
+            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+
+
+def test_a_migration_joined_to_a_transaction_applies_every_version_in_it(
+        dsn: str, old_schema: str) -> None:
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SELECT 1")
+        outbox.migrate(conn, schema=old_schema)
+        conn.commit()
+        upgraded = _applied_at(conn, old_schema)
+        assert len({upgraded[v] for v in range(GROUPS, latest_version() + 1)}) == 1
+
+
+SCHEDULES = 14  # the first migration after GROUPS that alters dashboard_audit
+
+
+def test_a_lock_never_granted_part_way_keeps_the_versions_applied_before_it(
+        dsn: str, old_schema: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(migrate_module, "LOCK_ATTEMPTS", 2)
+    audit = sql.SQL("{}.dashboard_audit").format(sql.Identifier(old_schema))
+    before = SCHEDULES - 1
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as conn:
+        # A long transaction that read the audit table: the migrations before the one
+        # that alters it apply, that one waits for the table's lock in vain.
+        holder.execute(sql.SQL("SELECT count(*) FROM {}").format(audit))
+        with pytest.raises(SchemaError, match=rf"not granted within 0.05 s in 2 attempts.*"
+                                              rf"this run applied versions {GROUPS} to {before}"
+                                              rf" \(the schema is at version {before}, kept"):
+            outbox.migrate(conn, schema=old_schema, lock_timeout=0.05)
+        assert migrate_module.current_version(conn, old_schema) == before
+        holder.rollback()
+        # The next run goes on from there.
+        assert outbox.migrate(conn, schema=old_schema) == list(
+            range(SCHEDULES, latest_version() + 1))
+        assert _index_valid(conn, old_schema, "jobs_fair") is True
+
+
 def test_an_index_build_cut_short_is_built_again_by_the_next_run(
         dsn: str, schema: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
