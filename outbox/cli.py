@@ -174,7 +174,8 @@ def main(log_level: str) -> None:
 @_one_line_errors
 def migrate_command(dsn: str, schema: str, lock_timeout: float) -> None:
     """Create or upgrade the outbox tables (idempotent, safe to run concurrently, online:
-    large tables' indexes are built concurrently once the run commits)."""
+    each migration a transaction of its own, whose locks are held only while it runs;
+    large tables' indexes built concurrently afterwards)."""
     with _connect(dsn) as conn:
         applied = migrate(conn, schema=schema, lock_timeout=lock_timeout)
     if applied:

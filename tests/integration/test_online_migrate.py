@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -183,6 +188,58 @@ def test_a_lock_never_granted_part_way_keeps_the_versions_applied_before_it(
         # The next run goes on from there.
         assert outbox.migrate(conn, schema=old_schema) == list(
             range(SCHEDULES, latest_version() + 1))
+        assert _index_valid(conn, old_schema, "jobs_fair") is True
+
+
+def _poll(predicate: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _waiting_for(conn: psycopg.Connection[Any], table: sql.Composed) -> int:
+    """How many sessions wait for a lock on ``table``."""
+    row = conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = "
+                       "%s::regclass", (table.as_string(conn),)).fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def test_a_migrate_killed_between_two_migrations_keeps_the_first_and_the_next_run_goes_on(
+        dsn: str, old_schema: str) -> None:
+    audit = sql.SQL("{}.dashboard_audit").format(sql.Identifier(old_schema))
+    jobs = sql.SQL("{}.jobs").format(sql.Identifier(old_schema))
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as conn:
+        holder.execute(sql.SQL("SELECT count(*) FROM {}").format(audit))
+        migrating = subprocess.Popen(
+            [sys.executable, "-m", "outbox.cli", "migrate", "--dsn", dsn, "--schema",
+             old_schema, "--lock-timeout", "2"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            # The versions before the one that alters the audit table commit; that one
+            # waits for the holder's lock: the process is between two migrations.
+            _poll(lambda: migrate_module.current_version(conn, old_schema) == SCHEDULES - 1,
+                  f"version {SCHEDULES - 1} committed")
+            _poll(lambda: _waiting_for(conn, audit) == 1, "the run waiting for its lock")
+            os.kill(migrating.pid, signal.SIGKILL)
+            assert migrating.wait(30) == -signal.SIGKILL
+        finally:
+            migrating.kill()
+            migrating.wait(30)
+        # Its backend waits on until its lock_timeout (2 s), holding what the migration
+        # took so far, then finds its client gone and rolls back: no lock of the killed
+        # run outlives its lock_timeout.
+        _poll(lambda: _waiting_for(conn, audit) == 0, "the killed run's backend to give up")
+        assert migrate_module.current_version(conn, old_schema) == SCHEDULES - 1
+        # The schema at the version the killed run reached takes the previous release's
+        # writes, as every version does.
+        conn.execute(sql.SQL("INSERT INTO {} (effect, key, payload, fingerprint) "
+                             "VALUES ('email.send', 'between', '{{}}', 'f')").format(jobs))
+        holder.rollback()
+        assert outbox.migrate(conn, schema=old_schema) == list(
+            range(SCHEDULES, latest_version() + 1))
+        assert [r[0] for r in conn.execute(sql.SQL("SELECT key FROM {} ORDER BY key")
+                                           .format(jobs))] == ["before", "between"]
         assert _index_valid(conn, old_schema, "jobs_fair") is True
 
 
