@@ -189,7 +189,8 @@ def migrate(conn: psycopg.Connection[Any], schema: str = "outbox", *,
     """Create or upgrade the outbox tables in ``schema``; return the versions applied.
 
     Idempotent, and safe when several processes run it at once (an advisory lock on the
-    schema name serialises them; the later ones apply nothing), whatever the database's
+    schema name serialises their transactions; each version is applied once, by one of
+    them, and the later ones find it applied), whatever the database's
     or role's ``default_transaction_isolation``: on an idle connection every transaction
     of the run is READ COMMITTED. Needs a direct connection, not one through a
     transaction-pooling PgBouncer.

@@ -147,6 +147,32 @@ def test_each_migration_of_an_existing_schema_is_a_transaction_of_its_own(
         assert later == sorted(later) and min(later) > upgraded[GROUPS - 1]
 
 
+def test_concurrent_runs_on_an_existing_schema_apply_each_version_once_between_them(
+        dsn: str, old_schema: str) -> None:
+    results: list[list[int]] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def run() -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                barrier.wait()
+                results.append(outbox.migrate(conn, schema=old_schema))
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and len(results) == 4
+    assert sorted(v for applied in results for v in applied) == list(
+        range(GROUPS, latest_version() + 1))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert _index_valid(conn, old_schema, "jobs_fair") is True
+
+
 def test_a_new_schema_gets_every_migration_in_one_transaction(dsn: str) -> None:
     name = f"new_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(dsn, autocommit=True) as conn:
