@@ -1,7 +1,8 @@
-"""Migrating a live schema: the run waits for a lock at most ``lock_timeout`` and tries
-again (business writes never queue behind it for longer), and indexes of large tables are
-built CONCURRENTLY after the run commits, rebuilt by the next run when a build was cut
-short."""
+"""Migrating a live schema: each migration a transaction of its own (a run that stops
+part way, refused a lock or killed, keeps what it applied, and the next goes on), each
+lock waited for at most ``lock_timeout`` and tried again (business writes never queue
+behind it for longer), and indexes of large tables built CONCURRENTLY after the run
+commits, rebuilt by the next run when a build was cut short."""
 
 from __future__ import annotations
 
