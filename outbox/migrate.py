@@ -53,6 +53,7 @@ _INDEX = re.compile(r"^CREATE (?:UNIQUE )?INDEX IF NOT EXISTS (\w+) ON ", re.IGN
 _DROPPED_INDEX = re.compile(r"^DROP INDEX (?:CONCURRENTLY )?IF EXISTS \{schema\}\.(\w+)",
                             re.IGNORECASE | re.MULTILINE)
 LOCK_TIMEOUT = 1.0
+_CLIENT_CHECK = "SELECT set_config('client_connection_check_interval', '1s', true)"
 LOCK_ATTEMPTS = 60
 _RETRY_PAUSE = (0.2, 2.0)  # first and longest pause between attempts, seconds
 
@@ -200,7 +201,9 @@ def migrate(conn: psycopg.Connection[Any], schema: str = "outbox", *,
     are held only while it runs, not until the last of a long upgrade commits. A run that
     stops part way (a lock never granted, a crash) leaves the schema at the last version
     it applied, which every release that knows that version runs on, and the next run
-    goes on from there.
+    goes on from there. A run whose process dies has its server session end within about
+    a second, even in a lock wait, releasing the locks its migration took (where the
+    server's platform can check a client's connection).
 
     Online, on an idle connection: each lock is waited for at most ``lock_timeout``
     seconds (None: without bound), so business transactions never queue behind the run
@@ -308,8 +311,25 @@ def _apply_once(conn: psycopg.Connection[Any], schema: str, lock_timeout: float 
         if lock_timeout is not None:
             conn.execute("SELECT set_config('lock_timeout', %s, true)",
                          (f"{max(1, round(lock_timeout * 1000))}ms",))
+        _end_with_the_client(conn)
         return apply_through(execute, schema, indexes_in_run=indexes_in_run, target=target,
                              one_at_a_time=one_at_a_time)
+
+
+def _end_with_the_client(conn: psycopg.Connection[Any]) -> None:
+    """Have the server end this transaction soon after its client is gone.
+
+    A run killed while its session waits for a lock (or runs a long statement) would
+    otherwise keep that session, and every lock its migration took so far, until the
+    wait ends: with ``lock_timeout=None``, never, and business writes queue behind it.
+    PostgreSQL then checks the client's connection every second while a statement runs
+    (``client_connection_check_interval``, for this transaction). A server that cannot
+    (its platform lacks the check) refuses the setting: the run goes on without it."""
+    try:
+        with conn.transaction():  # a savepoint: a refusal leaves the run's transaction
+            conn.execute(_CLIENT_CHECK)
+    except (psycopg.errors.InvalidParameterValue, psycopg.errors.UndefinedObject):
+        pass
 
 
 def wanted_indexes(version: int) -> list[Index]:

@@ -240,7 +240,7 @@ def test_a_migrate_killed_between_two_migrations_keeps_the_first_and_the_next_ru
         holder.execute(sql.SQL("SELECT count(*) FROM {}").format(audit))
         migrating = subprocess.Popen(
             [sys.executable, "-m", "outbox.cli", "migrate", "--dsn", dsn, "--schema",
-             old_schema, "--lock-timeout", "2"],
+             old_schema, "--lock-timeout", "600"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             # The versions before the one that alters the audit table commit; that one
@@ -253,9 +253,9 @@ def test_a_migrate_killed_between_two_migrations_keeps_the_first_and_the_next_ru
         finally:
             migrating.kill()
             migrating.wait(30)
-        # Its backend waits on until its lock_timeout (2 s), holding what the migration
-        # took so far, then finds its client gone and rolls back: no lock of the killed
-        # run outlives its lock_timeout.
+        # Its server session, waiting for a lock it would wait 600 s for and holding
+        # what the migration took so far (0014 alters jobs first), checks its client
+        # every second while a statement runs: it finds it gone and rolls back.
         _poll(lambda: _waiting_for(conn, audit) == 0, "the killed run's backend to give up")
         assert migrate_module.current_version(conn, old_schema) == SCHEDULES - 1
         # The schema at the version the killed run reached takes the previous release's
@@ -268,6 +268,20 @@ def test_a_migrate_killed_between_two_migrations_keeps_the_first_and_the_next_ru
         assert [r[0] for r in conn.execute(sql.SQL("SELECT key FROM {} ORDER BY key")
                                            .format(jobs))] == ["before", "between"]
         assert _index_valid(conn, old_schema, "jobs_fair") is True
+
+
+@pytest.mark.parametrize("refused", [
+    # what a server on a platform without the check answers (InvalidParameterValue)
+    "SELECT set_config('client_connection_check_interval', '-1s', true)",
+    # what a server without the setting answers (UndefinedObject)
+    "SELECT set_config('client_connection_checks_interval', '1s', true)",
+])
+def test_a_server_that_refuses_the_client_check_is_migrated_without_it(
+        dsn: str, old_schema: str, monkeypatch: pytest.MonkeyPatch, refused: str) -> None:
+    monkeypatch.setattr(migrate_module, "_CLIENT_CHECK", refused)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert outbox.migrate(conn, schema=old_schema) == list(
+            range(GROUPS, latest_version() + 1))
 
 
 def test_an_index_build_cut_short_is_built_again_by_the_next_run(
