@@ -53,9 +53,9 @@ _INDEX = re.compile(r"^CREATE (?:UNIQUE )?INDEX IF NOT EXISTS (\w+) ON ", re.IGN
 _DROPPED_INDEX = re.compile(r"^DROP INDEX (?:CONCURRENTLY )?IF EXISTS \{schema\}\.(\w+)",
                             re.IGNORECASE | re.MULTILINE)
 LOCK_TIMEOUT = 1.0
-_CLIENT_CHECK = "SELECT set_config('client_connection_check_interval', '1s', true)"
 LOCK_ATTEMPTS = 60
 _RETRY_PAUSE = (0.2, 2.0)  # first and longest pause between attempts, seconds
+_CLIENT_CHECK = "SELECT set_config('client_connection_check_interval', '1s', true)"
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ def migrate(conn: psycopg.Connection[Any], schema: str = "outbox", *,
 
 def _joined(conn: psycopg.Connection[Any], schema: str, target: int | None) -> list[int]:
     try:
-        return _apply_once(conn, schema, None, target, indexes_in_run=True)
+        return _apply_once(conn, schema, None, target, owned=False)
     except (psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable,
             psycopg.errors.DuplicateSchema, psycopg.errors.UniqueViolation,
             psycopg.errors.SerializationFailure) as exc:
@@ -270,8 +270,7 @@ def _apply_step(conn: psycopg.Connection[Any], schema: str, lock_timeout: float 
     pause = _RETRY_PAUSE[0]
     for attempt in range(1, LOCK_ATTEMPTS + 1):
         try:
-            return _apply_once(conn, schema, lock_timeout, target, indexes_in_run=False,
-                               one_at_a_time=True)
+            return _apply_once(conn, schema, lock_timeout, target, owned=True)
         except psycopg.errors.LockNotAvailable as exc:
             # None: the server's own lock_timeout (or a NOWAIT) gave up, not ours.
             waited = "in time" if lock_timeout is None else f"within {lock_timeout:g} s"
@@ -301,8 +300,10 @@ def _versions(applied: list[int]) -> str:
 
 
 def _apply_once(conn: psycopg.Connection[Any], schema: str, lock_timeout: float | None,
-                target: int | None, *, indexes_in_run: bool,
-                one_at_a_time: bool = False) -> list[int]:
+                target: int | None, *, owned: bool) -> list[int]:
+    """One transaction of the run: ``owned`` when ``migrate`` opened it (one migration,
+    its indexes built after commit, the server told to end it with its client), else a
+    savepoint in the caller's transaction, which gets every migration and the indexes."""
     def execute(statement: str, params: tuple[Any, ...] | None) -> list[tuple[Any, ...]]:
         cursor = conn.execute(statement.encode() if params is None else statement, params)
         return cursor.fetchall() if cursor.description else []
@@ -311,9 +312,10 @@ def _apply_once(conn: psycopg.Connection[Any], schema: str, lock_timeout: float 
         if lock_timeout is not None:
             conn.execute("SELECT set_config('lock_timeout', %s, true)",
                          (f"{max(1, round(lock_timeout * 1000))}ms",))
-        _end_with_the_client(conn)
-        return apply_through(execute, schema, indexes_in_run=indexes_in_run, target=target,
-                             one_at_a_time=one_at_a_time)
+        if owned:  # a setting of the caller's transaction is the caller's to make
+            _end_with_the_client(conn)
+        return apply_through(execute, schema, indexes_in_run=not owned, target=target,
+                             one_at_a_time=owned)
 
 
 def _end_with_the_client(conn: psycopg.Connection[Any]) -> None:

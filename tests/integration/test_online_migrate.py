@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +26,8 @@ from outbox import SchemaError
 from outbox.migrate import AFTER_COMMIT, _parse, latest_version
 from outbox.sql import bind_schema
 from outbox.testing import job
+
+from .helpers import wait_until
 
 # outbox.migrate is also the name of the function the package exports.
 migrate_module = importlib.import_module("outbox.migrate")
@@ -189,6 +190,8 @@ def test_a_migration_joined_to_a_transaction_applies_every_version_in_it(
     with psycopg.connect(dsn) as conn:
         conn.execute("SELECT 1")
         outbox.migrate(conn, schema=old_schema)
+        # The caller's transaction keeps its own settings.
+        assert conn.execute("SHOW client_connection_check_interval").fetchone() == ("0",)
         conn.commit()
         upgraded = _applied_at(conn, old_schema)
         assert len({upgraded[v] for v in range(GROUPS, latest_version() + 1)}) == 1
@@ -218,13 +221,6 @@ def test_a_lock_never_granted_part_way_keeps_the_versions_applied_before_it(
         assert _index_valid(conn, old_schema, "jobs_fair") is True
 
 
-def _poll(predicate: Any, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def _waiting_for(conn: psycopg.Connection[Any], table: sql.Composed) -> int:
     """How many sessions wait for a lock on ``table``."""
     row = conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = "
@@ -245,9 +241,10 @@ def test_a_migrate_killed_between_two_migrations_keeps_the_first_and_the_next_ru
         try:
             # The versions before the one that alters the audit table commit; that one
             # waits for the holder's lock: the process is between two migrations.
-            _poll(lambda: migrate_module.current_version(conn, old_schema) == SCHEDULES - 1,
-                  f"version {SCHEDULES - 1} committed")
-            _poll(lambda: _waiting_for(conn, audit) == 1, "the run waiting for its lock")
+            wait_until(lambda: migrate_module.current_version(conn, old_schema) == SCHEDULES - 1,
+                       timeout=30, what=f"version {SCHEDULES - 1} committed")
+            wait_until(lambda: _waiting_for(conn, audit) == 1, timeout=30,
+                       what="the run waiting for its lock")
             os.kill(migrating.pid, signal.SIGKILL)
             assert migrating.wait(30) == -signal.SIGKILL
         finally:
@@ -256,7 +253,8 @@ def test_a_migrate_killed_between_two_migrations_keeps_the_first_and_the_next_ru
         # Its server session, waiting for a lock it would wait 600 s for and holding
         # what the migration took so far (0014 alters jobs first), checks its client
         # every second while a statement runs: it finds it gone and rolls back.
-        _poll(lambda: _waiting_for(conn, audit) == 0, "the killed run's backend to give up")
+        wait_until(lambda: _waiting_for(conn, audit) == 0, timeout=30,
+                   what="the killed run's backend to give up")
         assert migrate_module.current_version(conn, old_schema) == SCHEDULES - 1
         # The schema at the version the killed run reached takes the previous release's
         # writes, as every version does.
