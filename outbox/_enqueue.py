@@ -182,6 +182,13 @@ def validate_key(key: object, *, what: str = "key") -> str:
 def _not_serialisable(value: Any) -> Any:
     # json calls this only for objects it has no encoding for; NaN and infinities never
     # get here (allow_nan=False raises ValueError for them, handled in canonical_json).
+    # json encodes dicts only; any other mapping (a MappingProxyType, a Mapping of one's
+    # own) is a JSON object all the same, as is a pydantic model inside the payload:
+    # encoded as the dict of the same items, so they fingerprint as that dict does.
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", by_alias=True)
     raise InvalidPayload(f"payload holds a {type(value).__name__}, which is not JSON-serialisable")
 
 

@@ -34,6 +34,7 @@ so callers can handle connection loss the way they already do.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import overload
 
 __all__ = [
     "ConfigurationError",
@@ -166,10 +167,36 @@ class Retry(EffectOutcome):
 
     ``after`` (seconds or a timedelta) sets the earliest next attempt, e.g. from a
     provider's Retry-After header; without it the dispatcher backs off exponentially
-    with full jitter. Every attempt counts against ``max_attempts``.
+    with full jitter. Every attempt counts against ``max_attempts``. A delay given as the
+    only positional argument is ``after`` too: ``Retry(30)`` is ``Retry(after=30)``,
+    ``Retry("reason", after=30)`` names the reason kept as the job's last error.
+
+    :raises TypeError: a first argument that is neither a reason (a string) nor a delay
+        (seconds, a timedelta, or None for none), or a delay given both positionally and
+        as ``after``.
     """
 
-    def __init__(self, reason: str = "retry requested", *, after: float | timedelta | None = None):
+    @overload
+    def __init__(self, reason: str = "retry requested", *,
+                 after: float | timedelta | None = None) -> None: ...
+
+    @overload
+    def __init__(self, after: float | timedelta | None, /) -> None: ...
+
+    def __init__(self, reason: str | float | timedelta | None = "retry requested", *,
+                 after: float | timedelta | None = None) -> None:
+        if not isinstance(reason, str):
+            # Retry(30): the contract's Retry(after=None) read positionally. Without this
+            # the delay would become the reason and the retry come at the backoff's time.
+            # None is no delay, as after=None (a Retry-After header that was absent).
+            if isinstance(reason, bool) or not isinstance(reason, int | float | timedelta
+                                                          | None):
+                raise TypeError(f"Retry() takes a reason (a string) or a delay (seconds or "
+                                f"a timedelta) first, got {type(reason).__name__}")
+            if after is not None:
+                raise TypeError("Retry() got a delay twice: positionally and as after=")
+            after = reason
+            reason = "retry requested"
         super().__init__(reason)
         self.reason = reason
         self.after = _delay_seconds(after, "Retry")

@@ -81,13 +81,17 @@ def test_retry_then_success(dsn: str, schema: str) -> None:
     assert "k" in ledger(dsn, schema)
 
 
-def test_retry_after_delays_the_next_attempt(dsn: str, schema: str) -> None:
+@pytest.mark.parametrize(("signal", "error"), [
+    (Retry("503", after=3600), "Retry: 503"),
+    (Retry(3600), "Retry: retry requested"),  # the contract's Retry(after=None), positionally
+])
+def test_retry_after_delays_the_next_attempt(dsn: str, schema: str, signal: Retry,
+                                             error: str) -> None:
     enqueue(dsn, schema, NewJob("test.scripted", "k", {}))
-    stats = Dispatcher(dsn, [Scripted([Retry("503", after=3600)])],
-                       schema=schema).run_until_idle(timeout=30)
+    stats = Dispatcher(dsn, [Scripted([signal])], schema=schema).run_until_idle(timeout=30)
     assert stats.retried == 1
     job = jobs(dsn, schema)["k"]
-    assert (job["status"], job["last_error"]) == ("pending", "Retry: 503")
+    assert (job["status"], job["last_error"]) == ("pending", error)
     query = f'SELECT extract(epoch FROM available_at - now()) FROM "{schema}".jobs'
     (delay,) = fetch(dsn, query)[0]
     assert 3500 < delay <= 3600

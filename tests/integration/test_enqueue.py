@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import psycopg
@@ -136,6 +138,39 @@ def test_pydantic_payload_is_stored_as_json(dsn: str, schema: str) -> None:
     with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
         tx.enqueue("payment.charge", key="p", payload=Charge(amount=500, currency="eur"))
     assert jobs(dsn, schema)["p"]["payload"] == {"amount": 500, "currency": "eur"}
+
+
+class _Headers(Mapping[str, Any]):
+    """A read-only mapping of one's own, not a dict (as frameworks hand out)."""
+
+    def __init__(self, items: dict[str, Any]) -> None:
+        self._items = items
+
+    def __getitem__(self, name: str) -> Any:
+        return self._items[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def test_any_mapping_is_a_payload_and_the_same_request_as_its_dict(dsn: str,
+                                                                    schema: str) -> None:
+    # the contract: a payload is a mapping (any, not only a dict) or a pydantic model
+    payload = MappingProxyType({"to": "a@example.com", "meta": _Headers({"b": 1, "a": 2}),
+                                "charge": Charge(amount=5, currency="eur")})
+    as_dict = {"to": "a@example.com", "meta": {"a": 2, "b": 1},
+               "charge": {"amount": 5, "currency": "eur"}}
+    with psycopg.connect(dsn) as conn, outbox.transaction(conn, schema=schema) as tx:
+        first = tx.enqueue("email.send", key="m", payload=payload)
+        again = tx.enqueue("email.send", key="m", payload=as_dict)
+        (many,) = tx.enqueue_many([NewJob("email.send", key="n", payload=_Headers(as_dict))])
+    assert first.created and again == outbox.EnqueueResult(job_id=first.job_id, created=False)
+    assert many.created
+    stored = jobs(dsn, schema)
+    assert stored["m"]["payload"] == as_dict and stored["n"]["payload"] == as_dict
 
 
 def test_enqueue_options_are_stored(dsn: str, schema: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -31,6 +32,15 @@ class Order(BaseModel):
 def test_pydantic_models_are_payloads() -> None:
     job = prepare("email.send", "email-order-1", Order(order_id=1, email="a@example.com"))
     assert job.payload_json == '{"email":"a@example.com","order_id":1}'
+
+
+def test_any_mapping_and_a_model_inside_encode_as_their_dicts() -> None:
+    inner = MappingProxyType({"b": 1, "a": [MappingProxyType({"z": None})]})
+    payload = MappingProxyType({"inner": inner, "order": Order(order_id=1, email="a@x")})
+    as_dict = {"inner": {"a": [{"z": None}], "b": 1},
+               "order": {"email": "a@x", "order_id": 1}}
+    assert canonical_json(payload) == canonical_json(as_dict)
+    assert prepare("e", "k", payload).fingerprint == prepare("e", "k", as_dict).fingerprint
 
 
 @pytest.mark.parametrize(("key", "message"), [

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import re
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -34,6 +36,33 @@ def test_retry_honours_after() -> None:
 
 def test_retry_with_timedelta_after() -> None:
     assert _decide(Retry(after=timedelta(minutes=2))).delay == 120.0
+
+
+@pytest.mark.parametrize(("signal", "delay"), [
+    (Retry(12.5), 12.5), (Retry(30), 30.0), (Retry(timedelta(minutes=2)), 120.0),
+])
+def test_retry_takes_its_delay_positionally_as_the_contract_writes_it(
+        signal: Retry, delay: float) -> None:
+    # Retry(after=None) in the contract: Retry(30) is a delay of 30 s, not a reason "30"
+    assert _decide(signal) == Decision("pending", delay, "Retry: retry requested")
+
+
+def test_retry_of_none_positionally_backs_off_as_without_a_delay() -> None:
+    # e.g. Retry(retry_after(response.headers)) where the header was absent
+    decision = _decide(Retry(None), attempt=3, max_attempts=100)
+    assert decision.status == "pending" and decision.error == "Retry: retry requested"
+    assert 0.0 <= decision.delay <= 4.0
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: Retry(True), "a reason (a string) or a delay (seconds or a timedelta) first, "
+                          "got bool"),
+    (lambda: Retry([30]), "got list"),  # type: ignore[call-overload]
+    (lambda: Retry(30, after=5), "a delay twice"),  # type: ignore[call-overload]
+])
+def test_retry_refuses_a_first_argument_it_cannot_read(make: Any, message: str) -> None:
+    with pytest.raises(TypeError, match=re.escape(message)):
+        make()
 
 
 def test_retry_without_after_backs_off_within_the_exponential_bound() -> None:
