@@ -17,7 +17,7 @@ import outbox.sql
 from outbox import Dispatcher, Effect, Job, NewJob, Permanent, Retry, UnknownOutcome
 from outbox.testing import jobs, ledger
 
-from .helpers import fetch, wait_for_listener, wait_until
+from .helpers import fetch, running, wait_for_listener, wait_until
 
 
 def enqueue(dsn: str, schema: str, *items: NewJob) -> None:
@@ -95,6 +95,37 @@ def test_retry_after_delays_the_next_attempt(dsn: str, schema: str, signal: Retr
     query = f'SELECT extract(epoch FROM available_at - now()) FROM "{schema}".jobs'
     (delay,) = fetch(dsn, query)[0]
     assert 3500 < delay <= 3600
+
+
+class ThrottledTimes(Effect):
+    """Refused for load (``Throttled``) ``times`` times, then performed; the attempt
+    number of each call recorded."""
+
+    name = "test.throttled"
+
+    def __init__(self, times: int) -> None:
+        self.times = times
+        self.attempts: list[int] = []
+
+    def perform(self, job: Job) -> None:
+        self.attempts.append(job.attempt)
+        if len(self.attempts) <= self.times:
+            raise outbox.Throttled(0.05, "429 from the provider")
+
+
+def test_a_throttle_spends_no_attempt(dsn: str, schema: str) -> None:
+    # A 429 is "nothing done, come back later": not a failure of the job, so its claim
+    # is given back. With one attempt allowed, three throttles and then a success.
+    enqueue(dsn, schema, NewJob("test.throttled", "k", {}, max_attempts=1))
+    effect = ThrottledTimes(3)
+    dispatcher = Dispatcher(dsn, [effect], schema=schema, poll_interval=0.05)
+    with running(dispatcher):
+        wait_until(lambda: jobs(dsn, schema)["k"]["status"] == "done",
+                   what="the job done after three throttles")
+    assert effect.attempts == [1, 1, 1, 1], "each throttled claim was refunded"
+    job = jobs(dsn, schema)["k"]
+    assert (job["attempts"], job["claim_version"]) == (1, 4)  # four claims, one attempt
+    assert dispatcher.stats.failed == 0
 
 
 def test_permanent_fails_without_retry(dsn: str, schema: str) -> None:
