@@ -55,7 +55,7 @@ test-compat: $(COMPAT_STAMP) | $(XDG_RUNTIME_DIR)
 # The core of the suite on Debian's PostgreSQL 15 (apt-get install postgresql-15; .ci/run
 # installs it), in a throwaway cluster (tests/callers/cluster.py): enqueue from Python and
 # SQL, the dispatcher sync and async, migrations (online too), the crash windows, claim
-# races, hooks, limits and the inbox. About a minute in two processes.
+# races, hooks, limits and the inbox. About a minute in three processes.
 PG15_BIN   ?= /usr/lib/postgresql/15/bin
 PG15_TESTS := tests/callers tests/integration/test_enqueue.py \
 	tests/integration/test_dispatcher.py tests/integration/test_async_dispatcher.py \

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    # The runner needs nats-py (outbox-pg[nats]); loaded on first use, so that `outbox
-    # --help` lists `outbox chaos` wherever the extra is missing.
+    # The runner needs nats-py and confluent-kafka (outbox-pg[chaos]); loaded on first
+    # use, so that `outbox --help` lists `outbox chaos` wherever the extra is missing.
     if name == "run_chaos":
         from .runner import run_chaos
 

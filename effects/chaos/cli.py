@@ -96,12 +96,12 @@ def command(workers: int, jobs: int, duration: float, deadline: float | None,
     Exits 1 on any violation. The seed is printed; --seed replays the same jobs and
     fault schedule (not the same timing).
     """
-    try:  # the runner drives a NATS broker too: outbox-pg[nats]
+    try:  # the runner drives NATS and Kafka brokers too: outbox-pg[chaos]
         from .runner import run_chaos
     except ModuleNotFoundError as exc:
         raise click.ClickException(
             f"outbox chaos needs {(exc.name or 'nats').partition('.')[0]}, which is not "
-            "installed: pip install 'outbox-pg[nats]'") from None
+            "installed: pip install 'outbox-pg[chaos]'") from None
     seed = seed if seed is not None else random.SystemRandom().randrange(1 << 31)
     try:
         config = ChaosConfig(workers=workers, jobs=jobs, duration=duration,

@@ -95,14 +95,16 @@ def test_demo_help_from_a_wheel_is_help_not_an_error(installed: Installed) -> No
     assert "source checkout" in result.stdout and "make demo" in result.stdout
 
 
-def test_without_the_nats_extra_chaos_is_listed_and_names_the_extra(
-    installed: Installed,
+@pytest.mark.parametrize("missing", ["nats", "confluent_kafka"])
+def test_without_the_chaos_extra_chaos_is_listed_and_names_the_extra(
+    installed: Installed, missing: str,
 ) -> None:
-    # As if nats-py were not installed: a package in the venv that shadows it.
-    stub = installed.site / "nats"
+    # As if nats-py or confluent-kafka were not installed: a package in the venv that
+    # shadows it.
+    stub = installed.site / missing
     stub.mkdir(exist_ok=True)
     (stub / "__init__.py").write_text(
-        "raise ModuleNotFoundError(\"No module named 'nats'\", name='nats')\n")
+        f"raise ModuleNotFoundError(\"No module named '{missing}'\", name='{missing}')\n")
     try:
         listed = installed.run("outbox", "--help")
         assert listed.returncode == 0, listed.stderr
@@ -110,8 +112,8 @@ def test_without_the_nats_extra_chaos_is_listed_and_names_the_extra(
         refused = installed.run("outbox", "chaos", "--jobs", "10")
         assert refused.returncode == 1
         assert refused.stderr.strip() == (
-            "Error: outbox chaos needs nats, which is not installed: pip install "
-            "'outbox-pg[nats]'"), refused.stderr
+            f"Error: outbox chaos needs {missing}, which is not installed: pip install "
+            "'outbox-pg[chaos]'"), refused.stderr
     finally:
         shutil.rmtree(stub)
 
