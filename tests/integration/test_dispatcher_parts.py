@@ -20,7 +20,7 @@ import outbox.sql
 from outbox import Dispatcher, DispatcherFailed, DispatchStats, Effect, Job, NewJob
 from outbox._dispatch import statistics, vacuum
 from outbox._dispatch.claimer import Claimer, claim_executor
-from outbox._dispatch.connection import Connection, connect
+from outbox._dispatch.connection import Connection, connect, connect_async
 from outbox._dispatch.recorder import Recorder
 from outbox._dispatch.rescuer import Rescuer
 from outbox._dispatch.settings import Settings
@@ -519,3 +519,36 @@ def test_an_async_dispatcher_vacuums_too_and_its_stop_ends_the_vacuum_thread(
 
         asyncio.run(main())
         assert not [t for t in threading.enumerate() if t.name.startswith("outbox-vacuum")]
+
+
+# What every dispatcher connection is set to, whatever the server's defaults: SKIP LOCKED
+# skips (not serialization failures) only under READ COMMITTED; a dead worker's open
+# transaction is ended by the server; a statement whose client has gone is aborted, so a
+# worker that dies mid-claim leaves its claim rolled back, not committed and orphaned.
+_DISPATCHER_SESSION = {
+    "default_transaction_isolation": "read committed",
+    "idle_in_transaction_session_timeout": "1min",
+    "client_connection_check_interval": "1s",
+}
+
+
+@pytest.mark.parametrize("role", ["claimer", "recorder", "listener"])
+def test_every_dispatcher_connection_releases_what_a_dead_worker_holds(
+        dsn: str, role: str) -> None:
+    settings = Settings.build(dsn, [ByPayload()])
+    with connect(settings, role) as conn:
+        shown = {name: conn.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
+                 for name in _DISPATCHER_SESSION}
+    assert shown == _DISPATCHER_SESSION
+
+
+@pytest.mark.parametrize("role", ["claimer", "recorder"])
+def test_every_async_dispatcher_connection_releases_what_a_dead_worker_holds(
+        dsn: str, role: str) -> None:
+    async def shown() -> dict[str, Any]:
+        settings = Settings.build(dsn, [ByPayload()])
+        async with await connect_async(settings, role) as conn:
+            return {name: (await (await conn.execute(f"SHOW {name}")).fetchone())[0]  # type: ignore[index]
+                    for name in _DISPATCHER_SESSION}
+
+    assert asyncio.run(shown()) == _DISPATCHER_SESSION

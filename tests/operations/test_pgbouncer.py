@@ -9,6 +9,7 @@ Skipped, saying how to install it, where the ``pgbouncer`` binary is missing.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import pytest
 
 import outbox
 from outbox import NewJob
+from outbox._dispatch.listener import POLLING
 from outbox.testing import jobs, ledger
 
 from . import pgbouncer
@@ -86,8 +88,10 @@ def test_enqueue_and_drain_through_pgbouncer(bouncer: PgBouncer, schema: str, fl
 @pytest.mark.parametrize(("listen", "poll_interval"), [(True, 3600.0), (False, 0.5)],
                          ids=["woken-by-listen-direct", "poll-only"])
 def test_run_picks_up_new_jobs_through_pgbouncer(
-    bouncer: PgBouncer, schema: str, listen: bool, poll_interval: float
+    bouncer: PgBouncer, schema: str, listen: bool, poll_interval: float,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="outbox.dispatcher")
     effect = Recording()
     dispatcher = outbox.Dispatcher(bouncer.dsn, [effect], schema=schema, concurrency=4,
                                    poll_interval=poll_interval,
@@ -104,6 +108,11 @@ def test_run_picks_up_new_jobs_through_pgbouncer(
         thread.join(timeout=60)
     assert not thread.is_alive()
     assert set(effect.performed.values()) == {1} and len(effect.performed) == 60
+    # Polling alone would pass the waves above: the dispatcher must also have known not
+    # to LISTEN through the pooler (where a notification reaches a session nobody reads),
+    # and to LISTEN on the direct connection it was given.
+    polled = [r for r in caplog.records if r.getMessage() == POLLING]
+    assert bool(polled) == (not listen), [r.getMessage() for r in caplog.records]
 
 
 def _wait_done(direct: str, schema: str, keys: list[str], timeout: float = 60) -> None:
