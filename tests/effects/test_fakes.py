@@ -309,6 +309,20 @@ def test_stripe_saves_and_replays_errors_that_executed(
     assert [i["status"] for i in stripe_fake.payment_intents] == ["requires_payment_method"]
 
 
+def test_stripe_takes_keys_of_1_to_255_characters(
+    stripe_fake: FakeStripe, http: httpx.Client
+) -> None:
+    # Stripe's limit: the longest key our key rule allows (255) is taken, one more refused
+    # before anything is performed.
+    longest = post_intent(http, stripe_fake, "k" * 255)
+    refused = post_intent(http, stripe_fake, "k" * 256)
+
+    assert longest.status_code == 200
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "idempotency_key_invalid"
+    assert stripe_fake.performed("k" * 255) == 1 and stripe_fake.performed("k" * 256) == 0
+
+
 def test_stripe_does_not_save_requests_refused_by_checks(
     stripe_fake: FakeStripe, http: httpx.Client
 ) -> None:
