@@ -127,6 +127,33 @@ def test_worker_dead_before_its_claim_commits_is_reclaimed_at_once(
     assert provider.performed() == {"k": 1}
 
 
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_dispatcher_killed_inside_its_claim_statement_claims_nothing(
+    dsn: str, schema: str, db: Conn, provider: Provider, workers: Workers, flavour: str,
+) -> None:
+    """The window the dispatcher's client check closes: killed while its own claim
+    statement runs (here, waiting for a lock), the statement must not run on once the
+    lock is granted and commit a claim for a dead worker (jobs running under a lease
+    nobody renews, an attempt spent for nothing)."""
+    keys = ["a", "b", "c"]
+    enqueue(db, schema, keys)
+    with session(dsn) as locker:
+        locker.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(table(schema, "jobs")))
+        worker = workers.start("run", lease=30.0, flavour=flavour)
+        claimer = poll_for(lambda: next((pid for pid in dispatcher_backends(db, schema, "claimer")
+                                         if waiting_on_lock(db, pid)), None),
+                           "the dispatcher's claim waiting for the lock")
+        worker.kill()
+        # Still inside the statement, the lock still refused: only the server's check
+        # that its client is gone (client_connection_check_interval) ends it now.
+        wait_until(lambda: backend_gone(db, claimer), "the dead dispatcher's claim to end",
+                   timeout=15.0)
+    assert {k: (j["status"], j["attempts"], j["claim_version"])
+            for k, j in jobs(db, schema).items()} == dict.fromkeys(keys, ("pending", 0, 0))
+    assert drain(dsn, schema, lease=30.0).done == len(keys)
+    assert provider.performed() == dict.fromkeys(keys, 1)
+
+
 def _paused(provider: Provider, point: str, worker_pid: int) -> tuple[int, int]:
     """Wait until the effect is paused at ``point`` in ``worker_pid``; (attempt, version)."""
     wait_until(lambda: provider.checkpoints(point), f"the effect to pause {point} the provider")
