@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import random
 import time
@@ -38,6 +37,7 @@ from .collector import collection_paused
 from .connection import CONNECTION_ERRORS, AsyncConnection, Connection, connect
 from .counting import Waits
 from .crew import turn_share
+from .held import decode_payload, undecodable
 from .presence import Presence
 from .rescuer import RescueHooks, Rescuer, rescue_hooks
 from .runtime import Blocking, Call, Cut, Flavoured, Program, Run, Wait, drive, drive_async
@@ -79,9 +79,6 @@ RETENTION_CATCH_UP = 1.0
 SCHEMA_CHECK_INTERVAL = 10.0
 IDLE_RECHECK = 0.05  # run_until_idle: how soon to look again while others hold jobs
 RESCUED_GRACE = 5.0  # run_until_idle: how long past its due time a rescued job is waited for
-# A payload arrives as jsonb's own text: one value, no whitespace around it, so the
-# decoder's scanner alone reads it (``json.loads`` adds checks and two regex scans a job).
-_decode_payload = json.JSONDecoder().raw_decode
 
 # The columns a claim answers, in order (claim.sql, fragment claim_taken's RETURNING; the
 # limited claim's rows start with them too): the rows are read by position.
@@ -385,14 +382,19 @@ class Claimer:
         settings = self.settings
         watch, lease, timeouts = self.state.watch, settings.lease, settings.timeouts
         effects, async_names = settings.effects, settings.async_names
-        decode, new_job, width = _decode_payload, _new_job, len(CLAIMED)
+        decode, new_job, width = decode_payload, _new_job, len(CLAIMED)
         batch: list[Held] = []
         append = batch.append
         for row in rows:
             (job_id, effect, key, payload, attempts, claim_version, ordering_key,
              max_attempts, first_attempted_at, _, trace_context, performed_result,
              group_key, priority, scheduled_for, _) = row if len(row) == width else row[:width]
-            job = new_job((job_id, effect, key, decode(payload)[0], attempts, claim_version,
+            # Inline, not read_payload: a try costs nothing until it catches, a call does.
+            try:
+                body = decode(payload)[0]
+            except (ValueError, RecursionError) as exc:  # failed by prepare, not performed
+                body = undecodable(exc)
+            job = new_job((job_id, effect, key, body, attempts, claim_version,
                            ordering_key, max_attempts, first_attempted_at, None, group_key,
                            priority, scheduled_for, parents.get(job_id) or {},
                            CancelSignal(watch, lease, timeouts.get(effect))))

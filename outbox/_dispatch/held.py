@@ -6,12 +6,44 @@ limits (``limits``) read the outcomes too. Plain data, below every part.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from ..effect import Effect, Job
 
-__all__ = ["Held", "Outcome", "Release", "Success"]
+__all__ = ["Held", "Outcome", "Release", "Success", "Undecodable", "decode_payload",
+           "read_payload", "undecodable"]
+
+# A payload arrives as jsonb's own text: one value, no whitespace around it, so the
+# decoder's scanner alone reads it (``json.loads`` adds checks and two regex scans a job).
+decode_payload = json.JSONDecoder().raw_decode
+
+
+class Undecodable(dict[str, Any]):
+    """The payload of a job whose stored JSON Python's reader refuses: jsonb takes an
+    integer of any length (through the SQL ``enqueue`` or a trigger), Python's ``int``
+    none past 4,300 digits. An empty mapping that carries the reason, so that the job is
+    failed with it (``workers.prepare``), never performed, and nothing else stops."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
+
+
+def undecodable(error: Exception) -> Undecodable:
+    """The payload that stands for one ``decode_payload`` refused with ``error``."""
+    return Undecodable(f"{type(error).__name__}: {error}")
+
+
+def read_payload(text: str) -> Any:
+    """A payload from jsonb's text; an ``Undecodable`` if Python cannot read it."""
+    try:
+        return decode_payload(text)[0]
+    except (ValueError, RecursionError) as exc:
+        return undecodable(exc)
 
 
 @dataclass(eq=False, slots=True)

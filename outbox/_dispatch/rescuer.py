@@ -18,7 +18,6 @@ is written in a transaction of its own with the hook (``RescueHooks``, written b
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import Generator, Mapping
@@ -35,6 +34,7 @@ from ..effect import Job
 from ..errors import UnknownOutcome
 from .connection import AsyncConnection, Connection, connect
 from .flowsql import flow_queries
+from .held import read_payload
 from .hook_lookup import is_async_hook
 from .hooked import RELEASE, ROLLBACK, SAVEPOINT, HookStep, call_hook, with_hooks
 from .reconciler import reconcilers
@@ -54,7 +54,6 @@ log = logging.getLogger("outbox.dispatcher")
 
 RESCUE_BATCH = 1000
 T = TypeVar("T")
-_decode_payload = json.JSONDecoder().raw_decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +177,7 @@ class Rescuer:
         hooks' transactions."""
         rows = yield Statement(queries.rescued_payloads,
                                {"ids": [r.job.id for r in hooked]}, named=True)
-        payloads = {row.id: _decode_payload(row.payload)[0] for row in rows}
+        payloads = {row.id: read_payload(row.payload) for row in rows}
         items = tuple(_with_payload(r, payloads.get(r.job.id, {})) for r in hooked)
         written: set[int] = yield RescueHooks(items, self.settings.schema, self.settings,
                                               self.rng)

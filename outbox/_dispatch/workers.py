@@ -39,6 +39,7 @@ from .._enqueue import jsonb_problem
 from ..effect import Job
 from ..errors import Permanent
 from .crew import Started, start_thread, turn_share
+from .held import Undecodable
 from .settings import Settings
 from .state import Held, Outcome, SharedState, Success, supervised
 
@@ -376,7 +377,12 @@ class _Start:
 
 
 def prepare(held: Held) -> Job:
-    """The job as ``perform`` sees it: with ``model`` when the effect declares one."""
+    """The job as ``perform`` sees it: with ``model`` when the effect declares one.
+    A payload Python could not read (``Undecodable``) fails the job, never performed."""
+    payload = held.job.payload
+    if type(payload) is Undecodable:
+        raise Permanent(f"payload of job {held.job.id} cannot be read in Python "
+                        f"({payload.reason})")
     model_type = getattr(held.effect, "payload_model", None)
     if model_type is None:
         return held.job

@@ -147,6 +147,32 @@ def test_a_key_only_the_ledger_remembers_returns_null(dsn: str, schema: str) -> 
     assert recorder.calls == {"done-once": 1}
 
 
+def test_a_payload_python_cannot_read_fails_its_job_and_nothing_else(
+        dsn: str, schema: str) -> None:
+    # jsonb takes an integer of any length; Python's int none past 4,300 digits. Written
+    # by SQL (or a trigger), such a job must go to failed with the reason, once, while
+    # the jobs claimed with it are performed: not stop the dispatcher, not loop.
+    with psycopg.connect(dsn) as conn:
+        sql_enqueue(conn, schema, "test.record", "too-long", '{"n": 1e5000}')
+        for i in range(3):
+            sql_enqueue(conn, schema, "test.record", f"fine-{i}", {"n": i})
+        conn.commit()
+    recorder = Recorder()
+    stats = outbox.Dispatcher(dsn, [recorder], schema=schema).run_until_idle(timeout=30)
+    assert (stats.done, stats.failed) == (3, 1)
+    assert recorder.calls == {f"fine-{i}": 1 for i in range(3)}
+    with psycopg.connect(dsn) as conn:  # its payload as text: Python cannot read it
+        row = conn.execute(sql.SQL(
+            "SELECT id, status, attempts, last_error FROM {}.jobs WHERE key = 'too-long'")
+            .format(sql.Identifier(schema))).fetchone()
+    assert row is not None
+    job_id, status, attempts, last_error = row
+    assert (status, attempts) == ("failed", 1)
+    assert last_error.startswith(
+        f"Permanent: payload of job {job_id} cannot be read in Python (ValueError: ")
+    assert "4300 digits" in last_error
+
+
 @pytest.mark.parametrize(("args", "named", "kind", "words"), [
     (("email.send", "k", json.dumps([1, 2])), {}, InvalidPayload,
      "payload must be a JSON object, got a JSON array"),
