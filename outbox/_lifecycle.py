@@ -47,14 +47,26 @@ MAX_ERROR_LENGTH = 2000
 MAX_RETRY_DELAY = 365 * 86400.0
 
 
+# The longest duration an option takes: a century. Past it no setting makes sense, and
+# now() plus it must stay inside PostgreSQL's and Python's calendars (a lease of 1e300 s
+# made every claim fail with a datetime overflow, the job never claimed).
+MAX_DURATION = 100 * 365.25 * 86400.0
+
+
 def seconds(value: float | timedelta, *, what: str, minimum: float = 0.0) -> float:
-    """A duration given as seconds or a timedelta, as float seconds, checked."""
+    """A duration given as seconds or a timedelta, as float seconds, checked: at least
+    ``minimum``, at most ``MAX_DURATION`` (a century; infinity is refused too)."""
     if isinstance(value, timedelta):
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{what} must be seconds (a number) or a timedelta, got {value!r}")
     if not value >= minimum:  # also rejects NaN
         raise ValueError(f"{what} must be at least {minimum} seconds, got {value}")
+    if not value <= MAX_DURATION:
+        shown = (f"an integer of {value.bit_length()} bits" if isinstance(value, int)
+                 else value)  # an int past 4,300 digits cannot even be printed
+        raise ValueError(f"{what} must be at most a century ({MAX_DURATION:.0f} seconds), "
+                         f"got {shown}")
     return float(value)
 
 
@@ -72,6 +84,16 @@ class Backoff:
 
     base: float = 1.0
     cap: float = 3600.0
+
+    def __post_init__(self) -> None:
+        # Checked here, not at the first retry: a NaN or a cap past a year made the
+        # next attempt's time a value PostgreSQL refuses, and the settlement failed.
+        for name in ("base", "cap"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, int | float)
+                    or not 0 <= value <= MAX_RETRY_DELAY):
+                raise ValueError(f"Backoff {name} must be seconds from 0 to a year "
+                                 f"({MAX_RETRY_DELAY:.0f}), got {value!r}")
 
     def delay(self, attempt: int, rng: random.Random) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""

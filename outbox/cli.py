@@ -62,6 +62,26 @@ schema_option = click.option(
 )
 
 
+class JobIdType(click.ParamType):  # type: ignore[type-arg]  # generic from click 8.2 only
+    """A job id as ``outbox status`` and the dashboard print it: the digits 0 to 9 only.
+    click's ``int`` takes what Python's ``int()`` does ("1_0" is 10, "٣" is 3, " 12 " is
+    12), so a typo could name, and change, another job than the one meant."""
+
+    name = "integer"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.isascii() and value.isdigit():
+            return int(value)
+        self.fail(f"{value!r} is not a valid integer (a job id: the digits 0 to 9 only)",
+                  param, ctx)
+
+
+JOB_ID = JobIdType()
+
+
 # The optional extra that brings each integration's top-level module.
 _EXTRA_OF_MODULE = {
     "starlette": "web", "jinja2": "web", "uvicorn": "web", "multipart": "web",
@@ -757,7 +777,7 @@ def _transition_one(dsn: str, schema: str, job_id: int, step: Step[_queue.Transi
 @main.command("retry")
 @dsn_option
 @schema_option
-@click.argument("job_id", type=int, required=False)
+@click.argument("job_id", type=JOB_ID, required=False)
 @click.option("--effect", default=None, help="Bulk: failed jobs of this effect ...")
 @click.option("--error", "error_text", default=None,
               help="... whose last error contains this text (case-insensitive).")
@@ -783,7 +803,7 @@ def retry_command(dsn: str, schema: str, job_id: int | None, effect: str | None,
 @main.command("cancel")
 @dsn_option
 @schema_option
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=JOB_ID)
 @actor_option
 @_one_line_errors
 def cancel_command(dsn: str, schema: str, job_id: int, actor: str | None) -> None:
@@ -806,7 +826,7 @@ def cancel_command(dsn: str, schema: str, job_id: int, actor: str | None) -> Non
 @main.command("resolve")
 @dsn_option
 @schema_option
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=JOB_ID)
 @click.option("--performed/--not-performed", "performed", default=None,
               help="What you found at the provider: the effect happened (the job becomes "
                    "done, with a ledger row naming you, so its key is never performed "

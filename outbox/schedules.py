@@ -32,7 +32,6 @@ recent ones; the older are skipped and logged), ``"skip"`` none: only a slot at 
 from __future__ import annotations
 
 import json
-import math
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field
@@ -44,6 +43,7 @@ from cronsim import CronSim, CronSimError
 from pydantic import BaseModel
 
 from ._enqueue import canonical_json, validate_group, validate_key, validate_priority
+from ._lifecycle import MAX_DURATION
 from .errors import ConfigurationError, EnqueueError
 
 __all__ = [
@@ -293,8 +293,13 @@ def _period(what: str, cron: object, every: object) -> int | None:
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise ConfigurationError(f"{what}: every must be seconds (a number) or a timedelta, "
                                  f"got {type(every).__name__}")
-    if not math.isfinite(seconds) or seconds <= 0:
+    if not seconds > 0:  # also NaN; compared before any float() of a huge int
         raise ConfigurationError(f"{what}: every must be more than 0 seconds, got {every!r}")
+    if not seconds <= MAX_DURATION:  # its slots must stay inside the calendar
+        shown = (f"an integer of {every.bit_length()} bits" if isinstance(every, int)
+                 else repr(every))  # repr() of an int past 4,300 digits raises
+        raise ConfigurationError(f"{what}: every must be at most a century "
+                                 f"({MAX_DURATION:.0f} seconds), got {shown}")
     micros = round(seconds * 1e6)
     if micros < 1000:
         raise ConfigurationError(f"{what}: every must be at least a millisecond, got {every!r}")

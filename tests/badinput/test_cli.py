@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 
 import psycopg
+import pytest
 from click.testing import CliRunner, Result
 from psycopg import sql
 
@@ -42,6 +43,25 @@ def test_retry_with_a_job_id_that_is_not_a_number(dsn: str, schema: str) -> None
     errors = [line for line in _lines(result) if line.startswith("Error:")]
     assert len(errors) == 1, result.output
     assert "JOB_ID" in errors[0] and "'abc' is not a valid integer" in errors[0]
+
+
+@pytest.mark.parametrize("written", ["1_0", "\u0663", " 12 ", "+5", "0x1f"])
+def test_a_job_id_python_would_read_as_another_number_is_refused(
+        dsn: str, schema: str, written: str) -> None:
+    # int() reads "1_0" as 10 and the Arabic-Indic digit three as 3: a typo named, and
+    # cancelled, a real job. Only the digits 0 to 9 are a job id.
+    for number in range(1, 13):
+        enqueue(dsn, schema, f"job-{number}", {"n": number})
+    for args in (["retry", written], ["cancel", written], ["resolve", written, "--performed"]):
+        result = _run(*args, "--dsn", dsn, "--schema", schema)
+        assert result.exit_code == 2, result.output
+        assert "Traceback" not in result.output
+        errors = [line for line in _lines(result) if line.startswith("Error:")]
+        assert len(errors) == 1, result.output
+        assert "JOB_ID" in errors[0] and "the digits 0 to 9 only" in errors[0]
+    assert {(job(dsn, f"job-{number}", schema) or {}).get("status")
+            for number in range(1, 13)} == {"pending"}
+    assert audit(dsn, schema) == []
 
 
 def test_retry_of_a_job_that_does_not_exist(dsn: str, schema: str) -> None:

@@ -117,6 +117,13 @@ BAD_ARGUMENTS: list[Any] = [
     pytest.param({"lease": timedelta(milliseconds=500)}, r"lease must be at least 1\.0",
                  id="lease-timedelta"),
     pytest.param({"lease": "30"}, r"lease must be seconds", id="lease-str"),
+    # now() plus such a lease leaves the calendar: every claim failed, nothing claimed
+    pytest.param({"lease": 1e300}, r"lease must be at most a century \(3155760000 seconds\), "
+                 r"got 1e\+300", id="lease-1e300"),
+    pytest.param({"lease": timedelta.max}, r"lease must be at most a century",
+                 id="lease-timedelta-max"),
+    pytest.param({"retention": math.inf}, r"retention must be at most a century",
+                 id="retention-inf"),
     pytest.param({"lease": None}, r"lease must be seconds", id="lease-none"),
     pytest.param({"concurrency": 0}, r"concurrency must be a positive integer, got 0",
                  id="concurrency-0"),

@@ -140,3 +140,16 @@ def test_seconds_rejects_too_small(value: float) -> None:
 def test_retry_rejects_negative_after() -> None:
     with pytest.raises(ValueError, match="must not be negative"):
         Retry(after=-1)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"base": 1e300}, "Backoff base must be seconds from 0 to a year (31536000), got 1e+300"),
+    ({"cap": float("nan")}, "Backoff cap must be seconds from 0 to a year (31536000), got nan"),
+    ({"base": -1}, "got -1"),
+    ({"cap": "5"}, "got '5'"),
+])
+def test_a_backoff_past_a_year_or_not_a_number_is_refused_when_made(
+        options: dict[str, Any], message: str) -> None:
+    # else the first retry's time left PostgreSQL's calendar and its settlement failed
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Backoff(**options)
