@@ -125,7 +125,26 @@ class PreparedJob:
 
 
 MAX_GROUP_LENGTH = 255
+MAX_EFFECT_LENGTH = 255
 MAX_PRIORITY = 1000  # claim_rank (migration 0010): 10 s of ageing per level
+MAX_ATTEMPTS = 2**31 - 1  # the column is an integer
+
+
+def effect_name_problem(name: str) -> str | None:
+    """What makes the non-empty string ``name`` unfit as an effect's name, or None: at
+    most 255 characters, each printable (no NUL, control character or lone surrogate,
+    which PostgreSQL's text cannot hold or a log line would garble), no whitespace at
+    either end (a job named so would wait for an effect nobody registers)."""
+    if len(name) > MAX_EFFECT_LENGTH:
+        return (f"effect name is {len(name)} characters long; at most {MAX_EFFECT_LENGTH} "
+                "are allowed")
+    if not name.isprintable():
+        position, char = next((i, c) for i, c in enumerate(name) if not c.isprintable())
+        return (f"effect name {name[:40]!r} has a character that is not printable "
+                f"({char!r}) at position {position}")
+    if name.strip() != name:
+        return f"effect name {name[:40]!r} has whitespace at its start or end"
+    return None
 
 
 def validate_group(group: object) -> str | None:
@@ -142,6 +161,9 @@ def validate_group(group: object) -> str | None:
     if len(group) > MAX_GROUP_LENGTH:
         raise InvalidArgument(
             f"group is {len(group)} characters long; at most {MAX_GROUP_LENGTH} are allowed")
+    if "\x00" in group:  # jsonb_problem looks for the escaped form JSON text has
+        raise InvalidArgument(f"group {group[:40]!r} holds a NUL character, which "
+                              "PostgreSQL's text cannot store")
     problem = jsonb_problem(group)
     if problem:
         raise InvalidArgument(f"group {group[:40]!r} holds {problem}".replace("jsonb", "text"))
@@ -298,12 +320,23 @@ def _resolve_run_at(run_at: datetime | timedelta | None) -> datetime | None:
     if run_at is None:
         return None
     if isinstance(run_at, timedelta):
-        return datetime.now(UTC) + run_at
+        try:
+            return datetime.now(UTC) + run_at
+        except OverflowError:
+            raise InvalidArgument(
+                f"run_at is a delay of {run_at.days} days, past the calendar's end "
+                "(year 9999)") from None
     if isinstance(run_at, datetime):
         if run_at.tzinfo is None or run_at.utcoffset() is None:
             raise InvalidArgument(
                 "run_at must be timezone-aware (a naive datetime is ambiguous): "
                 "e.g. datetime.now(UTC) + timedelta(hours=1), or just timedelta(hours=1)")
+        try:  # in UTC it must still be a date Python can read back (the dashboard does)
+            run_at.astimezone(UTC)
+        except OverflowError:
+            raise InvalidArgument(
+                f"run_at {run_at.isoformat()} is outside the calendar (the years 1 to 9999) "
+                "in UTC") from None
         return run_at
     raise InvalidArgument(
         f"run_at must be a datetime or timedelta, got {type(run_at).__name__} "
@@ -337,6 +370,8 @@ def prepare(
     """Validate one enqueue request; raise an EnqueueError naming what is wrong."""
     if not isinstance(effect, str) or not effect.strip():
         raise InvalidArgument(_effect_problem(effect))
+    if len(effect) > MAX_EFFECT_LENGTH or not effect.isprintable() or effect.strip() != effect:
+        raise InvalidArgument(effect_name_problem(effect) or "effect name is unfit")
     registry.check(effect, payload)
     validate_key(key)
     if ordering_key is not None:
@@ -346,6 +381,10 @@ def prepare(
     elif isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
         raise InvalidArgument(
             f"max_attempts must be a positive integer, got {max_attempts!r}"[:200])
+    elif max_attempts > MAX_ATTEMPTS:  # else the database refuses it, aborting the transaction
+        shown = (str(max_attempts) if max_attempts.bit_length() < 128
+                 else f"an integer of {max_attempts.bit_length()} bits")
+        raise InvalidArgument(f"max_attempts must be at most {MAX_ATTEMPTS}, got {shown}")
     if group is not None:
         validate_group(group)
     if type(priority) is not int or priority != 0:  # 0.0 and False are refused there
@@ -469,6 +508,10 @@ def prepare_part(jobs: Iterable[NewJob], first: int = 0) -> list[PreparedJob]:
     whole batch's check.)"""
     prepared = []
     for index, job in enumerate(jobs, first):
+        if not isinstance(job, NewJob):
+            raise InvalidArgument(
+                f"job #{index} must be an outbox.NewJob(effect, key, payload, ...), got "
+                f"{type(job).__name__}")
         try:
             prepared.append(
                 prepare(job.effect, job.key, job.payload, job.run_at, job.ordering_key,

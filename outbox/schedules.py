@@ -42,7 +42,13 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from cronsim import CronSim, CronSimError
 from pydantic import BaseModel
 
-from ._enqueue import canonical_json, validate_group, validate_key, validate_priority
+from ._enqueue import (
+    canonical_json,
+    effect_name_problem,
+    validate_group,
+    validate_key,
+    validate_priority,
+)
 from ._lifecycle import MAX_DURATION
 from .errors import ConfigurationError, EnqueueError
 
@@ -155,6 +161,9 @@ class Schedule:
         if not isinstance(self.effect, str) or not self.effect.strip():
             raise ConfigurationError(f"{what}: effect must be an effect's name (a string "
                                      f"such as 'email.send'), got {self.effect!r}"[:200])
+        problem = effect_name_problem(self.effect)  # its jobs' effect, as enqueue checks it
+        if problem:
+            raise ConfigurationError(f"{what}: {problem}")
         set_ = object.__setattr__
         set_(self, "period", _period(what, self.cron, self.every))
         if self.cron is not None:

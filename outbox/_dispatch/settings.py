@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from .. import _lifecycle
+from .._enqueue import effect_name_problem
 from .._lifecycle import Backoff
 from .._sql import Queries, check_schema_name, queries
 from ..effect import Effect, is_async_effect
@@ -319,6 +320,9 @@ def _index_effects(effects: Sequence[Effect]) -> dict[str, Effect]:
         name = getattr(effect, "name", None)
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"{type(effect).__name__} has no effect name")
+        problem = effect_name_problem(name)  # the rule enqueue applies to the same name
+        if problem:
+            raise ConfigurationError(f"{type(effect).__name__}: {problem}")
         if not callable(getattr(effect, "perform", None)):
             raise ConfigurationError(f"effect {name!r} has no perform() method")
         if name in indexed:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
@@ -100,6 +100,28 @@ CASES: list[Any] = [
                  id="empty-effect"),
     pytest.param({"effect": None}, EnqueueError, r"effect must be a non-empty string",
                  id="none-effect"),
+    # Each of these reached the database before, which refused it with its own words and
+    # aborted the business transaction (or stored a job nobody could read or perform).
+    pytest.param({"max_attempts": 2**31}, EnqueueError,
+                 r"max_attempts must be at most 2147483647, got 2147483648",
+                 id="max-attempts-past-integer"),
+    pytest.param({"effect": "test\x00bad"}, EnqueueError,
+                 r"effect name 'test\\x00bad' has a character that is not printable "
+                 r"\('\\x00'\) at position 4", id="nul-in-effect"),
+    pytest.param({"effect": "test.bad\ud800"}, EnqueueError, r"not printable",
+                 id="surrogate-in-effect"),
+    pytest.param({"effect": " test.bad "}, EnqueueError, r"whitespace at its start or end",
+                 id="padded-effect"),
+    pytest.param({"effect": "e" * 256}, EnqueueError,
+                 r"effect name is 256 characters long; at most 255", id="effect-256"),
+    pytest.param({"group": "tenant\x00"}, EnqueueError,
+                 r"group 'tenant\\x00' holds a NUL character", id="nul-in-group"),
+    pytest.param({"run_at": timedelta.max}, EnqueueError,
+                 r"run_at is a delay of 999999999 days, past the calendar's end",
+                 id="run-at-delay-past-the-calendar"),
+    pytest.param({"run_at": datetime.min.replace(tzinfo=timezone(timedelta(hours=14)))},
+                 EnqueueError, r"outside the calendar \(the years 1 to 9999\) in UTC",
+                 id="run-at-before-year-1-in-utc"),
 ]
 
 
@@ -204,6 +226,21 @@ def test_enqueue_many_with_one_bad_job_writes_nothing_and_names_it(
     ):
         tx.enqueue_many(batch)
     assert f"job #{index}" in str(caught.value), str(caught.value)
+    assert keys(dsn, schema) == set()
+
+
+@pytest.mark.parametrize("entry", [{"effect": "test.bad", "key": "k", "payload": {}}, None,
+                                   ("test.bad", "k", {})])
+def test_enqueue_many_with_an_entry_that_is_no_new_job_names_it(
+        dsn: str, schema: str, entry: Any) -> None:
+    batch = [NewJob("test.bad", "first", {"n": 1}), entry]
+    with (
+        psycopg.connect(dsn) as conn,
+        pytest.raises(EnqueueError, match=r"job #1 must be an outbox\.NewJob\(effect, key, "
+                      rf"payload, \.\.\.\), got {type(entry).__name__}"),
+        outbox.transaction(conn, schema=schema) as tx,
+    ):
+        tx.enqueue_many(batch)
     assert keys(dsn, schema) == set()
 
 

@@ -108,6 +108,16 @@ class _NoPerform:
     perform = None
 
 
+class _Misnamed(Effect):
+    """An effect whose name enqueue would refuse (so none of its jobs could exist)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # type: ignore[misc]  # per instance here, a class attribute usually
+
+    def perform(self, job: Job) -> None:
+        return None
+
+
 # (Dispatcher keyword arguments replacing valid ones, pattern the message must match)
 BAD_ARGUMENTS: list[Any] = [
     pytest.param({"lease": 0.5}, r"lease must be at least 1\.0 seconds, got 0\.5", id="lease-0.5"),
@@ -152,6 +162,12 @@ BAD_ARGUMENTS: list[Any] = [
     pytest.param({"effects": [_Nameless()]}, r"_Nameless has no effect name", id="effect-nameless"),
     pytest.param({"effects": [_NoPerform()]}, r"'test.no-perform' has no perform\(\)",
                  id="effect-no-perform"),
+    pytest.param({"effects": [_Misnamed("email\x00send")]},
+                 r"_Misnamed: effect name 'email\\x00send' has a character that is not "
+                 r"printable", id="effect-name-nul"),
+    pytest.param({"effects": [_Misnamed("email.send ")]},
+                 r"_Misnamed: effect name 'email.send ' has whitespace at its start or end",
+                 id="effect-name-padded"),
     pytest.param({"effects": [_noop(), _noop()]}, r"two effects are named 'test.bad'",
                  id="effect-twice"),
     pytest.param({"effects": _noop()}, r"(?i)effects must be .*(list|sequence)",

@@ -48,6 +48,10 @@ def local(year: int, month: int, day: int, hour: int = 0, minute: int = 0, *,
     ({"every": 60, "group": ""}, "group"),
     ({"every": 60, "payload": {"x": float("nan")}}, "NaN"),
     ({"every": 60, "effect": ""}, "effect must be"),
+    # refused by the database at every pass of the scheduler before, naming nothing
+    ({"every": 60, "effect": "a\x00b"},
+     "effect name 'a\\x00b' has a character that is not printable"),
+    ({"every": 60, "group": "g\x00"}, "group 'g\\x00' holds a NUL character"),
 ])
 def test_bad_input_is_refused_at_construction_naming_the_schedule(
         options: dict[str, object], expected: str) -> None:
