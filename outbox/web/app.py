@@ -26,6 +26,7 @@ import jinja2
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.rows import AsyncRowFactory, class_row, dict_row, namedtuple_row
+from psycopg.types.datetime import TimestamptzLoader
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -125,7 +126,8 @@ class Database:
     lock: asyncio.Lock | None = None
 
     async def get_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
-        """The pool, opened on first use."""
+        """The pool, opened on first use; its connections read any timestamp a job can
+        hold (``_EdgeTimestamptzLoader``)."""
         if self.pool is None:
             self.lock = self.lock or asyncio.Lock()
             async with self.lock:
@@ -134,6 +136,7 @@ class Database:
                         AsyncConnectionPool(self.conninfo, min_size=self.min_size,
                                             max_size=self.max_size, timeout=self.timeout,
                                             max_idle=self.max_idle, kwargs=self.kwargs,
+                                            configure=_read_every_timestamp,
                                             open=False, name="outbox-web"))
                     await pool.open()
                     self.pool = pool
@@ -144,6 +147,26 @@ class Database:
         if self.pool is not None:
             pool, self.pool = self.pool, None
             await pool.close()
+
+
+class _EdgeTimestamptzLoader(TimestamptzLoader):
+    """timestamptz as psycopg reads it, except the values Python's ``datetime`` cannot
+    hold and PostgreSQL stores: ``infinity``, the years past 9999 and before 1 (a job
+    written by SQL, ``run_at => 'infinity'``, or by hand). Read as the datetime at that end
+    of Python's calendar, so that one such row does not make every page listing it
+    answer 500; the page shows the calendar's end, the row is left as it is."""
+
+    def load(self, data: Any) -> datetime:
+        try:
+            return super().load(data)
+        except psycopg.DataError:
+            text = bytes(data)
+            before = text.startswith(b"-") or text.endswith(b" BC")
+            return (datetime.min if before else datetime.max).replace(tzinfo=UTC)
+
+
+async def _read_every_timestamp(conn: psycopg.AsyncConnection[Any]) -> None:
+    conn.adapters.register_loader("timestamptz", _EdgeTimestamptzLoader)
 
 
 @dataclass

@@ -129,6 +129,20 @@ async def test_redact_decides_what_of_the_payload_is_shown(
     assert "****" in page and "1200" in page
 
 
+@pytest.mark.parametrize("due", ["infinity", "200000-01-01 00:00:00+00", "-infinity",
+                                 "0100-01-01 00:00:00+00 BC"])
+async def test_a_job_due_past_the_calendar_python_knows_is_listed_and_shown(
+        client: httpx.AsyncClient, dsn: str, schema: str, due: str) -> None:
+    # PostgreSQL stores what Python's datetime cannot hold (SQL callers may write it:
+    # run_at => 'infinity'); one such row made every page listing it answer 500.
+    [odd, plain] = seed(dsn, schema, {"key": "odd", "available_at": due}, {"key": "plain"})
+    listed = await client.get("/jobs")
+    assert listed.status_code == 200 and f"/jobs/{odd}" in listed.text
+    assert f"/jobs/{plain}" in listed.text
+    shown = await client.get(f"/jobs/{odd}")
+    assert shown.status_code == 200 and "odd" in shown.text
+
+
 async def test_an_unknown_job_is_a_404(client: httpx.AsyncClient) -> None:
     response = await client.get("/jobs/424242")
     assert response.status_code == 404 and "No job 424242" in response.text
