@@ -80,6 +80,7 @@ class Backoff:
     :param base: Seconds: the first retry waits up to this long, each next one up to
         twice as long.
     :param cap: Seconds: no retry waits longer.
+    :raises ValueError: ``base`` or ``cap`` not a number of seconds from 0 to a year.
     """
 
     base: float = 1.0

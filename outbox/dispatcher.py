@@ -151,9 +151,10 @@ class _Options:
     ) -> None:
         """Check every option now: a wrong one raises ``outbox.ConfigurationError`` here.
 
-        A duration is seconds (a float) or a ``timedelta``. The parameters are declared,
-        with their text, in ``outbox._dispatch.options.OPTIONS``, in this signature's
-        order: their ``:param`` lines (the reference's parameter table) are built from it.
+        A duration is seconds (a float) or a ``timedelta``, at most a century. The
+        parameters are declared, with their text, in ``outbox._dispatch.options.OPTIONS``,
+        in this signature's order: their ``:param`` lines (the reference's parameter
+        table) are built from it.
 
         :raises outbox.ConfigurationError: An option that can never work, named.
         """

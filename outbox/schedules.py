@@ -123,8 +123,8 @@ class Schedule:
     :param name: The schedule's name, unique in the schema; part of each slot's key.
     :param effect: The effect each slot's job runs, e.g. ``"billing.nightly"``.
     :param cron: A five-field cron expression on ``timezone``'s wall clock (or ``every``).
-    :param every: Instead of ``cron``: seconds or a ``timedelta`` between slots,
-        counted from the Unix epoch.
+    :param every: Instead of ``cron``: seconds or a ``timedelta`` between slots (from a
+        millisecond to a century), counted from the Unix epoch.
     :param payload: The jobs' payload (a JSON-serialisable mapping or a pydantic model).
     :param timezone: The IANA time zone ``cron`` is read in (default UTC).
     :param catch_up: Slots missed while no dispatcher ran: ``"latest"``, ``"all"``
