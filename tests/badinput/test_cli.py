@@ -34,15 +34,27 @@ def _assert_one_line_error(result: Result, *fragments: str) -> None:
         assert fragment in lines[0], lines[0]
 
 
-def test_retry_with_a_job_id_that_is_not_a_number(dsn: str, schema: str) -> None:
-    result = _run("retry", "abc", "--dsn", dsn, "--schema", schema)
+def _assert_usage_error(result: Result, *fragments: str) -> None:
+    """click's usage error: status 2, the usage reminder, then exactly one error line,
+    which holds every one of ``fragments``."""
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert isinstance(result.exception, SystemExit)
-    # click's usage error: the usage reminder, then exactly one error line naming the value.
     errors = [line for line in _lines(result) if line.startswith("Error:")]
     assert len(errors) == 1, result.output
-    assert "JOB_ID" in errors[0] and "'abc' is not a valid integer" in errors[0]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+def _unchanged(dsn: str, schema: str, key: str, status: str) -> None:
+    found = job(dsn, key, schema)
+    assert found is not None and found["status"] == status
+    assert audit(dsn, schema) == []  # a refusal leaves no trace
+
+
+def test_retry_with_a_job_id_that_is_not_a_number(dsn: str, schema: str) -> None:
+    result = _run("retry", "abc", "--dsn", dsn, "--schema", schema)
+    _assert_usage_error(result, "JOB_ID", "'abc' is not a valid integer")
 
 
 @pytest.mark.parametrize("written", ["1_0", "\u0663", " 12 ", "+5", "0x1f"])
@@ -54,14 +66,9 @@ def test_a_job_id_python_would_read_as_another_number_is_refused(
         enqueue(dsn, schema, f"job-{number}", {"n": number})
     for args in (["retry", written], ["cancel", written], ["resolve", written, "--performed"]):
         result = _run(*args, "--dsn", dsn, "--schema", schema)
-        assert result.exit_code == 2, result.output
-        assert "Traceback" not in result.output
-        errors = [line for line in _lines(result) if line.startswith("Error:")]
-        assert len(errors) == 1, result.output
-        assert "JOB_ID" in errors[0] and "the digits 0 to 9 only" in errors[0]
-    assert {(job(dsn, f"job-{number}", schema) or {}).get("status")
-            for number in range(1, 13)} == {"pending"}
-    assert audit(dsn, schema) == []
+        _assert_usage_error(result, "JOB_ID", "the digits 0 to 9 only")
+    for number in range(1, 13):
+        _unchanged(dsn, schema, f"job-{number}", "pending")
 
 
 def test_retry_of_a_job_that_does_not_exist(dsn: str, schema: str) -> None:
@@ -93,20 +100,10 @@ def _in_status(dsn: str, schema: str, key: str, status: str) -> int:
     return job_id
 
 
-def _unchanged(dsn: str, schema: str, key: str, status: str) -> None:
-    found = job(dsn, key, schema)
-    assert found is not None and found["status"] == status
-    assert audit(dsn, schema) == []  # a refusal leaves no trace
-
-
 def test_cancel_and_resolve_with_a_job_id_that_is_not_a_number(dsn: str, schema: str) -> None:
     for args in (["cancel", "7x"], ["resolve", "7x", "--performed"]):
         result = _run(*args, "--dsn", dsn, "--schema", schema)
-        assert result.exit_code == 2, result.output
-        assert "Traceback" not in result.output
-        errors = [line for line in _lines(result) if line.startswith("Error:")]
-        assert len(errors) == 1, result.output
-        assert "JOB_ID" in errors[0] and "'7x' is not a valid integer" in errors[0]
+        _assert_usage_error(result, "JOB_ID", "'7x' is not a valid integer")
 
 
 def test_cancel_and_resolve_of_a_job_that_does_not_exist(dsn: str, schema: str) -> None:
