@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from . import _after, registry, tracing
+from ._lifecycle import shown_number
 from ._steps import Statement, Step
 from .errors import (
     IdempotencyKeyConflict,
@@ -370,8 +371,9 @@ def prepare(
     """Validate one enqueue request; raise an EnqueueError naming what is wrong."""
     if not isinstance(effect, str) or not effect.strip():
         raise InvalidArgument(_effect_problem(effect))
-    if len(effect) > MAX_EFFECT_LENGTH or not effect.isprintable() or effect.strip() != effect:
-        raise InvalidArgument(effect_name_problem(effect) or "effect name is unfit")
+    problem = effect_name_problem(effect)
+    if problem:
+        raise InvalidArgument(problem)
     registry.check(effect, payload)
     validate_key(key)
     if ordering_key is not None:
@@ -382,9 +384,8 @@ def prepare(
         raise InvalidArgument(
             f"max_attempts must be a positive integer, got {max_attempts!r}"[:200])
     elif max_attempts > MAX_ATTEMPTS:  # else the database refuses it, aborting the transaction
-        shown = (str(max_attempts) if max_attempts.bit_length() < 128
-                 else f"an integer of {max_attempts.bit_length()} bits")
-        raise InvalidArgument(f"max_attempts must be at most {MAX_ATTEMPTS}, got {shown}")
+        raise InvalidArgument(f"max_attempts must be at most {MAX_ATTEMPTS}, "
+                              f"got {shown_number(max_attempts)}")
     if group is not None:
         validate_group(group)
     if type(priority) is not int or priority != 0:  # 0.0 and False are refused there

@@ -53,6 +53,14 @@ MAX_RETRY_DELAY = 365 * 86400.0
 MAX_DURATION = 100 * 365.25 * 86400.0
 
 
+def shown_number(value: object) -> str:
+    """``value`` as a refusal quotes it: its repr, or for an integer too long to read
+    (past 128 bits; Python will not even print one past 4,300 digits) its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() >= 128:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)
+
+
 def seconds(value: float | timedelta, *, what: str, minimum: float = 0.0) -> float:
     """A duration given as seconds or a timedelta, as float seconds, checked: at least
     ``minimum``, at most ``MAX_DURATION`` (a century; infinity is refused too)."""
@@ -63,10 +71,8 @@ def seconds(value: float | timedelta, *, what: str, minimum: float = 0.0) -> flo
     if not value >= minimum:  # also rejects NaN
         raise ValueError(f"{what} must be at least {minimum} seconds, got {value}")
     if not value <= MAX_DURATION:
-        shown = (f"an integer of {value.bit_length()} bits" if isinstance(value, int)
-                 else value)  # an int past 4,300 digits cannot even be printed
         raise ValueError(f"{what} must be at most a century ({MAX_DURATION:.0f} seconds), "
-                         f"got {shown}")
+                         f"got {shown_number(value)}")
     return float(value)
 
 

@@ -49,7 +49,7 @@ from ._enqueue import (
     validate_key,
     validate_priority,
 )
-from ._lifecycle import MAX_DURATION
+from ._lifecycle import MAX_DURATION, shown_number
 from .errors import ConfigurationError, EnqueueError
 
 __all__ = [
@@ -305,10 +305,8 @@ def _period(what: str, cron: object, every: object) -> int | None:
     if not seconds > 0:  # also NaN; compared before any float() of a huge int
         raise ConfigurationError(f"{what}: every must be more than 0 seconds, got {every!r}")
     if not seconds <= MAX_DURATION:  # its slots must stay inside the calendar
-        shown = (f"an integer of {every.bit_length()} bits" if isinstance(every, int)
-                 else repr(every))  # repr() of an int past 4,300 digits raises
         raise ConfigurationError(f"{what}: every must be at most a century "
-                                 f"({MAX_DURATION:.0f} seconds), got {shown}")
+                                 f"({MAX_DURATION:.0f} seconds), got {shown_number(every)}")
     micros = round(seconds * 1e6)
     if micros < 1000:
         raise ConfigurationError(f"{what}: every must be at least a millisecond, got {every!r}")
