@@ -222,16 +222,18 @@ def test_a_claim_in_flight_when_cancelled_completes_and_is_handed_back(
     enqueue(dsn, schema, *[NewJob("test.async_record", f"k{i}", {}) for i in range(3)])
     effect = AsyncRecord()
     dispatcher = AsyncDispatcher(dsn, [effect], schema=schema)
+    # This test's claimer only: another test's may wait on a lock of its own meanwhile.
     waiting = ("SELECT 1 FROM pg_stat_activity WHERE application_name LIKE "
-               "'outbox claimer %%' AND wait_event_type = 'Lock'")
+               "'outbox claimer %%' AND wait_event_type = 'Lock' AND position(%s in query) > 0")
 
     async def scenario() -> None:
         with psycopg.connect(dsn) as locker:
             # The claimer's next statement waits for this lock: a round in flight.
             locker.execute(f'LOCK TABLE "{schema}".jobs IN EXCLUSIVE MODE')
             task = asyncio.create_task(dispatcher.run())
-            await asyncio.to_thread(wait_until, lambda: bool(fetch(dsn, waiting)),
-                                    what="the claimer blocked mid-round")
+            await asyncio.to_thread(
+                wait_until, lambda: bool(fetch(dsn, waiting, (f'"{schema}"',))),
+                what="the claimer blocked mid-round")
             task.cancel()
             await asyncio.to_thread(locker.rollback)
         await asyncio.wait({task}, timeout=30)

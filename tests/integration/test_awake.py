@@ -75,9 +75,12 @@ def fall_asleep(dsn: str, schema: str, timeout: str, worker: str = "w1") -> bool
     return bool(rows[0][0])
 
 
-def waiting_on_lock(dsn: str, query_start: str) -> bool:
+def waiting_on_lock(dsn: str, schema: str, query_start: str) -> bool:
+    """Whether a statement of ``schema``'s starting ``query_start`` waits for a lock (of
+    this test's schema only: another test's may wait on a lock of its own meanwhile)."""
     return bool(fetch(dsn, "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                           "AND query LIKE %s", (query_start + "%",)))
+                           "AND query LIKE %s AND position(%s in query) > 0",
+                      (query_start + "%", f'"{schema}"')))
 
 
 def test_an_enqueue_notifies_unless_a_dispatcher_of_its_effect_is_awake(
@@ -129,10 +132,10 @@ def test_falling_asleep_waits_for_the_enqueues_that_saw_the_mark(
             sleeper = threading.Thread(
                 target=lambda: asleep.append(fall_asleep(dsn, schema, "60s")))
             sleeper.start()
-            wait_until(lambda: waiting_on_lock(dsn, "SELECT"), what="fall_asleep waiting")
+            wait_until(lambda: waiting_on_lock(dsn, schema, "SELECT"), what="fall_asleep waiting")
             late = threading.Thread(target=enqueue, args=(later, schema, "late"))
             late.start()
-            wait_until(lambda: waiting_on_lock(dsn, "INSERT INTO"), what="late enqueue")
+            wait_until(lambda: waiting_on_lock(dsn, schema, "INSERT INTO"), what="late enqueue")
             assert not asleep and sleeper.is_alive()
         # The business transaction committed: the fence holds, the job is visible.
         sleeper.join(30)
@@ -168,7 +171,7 @@ def test_falling_asleep_holds_no_lock_on_the_marks_while_it_waits(dsn: str, sche
             sleeper = threading.Thread(
                 target=lambda: asleep.append(fall_asleep(dsn, schema, "60s", worker="w1")))
             sleeper.start()
-            wait_until(lambda: waiting_on_lock(dsn, "SELECT"), what="fall_asleep waiting")
+            wait_until(lambda: waiting_on_lock(dsn, schema, "SELECT"), what="fall_asleep waiting")
             held = fetch(dsn, "SELECT l.mode FROM pg_locks l JOIN pg_stat_activity a "
                               "ON a.pid = l.pid WHERE l.relation = %s::regclass "
                               "AND l.granted AND a.query LIKE 'SELECT%%fall_asleep%%'",
